@@ -1,0 +1,329 @@
+//! The crate's one error type.
+//!
+//! The reference implementation aborts the process (`CHECK`, `LOG(FATAL)`) on most bad inputs.
+//! A data loader cannot recover from that, so every such condition is a variant here, and every
+//! message names what a caller needs to fix it: the stack, table, feature or column, the offending
+//! value and the limit it broke. Where the reference has a message, ours contains its key phrase
+//! (for example "is greater than the set max ids per partition"), so logs and tests written
+//! against the reference keep matching.
+
+use std::fmt;
+
+/// Result alias used across the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Which per-partition limit a batch exceeded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LimitKind {
+    /// `max_ids_per_partition`: de-duplicated (sample, id) pairs one SparseCore sends to one
+    /// partition.
+    MaxIds,
+    /// `max_unique_ids_per_partition`: distinct ids one SparseCore sends to one partition.
+    MaxUniqueIds,
+}
+
+impl fmt::Display for LimitKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LimitKind::MaxIds => "max ids per partition",
+            LimitKind::MaxUniqueIds => "max unique ids per partition",
+        })
+    }
+}
+
+/// Everything that can go wrong between a config, a batch and its buffers.
+///
+/// Variants are grouped by the stage that detects them: the config and planner (`spec`), the
+/// input views (`input`), extraction (`extract`) and grouping (`group`). No variant is ever the
+/// result of a bug in well-formed input; those would be panics, and the crate has none on user
+/// data.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A device-layout or option value is out of range (L, G, S, sharding strategy, ...).
+    #[error("invalid option `{option}` = {value}: {reason}")]
+    InvalidOption {
+        /// The option's config key.
+        option: &'static str,
+        /// The value given, rendered as text.
+        value: String,
+        /// What was expected.
+        reason: String,
+    },
+
+    /// `G * S` is not a power of two; the partition index is taken with a bit mask.
+    #[error(
+        "Total number of SparseCores (N = global_device_count {global_devices} * num_sc_per_device \
+         {sc_per_device} = {num_scs}) must be a power of 2"
+    )]
+    NotPowerOfTwo {
+        /// G.
+        global_devices: usize,
+        /// S.
+        sc_per_device: usize,
+        /// G * S.
+        num_scs: usize,
+    },
+
+    /// The config is inconsistent: an unknown table, a duplicate name, a bad combiner, ...
+    #[error("invalid config: {what} `{name}`: {reason}")]
+    InvalidConfig {
+        /// "table", "feature" or "stack".
+        what: &'static str,
+        /// Its name.
+        name: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A table or stack limit is unusable (zero, or too large for the 32-bit buffers).
+    #[error("invalid limit for {what} `{name}`: {limit} = {value}; {reason}")]
+    InvalidLimit {
+        /// "table" or "stack".
+        what: &'static str,
+        /// Its name.
+        name: String,
+        /// Which limit.
+        limit: &'static str,
+        /// The configured value.
+        value: u64,
+        /// What is allowed.
+        reason: String,
+    },
+
+    /// The suggested COO buffer size exceeds what the limits can ever fill.
+    #[error(
+        "stack `{stack}`: Suggested Coo Buffer Size is larger than the theoretical max: \
+         {suggested} (rounded to {rounded}) vs {theoretical}; lower \
+         suggested_coo_buffer_size_per_device or raise max_ids_per_partition"
+    )]
+    SuggestedBufferTooLarge {
+        /// Stack name.
+        stack: String,
+        /// The configured suggestion.
+        suggested: u64,
+        /// The suggestion rounded up to a multiple of 8 * S.
+        rounded: u64,
+        /// `roundup(max_ids, 8) * S * N`.
+        theoretical: u64,
+    },
+
+    /// The COO buffer size does not fit the 32-bit buffers (or is zero).
+    #[error(
+        "stack `{stack}`: COO buffer size per device {size} must be in (0, 2147483647); \
+         lower max_ids_per_partition or set suggested_coo_buffer_size_per_device"
+    )]
+    BufferSizeOutOfRange {
+        /// Stack name.
+        stack: String,
+        /// The computed size.
+        size: u64,
+    },
+
+    /// The number of inputs handed to the preprocessor does not match the config's features.
+    #[error("expected {expected} feature inputs (one per config feature), got {got}")]
+    InputCount {
+        /// Features in the config.
+        expected: usize,
+        /// Inputs given.
+        got: usize,
+    },
+
+    /// The config has no features, so there is nothing to preprocess.
+    #[error("input_batches cannot be empty: the config has no features")]
+    NoFeatures,
+
+    /// A stack's per-device batch exceeds the 26-bit payload of the sort key.
+    #[error(
+        "stack `{stack}`: {count} {what} on one device exceeds the maximum limit supported by the \
+         SparseCore CooFormat sorting key ({limit})"
+    )]
+    BatchTooLarge {
+        /// Stack name.
+        stack: String,
+        /// "samples" or "ids".
+        what: &'static str,
+        /// The observed count.
+        count: u64,
+        /// 2^26 - 1.
+        limit: u64,
+    },
+
+    /// A stack's per-device batch does not split evenly over the SparseCores.
+    #[error(
+        "stack `{stack}` (first feature `{feature}`): batch_size_for_device ({batch}) must be \
+         divisible by num_sc_per_device ({sc_per_device})"
+    )]
+    BatchNotDivisible {
+        /// Stack name.
+        stack: String,
+        /// First feature of the stack.
+        feature: String,
+        /// Per-device stacked batch.
+        batch: usize,
+        /// S.
+        sc_per_device: usize,
+    },
+
+    /// A stack's per-device batch gives some SparseCore no sample of some feature.
+    #[error(
+        "stack `{stack}`: Batch size must be greater or equal to the number of features stacked \
+         together (per feature slice): per-device batch {batch} < num_sc_per_device {sc_per_device} \
+         * {features} features"
+    )]
+    BatchTooSmall {
+        /// Stack name.
+        stack: String,
+        /// Per-device stacked batch.
+        batch: usize,
+        /// S.
+        sc_per_device: usize,
+        /// Features in the stack.
+        features: usize,
+    },
+
+    /// An id is negative or not below its table's vocabulary size.
+    #[error(
+        "feature `{feature}` (table `{table}`), sample row {row}: id {id} is outside \
+         [0, vocabulary_size {vocabulary_size})"
+    )]
+    IdOutOfRange {
+        /// Feature name.
+        feature: String,
+        /// Table name.
+        table: String,
+        /// Sample row in the feature's local batch.
+        row: usize,
+        /// The id.
+        id: i64,
+        /// The table's vocabulary size.
+        vocabulary_size: u64,
+    },
+
+    /// A weight is NaN or infinite.
+    #[error("feature `{feature}`, sample row {row}: weight {value} is not finite")]
+    InvalidWeight {
+        /// Feature name.
+        feature: String,
+        /// Sample row.
+        row: usize,
+        /// The weight.
+        value: f32,
+    },
+
+    /// A weights row does not have as many entries as its ids row.
+    #[error(
+        "feature `{feature}`, sample row {row}: {weights} weights for {ids} ids (the weights must \
+         have the ids' shape)"
+    )]
+    WeightsShape {
+        /// Feature name.
+        feature: String,
+        /// Sample row.
+        row: usize,
+        /// Ids in the row.
+        ids: usize,
+        /// Weights in the row.
+        weights: usize,
+    },
+
+    /// A structurally invalid input: decreasing row splits, unsorted COO indices, ...
+    #[error("feature `{feature}`: invalid input: {reason}")]
+    InvalidInput {
+        /// Feature name (or the column, for Arrow input).
+        feature: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// An Arrow column named by the config is absent from the record batch.
+    #[error("feature `{feature}`: column `{column}` not found in the record batch (columns: {available})")]
+    MissingColumn {
+        /// Feature name.
+        feature: String,
+        /// Column name from the config.
+        column: String,
+        /// The batch's column names.
+        available: String,
+    },
+
+    /// An Arrow column has the wrong data type.
+    #[error("feature `{feature}`: column `{column}` has type {found}, expected {expected}")]
+    ColumnType {
+        /// Feature name.
+        feature: String,
+        /// Column name.
+        column: String,
+        /// The accepted types.
+        expected: &'static str,
+        /// The type found.
+        found: String,
+    },
+
+    /// A partition received more ids than its limit and `allow_id_dropping` is off.
+    #[error(
+        "stack `{stack}`: Observed {kind}: {observed} (device {device}, SparseCore {sc}, \
+         partition {partition}) is greater than the set {kind}: {limit}. Use `allow_id_dropping` \
+         or increase the limit"
+    )]
+    LimitExceeded {
+        /// Stack name.
+        stack: String,
+        /// Which limit.
+        kind: LimitKind,
+        /// The largest count observed for that limit in this batch.
+        observed: u32,
+        /// The configured limit.
+        limit: u32,
+        /// Local device where it was observed.
+        device: usize,
+        /// Local SparseCore where it was observed.
+        sc: usize,
+        /// Destination partition (global SparseCore).
+        partition: usize,
+    },
+
+    /// A JSON document (config, case, stats) could not be parsed.
+    #[error("{context}: {source}")]
+    Json {
+        /// Which document.
+        context: String,
+        /// The parser's error.
+        #[source]
+        source: serde_json::Error,
+    },
+
+    /// A file could not be read or written.
+    #[error("{context}: {source}")]
+    Io {
+        /// Which file and operation.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// Arrow rejected a buffer or file.
+    #[error("{context}: {source}")]
+    Arrow {
+        /// Which file or column.
+        context: String,
+        /// Arrow's error.
+        #[source]
+        source: arrow_schema::ArrowError,
+    },
+}
+
+impl Error {
+    pub(crate) fn option(option: &'static str, value: impl fmt::Display, reason: impl Into<String>) -> Self {
+        Error::InvalidOption { option, value: value.to_string(), reason: reason.into() }
+    }
+
+    pub(crate) fn config(what: &'static str, name: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::InvalidConfig { what, name: name.into(), reason: reason.into() }
+    }
+
+    pub(crate) fn input(feature: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::InvalidInput { feature: feature.into(), reason: reason.into() }
+    }
+}

@@ -1,0 +1,352 @@
+//! Stage 2: which samples go to which SparseCore, their column ids and gains, as sort keys.
+//!
+//! For one (stack, local device d, local SparseCore s) this walks every member feature's slice of
+//! samples ("split then stack", SPEC 3.3), maps each id to its stacked column id (3.4), computes
+//! the combiner gain (3.5), and appends one 64-bit key per id (3.6):
+//!
+//! ```text
+//!  63      58 57                              26 25                  0
+//! +----------+----------------------------------+---------------------+
+//! |  bucket  |   rotr32(col_id, log2 N)         |  row (unity) or     |
+//! | (0 here) |  = partition << (32-nbits) | local|  extraction index   |
+//! +----------+----------------------------------+---------------------+
+//! ```
+//!
+//! With unity weights the payload is the sample row and the gain is a per-row value kept in
+//! `row_gains`; with weights it is the extraction index, and row and gain are kept per index.
+//! Gains use the reference's exact float order: divisors are summed left to right in f32, and
+//! sqrtn's squares are summed in f64 with one f32 rounding per step.
+
+use std::ops::Range;
+
+use crate::error::{Error, Result};
+use crate::input::{DenseIds, FeatureView, Ids, Offsets, SampleSource};
+use crate::group::encode_key;
+use crate::spec::{Combiner, DeviceLayout, FeaturePlan, DATA_MASK};
+
+/// Per-SparseCore extraction output, reused from batch to batch.
+#[derive(Debug, Default)]
+pub struct Extracted {
+    /// One sort key per extracted id, in extraction order (sorted in place by the group stage).
+    pub keys: Vec<u64>,
+    /// Weighted stacks: the sample row of each extraction index.
+    pub rows: Vec<u32>,
+    /// Weighted stacks: the gain of each extraction index.
+    pub gains: Vec<f32>,
+    /// Unity-weight stacks: the gain of each sample row, indexed by `row - row_lo`.
+    pub row_gains: Vec<f32>,
+    /// First row of this SparseCore (`s * bsps`).
+    pub row_lo: u32,
+    /// Whether the payload is an extraction index (weighted) or a row (unity).
+    pub weighted: bool,
+}
+
+impl Extracted {
+    /// Row and gain of the entry whose key carries `data` in its low 26 bits.
+    #[inline(always)]
+    pub fn row_and_gain(&self, data: u32) -> (u32, f32) {
+        if self.weighted {
+            (self.rows[data as usize], self.gains[data as usize])
+        } else {
+            (data, self.row_gains[(data - self.row_lo) as usize])
+        }
+    }
+}
+
+/// Stack-wide constants of one extraction.
+#[derive(Debug, Clone, Copy)]
+pub struct StackCtx<'a> {
+    /// Stack name, for errors.
+    pub name: &'a str,
+    /// Device layout.
+    pub layout: DeviceLayout,
+    /// Combiner of the stack.
+    pub combiner: Combiner,
+    /// Whether any member feature has weights.
+    pub weighted: bool,
+    /// Whether ids are range-checked.
+    pub validate_ids: bool,
+    /// Per-device stacked batch divided by S.
+    pub batch_per_sc: usize,
+}
+
+/// Samples of feature `f` that each local SparseCore takes: `floor(size / (L * S))`.
+#[inline]
+pub fn samples_per_sc(layout: &DeviceLayout, size: usize) -> usize {
+    size / layout.local_scs()
+}
+
+/// Extracts SparseCore `sc` of local device `device` into `out`.
+///
+/// `members` are the stack's features (indices into `features` and `inputs`) in row-offset
+/// order.
+pub fn extract_sc(
+    ctx: &StackCtx<'_>,
+    features: &[FeaturePlan],
+    members: &[usize],
+    inputs: &[&dyn SampleSource],
+    device: usize,
+    sc: usize,
+    out: &mut Extracted,
+) -> Result<()> {
+    let layout = &ctx.layout;
+    let s = layout.sc_per_device;
+    out.keys.clear();
+    out.rows.clear();
+    out.gains.clear();
+    out.weighted = ctx.weighted;
+    let row_lo = sc * ctx.batch_per_sc;
+    out.row_lo = row_lo as u32;
+
+    // Rows this SparseCore can reference: [row_lo, row_hi).
+    let mut row_hi = row_lo;
+    for &f in members {
+        let nsps = samples_per_sc(layout, inputs[f].num_samples());
+        row_hi = row_hi.max(row_base(ctx, &features[f], sc) + nsps);
+    }
+    if row_hi as u64 > DATA_MASK + 1 {
+        return Err(Error::BatchTooLarge {
+            stack: ctx.name.to_string(),
+            what: "samples",
+            count: row_hi as u64,
+            limit: DATA_MASK,
+        });
+    }
+    if !ctx.weighted {
+        out.row_gains.clear();
+        out.row_gains.resize(row_hi - row_lo, 0.0);
+    }
+
+    for &f in members {
+        let source = inputs[f];
+        let plan = &features[f];
+        let nsps = samples_per_sc(layout, source.num_samples());
+        let start = (device * s + sc) * nsps;
+        let mut sink = Sink {
+            out: &mut *out,
+            ctx,
+            plan,
+            mask: (layout.num_partitions() - 1) as u32,
+            nbits: layout.partition_bits(),
+            row_base: row_base(ctx, plan, sc) as u32,
+            start,
+        };
+        sink.feature(source.view(), start..start + nsps)?;
+    }
+    Ok(())
+}
+
+/// Device-level sample index of the feature's first row in SparseCore `sc`:
+/// `sc * bsps + row_offset / (G * S)`.
+#[inline]
+fn row_base(ctx: &StackCtx<'_>, plan: &FeaturePlan, sc: usize) -> usize {
+    sc * ctx.batch_per_sc + (plan.row_offset / ctx.layout.num_partitions() as u64) as usize
+}
+
+/// Unity-weight gain of a sample with `n` ids.
+#[inline(always)]
+fn unity_gain(combiner: Combiner, n: usize) -> f32 {
+    match combiner {
+        Combiner::Sum => 1.0,
+        Combiner::Mean => 1.0f32 / n as f32,
+        Combiner::Sqrtn => 1.0f32 / (n as f32).sqrt(),
+    }
+}
+
+/// A value that can be an id.
+trait IdValue: Copy {
+    fn to_i64(self) -> i64;
+}
+impl IdValue for i32 {
+    #[inline(always)]
+    fn to_i64(self) -> i64 {
+        self as i64
+    }
+}
+impl IdValue for i64 {
+    #[inline(always)]
+    fn to_i64(self) -> i64 {
+        self
+    }
+}
+
+struct Sink<'o, 'c> {
+    out: &'o mut Extracted,
+    ctx: &'c StackCtx<'c>,
+    plan: &'c FeaturePlan,
+    mask: u32,
+    nbits: u32,
+    /// Device-level sample index of input row `start`.
+    row_base: u32,
+    start: usize,
+}
+
+impl Sink<'_, '_> {
+    fn feature(&mut self, view: FeatureView<'_>, rows: Range<usize>) -> Result<()> {
+        match view {
+            FeatureView::Ragged { ids: Ids::I32(v), offsets, weights } => self.ragged(v, offsets, weights, rows),
+            FeatureView::Ragged { ids: Ids::I64(v), offsets, weights } => self.ragged(v, offsets, weights, rows),
+            FeatureView::Dense { ids: DenseIds::I32(a), weights } => self.dense(a, weights, rows),
+            FeatureView::Dense { ids: DenseIds::I64(a), weights } => self.dense(a, weights, rows),
+            FeatureView::Coo { indices, ids: Ids::I32(v) } => self.coo(indices, v, rows),
+            FeatureView::Coo { indices, ids: Ids::I64(v) } => self.coo(indices, v, rows),
+        }
+    }
+
+    fn ragged<T: IdValue>(
+        &mut self,
+        ids: &[T],
+        offsets: Offsets<'_>,
+        weights: Option<(&[f32], Offsets<'_>)>,
+        rows: Range<usize>,
+    ) -> Result<()> {
+        for r in rows {
+            let (a, b) = offsets.range(r);
+            let row_ids = ids[a..b].iter().map(|v| v.to_i64());
+            match weights {
+                Some((w, woff)) => {
+                    let (wa, wb) = woff.range(r);
+                    self.weighted_row(r, row_ids, w[wa..wb].iter().copied())?
+                }
+                None => self.row(r, row_ids)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn dense<T: IdValue>(
+        &mut self,
+        ids: ndarray::ArrayView2<'_, T>,
+        weights: Option<ndarray::ArrayView2<'_, f32>>,
+        rows: Range<usize>,
+    ) -> Result<()> {
+        for r in rows {
+            let id_row = ids.row(r);
+            let row_ids = id_row.iter().map(|v| v.to_i64());
+            match &weights {
+                Some(w) => {
+                    let w_row = w.row(r);
+                    self.weighted_row(r, row_ids, w_row.iter().copied())?
+                }
+                None => self.row(r, row_ids)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn coo<T: IdValue>(&mut self, indices: &[i64], ids: &[T], rows: Range<usize>) -> Result<()> {
+        let nnz = ids.len();
+        // First entry whose row is >= rows.start (rows are sorted, checked by CooInput).
+        let (mut lo, mut hi) = (0usize, nnz);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if (indices[2 * mid] as u64) < rows.start as u64 {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        let mut k = lo;
+        while k < nnz {
+            let r = indices[2 * k] as usize;
+            if r >= rows.end {
+                break;
+            }
+            let mut e = k + 1;
+            while e < nnz && indices[2 * e] as usize == r {
+                e += 1;
+            }
+            self.row(r, ids[k..e].iter().map(|v| v.to_i64()))?;
+            k = e;
+        }
+        Ok(())
+    }
+
+    /// A row without weights: unity gains, or weights of 1.0 in a weighted stack.
+    #[inline]
+    fn row<I>(&mut self, r: usize, ids: I) -> Result<()>
+    where
+        I: ExactSizeIterator<Item = i64> + Clone,
+    {
+        if self.ctx.weighted {
+            let n = ids.len();
+            return self.weighted_row(r, ids, std::iter::repeat_n(1.0f32, n));
+        }
+        let n = ids.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let row_id = self.row_base + (r - self.start) as u32;
+        self.out.row_gains[(row_id - self.out.row_lo) as usize] = unity_gain(self.ctx.combiner, n);
+        self.out.keys.reserve(n);
+        for id in ids {
+            let col = self.col_id(r, id)?;
+            self.out.keys.push(encode_key(0, col, row_id, self.nbits));
+        }
+        Ok(())
+    }
+
+    #[inline]
+    fn weighted_row<I, W>(&mut self, r: usize, ids: I, weights: W) -> Result<()>
+    where
+        I: ExactSizeIterator<Item = i64> + Clone,
+        W: ExactSizeIterator<Item = f32> + Clone,
+    {
+        let n = ids.len();
+        if weights.len() != n {
+            return Err(Error::WeightsShape { feature: self.plan.name.clone(), row: r, ids: n, weights: weights.len() });
+        }
+        for w in weights.clone() {
+            if !w.is_finite() {
+                return Err(Error::InvalidWeight { feature: self.plan.name.clone(), row: r, value: w });
+            }
+        }
+        // The divisor, accumulated exactly as the reference does.
+        let divisor = match self.ctx.combiner {
+            Combiner::Sum => 1.0f32,
+            Combiner::Mean => weights.clone().fold(0.0f32, |acc, w| acc + w),
+            Combiner::Sqrtn => {
+                weights.clone().fold(0.0f32, |acc, w| (acc as f64 + (w as f64) * (w as f64)) as f32).sqrt()
+            }
+        };
+        let row_id = self.row_base + (r - self.start) as u32;
+        let first = self.out.keys.len();
+        if (first + n) as u64 > DATA_MASK + 1 {
+            return Err(Error::BatchTooLarge {
+                stack: self.ctx.name.to_string(),
+                what: "weighted ids in one SparseCore",
+                count: (first + n) as u64,
+                limit: DATA_MASK,
+            });
+        }
+        for (k, (id, w)) in ids.zip(weights).enumerate() {
+            let col = self.col_id(r, id)?;
+            let gain = match self.ctx.combiner {
+                Combiner::Sum => w,
+                _ => w / divisor,
+            };
+            self.out.keys.push(encode_key(0, col, (first + k) as u32, self.nbits));
+            self.out.rows.push(row_id);
+            self.out.gains.push(gain);
+        }
+        Ok(())
+    }
+
+    /// SPEC 3.4: `((id + shift) & (N-1)) + (id & !(N-1)) + col_offset`, in 32-bit wrapping
+    /// arithmetic like the reference (only reachable with out-of-range ids when validation is
+    /// off).
+    #[inline(always)]
+    fn col_id(&self, r: usize, id: i64) -> Result<u32> {
+        if self.ctx.validate_ids && (id < 0 || id as u64 >= self.plan.vocabulary_size) {
+            return Err(Error::IdOutOfRange {
+                feature: self.plan.name.clone(),
+                table: self.plan.table.clone(),
+                row: r,
+                id,
+                vocabulary_size: self.plan.vocabulary_size,
+            });
+        }
+        let id = id as u32;
+        Ok(((id.wrapping_add(self.plan.col_shift) & self.mask) | (id & !self.mask)).wrapping_add(self.plan.col_offset))
+    }
+}

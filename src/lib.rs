@@ -1,0 +1,59 @@
+//! # sparsecore-prep
+//!
+//! The host-side input stage in front of TPU SparseCore embedding lookups. It turns each batch
+//! of ragged, dense, sparse-COO or Arrow ids into the per-SparseCore CSR-wrapped COO buffers
+//! (`row_pointers`, `embedding_ids`, `sample_ids`, `gains`) and FDO statistics that Google's
+//! jax-tpu-embedding produces, bit for bit, with typed errors where the reference aborts.
+//!
+//! ```
+//! use sparsecore_prep::{Config, Output, Preprocessor, input::RaggedInput};
+//!
+//! let config = Config::from_json(r#"{
+//!   "config": {"local_device_count": 1, "global_device_count": 1, "num_sc_per_device": 4},
+//!   "tables": [{"name": "t0", "vocabulary_size": 1000, "embedding_dim": 16, "combiner": "sum",
+//!               "max_ids_per_partition": 16, "max_unique_ids_per_partition": 16}],
+//!   "features": [{"name": "f0", "table": "t0"}]
+//! }"#)?;
+//! let mut prep = Preprocessor::new(config)?;
+//!
+//! // 8 samples: sample r holds ids [r, r + 100].
+//! let ids: Vec<i32> = (0..8).flat_map(|r| [r, r + 100]).collect();
+//! let splits: Vec<i32> = (0..=8).map(|r| 2 * r).collect();
+//! let f0 = RaggedInput::from_i32("f0", &ids, &splits)?;
+//!
+//! let mut out = Output::new(); // reuse it for every batch
+//! prep.run(&[&f0], &mut out)?;
+//! let t0 = out.stack("t0").unwrap();
+//! assert_eq!(t0.coo_buffer_size_per_device(), 16 * 4 * 4); // roundup(max_ids, 8) * S * N
+//! assert_eq!(t0.stats.dropped_id_count, 0);
+//! // SparseCore 0 got samples 0 and 1: ids 0, 1, 100, 101 go to partitions 0, 1, 0, 1.
+//! assert_eq!(&t0.row_pointers[..8], &[2, 10, 16, 16, 16, 16, 16, 16]);
+//! assert_eq!(&t0.embedding_ids[..2], &[0, 25]); // local rows 0/4 and 100/4
+//! # Ok::<(), sparsecore_prep::Error>(())
+//! ```
+//!
+//! The pipeline, one module per stage (see `ARCHITECTURE.md`):
+//! [`spec`] (config, stacking plan, buffer sizes) → [`input`] (zero-copy views) → [`extract`]
+//! (slicing, column ids, gains, sort keys) → [`group`] (sort, de-duplication, limits, stats) →
+//! [`fill`] (CSR-wrapped COO segments) → [`output`] and [`stats`]. [`Preprocessor`] drives them
+//! in parallel; [`case`] loads golden cases with inline data.
+
+#![deny(missing_docs)]
+#![forbid(unsafe_code)]
+
+pub mod case;
+mod error;
+pub mod extract;
+pub mod fill;
+pub mod group;
+pub mod input;
+pub mod output;
+mod preprocess;
+pub mod spec;
+pub mod stats;
+
+pub use error::{Error, LimitKind, Result};
+pub use output::{Output, StackOutput};
+pub use preprocess::{Preprocessor, PreprocessorBuilder};
+pub use spec::{Config, Plan};
+pub use stats::StackStats;

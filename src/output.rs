@@ -1,0 +1,116 @@
+//! The output buffers: per stack, CSR-wrapped COO arrays for every local device, plus stats.
+//!
+//! An [`Output`] is meant to be kept and passed to every call: buffers are resized only when
+//! the plan's sizes change, so steady-state batches reuse the same memory.
+
+use ndarray::ArrayView2;
+
+use crate::spec::{Plan, StackPlan};
+use crate::stats::StackStats;
+
+/// The buffers of one stack, device-major (`[L, RP]` and `[L, C]`, flattened).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StackOutput {
+    /// Stack name.
+    pub name: String,
+    /// `[L * RP]`: per device, per SparseCore, `rpb` partition end offsets.
+    pub row_pointers: Vec<i32>,
+    /// `[L * C]`: shard-local embedding row of each entry (`i32::MAX` for padding).
+    pub embedding_ids: Vec<i32>,
+    /// `[L * C]`: SparseCore-local sample of each entry (`i32::MAX` for padding).
+    pub sample_ids: Vec<i32>,
+    /// `[L * C]`: combined gain of each entry (NaN `0x7fc00000` for padding).
+    pub gains: Vec<f32>,
+    /// FDO statistics of the batch.
+    pub stats: StackStats,
+    local_devices: usize,
+    row_pointers_per_device: usize,
+    coo_buffer_size_per_device: usize,
+}
+
+impl StackOutput {
+    fn prepare(&mut self, plan: &Plan, stack: &StackPlan) {
+        let l = plan.layout.local_devices;
+        if self.name != stack.name {
+            self.name.clone_from(&stack.name);
+        }
+        self.local_devices = l;
+        self.row_pointers_per_device = stack.row_pointers_per_device;
+        self.coo_buffer_size_per_device = stack.coo_buffer_size_per_device;
+        self.row_pointers.resize(l * stack.row_pointers_per_device, 0);
+        let c = l * stack.coo_buffer_size_per_device;
+        self.embedding_ids.resize(c, 0);
+        self.sample_ids.resize(c, 0);
+        self.gains.resize(c, 0.0);
+        self.stats.reset(l * plan.layout.num_partitions(), plan.layout.local_scs());
+    }
+
+    /// Local devices (L).
+    pub fn local_devices(&self) -> usize {
+        self.local_devices
+    }
+
+    /// Row pointers per device (RP).
+    pub fn row_pointers_per_device(&self) -> usize {
+        self.row_pointers_per_device
+    }
+
+    /// COO buffer size per device (C).
+    pub fn coo_buffer_size_per_device(&self) -> usize {
+        self.coo_buffer_size_per_device
+    }
+
+    /// Row pointers as `[L, RP]` (the reference's `has_leading_dimension=True` shape).
+    pub fn row_pointers_2d(&self) -> ArrayView2<'_, i32> {
+        view2(&self.row_pointers, self.local_devices, self.row_pointers_per_device)
+    }
+
+    /// Embedding ids as `[L, C]`.
+    pub fn embedding_ids_2d(&self) -> ArrayView2<'_, i32> {
+        view2(&self.embedding_ids, self.local_devices, self.coo_buffer_size_per_device)
+    }
+
+    /// Sample ids as `[L, C]`.
+    pub fn sample_ids_2d(&self) -> ArrayView2<'_, i32> {
+        view2(&self.sample_ids, self.local_devices, self.coo_buffer_size_per_device)
+    }
+
+    /// Gains as `[L, C]`.
+    pub fn gains_2d(&self) -> ArrayView2<'_, f32> {
+        view2(&self.gains, self.local_devices, self.coo_buffer_size_per_device)
+    }
+}
+
+fn view2<T>(v: &[T], rows: usize, cols: usize) -> ArrayView2<'_, T> {
+    ArrayView2::from_shape((rows, cols), v).expect("buffer length is rows * cols by construction")
+}
+
+/// Everything one batch produces.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Output {
+    /// One entry per stack, in plan order.
+    pub stacks: Vec<StackOutput>,
+    /// Minibatches in the buffers (1 without minibatching).
+    pub num_minibatches: usize,
+}
+
+impl Output {
+    /// An empty output; the first call sizes it.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The stack named `name`.
+    pub fn stack(&self, name: &str) -> Option<&StackOutput> {
+        self.stacks.iter().find(|s| s.name == name)
+    }
+
+    /// Sizes every buffer for `plan`, reusing allocations.
+    pub(crate) fn prepare(&mut self, plan: &Plan) {
+        self.stacks.resize_with(plan.stacks.len(), StackOutput::default);
+        for (out, stack) in self.stacks.iter_mut().zip(&plan.stacks) {
+            out.prepare(plan, stack);
+        }
+        self.num_minibatches = 1;
+    }
+}

@@ -1,0 +1,337 @@
+//! The driver: runs extract → group → fill for every (stack, local device, SparseCore) in
+//! parallel and assembles the statistics.
+//!
+//! Tasks write disjoint slices of the output and keep their own scratch, and statistics are
+//! merged afterwards in a fixed order, so the output bytes do not depend on the thread count or
+//! on scheduling.
+
+use arrow_array::RecordBatch;
+use rayon::prelude::*;
+
+use crate::error::{Error, LimitKind, Result};
+use crate::extract::{extract_sc, Extracted, StackCtx};
+use crate::fill::{fill_segment, Segment};
+use crate::group::{sort_and_group, Entry, Limits, ScStats};
+use crate::input::{features_from_record_batch, SampleSource};
+use crate::output::Output;
+use crate::spec::{Config, Plan, StackPlan, DATA_MASK};
+
+/// Scratch of one (stack, local SparseCore) task, kept across batches.
+#[derive(Debug, Default)]
+struct Task {
+    extracted: Extracted,
+    entries: Vec<Entry>,
+    stats: ScStats,
+    overflow: u64,
+    error: Option<Error>,
+}
+
+/// Builds a [`Preprocessor`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct PreprocessorBuilder {
+    config: Config,
+    threads: Option<usize>,
+    global_batch_sizes: Option<Vec<usize>>,
+}
+
+impl PreprocessorBuilder {
+    /// Runs on a dedicated pool of `n` threads (default: rayon's global pool, one thread per
+    /// CPU). The output is identical for every `n`.
+    pub fn threads(mut self, n: usize) -> Self {
+        self.threads = Some(n);
+        self
+    }
+
+    /// Fixes each feature's global batch size (one per config feature) instead of deriving it
+    /// as local * G / L. Row offsets and auto stacking are computed from these, as from the
+    /// reference's `output_shape`.
+    pub fn global_batch_sizes(mut self, sizes: Vec<usize>) -> Self {
+        self.global_batch_sizes = Some(sizes);
+        self
+    }
+
+    /// Validates the config and builds the preprocessor.
+    pub fn build(self) -> Result<Preprocessor> {
+        // Validate everything that does not depend on batch sizes now, not at the first batch.
+        let nominal = self.global_batch_sizes.clone().unwrap_or_else(|| vec![0; self.config.features.len()]);
+        Plan::new(&self.config, &nominal)?;
+        if self.config.config.enable_minibatching {
+            return Err(Error::option("enable_minibatching", true, "minibatching is not supported yet"));
+        }
+        let pool = match self.threads {
+            None => None,
+            Some(0) => return Err(Error::option("threads", 0, "must be at least 1")),
+            Some(n) => Some(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .thread_name(|i| format!("sparsecore-prep-{i}"))
+                    .build()
+                    .map_err(|e| Error::option("threads", n, format!("cannot start the thread pool: {e}")))?,
+            ),
+        };
+        Ok(Preprocessor {
+            config: self.config,
+            global_batch_sizes: self.global_batch_sizes,
+            plan: None,
+            plan_local_sizes: Vec::new(),
+            local_sizes: Vec::new(),
+            pool,
+            tasks: Vec::new(),
+        })
+    }
+}
+
+/// Turns batches of ids into per-SparseCore CSR-wrapped COO buffers.
+///
+/// Build it once per config and call it on every batch with the same [`Output`]: plans and
+/// scratch are cached by batch shape, so steady-state batches reuse all memory.
+#[derive(Debug)]
+pub struct Preprocessor {
+    config: Config,
+    global_batch_sizes: Option<Vec<usize>>,
+    plan: Option<Plan>,
+    plan_local_sizes: Vec<usize>,
+    local_sizes: Vec<usize>,
+    pool: Option<rayon::ThreadPool>,
+    /// Per stack, per local SparseCore (device-major).
+    tasks: Vec<Vec<Task>>,
+}
+
+impl Preprocessor {
+    /// Starts a builder for `config`.
+    pub fn builder(config: Config) -> PreprocessorBuilder {
+        PreprocessorBuilder { config, threads: None, global_batch_sizes: None }
+    }
+
+    /// A preprocessor with default settings.
+    pub fn new(config: Config) -> Result<Self> {
+        Self::builder(config).build()
+    }
+
+    /// The config.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The plan of the last batch, if any.
+    pub fn plan(&self) -> Option<&Plan> {
+        self.plan.as_ref()
+    }
+
+    /// Plans (or returns the cached plan) for local batches of the given sizes, one per feature.
+    pub fn plan_for(&mut self, local_batch_sizes: &[usize]) -> Result<&Plan> {
+        if self.plan.is_none() || self.plan_local_sizes != local_batch_sizes {
+            let plan = match &self.global_batch_sizes {
+                Some(global) => Plan::new(&self.config, global)?,
+                None => Plan::for_local_batches(&self.config, local_batch_sizes)?,
+            };
+            self.plan = Some(plan);
+            self.plan_local_sizes.clear();
+            self.plan_local_sizes.extend_from_slice(local_batch_sizes);
+        }
+        Ok(self.plan.as_ref().expect("plan was just set"))
+    }
+
+    /// Preprocesses one batch: `inputs[i]` is the local batch of config feature `i`.
+    ///
+    /// On error, `out` keeps its sizes but its contents are unspecified.
+    pub fn run(&mut self, inputs: &[&dyn SampleSource], out: &mut Output) -> Result<()> {
+        if inputs.len() != self.config.features.len() {
+            return Err(Error::InputCount { expected: self.config.features.len(), got: inputs.len() });
+        }
+        let mut sizes = std::mem::take(&mut self.local_sizes);
+        sizes.clear();
+        sizes.extend(inputs.iter().map(|s| s.num_samples()));
+        let planned = self.plan_for(&sizes).map(|_| ());
+        self.local_sizes = sizes;
+        planned?;
+
+        let Preprocessor { plan, pool, tasks, .. } = self;
+        let plan = plan.as_ref().expect("planned above");
+        let batch_per_sc = check_batches(plan, inputs)?;
+        out.prepare(plan);
+        let local_scs = plan.layout.local_scs();
+        tasks.resize_with(plan.stacks.len(), Vec::new);
+        for t in tasks.iter_mut() {
+            t.resize_with(local_scs, Task::default);
+        }
+
+        let mut work = || run_stacks(plan, inputs, &batch_per_sc, out, tasks);
+        match pool {
+            Some(pool) => pool.install(work),
+            None => work(),
+        }
+
+        assemble(plan, tasks, out)
+    }
+
+    /// Preprocesses one batch into a new [`Output`].
+    pub fn run_new(&mut self, inputs: &[&dyn SampleSource]) -> Result<Output> {
+        let mut out = Output::new();
+        self.run(inputs, &mut out)?;
+        Ok(out)
+    }
+
+    /// Preprocesses one Arrow record batch, mapping columns to features by the config's
+    /// `column` / `weights_column`.
+    pub fn run_record_batch(&mut self, batch: &RecordBatch, out: &mut Output) -> Result<()> {
+        let features = features_from_record_batch(&self.config, batch)?;
+        let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
+        self.run(&inputs, out)
+    }
+}
+
+/// Per-stack batch checks of SPEC 3.1 (check 8) and 3.3; returns each stack's `bsps`.
+fn check_batches(plan: &Plan, inputs: &[&dyn SampleSource]) -> Result<Vec<usize>> {
+    let layout = &plan.layout;
+    let s = layout.sc_per_device;
+    plan.stacks
+        .iter()
+        .map(|stack| {
+            let bsd: u64 =
+                stack.features.iter().map(|&f| (inputs[f].num_samples() / layout.local_devices) as u64).sum();
+            if bsd > DATA_MASK {
+                return Err(Error::BatchTooLarge { stack: stack.name.clone(), what: "samples", count: bsd, limit: DATA_MASK });
+            }
+            let bsd = bsd as usize;
+            if bsd % s != 0 {
+                return Err(Error::BatchNotDivisible {
+                    stack: stack.name.clone(),
+                    feature: plan.features[stack.features[0]].name.clone(),
+                    batch: bsd,
+                    sc_per_device: s,
+                });
+            }
+            if bsd < s * stack.features.len() {
+                return Err(Error::BatchTooSmall {
+                    stack: stack.name.clone(),
+                    batch: bsd,
+                    sc_per_device: s,
+                    features: stack.features.len(),
+                });
+            }
+            Ok(bsd / s)
+        })
+        .collect()
+}
+
+/// Runs every (stack, device, SparseCore) task; errors are parked in the tasks.
+fn run_stacks(plan: &Plan, inputs: &[&dyn SampleSource], batch_per_sc: &[usize], out: &mut Output, tasks: &mut [Vec<Task>]) {
+    let layout = plan.layout;
+    let rpb = layout.row_pointers_per_segment();
+    out.stacks
+        .par_iter_mut()
+        .zip(tasks.par_iter_mut())
+        .zip(plan.stacks.par_iter().zip(batch_per_sc.par_iter()))
+        .for_each(|((so, stack_tasks), (stack, &bsps))| {
+            let cs = stack.coo_buffer_size_per_sc(&layout);
+            let weighted = stack.features.iter().any(|&f| inputs[f].has_weights());
+            let ctx = StackCtx {
+                name: &stack.name,
+                layout,
+                combiner: stack.combiner,
+                weighted,
+                validate_ids: plan.validate_ids,
+                batch_per_sc: bsps,
+            };
+            let limits = Limits {
+                max_ids: stack.max_ids_per_partition,
+                max_unique: stack.max_unique_ids_per_partition,
+                drop: plan.allow_id_dropping,
+            };
+            so.row_pointers
+                .par_chunks_mut(rpb)
+                .zip(so.embedding_ids.par_chunks_mut(cs))
+                .zip(so.sample_ids.par_chunks_mut(cs))
+                .zip(so.gains.par_chunks_mut(cs))
+                .zip(stack_tasks.par_iter_mut())
+                .enumerate()
+                .for_each(|(i, ((((rp, emb), smp), gains), task))| {
+                    let mut seg = Segment { row_pointers: rp, embedding_ids: emb, sample_ids: smp, gains };
+                    run_task(plan, stack, &ctx, limits, inputs, i / layout.sc_per_device, i % layout.sc_per_device, &mut seg, task);
+                });
+        });
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_task(
+    plan: &Plan,
+    stack: &StackPlan,
+    ctx: &StackCtx<'_>,
+    limits: Limits,
+    inputs: &[&dyn SampleSource],
+    device: usize,
+    sc: usize,
+    seg: &mut Segment<'_>,
+    task: &mut Task,
+) {
+    task.error = None;
+    task.overflow = 0;
+    if let Err(e) = extract_sc(ctx, &plan.features, &stack.features, inputs, device, sc, &mut task.extracted) {
+        task.error = Some(e);
+        return;
+    }
+    let nbits = plan.layout.partition_bits();
+    sort_and_group(&mut task.extracted, nbits, limits, &mut task.entries, &mut task.stats);
+    task.overflow = fill_segment(&task.entries, plan.layout.num_partitions(), ctx.batch_per_sc as u32, seg);
+}
+
+/// Merges task results into the per-stack statistics, in a fixed order, and reports the first
+/// error (by stack, device, SparseCore).
+fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output) -> Result<()> {
+    for stack_tasks in tasks.iter_mut() {
+        if let Some(e) = stack_tasks.iter_mut().find_map(|t| t.error.take()) {
+            return Err(e);
+        }
+    }
+    let layout = &plan.layout;
+    let n = layout.num_partitions();
+    let s = layout.sc_per_device;
+    for ((stack, so), stack_tasks) in plan.stacks.iter().zip(out.stacks.iter_mut()).zip(tasks.iter()) {
+        let stats = &mut so.stats;
+        // (observed, device, sc, partition) of the largest count per limit.
+        let mut worst_ids = (0u32, 0, 0, 0);
+        let mut worst_unique = (0u32, 0, 0, 0);
+        for (i, task) in stack_tasks.iter().enumerate() {
+            let d = i / s;
+            let row = &mut stats.max_ids_per_partition[d * n..(d + 1) * n];
+            for (m, &v) in row.iter_mut().zip(&task.stats.ids) {
+                *m = (*m).max(v as i32);
+            }
+            let row = &mut stats.max_unique_ids_per_partition[d * n..(d + 1) * n];
+            for (m, &v) in row.iter_mut().zip(&task.stats.unique) {
+                *m = (*m).max(v as i32);
+            }
+            stats.required_buffer_size_per_sc[i] = task.stats.required().min(i32::MAX as u64) as i32;
+            stats.dropped_id_count += task.stats.dropped + task.overflow;
+            let (ids, p) = task.stats.max_ids();
+            if ids > worst_ids.0 {
+                worst_ids = (ids, d, i % s, p);
+            }
+            let (uniq, p) = task.stats.max_unique();
+            if uniq > worst_unique.0 {
+                worst_unique = (uniq, d, i % s, p);
+            }
+        }
+        if !plan.allow_id_dropping {
+            for (kind, (observed, device, sc, partition), limit) in [
+                (LimitKind::MaxIds, worst_ids, stack.max_ids_per_partition),
+                (LimitKind::MaxUniqueIds, worst_unique, stack.max_unique_ids_per_partition),
+            ] {
+                if observed > limit {
+                    return Err(Error::LimitExceeded {
+                        stack: stack.name.clone(),
+                        kind,
+                        observed,
+                        limit,
+                        device,
+                        sc,
+                        partition,
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}
