@@ -161,6 +161,25 @@ pub trait SampleSource: Sync {
     fn view(&self) -> FeatureView<'_>;
 }
 
+impl FeatureView<'_> {
+    /// Number of ids in the batch (counting duplicates), for throughput reporting.
+    pub fn num_ids(&self) -> usize {
+        match self {
+            FeatureView::Ragged { offsets, .. } => {
+                let rows = offsets.rows();
+                if rows == 0 {
+                    0
+                } else {
+                    offsets.range(0).0.abs_diff(offsets.range(rows - 1).1)
+                }
+            }
+            FeatureView::Dense { ids: DenseIds::I32(a), .. } => a.len(),
+            FeatureView::Dense { ids: DenseIds::I64(a), .. } => a.len(),
+            FeatureView::Coo { ids, .. } => ids.len(),
+        }
+    }
+}
+
 impl<T: SampleSource + ?Sized> SampleSource for &T {
     fn num_samples(&self) -> usize {
         (**self).num_samples()
