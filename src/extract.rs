@@ -143,6 +143,10 @@ fn row_base(ctx: &StackCtx<'_>, plan: &FeaturePlan, sc: usize) -> usize {
     sc * ctx.batch_per_sc + (plan.row_offset / ctx.layout.num_partitions() as u64) as usize
 }
 
+fn bad_row(feature: &str, what: &str, r: usize) -> Error {
+    Error::input(feature, format!("{what} offsets of sample row {r} are out of bounds or decreasing"))
+}
+
 /// Unity-weight gain of a sample with `n` ids.
 #[inline(always)]
 fn unity_gain(combiner: Combiner, n: usize) -> f32 {
@@ -183,6 +187,20 @@ struct Sink<'o, 'c> {
 
 impl Sink<'_, '_> {
     fn feature(&mut self, view: FeatureView<'_>, rows: Range<usize>) -> Result<()> {
+        // `SampleSource` is public, so a view may disagree with its own `num_samples`; the
+        // built-in inputs never do, but a malformed custom one must give an error, not a panic.
+        let available = match &view {
+            FeatureView::Ragged { offsets, .. } => offsets.rows(),
+            FeatureView::Dense { ids: DenseIds::I32(a), .. } => a.nrows(),
+            FeatureView::Dense { ids: DenseIds::I64(a), .. } => a.nrows(),
+            FeatureView::Coo { .. } => usize::MAX,
+        };
+        if rows.end > available {
+            return Err(Error::input(
+                &self.plan.name,
+                format!("the input reports more samples than its data holds ({} > {available})", rows.end),
+            ));
+        }
         match view {
             FeatureView::Ragged { ids: Ids::I32(v), offsets, weights } => self.ragged(v, offsets, weights, rows),
             FeatureView::Ragged { ids: Ids::I64(v), offsets, weights } => self.ragged(v, offsets, weights, rows),
@@ -200,13 +218,19 @@ impl Sink<'_, '_> {
         weights: Option<(&[f32], Offsets<'_>)>,
         rows: Range<usize>,
     ) -> Result<()> {
+        if let Some((_, woff)) = weights {
+            if woff.rows() < rows.end {
+                return Err(Error::input(&self.plan.name, format!("weights have {} rows, ids {}", woff.rows(), offsets.rows())));
+            }
+        }
         for r in rows {
             let (a, b) = offsets.range(r);
-            let row_ids = ids[a..b].iter().map(|v| v.to_i64());
+            let row_ids = ids.get(a..b).ok_or_else(|| bad_row(&self.plan.name, "ids", r))?.iter().map(|v| v.to_i64());
             match weights {
                 Some((w, woff)) => {
                     let (wa, wb) = woff.range(r);
-                    self.weighted_row(r, row_ids, w[wa..wb].iter().copied())?
+                    let wrow = w.get(wa..wb).ok_or_else(|| bad_row(&self.plan.name, "weights", r))?;
+                    self.weighted_row(r, row_ids, wrow.iter().copied())?
                 }
                 None => self.row(r, row_ids)?,
             }
@@ -220,6 +244,14 @@ impl Sink<'_, '_> {
         weights: Option<ndarray::ArrayView2<'_, f32>>,
         rows: Range<usize>,
     ) -> Result<()> {
+        if let Some(w) = &weights {
+            if w.dim() != ids.dim() {
+                return Err(Error::input(
+                    &self.plan.name,
+                    format!("weights shape {:?} differs from ids shape {:?}", w.dim(), ids.dim()),
+                ));
+            }
+        }
         for r in rows {
             let id_row = ids.row(r);
             let row_ids = id_row.iter().map(|v| v.to_i64());
@@ -236,6 +268,9 @@ impl Sink<'_, '_> {
 
     fn coo<T: IdValue>(&mut self, indices: &[i64], ids: &[T], rows: Range<usize>) -> Result<()> {
         let nnz = ids.len();
+        if indices.len() != 2 * nnz {
+            return Err(Error::input(&self.plan.name, format!("indices hold {} values for {nnz} ids", indices.len())));
+        }
         // First entry whose row is >= rows.start (rows are sorted, checked by CooInput).
         let (mut lo, mut hi) = (0usize, nnz);
         while lo < hi {
@@ -251,6 +286,9 @@ impl Sink<'_, '_> {
             let r = indices[2 * k] as usize;
             if r >= rows.end {
                 break;
+            }
+            if r < rows.start {
+                return Err(Error::input(&self.plan.name, format!("indices are not sorted by row at entry {k}")));
             }
             let mut e = k + 1;
             while e < nnz && indices[2 * e] as usize == r {

@@ -51,6 +51,7 @@ pub mod output;
 mod preprocess;
 pub mod spec;
 pub mod stats;
+pub mod workload;
 
 pub use error::{Error, LimitKind, Result};
 pub use output::{Output, StackOutput};

@@ -29,7 +29,7 @@ pub struct StackOutput {
 }
 
 impl StackOutput {
-    fn prepare(&mut self, plan: &Plan, stack: &StackPlan) {
+    fn prepare(&mut self, plan: &Plan, stack: &StackPlan, buffers: bool) {
         let l = plan.layout.local_devices;
         if self.name != stack.name {
             self.name.clone_from(&stack.name);
@@ -37,8 +37,12 @@ impl StackOutput {
         self.local_devices = l;
         self.row_pointers_per_device = stack.row_pointers_per_device;
         self.coo_buffer_size_per_device = stack.coo_buffer_size_per_device;
-        self.row_pointers.resize(l * stack.row_pointers_per_device, 0);
-        let c = l * stack.coo_buffer_size_per_device;
+        let (rp, c) = if buffers {
+            (l * stack.row_pointers_per_device, l * stack.coo_buffer_size_per_device)
+        } else {
+            (0, 0)
+        };
+        self.row_pointers.resize(rp, 0);
         self.embedding_ids.resize(c, 0);
         self.sample_ids.resize(c, 0);
         self.gains.resize(c, 0.0);
@@ -105,11 +109,12 @@ impl Output {
         self.stacks.iter().find(|s| s.name == name)
     }
 
-    /// Sizes every buffer for `plan`, reusing allocations.
-    pub(crate) fn prepare(&mut self, plan: &Plan) {
+    /// Sizes every buffer for `plan`, reusing allocations. Without `buffers` (a stats-only
+    /// run) the four arrays are left empty and only the statistics are sized.
+    pub(crate) fn prepare(&mut self, plan: &Plan, buffers: bool) {
         self.stacks.resize_with(plan.stacks.len(), StackOutput::default);
         for (out, stack) in self.stacks.iter_mut().zip(&plan.stacks) {
-            out.prepare(plan, stack);
+            out.prepare(plan, stack, buffers);
         }
         self.num_minibatches = 1;
     }

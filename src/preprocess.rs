@@ -16,6 +16,15 @@ use crate::input::{features_from_record_batch, SampleSource};
 use crate::output::Output;
 use crate::spec::{Config, Plan, StackPlan, DATA_MASK};
 
+/// What a run produces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Buffers and stats; exceeded limits are errors unless dropping is allowed.
+    Buffers,
+    /// Stats only.
+    StatsOnly,
+}
+
 /// Scratch of one (stack, local SparseCore) task, kept across batches.
 #[derive(Debug, Default)]
 struct Task {
@@ -137,6 +146,18 @@ impl Preprocessor {
     ///
     /// On error, `out` keeps its sizes but its contents are unspecified.
     pub fn run(&mut self, inputs: &[&dyn SampleSource], out: &mut Output) -> Result<()> {
+        self.run_mode(inputs, out, Mode::Buffers)
+    }
+
+    /// Computes only the FDO statistics of a batch: extraction, sorting and grouping run, the
+    /// buffers are not written (`out`'s arrays are left empty), and exceeded limits are not an
+    /// error, since the point is to measure them. `dropped_id_count` counts the ids the limits
+    /// would drop when `allow_id_dropping` is on; buffer overflow is not simulated.
+    pub fn run_stats(&mut self, inputs: &[&dyn SampleSource], out: &mut Output) -> Result<()> {
+        self.run_mode(inputs, out, Mode::StatsOnly)
+    }
+
+    fn run_mode(&mut self, inputs: &[&dyn SampleSource], out: &mut Output, mode: Mode) -> Result<()> {
         if inputs.len() != self.config.features.len() {
             return Err(Error::InputCount { expected: self.config.features.len(), got: inputs.len() });
         }
@@ -150,20 +171,20 @@ impl Preprocessor {
         let Preprocessor { plan, pool, tasks, .. } = self;
         let plan = plan.as_ref().expect("planned above");
         let batch_per_sc = check_batches(plan, inputs)?;
-        out.prepare(plan);
+        out.prepare(plan, mode == Mode::Buffers);
         let local_scs = plan.layout.local_scs();
         tasks.resize_with(plan.stacks.len(), Vec::new);
         for t in tasks.iter_mut() {
             t.resize_with(local_scs, Task::default);
         }
 
-        let mut work = || run_stacks(plan, inputs, &batch_per_sc, out, tasks);
+        let mut work = || run_stacks(plan, inputs, &batch_per_sc, out, tasks, mode);
         match pool {
             Some(pool) => pool.install(work),
             None => work(),
         }
 
-        assemble(plan, tasks, out)
+        assemble(plan, tasks, out, mode)
     }
 
     /// Preprocesses one batch into a new [`Output`].
@@ -217,7 +238,14 @@ fn check_batches(plan: &Plan, inputs: &[&dyn SampleSource]) -> Result<Vec<usize>
 }
 
 /// Runs every (stack, device, SparseCore) task; errors are parked in the tasks.
-fn run_stacks(plan: &Plan, inputs: &[&dyn SampleSource], batch_per_sc: &[usize], out: &mut Output, tasks: &mut [Vec<Task>]) {
+fn run_stacks(
+    plan: &Plan,
+    inputs: &[&dyn SampleSource],
+    batch_per_sc: &[usize],
+    out: &mut Output,
+    tasks: &mut [Vec<Task>],
+    mode: Mode,
+) {
     let layout = plan.layout;
     let rpb = layout.row_pointers_per_segment();
     out.stacks
@@ -240,17 +268,24 @@ fn run_stacks(plan: &Plan, inputs: &[&dyn SampleSource], batch_per_sc: &[usize],
                 max_unique: stack.max_unique_ids_per_partition,
                 drop: plan.allow_id_dropping,
             };
-            so.row_pointers
-                .par_chunks_mut(rpb)
-                .zip(so.embedding_ids.par_chunks_mut(cs))
-                .zip(so.sample_ids.par_chunks_mut(cs))
-                .zip(so.gains.par_chunks_mut(cs))
-                .zip(stack_tasks.par_iter_mut())
-                .enumerate()
-                .for_each(|(i, ((((rp, emb), smp), gains), task))| {
-                    let mut seg = Segment { row_pointers: rp, embedding_ids: emb, sample_ids: smp, gains };
-                    run_task(plan, stack, &ctx, limits, inputs, i / layout.sc_per_device, i % layout.sc_per_device, &mut seg, task);
-                });
+            let s = layout.sc_per_device;
+            match mode {
+                Mode::Buffers => so
+                    .row_pointers
+                    .par_chunks_mut(rpb)
+                    .zip(so.embedding_ids.par_chunks_mut(cs))
+                    .zip(so.sample_ids.par_chunks_mut(cs))
+                    .zip(so.gains.par_chunks_mut(cs))
+                    .zip(stack_tasks.par_iter_mut())
+                    .enumerate()
+                    .for_each(|(i, ((((rp, emb), smp), gains), task))| {
+                        let mut seg = Segment { row_pointers: rp, embedding_ids: emb, sample_ids: smp, gains };
+                        run_task(plan, stack, &ctx, limits, inputs, i / s, i % s, Some(&mut seg), task);
+                    }),
+                Mode::StatsOnly => stack_tasks.par_iter_mut().enumerate().for_each(|(i, task)| {
+                    run_task(plan, stack, &ctx, limits, inputs, i / s, i % s, None, task);
+                }),
+            }
         });
 }
 
@@ -263,7 +298,7 @@ fn run_task(
     inputs: &[&dyn SampleSource],
     device: usize,
     sc: usize,
-    seg: &mut Segment<'_>,
+    seg: Option<&mut Segment<'_>>,
     task: &mut Task,
 ) {
     task.error = None;
@@ -274,12 +309,14 @@ fn run_task(
     }
     let nbits = plan.layout.partition_bits();
     sort_and_group(&mut task.extracted, nbits, limits, &mut task.entries, &mut task.stats);
-    task.overflow = fill_segment(&task.entries, plan.layout.num_partitions(), ctx.batch_per_sc as u32, seg);
+    if let Some(seg) = seg {
+        task.overflow = fill_segment(&task.entries, plan.layout.num_partitions(), ctx.batch_per_sc as u32, seg);
+    }
 }
 
 /// Merges task results into the per-stack statistics, in a fixed order, and reports the first
 /// error (by stack, device, SparseCore).
-fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output) -> Result<()> {
+fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output, mode: Mode) -> Result<()> {
     for stack_tasks in tasks.iter_mut() {
         if let Some(e) = stack_tasks.iter_mut().find_map(|t| t.error.take()) {
             return Err(e);
@@ -314,7 +351,7 @@ fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output) -> Result<()
                 worst_unique = (uniq, d, i % s, p);
             }
         }
-        if !plan.allow_id_dropping {
+        if !plan.allow_id_dropping && mode == Mode::Buffers {
             for (kind, (observed, device, sc, partition), limit) in [
                 (LimitKind::MaxIds, worst_ids, stack.max_ids_per_partition),
                 (LimitKind::MaxUniqueIds, worst_unique, stack.max_unique_ids_per_partition),

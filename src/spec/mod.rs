@@ -31,8 +31,8 @@ pub const PAD_ID: i32 = i32::MAX;
 /// Bit pattern of the padding gain: the quiet NaN `nanf("")` of glibc.
 pub const PAD_GAIN_BITS: u32 = 0x7fc0_0000;
 
-/// Rounds `x` up to a multiple of `m` (`m > 0`).
+/// Rounds `x` up to a multiple of `m` (`m > 0`), saturating at `u64::MAX`.
 #[inline]
 pub(crate) const fn round_up(x: u64, m: u64) -> u64 {
-    x.div_ceil(m) * m
+    x.div_ceil(m).saturating_mul(m)
 }

@@ -4,7 +4,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use super::config::{Config, Stacking};
-use super::{round_up, ALIGNMENT, MAX_MINIBATCHING_BUCKETS};
+use super::{round_up, ALIGNMENT, DATA_MASK, MAX_MINIBATCHING_BUCKETS};
 use crate::error::{Error, Result};
 
 /// How the ids of one sample are turned into gains (SPEC Part 2, section 3.5).
@@ -70,16 +70,19 @@ impl DeviceLayout {
         if sc_per_device == 0 {
             return Err(Error::option("num_sc_per_device", sc_per_device, "must be greater than 0"));
         }
-        let num_scs = global_devices.checked_mul(sc_per_device);
-        match num_scs {
-            Some(n) if n.is_power_of_two() && n <= 1 << 30 => {}
-            _ => {
-                return Err(Error::NotPowerOfTwo {
-                    global_devices,
-                    sc_per_device,
-                    num_scs: num_scs.unwrap_or(usize::MAX),
-                })
-            }
+        let num_scs = global_devices.checked_mul(sc_per_device).filter(|&n| n <= MAX_SPARSECORES);
+        let Some(num_scs) = num_scs else {
+            return Err(Error::option(
+                "num_sc_per_device",
+                sc_per_device,
+                format!(
+                    "global_device_count {global_devices} * num_sc_per_device {sc_per_device} exceeds the \
+                     {MAX_SPARSECORES} SparseCores that 32-bit column ids can address"
+                ),
+            ));
+        };
+        if !num_scs.is_power_of_two() {
+            return Err(Error::NotPowerOfTwo { global_devices, sc_per_device, num_scs });
         }
         Ok(DeviceLayout { local_devices, global_devices, sc_per_device })
     }
@@ -193,6 +196,10 @@ pub struct Plan {
     /// Whether minibatching is on.
     pub enable_minibatching: bool,
 }
+
+/// Most SparseCores (N) a job can have: partitions are addressed by the low bits of a 32-bit
+/// column id, and the 2^31 padded vocabulary must still give every shard a row.
+pub const MAX_SPARSECORES: usize = 1 << 30;
 
 /// Auto stacking's activation budget per stack: 2 MiB (the reference's default).
 pub const ACTIVATION_MEM_BYTES_LIMIT: u64 = 2 * 1024 * 1024;
@@ -378,6 +385,20 @@ fn check_limit(what: &'static str, name: &str, limit: &'static str, value: u64) 
     Ok(value as u32)
 }
 
+/// Adds a feature's global batch to a stack's running sample count, refusing counts no
+/// device could hold.
+fn add_samples(stack: &str, offset: u64, batch: usize) -> Result<u64> {
+    offset.checked_add(batch as u64).filter(|&o| o <= MAX_STACK_SAMPLES).ok_or_else(|| Error::BatchTooLarge {
+        stack: stack.to_string(),
+        what: "global samples",
+        count: offset.saturating_add(batch as u64),
+        limit: MAX_STACK_SAMPLES,
+    })
+}
+
+/// Most global samples a stack can have: 2^26 - 1 per device times at most 2^30 devices.
+const MAX_STACK_SAMPLES: u64 = DATA_MASK << 30;
+
 /// Column ids are 32-bit in the reference and in the buffers, so a stack's padded vocabulary
 /// must fit them.
 fn check_stack_vocab(stack: &str, vocab: u64) -> Result<()> {
@@ -454,7 +475,7 @@ fn plan_feature_stack(
         let f = &mut features[i];
         f.stack = stack_index;
         f.row_offset = offset;
-        offset += f.global_batch_size as u64;
+        offset = add_samples(&t.name, offset, f.global_batch_size)?;
     }
     let padded_vocab = features[members[0]].padded_vocab_size;
     check_stack_vocab(&t.name, padded_vocab)?;
@@ -493,16 +514,18 @@ fn auto_groups(
         }
     }
     let activation_bytes = |t: usize| -> u64 {
-        let samples: u64 =
-            features.iter().filter(|f| f.table_index == t).map(|f| f.global_batch_size as u64 / n).sum();
-        round_up(config.tables[t].embedding_dim, ALIGNMENT as u64) * samples * 4
+        let samples = features
+            .iter()
+            .filter(|f| f.table_index == t)
+            .fold(0u64, |acc, f| acc.saturating_add(f.global_batch_size as u64 / n));
+        round_up(config.tables[t].embedding_dim, ALIGNMENT as u64).saturating_mul(samples).saturating_mul(4)
     };
     let mut groups = Vec::new();
     for (_, group) in keyed {
         let mut split: Vec<(u64, Vec<usize>)> = Vec::new();
         for t in group {
             let bytes = activation_bytes(t);
-            match split.iter_mut().find(|(used, _)| used + bytes <= ACTIVATION_MEM_BYTES_LIMIT) {
+            match split.iter_mut().find(|(used, _)| used.saturating_add(bytes) <= ACTIVATION_MEM_BYTES_LIMIT) {
                 Some((used, g)) => {
                     *used += bytes;
                     g.push(t);
@@ -565,7 +588,7 @@ fn plan_auto_stack(
         f.col_offset = (in_shard * n) as u32;
         f.col_shift = rot as u32;
         f.padded_embedding_dim = padded_dim;
-        offset += f.global_batch_size as u64;
+        offset = add_samples(&name, offset, f.global_batch_size)?;
         members.push(i);
     }
     // Features are consumed in row-offset order, which here is already pytree order.
@@ -600,7 +623,12 @@ fn size_buffers(stack: &mut StackPlan, layout: &DeviceLayout, minibatching: bool
     let n = layout.num_partitions() as u64;
     let mb = if minibatching { MAX_MINIBATCHING_BUCKETS as u64 } else { 1 };
     stack.row_pointers_per_device = layout.row_pointers_per_segment() * mb as usize * layout.sc_per_device;
-    let theoretical = round_up(stack.max_ids_per_partition as u64, ALIGNMENT as u64) * s * n * mb;
+    // max_ids < 2^31 and N <= 2^30, so the product can exceed u64 only through S; saturate and
+    // let the range check below report it.
+    let theoretical = round_up(stack.max_ids_per_partition as u64, ALIGNMENT as u64)
+        .saturating_mul(s)
+        .saturating_mul(n)
+        .saturating_mul(mb);
     let size = match stack.suggested_coo_buffer_size_per_device {
         None => theoretical,
         Some(suggested) => {

@@ -1,0 +1,99 @@
+//! Criterion benches: end to end per workload profile, and each stage (extract, sort + group,
+//! fill) on its own. Throughput is reported in ids per second.
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use sparsecore_prep::extract::{extract_sc, Extracted, StackCtx};
+use sparsecore_prep::fill::{fill_segment, Segment};
+use sparsecore_prep::group::{sort_and_group, Entry, Limits, ScStats};
+use sparsecore_prep::input::{features_from_record_batch, SampleSource};
+use sparsecore_prep::workload::{generate, Profile, Workload, WorkloadSpec};
+use sparsecore_prep::{Output, Preprocessor};
+
+fn workload(profile: Profile, batch: usize) -> Workload {
+    let mut spec = WorkloadSpec::new(profile);
+    spec.batch_size = batch;
+    spec.layout = if profile == Profile::Criteo { (4, 4, 4) } else { (1, 1, 4) };
+    generate(&spec).expect("workload")
+}
+
+fn end_to_end(c: &mut Criterion) {
+    let mut group = c.benchmark_group("end_to_end");
+    group.sample_size(10);
+    for (profile, batch) in [
+        (Profile::Criteo, 4096),
+        (Profile::Long, 2048),
+        (Profile::LargeVocab, 2048),
+        (Profile::HighMultivalency, 2048),
+        (Profile::ModerateMultivalency, 4096),
+    ] {
+        let w = workload(profile, batch);
+        let batch = &w.batches[0];
+        group.throughput(Throughput::Elements(w.total_ids()));
+        for threads in [1, 2] {
+            let mut prep = Preprocessor::builder(w.config.clone()).threads(threads).build().unwrap();
+            let mut out = Output::new();
+            group.bench_function(format!("{}/threads={threads}", profile.name()), |b| {
+                b.iter(|| prep.run_record_batch(batch, &mut out).unwrap())
+            });
+        }
+    }
+    group.finish();
+}
+
+fn stages(c: &mut Criterion) {
+    let w = workload(Profile::Long, 2048);
+    let batch = &w.batches[0];
+    let mut prep = Preprocessor::builder(w.config.clone()).threads(1).build().unwrap();
+    let mut out = Output::new();
+    prep.run_record_batch(batch, &mut out).unwrap();
+    let plan = prep.plan().unwrap().clone();
+    let features = features_from_record_batch(&w.config, batch).unwrap();
+    let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
+    let stack = &plan.stacks[0]; // "items": two features of 100 ids per sample
+    let layout = plan.layout;
+    let bsd: usize = stack.features.iter().map(|&f| inputs[f].num_samples() / layout.local_devices).sum();
+    let ctx = StackCtx {
+        name: &stack.name,
+        layout,
+        combiner: stack.combiner,
+        weighted: false,
+        validate_ids: true,
+        batch_per_sc: bsd / layout.sc_per_device,
+    };
+    let limits = Limits { max_ids: stack.max_ids_per_partition, max_unique: stack.max_unique_ids_per_partition, drop: false };
+    let nbits = layout.partition_bits();
+    let ids_per_sc = (stack.features.len() * 100 * bsd / layout.sc_per_device) as u64;
+
+    let mut group = c.benchmark_group("stages/long-items-sc0");
+    group.throughput(Throughput::Elements(ids_per_sc));
+    let mut ex = Extracted::default();
+    group.bench_function("extract", |b| {
+        b.iter(|| extract_sc(&ctx, &plan.features, &stack.features, &inputs, 0, 0, &mut ex).unwrap())
+    });
+    let mut entries: Vec<Entry> = Vec::new();
+    let mut stats = ScStats::default();
+    let unsorted = ex.keys.clone();
+    group.bench_function("sort_and_group", |b| {
+        b.iter_batched_ref(
+            || unsorted.clone(),
+            |keys| {
+                std::mem::swap(&mut ex.keys, keys);
+                sort_and_group(&mut ex, nbits, limits, &mut entries, &mut stats);
+                std::mem::swap(&mut ex.keys, keys);
+            },
+            BatchSize::LargeInput,
+        )
+    });
+    let cs = stack.coo_buffer_size_per_sc(&layout);
+    let (mut rp, mut emb, mut smp, mut g) = (vec![0; layout.row_pointers_per_segment()], vec![0; cs], vec![0; cs], vec![0.0; cs]);
+    group.bench_function("fill", |b| {
+        b.iter(|| {
+            let mut seg = Segment { row_pointers: &mut rp, embedding_ids: &mut emb, sample_ids: &mut smp, gains: &mut g };
+            fill_segment(&entries, layout.num_partitions(), ctx.batch_per_sc as u32, &mut seg)
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, end_to_end, stages);
+criterion_main!(benches);
