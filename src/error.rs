@@ -315,15 +315,18 @@ pub enum Error {
 }
 
 impl Error {
-    pub(crate) fn option(option: &'static str, value: impl fmt::Display, reason: impl Into<String>) -> Self {
+    /// An [`Error::InvalidOption`].
+    pub fn option(option: &'static str, value: impl fmt::Display, reason: impl Into<String>) -> Self {
         Error::InvalidOption { option, value: value.to_string(), reason: reason.into() }
     }
 
-    pub(crate) fn config(what: &'static str, name: impl Into<String>, reason: impl Into<String>) -> Self {
+    /// An [`Error::InvalidConfig`].
+    pub fn config(what: &'static str, name: impl Into<String>, reason: impl Into<String>) -> Self {
         Error::InvalidConfig { what, name: name.into(), reason: reason.into() }
     }
 
-    pub(crate) fn input(feature: impl Into<String>, reason: impl Into<String>) -> Self {
+    /// An [`Error::InvalidInput`].
+    pub fn input(feature: impl Into<String>, reason: impl Into<String>) -> Self {
         Error::InvalidInput { feature: feature.into(), reason: reason.into() }
     }
 }

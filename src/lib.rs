@@ -44,9 +44,11 @@
 pub mod case;
 mod error;
 pub mod extract;
+pub mod fdo;
 pub mod fill;
 pub mod group;
 pub mod input;
+pub mod io;
 pub mod output;
 mod preprocess;
 pub mod spec;

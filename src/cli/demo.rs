@@ -7,7 +7,7 @@ use arrow_ipc::reader::FileReader;
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::{Config, Error, Output, Preprocessor};
 
-use super::table::print_summary;
+use super::table;
 
 const CONFIG: &str = include_str!("../../testdata/demo/criteo_256.json");
 const BATCH: &[u8] = include_bytes!("../../testdata/demo/criteo_256.arrow");
@@ -47,6 +47,7 @@ pub fn run(threads: Option<usize>) -> Result<(), Error> {
         plan.stacks.len(),
         elapsed.as_secs_f64() * 1e3
     );
-    print_summary(plan, &out, &ids);
+    let stats: Vec<_> = out.stacks.iter().map(|s| &s.stats).collect();
+    table::print(&table::rows(plan, &stats, &ids, true), plan.layout.sc_per_device);
     Ok(())
 }

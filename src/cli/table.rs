@@ -1,33 +1,61 @@
-//! The per-stack summary table printed by `demo`, `preprocess` and `stats`.
+//! The per-stack summary table printed by `demo`, `preprocess`, `stats` and `bench`.
 
 use sparsecore_prep::spec::Plan;
-use sparsecore_prep::Output;
+use sparsecore_prep::StackStats;
 
-/// Ids per stack in one batch, counted from the plan's member features.
-pub type StackIds = Vec<u64>;
+/// One stack's row.
+pub struct Row<'a> {
+    pub plan_name: &'a str,
+    pub features: usize,
+    pub ids: u64,
+    pub coo_per_device: Option<usize>,
+    pub stats: &'a StackStats,
+    pub max_ids_limit: u32,
+    pub max_unique_limit: u32,
+}
 
-/// Prints one row per stack: ids, buffer size and use, the largest per-partition counts
-/// against their limits, and drops.
-pub fn print_summary(plan: &Plan, out: &Output, ids: &StackIds) {
+/// Rows for every stack of `plan`, from per-stack stats and id counts.
+pub fn rows<'a>(plan: &'a Plan, stats: &'a [&'a StackStats], ids: &[u64], buffers: bool) -> Vec<Row<'a>> {
+    plan.stacks
+        .iter()
+        .zip(stats)
+        .zip(ids)
+        .map(|((s, st), &n)| Row {
+            plan_name: &s.name,
+            features: s.features.len(),
+            ids: n,
+            coo_per_device: buffers.then_some(s.coo_buffer_size_per_device),
+            stats: st,
+            max_ids_limit: s.max_ids_per_partition,
+            max_unique_limit: s.max_unique_ids_per_partition,
+        })
+        .collect()
+}
+
+/// Prints one row per stack: ids, the buffer and how much of it the batch needs, the largest
+/// per-partition counts against their limits, and drops.
+pub fn print(rows: &[Row<'_>], sc_per_device: usize) {
     println!(
-        "{:<24} {:>4} {:>9} {:>9} {:>9} {:>6} {:>13} {:>13} {:>8}",
+        "{:<24} {:>4} {:>10} {:>9} {:>9} {:>6} {:>13} {:>13} {:>8}",
         "stack", "feat", "ids", "C/device", "required", "use%", "max ids/lim", "max uniq/lim", "dropped"
     );
-    let s = plan.layout.sc_per_device;
-    for ((stack, so), &n) in plan.stacks.iter().zip(&out.stacks).zip(ids) {
-        let required = so.stats.required_buffer_size_per_device(s);
-        let c = so.coo_buffer_size_per_device();
+    for r in rows {
+        let required = r.stats.required_buffer_size_per_device(sc_per_device);
+        let (c, pct) = match r.coo_per_device {
+            Some(c) => (c.to_string(), format!("{:.1}%", 100.0 * required as f64 / c as f64)),
+            None => ("-".to_string(), "-".to_string()),
+        };
         println!(
-            "{:<24} {:>4} {:>9} {:>9} {:>9} {:>5.1}% {:>13} {:>13} {:>8}",
-            truncate(&stack.name, 24),
-            stack.features.len(),
-            n,
+            "{:<24} {:>4} {:>10} {:>9} {:>9} {:>6} {:>13} {:>13} {:>8}",
+            truncate(r.plan_name, 24),
+            r.features,
+            r.ids,
             c,
             required,
-            100.0 * required as f64 / c as f64,
-            format!("{}/{}", so.stats.max_ids(), stack.max_ids_per_partition),
-            format!("{}/{}", so.stats.max_unique_ids(), stack.max_unique_ids_per_partition),
-            so.stats.dropped_id_count
+            pct,
+            format!("{}/{}", r.stats.max_ids(), r.max_ids_limit),
+            format!("{}/{}", r.stats.max_unique_ids(), r.max_unique_limit),
+            r.stats.dropped_id_count
         );
     }
 }

@@ -1,0 +1,262 @@
+//! `preprocess` and `stats`: stream a file through the pipeline, batch by batch.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::BufWriter;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use arrow_array::{ArrayRef, FixedSizeListArray, Float32Array, Int32Array, RecordBatch, UInt64Array};
+use arrow_ipc::writer::FileWriter;
+use arrow_schema::{DataType, Field, Schema, SchemaRef};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use sparsecore_prep::fdo::{tmp_path, FdoStats};
+use sparsecore_prep::input::{features_from_record_batch, SampleSource};
+use sparsecore_prep::io::BatchReader;
+use sparsecore_prep::{Config, Error, Output, Preprocessor, Result, StackOutput};
+
+use super::{count_ids, io_err, parse_shard, table};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Config JSON (SPEC Part 1, section 1.1).
+    #[arg(long)]
+    config: PathBuf,
+    /// Arrow IPC (file or stream) or Parquet input.
+    #[arg(long)]
+    input: PathBuf,
+    /// Output directory: <stack>.arrow per stack and stats.json.
+    #[arg(long)]
+    out: PathBuf,
+    /// Process record batches i, i+N, ... only.
+    #[arg(long, value_parser = parse_shard)]
+    shard: Option<(usize, usize)>,
+    /// Worker threads (default: one per CPU).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+#[derive(clap::Args)]
+pub struct StatsArgs {
+    /// Config JSON.
+    #[arg(long)]
+    config: PathBuf,
+    /// Arrow IPC (file or stream) or Parquet input.
+    #[arg(long)]
+    input: PathBuf,
+    /// Where to write the merged stats JSON (default: stdout).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Process record batches i, i+N, ... only.
+    #[arg(long, value_parser = parse_shard)]
+    shard: Option<(usize, usize)>,
+    /// Worker threads (default: one per CPU).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+fn progress(total: Option<usize>) -> ProgressBar {
+    let pb = match total {
+        Some(n) => ProgressBar::with_draw_target(Some(n as u64), ProgressDrawTarget::stderr()),
+        None => ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr()),
+    };
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} batches, {msg} (ETA {eta})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    pb
+}
+
+/// One stack's output file, written under a temporary name until the run succeeds.
+struct StackFile {
+    tmp: PathBuf,
+    path: PathBuf,
+    schema: SchemaRef,
+    writer: FileWriter<BufWriter<File>>,
+    rp: usize,
+    c: usize,
+}
+
+impl StackFile {
+    fn create(dir: &Path, so: &StackOutput) -> Result<Self> {
+        let path = dir.join(format!("{}.arrow", file_name(&so.name)));
+        let tmp = tmp_path(&path);
+        let rp = so.row_pointers_per_device() as i32;
+        let c = so.coo_buffer_size_per_device() as i32;
+        let item = |t: DataType| Arc::new(Field::new_list_field(t, false));
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("batch", DataType::UInt64, false),
+            Field::new("device", DataType::Int32, false),
+            Field::new("row_pointers", DataType::FixedSizeList(item(DataType::Int32), rp), false),
+            Field::new("embedding_ids", DataType::FixedSizeList(item(DataType::Int32), c), false),
+            Field::new("sample_ids", DataType::FixedSizeList(item(DataType::Int32), c), false),
+            Field::new("gains", DataType::FixedSizeList(item(DataType::Float32), c), false),
+        ]));
+        let file = File::create(&tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
+        let writer = FileWriter::try_new(BufWriter::new(file), &schema)
+            .map_err(|source| Error::Arrow { context: format!("writing {}", path.display()), source })?;
+        Ok(StackFile { tmp, path, schema, writer, rp: rp as usize, c: c as usize })
+    }
+
+    fn write(&mut self, batch_index: u64, so: &StackOutput) -> Result<()> {
+        let arrow = |source| Error::Arrow { context: format!("writing {}", self.path.display()), source };
+        if so.row_pointers_per_device() != self.rp || so.coo_buffer_size_per_device() != self.c {
+            return Err(Error::config("stack", &so.name, "buffer sizes changed between batches"));
+        }
+        let l = so.local_devices();
+        let fsl = |values: ArrayRef, width: usize, t: DataType| -> Result<ArrayRef> {
+            Ok(Arc::new(
+                FixedSizeListArray::try_new(Arc::new(Field::new_list_field(t, false)), width as i32, values, None).map_err(arrow)?,
+            ))
+        };
+        let columns: Vec<ArrayRef> = vec![
+            Arc::new(UInt64Array::from(vec![batch_index; l])),
+            Arc::new(Int32Array::from((0..l as i32).collect::<Vec<_>>())),
+            fsl(Arc::new(Int32Array::from(so.row_pointers.clone())), self.rp, DataType::Int32)?,
+            fsl(Arc::new(Int32Array::from(so.embedding_ids.clone())), self.c, DataType::Int32)?,
+            fsl(Arc::new(Int32Array::from(so.sample_ids.clone())), self.c, DataType::Int32)?,
+            fsl(Arc::new(Float32Array::from(so.gains.clone())), self.c, DataType::Float32)?,
+        ];
+        let batch = RecordBatch::try_new(self.schema.clone(), columns).map_err(arrow)?;
+        self.writer.write(&batch).map_err(arrow)
+    }
+
+    fn finish(mut self) -> Result<()> {
+        self.writer.finish().map_err(|source| Error::Arrow { context: format!("writing {}", self.path.display()), source })?;
+        std::fs::rename(&self.tmp, &self.path).map_err(io_err(format!("renaming {} to {}", self.tmp.display(), self.path.display())))
+    }
+}
+
+/// A stack name as a file name: anything but `[A-Za-z0-9._-]` becomes `_`.
+fn file_name(stack: &str) -> String {
+    stack.chars().map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect()
+}
+
+/// Streams the file: calls `each(batch_index, prep, out, ids)` after every processed batch.
+fn stream(
+    config: Config,
+    input: &Path,
+    shard: Option<(usize, usize)>,
+    threads: Option<usize>,
+    stats_only: bool,
+    mut each: impl FnMut(u64, &Preprocessor, &Output) -> Result<()>,
+) -> Result<(FdoStats, Option<(sparsecore_prep::Plan, Vec<u64>)>)> {
+    let mut builder = Preprocessor::builder(config);
+    if let Some(t) = threads {
+        builder = builder.threads(t);
+    }
+    let mut prep = builder.build()?;
+    let reader = BatchReader::open(input)?;
+    let (i0, n) = shard.unwrap_or((0, 1));
+    let total = reader.num_batches().map(|b| (b + n - 1 - i0) / n);
+    let pb = progress(total);
+    let start = Instant::now();
+    let mut out = Output::new();
+    let mut stats: Option<FdoStats> = None;
+    let mut ids_per_stack: Vec<u64> = Vec::new();
+    let mut all_ids = 0u64;
+    for (index, batch) in reader.enumerate() {
+        if index % n != i0 {
+            continue;
+        }
+        let batch = batch?;
+        let features = features_from_record_batch(prep.config(), &batch)?;
+        let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
+        if stats_only {
+            prep.run_stats(&inputs, &mut out)?;
+        } else {
+            prep.run(&inputs, &mut out)?;
+        }
+        let plan = prep.plan().expect("planned");
+        let ids = count_ids(plan, &inputs);
+        ids_per_stack.resize(ids.len(), 0);
+        for (a, b) in ids_per_stack.iter_mut().zip(&ids) {
+            *a += b;
+        }
+        all_ids += ids.iter().sum::<u64>();
+        stats.get_or_insert_with(|| FdoStats::new(plan.layout)).record(plan, &out)?;
+        each(index as u64, &prep, &out)?;
+        pb.inc(1);
+        pb.set_message(format!("{:.1} M ids/s", all_ids as f64 / start.elapsed().as_secs_f64().max(1e-9) / 1e6));
+    }
+    pb.finish_and_clear();
+    let plan = prep.plan().cloned();
+    let stats = match (stats, &plan) {
+        (Some(s), _) => s,
+        (None, _) => FdoStats::new(sparsecore_prep::spec::DeviceLayout::new(
+            prep.config().config.local_device_count,
+            prep.config().config.global_device_count,
+            prep.config().config.num_sc_per_device,
+        )?),
+    };
+    Ok((stats, plan.map(|p| (p, ids_per_stack))))
+}
+
+fn summary(stats: &FdoStats, plan: &Option<(sparsecore_prep::Plan, Vec<u64>)>, buffers: bool) {
+    let Some((plan, ids)) = plan else {
+        println!("no record batch processed");
+        return;
+    };
+    let per_stack: Vec<&sparsecore_prep::StackStats> = plan.stacks.iter().map(|s| &stats.stacks[&s.name]).collect();
+    println!("{} batches, {} ids", stats.batches, ids.iter().sum::<u64>());
+    table::print(&table::rows(plan, &per_stack, ids, buffers), plan.layout.sc_per_device);
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let config = Config::from_path(&a.config)?;
+    std::fs::create_dir_all(&a.out).map_err(io_err(format!("creating output directory {}", a.out.display())))?;
+    // Fail early, before any work, if the directory is not writable.
+    let probe = tmp_path(&a.out.join(".write-probe"));
+    File::create(&probe).map_err(io_err(format!("output directory {} is not writable", a.out.display())))?;
+    let _ = std::fs::remove_file(&probe);
+
+    let mut files: BTreeMap<String, StackFile> = BTreeMap::new();
+    let result = stream(config, &a.input, a.shard, a.threads, false, |index, _prep, out| {
+        for so in &out.stacks {
+            if !files.contains_key(&so.name) {
+                files.insert(so.name.clone(), StackFile::create(&a.out, so)?);
+            }
+            files.get_mut(&so.name).expect("inserted").write(index, so)?;
+        }
+        Ok(())
+    });
+    let (stats, plan) = match result {
+        Ok(r) => r,
+        Err(e) => {
+            for f in files.values() {
+                let _ = std::fs::remove_file(&f.tmp);
+            }
+            return Err(e);
+        }
+    };
+    let stats_path = a.out.join("stats.json");
+    let tmps: Vec<PathBuf> = files.values().map(|f| f.tmp.clone()).collect();
+    let mut finish = || -> Result<()> {
+        for (_, f) in std::mem::take(&mut files) {
+            f.finish()?;
+        }
+        stats.write(&stats_path)
+    };
+    if let Err(e) = finish() {
+        for t in tmps {
+            let _ = std::fs::remove_file(t);
+        }
+        return Err(e);
+    }
+    summary(&stats, &plan, true);
+    Ok(())
+}
+
+pub fn run_stats(a: StatsArgs) -> Result<()> {
+    let config = Config::from_path(&a.config)?;
+    let (stats, plan) = stream(config, &a.input, a.shard, a.threads, true, |_, _, _| Ok(()))?;
+    match &a.out {
+        Some(path) => {
+            stats.write(path)?;
+            summary(&stats, &plan, false);
+        }
+        None => println!("{}", stats.to_json()),
+    }
+    Ok(())
+}

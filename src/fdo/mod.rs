@@ -1,0 +1,349 @@
+//! Feedback-directed optimisation: statistics that accumulate over batches, shards and hosts,
+//! and the tuner that turns them into limits and buffer sizes (SPEC Part 2, section 7).
+//!
+//! [`FdoStats`] is our JSON format (with a `version`); [`FileFdoClient`] stores one file per
+//! process like the reference's file clients; [`npz`] and [`csv`] read and write the reference's
+//! own dump formats so that stats can move between the two; [`tune`] applies the reference's
+//! rule (`update_preprocessing_parameters`) plus headroom and rounding.
+
+pub mod csv;
+pub mod npz;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::output::Output;
+use crate::spec::{round_up, Config, DeviceLayout, Plan, Stacking, ALIGNMENT};
+use crate::stats::StackStats;
+
+/// Version of the JSON format written by [`FdoStats::to_json`].
+pub const FDO_FORMAT_VERSION: u32 = 1;
+
+/// The device layout stats were measured on; stats of different layouts do not merge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayoutKey {
+    /// L.
+    pub local_device_count: usize,
+    /// G.
+    pub global_device_count: usize,
+    /// S.
+    pub num_sc_per_device: usize,
+}
+
+impl From<DeviceLayout> for LayoutKey {
+    fn from(l: DeviceLayout) -> Self {
+        LayoutKey { local_device_count: l.local_devices, global_device_count: l.global_devices, num_sc_per_device: l.sc_per_device }
+    }
+}
+
+/// Statistics accumulated over any number of batches.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FdoStats {
+    /// Format version ([`FDO_FORMAT_VERSION`]).
+    pub version: u32,
+    /// Layout the stats were measured on.
+    pub layout: LayoutKey,
+    /// Batches merged in.
+    pub batches: u64,
+    /// Per stack: element-wise maxima, and summed drops.
+    pub stacks: BTreeMap<String, StackStats>,
+}
+
+impl FdoStats {
+    /// Empty stats for a layout.
+    pub fn new(layout: impl Into<LayoutKey>) -> Self {
+        FdoStats { version: FDO_FORMAT_VERSION, layout: layout.into(), batches: 0, stacks: BTreeMap::new() }
+    }
+
+    /// Adds one batch's output.
+    pub fn record(&mut self, plan: &Plan, out: &Output) -> Result<()> {
+        let layout: LayoutKey = plan.layout.into();
+        if layout != self.layout {
+            return Err(layout_mismatch("recorded batch", &self.layout, &layout));
+        }
+        for so in &out.stacks {
+            merge_stack(self.stacks.entry(so.name.clone()).or_default(), &so.stats);
+        }
+        self.batches += 1;
+        Ok(())
+    }
+
+    /// Merges `other` in: element-wise max of the per-partition and per-SparseCore arrays, sum
+    /// of dropped ids and of batches. Stats of another layout or another set of stacks are
+    /// refused, naming the difference.
+    pub fn merge(&mut self, other: &FdoStats) -> Result<()> {
+        if self.layout != other.layout {
+            return Err(layout_mismatch("merge", &self.layout, &other.layout));
+        }
+        if self.batches > 0 && other.batches > 0 {
+            let ours: Vec<&String> = self.stacks.keys().collect();
+            let theirs: Vec<&String> = other.stacks.keys().collect();
+            if ours != theirs {
+                let only_ours: Vec<&str> = self.stacks.keys().filter(|k| !other.stacks.contains_key(*k)).map(|s| s.as_str()).collect();
+                let only_theirs: Vec<&str> = other.stacks.keys().filter(|k| !self.stacks.contains_key(*k)).map(|s| s.as_str()).collect();
+                return Err(Error::config(
+                    "stack",
+                    only_ours.first().or(only_theirs.first()).copied().unwrap_or(""),
+                    format!(
+                        "stats cover different stacks: only in the first: [{}]; only in the second: [{}]",
+                        only_ours.join(", "),
+                        only_theirs.join(", ")
+                    ),
+                ));
+            }
+        }
+        for (name, st) in &other.stacks {
+            let mine = self.stacks.entry(name.clone()).or_default();
+            if !mine.max_ids_per_partition.is_empty() && mine.max_ids_per_partition.len() != st.max_ids_per_partition.len() {
+                return Err(Error::config("stack", name, "stats arrays have different lengths"));
+            }
+            merge_stack(mine, st);
+        }
+        self.batches += other.batches;
+        Ok(())
+    }
+
+    /// Serialises as pretty JSON.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("stats serialise")
+    }
+
+    /// Parses JSON, checking the version.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let s: FdoStats = serde_json::from_str(text).map_err(|source| Error::Json { context: "FDO stats".into(), source })?;
+        if s.version != FDO_FORMAT_VERSION {
+            return Err(Error::option("version", s.version, format!("unsupported FDO stats version (expected {FDO_FORMAT_VERSION})")));
+        }
+        Ok(s)
+    }
+
+    /// Reads a stats JSON file.
+    pub fn from_path(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| Error::Io { context: format!("reading stats {}", path.display()), source })?;
+        Self::from_json(&text).map_err(|e| match e {
+            Error::Json { source, .. } => Error::Json { context: format!("stats {}", path.display()), source },
+            other => other,
+        })
+    }
+
+    /// Writes a stats JSON file atomically (temporary name, then rename).
+    pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
+        write_atomic(path.as_ref(), self.to_json().as_bytes())
+    }
+}
+
+fn layout_mismatch(what: &str, a: &LayoutKey, b: &LayoutKey) -> Error {
+    Error::option(
+        "layout",
+        format!("{}/{}/{}", b.local_device_count, b.global_device_count, b.num_sc_per_device),
+        format!(
+            "{what}: stats of layout L/G/S = {}/{}/{} cannot be combined with layout {}/{}/{}",
+            a.local_device_count, a.global_device_count, a.num_sc_per_device, b.local_device_count, b.global_device_count, b.num_sc_per_device
+        ),
+    )
+}
+
+fn merge_stack(into: &mut StackStats, from: &StackStats) {
+    fn max_into(a: &mut Vec<i32>, b: &[i32]) {
+        if a.len() < b.len() {
+            a.resize(b.len(), 0);
+        }
+        for (x, &y) in a.iter_mut().zip(b) {
+            *x = (*x).max(y);
+        }
+    }
+    max_into(&mut into.max_ids_per_partition, &from.max_ids_per_partition);
+    max_into(&mut into.max_unique_ids_per_partition, &from.max_unique_ids_per_partition);
+    max_into(&mut into.required_buffer_size_per_sc, &from.required_buffer_size_per_sc);
+    into.dropped_id_count += from.dropped_id_count;
+}
+
+/// Writes `bytes` to a temporary sibling of `path`, then renames it into place, so that a
+/// crash never leaves a partial file under the final name.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = tmp_path(path);
+    std::fs::write(&tmp, bytes).map_err(|source| Error::Io { context: format!("writing {}", tmp.display()), source })?;
+    std::fs::rename(&tmp, path).map_err(|source| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::Io { context: format!("renaming {} to {}", tmp.display(), path.display()), source }
+    })
+}
+
+/// The temporary name used while `path` is being written.
+pub fn tmp_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(format!(".tmp-{}", std::process::id()));
+    path.with_file_name(name)
+}
+
+/// Where stats are recorded, published and loaded (the reference's `FDOClient`).
+pub trait FdoClient {
+    /// Adds one batch's stats.
+    fn record(&mut self, stats: &FdoStats) -> Result<()>;
+    /// Persists what was recorded; returns where.
+    fn publish(&mut self) -> Result<PathBuf>;
+    /// Loads the latest stats of every process, max-merged.
+    fn load(&self) -> Result<FdoStats>;
+}
+
+/// One JSON file per process and publish: `fdo_stats_<process>_<nanos>.json` in a directory.
+/// `load` keeps each process's latest file and merges them, as the reference's file clients do
+/// (SPEC 7.3), except that drop counts are summed across processes rather than max-ed.
+#[derive(Debug, Clone)]
+pub struct FileFdoClient {
+    dir: PathBuf,
+    process: u64,
+    pending: Option<FdoStats>,
+}
+
+impl FileFdoClient {
+    /// A client for `process` writing into `dir`.
+    pub fn new(dir: impl Into<PathBuf>, process: u64) -> Self {
+        FileFdoClient { dir: dir.into(), process, pending: None }
+    }
+}
+
+impl FdoClient for FileFdoClient {
+    fn record(&mut self, stats: &FdoStats) -> Result<()> {
+        match &mut self.pending {
+            Some(p) => p.merge(stats),
+            None => {
+                self.pending = Some(stats.clone());
+                Ok(())
+            }
+        }
+    }
+
+    fn publish(&mut self) -> Result<PathBuf> {
+        let stats = self.pending.as_ref().ok_or_else(|| Error::option("fdo", "publish", "nothing recorded"))?;
+        std::fs::create_dir_all(&self.dir)
+            .map_err(|source| Error::Io { context: format!("creating {}", self.dir.display()), source })?;
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        let path = self.dir.join(format!("fdo_stats_{}_{}.json", self.process, nanos));
+        stats.write(&path)?;
+        Ok(path)
+    }
+
+    fn load(&self) -> Result<FdoStats> {
+        let entries = std::fs::read_dir(&self.dir)
+            .map_err(|source| Error::Io { context: format!("listing {}", self.dir.display()), source })?;
+        // Latest file per process id: (process, timestamp, path).
+        let mut latest: BTreeMap<String, (u128, PathBuf)> = BTreeMap::new();
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix("fdo_stats_").and_then(|r| r.strip_suffix(".json")) else { continue };
+            let Some((proc_id, ts)) = rest.split_once('_') else { continue };
+            let (Ok(_), Ok(ts)) = (proc_id.parse::<u64>(), ts.parse::<u128>()) else { continue };
+            let slot = latest.entry(proc_id.to_string()).or_insert((ts, e.path()));
+            if ts > slot.0 {
+                *slot = (ts, e.path());
+            }
+        }
+        let mut merged: Option<FdoStats> = None;
+        for (_, path) in latest.values() {
+            let s = FdoStats::from_path(path)?;
+            match &mut merged {
+                Some(m) => m.merge(&s)?,
+                None => merged = Some(s),
+            }
+        }
+        merged.ok_or_else(|| Error::Io {
+            context: format!("no fdo_stats_*.json in {}", self.dir.display()),
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        })
+    }
+}
+
+/// One line of a tuning report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TuneChange {
+    /// Table or stack name.
+    pub name: String,
+    /// (before, after) max ids per partition.
+    pub max_ids: (u64, u64),
+    /// (before, after) max unique ids per partition.
+    pub max_unique: (u64, u64),
+    /// (before, after) suggested COO buffer size per device.
+    pub suggested: (Option<u64>, Option<u64>),
+}
+
+/// Applies stats to a config: for each stack seen, `max_ids = ceil8(headroom · max)`,
+/// `max_unique = ceil8(headroom · max)`, `suggested = ceil(headroom · max(required) · S)`
+/// rounded to `8 · S` (SPEC 7.5 plus headroom and rounding). A stack that saw no ids keeps its
+/// old values rather than getting zero limits.
+///
+/// Feature-stacked (and single-table) stacks update their table; multi-table auto stacks update
+/// `stack_suggested_coo_buffer_size_per_device` and raise the shared `stack_limits`.
+pub fn tune(config: &Config, stats: &FdoStats, headroom: f64) -> Result<(Config, Vec<TuneChange>)> {
+    if !(headroom.is_finite() && headroom >= 1.0) {
+        return Err(Error::option("headroom", headroom, "must be a finite number >= 1.0"));
+    }
+    let layout = DeviceLayout::new(config.config.local_device_count, config.config.global_device_count, config.config.num_sc_per_device)?;
+    let key: LayoutKey = layout.into();
+    if key != stats.layout {
+        return Err(layout_mismatch("tune", &key, &stats.layout));
+    }
+    let s = layout.sc_per_device as u64;
+    let scale = |v: u64, m: u64| -> u64 { round_up((v as f64 * headroom).ceil() as u64, m) };
+    let mut tuned = config.clone();
+    let mut changes = Vec::new();
+    let mut auto_limits: Option<(u64, u64)> = None;
+    for (name, st) in &stats.stacks {
+        let ids = st.max_ids().max(0) as u64;
+        let uniq = st.max_unique_ids().max(0) as u64;
+        if ids == 0 {
+            continue; // no ids seen: keep the old limits
+        }
+        let new_ids = scale(ids, ALIGNMENT as u64).min(i32::MAX as u64);
+        let new_uniq = scale(uniq.max(1), ALIGNMENT as u64).min(new_ids);
+        let required = st.required_buffer_size_per_device(layout.sc_per_device);
+        let new_suggested = scale(required.max(1), ALIGNMENT as u64 * s);
+        if let Some(t) = tuned.tables.iter_mut().find(|t| &t.name == name) {
+            changes.push(TuneChange {
+                name: name.clone(),
+                max_ids: (t.max_ids_per_partition, new_ids),
+                max_unique: (t.max_unique_ids_per_partition, new_uniq),
+                suggested: (t.suggested_coo_buffer_size_per_device, Some(new_suggested)),
+            });
+            t.max_ids_per_partition = new_ids;
+            t.max_unique_ids_per_partition = new_uniq;
+            t.suggested_coo_buffer_size_per_device = Some(new_suggested);
+            if tuned.config.stacking == Stacking::Auto {
+                tuned
+                    .config
+                    .stack_suggested_coo_buffer_size_per_device
+                    .get_or_insert_with(BTreeMap::new)
+                    .insert(name.clone(), new_suggested);
+            }
+        } else if tuned.config.stacking == Stacking::Auto {
+            let old = tuned.config.stack_limits.unwrap_or_default();
+            let old_suggested = tuned.config.stack_suggested_coo_buffer_size_per_device.as_ref().and_then(|m| m.get(name).copied());
+            changes.push(TuneChange {
+                name: name.clone(),
+                max_ids: (old.max_ids_per_partition, new_ids),
+                max_unique: (old.max_unique_ids_per_partition, new_uniq),
+                suggested: (old_suggested, Some(new_suggested)),
+            });
+            let a = auto_limits.get_or_insert((0, 0));
+            a.0 = a.0.max(new_ids);
+            a.1 = a.1.max(new_uniq);
+            tuned
+                .config
+                .stack_suggested_coo_buffer_size_per_device
+                .get_or_insert_with(BTreeMap::new)
+                .insert(name.clone(), new_suggested);
+        } else {
+            return Err(Error::config("stack", name, "in the stats but not a table of the config"));
+        }
+    }
+    if let Some((ids, uniq)) = auto_limits {
+        tuned.config.stack_limits = Some(crate::spec::StackLimits { max_ids_per_partition: ids, max_unique_ids_per_partition: uniq });
+    }
+    Ok((tuned, changes))
+}
