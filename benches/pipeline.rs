@@ -4,7 +4,7 @@
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use sparsecore_prep::extract::{extract_sc, Extracted, StackCtx};
 use sparsecore_prep::fill::{fill_segment, Segment};
-use sparsecore_prep::group::{sort_and_group, Entry, Limits, ScStats};
+use sparsecore_prep::group::{sort_and_group, Entry, KeyLayout, Limits, ScStats};
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::workload::{generate, Profile, Workload, WorkloadSpec};
 use sparsecore_prep::{Output, Preprocessor};
@@ -59,9 +59,10 @@ fn stages(c: &mut Criterion) {
         weighted: false,
         validate_ids: true,
         batch_per_sc: bsd / layout.sc_per_device,
+        key_layout: KeyLayout::for_vocab(layout.partition_bits(), stack.stack_vocab_size),
     };
     let limits = Limits { max_ids: stack.max_ids_per_partition, max_unique: stack.max_unique_ids_per_partition, drop: false };
-    let nbits = layout.partition_bits();
+    let mut scratch = Vec::new();
     let ids_per_sc = (stack.features.len() * 100 * bsd / layout.sc_per_device) as u64;
 
     let mut group = c.benchmark_group("stages/long-items-sc0");
@@ -78,7 +79,7 @@ fn stages(c: &mut Criterion) {
             || unsorted.clone(),
             |keys| {
                 std::mem::swap(&mut ex.keys, keys);
-                sort_and_group(&mut ex, nbits, limits, &mut entries, &mut stats);
+                sort_and_group(&mut ex, &mut scratch, ctx.key_layout, limits, &mut entries, &mut stats);
                 std::mem::swap(&mut ex.keys, keys);
             },
             BatchSize::LargeInput,

@@ -21,7 +21,7 @@ use std::ops::Range;
 
 use crate::error::{Error, Result};
 use crate::input::{DenseIds, FeatureView, Ids, Offsets, SampleSource};
-use crate::group::encode_key;
+use crate::group::KeyLayout;
 use crate::spec::{Combiner, DeviceLayout, FeaturePlan, DATA_MASK};
 
 /// Per-SparseCore extraction output, reused from batch to batch.
@@ -39,6 +39,10 @@ pub struct Extracted {
     pub row_lo: u32,
     /// Whether the payload is an extraction index (weighted) or a row (unity).
     pub weighted: bool,
+    /// Whether payloads never decrease in extraction order (lets the sort skip them).
+    pub data_sorted: bool,
+    /// Largest payload so far.
+    last_data: u32,
 }
 
 impl Extracted {
@@ -68,6 +72,8 @@ pub struct StackCtx<'a> {
     pub validate_ids: bool,
     /// Per-device stacked batch divided by S.
     pub batch_per_sc: usize,
+    /// How keys are packed.
+    pub key_layout: KeyLayout,
 }
 
 /// Samples of feature `f` that each local SparseCore takes: `floor(size / (L * S))`.
@@ -95,6 +101,8 @@ pub fn extract_sc(
     out.rows.clear();
     out.gains.clear();
     out.weighted = ctx.weighted;
+    out.data_sorted = true;
+    out.last_data = 0;
     let row_lo = sc * ctx.batch_per_sc;
     out.row_lo = row_lo as u32;
 
@@ -127,7 +135,6 @@ pub fn extract_sc(
             ctx,
             plan,
             mask: (layout.num_partitions() - 1) as u32,
-            nbits: layout.partition_bits(),
             row_base: row_base(ctx, plan, sc) as u32,
             start,
         };
@@ -179,7 +186,6 @@ struct Sink<'o, 'c> {
     ctx: &'c StackCtx<'c>,
     plan: &'c FeaturePlan,
     mask: u32,
-    nbits: u32,
     /// Device-level sample index of input row `start`.
     row_base: u32,
     start: usize,
@@ -316,10 +322,15 @@ impl Sink<'_, '_> {
         }
         let row_id = self.row_base + (r - self.start) as u32;
         self.out.row_gains[(row_id - self.out.row_lo) as usize] = unity_gain(self.ctx.combiner, n);
+        if row_id < self.out.last_data {
+            self.out.data_sorted = false;
+        }
+        self.out.last_data = row_id;
+        let layout = self.ctx.key_layout;
         self.out.keys.reserve(n);
         for id in ids {
             let col = self.col_id(r, id)?;
-            self.out.keys.push(encode_key(0, col, row_id, self.nbits));
+            self.out.keys.push(layout.encode(0, col, row_id));
         }
         Ok(())
     }
@@ -363,7 +374,7 @@ impl Sink<'_, '_> {
                 Combiner::Sum => w,
                 _ => w / divisor,
             };
-            self.out.keys.push(encode_key(0, col, (first + k) as u32, self.nbits));
+            self.out.keys.push(self.ctx.key_layout.encode(0, col, (first + k) as u32));
             self.out.rows.push(row_id);
             self.out.gains.push(gain);
         }

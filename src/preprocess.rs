@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use crate::error::{Error, LimitKind, Result};
 use crate::extract::{extract_sc, Extracted, StackCtx};
 use crate::fill::{fill_segment, Segment};
-use crate::group::{sort_and_group, Entry, Limits, ScStats};
+use crate::group::{sort_and_group, Entry, KeyLayout, Limits, ScStats};
 use crate::input::{features_from_record_batch, SampleSource};
 use crate::output::Output;
 use crate::spec::{Config, Plan, StackPlan, DATA_MASK};
@@ -29,6 +29,7 @@ enum Mode {
 #[derive(Debug, Default)]
 struct Task {
     extracted: Extracted,
+    scratch: Vec<u64>,
     entries: Vec<Entry>,
     stats: ScStats,
     overflow: u64,
@@ -262,6 +263,11 @@ fn run_stacks(
                 weighted,
                 validate_ids: plan.validate_ids,
                 batch_per_sc: bsps,
+                key_layout: if plan.validate_ids {
+                    KeyLayout::for_vocab(layout.partition_bits(), stack.stack_vocab_size)
+                } else {
+                    KeyLayout::reference(layout.partition_bits())
+                },
             };
             let limits = Limits {
                 max_ids: stack.max_ids_per_partition,
@@ -307,8 +313,7 @@ fn run_task(
         task.error = Some(e);
         return;
     }
-    let nbits = plan.layout.partition_bits();
-    sort_and_group(&mut task.extracted, nbits, limits, &mut task.entries, &mut task.stats);
+    sort_and_group(&mut task.extracted, &mut task.scratch, ctx.key_layout, limits, &mut task.entries, &mut task.stats);
     if let Some(seg) = seg {
         task.overflow = fill_segment(&task.entries, plan.layout.num_partitions(), ctx.batch_per_sc as u32, seg);
     }

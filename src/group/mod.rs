@@ -13,7 +13,7 @@
 mod key;
 mod sort;
 
-pub use key::{decode_key, encode_key};
+pub use key::{decode_key, encode_key, KeyLayout};
 pub use sort::sort_keys;
 
 use crate::extract::Extracted;
@@ -79,15 +79,23 @@ fn max_with_index(v: &[u32]) -> (u32, usize) {
     best
 }
 
-/// Sorts `ex.keys` in place, then walks them into `out` (cleared first) and `stats`.
-pub fn sort_and_group(ex: &mut Extracted, nbits: u32, limits: Limits, out: &mut Vec<Entry>, stats: &mut ScStats) {
-    sort_keys(&mut ex.keys);
-    group_sorted(ex, nbits, limits, out, stats);
+/// Sorts `ex.keys` in place (with `scratch` as the radix sort's second buffer), then walks them
+/// into `out` (cleared first) and `stats`.
+pub fn sort_and_group(
+    ex: &mut Extracted,
+    scratch: &mut Vec<u64>,
+    layout: KeyLayout,
+    limits: Limits,
+    out: &mut Vec<Entry>,
+    stats: &mut ScStats,
+) {
+    sort_keys(&mut ex.keys, scratch, layout, ex.data_sorted, false);
+    group_sorted(ex, layout, limits, out, stats);
 }
 
 /// The walk of SPEC 3.7 over already sorted keys.
-pub fn group_sorted(ex: &Extracted, nbits: u32, limits: Limits, out: &mut Vec<Entry>, stats: &mut ScStats) {
-    let n = 1usize << nbits;
+pub fn group_sorted(ex: &Extracted, layout: KeyLayout, limits: Limits, out: &mut Vec<Entry>, stats: &mut ScStats) {
+    let n = 1usize << layout.nbits;
     let mask = (n - 1) as u32;
     out.clear();
     stats.ids.clear();
@@ -102,7 +110,7 @@ pub fn group_sorted(ex: &Extracted, nbits: u32, limits: Limits, out: &mut Vec<En
     let mut prev_col = u64::MAX;
     let mut dropping_col = false;
     for &key in &ex.keys {
-        let (_bucket, col, data) = decode_key(key, nbits);
+        let (_bucket, col, data) = layout.decode(key);
         let (row, gain) = ex.row_and_gain(data);
         // 1. Merge into the last appended entry.
         if let Some(last) = out.last_mut() {
