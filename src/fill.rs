@@ -9,7 +9,7 @@
 //! `Cs`. The tail after the final aligned cursor, which the reference leaves uninitialised, is
 //! padded too, so the output is a pure function of the input.
 
-use crate::group::Entry;
+use crate::group::{Entry, EntrySink};
 use crate::spec::{ALIGNMENT, PAD_GAIN_BITS, PAD_ID};
 
 /// The padding gain (quiet NaN with the reference's bit pattern).
@@ -35,50 +35,109 @@ fn pad(seg: &mut Segment<'_>, from: usize, to: usize) {
     seg.gains[from..to].fill(PAD_GAIN);
 }
 
+/// Writes entries (in partition order) into one segment as they come, so that the grouping walk
+/// can fill the buffer directly. Call [`SegmentWriter::finish`] at the end.
+pub struct SegmentWriter<'s, 'a> {
+    seg: &'s mut Segment<'a>,
+    /// Write cursor.
+    i: usize,
+    /// Current partition.
+    p: usize,
+    cs: usize,
+    n: usize,
+    nbits: u32,
+    mask: u32,
+    batch_per_sc: u32,
+    /// First row of this SparseCore: rows in `[row_lo, row_lo + batch_per_sc)` map to their
+    /// offset without a division.
+    row_lo: u32,
+    dropped: u64,
+    /// Whether the last pushed entry was written (duplicates merge into it only then).
+    last_written: bool,
+}
+
+impl<'s, 'a> SegmentWriter<'s, 'a> {
+    /// A writer for `seg`; `num_partitions` is N and `batch_per_sc` the per-SparseCore stacked
+    /// batch (sample ids are rows modulo it).
+    pub fn new(seg: &'s mut Segment<'a>, num_partitions: usize, batch_per_sc: u32, row_lo: u32) -> Self {
+        let cs = seg.embedding_ids.len();
+        SegmentWriter {
+            seg,
+            i: 0,
+            p: 0,
+            cs,
+            n: num_partitions,
+            nbits: num_partitions.trailing_zeros(),
+            mask: (num_partitions - 1) as u32,
+            batch_per_sc: batch_per_sc.max(1),
+            row_lo,
+            dropped: 0,
+            last_written: false,
+        }
+    }
+
+    /// Ends partition `p` at the cursor and pads the cursor to the next multiple of 8.
+    #[inline]
+    fn close(&mut self) {
+        self.seg.row_pointers[self.p] = self.i as i32;
+        let aligned = self.i.next_multiple_of(ALIGNMENT).min(self.cs);
+        pad(self.seg, self.i, aligned);
+        self.i = aligned;
+        self.p += 1;
+    }
+
+    /// Closes the remaining partitions, sets pointers `N..rpb` to the final cursor, pads the
+    /// tail, and returns how many entries did not fit.
+    pub fn finish(mut self) -> u64 {
+        while self.p < self.n {
+            self.close();
+        }
+        let i = self.i;
+        for rp in &mut self.seg.row_pointers[self.n..] {
+            *rp = i as i32;
+        }
+        pad(self.seg, i, self.cs);
+        self.dropped
+    }
+}
+
+impl EntrySink for SegmentWriter<'_, '_> {
+    #[inline(always)]
+    fn push(&mut self, e: Entry) {
+        let t = (e.col & self.mask) as usize;
+        while self.p < t {
+            self.close();
+        }
+        if self.i >= self.cs {
+            self.dropped += 1;
+            self.last_written = false;
+            return;
+        }
+        let i = self.i;
+        self.seg.embedding_ids[i] = (e.col >> self.nbits) as i32;
+        let offset = e.row.wrapping_sub(self.row_lo);
+        let sample = if offset < self.batch_per_sc { offset } else { e.row % self.batch_per_sc };
+        self.seg.sample_ids[i] = sample as i32;
+        self.seg.gains[i] = e.gain;
+        self.i = i + 1;
+        self.last_written = true;
+    }
+
+    #[inline(always)]
+    fn add_to_last(&mut self, gain: f32) {
+        if self.last_written {
+            self.seg.gains[self.i - 1] += gain;
+        }
+    }
+}
+
 /// Fills `seg` from `entries` (sorted by partition) and returns how many entries did not fit.
-///
-/// `num_partitions` is N and `batch_per_sc` the per-SparseCore stacked batch (sample ids are
-/// rows modulo it).
 pub fn fill_segment(entries: &[Entry], num_partitions: usize, batch_per_sc: u32, seg: &mut Segment<'_>) -> u64 {
-    let cs = seg.embedding_ids.len();
-    let nbits = num_partitions.trailing_zeros();
-    let mask = (num_partitions - 1) as u32;
-    let mut i = 0usize;
-    let mut p = 0usize;
-    let mut dropped = 0u64;
-
-    // Ends partition `p` at the cursor and pads the cursor to the next multiple of 8.
-    let close = |seg: &mut Segment<'_>, p: usize, i: usize| -> usize {
-        seg.row_pointers[p] = i as i32;
-        let aligned = i.next_multiple_of(ALIGNMENT).min(cs);
-        pad(seg, i, aligned);
-        aligned
-    };
-
-    for (k, e) in entries.iter().enumerate() {
-        let t = (e.col & mask) as usize;
-        while p < t {
-            i = close(seg, p, i);
-            p += 1;
-        }
-        if i >= cs {
-            dropped = (entries.len() - k) as u64;
-            break;
-        }
-        seg.embedding_ids[i] = (e.col >> nbits) as i32;
-        seg.sample_ids[i] = (e.row % batch_per_sc) as i32;
-        seg.gains[i] = e.gain;
-        i += 1;
+    let mut w = SegmentWriter::new(seg, num_partitions, batch_per_sc, 0);
+    for &e in entries {
+        w.push(e);
     }
-    while p < num_partitions {
-        i = close(seg, p, i);
-        p += 1;
-    }
-    for rp in &mut seg.row_pointers[num_partitions..] {
-        *rp = i as i32;
-    }
-    pad(seg, i, cs);
-    dropped
+    w.finish()
 }
 
 #[cfg(test)]

@@ -10,8 +10,8 @@ use rayon::prelude::*;
 
 use crate::error::{Error, LimitKind, Result};
 use crate::extract::{extract_sc, Extracted, StackCtx};
-use crate::fill::{fill_segment, Segment};
-use crate::group::{sort_and_group, Entry, KeyLayout, Limits, ScStats};
+use crate::fill::{Segment, SegmentWriter};
+use crate::group::{group_sorted, sort_keys, Entry, EntrySink, KeyLayout, Limits, ScStats};
 use crate::input::{features_from_record_batch, SampleSource};
 use crate::output::Output;
 use crate::spec::{Config, Plan, StackPlan, DATA_MASK};
@@ -25,12 +25,21 @@ enum Mode {
     StatsOnly,
 }
 
+/// A sink that keeps nothing (stats-only runs).
+struct Discard;
+
+impl EntrySink for Discard {
+    #[inline(always)]
+    fn push(&mut self, _: Entry) {}
+    #[inline(always)]
+    fn add_to_last(&mut self, _: f32) {}
+}
+
 /// Scratch of one (stack, local SparseCore) task, kept across batches.
 #[derive(Debug, Default)]
 struct Task {
     extracted: Extracted,
     scratch: Vec<u64>,
-    entries: Vec<Entry>,
     stats: ScStats,
     overflow: u64,
     error: Option<Error>,
@@ -313,9 +322,21 @@ fn run_task(
         task.error = Some(e);
         return;
     }
-    sort_and_group(&mut task.extracted, &mut task.scratch, ctx.key_layout, limits, &mut task.entries, &mut task.stats);
-    if let Some(seg) = seg {
-        task.overflow = fill_segment(&task.entries, plan.layout.num_partitions(), ctx.batch_per_sc as u32, seg);
+    let ex = &mut task.extracted;
+    sort_keys(&mut ex.keys, &mut task.scratch, ctx.key_layout, ex.data_sorted, false);
+    match seg {
+        // Group straight into the buffer: no intermediate entry list.
+        Some(seg) => {
+            let mut writer =
+                SegmentWriter::new(seg, plan.layout.num_partitions(), ctx.batch_per_sc as u32, ex.row_lo);
+            group_sorted(ex, ctx.key_layout, limits, &mut writer, &mut task.stats);
+            task.overflow = writer.finish();
+        }
+        None => {
+            // Stats only: the entries are counted, not kept.
+            let mut sink = Discard;
+            group_sorted(ex, ctx.key_layout, limits, &mut sink, &mut task.stats);
+        }
     }
 }
 

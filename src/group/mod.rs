@@ -17,7 +17,7 @@ pub use key::{decode_key, encode_key, KeyLayout};
 pub use sort::sort_keys;
 
 use crate::extract::Extracted;
-use crate::spec::{round_up, ALIGNMENT};
+use crate::spec::{round_up, ALIGNMENT, DATA_BITS, DATA_MASK};
 
 /// One de-duplicated, kept entry, ready for the fill stage.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -79,6 +79,29 @@ fn max_with_index(v: &[u32]) -> (u32, usize) {
     best
 }
 
+/// Where the grouping walk sends kept entries: a `Vec` (stats runs, tests) or a COO segment
+/// written directly (the fill stage's `SegmentWriter`), so that the common path never
+/// materialises the entries.
+pub trait EntrySink {
+    /// Appends a kept entry.
+    fn push(&mut self, entry: Entry);
+    /// Adds a duplicate's gain to the last appended entry.
+    fn add_to_last(&mut self, gain: f32);
+}
+
+impl EntrySink for Vec<Entry> {
+    #[inline(always)]
+    fn push(&mut self, entry: Entry) {
+        Vec::push(self, entry);
+    }
+    #[inline(always)]
+    fn add_to_last(&mut self, gain: f32) {
+        if let Some(last) = self.last_mut() {
+            last.gain += gain;
+        }
+    }
+}
+
 /// Sorts `ex.keys` in place (with `scratch` as the radix sort's second buffer), then walks them
 /// into `out` (cleared first) and `stats`.
 pub fn sort_and_group(
@@ -90,62 +113,89 @@ pub fn sort_and_group(
     stats: &mut ScStats,
 ) {
     sort_keys(&mut ex.keys, scratch, layout, ex.data_sorted, false);
+    out.clear();
     group_sorted(ex, layout, limits, out, stats);
 }
 
-/// The walk of SPEC 3.7 over already sorted keys.
-pub fn group_sorted(ex: &Extracted, layout: KeyLayout, limits: Limits, out: &mut Vec<Entry>, stats: &mut ScStats) {
+/// The walk of SPEC 3.7 over already sorted keys, sending kept entries to `sink`.
+pub fn group_sorted<S: EntrySink>(ex: &Extracted, layout: KeyLayout, limits: Limits, sink: &mut S, stats: &mut ScStats) {
     let n = 1usize << layout.nbits;
-    let mask = (n - 1) as u32;
-    out.clear();
     stats.ids.clear();
     stats.ids.resize(n, 0);
     stats.unique.clear();
     stats.unique.resize(n, 0);
     stats.dropped = 0;
+    match (ex.weighted, limits.drop) {
+        (false, false) => walk::<S, false, false>(ex, layout, limits, sink, stats),
+        (false, true) => walk::<S, false, true>(ex, layout, limits, sink, stats),
+        (true, false) => walk::<S, true, false>(ex, layout, limits, sink, stats),
+        (true, true) => walk::<S, true, true>(ex, layout, limits, sink, stats),
+    }
+}
 
-    // `prev_*`: the last entry that was not merged (kept or dropped). Columns are < 2^32, so
-    // u64::MAX means "none".
-    let mut prev_row = u64::MAX;
-    let mut prev_col = u64::MAX;
+/// The walk, specialised for weights and dropping. Columns are compared as the key's column
+/// bits (bucket, partition, local id), which identify a column within one bucket pass.
+#[inline(always)]
+fn walk<S: EntrySink, const WEIGHTED: bool, const DROP: bool>(
+    ex: &Extracted,
+    layout: KeyLayout,
+    limits: Limits,
+    sink: &mut S,
+    stats: &mut ScStats,
+) {
+    let n = 1usize << layout.nbits;
+    let pmask = (n - 1) as u64;
+    let lb = layout.local_bits;
+    let ids = &mut stats.ids[..n];
+    let unique = &mut stats.unique[..n];
+    let mut dropped = 0u64;
+    // The last appended entry, and the last entry that was not merged (kept or dropped).
+    // Column bits are < 2^38, so u64::MAX means "none".
+    let (mut last_col, mut last_row) = (u64::MAX, u32::MAX);
+    let (mut prev_col, mut prev_row) = (u64::MAX, u32::MAX);
     let mut dropping_col = false;
     for &key in &ex.keys {
-        let (_bucket, col, data) = layout.decode(key);
-        let (row, gain) = ex.row_and_gain(data);
+        let colbits = key >> DATA_BITS;
+        let data = (key & DATA_MASK) as u32;
+        let (row, gain) = if WEIGHTED {
+            (ex.rows[data as usize], ex.gains[data as usize])
+        } else {
+            (data, ex.row_gains[(data - ex.row_lo) as usize])
+        };
         // 1. Merge into the last appended entry.
-        if let Some(last) = out.last_mut() {
-            if last.row == row && last.col == col {
-                last.gain += gain;
-                continue;
-            }
+        if colbits == last_col && row == last_row {
+            sink.add_to_last(gain);
+            continue;
         }
         // 2. A repeat of a pair that was dropped.
-        if limits.drop && row as u64 == prev_row && col as u64 == prev_col {
-            stats.dropped += 1;
+        if DROP && row == prev_row && colbits == prev_col {
+            dropped += 1;
             continue;
         }
         // 3. Count.
-        let new_col = col as u64 != prev_col;
-        let g = (col & mask) as usize;
-        stats.ids[g] += 1;
-        if new_col {
-            stats.unique[g] += 1;
-        }
+        let new_col = colbits != prev_col;
+        let g = ((colbits >> lb) & pmask) as usize;
+        ids[g] += 1;
+        unique[g] += new_col as u32;
         // 4. Keep or drop. The kept counters equal the observed ones, so the counts above decide.
-        if limits.drop {
-            let exceeds = stats.ids[g] > limits.max_ids;
+        let keep = if DROP {
             if new_col {
-                dropping_col = stats.unique[g] > limits.max_unique;
+                dropping_col = unique[g] > limits.max_unique;
             }
-            if exceeds || dropping_col {
-                stats.dropped += 1;
-            } else {
-                out.push(Entry { col, row, gain });
-            }
+            !(ids[g] > limits.max_ids || dropping_col)
         } else {
-            out.push(Entry { col, row, gain });
+            true
+        };
+        if keep {
+            let (_, col, _) = layout.decode(key);
+            sink.push(Entry { col, row, gain });
+            last_col = colbits;
+            last_row = row;
+        } else {
+            dropped += 1;
         }
-        prev_row = row as u64;
-        prev_col = col as u64;
+        prev_col = colbits;
+        prev_row = row;
     }
+    stats.dropped = dropped;
 }

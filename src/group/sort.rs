@@ -41,8 +41,10 @@ fn radix_by_bits(keys: &mut Vec<u64>, scratch: &mut Vec<u64>, lo: u32, hi: u32) 
     let passes = span.div_ceil(MAX_DIGIT_BITS);
     let digit = span.div_ceil(passes);
     let mut counts = [0u32; 1 << MAX_DIGIT_BITS];
-    scratch.clear();
-    scratch.resize(keys.len(), 0);
+    // Every slot is written before it is read; only grow, never re-zero.
+    if scratch.len() < keys.len() {
+        scratch.resize(keys.len(), 0);
+    }
     let mut shift = lo;
     while shift < hi {
         let bits = digit.min(hi - shift);
@@ -71,6 +73,8 @@ fn radix_by_bits(keys: &mut Vec<u64>, scratch: &mut Vec<u64>, lo: u32, hi: u32) 
             scratch[pos as usize] = k;
         }
         std::mem::swap(keys, scratch);
+        let n = scratch.len();
+        keys.truncate(n);
         shift += bits;
     }
 }
