@@ -303,6 +303,16 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// An error with the file (or other context) it happened in.
+    #[error("{context}: {source}")]
+    Context {
+        /// Which file, batch or step.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: Box<Error>,
+    },
+
     /// Arrow rejected a buffer or file.
     #[error("{context}: {source}")]
     Arrow {
@@ -315,6 +325,20 @@ pub enum Error {
 }
 
 impl Error {
+    /// Wraps the error with context (a file name, a batch index), keeping its kind reachable
+    /// through [`Error::root`].
+    pub fn context(self, context: impl Into<String>) -> Self {
+        Error::Context { context: context.into(), source: Box::new(self) }
+    }
+
+    /// The innermost error, below any [`Error::Context`] wrappers.
+    pub fn root(&self) -> &Error {
+        match self {
+            Error::Context { source, .. } => source.root(),
+            other => other,
+        }
+    }
+
     /// An [`Error::InvalidOption`].
     pub fn option(option: &'static str, value: impl fmt::Display, reason: impl Into<String>) -> Self {
         Error::InvalidOption { option, value: value.to_string(), reason: reason.into() }

@@ -8,7 +8,7 @@ use std::path::Path;
 use arrow_array::RecordBatch;
 use arrow_ipc::reader::{FileReader, StreamReader};
 use arrow_schema::SchemaRef;
-use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ParquetRecordBatchReaderBuilder};
 
 use crate::error::{Error, Result};
 
@@ -72,16 +72,36 @@ impl BatchReader {
                 (Box::new(r), schema)
             }
             FileFormat::Parquet => {
-                let b = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| Error::Arrow {
+                // One record batch per row group: a row group is the writer's batch, and a
+                // batch is one local batch, so row groups must neither merge nor split.
+                let pq = |e: parquet::errors::ParquetError| Error::Arrow {
                     context: format!("reading Parquet {name}"),
                     source: arrow_schema::ArrowError::ExternalError(Box::new(e)),
-                })?;
-                let schema = b.schema().clone();
-                let r = b.build().map_err(|e| Error::Arrow {
-                    context: format!("reading Parquet {name}"),
-                    source: arrow_schema::ArrowError::ExternalError(Box::new(e)),
-                })?;
-                (Box::new(r), schema)
+                };
+                let meta = ArrowReaderMetadata::load(&file, Default::default()).map_err(pq)?;
+                let schema = meta.schema().clone();
+                let groups: Vec<usize> =
+                    meta.metadata().row_groups().iter().map(|g| g.num_rows().max(0) as usize).collect();
+                num_batches = Some(groups.len());
+                let iter = groups.into_iter().enumerate().filter(|&(_, rows)| rows > 0).flat_map(move |(i, rows)| {
+                    let opened = file
+                        .try_clone()
+                        .map_err(|e| arrow_schema::ArrowError::IoError(e.to_string(), e))
+                        .and_then(|f| {
+                            ParquetRecordBatchReaderBuilder::new_with_metadata(f, meta.clone())
+                                .with_row_groups(vec![i])
+                                .with_batch_size(rows)
+                                .build()
+                                .map_err(|e| arrow_schema::ArrowError::ExternalError(Box::new(e)))
+                        });
+                    let boxed: Box<dyn Iterator<Item = std::result::Result<RecordBatch, arrow_schema::ArrowError>> + Send> =
+                        match opened {
+                            Ok(r) => Box::new(r),
+                            Err(e) => Box::new(std::iter::once(Err(e))),
+                        };
+                    boxed
+                });
+                (Box::new(iter), schema)
             }
         };
         Ok(BatchReader { inner, schema, format, path: name, index: 0, num_batches })

@@ -81,7 +81,8 @@ pub fn run(c: Command) -> Result<()> {
         Command::Tune { config, stats, headroom, out } => {
             let cfg = Config::from_path(&config)?;
             let st = FdoStats::from_path(&stats)?;
-            let (tuned, changes) = tune(&cfg, &st, headroom)?;
+            let (tuned, changes) = tune(&cfg, &st, headroom)
+                .map_err(|e| e.context(format!("tuning config {} with stats {}", config.display(), stats.display())))?;
             // The tuned config must itself be valid.
             sparsecore_prep::Preprocessor::new(tuned.clone())?;
             write_config(&out, &tuned)?;

@@ -122,9 +122,9 @@ impl StackFile {
         self.writer.write(&batch).map_err(arrow)
     }
 
-    fn finish(mut self) -> Result<()> {
-        self.writer.finish().map_err(|source| Error::Arrow { context: format!("writing {}", self.path.display()), source })?;
-        std::fs::rename(&self.tmp, &self.path).map_err(io_err(format!("renaming {} to {}", self.tmp.display(), self.path.display())))
+    /// Completes the file under its temporary name.
+    fn finish_tmp(mut self) -> Result<()> {
+        self.writer.finish().map_err(|source| Error::Arrow { context: format!("writing {}", self.path.display()), source })
     }
 }
 
@@ -136,6 +136,7 @@ fn file_name(stack: &str) -> String {
 /// Streams the file: calls `each(batch_index, prep, out, ids)` after every processed batch.
 fn stream(
     config: Config,
+    config_path: &Path,
     input: &Path,
     shard: Option<(usize, usize)>,
     threads: Option<usize>,
@@ -146,8 +147,9 @@ fn stream(
     if let Some(t) = threads {
         builder = builder.threads(t);
     }
-    let mut prep = builder.build()?;
+    let mut prep = builder.build().map_err(|e| e.context(format!("config {}", config_path.display())))?;
     let reader = BatchReader::open(input)?;
+    let at = |i: usize| format!("input {}, record batch {i}", input.display());
     let (i0, n) = shard.unwrap_or((0, 1));
     let total = reader.num_batches().map(|b| (b + n - 1 - i0) / n);
     let pb = progress(total);
@@ -161,13 +163,10 @@ fn stream(
             continue;
         }
         let batch = batch?;
-        let features = features_from_record_batch(prep.config(), &batch)?;
+        let features = features_from_record_batch(prep.config(), &batch).map_err(|e| e.context(at(index)))?;
         let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
-        if stats_only {
-            prep.run_stats(&inputs, &mut out)?;
-        } else {
-            prep.run(&inputs, &mut out)?;
-        }
+        let result = if stats_only { prep.run_stats(&inputs, &mut out) } else { prep.run(&inputs, &mut out) };
+        result.map_err(|e| e.context(at(index)))?;
         let plan = prep.plan().expect("planned");
         let ids = count_ids(plan, &inputs);
         ids_per_stack.resize(ids.len(), 0);
@@ -212,7 +211,7 @@ pub fn run(a: Args) -> Result<()> {
     let _ = std::fs::remove_file(&probe);
 
     let mut files: BTreeMap<String, StackFile> = BTreeMap::new();
-    let result = stream(config, &a.input, a.shard, a.threads, false, |index, _prep, out| {
+    let result = stream(config, &a.config, &a.input, a.shard, a.threads, false, |index, _prep, out| {
         for so in &out.stacks {
             if !files.contains_key(&so.name) {
                 files.insert(so.name.clone(), StackFile::create(&a.out, so)?);
@@ -230,19 +229,41 @@ pub fn run(a: Args) -> Result<()> {
             return Err(e);
         }
     };
+    // Everything is written under temporary names first; only then is anything renamed into
+    // place, and a failed rename takes back the renames before it.
     let stats_path = a.out.join("stats.json");
-    let tmps: Vec<PathBuf> = files.values().map(|f| f.tmp.clone()).collect();
-    let mut finish = || -> Result<()> {
+    let stats_tmp = tmp_path(&stats_path);
+    let mut pending: Vec<(PathBuf, PathBuf)> = Vec::new();
+    let mut written = || -> Result<()> {
         for (_, f) in std::mem::take(&mut files) {
-            f.finish()?;
+            let (tmp, path) = (f.tmp.clone(), f.path.clone());
+            pending.push((tmp, path));
+            f.finish_tmp()?;
         }
-        stats.write(&stats_path)
+        std::fs::write(&stats_tmp, stats.to_json()).map_err(io_err(format!("writing {}", stats_tmp.display())))?;
+        pending.push((stats_tmp.clone(), stats_path.clone()));
+        Ok(())
     };
-    if let Err(e) = finish() {
-        for t in tmps {
+    let result = written();
+    let tmps: Vec<PathBuf> = files.values().map(|f| f.tmp.clone()).collect();
+    if let Err(e) = result {
+        for t in tmps.iter().chain(pending.iter().map(|(t, _)| t)) {
             let _ = std::fs::remove_file(t);
         }
         return Err(e);
+    }
+    let mut done: Vec<&PathBuf> = Vec::new();
+    for (tmp, path) in &pending {
+        if let Err(source) = std::fs::rename(tmp, path) {
+            for p in done {
+                let _ = std::fs::remove_file(p);
+            }
+            for (t, _) in &pending {
+                let _ = std::fs::remove_file(t);
+            }
+            return Err(Error::Io { context: format!("renaming {} to {}", tmp.display(), path.display()), source });
+        }
+        done.push(path);
     }
     summary(&stats, &plan, true);
     Ok(())
@@ -250,7 +271,7 @@ pub fn run(a: Args) -> Result<()> {
 
 pub fn run_stats(a: StatsArgs) -> Result<()> {
     let config = Config::from_path(&a.config)?;
-    let (stats, plan) = stream(config, &a.input, a.shard, a.threads, true, |_, _, _| Ok(()))?;
+    let (stats, plan) = stream(config, &a.config, &a.input, a.shard, a.threads, true, |_, _, _| Ok(()))?;
     match &a.out {
         Some(path) => {
             stats.write(path)?;

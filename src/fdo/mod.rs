@@ -63,7 +63,7 @@ impl FdoStats {
     pub fn record(&mut self, plan: &Plan, out: &Output) -> Result<()> {
         let layout: LayoutKey = plan.layout.into();
         if layout != self.layout {
-            return Err(layout_mismatch("recorded batch", &self.layout, &layout));
+            return Err(layout_mismatch("the recorded stats", &self.layout, "the new batch", &layout));
         }
         for so in &out.stacks {
             merge_stack(self.stacks.entry(so.name.clone()).or_default(), &so.stats);
@@ -77,7 +77,7 @@ impl FdoStats {
     /// refused, naming the difference.
     pub fn merge(&mut self, other: &FdoStats) -> Result<()> {
         if self.layout != other.layout {
-            return Err(layout_mismatch("merge", &self.layout, &other.layout));
+            return Err(layout_mismatch("the first stats", &self.layout, "the second", &other.layout));
         }
         if self.batches > 0 && other.batches > 0 {
             let ours: Vec<&String> = self.stacks.keys().collect();
@@ -138,15 +138,15 @@ impl FdoStats {
     }
 }
 
-fn layout_mismatch(what: &str, a: &LayoutKey, b: &LayoutKey) -> Error {
-    Error::option(
-        "layout",
-        format!("{}/{}/{}", b.local_device_count, b.global_device_count, b.num_sc_per_device),
-        format!(
-            "{what}: stats of layout L/G/S = {}/{}/{} cannot be combined with layout {}/{}/{}",
-            a.local_device_count, a.global_device_count, a.num_sc_per_device, b.local_device_count, b.global_device_count, b.num_sc_per_device
-        ),
-    )
+impl std::fmt::Display for LayoutKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}/{}", self.local_device_count, self.global_device_count, self.num_sc_per_device)
+    }
+}
+
+/// `ours` and `theirs` describe the two sides ("the first stats", "the config", ...).
+fn layout_mismatch(ours: &str, a: &LayoutKey, theirs: &str, b: &LayoutKey) -> Error {
+    Error::option("layout", b, format!("{ours} has layout L/G/S = {a} but {theirs} has layout {b}; stats of different layouts do not combine"))
 }
 
 fn merge_stack(into: &mut StackStats, from: &StackStats) {
@@ -287,10 +287,12 @@ pub fn tune(config: &Config, stats: &FdoStats, headroom: f64) -> Result<(Config,
     let layout = DeviceLayout::new(config.config.local_device_count, config.config.global_device_count, config.config.num_sc_per_device)?;
     let key: LayoutKey = layout.into();
     if key != stats.layout {
-        return Err(layout_mismatch("tune", &key, &stats.layout));
+        return Err(layout_mismatch("the config", &key, "the stats", &stats.layout));
     }
     let s = layout.sc_per_device as u64;
-    let scale = |v: u64, m: u64| -> u64 { round_up((v as f64 * headroom).ceil() as u64, m) };
+    // ceil(v * headroom), immune to binary fractions: 400 * 1.1 is 440.00000000000006 in f64,
+    // which must give 440, not 441.
+    let scale = |v: u64, m: u64| -> u64 { round_up(((v as f64 * headroom * 1e6).round() / 1e6).ceil() as u64, m) };
     let mut tuned = config.clone();
     let mut changes = Vec::new();
     let mut auto_limits: Option<(u64, u64)> = None;
