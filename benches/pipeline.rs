@@ -4,7 +4,7 @@
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use sparsecore_prep::extract::{extract_sc, Extracted, StackCtx};
 use sparsecore_prep::fill::{fill_segment, Segment};
-use sparsecore_prep::group::{sort_and_group, Entry, KeyLayout, Limits, ScStats};
+use sparsecore_prep::group::{sort_and_group, Entry, KeyLayout, Limits, ScStats, SortScratch};
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::workload::{generate, Profile, Workload, WorkloadSpec};
 use sparsecore_prep::{Output, Preprocessor};
@@ -59,10 +59,10 @@ fn stages(c: &mut Criterion) {
         weighted: false,
         validate_ids: true,
         batch_per_sc: bsd / layout.sc_per_device,
-        key_layout: KeyLayout::for_vocab(layout.partition_bits(), stack.stack_vocab_size),
+        local_bits: KeyLayout::local_bits_for(layout.partition_bits(), stack.stack_vocab_size, true),
     };
     let limits = Limits { max_ids: stack.max_ids_per_partition, max_unique: stack.max_unique_ids_per_partition, drop: false };
-    let mut scratch = Vec::new();
+    let mut scratch = SortScratch::default();
     let ids_per_sc = (stack.features.len() * 100 * bsd / layout.sc_per_device) as u64;
 
     let mut group = c.benchmark_group("stages/long-items-sc0");
@@ -73,14 +73,16 @@ fn stages(c: &mut Criterion) {
     });
     let mut entries: Vec<Entry> = Vec::new();
     let mut stats = ScStats::default();
-    let unsorted = ex.keys.clone();
+    let (unsorted, unsorted32) = (ex.keys.clone(), ex.keys32.clone());
     group.bench_function("sort_and_group", |b| {
         b.iter_batched_ref(
-            || unsorted.clone(),
-            |keys| {
+            || (unsorted.clone(), unsorted32.clone()),
+            |(keys, keys32)| {
                 std::mem::swap(&mut ex.keys, keys);
-                sort_and_group(&mut ex, &mut scratch, ctx.key_layout, limits, &mut entries, &mut stats);
+                std::mem::swap(&mut ex.keys32, keys32);
+                sort_and_group(&mut ex, &mut scratch, limits, &mut entries, &mut stats);
                 std::mem::swap(&mut ex.keys, keys);
+                std::mem::swap(&mut ex.keys32, keys32);
             },
             BatchSize::LargeInput,
         )

@@ -21,19 +21,24 @@ use std::ops::Range;
 
 use crate::error::{Error, Result};
 use crate::input::{DenseIds, FeatureView, Ids, Offsets, SampleSource};
-use crate::group::KeyLayout;
+use crate::group::{bits_for, KeyLayout};
 use crate::spec::{Combiner, DeviceLayout, FeaturePlan, DATA_MASK};
 
 /// Per-SparseCore extraction output, reused from batch to batch.
 #[derive(Debug, Default)]
 pub struct Extracted {
-    /// One sort key per extracted id, in extraction order (sorted in place by the group stage).
+    /// How this SparseCore's keys are packed.
+    pub layout: KeyLayout,
+    /// One sort key per extracted id, in extraction order (sorted in place by the group stage),
+    /// when the layout is wide.
     pub keys: Vec<u64>,
+    /// The same, when the layout is narrow (fits `u32`).
+    pub keys32: Vec<u32>,
     /// Weighted stacks: the sample row of each extraction index.
     pub rows: Vec<u32>,
     /// Weighted stacks: the gain of each extraction index.
     pub gains: Vec<f32>,
-    /// Unity-weight stacks: the gain of each sample row, indexed by `row - row_lo`.
+    /// Unity-weight stacks: the gain of each sample row, indexed by the payload `row - row_lo`.
     pub row_gains: Vec<f32>,
     /// First row of this SparseCore (`s * bsps`).
     pub row_lo: u32,
@@ -46,13 +51,36 @@ pub struct Extracted {
 }
 
 impl Extracted {
-    /// Row and gain of the entry whose key carries `data` in its low 26 bits.
+    /// Row and gain of the entry whose key carries payload `data`.
     #[inline(always)]
     pub fn row_and_gain(&self, data: u32) -> (u32, f32) {
         if self.weighted {
             (self.rows[data as usize], self.gains[data as usize])
         } else {
-            (data, self.row_gains[(data - self.row_lo) as usize])
+            (self.row_lo + data, self.row_gains[data as usize])
+        }
+    }
+
+    /// Keys extracted.
+    pub fn len(&self) -> usize {
+        if self.layout.narrow() {
+            self.keys32.len()
+        } else {
+            self.keys.len()
+        }
+    }
+
+    /// Whether nothing was extracted.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    #[inline(always)]
+    fn push_key(&mut self, key: u64) {
+        if self.layout.narrow() {
+            self.keys32.push(key as u32);
+        } else {
+            self.keys.push(key);
         }
     }
 }
@@ -72,8 +100,8 @@ pub struct StackCtx<'a> {
     pub validate_ids: bool,
     /// Per-device stacked batch divided by S.
     pub batch_per_sc: usize,
-    /// How keys are packed.
-    pub key_layout: KeyLayout,
+    /// Local-id bits of the stack's keys (see [`KeyLayout::local_bits_for`]).
+    pub local_bits: u32,
 }
 
 /// Samples of feature `f` that each local SparseCore takes: `floor(size / (L * S))`.
@@ -98,6 +126,7 @@ pub fn extract_sc(
     let layout = &ctx.layout;
     let s = layout.sc_per_device;
     out.keys.clear();
+    out.keys32.clear();
     out.rows.clear();
     out.gains.clear();
     out.weighted = ctx.weighted;
@@ -120,10 +149,36 @@ pub fn extract_sc(
             limit: DATA_MASK,
         });
     }
-    if !ctx.weighted {
+    let span = row_hi - row_lo;
+    let data_bits = if ctx.weighted {
+        // The payload is the extraction index: count this SparseCore's ids first.
+        let mut total = 0usize;
+        for &f in members {
+            let nsps = samples_per_sc(layout, inputs[f].num_samples());
+            let start = (device * s + sc) * nsps;
+            total += slice_ids(&inputs[f].view(), start..start + nsps)
+                .ok_or_else(|| Error::input(&features[f].name, "the input's offsets or indices are inconsistent"))?;
+        }
+        if total as u64 > DATA_MASK + 1 {
+            return Err(Error::BatchTooLarge {
+                stack: ctx.name.to_string(),
+                what: "weighted ids in one SparseCore",
+                count: total as u64,
+                limit: DATA_MASK,
+            });
+        }
+        bits_for(total.saturating_sub(1) as u64)
+    } else {
         out.row_gains.clear();
-        out.row_gains.resize(row_hi - row_lo, 0.0);
-    }
+        out.row_gains.resize(span, 0.0);
+        bits_for(span.saturating_sub(1) as u64)
+    };
+    out.layout = KeyLayout {
+        nbits: layout.partition_bits(),
+        local_bits: ctx.local_bits,
+        data_bits,
+        buckets: false,
+    };
 
     for &f in members {
         let source = inputs[f];
@@ -148,6 +203,46 @@ pub fn extract_sc(
 #[inline]
 fn row_base(ctx: &StackCtx<'_>, plan: &FeaturePlan, sc: usize) -> usize {
     sc * ctx.batch_per_sc + (plan.row_offset / ctx.layout.num_partitions() as u64) as usize
+}
+
+/// Ids in rows `rows` of a view, or `None` if the view is inconsistent (custom sources only).
+fn slice_ids(view: &FeatureView<'_>, rows: Range<usize>) -> Option<usize> {
+    if rows.is_empty() {
+        return Some(0);
+    }
+    match view {
+        FeatureView::Ragged { offsets, .. } => {
+            let at = |r: usize| -> Option<i64> {
+                match offsets {
+                    Offsets::I32(o) => o.get(r).map(|&v| v as i64),
+                    Offsets::I64(o) => o.get(r).copied(),
+                }
+            };
+            let (a, b) = (at(rows.start)?, at(rows.end)?);
+            (b >= a && a >= 0).then(|| (b - a) as usize)
+        }
+        FeatureView::Dense { ids: DenseIds::I32(a), .. } => (rows.end <= a.nrows()).then(|| rows.len() * a.ncols()),
+        FeatureView::Dense { ids: DenseIds::I64(a), .. } => (rows.end <= a.nrows()).then(|| rows.len() * a.ncols()),
+        FeatureView::Coo { indices, ids } => {
+            let nnz = ids.len();
+            if indices.len() != 2 * nnz {
+                return None;
+            }
+            let first_at_least = |row: usize| -> usize {
+                let (mut lo, mut hi) = (0usize, nnz);
+                while lo < hi {
+                    let mid = (lo + hi) / 2;
+                    if (indices[2 * mid] as u64) < row as u64 {
+                        lo = mid + 1;
+                    } else {
+                        hi = mid;
+                    }
+                }
+                lo
+            };
+            Some(first_at_least(rows.end).saturating_sub(first_at_least(rows.start)))
+        }
+    }
 }
 
 fn bad_row(feature: &str, what: &str, r: usize) -> Error {
@@ -321,16 +416,21 @@ impl Sink<'_, '_> {
             return Ok(());
         }
         let row_id = self.row_base + (r - self.start) as u32;
-        self.out.row_gains[(row_id - self.out.row_lo) as usize] = unity_gain(self.ctx.combiner, n);
-        if row_id < self.out.last_data {
+        let data = row_id - self.out.row_lo;
+        self.out.row_gains[data as usize] = unity_gain(self.ctx.combiner, n);
+        if data < self.out.last_data {
             self.out.data_sorted = false;
         }
-        self.out.last_data = row_id;
-        let layout = self.ctx.key_layout;
-        self.out.keys.reserve(n);
+        self.out.last_data = data;
+        let layout = self.out.layout;
+        if layout.narrow() {
+            self.out.keys32.reserve(n);
+        } else {
+            self.out.keys.reserve(n);
+        }
         for id in ids {
             let col = self.col_id(r, id)?;
-            self.out.keys.push(layout.encode(0, col, row_id));
+            self.out.push_key(layout.encode(0, col, data));
         }
         Ok(())
     }
@@ -359,14 +459,10 @@ impl Sink<'_, '_> {
             }
         };
         let row_id = self.row_base + (r - self.start) as u32;
-        let first = self.out.keys.len();
-        if (first + n) as u64 > DATA_MASK + 1 {
-            return Err(Error::BatchTooLarge {
-                stack: self.ctx.name.to_string(),
-                what: "weighted ids in one SparseCore",
-                count: (first + n) as u64,
-                limit: DATA_MASK,
-            });
+        let first = self.out.rows.len();
+        if (first + n) as u64 > 1u64 << self.out.layout.data_bits {
+            // The ids counted up front (which sized the payload) disagree with the rows read.
+            return Err(Error::input(&self.plan.name, "the input's offsets or indices are inconsistent"));
         }
         for (k, (id, w)) in ids.zip(weights).enumerate() {
             let col = self.col_id(r, id)?;
@@ -374,7 +470,8 @@ impl Sink<'_, '_> {
                 Combiner::Sum => w,
                 _ => w / divisor,
             };
-            self.out.keys.push(self.ctx.key_layout.encode(0, col, (first + k) as u32));
+            let key = self.out.layout.encode(0, col, (first + k) as u32);
+            self.out.push_key(key);
             self.out.rows.push(row_id);
             self.out.gains.push(gain);
         }

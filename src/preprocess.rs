@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use crate::error::{Error, LimitKind, Result};
 use crate::extract::{extract_sc, Extracted, StackCtx};
 use crate::fill::{Segment, SegmentWriter};
-use crate::group::{group_sorted, sort_keys, Entry, EntrySink, KeyLayout, Limits, ScStats};
+use crate::group::{group_sorted, sort_extracted, Entry, EntrySink, KeyLayout, Limits, ScStats, SortScratch};
 use crate::input::{features_from_record_batch, SampleSource};
 use crate::output::Output;
 use crate::spec::{Config, Plan, StackPlan, DATA_MASK};
@@ -39,7 +39,7 @@ impl EntrySink for Discard {
 #[derive(Debug, Default)]
 struct Task {
     extracted: Extracted,
-    scratch: Vec<u64>,
+    scratch: SortScratch,
     stats: ScStats,
     overflow: u64,
     error: Option<Error>,
@@ -272,11 +272,7 @@ fn run_stacks(
                 weighted,
                 validate_ids: plan.validate_ids,
                 batch_per_sc: bsps,
-                key_layout: if plan.validate_ids {
-                    KeyLayout::for_vocab(layout.partition_bits(), stack.stack_vocab_size)
-                } else {
-                    KeyLayout::reference(layout.partition_bits())
-                },
+                local_bits: KeyLayout::local_bits_for(layout.partition_bits(), stack.stack_vocab_size, plan.validate_ids),
             };
             let limits = Limits {
                 max_ids: stack.max_ids_per_partition,
@@ -323,19 +319,19 @@ fn run_task(
         return;
     }
     let ex = &mut task.extracted;
-    sort_keys(&mut ex.keys, &mut task.scratch, ctx.key_layout, ex.data_sorted, false);
+    sort_extracted(ex, &mut task.scratch);
     match seg {
         // Group straight into the buffer: no intermediate entry list.
         Some(seg) => {
             let mut writer =
                 SegmentWriter::new(seg, plan.layout.num_partitions(), ctx.batch_per_sc as u32, ex.row_lo);
-            group_sorted(ex, ctx.key_layout, limits, &mut writer, &mut task.stats);
+            group_sorted(ex, limits, &mut writer, &mut task.stats);
             task.overflow = writer.finish();
         }
         None => {
             // Stats only: the entries are counted, not kept.
             let mut sink = Discard;
-            group_sorted(ex, ctx.key_layout, limits, &mut sink, &mut task.stats);
+            group_sorted(ex, limits, &mut sink, &mut task.stats);
         }
     }
 }

@@ -1,90 +1,134 @@
-//! The 64-bit sort key.
+//! The sort key.
 //!
 //! The reference's key (SPEC 3.6) is `bucket:6 | rotr32(col, log2 N):32 | data:26`: rotating
 //! the column puts its partition (`col mod N`) above its local embedding id (`col / N`), so one
-//! integer sort orders entries by (bucket, partition, local id, data). We keep that order but
-//! squeeze out the local-id bits no id of the stack can set:
+//! integer sort orders entries by (bucket, partition, local id, data). We keep exactly that
+//! order but pack the fields as tightly as one SparseCore's batch allows:
 //!
 //! ```text
-//!  63    58 57 ........ 26+nbits+lb  26+lb ...... 26 25 ........ 0
-//! +--------+-----------+------------+-------------+--------------+
-//! | bucket |   zero    | partition  |  local id   |     data     |
-//! +--------+-----------+------------+-------------+--------------+
+//!  high ............................................................. 0
+//! +--------+-------------+-------------------+------------------------+
+//! | bucket |  partition  |     local id      |          data          |
+//! |   6    |    nbits    |  local_bits (lb)  |     data_bits (db)     |
+//! +--------+-------------+-------------------+------------------------+
 //! ```
 //!
-//! where `lb` is the bit width of the stack's largest local id. With `lb = 32 - nbits` this is
-//! exactly the reference's key; narrower, the same order with fewer bits for the radix sort to
-//! visit. `data` is the sample row (unity weights) or the extraction index (weights).
+//! `lb` is the bit width of the stack's largest local id, and `data` is the sample row relative
+//! to the SparseCore's first row (unity weights) or the extraction index (weights), `db` bits
+//! wide. When the whole key fits 32 bits it is stored as `u32`, halving the sort's memory
+//! traffic. [`encode_key`] / [`decode_key`] give the reference's own layout, for tests.
 
 use crate::spec::{DATA_BITS, DATA_MASK};
 
-/// Bit position of the minibatching bucket.
-pub const BUCKET_SHIFT: u32 = 58;
+/// Bits of the minibatching bucket.
+pub const BUCKET_BITS: u32 = 6;
 
-/// How one stack packs (bucket, column, data) into a key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How one SparseCore packs (bucket, column, data) into a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct KeyLayout {
     /// log2 N: bits of the partition.
     pub nbits: u32,
     /// Bits of the local embedding id (`col >> nbits`).
     pub local_bits: u32,
+    /// Bits of the payload.
+    pub data_bits: u32,
+    /// Whether keys carry minibatching bucket bits.
+    pub buckets: bool,
+}
+
+/// Bits needed to hold every value in `0..=max`.
+#[inline]
+pub fn bits_for(max: u64) -> u32 {
+    64 - max.leading_zeros()
 }
 
 impl KeyLayout {
-    /// The reference's layout: all `32 - nbits` local bits.
-    pub fn reference(nbits: u32) -> Self {
-        KeyLayout { nbits, local_bits: 32 - nbits }
+    /// Local-id bits for a stack: all `32 - nbits` when ids are not range-checked (any 32-bit
+    /// column may occur), else just enough for its padded vocabulary.
+    pub fn local_bits_for(nbits: u32, stack_vocab_size: u64, ids_checked: bool) -> u32 {
+        if !ids_checked {
+            return 32 - nbits;
+        }
+        bits_for(stack_vocab_size.saturating_sub(1) >> nbits).min(32 - nbits)
     }
 
-    /// The compact layout for a stack whose column ids are all below `stack_vocab_size`.
-    /// Only valid when ids are range-checked; otherwise use [`KeyLayout::reference`].
-    pub fn for_vocab(nbits: u32, stack_vocab_size: u64) -> Self {
-        let max_local = (stack_vocab_size.saturating_sub(1) >> nbits).min(u32::MAX as u64);
-        let local_bits = (64 - max_local.leading_zeros()).min(32 - nbits);
-        KeyLayout { nbits, local_bits }
-    }
-
-    /// Bits `[DATA_BITS, sort_hi)` hold the column; a stable sort by them keeps data order.
+    /// Bits `[data_bits, data_bits + col_bits)` hold the column.
     #[inline]
     pub fn col_bits(&self) -> u32 {
         self.nbits + self.local_bits
     }
 
-    /// Builds a key from a minibatching bucket (< 64), a column id and a 26-bit payload.
+    /// Position of the bucket field.
+    #[inline]
+    pub fn bucket_shift(&self) -> u32 {
+        self.data_bits + self.col_bits()
+    }
+
+    /// Total key width.
+    #[inline]
+    pub fn width(&self) -> u32 {
+        self.bucket_shift() + if self.buckets { BUCKET_BITS } else { 0 }
+    }
+
+    /// Whether keys fit a `u32`.
+    #[inline]
+    pub fn narrow(&self) -> bool {
+        self.width() <= 32
+    }
+
+    /// Builds a key from a bucket (< 64), a column id and a payload (< 2^data_bits).
     #[inline(always)]
     pub fn encode(&self, bucket: u32, col: u32, data: u32) -> u64 {
         let mask = (1u32 << self.nbits).wrapping_sub(1);
         let partition = (col & mask) as u64;
         let local = (col >> self.nbits) as u64;
-        ((bucket as u64) << BUCKET_SHIFT)
-            | (partition << (DATA_BITS + self.local_bits))
-            | (local << DATA_BITS)
+        ((bucket as u64) << self.bucket_shift())
+            | (partition << (self.data_bits + self.local_bits))
+            | (local << self.data_bits)
             | data as u64
+    }
+
+    /// The column bits (bucket, partition, local id) of a key: equal for equal columns.
+    #[inline(always)]
+    pub fn col_field(&self, key: u64) -> u64 {
+        key >> self.data_bits
+    }
+
+    /// The partition of a key.
+    #[inline(always)]
+    pub fn partition(&self, key: u64) -> usize {
+        ((key >> (self.data_bits + self.local_bits)) & ((1u64 << self.nbits) - 1)) as usize
+    }
+
+    /// The payload of a key.
+    #[inline(always)]
+    pub fn data(&self, key: u64) -> u32 {
+        (key & ((1u64 << self.data_bits) - 1)) as u32
     }
 
     /// Splits a key into (bucket, column id, payload).
     #[inline(always)]
     pub fn decode(&self, key: u64) -> (u32, u32, u32) {
-        let bucket = (key >> BUCKET_SHIFT) as u32;
-        let colbits = key >> DATA_BITS;
+        let bucket = (key >> self.bucket_shift()) as u32;
+        let colbits = key >> self.data_bits;
         let local = (colbits & ((1u64 << self.local_bits) - 1)) as u32;
-        let partition = ((colbits >> self.local_bits) & ((1u64 << self.nbits) - 1)) as u32;
-        let col = (local << self.nbits) | partition;
-        let data = (key & DATA_MASK) as u32;
-        (bucket, col, data)
+        let partition = self.partition(key) as u32;
+        ((bucket), (local << self.nbits) | partition, self.data(key))
     }
 }
 
 /// The reference's key (SPEC 3.6), for documentation and tests.
 #[inline(always)]
 pub fn encode_key(bucket: u32, col: u32, data: u32, nbits: u32) -> u64 {
-    ((bucket as u64) << BUCKET_SHIFT) | ((col.rotate_right(nbits) as u64) << DATA_BITS) | data as u64
+    ((bucket as u64) << 58) | ((col.rotate_right(nbits) as u64) << DATA_BITS) | data as u64
 }
 
 /// Decodes a key of the reference's layout.
 #[inline(always)]
 pub fn decode_key(key: u64, nbits: u32) -> (u32, u32, u32) {
-    KeyLayout::reference(nbits).decode(key)
+    let bucket = (key >> 58) as u32;
+    let col = ((key >> DATA_BITS) as u32).rotate_left(nbits);
+    (bucket, col, (key & DATA_MASK) as u32)
 }
 
 #[cfg(test)]
@@ -101,9 +145,9 @@ mod tests {
     }
 
     #[test]
-    fn reference_layout_is_the_reference_key() {
+    fn full_width_layout_is_the_reference_key() {
         for nbits in [0, 1, 2, 3, 5, 9] {
-            let l = KeyLayout::reference(nbits);
+            let l = KeyLayout { nbits, local_bits: 32 - nbits, data_bits: DATA_BITS, buckets: true };
             for col in [0u32, 1, 7, 156, 1000, 123_456_789, i32::MAX as u32] {
                 for data in [0u32, 5, DATA_MASK as u32] {
                     assert_eq!(l.encode(13, col, data), encode_key(13, col, data, nbits));
@@ -116,8 +160,10 @@ mod tests {
     #[test]
     fn compact_layout_keeps_the_reference_order() {
         let nbits = 3;
-        let l = KeyLayout::for_vocab(nbits, 8 * 1000);
-        assert_eq!(l.local_bits, 10); // local ids 0..=999
+        let lb = KeyLayout::local_bits_for(nbits, 8 * 1000, true);
+        assert_eq!(lb, 10); // local ids 0..=999
+        let l = KeyLayout { nbits, local_bits: lb, data_bits: bits_for(999), buckets: false };
+        assert!(!l.narrow() || l.width() <= 32);
         let mut cols: Vec<(u32, u32)> = Vec::new();
         for col in (0..8000u32).step_by(37) {
             for data in [0u32, 3, 999] {
@@ -134,11 +180,11 @@ mod tests {
     }
 
     #[test]
-    fn single_partition_and_tiny_vocab() {
-        let l = KeyLayout::for_vocab(0, 1);
-        assert_eq!(l.local_bits, 0);
-        assert_eq!(l.decode(l.encode(0, 0, 7)), (0, 0, 7));
-        let l = KeyLayout::for_vocab(0, 12345);
-        assert_eq!(l.decode(l.encode(0, 12344, 7)), (0, 12344, 7));
+    fn narrow_only_when_it_fits() {
+        let l = KeyLayout { nbits: 2, local_bits: 18, data_bits: 11, buckets: false };
+        assert!(l.narrow());
+        assert!(!KeyLayout { buckets: true, ..l }.narrow());
+        let l = KeyLayout { nbits: 0, local_bits: 0, data_bits: 0, buckets: false };
+        assert_eq!(l.decode(l.encode(0, 0, 0)), (0, 0, 0));
     }
 }

@@ -13,11 +13,11 @@
 mod key;
 mod sort;
 
-pub use key::{decode_key, encode_key, KeyLayout};
-pub use sort::sort_keys;
+pub use key::{bits_for, decode_key, encode_key, KeyLayout};
+pub use sort::{sort_keys, SortKey};
 
 use crate::extract::Extracted;
-use crate::spec::{round_up, ALIGNMENT, DATA_BITS, DATA_MASK};
+use crate::spec::{round_up, ALIGNMENT};
 
 /// One de-duplicated, kept entry, ready for the fill stage.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -102,65 +102,82 @@ impl EntrySink for Vec<Entry> {
     }
 }
 
-/// Sorts `ex.keys` in place (with `scratch` as the radix sort's second buffer), then walks them
-/// into `out` (cleared first) and `stats`.
-pub fn sort_and_group(
-    ex: &mut Extracted,
-    scratch: &mut Vec<u64>,
-    layout: KeyLayout,
-    limits: Limits,
-    out: &mut Vec<Entry>,
-    stats: &mut ScStats,
-) {
-    sort_keys(&mut ex.keys, scratch, layout, ex.data_sorted, false);
+/// Radix-sort scratch for both key widths, reused across batches.
+#[derive(Debug, Default)]
+pub struct SortScratch {
+    wide: Vec<u64>,
+    narrow: Vec<u32>,
+}
+
+/// Sorts the extracted keys in place.
+pub fn sort_extracted(ex: &mut Extracted, scratch: &mut SortScratch) {
+    let (layout, sorted) = (ex.layout, ex.data_sorted);
+    if layout.narrow() {
+        sort_keys(&mut ex.keys32, &mut scratch.narrow, layout, sorted);
+    } else {
+        sort_keys(&mut ex.keys, &mut scratch.wide, layout, sorted);
+    }
+}
+
+/// Sorts the extracted keys, then walks them into `out` (cleared first) and `stats`.
+pub fn sort_and_group(ex: &mut Extracted, scratch: &mut SortScratch, limits: Limits, out: &mut Vec<Entry>, stats: &mut ScStats) {
+    sort_extracted(ex, scratch);
     out.clear();
-    group_sorted(ex, layout, limits, out, stats);
+    group_sorted(ex, limits, out, stats);
 }
 
 /// The walk of SPEC 3.7 over already sorted keys, sending kept entries to `sink`.
-pub fn group_sorted<S: EntrySink>(ex: &Extracted, layout: KeyLayout, limits: Limits, sink: &mut S, stats: &mut ScStats) {
-    let n = 1usize << layout.nbits;
+pub fn group_sorted<S: EntrySink>(ex: &Extracted, limits: Limits, sink: &mut S, stats: &mut ScStats) {
+    let n = 1usize << ex.layout.nbits;
     stats.ids.clear();
     stats.ids.resize(n, 0);
     stats.unique.clear();
     stats.unique.resize(n, 0);
     stats.dropped = 0;
-    match (ex.weighted, limits.drop) {
-        (false, false) => walk::<S, false, false>(ex, layout, limits, sink, stats),
-        (false, true) => walk::<S, false, true>(ex, layout, limits, sink, stats),
-        (true, false) => walk::<S, true, false>(ex, layout, limits, sink, stats),
-        (true, true) => walk::<S, true, true>(ex, layout, limits, sink, stats),
+    if ex.layout.narrow() {
+        walk_keys(ex, &ex.keys32, limits, sink, stats)
+    } else {
+        walk_keys(ex, &ex.keys, limits, sink, stats)
     }
 }
 
-/// The walk, specialised for weights and dropping. Columns are compared as the key's column
-/// bits (bucket, partition, local id), which identify a column within one bucket pass.
+fn walk_keys<S: EntrySink, K: SortKey>(ex: &Extracted, keys: &[K], limits: Limits, sink: &mut S, stats: &mut ScStats) {
+    match (ex.weighted, limits.drop) {
+        (false, false) => walk::<S, K, false, false>(ex, keys, limits, sink, stats),
+        (false, true) => walk::<S, K, false, true>(ex, keys, limits, sink, stats),
+        (true, false) => walk::<S, K, true, false>(ex, keys, limits, sink, stats),
+        (true, true) => walk::<S, K, true, true>(ex, keys, limits, sink, stats),
+    }
+}
+
+/// The walk, specialised for key width, weights and dropping. Columns are compared as the
+/// key's column bits (bucket, partition, local id), which identify a column within one pass.
 #[inline(always)]
-fn walk<S: EntrySink, const WEIGHTED: bool, const DROP: bool>(
+fn walk<S: EntrySink, K: SortKey, const WEIGHTED: bool, const DROP: bool>(
     ex: &Extracted,
-    layout: KeyLayout,
+    keys: &[K],
     limits: Limits,
     sink: &mut S,
     stats: &mut ScStats,
 ) {
+    let layout = ex.layout;
     let n = 1usize << layout.nbits;
-    let pmask = (n - 1) as u64;
-    let lb = layout.local_bits;
     let ids = &mut stats.ids[..n];
     let unique = &mut stats.unique[..n];
     let mut dropped = 0u64;
     // The last appended entry, and the last entry that was not merged (kept or dropped).
-    // Column bits are < 2^38, so u64::MAX means "none".
+    // Column fields are < 2^38, so u64::MAX means "none".
     let (mut last_col, mut last_row) = (u64::MAX, u32::MAX);
     let (mut prev_col, mut prev_row) = (u64::MAX, u32::MAX);
     let mut dropping_col = false;
-    for &key in &ex.keys {
-        let colbits = key >> DATA_BITS;
-        let data = (key & DATA_MASK) as u32;
+    for &k in keys {
+        let key = k.to_u64();
+        let colbits = layout.col_field(key);
+        let data = layout.data(key);
         let (row, gain) = if WEIGHTED {
             (ex.rows[data as usize], ex.gains[data as usize])
         } else {
-            (data, ex.row_gains[(data - ex.row_lo) as usize])
+            (ex.row_lo + data, ex.row_gains[data as usize])
         };
         // 1. Merge into the last appended entry.
         if colbits == last_col && row == last_row {
@@ -174,7 +191,7 @@ fn walk<S: EntrySink, const WEIGHTED: bool, const DROP: bool>(
         }
         // 3. Count.
         let new_col = colbits != prev_col;
-        let g = ((colbits >> lb) & pmask) as usize;
+        let g = layout.partition(key) & (n - 1);
         ids[g] += 1;
         unique[g] += new_col as u32;
         // 4. Keep or drop. The kept counters equal the observed ones, so the counts above decide.

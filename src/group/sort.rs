@@ -3,37 +3,64 @@
 //! Keys are either unique or identical only when they denote the same (row, column) with the
 //! same gain, so any correct sort gives the reference's order.
 //!
-//! Extraction emits keys whose 26-bit payload never decreases (samples are visited in row
-//! order and weighted payloads are running indices), so a *stable* sort by the column bits alone
-//! yields the full key order. That is an LSD radix sort over the few column bits a stack uses
+//! Extraction emits keys whose payload never decreases (samples are visited in row order and
+//! weighted payloads are running indices), so a *stable* sort by the column bits alone yields
+//! the full key order. That is an LSD radix sort over the few column bits a stack uses
 //! (typically 2 passes), far cheaper than a comparison sort. When the payload is not monotone
 //! (only possible with hand-made inconsistent row offsets) we fall back to `sort_unstable`.
 
-use super::key::{KeyLayout, BUCKET_SHIFT};
-use crate::spec::DATA_BITS;
+use super::key::{KeyLayout, BUCKET_BITS};
 
-/// Largest radix digit, in bits (4096 counters: fits L1 with room to spare).
+/// Largest radix digit, in bits.
 const MAX_DIGIT_BITS: u32 = 12;
 
 /// Below this many keys a comparison sort is as fast and needs no histogram.
 const SMALL: usize = 256;
 
-/// Sorts `keys` ascending. `data_sorted` says the payloads are non-decreasing in input order;
-/// `buckets` says the minibatching bucket bits may be non-zero. `scratch` is reused memory.
-pub fn sort_keys(keys: &mut Vec<u64>, scratch: &mut Vec<u64>, layout: KeyLayout, data_sorted: bool, buckets: bool) {
+/// A sort key: `u32` when the layout is narrow, else `u64`.
+pub trait SortKey: Copy + Ord + Default + Send + Sync + 'static {
+    /// Widens to `u64`.
+    fn to_u64(self) -> u64;
+    /// Narrows from `u64` (the value must fit).
+    fn from_u64(v: u64) -> Self;
+}
+
+impl SortKey for u32 {
+    #[inline(always)]
+    fn to_u64(self) -> u64 {
+        self as u64
+    }
+    #[inline(always)]
+    fn from_u64(v: u64) -> Self {
+        v as u32
+    }
+}
+
+impl SortKey for u64 {
+    #[inline(always)]
+    fn to_u64(self) -> u64 {
+        self
+    }
+    #[inline(always)]
+    fn from_u64(v: u64) -> Self {
+        v
+    }
+}
+
+/// Sorts `keys` ascending. `data_sorted` says the payloads are non-decreasing in input order.
+/// `scratch` is reused memory.
+pub fn sort_keys<K: SortKey>(keys: &mut Vec<K>, scratch: &mut Vec<K>, layout: KeyLayout, data_sorted: bool) {
     if !data_sorted || keys.len() < SMALL {
         keys.sort_unstable();
         return;
     }
-    let col_bits = layout.col_bits();
-    radix_by_bits(keys, scratch, DATA_BITS, DATA_BITS + col_bits);
-    if buckets {
-        radix_by_bits(keys, scratch, BUCKET_SHIFT, 64);
-    }
+    let lo = layout.data_bits;
+    let hi = layout.bucket_shift() + if layout.buckets { BUCKET_BITS } else { 0 };
+    radix_by_bits(keys, scratch, lo, hi);
 }
 
 /// Stable LSD radix sort of `keys` by bits `[lo, hi)`.
-fn radix_by_bits(keys: &mut Vec<u64>, scratch: &mut Vec<u64>, lo: u32, hi: u32) {
+fn radix_by_bits<K: SortKey>(keys: &mut Vec<K>, scratch: &mut Vec<K>, lo: u32, hi: u32) {
     if hi <= lo {
         return;
     }
@@ -43,7 +70,7 @@ fn radix_by_bits(keys: &mut Vec<u64>, scratch: &mut Vec<u64>, lo: u32, hi: u32) 
     let mut counts = [0u32; 1 << MAX_DIGIT_BITS];
     // Every slot is written before it is read; only grow, never re-zero.
     if scratch.len() < keys.len() {
-        scratch.resize(keys.len(), 0);
+        scratch.resize(keys.len(), K::default());
     }
     let mut shift = lo;
     while shift < hi {
@@ -53,7 +80,7 @@ fn radix_by_bits(keys: &mut Vec<u64>, scratch: &mut Vec<u64>, lo: u32, hi: u32) 
         let counts = &mut counts[..radix];
         counts.fill(0);
         for &k in keys.iter() {
-            counts[((k >> shift) & mask) as usize] += 1;
+            counts[((k.to_u64() >> shift) & mask) as usize] += 1;
         }
         // A digit every key shares moves nothing.
         if counts.iter().any(|&c| c as usize == keys.len()) {
@@ -66,11 +93,12 @@ fn radix_by_bits(keys: &mut Vec<u64>, scratch: &mut Vec<u64>, lo: u32, hi: u32) 
             *c = sum;
             sum += n;
         }
+        let out = &mut scratch[..keys.len()];
         for &k in keys.iter() {
-            let d = ((k >> shift) & mask) as usize;
+            let d = ((k.to_u64() >> shift) & mask) as usize;
             let pos = counts[d];
             counts[d] = pos + 1;
-            scratch[pos as usize] = k;
+            out[pos as usize] = k;
         }
         std::mem::swap(keys, scratch);
         let n = scratch.len();
@@ -83,18 +111,22 @@ fn radix_by_bits(keys: &mut Vec<u64>, scratch: &mut Vec<u64>, lo: u32, hi: u32) 
 mod tests {
     use super::*;
 
-    fn check(layout: KeyLayout, cols: &[u32], buckets: bool) {
+    fn check<K: SortKey>(layout: KeyLayout, cols: &[u32]) {
         // Payload non-decreasing in input order, as extraction produces.
-        let mut keys: Vec<u64> = cols
+        let dmax = (1u64 << layout.data_bits) - 1;
+        let mut keys: Vec<K> = cols
             .iter()
             .enumerate()
-            .map(|(i, &c)| layout.encode(if buckets { c.wrapping_mul(7) % 64 } else { 0 }, c, (i / 3) as u32))
+            .map(|(i, &c)| {
+                let bucket = if layout.buckets { c.wrapping_mul(7) % 64 } else { 0 };
+                K::from_u64(layout.encode(bucket, c, ((i / 3) as u64).min(dmax) as u32))
+            })
             .collect();
         let mut want = keys.clone();
         want.sort_unstable();
         let mut scratch = Vec::new();
-        sort_keys(&mut keys, &mut scratch, layout, true, buckets);
-        assert_eq!(keys, want);
+        sort_keys(&mut keys, &mut scratch, layout, true);
+        assert!(keys == want);
     }
 
     #[test]
@@ -107,21 +139,25 @@ mod tests {
             x
         };
         for (nbits, vocab) in [(0u32, 33u64), (2, 1_000_000), (4, 100_000_000), (9, 1 << 31), (3, 8)] {
-            let layout = KeyLayout::for_vocab(nbits, vocab);
             let cols: Vec<u32> = (0..5000).map(|_| (next() % vocab) as u32).collect();
-            check(layout, &cols, false);
-            check(layout, &cols, true);
-            check(KeyLayout::reference(nbits), &cols, false);
+            for (checked, buckets) in [(true, false), (true, true), (false, false)] {
+                let local_bits = KeyLayout::local_bits_for(nbits, vocab, checked);
+                let l = KeyLayout { nbits, local_bits, data_bits: 11, buckets };
+                check::<u64>(l, &cols);
+                if l.narrow() {
+                    check::<u32>(l, &cols);
+                }
+            }
         }
     }
 
     #[test]
     fn unsorted_payload_falls_back() {
-        let layout = KeyLayout::for_vocab(2, 1000);
+        let layout = KeyLayout { nbits: 2, local_bits: 8, data_bits: 10, buckets: false };
         let mut keys: Vec<u64> = (0..1000u32).rev().map(|i| layout.encode(0, i % 17, i)).collect();
         let mut want = keys.clone();
         want.sort_unstable();
-        sort_keys(&mut keys, &mut Vec::new(), layout, false, false);
+        sort_keys(&mut keys, &mut Vec::new(), layout, false);
         assert_eq!(keys, want);
     }
 }

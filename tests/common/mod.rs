@@ -146,6 +146,9 @@ pub fn run_dir(root: &Path, label: &str, check: impl Fn(&Path) -> Result<(), Str
         }
     }
     let passed = dirs.len() - failures.len();
-    println!("{label}: {passed}/{} cases passed", dirs.len());
+    // Written to the stderr handle directly, which the test harness does not capture, so the
+    // count shows in every `cargo test` run.
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{label}: {passed}/{} cases passed", dirs.len());
     assert!(failures.is_empty(), "{} case(s) failed:\n{}", failures.len(), failures.join("\n"));
 }
