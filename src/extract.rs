@@ -21,7 +21,7 @@ use std::ops::Range;
 
 use crate::error::{Error, Result};
 use crate::input::{DenseIds, FeatureView, Ids, Offsets, SampleSource};
-use crate::group::{bits_for, KeyLayout};
+use crate::group::{bits_for, KeyLayout, SortKey};
 use crate::spec::{Combiner, DeviceLayout, FeaturePlan, DATA_MASK};
 
 /// Per-SparseCore extraction output, reused from batch to batch.
@@ -44,6 +44,8 @@ pub struct Extracted {
     pub row_lo: u32,
     /// Whether the payload is an extraction index (weighted) or a row (unity).
     pub weighted: bool,
+    /// Unity weights with the sum combiner: every gain is 1.0 and `row_gains` is not kept.
+    pub unit_gains: bool,
     /// Whether payloads never decrease in extraction order (lets the sort skip them).
     pub data_sorted: bool,
     /// Largest payload so far.
@@ -56,6 +58,8 @@ impl Extracted {
     pub fn row_and_gain(&self, data: u32) -> (u32, f32) {
         if self.weighted {
             (self.rows[data as usize], self.gains[data as usize])
+        } else if self.unit_gains {
+            (self.row_lo + data, 1.0)
         } else {
             (self.row_lo + data, self.row_gains[data as usize])
         }
@@ -130,6 +134,7 @@ pub fn extract_sc(
     out.rows.clear();
     out.gains.clear();
     out.weighted = ctx.weighted;
+    out.unit_gains = !ctx.weighted && ctx.combiner == Combiner::Sum;
     out.data_sorted = true;
     out.last_data = 0;
     let row_lo = sc * ctx.batch_per_sc;
@@ -169,8 +174,10 @@ pub fn extract_sc(
         }
         bits_for(total.saturating_sub(1) as u64)
     } else {
-        out.row_gains.clear();
-        out.row_gains.resize(span, 0.0);
+        if !out.unit_gains {
+            out.row_gains.clear();
+            out.row_gains.resize(span, 0.0);
+        }
         bits_for(span.saturating_sub(1) as u64)
     };
     out.layout = KeyLayout {
@@ -259,6 +266,23 @@ fn unity_gain(combiner: Combiner, n: usize) -> f32 {
     }
 }
 
+/// A row offset.
+trait OffsetValue: Copy {
+    fn to_usize(self) -> usize;
+}
+impl OffsetValue for i32 {
+    #[inline(always)]
+    fn to_usize(self) -> usize {
+        self as usize
+    }
+}
+impl OffsetValue for i64 {
+    #[inline(always)]
+    fn to_usize(self) -> usize {
+        self as usize
+    }
+}
+
 /// A value that can be an id.
 trait IdValue: Copy {
     fn to_i64(self) -> i64;
@@ -303,6 +327,13 @@ impl Sink<'_, '_> {
             ));
         }
         match view {
+            // The hot path: unweighted ragged rows in an unweighted stack.
+            FeatureView::Ragged { ids, offsets, weights: None } if !self.ctx.weighted => match (ids, offsets) {
+                (Ids::I32(v), Offsets::I32(o)) => self.ragged_unity(v, o, rows),
+                (Ids::I32(v), Offsets::I64(o)) => self.ragged_unity(v, o, rows),
+                (Ids::I64(v), Offsets::I32(o)) => self.ragged_unity(v, o, rows),
+                (Ids::I64(v), Offsets::I64(o)) => self.ragged_unity(v, o, rows),
+            },
             FeatureView::Ragged { ids: Ids::I32(v), offsets, weights } => self.ragged(v, offsets, weights, rows),
             FeatureView::Ragged { ids: Ids::I64(v), offsets, weights } => self.ragged(v, offsets, weights, rows),
             FeatureView::Dense { ids: DenseIds::I32(a), weights } => self.dense(a, weights, rows),
@@ -310,6 +341,63 @@ impl Sink<'_, '_> {
             FeatureView::Coo { indices, ids: Ids::I32(v) } => self.coo(indices, v, rows),
             FeatureView::Coo { indices, ids: Ids::I64(v) } => self.coo(indices, v, rows),
         }
+    }
+
+    /// Unweighted ragged rows: one pass, keys written straight into the right-width vector.
+    fn ragged_unity<T: IdValue, O: OffsetValue>(&mut self, ids: &[T], offsets: &[O], rows: Range<usize>) -> Result<()> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let total = match (offsets.get(rows.start), offsets.get(rows.end)) {
+            (Some(a), Some(b)) if b.to_usize() >= a.to_usize() => b.to_usize() - a.to_usize(),
+            _ => return Err(bad_row(&self.plan.name, "ids", rows.start)),
+        };
+        let first = self.row_base - self.out.row_lo;
+        if first < self.out.last_data {
+            self.out.data_sorted = false;
+        }
+        self.out.last_data = first + (rows.len() - 1) as u32;
+        if self.out.layout.narrow() {
+            let mut keys = std::mem::take(&mut self.out.keys32);
+            let r = self.ragged_unity_into(&mut keys, ids, offsets, rows, total);
+            self.out.keys32 = keys;
+            r
+        } else {
+            let mut keys = std::mem::take(&mut self.out.keys);
+            let r = self.ragged_unity_into(&mut keys, ids, offsets, rows, total);
+            self.out.keys = keys;
+            r
+        }
+    }
+
+    #[inline(always)]
+    fn ragged_unity_into<K: SortKey, T: IdValue, O: OffsetValue>(
+        &mut self,
+        keys: &mut Vec<K>,
+        ids: &[T],
+        offsets: &[O],
+        rows: Range<usize>,
+        total: usize,
+    ) -> Result<()> {
+        keys.reserve(total);
+        let layout = self.out.layout;
+        let combiner = self.ctx.combiner;
+        let mut data = self.row_base - self.out.row_lo;
+        for r in rows {
+            let (a, b) = (offsets[r].to_usize(), offsets[r + 1].to_usize());
+            let row_ids = ids.get(a..b).ok_or_else(|| bad_row(&self.plan.name, "ids", r))?;
+            if !row_ids.is_empty() {
+                if combiner != Combiner::Sum {
+                    self.out.row_gains[data as usize] = unity_gain(combiner, row_ids.len());
+                }
+                for &id in row_ids {
+                    let col = self.col_id(r, id.to_i64())?;
+                    keys.push(K::from_u64(layout.encode(0, col, data)));
+                }
+            }
+            data += 1;
+        }
+        Ok(())
     }
 
     fn ragged<T: IdValue>(
@@ -417,7 +505,9 @@ impl Sink<'_, '_> {
         }
         let row_id = self.row_base + (r - self.start) as u32;
         let data = row_id - self.out.row_lo;
-        self.out.row_gains[data as usize] = unity_gain(self.ctx.combiner, n);
+        if self.ctx.combiner != Combiner::Sum {
+            self.out.row_gains[data as usize] = unity_gain(self.ctx.combiner, n);
+        }
         if data < self.out.last_data {
             self.out.data_sorted = false;
         }
@@ -433,6 +523,17 @@ impl Sink<'_, '_> {
             self.out.push_key(layout.encode(0, col, data));
         }
         Ok(())
+    }
+
+    #[cold]
+    fn out_of_range(&self, r: usize, id: i64) -> Error {
+        Error::IdOutOfRange {
+            feature: self.plan.name.clone(),
+            table: self.plan.table.clone(),
+            row: r,
+            id,
+            vocabulary_size: self.plan.vocabulary_size,
+        }
     }
 
     #[inline]
@@ -484,13 +585,7 @@ impl Sink<'_, '_> {
     #[inline(always)]
     fn col_id(&self, r: usize, id: i64) -> Result<u32> {
         if self.ctx.validate_ids && (id < 0 || id as u64 >= self.plan.vocabulary_size) {
-            return Err(Error::IdOutOfRange {
-                feature: self.plan.name.clone(),
-                table: self.plan.table.clone(),
-                row: r,
-                id,
-                vocabulary_size: self.plan.vocabulary_size,
-            });
+            return Err(self.out_of_range(r, id));
         }
         let id = id as u32;
         Ok(((id.wrapping_add(self.plan.col_shift) & self.mask) | (id & !self.mask)).wrapping_add(self.plan.col_offset))

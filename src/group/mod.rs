@@ -141,19 +141,28 @@ pub fn group_sorted<S: EntrySink>(ex: &Extracted, limits: Limits, sink: &mut S, 
     }
 }
 
+/// Where the walk finds gains.
+const WEIGHTED: u8 = 0;
+const PER_ROW: u8 = 1;
+const UNIT: u8 = 2;
+
 fn walk_keys<S: EntrySink, K: SortKey>(ex: &Extracted, keys: &[K], limits: Limits, sink: &mut S, stats: &mut ScStats) {
-    match (ex.weighted, limits.drop) {
-        (false, false) => walk::<S, K, false, false>(ex, keys, limits, sink, stats),
-        (false, true) => walk::<S, K, false, true>(ex, keys, limits, sink, stats),
-        (true, false) => walk::<S, K, true, false>(ex, keys, limits, sink, stats),
-        (true, true) => walk::<S, K, true, true>(ex, keys, limits, sink, stats),
+    // Gains come from per-index arrays (weights), per-row arrays (unity mean/sqrtn) or are all
+    // 1.0 (unity sum).
+    match (ex.weighted, ex.unit_gains, limits.drop) {
+        (true, _, false) => walk::<S, K, WEIGHTED, false>(ex, keys, limits, sink, stats),
+        (true, _, true) => walk::<S, K, WEIGHTED, true>(ex, keys, limits, sink, stats),
+        (false, false, false) => walk::<S, K, PER_ROW, false>(ex, keys, limits, sink, stats),
+        (false, false, true) => walk::<S, K, PER_ROW, true>(ex, keys, limits, sink, stats),
+        (false, true, false) => walk::<S, K, UNIT, false>(ex, keys, limits, sink, stats),
+        (false, true, true) => walk::<S, K, UNIT, true>(ex, keys, limits, sink, stats),
     }
 }
 
 /// The walk, specialised for key width, weights and dropping. Columns are compared as the
 /// key's column bits (bucket, partition, local id), which identify a column within one pass.
 #[inline(always)]
-fn walk<S: EntrySink, K: SortKey, const WEIGHTED: bool, const DROP: bool>(
+fn walk<S: EntrySink, K: SortKey, const GAINS: u8, const DROP: bool>(
     ex: &Extracted,
     keys: &[K],
     limits: Limits,
@@ -174,10 +183,10 @@ fn walk<S: EntrySink, K: SortKey, const WEIGHTED: bool, const DROP: bool>(
         let key = k.to_u64();
         let colbits = layout.col_field(key);
         let data = layout.data(key);
-        let (row, gain) = if WEIGHTED {
-            (ex.rows[data as usize], ex.gains[data as usize])
-        } else {
-            (ex.row_lo + data, ex.row_gains[data as usize])
+        let (row, gain) = match GAINS {
+            WEIGHTED => (ex.rows[data as usize], ex.gains[data as usize]),
+            PER_ROW => (ex.row_lo + data, ex.row_gains[data as usize]),
+            _ => (ex.row_lo + data, 1.0),
         };
         // 1. Merge into the last appended entry.
         if colbits == last_col && row == last_row {
