@@ -155,8 +155,12 @@ pub fn extract_sc(
         });
     }
     let span = row_hi - row_lo;
+    let nbits = layout.partition_bits();
+    let row_bits = bits_for(span.saturating_sub(1) as u64);
+    let packed = ctx.weighted && nbits + ctx.local_bits + row_bits <= 32;
     let data_bits = if ctx.weighted {
-        // The payload is the extraction index: count this SparseCore's ids first.
+        // The reference's payload is the extraction index: more than 2^26 weighted ids in one
+        // SparseCore corrupt its keys, so they are an error here whichever payload we use.
         let mut total = 0usize;
         for &f in members {
             let nsps = samples_per_sc(layout, inputs[f].num_samples());
@@ -172,20 +176,19 @@ pub fn extract_sc(
                 limit: DATA_MASK,
             });
         }
-        bits_for(total.saturating_sub(1) as u64)
+        if packed {
+            row_bits
+        } else {
+            bits_for(total.saturating_sub(1) as u64)
+        }
     } else {
         if !out.unit_gains {
             out.row_gains.clear();
             out.row_gains.resize(span, 0.0);
         }
-        bits_for(span.saturating_sub(1) as u64)
+        row_bits
     };
-    out.layout = KeyLayout {
-        nbits: layout.partition_bits(),
-        local_bits: ctx.local_bits,
-        data_bits,
-        buckets: false,
-    };
+    out.layout = KeyLayout { nbits, local_bits: ctx.local_bits, data_bits, buckets: false, packed };
 
     for &f in members {
         let source = inputs[f];
@@ -560,6 +563,24 @@ impl Sink<'_, '_> {
             }
         };
         let row_id = self.row_base + (r - self.start) as u32;
+        if self.out.layout.packed {
+            let data = row_id - self.out.row_lo;
+            if data < self.out.last_data {
+                self.out.data_sorted = false;
+            }
+            self.out.last_data = data;
+            let layout = self.out.layout;
+            self.out.keys.reserve(n);
+            for (id, w) in ids.zip(weights) {
+                let col = self.col_id(r, id)?;
+                let gain = match self.ctx.combiner {
+                    Combiner::Sum => w,
+                    _ => w / divisor,
+                };
+                self.out.keys.push((layout.encode(0, col, data) << 32) | gain.to_bits() as u64);
+            }
+            return Ok(());
+        }
         let first = self.out.rows.len();
         if (first + n) as u64 > 1u64 << self.out.layout.data_bits {
             // The ids counted up front (which sized the payload) disagree with the rows read.

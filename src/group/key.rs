@@ -34,6 +34,11 @@ pub struct KeyLayout {
     pub data_bits: u32,
     /// Whether keys carry minibatching bucket bits.
     pub buckets: bool,
+    /// Weighted stacks whose key fits 32 bits: each `u64` element is `key << 32 | gain bits`,
+    /// with the sample row (not the extraction index) as payload, so the sort carries the gain
+    /// along and the walk needs no per-index lookups. A stable sort keeps a sample's repeated
+    /// ids in extraction order, which is the order their gains are summed in.
+    pub packed: bool,
 }
 
 /// Bits needed to hold every value in `0..=max`.
@@ -70,10 +75,20 @@ impl KeyLayout {
         self.bucket_shift() + if self.buckets { BUCKET_BITS } else { 0 }
     }
 
-    /// Whether keys fit a `u32`.
+    /// Whether keys are stored as `u32` (they fit, and carry no gain).
     #[inline]
     pub fn narrow(&self) -> bool {
-        self.width() <= 32
+        !self.packed && self.width() <= 32
+    }
+
+    /// Bit position of the key inside a stored element (32 when packed with a gain).
+    #[inline]
+    pub fn element_shift(&self) -> u32 {
+        if self.packed {
+            32
+        } else {
+            0
+        }
     }
 
     /// Builds a key from a bucket (< 64), a column id and a payload (< 2^data_bits).
@@ -147,7 +162,7 @@ mod tests {
     #[test]
     fn full_width_layout_is_the_reference_key() {
         for nbits in [0, 1, 2, 3, 5, 9] {
-            let l = KeyLayout { nbits, local_bits: 32 - nbits, data_bits: DATA_BITS, buckets: true };
+            let l = KeyLayout { nbits, local_bits: 32 - nbits, data_bits: DATA_BITS, buckets: true, packed: false };
             for col in [0u32, 1, 7, 156, 1000, 123_456_789, i32::MAX as u32] {
                 for data in [0u32, 5, DATA_MASK as u32] {
                     assert_eq!(l.encode(13, col, data), encode_key(13, col, data, nbits));
@@ -162,7 +177,7 @@ mod tests {
         let nbits = 3;
         let lb = KeyLayout::local_bits_for(nbits, 8 * 1000, true);
         assert_eq!(lb, 10); // local ids 0..=999
-        let l = KeyLayout { nbits, local_bits: lb, data_bits: bits_for(999), buckets: false };
+        let l = KeyLayout { nbits, local_bits: lb, data_bits: bits_for(999), buckets: false, packed: false };
         assert!(!l.narrow() || l.width() <= 32);
         let mut cols: Vec<(u32, u32)> = Vec::new();
         for col in (0..8000u32).step_by(37) {
@@ -181,10 +196,10 @@ mod tests {
 
     #[test]
     fn narrow_only_when_it_fits() {
-        let l = KeyLayout { nbits: 2, local_bits: 18, data_bits: 11, buckets: false };
+        let l = KeyLayout { nbits: 2, local_bits: 18, data_bits: 11, buckets: false, packed: false };
         assert!(l.narrow());
         assert!(!KeyLayout { buckets: true, ..l }.narrow());
-        let l = KeyLayout { nbits: 0, local_bits: 0, data_bits: 0, buckets: false };
+        let l = KeyLayout { nbits: 0, local_bits: 0, data_bits: 0, buckets: false, packed: false };
         assert_eq!(l.decode(l.encode(0, 0, 0)), (0, 0, 0));
     }
 }

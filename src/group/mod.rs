@@ -145,13 +145,16 @@ pub fn group_sorted<S: EntrySink>(ex: &Extracted, limits: Limits, sink: &mut S, 
 const WEIGHTED: u8 = 0;
 const PER_ROW: u8 = 1;
 const UNIT: u8 = 2;
+const PACKED: u8 = 3;
 
 fn walk_keys<S: EntrySink, K: SortKey>(ex: &Extracted, keys: &[K], limits: Limits, sink: &mut S, stats: &mut ScStats) {
     // Gains come from per-index arrays (weights), per-row arrays (unity mean/sqrtn) or are all
     // 1.0 (unity sum).
-    match (ex.weighted, ex.unit_gains, limits.drop) {
-        (true, _, false) => walk::<S, K, WEIGHTED, false>(ex, keys, limits, sink, stats),
-        (true, _, true) => walk::<S, K, WEIGHTED, true>(ex, keys, limits, sink, stats),
+    match (ex.weighted, ex.unit_gains || ex.layout.packed, limits.drop) {
+        (true, true, false) => walk::<S, K, PACKED, false>(ex, keys, limits, sink, stats),
+        (true, true, true) => walk::<S, K, PACKED, true>(ex, keys, limits, sink, stats),
+        (true, false, false) => walk::<S, K, WEIGHTED, false>(ex, keys, limits, sink, stats),
+        (true, false, true) => walk::<S, K, WEIGHTED, true>(ex, keys, limits, sink, stats),
         (false, false, false) => walk::<S, K, PER_ROW, false>(ex, keys, limits, sink, stats),
         (false, false, true) => walk::<S, K, PER_ROW, true>(ex, keys, limits, sink, stats),
         (false, true, false) => walk::<S, K, UNIT, false>(ex, keys, limits, sink, stats),
@@ -180,12 +183,14 @@ fn walk<S: EntrySink, K: SortKey, const GAINS: u8, const DROP: bool>(
     let (mut prev_col, mut prev_row) = (u64::MAX, u32::MAX);
     let mut dropping_col = false;
     for &k in keys {
-        let key = k.to_u64();
+        let element = k.to_u64();
+        let key = if GAINS == PACKED { element >> 32 } else { element };
         let colbits = layout.col_field(key);
         let data = layout.data(key);
         let (row, gain) = match GAINS {
             WEIGHTED => (ex.rows[data as usize], ex.gains[data as usize]),
             PER_ROW => (ex.row_lo + data, ex.row_gains[data as usize]),
+            PACKED => (ex.row_lo + data, f32::from_bits(element as u32)),
             _ => (ex.row_lo + data, 1.0),
         };
         // 1. Merge into the last appended entry.

@@ -51,11 +51,17 @@ impl SortKey for u64 {
 /// `scratch` is reused memory.
 pub fn sort_keys<K: SortKey>(keys: &mut Vec<K>, scratch: &mut Vec<K>, layout: KeyLayout, data_sorted: bool) {
     if !data_sorted || keys.len() < SMALL {
-        keys.sort_unstable();
+        if layout.packed {
+            // Elements with equal keys differ in their gain bits and must keep their order (the
+            // order their gains are summed in): a stable sort by the key half only.
+            keys.sort_by_key(|e| e.to_u64() >> 32);
+        } else {
+            keys.sort_unstable();
+        }
         return;
     }
-    let lo = layout.data_bits;
-    let hi = layout.bucket_shift() + if layout.buckets { BUCKET_BITS } else { 0 };
+    let lo = layout.element_shift() + layout.data_bits;
+    let hi = layout.element_shift() + layout.bucket_shift() + if layout.buckets { BUCKET_BITS } else { 0 };
     radix_by_bits(keys, scratch, lo, hi);
 }
 
@@ -142,7 +148,7 @@ mod tests {
             let cols: Vec<u32> = (0..5000).map(|_| (next() % vocab) as u32).collect();
             for (checked, buckets) in [(true, false), (true, true), (false, false)] {
                 let local_bits = KeyLayout::local_bits_for(nbits, vocab, checked);
-                let l = KeyLayout { nbits, local_bits, data_bits: 11, buckets };
+                let l = KeyLayout { nbits, local_bits, data_bits: 11, buckets, packed: false };
                 check::<u64>(l, &cols);
                 if l.narrow() {
                     check::<u32>(l, &cols);
@@ -153,7 +159,7 @@ mod tests {
 
     #[test]
     fn unsorted_payload_falls_back() {
-        let layout = KeyLayout { nbits: 2, local_bits: 8, data_bits: 10, buckets: false };
+        let layout = KeyLayout { nbits: 2, local_bits: 8, data_bits: 10, buckets: false, packed: false };
         let mut keys: Vec<u64> = (0..1000u32).rev().map(|i| layout.encode(0, i % 17, i)).collect();
         let mut want = keys.clone();
         want.sort_unstable();
