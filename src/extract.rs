@@ -21,7 +21,7 @@ use std::ops::Range;
 
 use crate::error::{Error, Result};
 use crate::input::{DenseIds, FeatureView, Ids, Offsets, SampleSource};
-use crate::group::{bits_for, KeyLayout, SortKey};
+use crate::group::{bits_for, KeyLayout};
 use crate::spec::{Combiner, DeviceLayout, FeaturePlan, DATA_MASK};
 
 /// Per-SparseCore extraction output, reused from batch to batch.
@@ -29,11 +29,12 @@ use crate::spec::{Combiner, DeviceLayout, FeaturePlan, DATA_MASK};
 pub struct Extracted {
     /// How this SparseCore's keys are packed.
     pub layout: KeyLayout,
-    /// One sort key per extracted id, in extraction order (sorted in place by the group stage),
-    /// when the layout is wide.
+    /// One sort key (or packed key and gain) per extracted id, in extraction order, when the
+    /// layout stores whole `u64`s.
     pub keys: Vec<u64>,
-    /// The same, when the layout is narrow (fits `u32`).
-    pub keys32: Vec<u32>,
+    /// Otherwise the keys' low 32 bits, in chunks by the bits above (see
+    /// [`KeyLayout::chunk_bits`]); only the first `2^chunk_bits` chunks are in use.
+    pub chunks: Vec<Vec<u32>>,
     /// Weighted stacks: the sample row of each extraction index.
     pub rows: Vec<u32>,
     /// Weighted stacks: the gain of each extraction index.
@@ -65,12 +66,19 @@ impl Extracted {
         }
     }
 
+    /// Chunks in use.
+    pub fn active_chunks(&self) -> &[Vec<u32>] {
+        match self.layout.chunk_bits() {
+            Some(c) => &self.chunks[..1 << c],
+            None => &[],
+        }
+    }
+
     /// Keys extracted.
     pub fn len(&self) -> usize {
-        if self.layout.narrow() {
-            self.keys32.len()
-        } else {
-            self.keys.len()
+        match self.layout.chunk_bits() {
+            Some(_) => self.active_chunks().iter().map(Vec::len).sum(),
+            None => self.keys.len(),
         }
     }
 
@@ -82,9 +90,24 @@ impl Extracted {
     #[inline(always)]
     fn push_key(&mut self, key: u64) {
         if self.layout.narrow() {
-            self.keys32.push(key as u32);
+            self.chunks[(key >> 32) as usize].push(key as u32);
         } else {
             self.keys.push(key);
+        }
+    }
+
+    /// Sets the layout and empties the key storage for it.
+    fn reset_keys(&mut self, layout: KeyLayout) {
+        self.layout = layout;
+        self.keys.clear();
+        if let Some(c) = layout.chunk_bits() {
+            let n = 1usize << c;
+            if self.chunks.len() < n {
+                self.chunks.resize_with(n, Vec::new);
+            }
+            for chunk in &mut self.chunks[..n] {
+                chunk.clear();
+            }
         }
     }
 }
@@ -129,8 +152,6 @@ pub fn extract_sc(
 ) -> Result<()> {
     let layout = &ctx.layout;
     let s = layout.sc_per_device;
-    out.keys.clear();
-    out.keys32.clear();
     out.rows.clear();
     out.gains.clear();
     out.weighted = ctx.weighted;
@@ -188,7 +209,7 @@ pub fn extract_sc(
         }
         row_bits
     };
-    out.layout = KeyLayout { nbits, local_bits: ctx.local_bits, data_bits, buckets: false, packed };
+    out.reset_keys(KeyLayout { nbits, local_bits: ctx.local_bits, data_bits, buckets: false, packed });
 
     for &f in members {
         let source = inputs[f];
@@ -266,6 +287,37 @@ fn unity_gain(combiner: Combiner, n: usize) -> f32 {
         Combiner::Sum => 1.0,
         Combiner::Mean => 1.0f32 / n as f32,
         Combiner::Sqrtn => 1.0f32 / (n as f32).sqrt(),
+    }
+}
+
+/// Where the fast path writes keys, resolved once per slice.
+trait KeySink {
+    fn push(&mut self, key: u64);
+}
+
+/// Keys that fit 32 bits.
+struct OneChunk<'a>(&'a mut Vec<u32>);
+/// 32-bit halves, chunked by the bits above.
+struct Chunks<'a>(&'a mut [Vec<u32>]);
+/// Whole 64-bit keys.
+struct Wide<'a>(&'a mut Vec<u64>);
+
+impl KeySink for OneChunk<'_> {
+    #[inline(always)]
+    fn push(&mut self, key: u64) {
+        self.0.push(key as u32);
+    }
+}
+impl KeySink for Chunks<'_> {
+    #[inline(always)]
+    fn push(&mut self, key: u64) {
+        self.0[(key >> 32) as usize].push(key as u32);
+    }
+}
+impl KeySink for Wide<'_> {
+    #[inline(always)]
+    fn push(&mut self, key: u64) {
+        self.0.push(key);
     }
 }
 
@@ -360,29 +412,38 @@ impl Sink<'_, '_> {
             self.out.data_sorted = false;
         }
         self.out.last_data = first + (rows.len() - 1) as u32;
-        if self.out.layout.narrow() {
-            let mut keys = std::mem::take(&mut self.out.keys32);
-            let r = self.ragged_unity_into(&mut keys, ids, offsets, rows, total);
-            self.out.keys32 = keys;
-            r
-        } else {
-            let mut keys = std::mem::take(&mut self.out.keys);
-            let r = self.ragged_unity_into(&mut keys, ids, offsets, rows, total);
-            self.out.keys = keys;
-            r
+        match self.out.layout.chunk_bits() {
+            Some(0) => {
+                let mut keys = std::mem::take(&mut self.out.chunks[0]);
+                keys.reserve(total);
+                let r = self.ragged_unity_into(&mut OneChunk(&mut keys), ids, offsets, rows);
+                self.out.chunks[0] = keys;
+                r
+            }
+            Some(c) => {
+                let mut chunks = std::mem::take(&mut self.out.chunks);
+                let r = self.ragged_unity_into(&mut Chunks(&mut chunks[..1 << c]), ids, offsets, rows);
+                self.out.chunks = chunks;
+                r
+            }
+            None => {
+                let mut keys = std::mem::take(&mut self.out.keys);
+                keys.reserve(total);
+                let r = self.ragged_unity_into(&mut Wide(&mut keys), ids, offsets, rows);
+                self.out.keys = keys;
+                r
+            }
         }
     }
 
     #[inline(always)]
-    fn ragged_unity_into<K: SortKey, T: IdValue, O: OffsetValue>(
+    fn ragged_unity_into<K: KeySink, T: IdValue, O: OffsetValue>(
         &mut self,
-        keys: &mut Vec<K>,
+        keys: &mut K,
         ids: &[T],
         offsets: &[O],
         rows: Range<usize>,
-        total: usize,
     ) -> Result<()> {
-        keys.reserve(total);
         let layout = self.out.layout;
         let combiner = self.ctx.combiner;
         let mut data = self.row_base - self.out.row_lo;
@@ -395,7 +456,7 @@ impl Sink<'_, '_> {
                 }
                 for &id in row_ids {
                     let col = self.col_id(r, id.to_i64())?;
-                    keys.push(K::from_u64(layout.encode(0, col, data)));
+                    keys.push(layout.encode(0, col, data));
                 }
             }
             data += 1;
@@ -516,11 +577,6 @@ impl Sink<'_, '_> {
         }
         self.out.last_data = data;
         let layout = self.out.layout;
-        if layout.narrow() {
-            self.out.keys32.reserve(n);
-        } else {
-            self.out.keys.reserve(n);
-        }
         for id in ids {
             let col = self.col_id(r, id)?;
             self.out.push_key(layout.encode(0, col, data));

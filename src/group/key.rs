@@ -23,6 +23,10 @@ use crate::spec::{DATA_BITS, DATA_MASK};
 /// Bits of the minibatching bucket.
 pub const BUCKET_BITS: u32 = 6;
 
+/// Most key bits above 32 that are split off into chunks (4096 chunks): each chunk then sorts
+/// 32-bit keys, which move three times faster than 64-bit ones.
+pub const MAX_CHUNK_BITS: u32 = 12;
+
 /// How one SparseCore packs (bucket, column, data) into a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct KeyLayout {
@@ -75,10 +79,22 @@ impl KeyLayout {
         self.bucket_shift() + if self.buckets { BUCKET_BITS } else { 0 }
     }
 
-    /// Whether keys are stored as `u32` (they fit, and carry no gain).
+    /// How keys are stored: `Some(c)` means as `u32` low halves in `2^c` chunks chosen by the
+    /// key's bits above 32 (`c = 0`: the key fits 32 bits, one chunk); `None` means as whole
+    /// `u64` (packed with a gain, or too wide for [`MAX_CHUNK_BITS`]).
+    #[inline]
+    pub fn chunk_bits(&self) -> Option<u32> {
+        if self.packed {
+            return None;
+        }
+        let c = self.width().saturating_sub(32);
+        (c <= MAX_CHUNK_BITS).then_some(c)
+    }
+
+    /// Whether keys are stored as `u32` halves (see [`KeyLayout::chunk_bits`]).
     #[inline]
     pub fn narrow(&self) -> bool {
-        !self.packed && self.width() <= 32
+        self.chunk_bits().is_some()
     }
 
     /// Bit position of the key inside a stored element (32 when packed with a gain).
@@ -197,8 +213,10 @@ mod tests {
     #[test]
     fn narrow_only_when_it_fits() {
         let l = KeyLayout { nbits: 2, local_bits: 18, data_bits: 11, buckets: false, packed: false };
-        assert!(l.narrow());
-        assert!(!KeyLayout { buckets: true, ..l }.narrow());
+        assert_eq!(l.chunk_bits(), Some(0));
+        assert_eq!(KeyLayout { buckets: true, ..l }.chunk_bits(), Some(5));
+        assert_eq!(KeyLayout { packed: true, ..l }.chunk_bits(), None);
+        assert_eq!(KeyLayout { nbits: 9, local_bits: 23, data_bits: 26, buckets: true, packed: false }.chunk_bits(), None);
         let l = KeyLayout { nbits: 0, local_bits: 0, data_bits: 0, buckets: false, packed: false };
         assert_eq!(l.decode(l.encode(0, 0, 0)), (0, 0, 0));
     }

@@ -14,7 +14,7 @@ mod key;
 mod sort;
 
 pub use key::{bits_for, decode_key, encode_key, KeyLayout};
-pub use sort::{sort_keys, SortKey};
+pub use sort::{sort_chunk, sort_keys, SortKey};
 
 use crate::extract::Extracted;
 use crate::spec::{round_up, ALIGNMENT};
@@ -112,10 +112,14 @@ pub struct SortScratch {
 /// Sorts the extracted keys in place.
 pub fn sort_extracted(ex: &mut Extracted, scratch: &mut SortScratch) {
     let (layout, sorted) = (ex.layout, ex.data_sorted);
-    if layout.narrow() {
-        sort_keys(&mut ex.keys32, &mut scratch.narrow, layout, sorted);
-    } else {
-        sort_keys(&mut ex.keys, &mut scratch.wide, layout, sorted);
+    match layout.chunk_bits() {
+        Some(c) => {
+            let (lo, hi) = (layout.data_bits, layout.width().min(32));
+            for chunk in &mut ex.chunks[..1 << c] {
+                sort_chunk(chunk, &mut scratch.narrow, lo, hi, sorted);
+            }
+        }
+        None => sort_keys(&mut ex.keys, &mut scratch.wide, layout, sorted),
     }
 }
 
@@ -134,10 +138,17 @@ pub fn group_sorted<S: EntrySink>(ex: &Extracted, limits: Limits, sink: &mut S, 
     stats.unique.clear();
     stats.unique.resize(n, 0);
     stats.dropped = 0;
-    if ex.layout.narrow() {
-        walk_keys(ex, &ex.keys32, limits, sink, stats)
-    } else {
-        walk_keys(ex, &ex.keys, limits, sink, stats)
+    // Gains come from per-index arrays (weights), packed beside the key (weights, narrow),
+    // per-row arrays (unity mean/sqrtn), or are all 1.0 (unity sum).
+    match (ex.weighted, ex.unit_gains || ex.layout.packed, limits.drop) {
+        (true, true, false) => walk::<S, PACKED, false>(ex, limits, sink, stats),
+        (true, true, true) => walk::<S, PACKED, true>(ex, limits, sink, stats),
+        (true, false, false) => walk::<S, WEIGHTED, false>(ex, limits, sink, stats),
+        (true, false, true) => walk::<S, WEIGHTED, true>(ex, limits, sink, stats),
+        (false, false, false) => walk::<S, PER_ROW, false>(ex, limits, sink, stats),
+        (false, false, true) => walk::<S, PER_ROW, true>(ex, limits, sink, stats),
+        (false, true, false) => walk::<S, UNIT, false>(ex, limits, sink, stats),
+        (false, true, true) => walk::<S, UNIT, true>(ex, limits, sink, stats),
     }
 }
 
@@ -147,43 +158,65 @@ const PER_ROW: u8 = 1;
 const UNIT: u8 = 2;
 const PACKED: u8 = 3;
 
-fn walk_keys<S: EntrySink, K: SortKey>(ex: &Extracted, keys: &[K], limits: Limits, sink: &mut S, stats: &mut ScStats) {
-    // Gains come from per-index arrays (weights), per-row arrays (unity mean/sqrtn) or are all
-    // 1.0 (unity sum).
-    match (ex.weighted, ex.unit_gains || ex.layout.packed, limits.drop) {
-        (true, true, false) => walk::<S, K, PACKED, false>(ex, keys, limits, sink, stats),
-        (true, true, true) => walk::<S, K, PACKED, true>(ex, keys, limits, sink, stats),
-        (true, false, false) => walk::<S, K, WEIGHTED, false>(ex, keys, limits, sink, stats),
-        (true, false, true) => walk::<S, K, WEIGHTED, true>(ex, keys, limits, sink, stats),
-        (false, false, false) => walk::<S, K, PER_ROW, false>(ex, keys, limits, sink, stats),
-        (false, false, true) => walk::<S, K, PER_ROW, true>(ex, keys, limits, sink, stats),
-        (false, true, false) => walk::<S, K, UNIT, false>(ex, keys, limits, sink, stats),
-        (false, true, true) => walk::<S, K, UNIT, true>(ex, keys, limits, sink, stats),
+/// Runs the walker over every key in sorted order, whichever way the keys are stored.
+#[inline(always)]
+fn walk<S: EntrySink, const GAINS: u8, const DROP: bool>(ex: &Extracted, limits: Limits, sink: &mut S, stats: &mut ScStats) {
+    let n = 1usize << ex.layout.nbits;
+    let mut w = Walker::<S, GAINS, DROP> {
+        ex,
+        limits,
+        sink,
+        ids: &mut stats.ids[..n],
+        unique: &mut stats.unique[..n],
+        dropped: 0,
+        last_col: u64::MAX,
+        last_row: u32::MAX,
+        prev_col: u64::MAX,
+        prev_row: u32::MAX,
+        dropping_col: false,
+    };
+    match ex.layout.chunk_bits() {
+        Some(_) => {
+            for (c, chunk) in ex.active_chunks().iter().enumerate() {
+                let high = (c as u64) << 32;
+                for &k in chunk {
+                    w.step(high | k as u64);
+                }
+            }
+        }
+        None => {
+            for &k in &ex.keys {
+                w.step(k);
+            }
+        }
     }
+    let dropped = w.dropped;
+    stats.dropped = dropped;
 }
 
-/// The walk, specialised for key width, weights and dropping. Columns are compared as the
-/// key's column bits (bucket, partition, local id), which identify a column within one pass.
-#[inline(always)]
-fn walk<S: EntrySink, K: SortKey, const GAINS: u8, const DROP: bool>(
-    ex: &Extracted,
-    keys: &[K],
+/// The state of the walk, specialised for where gains live and for dropping. Columns are
+/// compared as the key's column bits (bucket, partition, local id).
+struct Walker<'a, S, const GAINS: u8, const DROP: bool> {
+    ex: &'a Extracted,
     limits: Limits,
-    sink: &mut S,
-    stats: &mut ScStats,
-) {
-    let layout = ex.layout;
-    let n = 1usize << layout.nbits;
-    let ids = &mut stats.ids[..n];
-    let unique = &mut stats.unique[..n];
-    let mut dropped = 0u64;
-    // The last appended entry, and the last entry that was not merged (kept or dropped).
-    // Column fields are < 2^38, so u64::MAX means "none".
-    let (mut last_col, mut last_row) = (u64::MAX, u32::MAX);
-    let (mut prev_col, mut prev_row) = (u64::MAX, u32::MAX);
-    let mut dropping_col = false;
-    for &k in keys {
-        let element = k.to_u64();
+    sink: &'a mut S,
+    ids: &'a mut [u32],
+    unique: &'a mut [u32],
+    dropped: u64,
+    /// The last appended entry; column fields are < 2^38, so u64::MAX means "none".
+    last_col: u64,
+    last_row: u32,
+    /// The last entry that was not merged (kept or dropped).
+    prev_col: u64,
+    prev_row: u32,
+    dropping_col: bool,
+}
+
+impl<S: EntrySink, const GAINS: u8, const DROP: bool> Walker<'_, S, GAINS, DROP> {
+    #[inline(always)]
+    fn step(&mut self, element: u64) {
+        let ex = self.ex;
+        let layout = ex.layout;
         let key = if GAINS == PACKED { element >> 32 } else { element };
         let colbits = layout.col_field(key);
         let data = layout.data(key);
@@ -194,39 +227,38 @@ fn walk<S: EntrySink, K: SortKey, const GAINS: u8, const DROP: bool>(
             _ => (ex.row_lo + data, 1.0),
         };
         // 1. Merge into the last appended entry.
-        if colbits == last_col && row == last_row {
-            sink.add_to_last(gain);
-            continue;
+        if colbits == self.last_col && row == self.last_row {
+            self.sink.add_to_last(gain);
+            return;
         }
         // 2. A repeat of a pair that was dropped.
-        if DROP && row == prev_row && colbits == prev_col {
-            dropped += 1;
-            continue;
+        if DROP && row == self.prev_row && colbits == self.prev_col {
+            self.dropped += 1;
+            return;
         }
         // 3. Count.
-        let new_col = colbits != prev_col;
-        let g = layout.partition(key) & (n - 1);
-        ids[g] += 1;
-        unique[g] += new_col as u32;
+        let new_col = colbits != self.prev_col;
+        let g = layout.partition(key) & (self.ids.len() - 1);
+        self.ids[g] += 1;
+        self.unique[g] += new_col as u32;
         // 4. Keep or drop. The kept counters equal the observed ones, so the counts above decide.
         let keep = if DROP {
             if new_col {
-                dropping_col = unique[g] > limits.max_unique;
+                self.dropping_col = self.unique[g] > self.limits.max_unique;
             }
-            !(ids[g] > limits.max_ids || dropping_col)
+            !(self.ids[g] > self.limits.max_ids || self.dropping_col)
         } else {
             true
         };
         if keep {
             let (_, col, _) = layout.decode(key);
-            sink.push(Entry { col, row, gain });
-            last_col = colbits;
-            last_row = row;
+            self.sink.push(Entry { col, row, gain });
+            self.last_col = colbits;
+            self.last_row = row;
         } else {
-            dropped += 1;
+            self.dropped += 1;
         }
-        prev_col = colbits;
-        prev_row = row;
+        self.prev_col = colbits;
+        self.prev_row = row;
     }
-    stats.dropped = dropped;
 }

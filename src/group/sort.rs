@@ -65,6 +65,17 @@ pub fn sort_keys<K: SortKey>(keys: &mut Vec<K>, scratch: &mut Vec<K>, layout: Ke
     radix_by_bits(keys, scratch, lo, hi);
 }
 
+/// Sorts one chunk of 32-bit key halves by bits `[lo, hi)` (the column bits below 32), or
+/// wholly when the payloads are not known to be sorted.
+pub fn sort_chunk(keys: &mut Vec<u32>, scratch: &mut Vec<u32>, lo: u32, hi: u32, data_sorted: bool) {
+    if !data_sorted || keys.len() < SMALL {
+        // Equal halves of one chunk are equal keys, so an unstable sort is exact.
+        keys.sort_unstable();
+        return;
+    }
+    radix_by_bits(keys, scratch, lo, hi);
+}
+
 /// Stable LSD radix sort of `keys` by bits `[lo, hi)`.
 fn radix_by_bits<K: SortKey>(keys: &mut Vec<K>, scratch: &mut Vec<K>, lo: u32, hi: u32) {
     if hi <= lo {
@@ -150,7 +161,7 @@ mod tests {
                 let local_bits = KeyLayout::local_bits_for(nbits, vocab, checked);
                 let l = KeyLayout { nbits, local_bits, data_bits: 11, buckets, packed: false };
                 check::<u64>(l, &cols);
-                if l.narrow() {
+                if l.width() <= 32 {
                     check::<u32>(l, &cols);
                 }
             }
