@@ -97,6 +97,7 @@ impl PreprocessorBuilder {
             local_sizes: Vec::new(),
             pool,
             tasks: Vec::new(),
+            batch_per_sc: Vec::new(),
         })
     }
 }
@@ -115,6 +116,8 @@ pub struct Preprocessor {
     pool: Option<rayon::ThreadPool>,
     /// Per stack, per local SparseCore (device-major).
     tasks: Vec<Vec<Task>>,
+    /// Per stack: the per-SparseCore stacked batch of the current batch.
+    batch_per_sc: Vec<usize>,
 }
 
 impl Preprocessor {
@@ -178,9 +181,10 @@ impl Preprocessor {
         self.local_sizes = sizes;
         planned?;
 
-        let Preprocessor { plan, pool, tasks, .. } = self;
+        let Preprocessor { plan, pool, tasks, batch_per_sc, .. } = self;
         let plan = plan.as_ref().expect("planned above");
-        let batch_per_sc = check_batches(plan, inputs)?;
+        check_batches(plan, inputs, batch_per_sc)?;
+        let batch_per_sc = &batch_per_sc[..];
         out.prepare(plan, mode == Mode::Buffers);
         let local_scs = plan.layout.local_scs();
         tasks.resize_with(plan.stacks.len(), Vec::new);
@@ -188,7 +192,7 @@ impl Preprocessor {
             t.resize_with(local_scs, Task::default);
         }
 
-        let mut work = || run_stacks(plan, inputs, &batch_per_sc, out, tasks, mode);
+        let mut work = || run_stacks(plan, inputs, batch_per_sc, out, tasks, mode);
         match pool {
             Some(pool) => pool.install(work),
             None => work(),
@@ -213,13 +217,13 @@ impl Preprocessor {
     }
 }
 
-/// Per-stack batch checks of SPEC 3.1 (check 8) and 3.3; returns each stack's `bsps`.
-fn check_batches(plan: &Plan, inputs: &[&dyn SampleSource]) -> Result<Vec<usize>> {
+/// Per-stack batch checks of SPEC 3.1 (check 8) and 3.3; writes each stack's `bsps`.
+fn check_batches(plan: &Plan, inputs: &[&dyn SampleSource], batch_per_sc: &mut Vec<usize>) -> Result<()> {
     let layout = &plan.layout;
     let s = layout.sc_per_device;
-    plan.stacks
-        .iter()
-        .map(|stack| {
+    batch_per_sc.clear();
+    for stack in &plan.stacks {
+        let bsps = {
             let bsd: u64 =
                 stack.features.iter().map(|&f| (inputs[f].num_samples() / layout.local_devices) as u64).sum();
             if bsd > DATA_MASK {
@@ -242,9 +246,11 @@ fn check_batches(plan: &Plan, inputs: &[&dyn SampleSource]) -> Result<Vec<usize>
                     features: stack.features.len(),
                 });
             }
-            Ok(bsd / s)
-        })
-        .collect()
+            bsd / s
+        };
+        batch_per_sc.push(bsps);
+    }
+    Ok(())
 }
 
 /// Runs every (stack, device, SparseCore) task; errors are parked in the tasks.

@@ -1,0 +1,80 @@
+//! Steady state is allocation-free: after the first batch, preprocessing a batch of the same
+//! shape into the same `Output` performs no heap allocation (counted by a global allocator).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use sparsecore_prep::input::{features_from_record_batch, SampleSource};
+use sparsecore_prep::workload::{generate, Profile, WorkloadSpec};
+use sparsecore_prep::{Output, Preprocessor};
+
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        System.alloc(layout)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout)
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if COUNTING.load(Ordering::Relaxed) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        System.realloc(ptr, layout, new_size)
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Allocations made by `f`.
+fn count(f: impl FnOnce()) -> usize {
+    ALLOCATIONS.store(0, Ordering::SeqCst);
+    COUNTING.store(true, Ordering::SeqCst);
+    f();
+    COUNTING.store(false, Ordering::SeqCst);
+    ALLOCATIONS.load(Ordering::SeqCst)
+}
+
+fn steady_state(profile: Profile, batch: usize, weights: bool, threads: usize) {
+    let mut spec = WorkloadSpec::new(profile);
+    spec.batch_size = batch;
+    spec.num_batches = 3;
+    spec.weights = weights;
+    spec.layout = (2, 2, 4);
+    let w = generate(&spec).unwrap();
+    let features: Vec<Vec<_>> = w.batches.iter().map(|b| features_from_record_batch(&w.config, b).unwrap()).collect();
+    let inputs: Vec<Vec<&dyn SampleSource>> =
+        features.iter().map(|fs| fs.iter().map(|f| f as &dyn SampleSource).collect()).collect();
+    let mut prep = Preprocessor::builder(w.config.clone()).threads(threads).build().unwrap();
+    let mut out = Output::new();
+    // Warm up: the first batches size every buffer (the next batches may be larger).
+    for inp in &inputs {
+        prep.run(inp, &mut out).unwrap();
+    }
+    for inp in &inputs {
+        prep.run(inp, &mut out).unwrap();
+    }
+    let first_checksum: i64 = out.stacks.iter().map(|s| s.embedding_ids.iter().map(|&v| v as i64).sum::<i64>()).sum();
+    assert!(first_checksum != 0, "the workload produced no entries");
+    let n = count(|| {
+        for inp in &inputs {
+            prep.run(inp, &mut out).unwrap();
+        }
+    });
+    assert_eq!(n, 0, "{} allocations in steady state ({}, weights {weights}, {threads} threads)", n, profile.name());
+}
+
+#[test]
+fn steady_state_is_allocation_free() {
+    steady_state(Profile::Criteo, 256, false, 1);
+    steady_state(Profile::Long, 64, true, 1);
+    steady_state(Profile::ModerateMultivalency, 128, false, 2);
+}
