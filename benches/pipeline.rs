@@ -88,8 +88,8 @@ fn stages(c: &mut Criterion) {
     let (mut rp, mut emb, mut smp, mut g) = (vec![0; layout.row_pointers_per_segment()], vec![0; cs], vec![0; cs], vec![0.0; cs]);
     group.bench_function("fill", |b| {
         b.iter(|| {
-            let mut seg = Segment { row_pointers: &mut rp, embedding_ids: &mut emb, sample_ids: &mut smp, gains: &mut g };
-            fill_segment(&entries, layout.num_partitions(), ctx.batch_per_sc as u32, &mut seg)
+            let seg = Segment { row_pointers: &mut rp, embedding_ids: &mut emb, sample_ids: &mut smp, gains: &mut g };
+            fill_segment(&entries, layout.num_partitions(), ctx.batch_per_sc as u32, seg)
         })
     });
     group.finish();

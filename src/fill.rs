@@ -27,18 +27,16 @@ pub struct Segment<'a> {
     pub gains: &'a mut [f32],
 }
 
-/// Writes the padding triple into `[from, to)`.
-#[inline]
-fn pad(seg: &mut Segment<'_>, from: usize, to: usize) {
-    seg.embedding_ids[from..to].fill(PAD_ID);
-    seg.sample_ids[from..to].fill(PAD_ID);
-    seg.gains[from..to].fill(PAD_GAIN);
-}
-
 /// Writes entries (in partition order) into one segment as they come, so that the grouping walk
 /// can fill the buffer directly. Call [`SegmentWriter::finish`] at the end.
-pub struct SegmentWriter<'s, 'a> {
-    seg: &'s mut Segment<'a>,
+///
+/// It owns the segment's slices (not a reference to a [`Segment`]) so that, once inlined into the
+/// walk, its fields live in registers.
+pub struct SegmentWriter<'a> {
+    row_pointers: &'a mut [i32],
+    embedding_ids: &'a mut [i32],
+    sample_ids: &'a mut [i32],
+    gains: &'a mut [f32],
     /// Write cursor.
     i: usize,
     /// Current partition.
@@ -56,13 +54,16 @@ pub struct SegmentWriter<'s, 'a> {
     last_written: bool,
 }
 
-impl<'s, 'a> SegmentWriter<'s, 'a> {
-    /// A writer for `seg`; `num_partitions` is N and `batch_per_sc` the per-SparseCore stacked
-    /// batch (sample ids are rows modulo it).
-    pub fn new(seg: &'s mut Segment<'a>, num_partitions: usize, batch_per_sc: u32, row_lo: u32) -> Self {
-        let cs = seg.embedding_ids.len();
+impl<'a> SegmentWriter<'a> {
+    /// A writer for `seg`; `num_partitions` is N, `batch_per_sc` the per-SparseCore stacked
+    /// batch (sample ids are rows modulo it) and `row_lo` the SparseCore's first row.
+    pub fn new(seg: Segment<'a>, num_partitions: usize, batch_per_sc: u32, row_lo: u32) -> Self {
+        let cs = seg.embedding_ids.len().min(seg.sample_ids.len()).min(seg.gains.len());
         SegmentWriter {
-            seg,
+            row_pointers: seg.row_pointers,
+            embedding_ids: seg.embedding_ids,
+            sample_ids: seg.sample_ids,
+            gains: seg.gains,
             i: 0,
             p: 0,
             cs,
@@ -76,12 +77,20 @@ impl<'s, 'a> SegmentWriter<'s, 'a> {
         }
     }
 
+    /// Writes the padding triple into `[from, to)`.
+    #[inline]
+    fn pad(&mut self, from: usize, to: usize) {
+        self.embedding_ids[from..to].fill(PAD_ID);
+        self.sample_ids[from..to].fill(PAD_ID);
+        self.gains[from..to].fill(PAD_GAIN);
+    }
+
     /// Ends partition `p` at the cursor and pads the cursor to the next multiple of 8.
     #[inline]
     fn close(&mut self) {
-        self.seg.row_pointers[self.p] = self.i as i32;
+        self.row_pointers[self.p] = self.i as i32;
         let aligned = self.i.next_multiple_of(ALIGNMENT).min(self.cs);
-        pad(self.seg, self.i, aligned);
+        self.pad(self.i, aligned);
         self.i = aligned;
         self.p += 1;
     }
@@ -93,32 +102,32 @@ impl<'s, 'a> SegmentWriter<'s, 'a> {
             self.close();
         }
         let i = self.i;
-        for rp in &mut self.seg.row_pointers[self.n..] {
+        for rp in &mut self.row_pointers[self.n..] {
             *rp = i as i32;
         }
-        pad(self.seg, i, self.cs);
+        self.pad(i, self.cs);
         self.dropped
     }
 }
 
-impl EntrySink for SegmentWriter<'_, '_> {
+impl EntrySink for SegmentWriter<'_> {
     #[inline(always)]
     fn push(&mut self, e: Entry) {
         let t = (e.col & self.mask) as usize;
         while self.p < t {
             self.close();
         }
-        if self.i >= self.cs {
+        let i = self.i;
+        if i >= self.cs {
             self.dropped += 1;
             self.last_written = false;
             return;
         }
-        let i = self.i;
-        self.seg.embedding_ids[i] = (e.col >> self.nbits) as i32;
         let offset = e.row.wrapping_sub(self.row_lo);
         let sample = if offset < self.batch_per_sc { offset } else { e.row % self.batch_per_sc };
-        self.seg.sample_ids[i] = sample as i32;
-        self.seg.gains[i] = e.gain;
+        self.embedding_ids[i] = (e.col >> self.nbits) as i32;
+        self.sample_ids[i] = sample as i32;
+        self.gains[i] = e.gain;
         self.i = i + 1;
         self.last_written = true;
     }
@@ -126,13 +135,13 @@ impl EntrySink for SegmentWriter<'_, '_> {
     #[inline(always)]
     fn add_to_last(&mut self, gain: f32) {
         if self.last_written {
-            self.seg.gains[self.i - 1] += gain;
+            self.gains[self.i - 1] += gain;
         }
     }
 }
 
 /// Fills `seg` from `entries` (sorted by partition) and returns how many entries did not fit.
-pub fn fill_segment(entries: &[Entry], num_partitions: usize, batch_per_sc: u32, seg: &mut Segment<'_>) -> u64 {
+pub fn fill_segment(entries: &[Entry], num_partitions: usize, batch_per_sc: u32, seg: Segment<'_>) -> u64 {
     let mut w = SegmentWriter::new(seg, num_partitions, batch_per_sc, 0);
     for &e in entries {
         w.push(e);
@@ -150,8 +159,8 @@ mod tests {
         let mut smp = vec![-1; cs];
         let mut g = vec![-1.0; cs];
         let dropped = {
-            let mut seg = Segment { row_pointers: &mut rp, embedding_ids: &mut emb, sample_ids: &mut smp, gains: &mut g };
-            fill_segment(entries, n, bsps, &mut seg)
+            let seg = Segment { row_pointers: &mut rp, embedding_ids: &mut emb, sample_ids: &mut smp, gains: &mut g };
+            fill_segment(entries, n, bsps, seg)
         };
         (rp, emb, smp, g, dropped)
     }

@@ -296,8 +296,8 @@ fn run_stacks(
                     .zip(stack_tasks.par_iter_mut())
                     .enumerate()
                     .for_each(|(i, ((((rp, emb), smp), gains), task))| {
-                        let mut seg = Segment { row_pointers: rp, embedding_ids: emb, sample_ids: smp, gains };
-                        run_task(plan, stack, &ctx, limits, inputs, i / s, i % s, Some(&mut seg), task);
+                        let seg = Segment { row_pointers: rp, embedding_ids: emb, sample_ids: smp, gains };
+                        run_task(plan, stack, &ctx, limits, inputs, i / s, i % s, Some(seg), task);
                     }),
                 Mode::StatsOnly => stack_tasks.par_iter_mut().enumerate().for_each(|(i, task)| {
                     run_task(plan, stack, &ctx, limits, inputs, i / s, i % s, None, task);
@@ -315,7 +315,7 @@ fn run_task(
     inputs: &[&dyn SampleSource],
     device: usize,
     sc: usize,
-    seg: Option<&mut Segment<'_>>,
+    seg: Option<Segment<'_>>,
     task: &mut Task,
 ) {
     task.error = None;
@@ -329,15 +329,12 @@ fn run_task(
     match seg {
         // Group straight into the buffer: no intermediate entry list.
         Some(seg) => {
-            let mut writer =
-                SegmentWriter::new(seg, plan.layout.num_partitions(), ctx.batch_per_sc as u32, ex.row_lo);
-            group_sorted(ex, limits, &mut writer, &mut task.stats);
-            task.overflow = writer.finish();
+            let writer = SegmentWriter::new(seg, plan.layout.num_partitions(), ctx.batch_per_sc as u32, ex.row_lo);
+            task.overflow = group_sorted(ex, limits, writer, &mut task.stats).finish();
         }
         None => {
             // Stats only: the entries are counted, not kept.
-            let mut sink = Discard;
-            group_sorted(ex, limits, &mut sink, &mut task.stats);
+            group_sorted(ex, limits, Discard, &mut task.stats);
         }
     }
 }

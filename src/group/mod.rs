@@ -127,11 +127,12 @@ pub fn sort_extracted(ex: &mut Extracted, scratch: &mut SortScratch) {
 pub fn sort_and_group(ex: &mut Extracted, scratch: &mut SortScratch, limits: Limits, out: &mut Vec<Entry>, stats: &mut ScStats) {
     sort_extracted(ex, scratch);
     out.clear();
-    group_sorted(ex, limits, out, stats);
+    *out = group_sorted(ex, limits, std::mem::take(out), stats);
 }
 
-/// The walk of SPEC 3.7 over already sorted keys, sending kept entries to `sink`.
-pub fn group_sorted<S: EntrySink>(ex: &Extracted, limits: Limits, sink: &mut S, stats: &mut ScStats) {
+/// The walk of SPEC 3.7 over already sorted keys, sending kept entries to `sink`, which is
+/// taken by value (so that its state stays in registers) and handed back.
+pub fn group_sorted<S: EntrySink>(ex: &Extracted, limits: Limits, sink: S, stats: &mut ScStats) -> S {
     let n = 1usize << ex.layout.nbits;
     stats.ids.clear();
     stats.ids.resize(n, 0);
@@ -160,7 +161,7 @@ const PACKED: u8 = 3;
 
 /// Runs the walker over every key in sorted order, whichever way the keys are stored.
 #[inline(always)]
-fn walk<S: EntrySink, const GAINS: u8, const DROP: bool>(ex: &Extracted, limits: Limits, sink: &mut S, stats: &mut ScStats) {
+fn walk<S: EntrySink, const GAINS: u8, const DROP: bool>(ex: &Extracted, limits: Limits, sink: S, stats: &mut ScStats) -> S {
     let n = 1usize << ex.layout.nbits;
     let mut w = Walker::<S, GAINS, DROP> {
         ex,
@@ -190,8 +191,9 @@ fn walk<S: EntrySink, const GAINS: u8, const DROP: bool>(ex: &Extracted, limits:
             }
         }
     }
-    let dropped = w.dropped;
+    let (dropped, sink) = (w.dropped, w.sink);
     stats.dropped = dropped;
+    sink
 }
 
 /// The state of the walk, specialised for where gains live and for dropping. Columns are
@@ -199,7 +201,7 @@ fn walk<S: EntrySink, const GAINS: u8, const DROP: bool>(ex: &Extracted, limits:
 struct Walker<'a, S, const GAINS: u8, const DROP: bool> {
     ex: &'a Extracted,
     limits: Limits,
-    sink: &'a mut S,
+    sink: S,
     ids: &'a mut [u32],
     unique: &'a mut [u32],
     dropped: u64,
