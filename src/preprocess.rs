@@ -35,11 +35,22 @@ impl EntrySink for Discard {
     fn add_to_last(&mut self, _: f32) {}
 }
 
-/// Scratch of one (stack, local SparseCore) task, kept across batches.
+/// The per-thread working memory of tasks: extracted keys and sort scratch. Only tasks running
+/// at the same time need their own, so it lives with the worker thread (and is reused by every
+/// task and batch it runs) rather than with each of the many tasks.
 #[derive(Debug, Default)]
-struct Task {
+struct Workspace {
     extracted: Extracted,
     scratch: SortScratch,
+}
+
+thread_local! {
+    static WORKSPACE: std::cell::RefCell<Workspace> = std::cell::RefCell::new(Workspace::default());
+}
+
+/// What one (stack, local SparseCore) task leaves for the merge.
+#[derive(Debug, Default)]
+struct Task {
     stats: ScStats,
     overflow: u64,
     error: Option<Error>,
@@ -320,12 +331,34 @@ fn run_task(
 ) {
     task.error = None;
     task.overflow = 0;
-    if let Err(e) = extract_sc(ctx, &plan.features, &stack.features, inputs, device, sc, &mut task.extracted) {
+    WORKSPACE.with(|ws| {
+        // A task never calls back into rayon, so no other task can borrow this thread's
+        // workspace while it runs.
+        let mut ws = ws.borrow_mut();
+        let Workspace { extracted: ex, scratch } = &mut *ws;
+        run_task_in(plan, stack, ctx, limits, inputs, device, sc, seg, task, ex, scratch);
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_task_in(
+    plan: &Plan,
+    stack: &StackPlan,
+    ctx: &StackCtx<'_>,
+    limits: Limits,
+    inputs: &[&dyn SampleSource],
+    device: usize,
+    sc: usize,
+    seg: Option<Segment<'_>>,
+    task: &mut Task,
+    ex: &mut Extracted,
+    scratch: &mut SortScratch,
+) {
+    if let Err(e) = extract_sc(ctx, &plan.features, &stack.features, inputs, device, sc, ex) {
         task.error = Some(e);
         return;
     }
-    let ex = &mut task.extracted;
-    sort_extracted(ex, &mut task.scratch);
+    sort_extracted(ex, scratch);
     match seg {
         // Group straight into the buffer: no intermediate entry list.
         Some(seg) => {
