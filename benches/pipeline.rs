@@ -61,7 +61,12 @@ fn stages(c: &mut Criterion) {
         batch_per_sc: bsd / layout.sc_per_device,
         local_bits: KeyLayout::local_bits_for(layout.partition_bits(), stack.stack_vocab_size, true),
     };
-    let limits = Limits { max_ids: stack.max_ids_per_partition, max_unique: stack.max_unique_ids_per_partition, drop: false };
+    let limits = Limits {
+        max_ids: stack.max_ids_per_partition,
+        max_unique: stack.max_unique_ids_per_partition,
+        drop: false,
+        keep_entries: false,
+    };
     let mut scratch = SortScratch::default();
     let ids_per_sc = (stack.features.len() * 100 * bsd / layout.sc_per_device) as u64;
 

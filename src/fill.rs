@@ -37,6 +37,9 @@ pub struct SegmentWriter<'a> {
     embedding_ids: &'a mut [i32],
     sample_ids: &'a mut [i32],
     gains: &'a mut [f32],
+    /// Added to every row pointer: 0 for segment-relative pointers, the segment's offset in
+    /// the device buffer for the absolute pointers of minibatching.
+    base: usize,
     /// Write cursor.
     i: usize,
     /// Current partition.
@@ -52,6 +55,8 @@ pub struct SegmentWriter<'a> {
     dropped: u64,
     /// Whether the last pushed entry was written (duplicates merge into it only then).
     last_written: bool,
+    /// Whether `finish` pads the slice's tail (not when the next segment follows in it).
+    pad_tail: bool,
 }
 
 impl<'a> SegmentWriter<'a> {
@@ -64,6 +69,7 @@ impl<'a> SegmentWriter<'a> {
             embedding_ids: seg.embedding_ids,
             sample_ids: seg.sample_ids,
             gains: seg.gains,
+            base: 0,
             i: 0,
             p: 0,
             cs,
@@ -74,7 +80,20 @@ impl<'a> SegmentWriter<'a> {
             row_lo,
             dropped: 0,
             last_written: false,
+            pad_tail: true,
         }
+    }
+
+    /// Makes row pointers absolute: `base` is this segment's offset in the device buffer.
+    pub fn with_base(mut self, base: usize) -> Self {
+        self.base = base;
+        self
+    }
+
+    /// Leaves the slice's tail alone at `finish`: the next segment starts there.
+    pub fn without_tail(mut self) -> Self {
+        self.pad_tail = false;
+        self
     }
 
     /// Writes the padding triple into `[from, to)`.
@@ -88,7 +107,7 @@ impl<'a> SegmentWriter<'a> {
     /// Ends partition `p` at the cursor and pads the cursor to the next multiple of 8.
     #[inline]
     fn close(&mut self) {
-        self.row_pointers[self.p] = self.i as i32;
+        self.row_pointers[self.p] = (self.base + self.i) as i32;
         let aligned = self.i.next_multiple_of(ALIGNMENT).min(self.cs);
         self.pad(self.i, aligned);
         self.i = aligned;
@@ -97,16 +116,24 @@ impl<'a> SegmentWriter<'a> {
 
     /// Closes the remaining partitions, sets pointers `N..rpb` to the final cursor, pads the
     /// tail, and returns how many entries did not fit.
-    pub fn finish(mut self) -> u64 {
+    pub fn finish(self) -> u64 {
+        self.finish_at().0
+    }
+
+    /// [`SegmentWriter::finish`], also returning the final (aligned) cursor.
+    pub fn finish_at(mut self) -> (u64, usize) {
         while self.p < self.n {
             self.close();
         }
         let i = self.i;
+        let end = (self.base + i) as i32;
         for rp in &mut self.row_pointers[self.n..] {
-            *rp = i as i32;
+            *rp = end;
         }
-        self.pad(i, self.cs);
-        self.dropped
+        if self.pad_tail {
+            self.pad(i, self.cs);
+        }
+        (self.dropped, i)
     }
 }
 

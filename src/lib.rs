@@ -57,6 +57,6 @@ pub mod workload;
 
 pub use error::{Error, LimitKind, Result};
 pub use output::{Output, StackOutput};
-pub use preprocess::{Preprocessor, PreprocessorBuilder};
+pub use preprocess::{AllReduce, LocalAllReduce, Preprocessor, PreprocessorBuilder};
 pub use spec::{Config, Plan};
 pub use stats::StackStats;

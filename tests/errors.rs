@@ -517,10 +517,17 @@ fn missing_and_malformed_config_files() {
 }
 
 #[test]
-fn enable_minibatching_is_unsupported() {
-    let e = build_err(|v| v["config"]["enable_minibatching"] = json!(true));
+fn multi_host_minibatching_needs_an_all_reduce() {
+    // One host of two: the split must be agreed across hosts (the reference's ValueError).
+    let e = build_err(|v| {
+        v["config"]["enable_minibatching"] = json!(true);
+        v["config"]["global_device_count"] = json!(2);
+    });
     assert!(matches!(&e, Error::InvalidOption { option: "enable_minibatching", value, .. } if value == "true"), "{e:?}");
-    assert_msg(&e, &["enable_minibatching", "not supported"]);
+    assert_msg(&e, &["all_reduce_interface must be provided", "multi-host"]);
+    // A single host needs none.
+    let cfg = config_with(|v| v["config"]["enable_minibatching"] = json!(true));
+    assert!(Preprocessor::new(cfg).is_ok());
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! Golden cases: real outputs of the reference (jax-tpu-embedding 0.1.0), compared bit for bit.
 //!
-//! Runs every case directory under `../shared/golden`, and with `GOLDEN_DIR=/some/dir` also every
+//! Runs every case directory under `../shared/golden` and `../shared/golden_mb` (minibatching),
+//! and with `GOLDEN_DIR=/some/dir` also every
 //! case under that directory. Each case is planned and preprocessed from `input.json` alone and
 //! compared with `expected.json`: the planner with `resolved`, row pointers exactly, ids and gain
 //! bits inside `valid_ranges`, the padding triple everywhere else, stats exactly, and error cases
@@ -40,6 +41,12 @@ fn check_case(dir: &Path) -> Result<(), String> {
 fn golden_cases() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/golden");
     common::run_dir(&root, "golden", check_case);
+}
+
+#[test]
+fn golden_minibatching_cases() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/golden_mb");
+    common::run_dir(&root, "golden_mb", check_case);
 }
 
 #[test]

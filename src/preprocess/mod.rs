@@ -11,10 +11,14 @@ use rayon::prelude::*;
 use crate::error::{Error, LimitKind, Result};
 use crate::extract::{extract_sc, Extracted, StackCtx};
 use crate::fill::{Segment, SegmentWriter};
-use crate::group::{group_sorted, sort_extracted, Entry, EntrySink, KeyLayout, Limits, ScStats, SortScratch};
+use crate::group::bucket::BucketFn;
+use crate::group::{group_sorted, sort_extracted, Bucketed, CountedEntry, Entry, EntrySink, KeyLayout, Limits, ScStats, SortScratch};
 use crate::input::{features_from_record_batch, SampleSource};
 use crate::output::Output;
 use crate::spec::{Config, Plan, StackPlan, DATA_MASK};
+
+mod minibatch;
+pub use minibatch::{AllReduce, LocalAllReduce};
 
 /// What a run produces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,6 +27,14 @@ enum Mode {
     Buffers,
     /// Stats only.
     StatsOnly,
+    /// Minibatching's first pass: stats, and the merged entries kept for a later fill.
+    Pass1,
+}
+
+/// Pass 1 of minibatching is told apart by its limits (it never drops); see `run_stacks`.
+#[inline]
+fn task_keeps_entries(limits: Limits) -> bool {
+    limits.keep_entries
 }
 
 /// A sink that keeps nothing (stats-only runs).
@@ -51,6 +63,9 @@ thread_local! {
 /// What one (stack, local SparseCore) task leaves for the merge.
 #[derive(Debug, Default)]
 struct Task {
+    /// Minibatching: the pass-1 entries, and the bucketed pass over them.
+    pass1: Vec<CountedEntry>,
+    bucketed: Bucketed,
     stats: ScStats,
     overflow: u64,
     error: Option<Error>,
@@ -63,6 +78,7 @@ pub struct PreprocessorBuilder {
     config: Config,
     threads: Option<usize>,
     global_batch_sizes: Option<Vec<usize>>,
+    minibatching: minibatch::Settings,
 }
 
 impl PreprocessorBuilder {
@@ -81,13 +97,31 @@ impl PreprocessorBuilder {
         self
     }
 
+    /// The cross-host agreement used by minibatching (default: this host alone). Required when
+    /// minibatching with more global than local devices.
+    pub fn all_reduce(mut self, all_reduce: std::sync::Arc<dyn AllReduce>) -> Self {
+        self.minibatching.all_reduce = Some(all_reduce);
+        self
+    }
+
+    /// The minibatching bucket function (default: the reference's HighwayHash).
+    pub fn bucket_fn(mut self, f: BucketFn) -> Self {
+        self.minibatching.bucket_fn = f;
+        self
+    }
+
     /// Validates the config and builds the preprocessor.
     pub fn build(self) -> Result<Preprocessor> {
         // Validate everything that does not depend on batch sizes now, not at the first batch.
         let nominal = self.global_batch_sizes.clone().unwrap_or_else(|| vec![0; self.config.features.len()]);
         Plan::new(&self.config, &nominal)?;
-        if self.config.config.enable_minibatching {
-            return Err(Error::option("enable_minibatching", true, "minibatching is not supported yet"));
+        let o = &self.config.config;
+        if o.enable_minibatching && self.minibatching.all_reduce.is_none() && o.local_device_count < o.global_device_count {
+            return Err(Error::option(
+                "enable_minibatching",
+                true,
+                "all_reduce_interface must be provided when minibatching is enabled for multi-host",
+            ));
         }
         let pool = match self.threads {
             None => None,
@@ -109,6 +143,7 @@ impl PreprocessorBuilder {
             pool,
             tasks: Vec::new(),
             batch_per_sc: Vec::new(),
+            minibatching: self.minibatching,
         })
     }
 }
@@ -129,12 +164,13 @@ pub struct Preprocessor {
     tasks: Vec<Vec<Task>>,
     /// Per stack: the per-SparseCore stacked batch of the current batch.
     batch_per_sc: Vec<usize>,
+    minibatching: minibatch::Settings,
 }
 
 impl Preprocessor {
     /// Starts a builder for `config`.
     pub fn builder(config: Config) -> PreprocessorBuilder {
-        PreprocessorBuilder { config, threads: None, global_batch_sizes: None }
+        PreprocessorBuilder { config, threads: None, global_batch_sizes: None, minibatching: minibatch::Settings::default() }
     }
 
     /// A preprocessor with default settings.
@@ -145,6 +181,12 @@ impl Preprocessor {
     /// The config.
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// Sets the batch number, which keys the cross-host agreements of minibatching (`2b` and
+    /// `2b + 1`); it must be the same on every host for a step and differ between steps.
+    pub fn set_batch_number(&mut self, batch_number: u64) {
+        self.minibatching.batch_number = batch_number;
     }
 
     /// The plan of the last batch, if any.
@@ -192,11 +234,12 @@ impl Preprocessor {
         self.local_sizes = sizes;
         planned?;
 
-        let Preprocessor { plan, pool, tasks, batch_per_sc, .. } = self;
+        let Preprocessor { plan, pool, tasks, batch_per_sc, minibatching, .. } = self;
         let plan = plan.as_ref().expect("planned above");
         check_batches(plan, inputs, batch_per_sc)?;
         let batch_per_sc = &batch_per_sc[..];
         out.prepare(plan, mode == Mode::Buffers);
+        let mode = if plan.enable_minibatching && mode == Mode::Buffers { Mode::Pass1 } else { mode };
         let local_scs = plan.layout.local_scs();
         tasks.resize_with(plan.stacks.len(), Vec::new);
         for t in tasks.iter_mut() {
@@ -209,7 +252,15 @@ impl Preprocessor {
             None => work(),
         }
 
-        assemble(plan, tasks, out, mode)
+        assemble(plan, tasks, out, mode)?;
+        if mode == Mode::Pass1 {
+            let mut work = || minibatch::finish(plan, batch_per_sc, out, tasks, minibatching);
+            match pool {
+                Some(pool) => pool.install(&mut work)?,
+                None => work()?,
+            }
+        }
+        Ok(())
     }
 
     /// Preprocesses one batch into a new [`Output`].
@@ -294,7 +345,9 @@ fn run_stacks(
             let limits = Limits {
                 max_ids: stack.max_ids_per_partition,
                 max_unique: stack.max_unique_ids_per_partition,
-                drop: plan.allow_id_dropping,
+                // Pass 1 of minibatching never drops (SPEC 5.4).
+                drop: plan.allow_id_dropping && mode != Mode::Pass1,
+                keep_entries: mode == Mode::Pass1,
             };
             let s = layout.sc_per_device;
             match mode {
@@ -310,7 +363,7 @@ fn run_stacks(
                         let seg = Segment { row_pointers: rp, embedding_ids: emb, sample_ids: smp, gains };
                         run_task(plan, stack, &ctx, limits, inputs, i / s, i % s, Some(seg), task);
                     }),
-                Mode::StatsOnly => stack_tasks.par_iter_mut().enumerate().for_each(|(i, task)| {
+                Mode::StatsOnly | Mode::Pass1 => stack_tasks.par_iter_mut().enumerate().for_each(|(i, task)| {
                     run_task(plan, stack, &ctx, limits, inputs, i / s, i % s, None, task);
                 }),
             }
@@ -365,6 +418,11 @@ fn run_task_in(
             let writer = SegmentWriter::new(seg, plan.layout.num_partitions(), ctx.batch_per_sc as u32, ex.row_lo);
             task.overflow = group_sorted(ex, limits, writer, &mut task.stats).finish();
         }
+        None if task_keeps_entries(limits) => {
+            let mut kept = std::mem::take(&mut task.pass1);
+            kept.clear();
+            task.pass1 = group_sorted(ex, limits, kept, &mut task.stats);
+        }
         None => {
             // Stats only: the entries are counted, not kept.
             group_sorted(ex, limits, Discard, &mut task.stats);
@@ -410,6 +468,7 @@ fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output, mode: Mode) 
             }
         }
         if !plan.allow_id_dropping && mode == Mode::Buffers {
+            // (Pass 1 of minibatching never fails on limits; the bucketed pass may.)
             for (kind, (observed, device, sc, partition), limit) in [
                 (LimitKind::MaxIds, worst_ids, stack.max_ids_per_partition),
                 (LimitKind::MaxUniqueIds, worst_unique, stack.max_unique_ids_per_partition),

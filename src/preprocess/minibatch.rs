@@ -1,0 +1,224 @@
+//! Minibatching (SPEC 5, Part 3): when some SparseCore would exceed a limit, the batch is split
+//! into up to 64 minibatches by hashing columns into buckets, instead of dropping ids.
+//!
+//! Pass 1 (the ordinary pass, never dropping) has already run when [`finish`] is called: its
+//! statistics are the ones reported and its merged entries sit in the tasks. If no SparseCore of
+//! any stack exceeded a limit (agreed across hosts under key `2·batch`), the entries are written
+//! in the M = 1 layout. Otherwise each SparseCore's entries are counted per (partition, bucket),
+//! dropped per bucket if allowed, the split bits are OR-ed everywhere (key `2·batch + 1`), and
+//! the buffers are written SparseCore-major, minibatch-minor, with absolute row pointers.
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use super::Task;
+use crate::error::{Error, LimitKind, Result};
+use crate::fill::{Segment, SegmentWriter, PAD_GAIN};
+use crate::group::bucket::{minibatch_ranges, BucketFn, BUCKETS};
+use crate::group::{bucket_pass, EntrySink, Limits};
+use crate::output::{Output, StackOutput};
+use crate::spec::{Plan, PAD_ID};
+
+/// Agreement across hosts: every host contributes a value under a key and gets the OR of all.
+///
+/// The reference uses keys `2·batch_number` (is minibatching needed?) and `2·batch_number + 1`
+/// (the split bits); `batch_number` must be equal on all hosts for one step.
+pub trait AllReduce: Send + Sync {
+    /// Logical OR over all hosts.
+    fn all_reduce_or_bool(&self, key: u64, value: bool) -> Result<bool>;
+    /// Bitwise OR over all hosts.
+    fn all_reduce_or_u64(&self, key: u64, value: u64) -> Result<u64>;
+}
+
+/// A single host: the OR of one value is itself.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LocalAllReduce;
+
+impl AllReduce for LocalAllReduce {
+    fn all_reduce_or_bool(&self, _key: u64, value: bool) -> Result<bool> {
+        Ok(value)
+    }
+    fn all_reduce_or_u64(&self, _key: u64, value: u64) -> Result<u64> {
+        Ok(value)
+    }
+}
+
+/// Minibatching settings of a preprocessor.
+#[derive(Clone, Default)]
+pub(super) struct Settings {
+    pub all_reduce: Option<Arc<dyn AllReduce>>,
+    pub bucket_fn: BucketFn,
+    pub batch_number: u64,
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings").field("batch_number", &self.batch_number).finish_non_exhaustive()
+    }
+}
+
+/// Decides, buckets if needed, and fills. `out`'s stats already hold pass 1's.
+pub(super) fn finish(
+    plan: &Plan,
+    batch_per_sc: &[usize],
+    out: &mut Output,
+    tasks: &mut [Vec<Task>],
+    settings: &Settings,
+) -> Result<()> {
+    let local = LocalAllReduce;
+    let all_reduce: &dyn AllReduce = settings.all_reduce.as_deref().unwrap_or(&local);
+    let key = 2 * settings.batch_number;
+
+    // Pass 1: does any SparseCore of any stack exceed a limit?
+    let required = plan.stacks.iter().zip(tasks.iter()).any(|(stack, st)| {
+        st.iter().any(|t| {
+            t.stats.max_ids().0 > stack.max_ids_per_partition || t.stats.max_unique().0 > stack.max_unique_ids_per_partition
+        })
+    });
+    let required = all_reduce.all_reduce_or_bool(key, required)?;
+    for so in &mut out.stacks {
+        so.stats.dropped_id_count = 0;
+    }
+    if !required {
+        out.num_minibatches = 1;
+        out.stacks.par_iter_mut().zip(tasks.par_iter_mut()).zip(batch_per_sc.par_iter()).for_each(
+            |((so, st), &bsps)| fill_single(plan, so, st, bsps as u32),
+        );
+        return Ok(());
+    }
+
+    // Pass 2, per SparseCore: counters per (partition, bucket), drops, split bits.
+    let nbits = plan.layout.partition_bits();
+    plan.stacks.par_iter().zip(tasks.par_iter_mut()).for_each(|(stack, st)| {
+        let limits = Limits {
+            max_ids: stack.max_ids_per_partition,
+            max_unique: stack.max_unique_ids_per_partition,
+            drop: plan.allow_id_dropping,
+            keep_entries: false,
+        };
+        st.par_iter_mut().for_each(|t| bucket_pass(&t.pass1, nbits, &settings.bucket_fn, limits, &mut t.bucketed));
+    });
+    if !plan.allow_id_dropping {
+        let s = plan.layout.sc_per_device;
+        for (stack, st) in plan.stacks.iter().zip(tasks.iter()) {
+            for (i, t) in st.iter().enumerate() {
+                let ((ids, pi), (uniq, pu)) = t.bucketed.max_counts();
+                for (kind, observed, limit, partition) in [
+                    (LimitKind::MaxIds, ids, stack.max_ids_per_partition, pi),
+                    (LimitKind::MaxUniqueIds, uniq, stack.max_unique_ids_per_partition, pu),
+                ] {
+                    if observed > limit {
+                        return Err(Error::LimitExceeded {
+                            stack: stack.name.clone(),
+                            kind,
+                            observed,
+                            limit,
+                            device: i / s,
+                            sc: i % s,
+                            partition,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    let split = tasks.iter().flatten().fold(0u64, |acc, t| acc | t.bucketed.split);
+    let split = all_reduce.all_reduce_or_u64(key + 1, split)?;
+    let ranges = minibatch_ranges(split);
+    out.num_minibatches = ranges.len();
+    out.stacks.par_iter_mut().zip(tasks.par_iter_mut()).zip(batch_per_sc.par_iter()).for_each(
+        |((so, st), &bsps)| fill_minibatches(plan, so, st, bsps as u32, &ranges),
+    );
+    Ok(())
+}
+
+/// Splits a device's buffers into (row pointers, embedding ids, sample ids, gains) per device.
+fn per_device(so: &mut StackOutput) -> impl Iterator<Item = (&mut [i32], &mut [i32], &mut [i32], &mut [f32])> {
+    let rp = so.row_pointers_per_device();
+    let c = so.coo_buffer_size_per_device();
+    so.row_pointers
+        .chunks_mut(rp)
+        .zip(so.embedding_ids.chunks_mut(c))
+        .zip(so.sample_ids.chunks_mut(c))
+        .zip(so.gains.chunks_mut(c))
+        .map(|(((a, b), c), d)| (a, b, c, d))
+}
+
+/// Pads `[from, ..)` of a device's COO buffer and sets its unwritten row pointers (from
+/// `rp_from`) to the final cursor, so that the output is a pure function of the input.
+fn pad_tail(rp: &mut [i32], emb: &mut [i32], smp: &mut [i32], gains: &mut [f32], rp_from: usize, from: usize) {
+    emb[from..].fill(PAD_ID);
+    smp[from..].fill(PAD_ID);
+    gains[from..].fill(PAD_GAIN);
+    rp[rp_from..].fill(from as i32);
+}
+
+/// The M = 1 layout: SparseCore s starts at `min(Σ_{s'<s} required[s'], C)` (SPEC 5.7).
+fn fill_single(plan: &Plan, so: &mut StackOutput, tasks: &mut [Task], bsps: u32) {
+    let layout = plan.layout;
+    let (s_count, n, rpb) = (layout.sc_per_device, layout.num_partitions(), layout.row_pointers_per_segment());
+    let c = so.coo_buffer_size_per_device();
+    let required: Vec<usize> = so.stats.required_buffer_size_per_sc.iter().map(|&r| r.max(0) as usize).collect();
+    let mut dropped = 0u64;
+    for (d, (rp, emb, smp, gains)) in per_device(so).enumerate() {
+        let mut start = 0usize;
+        for s in 0..s_count {
+            let task = &tasks[d * s_count + s];
+            let begin = start.min(c);
+            let end = (start + required[d * s_count + s]).min(c);
+            let seg = Segment {
+                row_pointers: &mut rp[s * rpb..(s + 1) * rpb],
+                embedding_ids: &mut emb[begin..end],
+                sample_ids: &mut smp[begin..end],
+                gains: &mut gains[begin..end],
+            };
+            let mut w = SegmentWriter::new(seg, n, bsps, (s as u32) * bsps).with_base(begin);
+            for ce in &task.pass1 {
+                w.push(ce.entry);
+            }
+            dropped += w.finish();
+            start += required[d * s_count + s];
+        }
+        let end = start.min(c);
+        pad_tail(rp, emb, smp, gains, s_count * rpb, end);
+    }
+    so.stats.dropped_id_count = dropped;
+}
+
+/// The M > 1 layout: segments (s, m) SparseCore-major, minibatch-minor, filled one after
+/// another from offset 0; each partition lists its buckets' entries in bucket order.
+fn fill_minibatches(plan: &Plan, so: &mut StackOutput, tasks: &mut [Task], bsps: u32, ranges: &[(usize, usize)]) {
+    let layout = plan.layout;
+    let (s_count, n, rpb) = (layout.sc_per_device, layout.num_partitions(), layout.row_pointers_per_segment());
+    let m_count = ranges.len();
+    let c = so.coo_buffer_size_per_device();
+    let mut dropped: u64 = tasks.iter().map(|t| t.bucketed.dropped).sum();
+    for (d, (rp, emb, smp, gains)) in per_device(so).enumerate() {
+        let mut cursor = 0usize;
+        for s in 0..s_count {
+            let b = &tasks[d * s_count + s].bucketed;
+            for (m, &(lo, hi)) in ranges.iter().enumerate() {
+                let k = s * m_count + m;
+                let seg = Segment {
+                    row_pointers: &mut rp[k * rpb..(k + 1) * rpb],
+                    embedding_ids: &mut emb[cursor..c],
+                    sample_ids: &mut smp[cursor..c],
+                    gains: &mut gains[cursor..c],
+                };
+                let mut w = SegmentWriter::new(seg, n, bsps, (s as u32) * bsps).with_base(cursor).without_tail();
+                for g in 0..n {
+                    let (a, z) = (b.starts[g * BUCKETS + lo] as usize, b.starts[g * BUCKETS + hi] as usize);
+                    for &e in &b.entries[a..z] {
+                        w.push(e);
+                    }
+                }
+                let (lost, end) = w.finish_at();
+                dropped += lost;
+                cursor += end;
+            }
+        }
+        pad_tail(rp, emb, smp, gains, s_count * m_count * rpb, cursor.min(c));
+    }
+    so.stats.dropped_id_count = dropped;
+}
