@@ -303,6 +303,16 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// Hosts could not agree (minibatching's cross-host OR): a peer is missing, slow or sent
+    /// garbage.
+    #[error("all-reduce under sync key {key}: {reason}")]
+    AllReduce {
+        /// The sync key (`2·batch_number` or `2·batch_number + 1`).
+        key: u64,
+        /// What went wrong, naming the peers.
+        reason: String,
+    },
+
     /// An error with the file (or other context) it happened in.
     #[error("{context}: {source}")]
     Context {

@@ -41,6 +41,7 @@
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod allreduce;
 pub mod case;
 mod error;
 pub mod extract;
@@ -57,6 +58,7 @@ pub mod workload;
 
 pub use error::{Error, LimitKind, Result};
 pub use output::{Output, StackOutput};
-pub use preprocess::{AllReduce, LocalAllReduce, Preprocessor, PreprocessorBuilder};
+pub use allreduce::{AllReduce, LocalAllReduce, TcpAllReduce};
+pub use preprocess::{Preprocessor, PreprocessorBuilder};
 pub use spec::{Config, Plan};
 pub use stats::StackStats;

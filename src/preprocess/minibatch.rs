@@ -13,36 +13,13 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::Task;
+use crate::allreduce::{AllReduce, LocalAllReduce};
 use crate::error::{Error, LimitKind, Result};
 use crate::fill::{Segment, SegmentWriter, PAD_GAIN};
 use crate::group::bucket::{minibatch_ranges, BucketFn, BUCKETS};
 use crate::group::{bucket_pass, EntrySink, Limits};
 use crate::output::{Output, StackOutput};
 use crate::spec::{Plan, PAD_ID};
-
-/// Agreement across hosts: every host contributes a value under a key and gets the OR of all.
-///
-/// The reference uses keys `2·batch_number` (is minibatching needed?) and `2·batch_number + 1`
-/// (the split bits); `batch_number` must be equal on all hosts for one step.
-pub trait AllReduce: Send + Sync {
-    /// Logical OR over all hosts.
-    fn all_reduce_or_bool(&self, key: u64, value: bool) -> Result<bool>;
-    /// Bitwise OR over all hosts.
-    fn all_reduce_or_u64(&self, key: u64, value: u64) -> Result<u64>;
-}
-
-/// A single host: the OR of one value is itself.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct LocalAllReduce;
-
-impl AllReduce for LocalAllReduce {
-    fn all_reduce_or_bool(&self, _key: u64, value: bool) -> Result<bool> {
-        Ok(value)
-    }
-    fn all_reduce_or_u64(&self, _key: u64, value: u64) -> Result<u64> {
-        Ok(value)
-    }
-}
 
 /// Minibatching settings of a preprocessor.
 #[derive(Clone, Default)]

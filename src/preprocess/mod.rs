@@ -18,7 +18,7 @@ use crate::output::Output;
 use crate::spec::{Config, Plan, StackPlan, DATA_MASK};
 
 mod minibatch;
-pub use minibatch::{AllReduce, LocalAllReduce};
+use crate::allreduce::AllReduce;
 
 /// What a run produces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
