@@ -136,14 +136,16 @@ fn fill_single(plan: &Plan, so: &mut StackOutput, tasks: &mut [Task], bsps: u32)
     let layout = plan.layout;
     let (s_count, n, rpb) = (layout.sc_per_device, layout.num_partitions(), layout.row_pointers_per_segment());
     let c = so.coo_buffer_size_per_device();
-    let required: Vec<usize> = so.stats.required_buffer_size_per_sc.iter().map(|&r| r.max(0) as usize).collect();
     let mut dropped = 0u64;
+    let StackOutput { stats, .. } = so;
+    let required = std::mem::take(&mut stats.required_buffer_size_per_sc);
     for (d, (rp, emb, smp, gains)) in per_device(so).enumerate() {
         let mut start = 0usize;
         for s in 0..s_count {
             let task = &tasks[d * s_count + s];
             let begin = start.min(c);
-            let end = (start + required[d * s_count + s]).min(c);
+            let need = required[d * s_count + s].max(0) as usize;
+            let end = (start + need).min(c);
             let seg = Segment {
                 row_pointers: &mut rp[s * rpb..(s + 1) * rpb],
                 embedding_ids: &mut emb[begin..end],
@@ -155,11 +157,12 @@ fn fill_single(plan: &Plan, so: &mut StackOutput, tasks: &mut [Task], bsps: u32)
                 w.push(ce.entry);
             }
             dropped += w.finish();
-            start += required[d * s_count + s];
+            start += need;
         }
         let end = start.min(c);
         pad_tail(rp, emb, smp, gains, s_count * rpb, end);
     }
+    so.stats.required_buffer_size_per_sc = required;
     so.stats.dropped_id_count = dropped;
 }
 

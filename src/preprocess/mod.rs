@@ -345,8 +345,8 @@ fn run_stacks(
             let limits = Limits {
                 max_ids: stack.max_ids_per_partition,
                 max_unique: stack.max_unique_ids_per_partition,
-                // Pass 1 of minibatching never drops (SPEC 5.4).
-                drop: plan.allow_id_dropping && mode != Mode::Pass1,
+                // Pass 1 of minibatching never drops (SPEC 5.4); only its bucketed pass may.
+                drop: plan.allow_id_dropping && !plan.enable_minibatching,
                 keep_entries: mode == Mode::Pass1,
             };
             let s = layout.sc_per_device;
