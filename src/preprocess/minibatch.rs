@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use super::Task;
 use crate::allreduce::{AllReduce, LocalAllReduce};
-use crate::error::{Error, LimitKind, Result};
+use crate::error::Result;
 use crate::fill::{Segment, SegmentWriter, PAD_GAIN};
 use crate::group::bucket::{minibatch_ranges, BucketFn, BUCKETS};
 use crate::group::{bucket_pass, EntrySink, Limits};
@@ -81,22 +81,7 @@ pub(super) fn finish(
         for (stack, st) in plan.stacks.iter().zip(tasks.iter()) {
             for (i, t) in st.iter().enumerate() {
                 let ((ids, pi), (uniq, pu)) = t.bucketed.max_counts();
-                for (kind, observed, limit, partition) in [
-                    (LimitKind::MaxIds, ids, stack.max_ids_per_partition, pi),
-                    (LimitKind::MaxUniqueIds, uniq, stack.max_unique_ids_per_partition, pu),
-                ] {
-                    if observed > limit {
-                        return Err(Error::LimitExceeded {
-                            stack: stack.name.clone(),
-                            kind,
-                            observed,
-                            limit,
-                            device: i / s,
-                            sc: i % s,
-                            partition,
-                        });
-                    }
-                }
+                super::check_limits(stack, (ids, i / s, i % s, pi), (uniq, i / s, i % s, pu))?;
             }
         }
     }

@@ -430,6 +430,22 @@ fn run_task_in(
     }
 }
 
+/// The largest count seen for a limit: (observed, device, SparseCore, partition).
+pub(super) type Worst = (u32, usize, usize, usize);
+
+/// `Error::LimitExceeded` for the first of the stack's two limits that `ids` / `unique` exceed.
+pub(super) fn check_limits(stack: &StackPlan, ids: Worst, unique: Worst) -> Result<()> {
+    for (kind, (observed, device, sc, partition), limit) in [
+        (LimitKind::MaxIds, ids, stack.max_ids_per_partition),
+        (LimitKind::MaxUniqueIds, unique, stack.max_unique_ids_per_partition),
+    ] {
+        if observed > limit {
+            return Err(Error::LimitExceeded { stack: stack.name.clone(), kind, observed, limit, device, sc, partition });
+        }
+    }
+    Ok(())
+}
+
 /// Merges task results into the per-stack statistics, in a fixed order, and reports the first
 /// error (by stack, device, SparseCore).
 fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output, mode: Mode) -> Result<()> {
@@ -469,22 +485,7 @@ fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output, mode: Mode) 
         }
         if !plan.allow_id_dropping && mode == Mode::Buffers {
             // (Pass 1 of minibatching never fails on limits; the bucketed pass may.)
-            for (kind, (observed, device, sc, partition), limit) in [
-                (LimitKind::MaxIds, worst_ids, stack.max_ids_per_partition),
-                (LimitKind::MaxUniqueIds, worst_unique, stack.max_unique_ids_per_partition),
-            ] {
-                if observed > limit {
-                    return Err(Error::LimitExceeded {
-                        stack: stack.name.clone(),
-                        kind,
-                        observed,
-                        limit,
-                        device,
-                        sc,
-                        partition,
-                    });
-                }
-            }
+            check_limits(stack, worst_ids, worst_unique)?;
         }
     }
     Ok(())
