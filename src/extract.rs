@@ -35,10 +35,9 @@ pub struct Extracted {
     /// Otherwise the keys' low 32 bits, in chunks by the bits above (see
     /// [`KeyLayout::chunk_bits`]); only the first `2^chunk_bits` chunks are in use.
     pub chunks: Vec<Vec<u32>>,
-    /// Weighted stacks: the sample row of each extraction index.
-    pub rows: Vec<u32>,
-    /// Weighted stacks: the gain of each extraction index.
-    pub gains: Vec<f32>,
+    /// Weighted stacks with index payloads: (sample row, gain) of each extraction index, kept
+    /// together so that the walk's random lookup touches one cache line.
+    pub rows: Vec<(u32, f32)>,
     /// Unity-weight stacks: the gain of each sample row, indexed by the payload `row - row_lo`.
     pub row_gains: Vec<f32>,
     /// First row of this SparseCore (`s * bsps`).
@@ -58,7 +57,7 @@ impl Extracted {
     #[inline(always)]
     pub fn row_and_gain(&self, data: u32) -> (u32, f32) {
         if self.weighted {
-            (self.rows[data as usize], self.gains[data as usize])
+            self.rows[data as usize]
         } else if self.unit_gains {
             (self.row_lo + data, 1.0)
         } else {
@@ -153,7 +152,6 @@ pub fn extract_sc(
     let layout = &ctx.layout;
     let s = layout.sc_per_device;
     out.rows.clear();
-    out.gains.clear();
     out.weighted = ctx.weighted;
     out.unit_gains = !ctx.weighted && ctx.combiner == Combiner::Sum;
     out.data_sorted = true;
@@ -650,8 +648,7 @@ impl Sink<'_, '_> {
             };
             let key = self.out.layout.encode(0, col, (first + k) as u32);
             self.out.push_key(key);
-            self.out.rows.push(row_id);
-            self.out.gains.push(gain);
+            self.out.rows.push((row_id, gain));
         }
         Ok(())
     }

@@ -226,7 +226,7 @@ impl<S: EntrySink, const GAINS: u8, const DROP: bool> Walker<'_, S, GAINS, DROP>
         let colbits = layout.col_field(key);
         let data = layout.data(key);
         let (row, gain) = match GAINS {
-            WEIGHTED => (ex.rows[data as usize], ex.gains[data as usize]),
+            WEIGHTED => ex.rows[data as usize],
             PER_ROW => (ex.row_lo + data, ex.row_gains[data as usize]),
             PACKED => (ex.row_lo + data, f32::from_bits(element as u32)),
             _ => (ex.row_lo + data, 1.0),
