@@ -142,6 +142,8 @@ pub struct FeaturePlan {
     pub shard_rotation: u64,
     /// The table's (unpadded) vocabulary size; ids must be below it.
     pub vocabulary_size: u64,
+    /// The table's (unpadded) embedding dim.
+    pub embedding_dim: u64,
 }
 
 /// One stacked table: the unit of preprocessing, with its own output buffers.
@@ -256,6 +258,7 @@ impl Plan {
                     row_offset_in_shard: 0,
                     shard_rotation: 0,
                     vocabulary_size: table.vocabulary_size,
+                    embedding_dim: table.embedding_dim,
                 }
             })
             .collect();

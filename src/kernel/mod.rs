@@ -1,0 +1,13 @@
+//! CPU backend: what the SparseCore kernels do with the buffers (SPEC 4 and 6), so that the whole
+//! path (input → buffers → activations) runs and is tested without a TPU.
+//!
+//! - [`StackedTable`]: a stack's tables in the row-sharded, rotated, stacked layout the kernels
+//!   read (SPEC 4), built from per-table dense arrays and read back exactly.
+//! - [`sparse_dense_matmul`]: the forward pass over one stack's buffers (SPEC 6.2), every
+//!   minibatch included, and [`feature_activations`] to take one feature's rows back out.
+
+mod forward;
+mod table;
+
+pub use forward::{feature_activations, sparse_dense_matmul};
+pub use table::StackedTable;
