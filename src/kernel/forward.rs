@@ -8,12 +8,16 @@ use crate::error::{Error, Result};
 use crate::output::StackOutput;
 use crate::spec::{Plan, ALIGNMENT};
 
-/// Activations of one stack, one `[bsd, D]` array per local device (`bsd` = S · bsps, the
-/// per-device stacked batch), summed over all minibatches.
-///
-/// `num_minibatches` is [`crate::Output::num_minibatches`]; with minibatching enabled the row
-/// pointers are absolute and segments are (SparseCore, minibatch) pairs.
-pub fn sparse_dense_matmul(plan: &Plan, out: &StackOutput, num_minibatches: usize, table: &StackedTable) -> Result<Vec<Array2<f32>>> {
+/// Calls `f(device, activation_row, partition, embedding_id, gain)` for every valid slot of a
+/// stack's buffers, every segment and minibatch included, checking ids against the shard and
+/// the batch. Padding slots are never visited.
+pub(crate) fn for_each_slot(
+    plan: &Plan,
+    out: &StackOutput,
+    num_minibatches: usize,
+    table: &StackedTable,
+    mut f: impl FnMut(usize, usize, usize, usize, f32) -> Result<()>,
+) -> Result<()> {
     let sp = plan.stack(&out.name).ok_or_else(|| Error::config("stack", &out.name, "not in the plan"))?;
     let layout = plan.layout;
     let (n, s_count, rpb) = (layout.num_partitions(), layout.sc_per_device, layout.row_pointers_per_segment());
@@ -32,13 +36,11 @@ pub fn sparse_dense_matmul(plan: &Plan, out: &StackOutput, num_minibatches: usiz
     let c = out.coo_buffer_size_per_device();
     let cs = c / s_count;
     let m_count = if plan.enable_minibatching { num_minibatches.max(1) } else { 1 };
-    let mut acts = Vec::with_capacity(layout.local_devices);
     for d in 0..layout.local_devices {
         let rp = &out.row_pointers[d * out.row_pointers_per_device()..(d + 1) * out.row_pointers_per_device()];
         let emb = &out.embedding_ids[d * c..(d + 1) * c];
         let smp = &out.sample_ids[d * c..(d + 1) * c];
         let gains = &out.gains[d * c..(d + 1) * c];
-        let mut act = Array2::<f32>::zeros((bsd, table.dim));
         let mut prev_end = 0usize;
         for sc in 0..s_count {
             for m in 0..m_count {
@@ -46,14 +48,12 @@ pub fn sparse_dense_matmul(plan: &Plan, out: &StackOutput, num_minibatches: usiz
                 // Segment-relative pointers (no minibatching) or absolute ones.
                 let (base, mut start) = if plan.enable_minibatching { (0, prev_end) } else { (sc * cs, sc * cs) };
                 for p in 0..n {
-                    let end = base + rp[k * rpb + p].max(0) as usize;
                     if p > 0 {
                         start = start.next_multiple_of(ALIGNMENT);
                     }
-                    let end = end.min(c);
-                    let shard = table.shard(p);
+                    let end = (base + rp.get(k * rpb + p).copied().unwrap_or(0).max(0) as usize).min(c);
                     for i in start.min(end)..end {
-                        let (e, smp_id, g) = (emb[i], smp[i], gains[i]);
+                        let (e, smp_id) = (emb[i], smp[i]);
                         if e < 0 || e as usize >= table.rows_per_shard {
                             return Err(Error::input(
                                 &sp.name,
@@ -63,16 +63,31 @@ pub fn sparse_dense_matmul(plan: &Plan, out: &StackOutput, num_minibatches: usiz
                         if smp_id < 0 || smp_id as usize >= bsps {
                             return Err(Error::input(&sp.name, format!("sample id {smp_id} at device {d} slot {i} is outside the {bsps} samples")));
                         }
-                        let mut row = act.row_mut(sc * bsps + smp_id as usize);
-                        row.scaled_add(g, &shard.row(e as usize));
+                        f(d, sc * bsps + smp_id as usize, p, e as usize, gains[i])?;
                     }
                     start = end;
                 }
                 prev_end = start.next_multiple_of(ALIGNMENT).min(c);
             }
         }
-        acts.push(act);
     }
+    Ok(())
+}
+
+/// Activations of one stack, one `[bsd, D]` array per local device (`bsd` = S · bsps, the
+/// per-device stacked batch), summed over all minibatches:
+/// `act[s · bsps + sample_id] += gain · shard_p[embedding_id]` for every valid slot.
+///
+/// `num_minibatches` is [`crate::Output::num_minibatches`]; with minibatching enabled the row
+/// pointers are absolute and segments are (SparseCore, minibatch) pairs.
+pub fn sparse_dense_matmul(plan: &Plan, out: &StackOutput, num_minibatches: usize, table: &StackedTable) -> Result<Vec<Array2<f32>>> {
+    let sp = plan.stack(&out.name).ok_or_else(|| Error::config("stack", &out.name, "not in the plan"))?;
+    let bsd = (sp.total_sample_count / plan.layout.global_devices as u64) as usize;
+    let mut acts: Vec<Array2<f32>> = (0..plan.layout.local_devices).map(|_| Array2::zeros((bsd, table.dim))).collect();
+    for_each_slot(plan, out, num_minibatches, table, |d, row, p, e, gain| {
+        acts[d].row_mut(row).scaled_add(gain, &table.shard(p).row(e));
+        Ok(())
+    })?;
     Ok(acts)
 }
 
