@@ -8,11 +8,15 @@
 //! - [`apply_gradients`]: the backward pass (row gradients accumulated over every slot that
 //!   references a row) and one step of SGD, Adagrad, Adagrad-momentum, Adam, FTRL or LaProp
 //!   (SPEC 6.3), with the optimizer's [`Slots`] stored beside the table rows.
+//! - [`PartitionedTable`]: a host table split across replicas by rows (`Token`) or columns
+//!   (`Encoding`), whose lookups and updates equal the unsplit table's exactly.
 
 mod forward;
+mod host;
 mod optimizer;
 mod table;
 
+pub use host::{Partition, PartitionedTable};
 pub use forward::{feature_activations, sparse_dense_matmul};
 pub use optimizer::{apply_gradients, row_gradients, Optimizer, Slots};
 pub use table::StackedTable;
