@@ -221,3 +221,51 @@ fn table_shape_mismatch_is_an_error() {
     let e = StackedTable::from_tables(plan, "ta", &[wrong.view()]).unwrap_err();
     assert!(e.to_string().contains("ta") && e.to_string().contains("[300, 16]"), "{e}");
 }
+
+#[test]
+fn sum_with_unit_weights_is_exact_and_bad_ids_are_errors() {
+    let w = workload((2, 2, 2), 64, false, "feature", 9, true);
+    let inputs: Vec<RaggedInput<'_>> =
+        w.feats.iter().zip(&w.config.features).map(|((v, s, _), f)| RaggedInput::from_i64(&f.name, v, s).unwrap()).collect();
+    let refs: Vec<&dyn SampleSource> = inputs.iter().map(|f| f as &dyn SampleSource).collect();
+    let mut prep = Preprocessor::new(w.config.clone()).unwrap();
+    let mut out = Output::new();
+    prep.run(&refs, &mut out).unwrap();
+    let plan = prep.plan().unwrap().clone();
+    // Integer-valued tables: every sum is exact in f32, so the result must be bit for bit.
+    let tables: Vec<Array2<f32>> = w
+        .config
+        .tables
+        .iter()
+        .enumerate()
+        .map(|(i, t)| Array2::from_shape_fn((t.vocabulary_size as usize, t.embedding_dim as usize), |(r, c)| ((r * 7 + c * 3 + i) % 11) as f32 - 5.0))
+        .collect();
+    let (l, s) = (2usize, 2usize);
+    for (stack, so) in plan.stacks.iter().zip(&out.stacks) {
+        let views: Vec<_> = stack.tables.iter().map(|&t| tables[t].view()).collect();
+        let stacked = StackedTable::from_tables(&plan, &stack.name, &views).unwrap();
+        let acts = sparse_dense_matmul(&plan, so, out.num_minibatches, &stacked).unwrap();
+        for &f in &stack.features {
+            let table = &tables[plan.features[f].table_index];
+            let view = refs[f].view();
+            let rows = refs[f].num_samples() / l / s * s;
+            for (d, act) in acts.iter().enumerate() {
+                let got = feature_activations(&plan, f, act.view()).unwrap();
+                for i in 0..rows {
+                    let (ids, _) = row(&view, d * rows + i);
+                    for c in 0..got.ncols() {
+                        let want: f32 = ids.iter().map(|&id| table[[id as usize, c]]).sum();
+                        assert_eq!(got[[i, c]], want, "feature {f} device {d} sample {i} col {c}");
+                    }
+                }
+            }
+        }
+        // An embedding id outside the shard is an error, not a panic.
+        let mut bad = so.clone();
+        if let Some(slot) = bad.embedding_ids.iter().position(|&e| e != i32::MAX) {
+            bad.embedding_ids[slot] = stacked.rows_per_shard as i32;
+            let e = sparse_dense_matmul(&plan, &bad, out.num_minibatches, &stacked).unwrap_err();
+            assert!(e.to_string().contains("outside the shard"), "{e}");
+        }
+    }
+}

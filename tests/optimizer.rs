@@ -25,10 +25,16 @@ struct Case {
 }
 
 fn case(layout: (usize, usize, usize), combiner: &str, seed: u64) -> Case {
+    case_with(layout, combiner, seed, false, 4096)
+}
+
+/// `limit` applies to the stack; with minibatching a small one splits the batch.
+fn case_with(layout: (usize, usize, usize), combiner: &str, seed: u64, minibatching: bool, limit: u32) -> Case {
     let (l, g, s) = layout;
     let config = Config::from_json(&format!(
         r#"{{"config": {{"local_device_count": {l}, "global_device_count": {g}, "num_sc_per_device": {s}, "stacking": "auto",
-                        "stack_limits": {{"max_ids_per_partition": 4096, "max_unique_ids_per_partition": 4096}}}},
+                        "enable_minibatching": {minibatching},
+                        "stack_limits": {{"max_ids_per_partition": {limit}, "max_unique_ids_per_partition": {limit}}}}},
             "tables": [{{"name": "ta", "vocabulary_size": 60, "embedding_dim": 8, "combiner": "{combiner}"}},
                        {{"name": "tb", "vocabulary_size": 30, "embedding_dim": 8, "combiner": "{combiner}"}}],
             "features": [{{"name": "f0", "table": "ta"}}, {{"name": "f1", "table": "tb"}}, {{"name": "f2", "table": "ta"}}]}}"#
@@ -57,7 +63,8 @@ fn physical(n: usize, r: usize, rotation: usize, offset: usize, v: usize) -> usi
     ((v % n + rotation) % n) * r + v / n + offset
 }
 
-fn run(c: &Case, optimizer: Optimizer, seed: u64) {
+/// Returns the number of minibatches, or `None` when tight limits overflowed one bucket.
+fn run(c: &Case, optimizer: Optimizer, seed: u64) -> Option<usize> {
     let inputs: Vec<RaggedInput<'_>> = c
         .feats
         .iter()
@@ -67,7 +74,11 @@ fn run(c: &Case, optimizer: Optimizer, seed: u64) {
     let refs: Vec<&dyn SampleSource> = inputs.iter().map(|i| i as &dyn SampleSource).collect();
     let mut prep = Preprocessor::new(c.config.clone()).unwrap();
     let mut out = Output::new();
-    prep.run(&refs, &mut out).unwrap();
+    match prep.run(&refs, &mut out) {
+        Ok(()) => {}
+        Err(Error::LimitExceeded { .. }) if c.config.config.enable_minibatching => return None,
+        Err(e) => panic!("{e}"),
+    }
     let plan = prep.plan().unwrap().clone();
     assert_eq!(plan.stacks.len(), 1, "auto stacking puts both tables in one stack");
     let stack = &plan.stacks[0];
@@ -81,7 +92,9 @@ fn run(c: &Case, optimizer: Optimizer, seed: u64) {
     let mut table = StackedTable::from_tables(&plan, &stack.name, &views).unwrap();
     let before = table.clone();
     let bsd = (stack.total_sample_count / layout.global_devices as u64) as usize;
-    let dact: Vec<Array2<f32>> = (0..l).map(|_| Array2::from_shape_fn((bsd, 8), |_| next(200) as f32 / 100.0 - 1.0)).collect();
+    // Multiples of 1/16: with the sum combiner (weights k/8) every gradient sum is exact, so
+    // summation order cannot matter even for scale-invariant steps (Adam, LaProp).
+    let dact: Vec<Array2<f32>> = (0..l).map(|_| Array2::from_shape_fn((bsd, 8), |_| (next(32) as f32 - 16.0) / 16.0)).collect();
     let dviews: Vec<_> = dact.iter().map(|a| a.view()).collect();
     let mut slots = Slots::new(&table, &optimizer);
     apply_gradients(&plan, so, out.num_minibatches, &dviews, &optimizer, &mut table, &mut slots).unwrap();
@@ -135,6 +148,7 @@ fn run(c: &Case, optimizer: Optimizer, seed: u64) {
         }
     }
     assert!(!grad.is_empty());
+    Some(out.num_minibatches)
 }
 
 fn optimizers() -> Vec<Optimizer> {
@@ -156,9 +170,45 @@ fn one_step_equals_dense_per_row_step() {
     for (i, (layout, combiner)) in [((1, 1, 4), "sum"), ((2, 2, 2), "mean"), ((1, 2, 4), "sqrtn")].into_iter().enumerate() {
         let c = case(layout, combiner, 11 + i as u64);
         for opt in optimizers() {
-            run(&c, opt, 5 + i as u64);
+            assert_eq!(run(&c, opt, 5 + i as u64), Some(1));
         }
     }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 48, failure_persistence: None, ..Default::default() })]
+
+    /// Random inputs, layouts, combiners and optimizers; with minibatching the update equals
+    /// the single-pass one (the gradient of a row gathers every minibatch's slots).
+    #[test]
+    fn random_steps_equal_dense_steps(
+        seed in 0u64..1_000_000,
+        layout in proptest::sample::select(vec![(1usize, 1usize, 4usize), (2, 2, 2), (1, 2, 4), (4, 4, 1), (1, 1, 1)]),
+        combiner in proptest::sample::select(vec!["sum", "mean", "sqrtn"]),
+        opt in proptest::sample::select(optimizers()),
+        minibatching in proptest::bool::ANY,
+    ) {
+        // Multi-host minibatching needs an all-reduce; these layouts run single-host only.
+        let minibatching = minibatching && layout.0 == layout.1;
+        // Adam and LaProp normalise the gradient, so a near-zero row gradient (summed in another
+        // order) flips the step; only the exact (sum combiner) gradients compare for them.
+        let scale_invariant = matches!(opt, Optimizer::Adam { .. } | Optimizer::Laprop { .. });
+        let combiner = if scale_invariant { "sum" } else { combiner };
+        let c = case_with(layout, combiner, seed, minibatching, if minibatching { 6 } else { 4096 });
+        let _ = run(&c, opt, seed ^ 0xABCD);
+    }
+}
+
+#[test]
+fn minibatched_updates_equal_single_pass_updates() {
+    let mut split = 0;
+    for seed in 0..20 {
+        let c = case_with((1, 1, 4), "mean", seed, true, 5);
+        if let Some(m) = run(&c, Optimizer::Adagrad { lr: 0.1 }, seed) {
+            split += (m > 1) as usize;
+        }
+    }
+    assert!(split >= 5, "only {split} of 20 batches were split into minibatches");
 }
 
 #[test]
