@@ -77,3 +77,14 @@ fn bad_rows_and_replicas_are_errors() {
     let e = t.row(5).unwrap_err();
     assert!(e.to_string().contains("row 5"), "{e}");
 }
+
+#[test]
+fn device_operands_are_their_shards_sparsecore_major() {
+    // 4 shards of 3 rows, S = 2: device 1 holds shards 2 and 3.
+    let data = Array2::from_shape_fn((12, 2), |(r, c)| (r * 10 + c) as f32);
+    let t = StackedTable { stack: "s".into(), num_shards: 4, rows_per_shard: 3, dim: 2, data };
+    let dev1 = t.device(1, 2);
+    assert_eq!(dev1.nrows(), 6);
+    assert_eq!(dev1.row(0), t.shard(2).row(0));
+    assert_eq!(dev1.row(5), t.shard(3).row(2));
+}

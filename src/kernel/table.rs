@@ -75,6 +75,13 @@ impl StackedTable {
         Ok(out)
     }
 
+    /// Device `d`'s operand: its `S` shards, SparseCore-major, `[S · R, D]` (shard `g` belongs to
+    /// device `g / S`).
+    pub fn device(&self, d: usize, sc_per_device: usize) -> ArrayView2<'_, f32> {
+        let rows = sc_per_device * self.rows_per_shard;
+        self.data.slice(ndarray::s![d * rows..(d + 1) * rows, ..])
+    }
+
     /// Shard `g`'s rows, `[R, D]`.
     pub fn shard(&self, g: usize) -> ArrayView2<'_, f32> {
         self.data.slice(ndarray::s![g * self.rows_per_shard..(g + 1) * self.rows_per_shard, ..])
