@@ -658,7 +658,8 @@ impl Sink<'_, '_> {
     /// off).
     #[inline(always)]
     fn col_id(&self, r: usize, id: i64) -> Result<u32> {
-        if self.ctx.validate_ids && (id < 0 || id as u64 >= self.plan.vocabulary_size) {
+        // One unsigned compare: a negative id wraps far above any vocabulary.
+        if self.ctx.validate_ids && id as u64 >= self.plan.vocabulary_size {
             return Err(self.out_of_range(r, id));
         }
         let id = id as u32;
