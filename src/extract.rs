@@ -25,7 +25,7 @@ use crate::group::{bits_for, KeyLayout};
 use crate::spec::{Combiner, DeviceLayout, FeaturePlan, DATA_MASK};
 
 /// Per-SparseCore extraction output, reused from batch to batch.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Extracted {
     /// How this SparseCore's keys are packed.
     pub layout: KeyLayout,
