@@ -92,7 +92,10 @@ impl TcpAllReduce {
         let (inbox2, stop2) = (inbox.clone(), stop.clone());
         let handle = std::thread::Builder::new()
             .name(format!("sparsecore-allreduce-{rank}"))
-            .spawn(move || serve(listener, inbox2, stop2))
+            .spawn({
+                let hosts = peers.len() as u32;
+                move || serve(listener, inbox2, stop2, rank as u32, hosts)
+            })
             .map_err(|source| Error::Io { context: "all-reduce: starting the listener thread".into(), source })?;
         Ok(TcpAllReduce { rank: rank as u32, peers, timeout, inbox, stop, listener: Some(handle), local })
     }
@@ -128,7 +131,9 @@ impl TcpAllReduce {
             }
             let now = Instant::now();
             if now >= deadline {
-                let heard: Vec<u32> = inbox.get(&key).map(|m| m.keys().copied().collect()).unwrap_or_default();
+                // Forget this key: late messages for it must not satisfy a later exchange.
+                let heard_map = inbox.remove(&key);
+                let heard: Vec<u32> = heard_map.map(|m| m.keys().copied().collect()).unwrap_or_default();
                 let missing: Vec<String> = (0..self.peers.len() as u32)
                     .filter(|r| *r != self.rank && !heard.contains(r))
                     .map(|r| format!("{r} ({})", self.peers[r as usize]))
@@ -164,7 +169,7 @@ fn send(addr: &SocketAddr, msg: &[u8], deadline: Instant) -> std::io::Result<()>
 }
 
 /// Accepts messages until stopped, filing them in the inbox.
-fn serve(listener: TcpListener, inbox: Arc<(Inbox, Condvar)>, stop: Arc<AtomicBool>) {
+fn serve(listener: TcpListener, inbox: Arc<(Inbox, Condvar)>, stop: Arc<AtomicBool>, rank: u32, hosts: u32) {
     for stream in listener.incoming() {
         if stop.load(Ordering::SeqCst) {
             break;
@@ -178,6 +183,9 @@ fn serve(listener: TcpListener, inbox: Arc<(Inbox, Condvar)>, stop: Arc<AtomicBo
         let key = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
         let src = u32::from_le_bytes(buf[8..12].try_into().expect("4 bytes"));
         let value = u64::from_le_bytes(buf[12..].try_into().expect("8 bytes"));
+        if src >= hosts || src == rank {
+            continue; // not a peer of this job: never let it complete an exchange
+        }
         let (lock, cv) = &*inbox;
         if let Ok(mut m) = lock.lock() {
             m.entry(key).or_default().insert(src, value);

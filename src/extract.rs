@@ -53,18 +53,6 @@ pub struct Extracted {
 }
 
 impl Extracted {
-    /// Row and gain of the entry whose key carries payload `data`.
-    #[inline(always)]
-    pub fn row_and_gain(&self, data: u32) -> (u32, f32) {
-        if self.weighted {
-            self.rows[data as usize]
-        } else if self.unit_gains {
-            (self.row_lo + data, 1.0)
-        } else {
-            (self.row_lo + data, self.row_gains[data as usize])
-        }
-    }
-
     /// Chunks in use.
     pub fn active_chunks(&self) -> &[Vec<u32>] {
         match self.layout.chunk_bits() {
@@ -373,6 +361,10 @@ impl Sink<'_, '_> {
             FeatureView::Dense { ids: DenseIds::I64(a), .. } => a.nrows(),
             FeatureView::Coo { .. } => usize::MAX,
         };
+        let view_weighted = matches!(view, FeatureView::Ragged { weights: Some(_), .. } | FeatureView::Dense { weights: Some(_), .. });
+        if view_weighted && !self.ctx.weighted {
+            return Err(Error::input(&self.plan.name, "the input's view carries weights but has_weights() is false"));
+        }
         if rows.end > available {
             return Err(Error::input(
                 &self.plan.name,

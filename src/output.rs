@@ -35,13 +35,12 @@ impl StackOutput {
             self.name.clone_from(&stack.name);
         }
         self.local_devices = l;
-        self.row_pointers_per_device = stack.row_pointers_per_device;
-        self.coo_buffer_size_per_device = stack.coo_buffer_size_per_device;
-        let (rp, c) = if buffers {
-            (l * stack.row_pointers_per_device, l * stack.coo_buffer_size_per_device)
-        } else {
-            (0, 0)
-        };
+        // A stats-only run writes no buffers: their sizes read as 0, so that the views and
+        // the kernels see consistent (empty) arrays.
+        let (rp, c) = if buffers { (stack.row_pointers_per_device, stack.coo_buffer_size_per_device) } else { (0, 0) };
+        self.row_pointers_per_device = rp;
+        self.coo_buffer_size_per_device = c;
+        let (rp, c) = (l * rp, l * c);
         self.row_pointers.resize(rp, 0);
         self.embedding_ids.resize(c, 0);
         self.sample_ids.resize(c, 0);
@@ -59,7 +58,7 @@ impl StackOutput {
         self.row_pointers_per_device
     }
 
-    /// COO buffer size per device (C).
+    /// COO buffer size per device (C); 0 after a stats-only run.
     pub fn coo_buffer_size_per_device(&self) -> usize {
         self.coo_buffer_size_per_device
     }
@@ -85,8 +84,13 @@ impl StackOutput {
     }
 }
 
+/// A `[rows, cols]` view, or an empty one when the (public, so editable) buffer does not have
+/// that length.
 fn view2<T>(v: &[T], rows: usize, cols: usize) -> ArrayView2<'_, T> {
-    ArrayView2::from_shape((rows, cols), v).expect("buffer length is rows * cols by construction")
+    match rows.checked_mul(cols) {
+        Some(n) if n == v.len() => ArrayView2::from_shape((rows, cols), v).unwrap_or_else(|_| ArrayView2::from_shape((0, 0), &v[..0]).expect("empty view")),
+        _ => ArrayView2::from_shape((0, 0), &v[..0]).expect("empty view"),
+    }
 }
 
 /// Everything one batch produces.

@@ -67,10 +67,9 @@ pub fn run(c: Command) -> Result<()> {
                 let s = FdoStats::from_path(p)?;
                 match &mut merged {
                     None => merged = Some(s),
-                    Some(m) => m.merge(&s).map_err(|e| Error::InvalidInput {
-                        feature: p.display().to_string(),
-                        reason: format!("cannot merge into {}: {e}", inputs[0].display()),
-                    })?,
+                    Some(m) => m
+                        .merge(&s)
+                        .map_err(|e| e.context(format!("merging {} into {}", p.display(), inputs[0].display())))?,
                 }
             }
             let merged = merged.expect("clap requires at least one input");
@@ -84,7 +83,8 @@ pub fn run(c: Command) -> Result<()> {
             let (tuned, changes) = tune(&cfg, &st, headroom)
                 .map_err(|e| e.context(format!("tuning config {} with stats {}", config.display(), stats.display())))?;
             // The tuned config must itself be valid.
-            sparsecore_prep::Preprocessor::new(tuned.clone())?;
+            sparsecore_prep::Preprocessor::new(tuned.clone())
+                .map_err(|e| e.context(format!("the tuned config for {} ({})", out.display(), config.display())))?;
             write_config(&out, &tuned)?;
             println!("{:<24} {:>17} {:>17} {:>21}", "table/stack", "max ids", "max unique", "suggested buffer");
             for ch in &changes {

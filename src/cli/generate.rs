@@ -8,7 +8,7 @@ use sparsecore_prep::spec::Stacking;
 use sparsecore_prep::workload::{generate, Profile, WorkloadSpec};
 use sparsecore_prep::{Error, Result};
 
-use super::{io_err, parse_layout, write_config};
+use super::{io_err, parse_layout};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -63,7 +63,9 @@ pub fn run(a: Args) -> Result<()> {
     spec.int32_ids = a.int32_ids;
     let w = generate(&spec)?;
 
+    // Both files go to temporary names first and are renamed only when both are complete.
     let tmp = sparsecore_prep::fdo::tmp_path(&a.out);
+    let config_tmp = sparsecore_prep::fdo::tmp_path(&a.config_out);
     let write = || -> Result<()> {
         let file = File::create(&tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
         let arrow = |source| Error::Arrow { context: format!("writing {}", a.out.display()), source };
@@ -72,13 +74,16 @@ pub fn run(a: Args) -> Result<()> {
             writer.write(b).map_err(arrow)?;
         }
         writer.finish().map_err(arrow)?;
-        std::fs::rename(&tmp, &a.out).map_err(io_err(format!("renaming {} to {}", tmp.display(), a.out.display())))
+        std::fs::write(&config_tmp, w.config.to_json()).map_err(io_err(format!("writing {}", config_tmp.display())))?;
+        std::fs::rename(&tmp, &a.out).map_err(io_err(format!("renaming {} to {}", tmp.display(), a.out.display())))?;
+        std::fs::rename(&config_tmp, &a.config_out)
+            .map_err(io_err(format!("renaming {} to {}", config_tmp.display(), a.config_out.display())))
     };
     if let Err(e) = write() {
         let _ = std::fs::remove_file(&tmp);
+        let _ = std::fs::remove_file(&config_tmp);
         return Err(e);
     }
-    write_config(&a.config_out, &w.config)?;
     let line = serde_json::json!({
         "profile": a.profile.name(),
         "arrow": a.out.display().to_string(),

@@ -102,7 +102,11 @@ impl StackFile {
     fn write(&mut self, batch_index: u64, so: &StackOutput) -> Result<()> {
         let arrow = |source| Error::Arrow { context: format!("writing {}", self.path.display()), source };
         if so.row_pointers_per_device() != self.rp || so.coo_buffer_size_per_device() != self.c {
-            return Err(Error::config("stack", &so.name, "buffer sizes changed between batches"));
+            return Err(Error::config(
+                "stack",
+                &so.name,
+                format!("buffer sizes changed between batches (writing {})", self.path.display()),
+            ));
         }
         let l = so.local_devices();
         let fsl = |values: ArrayRef, width: usize, t: DataType| -> Result<ArrayRef> {
@@ -174,8 +178,8 @@ fn stream(
             *a += b;
         }
         all_ids += ids.iter().sum::<u64>();
-        stats.get_or_insert_with(|| FdoStats::new(plan.layout)).record(plan, &out)?;
-        each(index as u64, &prep, &out)?;
+        stats.get_or_insert_with(|| FdoStats::new(plan.layout)).record(plan, &out).map_err(|e| e.context(at(index)))?;
+        each(index as u64, &prep, &out).map_err(|e| e.context(at(index)))?;
         pb.inc(1);
         pb.set_message(format!("{:.1} M ids/s", all_ids as f64 / start.elapsed().as_secs_f64().max(1e-9) / 1e6));
     }
@@ -234,6 +238,8 @@ pub fn run(a: Args) -> Result<()> {
     let stats_path = a.out.join("stats.json");
     let stats_tmp = tmp_path(&stats_path);
     let mut pending: Vec<(PathBuf, PathBuf)> = Vec::new();
+    // Every temporary name, taken before any file is finished, so a failure can remove all.
+    let tmps: Vec<PathBuf> = files.values().map(|f| f.tmp.clone()).collect();
     let mut written = || -> Result<()> {
         for (_, f) in std::mem::take(&mut files) {
             let (tmp, path) = (f.tmp.clone(), f.path.clone());
@@ -245,7 +251,6 @@ pub fn run(a: Args) -> Result<()> {
         Ok(())
     };
     let result = written();
-    let tmps: Vec<PathBuf> = files.values().map(|f| f.tmp.clone()).collect();
     if let Err(e) = result {
         for t in tmps.iter().chain(pending.iter().map(|(t, _)| t)) {
             let _ = std::fs::remove_file(t);

@@ -33,7 +33,7 @@ impl NpyArray {
         if self.shape.len() < 2 {
             return self.data.clone();
         }
-        let cols: usize = self.shape[1..].iter().product();
+        let cols: usize = self.shape[1..].iter().fold(1usize, |a, &d| a.saturating_mul(d));
         let mut out = vec![i64::MIN; cols];
         for row in self.data.chunks(cols.max(1)) {
             for (o, &v) in out.iter_mut().zip(row) {
@@ -103,9 +103,12 @@ pub fn decode_npy(bytes: &[u8], name: &str) -> Result<NpyArray> {
         .filter(|s| !s.is_empty())
         .map(|s| s.parse::<usize>().map_err(|_| bad(name, format!("bad shape ({shape_text})"))))
         .collect::<Result<_>>()?;
-    let count: usize = shape.iter().product();
+    let count = shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| bad(name, format!("shape ({shape_text}) is too large")))?;
     let body = &bytes[hstart + hlen..];
-    if body.len() < count * width {
+    if count.checked_mul(width).is_none_or(|need| body.len() < need) {
         return Err(bad(name, format!("{} data bytes for {count} values", body.len())));
     }
     let data = body[..count * width]

@@ -52,9 +52,12 @@ impl SortKey for u64 {
 pub fn sort_keys<K: SortKey>(keys: &mut Vec<K>, scratch: &mut Vec<K>, layout: KeyLayout, data_sorted: bool) {
     if !data_sorted || keys.len() < SMALL {
         if layout.packed {
-            // Elements with equal keys differ in their gain bits and must keep their order (the
-            // order their gains are summed in): a stable sort by the key half only.
-            keys.sort_by_key(|e| e.to_u64() >> 32);
+            // The payload here is the row, but the reference orders a column's entries by
+            // extraction index (SPEC 3.6): a stable sort by the column bits alone keeps exactly
+            // that order, whether or not rows arrived in order, and keeps repeated ids in the
+            // order their gains are summed in.
+            let shift = layout.element_shift() + layout.data_bits;
+            keys.sort_by_key(|e| e.to_u64() >> shift);
         } else {
             keys.sort_unstable();
         }

@@ -35,6 +35,14 @@ pub(crate) fn for_each_slot(
     let bsps = bsd / s_count;
     let c = out.coo_buffer_size_per_device();
     let cs = c / s_count;
+    let l = layout.local_devices;
+    let rp_len = out.row_pointers_per_device();
+    if c == 0
+        || out.row_pointers.len() != l * rp_len
+        || [out.embedding_ids.len(), out.sample_ids.len(), out.gains.len()].iter().any(|&n| n != l * c)
+    {
+        return Err(Error::input(&sp.name, "the output has no buffers of the plan's sizes (a stats-only run?)"));
+    }
     let m_count = if plan.enable_minibatching { num_minibatches.max(1) } else { 1 };
     for d in 0..layout.local_devices {
         let rp = &out.row_pointers[d * out.row_pointers_per_device()..(d + 1) * out.row_pointers_per_device()];

@@ -45,7 +45,7 @@ pub(super) fn finish(
 ) -> Result<()> {
     let local = LocalAllReduce;
     let all_reduce: &dyn AllReduce = settings.all_reduce.as_deref().unwrap_or(&local);
-    let key = 2 * settings.batch_number;
+    let key = settings.batch_number.wrapping_mul(2);
 
     // Pass 1: does any SparseCore of any stack exceed a limit?
     let required = plan.stacks.iter().zip(tasks.iter()).any(|(stack, st)| {
@@ -86,7 +86,7 @@ pub(super) fn finish(
         }
     }
     let split = tasks.iter().flatten().fold(0u64, |acc, t| acc | t.bucketed.split);
-    let split = all_reduce.all_reduce_or_u64(key + 1, split)?;
+    let split = all_reduce.all_reduce_or_u64(key.wrapping_add(1), split)?;
     let ranges = minibatch_ranges(split);
     out.num_minibatches = ranges.len();
     out.stacks.par_iter_mut().zip(tasks.par_iter_mut()).zip(batch_per_sc.par_iter()).for_each(

@@ -218,7 +218,8 @@ impl Preprocessor {
     /// Computes only the FDO statistics of a batch: extraction, sorting and grouping run, the
     /// buffers are not written (`out`'s arrays are left empty), and exceeded limits are not an
     /// error, since the point is to measure them. `dropped_id_count` counts the ids the limits
-    /// would drop when `allow_id_dropping` is on; buffer overflow is not simulated.
+    /// would drop when `allow_id_dropping` is on (always 0 under minibatching, whose first pass
+    /// never drops); buffer overflow is not simulated, and the buffer sizes read as 0.
     pub fn run_stats(&mut self, inputs: &[&dyn SampleSource], out: &mut Output) -> Result<()> {
         self.run_mode(inputs, out, Mode::StatsOnly)
     }

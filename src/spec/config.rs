@@ -40,7 +40,8 @@ pub struct Options {
     /// Limits of multi-table stacks under auto stacking (the reference defaults both to 256).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stack_limits: Option<StackLimits>,
-    /// Minibatching (splitting over-limit batches by id hash). Reserved: not implemented yet.
+    /// Split batches that exceed a limit into up to 64 minibatches by column hash instead of
+    /// dropping ids (SPEC 5). Multi-host jobs need an [`crate::AllReduce`].
     #[serde(default)]
     pub enable_minibatching: bool,
     /// Suggested COO buffer sizes set on stacks after stacking, by stack name (the reference's
