@@ -245,21 +245,24 @@ fn slice_ids(view: &FeatureView<'_>, rows: Range<usize>) -> Option<usize> {
             if indices.len() != 2 * nnz {
                 return None;
             }
-            let first_at_least = |row: usize| -> usize {
-                let (mut lo, mut hi) = (0usize, nnz);
-                while lo < hi {
-                    let mid = (lo + hi) / 2;
-                    if (indices[2 * mid] as u64) < row as u64 {
-                        lo = mid + 1;
-                    } else {
-                        hi = mid;
-                    }
-                }
-                lo
-            };
-            Some(first_at_least(rows.end).saturating_sub(first_at_least(rows.start)))
+            Some(coo_first_row_at_least(indices, nnz, rows.end).saturating_sub(coo_first_row_at_least(indices, nnz, rows.start)))
         }
     }
+}
+
+/// Index of the first of `nnz` COO entries whose row (`indices[2k]`) is at least `row`; rows are
+/// sorted (checked by `CooInput`; a custom view that lies gets an error later, not a panic).
+fn coo_first_row_at_least(indices: &[i64], nnz: usize, row: usize) -> usize {
+    let (mut lo, mut hi) = (0usize, nnz);
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if (indices[2 * mid] as u64) < row as u64 {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 fn bad_row(feature: &str, what: &str, r: usize) -> Error {
@@ -514,17 +517,7 @@ impl Sink<'_, '_> {
         if indices.len() != 2 * nnz {
             return Err(Error::input(&self.plan.name, format!("indices hold {} values for {nnz} ids", indices.len())));
         }
-        // First entry whose row is >= rows.start (rows are sorted, checked by CooInput).
-        let (mut lo, mut hi) = (0usize, nnz);
-        while lo < hi {
-            let mid = (lo + hi) / 2;
-            if (indices[2 * mid] as u64) < rows.start as u64 {
-                lo = mid + 1;
-            } else {
-                hi = mid;
-            }
-        }
-        let mut k = lo;
+        let mut k = coo_first_row_at_least(indices, nnz, rows.start);
         while k < nnz {
             let r = indices[2 * k] as usize;
             if r >= rows.end {

@@ -36,7 +36,9 @@ pub struct KeyLayout {
     pub local_bits: u32,
     /// Bits of the payload.
     pub data_bits: u32,
-    /// Whether keys carry minibatching bucket bits.
+    /// Whether keys carry minibatching bucket bits. The pipeline's bucketed pass works on
+    /// merged entries rather than re-keyed ids, so it never sets this; it keeps the layout able
+    /// to express the reference's full key (see the tests).
     pub buckets: bool,
     /// Weighted stacks whose key fits 32 bits: each `u64` element is `key << 32 | gain bits`,
     /// with the sample row (not the extraction index) as payload, so the sort carries the gain
