@@ -16,16 +16,19 @@ fn workload(profile: Profile, batch: usize) -> Workload {
     generate(&spec).expect("workload")
 }
 
+/// The profiles and (smaller than default) batch sizes every bench runs.
+const PROFILES: [(Profile, usize); 5] = [
+    (Profile::Criteo, 4096),
+    (Profile::Long, 2048),
+    (Profile::LargeVocab, 2048),
+    (Profile::HighMultivalency, 2048),
+    (Profile::ModerateMultivalency, 4096),
+];
+
 fn end_to_end(c: &mut Criterion) {
     let mut group = c.benchmark_group("end_to_end");
     group.sample_size(10);
-    for (profile, batch) in [
-        (Profile::Criteo, 4096),
-        (Profile::Long, 2048),
-        (Profile::LargeVocab, 2048),
-        (Profile::HighMultivalency, 2048),
-        (Profile::ModerateMultivalency, 4096),
-    ] {
+    for (profile, batch) in PROFILES {
         let w = workload(profile, batch);
         let batch = &w.batches[0];
         group.throughput(Throughput::Elements(w.total_ids()));
@@ -42,13 +45,7 @@ fn end_to_end(c: &mut Criterion) {
 
 /// Each stage on SparseCore 0 of each profile's largest stack, one thread.
 fn stages(c: &mut Criterion) {
-    for (profile, batch) in [
-        (Profile::Criteo, 4096),
-        (Profile::Long, 2048),
-        (Profile::LargeVocab, 2048),
-        (Profile::HighMultivalency, 2048),
-        (Profile::ModerateMultivalency, 4096),
-    ] {
+    for (profile, batch) in PROFILES {
         let w = workload(profile, batch);
         let batch = &w.batches[0];
         let mut prep = Preprocessor::builder(w.config.clone()).threads(1).build().unwrap();

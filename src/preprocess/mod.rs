@@ -31,12 +31,6 @@ enum Mode {
     Pass1,
 }
 
-/// Pass 1 of minibatching is told apart by its limits (it never drops); see `run_stacks`.
-#[inline]
-fn task_keeps_entries(limits: Limits) -> bool {
-    limits.keep_entries
-}
-
 /// A sink that keeps nothing (stats-only runs).
 struct Discard;
 
@@ -390,45 +384,29 @@ fn run_task(
         // workspace while it runs.
         let mut ws = ws.borrow_mut();
         let Workspace { extracted: ex, scratch } = &mut *ws;
-        run_task_in(plan, stack, ctx, limits, inputs, device, sc, seg, task, ex, scratch);
-    });
-}
-
-#[allow(clippy::too_many_arguments)]
-fn run_task_in(
-    plan: &Plan,
-    stack: &StackPlan,
-    ctx: &StackCtx<'_>,
-    limits: Limits,
-    inputs: &[&dyn SampleSource],
-    device: usize,
-    sc: usize,
-    seg: Option<Segment<'_>>,
-    task: &mut Task,
-    ex: &mut Extracted,
-    scratch: &mut SortScratch,
-) {
-    if let Err(e) = extract_sc(ctx, &plan.features, &stack.features, inputs, device, sc, ex) {
-        task.error = Some(e);
-        return;
-    }
-    sort_extracted(ex, scratch);
-    match seg {
-        // Group straight into the buffer: no intermediate entry list.
-        Some(seg) => {
-            let writer = SegmentWriter::new(seg, plan.layout.num_partitions(), ctx.batch_per_sc as u32, ex.row_lo);
-            task.overflow = group_sorted(ex, limits, writer, &mut task.stats).finish();
+        if let Err(e) = extract_sc(ctx, &plan.features, &stack.features, inputs, device, sc, ex) {
+            task.error = Some(e);
+            return;
         }
-        None if task_keeps_entries(limits) => {
-            let mut kept = std::mem::take(&mut task.pass1);
-            kept.clear();
-            task.pass1 = group_sorted(ex, limits, kept, &mut task.stats);
-        }
-        None => {
+        sort_extracted(ex, scratch);
+        match seg {
+            // Group straight into the buffer: no intermediate entry list.
+            Some(seg) => {
+                let writer = SegmentWriter::new(seg, plan.layout.num_partitions(), ctx.batch_per_sc as u32, ex.row_lo);
+                task.overflow = group_sorted(ex, limits, writer, &mut task.stats).finish();
+            }
+            // Minibatching's first pass keeps the merged entries for the fill that follows.
+            None if limits.keep_entries => {
+                let mut kept = std::mem::take(&mut task.pass1);
+                kept.clear();
+                task.pass1 = group_sorted(ex, limits, kept, &mut task.stats);
+            }
             // Stats only: the entries are counted, not kept.
-            group_sorted(ex, limits, Discard, &mut task.stats);
+            None => {
+                group_sorted(ex, limits, Discard, &mut task.stats);
+            }
         }
-    }
+    });
 }
 
 /// The largest count seen for a limit: (observed, device, SparseCore, partition).
