@@ -96,6 +96,27 @@ impl<'a> SegmentWriter<'a> {
         self
     }
 
+    /// Appends an entry of partition `t` (partitions arrive in order).
+    #[inline(always)]
+    fn write(&mut self, t: usize, local: u32, row: u32, gain: f32) {
+        while self.p < t {
+            self.close();
+        }
+        let i = self.i;
+        if i >= self.cs {
+            self.dropped += 1;
+            self.last_written = false;
+            return;
+        }
+        let offset = row.wrapping_sub(self.row_lo);
+        let sample = if offset < self.batch_per_sc { offset } else { row % self.batch_per_sc };
+        self.embedding_ids[i] = local as i32;
+        self.sample_ids[i] = sample as i32;
+        self.gains[i] = gain;
+        self.i = i + 1;
+        self.last_written = true;
+    }
+
     /// Writes the padding triple into `[from, to)`.
     #[inline]
     fn pad(&mut self, from: usize, to: usize) {
@@ -140,23 +161,12 @@ impl<'a> SegmentWriter<'a> {
 impl EntrySink for SegmentWriter<'_> {
     #[inline(always)]
     fn push(&mut self, e: Entry) {
-        let t = (e.col & self.mask) as usize;
-        while self.p < t {
-            self.close();
-        }
-        let i = self.i;
-        if i >= self.cs {
-            self.dropped += 1;
-            self.last_written = false;
-            return;
-        }
-        let offset = e.row.wrapping_sub(self.row_lo);
-        let sample = if offset < self.batch_per_sc { offset } else { e.row % self.batch_per_sc };
-        self.embedding_ids[i] = (e.col >> self.nbits) as i32;
-        self.sample_ids[i] = sample as i32;
-        self.gains[i] = e.gain;
-        self.i = i + 1;
-        self.last_written = true;
+        self.write((e.col & self.mask) as usize, e.col >> self.nbits, e.row, e.gain);
+    }
+
+    #[inline(always)]
+    fn push_parts(&mut self, partition: u32, local: u32, _nbits: u32, row: u32, gain: f32) {
+        self.write(partition as usize, local, row, gain);
     }
 
     #[inline(always)]

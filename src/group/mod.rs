@@ -88,6 +88,12 @@ fn max_with_index(v: &[u32]) -> (u32, usize) {
 pub trait EntrySink {
     /// Appends a kept entry.
     fn push(&mut self, entry: Entry);
+    /// Appends a kept entry given as partition and local embedding id (the column's two
+    /// halves, which is how the walk has it); sinks that need only the halves override this.
+    #[inline(always)]
+    fn push_parts(&mut self, partition: u32, local: u32, nbits: u32, row: u32, gain: f32) {
+        self.push(Entry { col: (local << nbits) | partition, row, gain });
+    }
     /// Adds a duplicate's gain to the last appended entry.
     fn add_to_last(&mut self, gain: f32);
 }
@@ -242,8 +248,8 @@ impl<S: EntrySink, const GAINS: u8, const DROP: bool> Walker<'_, S, GAINS, DROP>
             let g = layout.partition(key) & (self.ids.len() - 1);
             self.ids[g] += 1;
             self.unique[g] += (colbits != self.last_col) as u32;
-            let (_, col, _) = layout.decode(key);
-            self.sink.push(Entry { col, row, gain });
+            let local = (colbits & ((1u64 << layout.local_bits) - 1)) as u32;
+            self.sink.push_parts(g as u32, local, layout.nbits, row, gain);
             self.last_col = colbits;
             self.last_row = row;
             return;
