@@ -176,7 +176,13 @@ fn one_step_equals_dense_per_row_step() {
 }
 
 proptest::proptest! {
-    #![proptest_config(proptest::prelude::ProptestConfig { cases: 48, failure_persistence: None, ..Default::default() })]
+    // A fixed seed keeps CI deterministic.
+    #![proptest_config(proptest::prelude::ProptestConfig {
+        cases: 48,
+        failure_persistence: None,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x0b71_5eed),
+        ..Default::default()
+    })]
 
     /// Random inputs, layouts, combiners and optimizers; with minibatching the update equals
     /// the single-pass one (the gradient of a row gathers every minibatch's slots).
