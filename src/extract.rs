@@ -282,6 +282,15 @@ fn unity_gain(combiner: Combiner, n: usize) -> f32 {
 /// Where the fast path writes keys, resolved once per slice.
 trait KeySink {
     fn push(&mut self, key: u64);
+
+    /// Appends a row's keys. The contiguous sinks take them as one `extend` over a slice, a
+    /// branch-free loop the compiler vectorises.
+    #[inline(always)]
+    fn extend_row<I: Iterator<Item = u64>>(&mut self, keys: I) {
+        for k in keys {
+            self.push(k);
+        }
+    }
 }
 
 /// Keys that fit 32 bits.
@@ -296,6 +305,10 @@ impl KeySink for OneChunk<'_> {
     fn push(&mut self, key: u64) {
         self.0.push(key as u32);
     }
+    #[inline(always)]
+    fn extend_row<I: Iterator<Item = u64>>(&mut self, keys: I) {
+        self.0.extend(keys.map(|k| k as u32));
+    }
 }
 impl KeySink for Chunks<'_> {
     #[inline(always)]
@@ -307,6 +320,10 @@ impl KeySink for Wide<'_> {
     #[inline(always)]
     fn push(&mut self, key: u64) {
         self.0.push(key);
+    }
+    #[inline(always)]
+    fn extend_row<I: Iterator<Item = u64>>(&mut self, keys: I) {
+        self.0.extend(keys);
     }
 }
 
@@ -447,9 +464,19 @@ impl Sink<'_, '_> {
                 if combiner != Combiner::Sum {
                     self.out.row_gains[data as usize] = unity_gain(combiner, row_ids.len());
                 }
-                for &id in row_ids {
-                    let col = self.col_id(r, id.to_i64())?;
-                    keys.push(layout.encode(0, col, data));
+                // Validation is folded into one flag per row so that the loop has no branch;
+                // the offending id is looked up only on error.
+                let (vocab, check) = (self.plan.vocabulary_size, self.ctx.validate_ids);
+                let (shift, mask, offset) = (self.plan.col_shift, self.mask, self.plan.col_offset);
+                let mut bad = false;
+                keys.extend_row(row_ids.iter().map(|&id| {
+                    let id = id.to_i64();
+                    bad |= check & (id as u64 >= vocab);
+                    layout.encode(0, col_of(id as u32, shift, mask, offset), data)
+                }));
+                if bad {
+                    let id = row_ids.iter().map(|v| v.to_i64()).find(|&id| id as u64 >= vocab).unwrap_or_default();
+                    return Err(self.out_of_range(r, id));
                 }
             }
             data += 1;
@@ -647,7 +674,13 @@ impl Sink<'_, '_> {
         if self.ctx.validate_ids && id as u64 >= self.plan.vocabulary_size {
             return Err(self.out_of_range(r, id));
         }
-        let id = id as u32;
-        Ok(((id.wrapping_add(self.plan.col_shift) & self.mask) | (id & !self.mask)).wrapping_add(self.plan.col_offset))
+        Ok(col_of(id as u32, self.plan.col_shift, self.mask, self.plan.col_offset))
     }
+}
+
+/// SPEC 3.4's column of a (validated) id: shard rotation within the low bits, then the stacking
+/// offset, in 32-bit wrapping arithmetic.
+#[inline(always)]
+fn col_of(id: u32, shift: u32, mask: u32, offset: u32) -> u32 {
+    ((id.wrapping_add(shift) & mask) | (id & !mask)).wrapping_add(offset)
 }

@@ -117,6 +117,27 @@ impl<'a> SegmentWriter<'a> {
         self.last_written = true;
     }
 
+    /// Appends an entry of the current partition.
+    #[inline(always)]
+    #[allow(unsafe_code)]
+    fn write_here(&mut self, local: u32, row: u32, gain: f32) {
+        let i = self.i;
+        if i >= self.cs {
+            self.dropped += 1;
+            return;
+        }
+        let offset = row.wrapping_sub(self.row_lo);
+        let sample = if offset < self.batch_per_sc { offset } else { row % self.batch_per_sc };
+        // SAFETY: `cs` is the minimum of the three slices' lengths (set in `new`, the slices
+        // are never replaced), and i < cs.
+        unsafe {
+            *self.embedding_ids.get_unchecked_mut(i) = local as i32;
+            *self.sample_ids.get_unchecked_mut(i) = sample as i32;
+            *self.gains.get_unchecked_mut(i) = gain;
+        }
+        self.i = i + 1;
+    }
+
     /// Writes the padding triple into `[from, to)`.
     #[inline]
     fn pad(&mut self, from: usize, to: usize) {
@@ -174,6 +195,22 @@ impl EntrySink for SegmentWriter<'_> {
         if self.last_written {
             self.gains[self.i - 1] += gain;
         }
+    }
+
+    #[inline(never)]
+    fn start_partition(mut self, partition: u32) -> Self {
+        while self.p < partition as usize {
+            self.close();
+        }
+        self
+    }
+
+    #[inline(always)]
+    fn push_local(&mut self, _partition: u32, local: u32, _nbits: u32, row: u32, gain: f32) {
+        self.write_here(local, row, gain);
+        // Once an entry is dropped every later one is (the cursor stays at `cs`), so the
+        // last entry was written exactly when nothing has been dropped yet.
+        self.last_written = self.dropped == 0;
     }
 }
 

@@ -96,6 +96,22 @@ pub trait EntrySink {
     }
     /// Adds a duplicate's gain to the last appended entry.
     fn add_to_last(&mut self, gain: f32);
+    /// Announces that the entries pushed next belong to `partition` (partitions arrive in
+    /// order), for sinks that track the partition themselves. By value, so that a sink held in
+    /// registers by the walk stays there.
+    #[inline(always)]
+    fn start_partition(self, _partition: u32) -> Self
+    where
+        Self: Sized,
+    {
+        self
+    }
+    /// Appends an entry of the partition last announced by
+    /// [`EntrySink::start_partition`] (which is also passed, for sinks that do not track it).
+    #[inline(always)]
+    fn push_local(&mut self, partition: u32, local: u32, nbits: u32, row: u32, gain: f32) {
+        self.push_parts(partition, local, nbits, row, gain);
+    }
 }
 
 impl EntrySink for Vec<Entry> {
@@ -185,6 +201,22 @@ fn walk<S: EntrySink, const GAINS: u8, const DROP: bool>(ex: &Extracted, limits:
         prev_row: u32::MAX,
         dropping_col: false,
     };
+    if !DROP && GAINS != WEIGHTED && !ex.layout.buckets {
+        // The common case gets a walk over whole partitions (see `run`).
+        let mut st = RunState::new(ex.layout);
+        let mut sink = w.sink;
+        match ex.layout.chunk_bits() {
+            Some(_) => {
+                for (c, chunk) in ex.active_chunks().iter().enumerate() {
+                    sink = run::<S, GAINS, u32>(ex, sink, chunk, (c as u64) << 32, &mut st, w.ids, w.unique);
+                }
+            }
+            None => sink = run::<S, GAINS, u64>(ex, sink, &ex.keys, 0, &mut st, w.ids, w.unique),
+        }
+        st.flush(w.ids, w.unique);
+        stats.dropped = 0;
+        return sink;
+    }
     match ex.layout.chunk_bits() {
         Some(_) => {
             for (c, chunk) in ex.active_chunks().iter().enumerate() {
@@ -202,6 +234,82 @@ fn walk<S: EntrySink, const GAINS: u8, const DROP: bool>(ex: &Extracted, limits:
     }
     let (dropped, sink) = (w.dropped, w.sink);
     stats.dropped = dropped;
+    sink
+}
+
+/// Where [`run`] stands between key slices.
+#[derive(Clone, Copy)]
+struct RunState {
+    /// The last appended key (payload included); `u64::MAX` before the first.
+    last: u64,
+    /// Keys at or above this belong to a later partition.
+    part_end: u64,
+    /// Current partition and its running counters.
+    part: usize,
+    ids: u32,
+    unique: u32,
+}
+
+impl RunState {
+    fn new(layout: KeyLayout) -> Self {
+        RunState { last: u64::MAX, part_end: 1u64 << (layout.data_bits + layout.local_bits), part: 0, ids: 0, unique: 0 }
+    }
+
+    /// Stores the current partition's counters.
+    fn flush(&mut self, ids: &mut [u32], unique: &mut [u32]) {
+        if let (Some(i), Some(u)) = (ids.get_mut(self.part), unique.get_mut(self.part)) {
+            *i += std::mem::take(&mut self.ids);
+            *u += std::mem::take(&mut self.unique);
+        }
+    }
+}
+
+/// The walk without dropping, for gains that are not per-index (unit, per row, or packed):
+/// there a whole key (column bits and row) identifies a (row, column) pair, so merging is one
+/// compare, and since nothing is dropped the current partition's counters stay in registers
+/// until the keys cross into the next partition (one compare per key). The state and the sink
+/// are locals of this loop, passed by value, so that they are not re-read from memory per key.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn run<S: EntrySink, const GAINS: u8, K: SortKey>(
+    ex: &Extracted,
+    mut sink: S,
+    keys: &[K],
+    high: u64,
+    state: &mut RunState,
+    ids: &mut [u32],
+    unique: &mut [u32],
+) -> S {
+    let layout = ex.layout;
+    let (db, lmask) = (layout.data_bits, (1u64 << layout.local_bits) - 1);
+    let dmask = (1u64 << db) - 1;
+    let row_lo = ex.row_lo;
+    let mut st = *state;
+    for &k in keys {
+        let element = high | k.to_u64();
+        let key = if GAINS == PACKED { element >> 32 } else { element };
+        let data = (key & dmask) as u32;
+        let gain = match GAINS {
+            PER_ROW => ex.row_gains.get(data as usize).copied().unwrap_or(0.0),
+            PACKED => f32::from_bits(element as u32),
+            _ => 1.0,
+        };
+        if key == st.last {
+            sink.add_to_last(gain);
+            continue;
+        }
+        if key >= st.part_end {
+            st.flush(ids, unique);
+            st.part = layout.partition(key);
+            st.part_end = ((st.part as u64) + 1) << (db + layout.local_bits);
+            sink = sink.start_partition(st.part as u32);
+        }
+        st.ids += 1;
+        st.unique += ((key ^ st.last) >> db != 0) as u32;
+        sink.push_local(st.part as u32, ((key >> db) & lmask) as u32, layout.nbits, row_lo + data, gain);
+        st.last = key;
+    }
+    *state = st;
     sink
 }
 

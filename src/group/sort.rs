@@ -79,51 +79,85 @@ pub fn sort_chunk(keys: &mut Vec<u32>, scratch: &mut Vec<u32>, lo: u32, hi: u32,
     radix_by_bits(keys, scratch, lo, hi);
 }
 
+/// Passes whose histograms are gathered in one read of the keys.
+const FUSED_PASSES: usize = 3;
+
 /// Stable LSD radix sort of `keys` by bits `[lo, hi)`.
+///
+/// The histograms of all passes come from one read of the keys (a permutation leaves every
+/// digit's histogram unchanged), and the scatter indexes without bounds checks: this loop is
+/// where the pipeline spends most of its time, and its indices are in range by construction.
 fn radix_by_bits<K: SortKey>(keys: &mut Vec<K>, scratch: &mut Vec<K>, lo: u32, hi: u32) {
     if hi <= lo {
         return;
     }
     let span = hi - lo;
     let passes = span.div_ceil(MAX_DIGIT_BITS);
+    if passes as usize > FUSED_PASSES {
+        // Only keys wider than 36 column bits (never the 32-bit halves): split the range.
+        let mid = lo + FUSED_PASSES as u32 * MAX_DIGIT_BITS;
+        radix_by_bits(keys, scratch, lo, mid);
+        radix_by_bits(keys, scratch, mid, hi);
+        return;
+    }
     let digit = span.div_ceil(passes);
-    let mut counts = [0u32; 1 << MAX_DIGIT_BITS];
+    match passes {
+        1 => radix_passes::<K, 1>(keys, scratch, lo, digit),
+        2 => radix_passes::<K, 2>(keys, scratch, lo, digit),
+        _ => radix_passes::<K, FUSED_PASSES>(keys, scratch, lo, digit),
+    }
+}
+
+/// `P` passes of `digit` bits from bit `lo` up.
+fn radix_passes<K: SortKey, const P: usize>(keys: &mut Vec<K>, scratch: &mut Vec<K>, lo: u32, digit: u32) {
+    let radix = 1usize << digit;
+    let mask = (radix - 1) as u64;
+    let mut counts = [[0u32; 1 << MAX_DIGIT_BITS]; P];
+    for &k in keys.iter() {
+        let k = k.to_u64() >> lo;
+        for (p, c) in counts.iter_mut().enumerate() {
+            c[((k >> (p as u32 * digit)) & mask) as usize] += 1;
+        }
+    }
     // Every slot is written before it is read; only grow, never re-zero.
     if scratch.len() < keys.len() {
         scratch.resize(keys.len(), K::default());
     }
-    let mut shift = lo;
-    while shift < hi {
-        let bits = digit.min(hi - shift);
-        let mask = (1u64 << bits) - 1;
-        let radix = 1usize << bits;
-        let counts = &mut counts[..radix];
-        counts.fill(0);
-        for &k in keys.iter() {
-            counts[((k.to_u64() >> shift) & mask) as usize] += 1;
-        }
+    let n = keys.len();
+    for (p, c) in counts.iter_mut().enumerate() {
+        let c = &mut c[..radix];
         // A digit every key shares moves nothing.
-        if counts.iter().any(|&c| c as usize == keys.len()) {
-            shift += bits;
+        if c.iter().any(|&x| x as usize == n) {
             continue;
         }
         let mut sum = 0u32;
-        for c in counts.iter_mut() {
-            let n = *c;
-            *c = sum;
-            sum += n;
+        for x in c.iter_mut() {
+            let v = *x;
+            *x = sum;
+            sum += v;
         }
-        let out = &mut scratch[..keys.len()];
-        for &k in keys.iter() {
-            let d = ((k.to_u64() >> shift) & mask) as usize;
-            let pos = counts[d];
-            counts[d] = pos + 1;
-            out[pos as usize] = k;
-        }
+        let shift = lo + p as u32 * digit;
+        scatter(&keys[..n], &mut scratch[..n], c, shift, mask);
         std::mem::swap(keys, scratch);
-        let n = scratch.len();
         keys.truncate(n);
-        shift += bits;
+    }
+}
+
+/// One stable counting-sort scatter: `starts[d]` is the first slot of digit `d` in `out`.
+#[allow(unsafe_code)]
+#[inline(always)]
+fn scatter<K: SortKey>(keys: &[K], out: &mut [K], starts: &mut [u32], shift: u32, mask: u64) {
+    assert!(mask as usize <= starts.len().wrapping_sub(1) && keys.len() == out.len());
+    for &k in keys {
+        let d = ((k.to_u64() >> shift) & mask) as usize;
+        // SAFETY: d <= mask < starts.len() (asserted above).
+        let slot = unsafe { starts.get_unchecked_mut(d) };
+        let pos = *slot as usize;
+        *slot += 1;
+        // SAFETY: `starts` holds the exclusive prefix sums of the histogram of this digit over
+        // these very keys, so every digit d hands out exactly the slots
+        // [start(d), start(d) + count(d)), all below keys.len() == out.len().
+        unsafe { *out.get_unchecked_mut(pos) = k };
     }
 }
 
