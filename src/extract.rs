@@ -636,14 +636,19 @@ impl Sink<'_, '_> {
             }
             self.out.last_data = data;
             let layout = self.out.layout;
-            self.out.keys.reserve(n);
-            for (id, w) in ids.zip(weights) {
-                let col = self.col_id(r, id)?;
-                let gain = match self.ctx.combiner {
-                    Combiner::Sum => w,
-                    _ => w / divisor,
-                };
-                self.out.keys.push((layout.encode(0, col, data) << 32) | gain.to_bits() as u64);
+            let (vocab, check) = (self.plan.vocabulary_size, self.ctx.validate_ids);
+            let (shift, mask, offset) = (self.plan.col_shift, self.mask, self.plan.col_offset);
+            let sum = self.ctx.combiner == Combiner::Sum;
+            // Branch-free like the unweighted path: validation is one flag per row.
+            let mut bad = false;
+            self.out.keys.extend(ids.clone().zip(weights).map(|(id, w)| {
+                bad |= check & (id as u64 >= vocab);
+                let gain = if sum { w } else { w / divisor };
+                (layout.encode(0, col_of(id as u32, shift, mask, offset), data) << 32) | gain.to_bits() as u64
+            }));
+            if bad {
+                let id = ids.into_iter().find(|&id| id as u64 >= vocab).unwrap_or_default();
+                return Err(self.out_of_range(r, id));
             }
             return Ok(());
         }

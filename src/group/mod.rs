@@ -15,7 +15,7 @@ mod key;
 mod sort;
 
 pub use key::{bits_for, decode_key, encode_key, KeyLayout};
-pub use sort::{sort_chunk, sort_keys, SortKey};
+pub use sort::{sort_chunk, sort_keys, RadixScratch, SortKey};
 
 use crate::extract::Extracted;
 use crate::spec::{round_up, ALIGNMENT};
@@ -130,8 +130,8 @@ impl EntrySink for Vec<Entry> {
 /// Radix-sort scratch for both key widths, reused across batches.
 #[derive(Debug, Default)]
 pub struct SortScratch {
-    wide: Vec<u64>,
-    narrow: Vec<u32>,
+    wide: RadixScratch<u64>,
+    narrow: RadixScratch<u32>,
 }
 
 /// Sorts the extracted keys in place.

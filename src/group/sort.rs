@@ -47,9 +47,17 @@ impl SortKey for u64 {
     }
 }
 
+/// Reused memory of the radix sort: the second key buffer and the digit histograms (sized to
+/// the digits in use, so that small sorts do not clear 16 KiB tables).
+#[derive(Debug, Default)]
+pub struct RadixScratch<K> {
+    keys: Vec<K>,
+    counts: Vec<u32>,
+}
+
 /// Sorts `keys` ascending. `data_sorted` says the payloads are non-decreasing in input order.
 /// `scratch` is reused memory.
-pub fn sort_keys<K: SortKey>(keys: &mut Vec<K>, scratch: &mut Vec<K>, layout: KeyLayout, data_sorted: bool) {
+pub fn sort_keys<K: SortKey>(keys: &mut Vec<K>, scratch: &mut RadixScratch<K>, layout: KeyLayout, data_sorted: bool) {
     if !data_sorted || keys.len() < SMALL {
         if layout.packed {
             // The payload here is the row, but the reference orders a column's entries by
@@ -70,7 +78,7 @@ pub fn sort_keys<K: SortKey>(keys: &mut Vec<K>, scratch: &mut Vec<K>, layout: Ke
 
 /// Sorts one chunk of 32-bit key halves by bits `[lo, hi)` (the column bits below 32), or
 /// wholly when the payloads are not known to be sorted.
-pub fn sort_chunk(keys: &mut Vec<u32>, scratch: &mut Vec<u32>, lo: u32, hi: u32, data_sorted: bool) {
+pub fn sort_chunk(keys: &mut Vec<u32>, scratch: &mut RadixScratch<u32>, lo: u32, hi: u32, data_sorted: bool) {
     if !data_sorted || keys.len() < SMALL {
         // Equal halves of one chunk are equal keys, so an unstable sort is exact.
         keys.sort_unstable();
@@ -87,7 +95,7 @@ const FUSED_PASSES: usize = 3;
 /// The histograms of all passes come from one read of the keys (a permutation leaves every
 /// digit's histogram unchanged), and the scatter indexes without bounds checks: this loop is
 /// where the pipeline spends most of its time, and its indices are in range by construction.
-fn radix_by_bits<K: SortKey>(keys: &mut Vec<K>, scratch: &mut Vec<K>, lo: u32, hi: u32) {
+fn radix_by_bits<K: SortKey>(keys: &mut Vec<K>, scratch: &mut RadixScratch<K>, lo: u32, hi: u32) {
     if hi <= lo {
         return;
     }
@@ -109,10 +117,14 @@ fn radix_by_bits<K: SortKey>(keys: &mut Vec<K>, scratch: &mut Vec<K>, lo: u32, h
 }
 
 /// `P` passes of `digit` bits from bit `lo` up.
-fn radix_passes<K: SortKey, const P: usize>(keys: &mut Vec<K>, scratch: &mut Vec<K>, lo: u32, digit: u32) {
+fn radix_passes<K: SortKey, const P: usize>(keys: &mut Vec<K>, scratch: &mut RadixScratch<K>, lo: u32, digit: u32) {
     let radix = 1usize << digit;
     let mask = (radix - 1) as u64;
-    let mut counts = [[0u32; 1 << MAX_DIGIT_BITS]; P];
+    let RadixScratch { keys: scratch, counts } = scratch;
+    counts.clear();
+    counts.resize(P * radix, 0);
+    let mut parts = counts.chunks_exact_mut(radix);
+    let mut counts: [&mut [u32]; P] = std::array::from_fn(|_| parts.next().unwrap_or_default());
     for &k in keys.iter() {
         let k = k.to_u64() >> lo;
         for (p, c) in counts.iter_mut().enumerate() {
@@ -125,7 +137,6 @@ fn radix_passes<K: SortKey, const P: usize>(keys: &mut Vec<K>, scratch: &mut Vec
     }
     let n = keys.len();
     for (p, c) in counts.iter_mut().enumerate() {
-        let c = &mut c[..radix];
         // A digit every key shares moves nothing.
         if c.iter().any(|&x| x as usize == n) {
             continue;
@@ -178,7 +189,7 @@ mod tests {
             .collect();
         let mut want = keys.clone();
         want.sort_unstable();
-        let mut scratch = Vec::new();
+        let mut scratch = RadixScratch::default();
         sort_keys(&mut keys, &mut scratch, layout, true);
         assert!(keys == want);
     }
@@ -211,7 +222,7 @@ mod tests {
         let mut keys: Vec<u64> = (0..1000u32).rev().map(|i| layout.encode(0, i % 17, i)).collect();
         let mut want = keys.clone();
         want.sort_unstable();
-        sort_keys(&mut keys, &mut Vec::new(), layout, false);
+        sort_keys(&mut keys, &mut RadixScratch::default(), layout, false);
         assert_eq!(keys, want);
     }
 }
