@@ -53,6 +53,20 @@ pub struct Extracted {
 }
 
 impl Extracted {
+    /// Grows every buffer to at least `other`'s capacity, so that whatever `other` held fits
+    /// here without allocating (see the per-worker workspaces of `Preprocessor`).
+    pub fn reserve_like(&mut self, other: &Extracted) {
+        reserve_to(&mut self.keys, other.keys.capacity());
+        reserve_to(&mut self.rows, other.rows.capacity());
+        reserve_to(&mut self.row_gains, other.row_gains.capacity());
+        if self.chunks.len() < other.chunks.len() {
+            self.chunks.resize_with(other.chunks.len(), Vec::new);
+        }
+        for (mine, theirs) in self.chunks.iter_mut().zip(&other.chunks) {
+            reserve_to(mine, theirs.capacity());
+        }
+    }
+
     /// Chunks in use.
     pub fn active_chunks(&self) -> &[Vec<u32>] {
         match self.layout.chunk_bits() {
@@ -688,4 +702,11 @@ impl Sink<'_, '_> {
 #[inline(always)]
 fn col_of(id: u32, shift: u32, mask: u32, offset: u32) -> u32 {
     ((id.wrapping_add(shift) & mask) | (id & !mask)).wrapping_add(offset)
+}
+
+/// Grows `v`'s capacity to at least `cap` (keeping its contents).
+pub(crate) fn reserve_to<T>(v: &mut Vec<T>, cap: usize) {
+    if v.capacity() < cap {
+        v.reserve_exact(cap - v.len());
+    }
 }

@@ -134,6 +134,14 @@ pub struct SortScratch {
     narrow: RadixScratch<u32>,
 }
 
+impl SortScratch {
+    /// Grows every buffer to at least `other`'s capacity.
+    pub fn reserve_like(&mut self, other: &SortScratch) {
+        self.wide.reserve_like(&other.wide);
+        self.narrow.reserve_like(&other.narrow);
+    }
+}
+
 /// Sorts the extracted keys in place.
 pub fn sort_extracted(ex: &mut Extracted, scratch: &mut SortScratch) {
     let (layout, sorted) = (ex.layout, ex.data_sorted);

@@ -55,6 +55,14 @@ pub struct RadixScratch<K> {
     counts: Vec<u32>,
 }
 
+impl<K> RadixScratch<K> {
+    /// Grows both buffers to at least `other`'s capacity.
+    pub fn reserve_like(&mut self, other: &RadixScratch<K>) {
+        crate::extract::reserve_to(&mut self.keys, other.keys.capacity());
+        crate::extract::reserve_to(&mut self.counts, other.counts.capacity());
+    }
+}
+
 /// Sorts `keys` ascending. `data_sorted` says the payloads are non-decreasing in input order.
 /// `scratch` is reused memory.
 pub fn sort_keys<K: SortKey>(keys: &mut Vec<K>, scratch: &mut RadixScratch<K>, layout: KeyLayout, data_sorted: bool) {

@@ -50,8 +50,47 @@ struct Workspace {
     scratch: SortScratch,
 }
 
-thread_local! {
-    static WORKSPACE: std::cell::RefCell<Workspace> = std::cell::RefCell::new(Workspace::default());
+impl Workspace {
+    fn reserve_like(&mut self, other: &Workspace) {
+        self.extracted.reserve_like(&other.extracted);
+        self.scratch.reserve_like(&other.scratch);
+    }
+}
+
+/// One [`Workspace`] per worker thread of the pool that runs the tasks, found by rayon's
+/// thread index. After each batch every workspace is grown to the largest capacities any of
+/// them reached, so that a batch of the same shape allocates nothing whichever worker gets
+/// whichever task (work stealing decides that).
+#[derive(Debug, Default)]
+struct Workspaces(Vec<std::sync::Mutex<Workspace>>);
+
+impl Workspaces {
+    fn new(workers: usize) -> Self {
+        Workspaces((0..workers.max(1)).map(|_| Default::default()).collect())
+    }
+
+    /// Runs `f` on the calling worker's workspace.
+    fn with<R>(&self, f: impl FnOnce(&mut Workspace) -> R) -> R {
+        let i = rayon::current_thread_index().unwrap_or(0) % self.0.len().max(1);
+        match self.0.get(i).map(|m| m.try_lock()) {
+            Some(Ok(mut ws)) => f(&mut ws),
+            // Only when tasks run on a thread of some other pool whose index collides (the
+            // global pool when this preprocessor has none): correct, but allocating.
+            _ => f(&mut Workspace::default()),
+        }
+    }
+
+    /// Grows every workspace to the largest capacities among them.
+    fn equalize(&mut self) {
+        let Some((first, rest)) = self.0.split_first_mut() else { return };
+        let first = first.get_mut().unwrap_or_else(|e| e.into_inner());
+        for m in rest.iter_mut() {
+            first.reserve_like(m.get_mut().unwrap_or_else(|e| e.into_inner()));
+        }
+        for m in rest.iter_mut() {
+            m.get_mut().unwrap_or_else(|e| e.into_inner()).reserve_like(first);
+        }
+    }
 }
 
 /// What one (stack, local SparseCore) task leaves for the merge.
@@ -128,6 +167,7 @@ impl PreprocessorBuilder {
                     .map_err(|e| Error::option("threads", n, format!("cannot start the thread pool: {e}")))?,
             ),
         };
+        let workers = pool.as_ref().map_or_else(rayon::current_num_threads, |p| p.current_num_threads());
         Ok(Preprocessor {
             config: self.config,
             global_batch_sizes: self.global_batch_sizes,
@@ -135,6 +175,7 @@ impl PreprocessorBuilder {
             plan_local_sizes: Vec::new(),
             local_sizes: Vec::new(),
             pool,
+            workspaces: Workspaces::new(workers),
             tasks: Vec::new(),
             batch_per_sc: Vec::new(),
             minibatching: self.minibatching,
@@ -154,6 +195,7 @@ pub struct Preprocessor {
     plan_local_sizes: Vec<usize>,
     local_sizes: Vec<usize>,
     pool: Option<rayon::ThreadPool>,
+    workspaces: Workspaces,
     /// Per stack, per local SparseCore (device-major).
     tasks: Vec<Vec<Task>>,
     /// Per stack: the per-SparseCore stacked batch of the current batch.
@@ -229,7 +271,7 @@ impl Preprocessor {
         self.local_sizes = sizes;
         planned?;
 
-        let Preprocessor { plan, pool, tasks, batch_per_sc, minibatching, .. } = self;
+        let Preprocessor { plan, pool, workspaces, tasks, batch_per_sc, minibatching, .. } = self;
         let plan = plan.as_ref().expect("planned above");
         check_batches(plan, inputs, batch_per_sc)?;
         let batch_per_sc = &batch_per_sc[..];
@@ -241,11 +283,12 @@ impl Preprocessor {
             t.resize_with(local_scs, Task::default);
         }
 
-        let mut work = || run_stacks(plan, inputs, batch_per_sc, out, tasks, mode);
+        let mut work = || run_stacks(plan, inputs, batch_per_sc, out, tasks, workspaces, mode);
         match pool {
             Some(pool) => pool.install(work),
             None => work(),
         }
+        workspaces.equalize();
 
         assemble(plan, tasks, out, mode)?;
         if mode == Mode::Pass1 {
@@ -317,6 +360,7 @@ fn run_stacks(
     batch_per_sc: &[usize],
     out: &mut Output,
     tasks: &mut [Vec<Task>],
+    workspaces: &Workspaces,
     mode: Mode,
 ) {
     let layout = plan.layout;
@@ -356,10 +400,10 @@ fn run_stacks(
                     .enumerate()
                     .for_each(|(i, ((((rp, emb), smp), gains), task))| {
                         let seg = Segment { row_pointers: rp, embedding_ids: emb, sample_ids: smp, gains };
-                        run_task(plan, stack, &ctx, limits, inputs, i / s, i % s, Some(seg), task);
+                        run_task(plan, stack, &ctx, limits, inputs, i / s, i % s, Some(seg), task, workspaces);
                     }),
                 Mode::StatsOnly | Mode::Pass1 => stack_tasks.par_iter_mut().enumerate().for_each(|(i, task)| {
-                    run_task(plan, stack, &ctx, limits, inputs, i / s, i % s, None, task);
+                    run_task(plan, stack, &ctx, limits, inputs, i / s, i % s, None, task, workspaces);
                 }),
             }
         });
@@ -376,14 +420,14 @@ fn run_task(
     sc: usize,
     seg: Option<Segment<'_>>,
     task: &mut Task,
+    workspaces: &Workspaces,
 ) {
     task.error = None;
     task.overflow = 0;
-    WORKSPACE.with(|ws| {
-        // A task never calls back into rayon, so no other task can borrow this thread's
-        // workspace while it runs.
-        let mut ws = ws.borrow_mut();
-        let Workspace { extracted: ex, scratch } = &mut *ws;
+    // A task never calls back into rayon, so no other task of this worker can hold its
+    // workspace while it runs.
+    workspaces.with(|ws| {
+        let Workspace { extracted: ex, scratch } = ws;
         if let Err(e) = extract_sc(ctx, &plan.features, &stack.features, inputs, device, sc, ex) {
             task.error = Some(e);
             return;
