@@ -2,6 +2,11 @@
 //!
 //! An [`Output`] is meant to be kept and passed to every call: buffers are resized only when
 //! the plan's sizes change, so steady-state batches reuse the same memory.
+//!
+//! A call that fails leaves the [`Output`] empty ([`Output::clear`]): no stacks, so nothing
+//! half-written can be fed to a device, while the memory is kept for the next batch.
+
+use std::fmt;
 
 use ndarray::ArrayView2;
 
@@ -94,12 +99,20 @@ fn view2<T>(v: &[T], rows: usize, cols: usize) -> ArrayView2<'_, T> {
 }
 
 /// Everything one batch produces.
-#[derive(Debug, Clone, Default, PartialEq)]
+///
+/// Either a whole batch or nothing: after a successful call every stack holds that batch's
+/// buffers and statistics; after a failed call the output is empty (`stacks` is empty and
+/// `num_minibatches` is 0, so it compares equal to [`Output::new`]), never a half-written or
+/// stale batch. The buffers' memory is kept aside either way, so the next batch of the same
+/// shape allocates nothing.
+#[derive(Default)]
 pub struct Output {
-    /// One entry per stack, in plan order.
+    /// One entry per stack, in plan order. Empty after a failed call.
     pub stacks: Vec<StackOutput>,
-    /// Minibatches in the buffers (1 without minibatching).
+    /// Minibatches in the buffers (1 without minibatching); 0 after a failed call.
     pub num_minibatches: usize,
+    /// Stacks put aside by [`Output::clear`], reused (memory and all) by the next batch.
+    spare: Vec<StackOutput>,
 }
 
 impl Output {
@@ -113,13 +126,52 @@ impl Output {
         self.stacks.iter().find(|s| s.name == name)
     }
 
+    /// Empties the output (no stacks, `num_minibatches` 0) but keeps the buffers' memory for
+    /// the next batch. This is the state every failed preprocessing call leaves, so that a
+    /// caller looping over `stacks` after an ignored error feeds nothing rather than garbage.
+    pub fn clear(&mut self) {
+        // Reversed so that `prepare` pops them back in plan order (stack i gets its own buffers).
+        self.spare.extend(self.stacks.drain(..).rev());
+        self.num_minibatches = 0;
+    }
+
     /// Sizes every buffer for `plan`, reusing allocations. Without `buffers` (a stats-only
     /// run) the four arrays are left empty and only the statistics are sized.
     pub(crate) fn prepare(&mut self, plan: &Plan, buffers: bool) {
-        self.stacks.resize_with(plan.stacks.len(), StackOutput::default);
+        let n = plan.stacks.len();
+        if self.stacks.len() > n {
+            self.spare.extend(self.stacks.drain(n..).rev());
+        }
+        while self.stacks.len() < n {
+            let stack = self.spare.pop().unwrap_or_default();
+            self.stacks.push(stack);
+        }
         for (out, stack) in self.stacks.iter_mut().zip(&plan.stacks) {
             out.prepare(plan, stack, buffers);
         }
         self.num_minibatches = 1;
+    }
+}
+
+impl Clone for Output {
+    /// Clones the batch (not the spare memory kept for the next one).
+    fn clone(&self) -> Self {
+        Output { stacks: self.stacks.clone(), num_minibatches: self.num_minibatches, spare: Vec::new() }
+    }
+}
+
+impl PartialEq for Output {
+    /// Compares the batches; memory kept for reuse is not part of the value.
+    fn eq(&self, other: &Self) -> bool {
+        self.stacks == other.stacks && self.num_minibatches == other.num_minibatches
+    }
+}
+
+impl fmt::Debug for Output {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Output")
+            .field("stacks", &self.stacks)
+            .field("num_minibatches", &self.num_minibatches)
+            .finish_non_exhaustive()
     }
 }

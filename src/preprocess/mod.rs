@@ -146,6 +146,9 @@ impl PreprocessorBuilder {
 ///
 /// Build it once per config and call it on every batch with the same [`Output`]: plans and
 /// scratch are cached by batch shape, so steady-state batches reuse all memory.
+///
+/// A call either fills the `Output` with the whole batch or fails and leaves it empty (see
+/// [`Preprocessor::run`]); a failed call changes nothing about later results.
 #[derive(Debug)]
 pub struct Preprocessor {
     config: Config,
@@ -204,9 +207,14 @@ impl Preprocessor {
 
     /// Preprocesses one batch: `inputs[i]` is the local batch of config feature `i`.
     ///
-    /// On error, `out` keeps its sizes but its contents are unspecified.
+    /// On `Ok`, `out` holds exactly this batch. On `Err`, whatever the error and whether or not
+    /// `out` held an earlier batch, `out` is left empty, as by [`Output::clear`]: no stacks and
+    /// `num_minibatches == 0`. Many errors (ids out of range, exceeded limits) are found while
+    /// the buffers are being written, so the alternative, keeping the previous batch intact,
+    /// would need a second set of buffers; an empty output cannot be mistaken for a batch. The
+    /// memory is kept, and the preprocessor is ready for the next batch.
     pub fn run(&mut self, inputs: &[&dyn SampleSource], out: &mut Output) -> Result<()> {
-        self.run_mode(inputs, out, Mode::Buffers)
+        self.run_or_clear(inputs, out, Mode::Buffers)
     }
 
     /// Computes only the FDO statistics of a batch: extraction, sorting and grouping run, the
@@ -214,8 +222,19 @@ impl Preprocessor {
     /// error, since the point is to measure them. `dropped_id_count` counts the ids the limits
     /// would drop when `allow_id_dropping` is on (always 0 under minibatching, whose first pass
     /// never drops); buffer overflow is not simulated, and the buffer sizes read as 0.
+    ///
+    /// On `Err`, `out` is left empty, as after a failed [`Preprocessor::run`].
     pub fn run_stats(&mut self, inputs: &[&dyn SampleSource], out: &mut Output) -> Result<()> {
-        self.run_mode(inputs, out, Mode::StatsOnly)
+        self.run_or_clear(inputs, out, Mode::StatsOnly)
+    }
+
+    /// Runs, and empties `out` on any error so that no partial or stale batch survives it.
+    fn run_or_clear(&mut self, inputs: &[&dyn SampleSource], out: &mut Output, mode: Mode) -> Result<()> {
+        let result = self.run_mode(inputs, out, mode);
+        if result.is_err() {
+            out.clear();
+        }
+        result
     }
 
     fn run_mode(&mut self, inputs: &[&dyn SampleSource], out: &mut Output, mode: Mode) -> Result<()> {
@@ -266,9 +285,16 @@ impl Preprocessor {
     }
 
     /// Preprocesses one Arrow record batch, mapping columns to features by the config's
-    /// `column` / `weights_column`.
+    /// `column` / `weights_column`. On `Err` (a missing or mistyped column too), `out` is left
+    /// empty, as after a failed [`Preprocessor::run`].
     pub fn run_record_batch(&mut self, batch: &RecordBatch, out: &mut Output) -> Result<()> {
-        let features = features_from_record_batch(&self.config, batch)?;
+        let features = match features_from_record_batch(&self.config, batch) {
+            Ok(features) => features,
+            Err(e) => {
+                out.clear();
+                return Err(e);
+            }
+        };
         let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
         self.run(&inputs, out)
     }
