@@ -10,6 +10,7 @@ use std::fmt;
 
 use ndarray::ArrayView2;
 
+use crate::error::{Error, Result};
 use crate::spec::{Plan, StackPlan};
 use crate::stats::StackStats;
 
@@ -34,15 +35,39 @@ pub struct StackOutput {
 }
 
 impl StackOutput {
-    fn prepare(&mut self, plan: &Plan, stack: &StackPlan, buffers: bool) {
+    fn prepare(&mut self, plan: &Plan, stack: &StackPlan, buffers: bool) -> Result<()> {
         let l = plan.layout.local_devices;
+        // A stats-only run writes no buffers: their sizes read as 0, so that the views and
+        // the kernels see consistent (empty) arrays.
+        let (rp, c) = if buffers { (stack.row_pointers_per_device, stack.coo_buffer_size_per_device) } else { (0, 0) };
+        // A valid config can still ask for more than any machine has (L * C grows with the
+        // device count): reserve every array first, fallibly, and only then write, so that an
+        // impossible size is an error instead of an allocation abort, and no page is touched.
+        let too_large = |array: &'static str, elements: Option<usize>| Error::OutputTooLarge {
+            stack: stack.name.clone(),
+            array,
+            local_devices: l,
+            elements: elements.map_or(u64::MAX, |e| e as u64),
+        };
+        let per_device = |array, n: usize| l.checked_mul(n).ok_or_else(|| too_large(array, None));
+        let rp_len = per_device("row_pointers", rp)?;
+        let c_len = per_device("embedding_ids", c)?;
+        let p_len = per_device("max_ids_per_partition", plan.layout.num_partitions())?;
+        // The COO arrays first (`L * C`, usually the largest), so that an impossible size fails
+        // before anything else is reserved.
+        let reserved = reserve(&mut self.embedding_ids, c_len, "embedding_ids")
+            .and_then(|()| reserve(&mut self.sample_ids, c_len, "sample_ids"))
+            .and_then(|()| reserve(&mut self.gains, c_len, "gains"))
+            .and_then(|()| reserve(&mut self.row_pointers, rp_len, "row_pointers"))
+            .and_then(|()| reserve(&mut self.stats.max_ids_per_partition, p_len, "max_ids_per_partition"))
+            .and_then(|()| reserve(&mut self.stats.max_unique_ids_per_partition, p_len, "max_unique_ids_per_partition"));
+        if let Err((array, len)) = reserved {
+            return Err(too_large(array, Some(len)));
+        }
         if self.name != stack.name {
             self.name.clone_from(&stack.name);
         }
         self.local_devices = l;
-        // A stats-only run writes no buffers: their sizes read as 0, so that the views and
-        // the kernels see consistent (empty) arrays.
-        let (rp, c) = if buffers { (stack.row_pointers_per_device, stack.coo_buffer_size_per_device) } else { (0, 0) };
         self.row_pointers_per_device = rp;
         self.coo_buffer_size_per_device = c;
         let (rp, c) = (l * rp, l * c);
@@ -51,6 +76,7 @@ impl StackOutput {
         self.sample_ids.resize(c, 0);
         self.gains.resize(c, 0.0);
         self.stats.reset(l * plan.layout.num_partitions(), plan.layout.local_scs());
+        Ok(())
     }
 
     /// Local devices (L).
@@ -98,6 +124,11 @@ fn view2<T>(v: &[T], rows: usize, cols: usize) -> ArrayView2<'_, T> {
     }
 }
 
+/// Reserves room for `len` elements without writing any; on failure, names the array.
+fn reserve<T>(v: &mut Vec<T>, len: usize, array: &'static str) -> Result<(), (&'static str, usize)> {
+    v.try_reserve_exact(len.saturating_sub(v.len())).map_err(|_| (array, len))
+}
+
 /// Everything one batch produces.
 ///
 /// Either a whole batch or nothing: after a successful call every stack holds that batch's
@@ -137,7 +168,10 @@ impl Output {
 
     /// Sizes every buffer for `plan`, reusing allocations. Without `buffers` (a stats-only
     /// run) the four arrays are left empty and only the statistics are sized.
-    pub(crate) fn prepare(&mut self, plan: &Plan, buffers: bool) {
+    ///
+    /// Fails with [`Error::OutputTooLarge`] when an array cannot be allocated; the caller then
+    /// clears the output.
+    pub(crate) fn prepare(&mut self, plan: &Plan, buffers: bool) -> Result<()> {
         let n = plan.stacks.len();
         if self.stacks.len() > n {
             self.spare.extend(self.stacks.drain(n..).rev());
@@ -147,9 +181,15 @@ impl Output {
             self.stacks.push(stack);
         }
         for (out, stack) in self.stacks.iter_mut().zip(&plan.stacks) {
-            out.prepare(plan, stack, buffers);
+            if let Err(e) = out.prepare(plan, stack, buffers) {
+                // The same shape would fail again: hold on to no memory (earlier stacks may
+                // have reserved a lot of it).
+                *self = Output::new();
+                return Err(e);
+            }
         }
         self.num_minibatches = 1;
+        Ok(())
     }
 }
 

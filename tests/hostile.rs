@@ -31,7 +31,7 @@ use std::sync::Arc;
 
 use arrow_array::types::{Float32Type, Int32Type, Int64Type};
 use arrow_array::{ArrayRef, LargeListArray, ListArray, RecordBatch};
-use ndarray::Array2;
+use ndarray::{Array2, ArrayView2};
 use serde_json::{json, Value};
 
 use sparsecore_prep::case::Case;
@@ -856,6 +856,46 @@ fn ten_gigabyte_suggested_coo_buffer_is_refused_without_allocating() {
         assert!(matches!(&e, Error::SuggestedBufferTooLarge { suggested: u64::MAX, rounded: u64::MAX, .. }), "{e:?}");
     });
     assert!(largest < MIB, "refusing a config allocated {largest} bytes");
+}
+
+/// A config can be valid and still need more memory than exists: L = G = 2^16 devices with
+/// C = 2^31 - 8 slots each is 2^47 elements per array. Sizing the output used to abort the
+/// process in the allocator; now the reservation fails first and `run` returns an error, with
+/// nothing written, no memory kept, and the `Output` (which held a batch of another config)
+/// empty.
+#[test]
+fn output_larger_than_the_machine_is_an_error_not_an_abort() {
+    let cfg = config_with(|v| {
+        v["config"]["local_device_count"] = json!(1 << 16);
+        v["config"]["global_device_count"] = json!(1 << 16);
+        v["config"]["num_sc_per_device"] = json!(1);
+        v["tables"][0]["vocabulary_size"] = json!(8);
+        v["tables"][0]["max_ids_per_partition"] = json!(1 << 16);
+        v["tables"][0]["suggested_coo_buffer_size_per_device"] = json!((1u64 << 31) - 8);
+    });
+    let mut p = prep(cfg);
+    let empty: [i32; 0] = [];
+    let ids = ArrayView2::from_shape((1usize << 16, 0), &empty[..]).unwrap();
+    let input = DenseInput::from_i32(ids);
+
+    let (gv, gs) = ragged(&good_rows());
+    let good = RaggedInput::from_i32("f0", &gv, &gs).unwrap();
+    let mut out = prep(config()).run_new(&[&good]).unwrap();
+    let (e, largest, _) = track(|| err(p.run(&[&input], &mut out)));
+    match &e {
+        Error::OutputTooLarge { stack, array: "embedding_ids", local_devices: 65536, elements } => {
+            assert_eq!(stack, "t0");
+            assert_eq!(*elements, 65536 * ((1u64 << 31) - 8));
+        }
+        other => panic!("expected OutputTooLarge, got {other:?}"),
+    }
+    assert_msg(&e, &["stack `t0`", "embedding_ids", "140737487831040 elements", "65536 local devices", "local_device_count"]);
+    assert!(largest < 64 * MIB, "a failed sizing allocated {largest} bytes");
+    assert_no_output(&out);
+    // The same Output still works for its own config.
+    let expected = prep(config()).run_new(&[&good]).unwrap();
+    prep(config()).run(&[&good], &mut out).unwrap();
+    assert_same_output(&out, &expected);
 }
 
 /// A change to the base config.

@@ -252,7 +252,7 @@ impl Preprocessor {
         let plan = plan.as_ref().expect("planned above");
         check_batches(plan, inputs, batch_per_sc)?;
         let batch_per_sc = &batch_per_sc[..];
-        out.prepare(plan, mode == Mode::Buffers);
+        out.prepare(plan, mode == Mode::Buffers)?;
         let mode = if plan.enable_minibatching && mode == Mode::Buffers { Mode::Pass1 } else { mode };
         let local_scs = plan.layout.local_scs();
         tasks.resize_with(plan.stacks.len(), Vec::new);
