@@ -714,6 +714,24 @@ fn batch_over_the_sort_key_limit_from_a_synthetic_source() {
     });
 }
 
+// Regression: with fixed `global_batch_sizes` the planner never sees the local sizes, and
+// `check_batches` summed the stack's per-device samples in plain u64: two features of
+// usize::MAX samples overflowed it ("attempt to add with overflow" in a debug build, a wrapped
+// and wrong count in release).
+#[test]
+fn per_device_sample_count_overflow_is_an_error_not_a_panic() {
+    let cfg = config_with(|v| v["features"].as_array_mut().unwrap().push(json!({"name": "f1", "table": "t0"})));
+    let mut p = Preprocessor::builder(cfg).global_batch_sizes(vec![8, 8]).build().unwrap();
+    let (a, b) = (huge(usize::MAX), huge(usize::MAX));
+    let mut out = Output::new();
+    let e = err(p.run(&[&a, &b], &mut out));
+    assert!(
+        matches!(&e, Error::BatchTooLarge { stack, what: "samples", count: u64::MAX, limit: 67108863 } if stack == "t0"),
+        "{e:?}"
+    );
+    assert_no_output(&out);
+}
+
 #[test]
 fn empty_batches() {
     let (gv, gs) = ragged(&good_rows());

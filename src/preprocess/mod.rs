@@ -307,8 +307,12 @@ fn check_batches(plan: &Plan, inputs: &[&dyn SampleSource], batch_per_sc: &mut V
     batch_per_sc.clear();
     for stack in &plan.stacks {
         let bsps = {
-            let bsd: u64 =
-                stack.features.iter().map(|&f| (inputs[f].num_samples() / layout.local_devices) as u64).sum();
+            // Saturating: a custom source may report any count (the plan only bounds them when
+            // it derives global sizes from local ones, not with fixed `global_batch_sizes`).
+            let bsd: u64 = stack
+                .features
+                .iter()
+                .fold(0u64, |sum, &f| sum.saturating_add((inputs[f].num_samples() / layout.local_devices) as u64));
             if bsd > DATA_MASK {
                 return Err(Error::BatchTooLarge { stack: stack.name.clone(), what: "samples", count: bsd, limit: DATA_MASK });
             }
