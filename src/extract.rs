@@ -209,6 +209,8 @@ pub fn extract_sc(
             mask: (layout.num_partitions() - 1) as u32,
             row_base: row_base(ctx, plan, sc) as u32,
             start,
+            share: (device * s + sc, layout.local_scs()),
+            samples: source.num_samples(),
         };
         sink.feature(source.view(), start..start + nsps)?;
     }
@@ -352,6 +354,11 @@ struct Sink<'o, 'c> {
     /// Device-level sample index of input row `start`.
     row_base: u32,
     start: usize,
+    /// This task's index among the stack's tasks and their number: which share of a COO
+    /// view's entries it checks.
+    share: (usize, usize),
+    /// The source's sample count.
+    samples: usize,
 }
 
 impl Sink<'_, '_> {
@@ -397,7 +404,11 @@ impl Sink<'_, '_> {
             return Ok(());
         }
         let total = match (offsets.get(rows.start), offsets.get(rows.end)) {
-            (Some(a), Some(b)) if b.to_usize() >= a.to_usize() => b.to_usize() - a.to_usize(),
+            // Bounded by the ids too: a hand-written view's last offset may lie, and the
+            // difference sizes a reservation.
+            (Some(a), Some(b)) if b.to_usize() >= a.to_usize() && b.to_usize() <= ids.len() => {
+                b.to_usize() - a.to_usize()
+            }
             _ => return Err(bad_row(&self.plan.name, "ids", rows.start)),
         };
         let first = self.row_base - self.out.row_lo;
@@ -517,6 +528,7 @@ impl Sink<'_, '_> {
         if indices.len() != 2 * nnz {
             return Err(Error::input(&self.plan.name, format!("indices hold {} values for {nnz} ids", indices.len())));
         }
+        self.check_coo_share(indices, nnz)?;
         let mut k = coo_first_row_at_least(indices, nnz, rows.start);
         while k < nnz {
             let r = indices[2 * k] as usize;
@@ -532,6 +544,35 @@ impl Sink<'_, '_> {
             }
             self.row(r, ids[k..e].iter().map(|v| v.to_i64()))?;
             k = e;
+        }
+        Ok(())
+    }
+
+    /// Checks this task's share of a COO view's entries: rows non-decreasing (from the entry
+    /// before the share) and inside the batch. Each SparseCore finds its rows by binary search,
+    /// which silently skips entries of unsorted rows, and a hand-written view is not checked by
+    /// `CooInput::new`; the stack's tasks split the entries between them, so together they
+    /// check every entry once.
+    fn check_coo_share(&self, indices: &[i64], nnz: usize) -> Result<()> {
+        let (part, parts) = self.share;
+        let at = |p: usize| (nnz as u128 * p as u128 / parts.max(1) as u128) as usize;
+        let (lo, hi) = (at(part), at(part + 1));
+        let mut prev = if lo > 0 { indices[2 * (lo - 1)] } else { 0 };
+        for k in lo..hi {
+            let row = indices[2 * k];
+            if row as u64 >= self.samples as u64 {
+                return Err(Error::input(
+                    &self.plan.name,
+                    format!("indices[{k}] has row {row}, outside the batch of {}", self.samples),
+                ));
+            }
+            if row < prev {
+                return Err(Error::input(
+                    &self.plan.name,
+                    format!("indices are not sorted by row: entry {k} has row {row} after row {prev}"),
+                ));
+            }
+            prev = row;
         }
         Ok(())
     }

@@ -614,6 +614,79 @@ fn weights_rows_of_a_different_length_than_the_ids() {
 // Structure: row splits, COO order
 // ---------------------------------------------------------------------------------------------
 
+#[test]
+fn row_splits_that_decrease_or_overrun_the_values() {
+    let values: Vec<i32> = (0..16).collect();
+    let values64: Vec<i64> = (0..16).collect();
+    // (splits, message fragment)
+    let cases: [(&[i32], &str); 4] = [
+        (&[0, 2, 4, 3, 8, 10, 12, 14, 16], "decrease at row 2: 4 then 3"),
+        (&[0, 2, 4, 6, 8, 10, 12, 14, 17], "end at 17, past the 16 values"),
+        (&[0, 2, 4, 6, 8, 10, 12, 14, i32::MAX], "end at 2147483647, past the 16 values"),
+        (&[-2, 2, 4, 6, 8, 10, 12, 14, 16], "[0] = -2 is negative"),
+    ];
+    let (gv, gs) = ragged(&good_rows());
+    let good = RaggedInput::from_i32("f0", &gv, &gs).unwrap();
+    for (splits, msg) in cases {
+        let e = err(RaggedInput::from_i32("f0", &values, splits));
+        assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+        assert_msg(&e, &["feature `f0`", "row_splits", msg]);
+        let splits64: Vec<i64> = splits.iter().map(|&s| s as i64).collect();
+        let e = err(RaggedInput::from_i64("f0", &values64, &splits64));
+        assert!(matches!(&e, Error::InvalidInput { .. }), "{e:?}");
+        assert_msg(&e, &[msg]);
+        // The same offsets in a hand-written view reach `run`, which rejects them too.
+        let custom = Custom::new(8, false, FeatureView::Ragged { ids: Ids::I32(&values), offsets: Offsets::I32(splits), weights: None });
+        expect_run_error(&config(), &[&good], &[&custom], |e| {
+            assert!(matches!(e, Error::InvalidInput { feature, .. } if feature == "f0"), "{splits:?}: {e:?}");
+        });
+    }
+    // i64 offsets that would wrap when narrowed.
+    let e = err(RaggedInput::from_i64("f0", &values64, &[0, 1 << 32, 16]));
+    assert_msg(&e, &["decrease", "4294967296 then 16"]);
+    let bad = [0i64, 2, 4, 6, 8, 10, 12, 14, i64::MAX];
+    let custom = Custom::new(8, false, FeatureView::Ragged { ids: Ids::I64(&values64), offsets: Offsets::I64(&bad), weights: None });
+    expect_run_error(&config(), &[&good], &[&custom], |e| {
+        assert!(matches!(e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    });
+    // Weights offsets that overrun their values, in a weighted view.
+    let w = vec![1.0f32; 16];
+    let wsplits = [0, 2, 4, 6, 8, 10, 12, 14, 18];
+    let custom = Custom::new(
+        8,
+        true,
+        FeatureView::Ragged { ids: Ids::I32(&values), offsets: Offsets::I32(&gs), weights: Some((&w, Offsets::I32(&wsplits))) },
+    );
+    expect_run_error(&config(), &[&good], &[&custom], |e| {
+        assert!(matches!(e, Error::InvalidInput { feature, .. } | Error::WeightsShape { feature, .. } if feature == "f0"), "{e:?}");
+    });
+}
+
+#[test]
+fn coo_indices_not_sorted_by_row() {
+    // Rows 0, 0, 1, 1, 3, 2, ...: entry 4 goes back from row 3 to row 2.
+    let rows = [0i64, 0, 1, 1, 3, 2, 4, 5];
+    let indices: Vec<i64> = rows.iter().enumerate().flat_map(|(k, &r)| [r, k as i64]).collect();
+    let values: Vec<i32> = (0..8).collect();
+    let e = err(CooInput::new("f0", &indices, Ids::I32(&values), 8));
+    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    assert_msg(&e, &["feature `f0`", "not sorted by row", "entry 5 has row 2 after row 3"]);
+    // The same entries in a hand-written view: rejected by `run`, never silently regrouped.
+    let (gv, gs) = ragged(&good_rows());
+    let good = RaggedInput::from_i32("f0", &gv, &gs).unwrap();
+    let custom = Custom::new(8, false, FeatureView::Coo { indices: &indices, ids: Ids::I32(&values) });
+    expect_run_error(&config(), &[&good], &[&custom], |e| {
+        assert!(matches!(e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    });
+    // Rows sorted but one past the batch, and a negative row.
+    let past: Vec<i64> = (0..8).flat_map(|k| [if k == 7 { 8 } else { k }, 0]).collect();
+    let e = err(CooInput::new("f0", &past, Ids::I32(&values), 8));
+    assert_msg(&e, &["feature `f0`", "indices[7] has row 8", "batch of 8"]);
+    let negative: Vec<i64> = (0..8).flat_map(|k| [if k == 0 { -1 } else { k }, 0]).collect();
+    let e = err(CooInput::new("f0", &negative, Ids::I32(&values), 8));
+    assert_msg(&e, &["feature `f0`", "indices[0] has row -1"]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Batch sizes
 // ---------------------------------------------------------------------------------------------
