@@ -271,6 +271,18 @@ fn bad_row(feature: &str, what: &str, r: usize) -> Error {
     Error::input(feature, format!("{what} offsets of sample row {r} are out of bounds or decreasing"))
 }
 
+/// The reference computes gains with the x86 flush-to-zero and denormals-are-zero modes on
+/// (its worker threads run that way, as its outputs show): a subnormal weight reads as a zero
+/// of its sign, and a subnormal result (a quotient, a divisor, a merged sum) becomes one. This
+/// applies both, so that every gain op here and in the merge gives the reference's bits
+/// (checked by the `finite_hostile_weights` and `subnormal` reference cases in
+/// tests/hostile.rs). Normal values, zeros, infinities and NaNs pass unchanged.
+#[inline(always)]
+pub(crate) fn flush_subnormal(x: f32) -> f32 {
+    let bits = x.to_bits();
+    f32::from_bits(if bits & 0x7f80_0000 == 0 { bits & 0x8000_0000 } else { bits })
+}
+
 /// Unity-weight gain of a sample with `n` ids.
 #[inline(always)]
 fn unity_gain(combiner: Combiner, n: usize) -> f32 {
@@ -634,13 +646,16 @@ impl Sink<'_, '_> {
                 return Err(Error::InvalidWeight { feature: self.plan.name.clone(), row: r, value: w });
             }
         }
-        // The divisor, accumulated exactly as the reference does.
+        // The divisor, accumulated exactly as the reference does, subnormals flushed as on
+        // its threads (weights are flushed on the way in, sums and quotients on the way out).
+        let weights = weights.map(flush_subnormal);
         let divisor = match self.ctx.combiner {
             Combiner::Sum => 1.0f32,
-            Combiner::Mean => weights.clone().fold(0.0f32, |acc, w| acc + w),
-            Combiner::Sqrtn => {
-                weights.clone().fold(0.0f32, |acc, w| (acc as f64 + (w as f64) * (w as f64)) as f32).sqrt()
-            }
+            Combiner::Mean => weights.clone().fold(0.0f32, |acc, w| flush_subnormal(acc + w)),
+            Combiner::Sqrtn => weights
+                .clone()
+                .fold(0.0f32, |acc, w| flush_subnormal((acc as f64 + (w as f64) * (w as f64)) as f32))
+                .sqrt(),
         };
         let row_id = self.row_base + (r - self.start) as u32;
         if self.out.layout.packed {
@@ -655,7 +670,7 @@ impl Sink<'_, '_> {
                 let col = self.col_id(r, id)?;
                 let gain = match self.ctx.combiner {
                     Combiner::Sum => w,
-                    _ => w / divisor,
+                    _ => flush_subnormal(w / divisor),
                 };
                 self.out.keys.push((layout.encode(0, col, data) << 32) | gain.to_bits() as u64);
             }
@@ -670,7 +685,7 @@ impl Sink<'_, '_> {
             let col = self.col_id(r, id)?;
             let gain = match self.ctx.combiner {
                 Combiner::Sum => w,
-                _ => w / divisor,
+                _ => flush_subnormal(w / divisor),
             };
             let key = self.out.layout.encode(0, col, (first + k) as u32);
             self.out.push_key(key);

@@ -552,6 +552,42 @@ fn check_reference_case(dir: &Path) {
         .unwrap_or_else(|m| panic!("{} (inline ragged path): {m}", dir.display()));
 }
 
+/// Negative, all-zero, zero-sum, signed-zero, `f32::MAX` (sums overflow) and subnormal
+/// (squares underflow) weights are finite, so the reference accepts them; its mean and sqrtn
+/// then divide by 0 or infinity and produce ±inf, NaN (`0xffc00000`) and ±0 gains. We accept
+/// them too and must produce exactly the reference's gains (checked inside `valid_ranges`).
+#[test]
+fn finite_hostile_weights_match_the_reference_bit_for_bit() {
+    let dir = hostile_case_dir("finite_hostile_weights_l1g1s4");
+    check_reference_case(&dir);
+    // The case does exercise the non-finite results it claims to.
+    let expected = common::load_json(&dir.join("expected.json"));
+    let bits: Vec<u64> = expected["stacks"]["t_mean"]["gains_bits"].as_array().unwrap().iter().filter_map(|b| b.as_u64()).collect();
+    for want in [0x7f80_0000u64, 0xff80_0000, 0xffc0_0000, 0x8000_0000] {
+        assert!(bits.contains(&want), "t_mean gains lack {want:#x}");
+    }
+}
+
+/// Subnormal weights, and normal weights whose quotients, divisors or merged sums are
+/// subnormal. The reference computes gains on threads with flush-to-zero and
+/// denormals-are-zero on: a subnormal weight reads as a signed zero (so mean and sqrtn give
+/// 0 / 0 = NaN), and a subnormal result becomes one (sqrtn of a single 1e-20: Q = 1e-40 flushes
+/// to 0 and the gain is +inf, not 1).
+#[test]
+fn subnormal_weights_and_gains_are_flushed_like_the_reference() {
+    let dir = hostile_case_dir("subnormal_gains_l1g1s2");
+    check_reference_case(&dir);
+    let expected = common::load_json(&dir.join("expected.json"));
+    let bits = |stack: &str| -> Vec<u64> {
+        expected["stacks"][stack]["gains_bits"].as_array().unwrap().iter().filter_map(|b| b.as_u64()).collect()
+    };
+    // Sample 1 of SparseCore 0 under sqrtn: +inf. No stack holds a subnormal gain.
+    assert!(bits("t_sqrtn").contains(&0x7f80_0000));
+    for stack in ["t_sum", "t_mean", "t_sqrtn"] {
+        assert!(bits(stack).iter().all(|&b| b & 0x7f80_0000 != 0 || b & 0x7fff_ffff == 0), "{stack} has a subnormal gain");
+    }
+}
+
 #[test]
 fn weights_rows_of_a_different_length_than_the_ids() {
     let (gv, gs) = ragged(&good_rows());
