@@ -149,6 +149,23 @@ impl PreprocessorBuilder {
 ///
 /// A call either fills the `Output` with the whole batch or fails and leaves it empty (see
 /// [`Preprocessor::run`]); a failed call changes nothing about later results.
+///
+/// # Threads
+///
+/// `Preprocessor` is `Send + Sync`, but its calls take `&mut self`: they reuse the cached plan
+/// and per-task results, so calls on one preprocessor cannot overlap.
+/// - To share one between threads, put it in a `Mutex`. Calls then take turns, each already
+///   parallel inside (on its own pool with [`PreprocessorBuilder::threads`], otherwise on
+///   rayon's global pool). Under minibatching, call [`Preprocessor::set_batch_number`] and the
+///   run under the same lock, or another thread's number may key this step's cross-host
+///   agreement.
+/// - To preprocess several batches at the same time, give each thread its own preprocessor.
+///
+/// Either way each result is byte-identical to the same batch run alone (tests/concurrency.rs).
+/// Scratch memory belongs to the pool's worker threads (one workspace each, used by one task at
+/// a time), so preprocessors sharing a pool share those workspaces; a task that finds its
+/// worker's workspace in use (a `SampleSource` whose `view()` runs rayon work of its own lets
+/// rayon start another task on the waiting worker) takes a temporary one.
 #[derive(Debug)]
 pub struct Preprocessor {
     config: Config,
@@ -410,10 +427,23 @@ fn run_task(
     task.error = None;
     task.overflow = 0;
     WORKSPACE.with(|ws| {
-        // A task never calls back into rayon, so no other task can borrow this thread's
-        // workspace while it runs.
-        let mut ws = ws.borrow_mut();
-        let Workspace { extracted: ex, scratch } = &mut *ws;
+        // Our own code never calls back into rayon inside a task, but a user's
+        // `SampleSource::view` may (a lazily decoded source, say): while it waits, rayon can run
+        // another task on this thread, which then finds the workspace borrowed. That task gets
+        // a temporary workspace instead of a panic.
+        let mut own;
+        let mut temporary;
+        let ws: &mut Workspace = match ws.try_borrow_mut() {
+            Ok(borrowed) => {
+                own = borrowed;
+                &mut own
+            }
+            Err(_) => {
+                temporary = Workspace::default();
+                &mut temporary
+            }
+        };
+        let Workspace { extracted: ex, scratch } = ws;
         if let Err(e) = extract_sc(ctx, &plan.features, &stack.features, inputs, device, sc, ex) {
             task.error = Some(e);
             return;
