@@ -120,6 +120,25 @@ pub enum Error {
         size: u64,
     },
 
+    /// An output array of a stack cannot be allocated: the config is valid, but `L * C` (or
+    /// `L * RP`, `L * N`) elements are more than this machine can hold. The reference would
+    /// abort on the allocation; we fail before writing anything.
+    #[error(
+        "stack `{stack}`: cannot allocate the output array {array} of {elements} elements \
+         ({local_devices} local devices); lower local_device_count, max_ids_per_partition or \
+         suggested_coo_buffer_size_per_device"
+    )]
+    OutputTooLarge {
+        /// Stack name.
+        stack: String,
+        /// Which array (`row_pointers`, `embedding_ids`, ..., `max_ids_per_partition`).
+        array: &'static str,
+        /// L.
+        local_devices: usize,
+        /// Elements asked for (`u64::MAX` when the count itself overflows).
+        elements: u64,
+    },
+
     /// The number of inputs handed to the preprocessor does not match the config's features.
     #[error("expected {expected} feature inputs (one per config feature), got {got}")]
     InputCount {

@@ -223,6 +223,8 @@ pub fn extract_sc(
             mask: (layout.num_partitions() - 1) as u32,
             row_base: row_base(ctx, plan, sc) as u32,
             start,
+            share: (device * s + sc, layout.local_scs()),
+            samples: source.num_samples(),
         };
         sink.feature(source.view(), start..start + nsps)?;
     }
@@ -281,6 +283,18 @@ fn coo_first_row_at_least(indices: &[i64], nnz: usize, row: usize) -> usize {
 
 fn bad_row(feature: &str, what: &str, r: usize) -> Error {
     Error::input(feature, format!("{what} offsets of sample row {r} are out of bounds or decreasing"))
+}
+
+/// The reference computes gains with the x86 flush-to-zero and denormals-are-zero modes on
+/// (its worker threads run that way, as its outputs show): a subnormal weight reads as a zero
+/// of its sign, and a subnormal result (a quotient, a divisor, a merged sum) becomes one. This
+/// applies both, so that every gain op here and in the merge gives the reference's bits
+/// (checked by the `finite_hostile_weights` and `subnormal` reference cases in
+/// tests/hostile.rs). Normal values, zeros, infinities and NaNs pass unchanged.
+#[inline(always)]
+pub(crate) fn flush_subnormal(x: f32) -> f32 {
+    let bits = x.to_bits();
+    f32::from_bits(if bits & 0x7f80_0000 == 0 { bits & 0x8000_0000 } else { bits })
 }
 
 /// Unity-weight gain of a sample with `n` ids.
@@ -383,6 +397,11 @@ struct Sink<'o, 'c> {
     /// Device-level sample index of input row `start`.
     row_base: u32,
     start: usize,
+    /// This task's index among the stack's tasks and their number: which share of a COO
+    /// view's entries it checks.
+    share: (usize, usize),
+    /// The source's sample count.
+    samples: usize,
 }
 
 impl Sink<'_, '_> {
@@ -428,7 +447,11 @@ impl Sink<'_, '_> {
             return Ok(());
         }
         let total = match (offsets.get(rows.start), offsets.get(rows.end)) {
-            (Some(a), Some(b)) if b.to_usize() >= a.to_usize() => b.to_usize() - a.to_usize(),
+            // Bounded by the ids too: a hand-written view's last offset may lie, and the
+            // difference sizes a reservation.
+            (Some(a), Some(b)) if b.to_usize() >= a.to_usize() && b.to_usize() <= ids.len() => {
+                b.to_usize() - a.to_usize()
+            }
             _ => return Err(bad_row(&self.plan.name, "ids", rows.start)),
         };
         let first = self.row_base - self.out.row_lo;
@@ -558,6 +581,7 @@ impl Sink<'_, '_> {
         if indices.len() != 2 * nnz {
             return Err(Error::input(&self.plan.name, format!("indices hold {} values for {nnz} ids", indices.len())));
         }
+        self.check_coo_share(indices, nnz)?;
         let mut k = coo_first_row_at_least(indices, nnz, rows.start);
         while k < nnz {
             let r = indices[2 * k] as usize;
@@ -573,6 +597,35 @@ impl Sink<'_, '_> {
             }
             self.row(r, ids[k..e].iter().map(|v| v.to_i64()))?;
             k = e;
+        }
+        Ok(())
+    }
+
+    /// Checks this task's share of a COO view's entries: rows non-decreasing (from the entry
+    /// before the share) and inside the batch. Each SparseCore finds its rows by binary search,
+    /// which silently skips entries of unsorted rows, and a hand-written view is not checked by
+    /// `CooInput::new`; the stack's tasks split the entries between them, so together they
+    /// check every entry once.
+    fn check_coo_share(&self, indices: &[i64], nnz: usize) -> Result<()> {
+        let (part, parts) = self.share;
+        let at = |p: usize| (nnz as u128 * p as u128 / parts.max(1) as u128) as usize;
+        let (lo, hi) = (at(part), at(part + 1));
+        let mut prev = if lo > 0 { indices[2 * (lo - 1)] } else { 0 };
+        for k in lo..hi {
+            let row = indices[2 * k];
+            if row as u64 >= self.samples as u64 {
+                return Err(Error::input(
+                    &self.plan.name,
+                    format!("indices[{k}] has row {row}, outside the batch of {}", self.samples),
+                ));
+            }
+            if row < prev {
+                return Err(Error::input(
+                    &self.plan.name,
+                    format!("indices are not sorted by row: entry {k} has row {row} after row {prev}"),
+                ));
+            }
+            prev = row;
         }
         Ok(())
     }
@@ -634,13 +687,16 @@ impl Sink<'_, '_> {
                 return Err(Error::InvalidWeight { feature: self.plan.name.clone(), row: r, value: w });
             }
         }
-        // The divisor, accumulated exactly as the reference does.
+        // The divisor, accumulated exactly as the reference does, subnormals flushed as on
+        // its threads (weights are flushed on the way in, sums and quotients on the way out).
+        let weights = weights.map(flush_subnormal);
         let divisor = match self.ctx.combiner {
             Combiner::Sum => 1.0f32,
-            Combiner::Mean => weights.clone().fold(0.0f32, |acc, w| acc + w),
-            Combiner::Sqrtn => {
-                weights.clone().fold(0.0f32, |acc, w| (acc as f64 + (w as f64) * (w as f64)) as f32).sqrt()
-            }
+            Combiner::Mean => weights.clone().fold(0.0f32, |acc, w| flush_subnormal(acc + w)),
+            Combiner::Sqrtn => weights
+                .clone()
+                .fold(0.0f32, |acc, w| flush_subnormal((acc as f64 + (w as f64) * (w as f64)) as f32))
+                .sqrt(),
         };
         let row_id = self.row_base + (r - self.start) as u32;
         if self.out.layout.packed {
@@ -657,7 +713,7 @@ impl Sink<'_, '_> {
             let mut bad = false;
             self.out.keys.extend(ids.clone().zip(weights).map(|(id, w)| {
                 bad |= check & (id as u64 >= vocab);
-                let gain = if sum { w } else { w / divisor };
+                let gain = if sum { w } else { flush_subnormal(w / divisor) };
                 (layout.encode(0, col_of(id as u32, shift, mask, offset), data) << 32) | gain.to_bits() as u64
             }));
             if bad {
@@ -675,7 +731,7 @@ impl Sink<'_, '_> {
             let col = self.col_id(r, id)?;
             let gain = match self.ctx.combiner {
                 Combiner::Sum => w,
-                _ => w / divisor,
+                _ => flush_subnormal(w / divisor),
             };
             let key = self.out.layout.encode(0, col, (first + k) as u32);
             self.out.push_key(key);

@@ -9,6 +9,7 @@
 //! `Cs`. The tail after the final aligned cursor, which the reference leaves uninitialised, is
 //! padded too, so the output is a pure function of the input.
 
+use crate::extract::flush_subnormal;
 use crate::group::{Entry, EntrySink};
 use crate::spec::{ALIGNMENT, PAD_GAIN_BITS, PAD_ID};
 
@@ -193,7 +194,8 @@ impl EntrySink for SegmentWriter<'_> {
     #[inline(always)]
     fn add_to_last(&mut self, gain: f32) {
         if self.last_written {
-            self.gains[self.i - 1] += gain;
+            // Merged as the reference does, on a thread that flushes subnormals to zero.
+            self.gains[self.i - 1] = flush_subnormal(self.gains[self.i - 1] + gain);
         }
     }
 

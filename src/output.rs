@@ -2,9 +2,15 @@
 //!
 //! An [`Output`] is meant to be kept and passed to every call: buffers are resized only when
 //! the plan's sizes change, so steady-state batches reuse the same memory.
+//!
+//! A call that fails leaves the [`Output`] empty ([`Output::clear`]): no stacks, so nothing
+//! half-written can be fed to a device, while the memory is kept for the next batch.
+
+use std::fmt;
 
 use ndarray::ArrayView2;
 
+use crate::error::{Error, Result};
 use crate::spec::{Plan, StackPlan};
 use crate::stats::StackStats;
 
@@ -29,15 +35,39 @@ pub struct StackOutput {
 }
 
 impl StackOutput {
-    fn prepare(&mut self, plan: &Plan, stack: &StackPlan, buffers: bool) {
+    fn prepare(&mut self, plan: &Plan, stack: &StackPlan, buffers: bool) -> Result<()> {
         let l = plan.layout.local_devices;
+        // A stats-only run writes no buffers: their sizes read as 0, so that the views and
+        // the kernels see consistent (empty) arrays.
+        let (rp, c) = if buffers { (stack.row_pointers_per_device, stack.coo_buffer_size_per_device) } else { (0, 0) };
+        // A valid config can still ask for more than any machine has (L * C grows with the
+        // device count): reserve every array first, fallibly, and only then write, so that an
+        // impossible size is an error instead of an allocation abort, and no page is touched.
+        let too_large = |array: &'static str, elements: Option<usize>| Error::OutputTooLarge {
+            stack: stack.name.clone(),
+            array,
+            local_devices: l,
+            elements: elements.map_or(u64::MAX, |e| e as u64),
+        };
+        let per_device = |array, n: usize| l.checked_mul(n).ok_or_else(|| too_large(array, None));
+        let rp_len = per_device("row_pointers", rp)?;
+        let c_len = per_device("embedding_ids", c)?;
+        let p_len = per_device("max_ids_per_partition", plan.layout.num_partitions())?;
+        // The COO arrays first (`L * C`, usually the largest), so that an impossible size fails
+        // before anything else is reserved.
+        let reserved = reserve(&mut self.embedding_ids, c_len, "embedding_ids")
+            .and_then(|()| reserve(&mut self.sample_ids, c_len, "sample_ids"))
+            .and_then(|()| reserve(&mut self.gains, c_len, "gains"))
+            .and_then(|()| reserve(&mut self.row_pointers, rp_len, "row_pointers"))
+            .and_then(|()| reserve(&mut self.stats.max_ids_per_partition, p_len, "max_ids_per_partition"))
+            .and_then(|()| reserve(&mut self.stats.max_unique_ids_per_partition, p_len, "max_unique_ids_per_partition"));
+        if let Err((array, len)) = reserved {
+            return Err(too_large(array, Some(len)));
+        }
         if self.name != stack.name {
             self.name.clone_from(&stack.name);
         }
         self.local_devices = l;
-        // A stats-only run writes no buffers: their sizes read as 0, so that the views and
-        // the kernels see consistent (empty) arrays.
-        let (rp, c) = if buffers { (stack.row_pointers_per_device, stack.coo_buffer_size_per_device) } else { (0, 0) };
         self.row_pointers_per_device = rp;
         self.coo_buffer_size_per_device = c;
         let (rp, c) = (l * rp, l * c);
@@ -46,6 +76,7 @@ impl StackOutput {
         self.sample_ids.resize(c, 0);
         self.gains.resize(c, 0.0);
         self.stats.reset(l * plan.layout.num_partitions(), plan.layout.local_scs());
+        Ok(())
     }
 
     /// Local devices (L).
@@ -93,13 +124,26 @@ fn view2<T>(v: &[T], rows: usize, cols: usize) -> ArrayView2<'_, T> {
     }
 }
 
+/// Reserves room for `len` elements without writing any; on failure, names the array.
+fn reserve<T>(v: &mut Vec<T>, len: usize, array: &'static str) -> Result<(), (&'static str, usize)> {
+    v.try_reserve_exact(len.saturating_sub(v.len())).map_err(|_| (array, len))
+}
+
 /// Everything one batch produces.
-#[derive(Debug, Clone, Default, PartialEq)]
+///
+/// Either a whole batch or nothing: after a successful call every stack holds that batch's
+/// buffers and statistics; after a failed call the output is empty (`stacks` is empty and
+/// `num_minibatches` is 0, so it compares equal to [`Output::new`]), never a half-written or
+/// stale batch. The buffers' memory is kept aside either way, so the next batch of the same
+/// shape allocates nothing.
+#[derive(Default)]
 pub struct Output {
-    /// One entry per stack, in plan order.
+    /// One entry per stack, in plan order. Empty after a failed call.
     pub stacks: Vec<StackOutput>,
-    /// Minibatches in the buffers (1 without minibatching).
+    /// Minibatches in the buffers (1 without minibatching); 0 after a failed call.
     pub num_minibatches: usize,
+    /// Stacks put aside by [`Output::clear`], reused (memory and all) by the next batch.
+    spare: Vec<StackOutput>,
 }
 
 impl Output {
@@ -113,13 +157,61 @@ impl Output {
         self.stacks.iter().find(|s| s.name == name)
     }
 
+    /// Empties the output (no stacks, `num_minibatches` 0) but keeps the buffers' memory for
+    /// the next batch. This is the state every failed preprocessing call leaves, so that a
+    /// caller looping over `stacks` after an ignored error feeds nothing rather than garbage.
+    pub fn clear(&mut self) {
+        // Reversed so that `prepare` pops them back in plan order (stack i gets its own buffers).
+        self.spare.extend(self.stacks.drain(..).rev());
+        self.num_minibatches = 0;
+    }
+
     /// Sizes every buffer for `plan`, reusing allocations. Without `buffers` (a stats-only
     /// run) the four arrays are left empty and only the statistics are sized.
-    pub(crate) fn prepare(&mut self, plan: &Plan, buffers: bool) {
-        self.stacks.resize_with(plan.stacks.len(), StackOutput::default);
+    ///
+    /// Fails with [`Error::OutputTooLarge`] when an array cannot be allocated; the caller then
+    /// clears the output.
+    pub(crate) fn prepare(&mut self, plan: &Plan, buffers: bool) -> Result<()> {
+        let n = plan.stacks.len();
+        if self.stacks.len() > n {
+            self.spare.extend(self.stacks.drain(n..).rev());
+        }
+        while self.stacks.len() < n {
+            let stack = self.spare.pop().unwrap_or_default();
+            self.stacks.push(stack);
+        }
         for (out, stack) in self.stacks.iter_mut().zip(&plan.stacks) {
-            out.prepare(plan, stack, buffers);
+            if let Err(e) = out.prepare(plan, stack, buffers) {
+                // The same shape would fail again: hold on to no memory (earlier stacks may
+                // have reserved a lot of it).
+                *self = Output::new();
+                return Err(e);
+            }
         }
         self.num_minibatches = 1;
+        Ok(())
+    }
+}
+
+impl Clone for Output {
+    /// Clones the batch (not the spare memory kept for the next one).
+    fn clone(&self) -> Self {
+        Output { stacks: self.stacks.clone(), num_minibatches: self.num_minibatches, spare: Vec::new() }
+    }
+}
+
+impl PartialEq for Output {
+    /// Compares the batches; memory kept for reuse is not part of the value.
+    fn eq(&self, other: &Self) -> bool {
+        self.stacks == other.stacks && self.num_minibatches == other.num_minibatches
+    }
+}
+
+impl fmt::Debug for Output {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Output")
+            .field("stacks", &self.stacks)
+            .field("num_minibatches", &self.num_minibatches)
+            .finish_non_exhaustive()
     }
 }

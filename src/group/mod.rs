@@ -17,7 +17,7 @@ mod sort;
 pub use key::{bits_for, decode_key, encode_key, KeyLayout};
 pub use sort::{sort_chunk, sort_keys, RadixScratch, SortKey};
 
-use crate::extract::Extracted;
+use crate::extract::{flush_subnormal, Extracted};
 use crate::spec::{round_up, ALIGNMENT};
 
 /// One de-duplicated, kept entry, ready for the fill stage.
@@ -122,7 +122,7 @@ impl EntrySink for Vec<Entry> {
     #[inline(always)]
     fn add_to_last(&mut self, gain: f32) {
         if let Some(last) = self.last_mut() {
-            last.gain += gain;
+            last.gain = flush_subnormal(last.gain + gain);
         }
     }
 }
@@ -415,7 +415,7 @@ impl EntrySink for Vec<CountedEntry> {
     #[inline(always)]
     fn add_to_last(&mut self, gain: f32) {
         if let Some(last) = self.last_mut() {
-            last.entry.gain += gain;
+            last.entry.gain = flush_subnormal(last.entry.gain + gain);
             last.count += 1;
         }
     }

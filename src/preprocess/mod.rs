@@ -187,6 +187,26 @@ impl PreprocessorBuilder {
 ///
 /// Build it once per config and call it on every batch with the same [`Output`]: plans and
 /// scratch are cached by batch shape, so steady-state batches reuse all memory.
+///
+/// A call either fills the `Output` with the whole batch or fails and leaves it empty (see
+/// [`Preprocessor::run`]); a failed call changes nothing about later results.
+///
+/// # Threads
+///
+/// `Preprocessor` is `Send + Sync`, but its calls take `&mut self`: they reuse the cached plan
+/// and per-task results, so calls on one preprocessor cannot overlap.
+/// - To share one between threads, put it in a `Mutex`. Calls then take turns, each already
+///   parallel inside (on its own pool with [`PreprocessorBuilder::threads`], otherwise on
+///   rayon's global pool). Under minibatching, call [`Preprocessor::set_batch_number`] and the
+///   run under the same lock, or another thread's number may key this step's cross-host
+///   agreement.
+/// - To preprocess several batches at the same time, give each thread its own preprocessor.
+///
+/// Either way each result is byte-identical to the same batch run alone (tests/concurrency.rs).
+/// Scratch memory belongs to the pool's worker threads (one workspace each, used by one task at
+/// a time), so preprocessors sharing a pool share those workspaces; a task that finds its
+/// worker's workspace in use (a `SampleSource` whose `view()` runs rayon work of its own lets
+/// rayon start another task on the waiting worker) takes a temporary one.
 #[derive(Debug)]
 pub struct Preprocessor {
     config: Config,
@@ -246,9 +266,14 @@ impl Preprocessor {
 
     /// Preprocesses one batch: `inputs[i]` is the local batch of config feature `i`.
     ///
-    /// On error, `out` keeps its sizes but its contents are unspecified.
+    /// On `Ok`, `out` holds exactly this batch. On `Err`, whatever the error and whether or not
+    /// `out` held an earlier batch, `out` is left empty, as by [`Output::clear`]: no stacks and
+    /// `num_minibatches == 0`. Many errors (ids out of range, exceeded limits) are found while
+    /// the buffers are being written, so the alternative, keeping the previous batch intact,
+    /// would need a second set of buffers; an empty output cannot be mistaken for a batch. The
+    /// memory is kept, and the preprocessor is ready for the next batch.
     pub fn run(&mut self, inputs: &[&dyn SampleSource], out: &mut Output) -> Result<()> {
-        self.run_mode(inputs, out, Mode::Buffers)
+        self.run_or_clear(inputs, out, Mode::Buffers)
     }
 
     /// Computes only the FDO statistics of a batch: extraction, sorting and grouping run, the
@@ -256,8 +281,19 @@ impl Preprocessor {
     /// error, since the point is to measure them. `dropped_id_count` counts the ids the limits
     /// would drop when `allow_id_dropping` is on (always 0 under minibatching, whose first pass
     /// never drops); buffer overflow is not simulated, and the buffer sizes read as 0.
+    ///
+    /// On `Err`, `out` is left empty, as after a failed [`Preprocessor::run`].
     pub fn run_stats(&mut self, inputs: &[&dyn SampleSource], out: &mut Output) -> Result<()> {
-        self.run_mode(inputs, out, Mode::StatsOnly)
+        self.run_or_clear(inputs, out, Mode::StatsOnly)
+    }
+
+    /// Runs, and empties `out` on any error so that no partial or stale batch survives it.
+    fn run_or_clear(&mut self, inputs: &[&dyn SampleSource], out: &mut Output, mode: Mode) -> Result<()> {
+        let result = self.run_mode(inputs, out, mode);
+        if result.is_err() {
+            out.clear();
+        }
+        result
     }
 
     fn run_mode(&mut self, inputs: &[&dyn SampleSource], out: &mut Output, mode: Mode) -> Result<()> {
@@ -275,7 +311,7 @@ impl Preprocessor {
         let plan = plan.as_ref().expect("planned above");
         check_batches(plan, inputs, batch_per_sc)?;
         let batch_per_sc = &batch_per_sc[..];
-        out.prepare(plan, mode == Mode::Buffers);
+        out.prepare(plan, mode == Mode::Buffers)?;
         let mode = if plan.enable_minibatching && mode == Mode::Buffers { Mode::Pass1 } else { mode };
         let local_scs = plan.layout.local_scs();
         tasks.resize_with(plan.stacks.len(), Vec::new);
@@ -309,9 +345,16 @@ impl Preprocessor {
     }
 
     /// Preprocesses one Arrow record batch, mapping columns to features by the config's
-    /// `column` / `weights_column`.
+    /// `column` / `weights_column`. On `Err` (a missing or mistyped column too), `out` is left
+    /// empty, as after a failed [`Preprocessor::run`].
     pub fn run_record_batch(&mut self, batch: &RecordBatch, out: &mut Output) -> Result<()> {
-        let features = features_from_record_batch(&self.config, batch)?;
+        let features = match features_from_record_batch(&self.config, batch) {
+            Ok(features) => features,
+            Err(e) => {
+                out.clear();
+                return Err(e);
+            }
+        };
         let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
         self.run(&inputs, out)
     }
@@ -324,8 +367,12 @@ fn check_batches(plan: &Plan, inputs: &[&dyn SampleSource], batch_per_sc: &mut V
     batch_per_sc.clear();
     for stack in &plan.stacks {
         let bsps = {
-            let bsd: u64 =
-                stack.features.iter().map(|&f| (inputs[f].num_samples() / layout.local_devices) as u64).sum();
+            // Saturating: a custom source may report any count (the plan only bounds them when
+            // it derives global sizes from local ones, not with fixed `global_batch_sizes`).
+            let bsd: u64 = stack
+                .features
+                .iter()
+                .fold(0u64, |sum, &f| sum.saturating_add((inputs[f].num_samples() / layout.local_devices) as u64));
             if bsd > DATA_MASK {
                 return Err(Error::BatchTooLarge { stack: stack.name.clone(), what: "samples", count: bsd, limit: DATA_MASK });
             }
@@ -424,8 +471,10 @@ fn run_task(
 ) {
     task.error = None;
     task.overflow = 0;
-    // A task never calls back into rayon, so no other task of this worker can hold its
-    // workspace while it runs.
+    // Our own code never calls back into rayon inside a task, but a user's
+    // `SampleSource::view` may (a lazily decoded source, say): while it waits, rayon can run
+    // another task on this thread, which then finds the workspace locked and takes a temporary
+    // one instead (see `Workspaces::with`).
     workspaces.with(|ws| {
         let Workspace { extracted: ex, scratch } = ws;
         if let Err(e) = extract_sc(ctx, &plan.features, &stack.features, inputs, device, sc, ex) {
