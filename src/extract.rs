@@ -494,6 +494,9 @@ impl Sink<'_, '_> {
         let layout = self.out.layout;
         let combiner = self.ctx.combiner;
         let mut data = self.row_base - self.out.row_lo;
+        // Read once: the writes below could alias `self` for all the compiler knows.
+        let (vocab, check) = (self.plan.vocabulary_size, self.ctx.validate_ids);
+        let (shift, mask, offset) = (self.plan.col_shift, self.mask, self.plan.col_offset);
         for r in rows {
             let (a, b) = (offsets[r].to_usize(), offsets[r + 1].to_usize());
             let row_ids = ids.get(a..b).ok_or_else(|| bad_row(&self.plan.name, "ids", r))?;
@@ -503,8 +506,6 @@ impl Sink<'_, '_> {
                 }
                 // Validation is folded into one flag per row so that the loop has no branch;
                 // the offending id is looked up only on error.
-                let (vocab, check) = (self.plan.vocabulary_size, self.ctx.validate_ids);
-                let (shift, mask, offset) = (self.plan.col_shift, self.mask, self.plan.col_offset);
                 let mut bad = false;
                 keys.extend_row(row_ids.iter().map(|&id| {
                     let id = id.to_i64();
