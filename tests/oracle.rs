@@ -13,10 +13,13 @@
 //!    auto stacking, all combiners, weights or none, duplicates, empty rows and features, tight
 //!    limits with and without dropping, tiny suggested buffers, ids at 0 and vocab - 1, and
 //!    injected bad ids, weights and batch sizes; the crate runs with 1 and 2 threads, and each
-//!    result must equal the model's (errors by kind and fields). 1,600 + 400 + 200 cases by
-//!    default, on a fixed seed (`PROPTEST_RNG_SEED` overrides it); `PROPTEST_CASES=n` raises
-//!    each property to at least n cases. Each property counts its meaningful cases (successes,
-//!    limit drops, overflows, errors of each kind) and fails if one kind is missing.
+//!    result must equal the model's (errors by kind and fields). A fourth property fixes the
+//!    global batch sizes (the builder's `global_batch_sizes`) away from local * G / L, so that
+//!    features' sample rows overlap inside a SparseCore. 2,000 + 600 + 400 + 400 cases by
+//!    default (about 6 s in debug), on a fixed seed (`PROPTEST_RNG_SEED` overrides it);
+//!    `PROPTEST_CASES=n` raises each property to at least n cases. Each property counts its
+//!    meaningful cases (successes, limit drops, overflows, overlaps, errors of each kind) and
+//!    fails if one kind is missing.
 //! 4. `check_is_discriminating`: `model::check` rejects outputs with one word changed.
 
 mod common;
@@ -690,6 +693,86 @@ fn crate_matches_model_large_n() {
     };
     let t = differential("crate_matches_model_large_n", 400, p);
     assert!(t.ok >= 200 && t.limit_drops >= 40 && t.overflows >= 20, "too few meaningful cases: {t:?}");
+}
+
+#[test]
+fn crate_matches_model_with_fixed_global_batches() {
+    // Global batch sizes given to the builder (the reference's `output_shape`) instead of
+    // local * G / L: row offsets then need not match the local data, so features' sample rows
+    // can overlap inside a SparseCore (as in the reference's test_multi_process_fdo, SPEC 3.3).
+    let p = Profile {
+        layouts: &SMALL_LAYOUTS,
+        tight: 6,
+        tight_odds: 3,
+        suggest_odds: 2,
+        inject_odds: 0,
+        max_blocks: 3,
+        max_ids_per_row: 6,
+    };
+    let strategy = (scenario(p), proptest::collection::vec(0u32..=24, 3));
+    let tally = RefCell::new(Tally::default());
+    let result = runner(400).run(&strategy, |(scn, skew)| {
+        let (config, batch) = build(&scn);
+        let (l, g) = (scn.l, scn.g);
+        // Per feature: anywhere from 0 to about twice the derived global batch.
+        let global: Vec<usize> = batch
+            .features
+            .iter()
+            .zip(&skew)
+            .map(|(f, &k)| f.rows.len() * g / l * k as usize / 12 + k as usize % 5)
+            .collect();
+        let want = Plan::new(&config, &global)
+            .map_err(|e| ModelError::Plan(e.to_string()))
+            .and_then(|plan| model::preprocess_with_plan(&plan, &batch));
+        for threads in [1, 2] {
+            let flat = model::FlatBatch::new(&batch);
+            let ours = flat.sources().and_then(|sources| {
+                let inputs: Vec<&dyn sparsecore_prep::input::SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
+                let mut prep = sparsecore_prep::Preprocessor::builder(config.clone()).global_batch_sizes(global.clone()).threads(threads).build()?;
+                let mut out = sparsecore_prep::Output::new();
+                prep.run(&inputs, &mut out)?;
+                Ok(out)
+            });
+            model::compare(want.clone(), ours.as_ref())
+                .map_err(|e| TestCaseError::fail(format!("{threads} thread(s), global batches {global:?}: {e}")))?;
+        }
+        let mut t = tally.borrow_mut();
+        match &want {
+            Ok(_) => {
+                t.ok += 1;
+                if let Ok(plan) = Plan::new(&config, &global) {
+                    if overlapping_rows(&plan, &batch) {
+                        t.stacked += 1;
+                    }
+                }
+            }
+            Err(e) => *t.errors.entry(error_kind(e)).or_default() += 1,
+        }
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("property `crate_matches_model_with_fixed_global_batches` failed: {e}");
+    }
+    let t = tally.into_inner();
+    eprintln!("crate_matches_model_with_fixed_global_batches (stacked = with overlapping rows): {t:?}");
+    assert!(t.ok >= 200 && t.stacked >= 50, "too few successful cases, or too few with overlapping rows: {t:?}");
+}
+
+/// Whether two features of a stack give some SparseCore overlapping (or out-of-order) sample
+/// rows: their row bases `row_offset / N` are closer than the earlier feature's rows.
+fn overlapping_rows(plan: &Plan, batch: &Batch) -> bool {
+    let n = plan.layout.num_partitions() as u64;
+    let scs = plan.layout.local_scs();
+    plan.stacks.iter().any(|stack| {
+        let mut spans: Vec<(u64, u64)> = stack
+            .features
+            .iter()
+            .map(|&f| (plan.features[f].row_offset / n, (batch.features[f].rows.len() / scs) as u64))
+            .filter(|&(_, len)| len > 0)
+            .collect();
+        spans.sort();
+        spans.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0)
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
