@@ -775,6 +775,41 @@ fn overlapping_rows(plan: &Plan, batch: &Batch) -> bool {
     })
 }
 
+#[test]
+fn payload_overflow_from_a_huge_row_offset() {
+    // A huge global batch for the first feature puts the second one's rows past 2^26 - 1: both
+    // the model and the crate refuse the batch rather than corrupt the 26-bit payloads.
+    let config = Config::from_json(
+        r#"{"config": {"local_device_count": 1, "global_device_count": 1, "num_sc_per_device": 1},
+            "tables": [{"name": "t", "vocabulary_size": 10, "embedding_dim": 8}],
+            "features": [{"name": "a", "table": "t"}, {"name": "b", "table": "t"}]}"#,
+    )
+    .unwrap();
+    for (weights, global, fails) in [
+        (None, vec![(1usize << 26) - 2, 2], false),
+        (None, vec![(1 << 26) - 1, 2], true),
+        (Some(vec![vec![0.5], vec![2.0]]), vec![(1 << 26) - 2, 2], false),
+        (Some(vec![vec![0.5], vec![2.0]]), vec![(1 << 26) - 1, 2], true),
+    ] {
+        let batch = Batch {
+            features: vec![
+                Feature { name: "a".into(), rows: vec![vec![1], vec![2]], weights },
+                Feature { name: "b".into(), rows: vec![vec![3], vec![3]], weights: None },
+            ],
+        };
+        let plan = Plan::new(&config, &global).unwrap();
+        let want = model::preprocess_with_plan(&plan, &batch);
+        assert_eq!(matches!(want, Err(ModelError::BatchTooLarge { .. })), fails, "{global:?}: {want:?}");
+        let flat = model::FlatBatch::new(&batch);
+        let sources = flat.sources().unwrap();
+        let inputs: Vec<&dyn sparsecore_prep::input::SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
+        let mut prep = sparsecore_prep::Preprocessor::builder(config.clone()).global_batch_sizes(global.clone()).threads(1).build().unwrap();
+        let mut out = sparsecore_prep::Output::new();
+        let ours = prep.run(&inputs, &mut out).map(|()| &out);
+        model::compare(want, ours.as_ref().map(|o| *o)).unwrap();
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // 4. The comparison itself
 // ---------------------------------------------------------------------------------------------

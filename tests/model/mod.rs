@@ -401,21 +401,38 @@ fn extract(plan: &Plan, batch: &Batch, info: &StackInfo, combiner: Combiner, d: 
     let g = plan.layout.global_devices;
     let s = plan.layout.sc_per_device;
     let n = g * s;
+    let stack_name = || plan.stacks[plan.features[info.members[0]].stack].name.clone();
+    // Payloads must fit 26 bits (SPEC Part 1, 1.3): the rows this SparseCore can reference
+    // (a feature's base row counts even when it sends no rows here), and for weighted stacks
+    // the extraction indices. Checked before any row is read.
+    let slice = |f: usize| -> (usize, usize) {
+        let nsps = batch.features[f].rows.len() / (l * s);
+        let start = (d * s + sc) * nsps;
+        (start, batch.features[f].rows.len().min(start + nsps))
+    };
+    let base = |f: usize| sc as u64 * info.bsps as u64 + plan.features[f].row_offset / (g * s) as u64;
+    let row_hi = info.members.iter().map(|&f| base(f) + (batch.features[f].rows.len() / (l * s)) as u64).max().unwrap_or(0);
+    if row_hi.max((sc * info.bsps) as u64) > DATA_MASK + 1 {
+        return Err(ModelError::BatchTooLarge { stack: stack_name() });
+    }
+    if info.weighted {
+        let total: usize = info.members.iter().map(|&f| {
+            let (start, end) = slice(f);
+            batch.features[f].rows[start..end].iter().map(Vec::len).sum::<usize>()
+        }).sum();
+        if total as u64 > DATA_MASK + 1 {
+            return Err(ModelError::BatchTooLarge { stack: stack_name() });
+        }
+    }
     let mut entries = Vec::new();
     for &f in &info.members {
         let fp = &plan.features[f];
         let feature = &batch.features[f];
-        let size = feature.rows.len();
-        let nsps = size / (l * s);
-        let start = (d * s + sc) * nsps;
-        let end = size.min(start + nsps);
-        let base = sc * info.bsps + (fp.row_offset / (g * s) as u64) as usize;
+        let (start, end) = slice(f);
+        let base = base(f) as usize;
         for r in start..end {
             let ids = &feature.rows[r];
             let row_id = base + (r - start);
-            if row_id as u64 > DATA_MASK {
-                return Err(ModelError::BatchTooLarge { stack: plan.stacks[fp.stack].name.clone() });
-            }
             let gains: Vec<f32> = if info.weighted {
                 let weights: Vec<f32> = match &feature.weights {
                     Some(w) => w.get(r).cloned().unwrap_or_default(),
@@ -439,10 +456,6 @@ fn extract(plan: &Plan, batch: &Batch, info: &StackInfo, combiner: Combiner, d: 
                 entries.push(Entry { row: row_id as u32, col, gain });
             }
         }
-    }
-    if info.weighted && entries.len() as u64 > DATA_MASK + 1 {
-        let f = info.members[0];
-        return Err(ModelError::BatchTooLarge { stack: plan.stacks[plan.features[f].stack].name.clone() });
     }
     Ok(Extracted { entries, weighted: info.weighted })
 }
