@@ -5,6 +5,7 @@ mod demo;
 mod fdo;
 mod generate;
 mod preprocess;
+mod soak;
 mod table;
 
 use std::path::PathBuf;
@@ -44,6 +45,9 @@ enum Command {
     },
     /// Time preprocessing of a file held in memory (same fields as ../shared/peer/run_peer.py).
     Bench(bench::Args),
+    /// Stream random batches of varying shapes through one preprocessor for M minutes, check
+    /// every K-th output against the oracle model, and fail on a mismatch or on RSS growth.
+    Soak(soak::Args),
 }
 
 /// Runs the tool; returns the process exit code.
@@ -56,6 +60,12 @@ pub fn main() -> i32 {
         Command::Stats(a) => preprocess::run_stats(a),
         Command::Fdo { command } => fdo::run(command),
         Command::Bench(a) => bench::run(a),
+        Command::Soak(a) => match soak::run(a) {
+            Ok(true) => Ok(()),
+            // The soak printed what went wrong.
+            Ok(false) => return 1,
+            Err(e) => Err(e),
+        },
     };
     match result {
         Ok(()) => 0,
