@@ -312,3 +312,149 @@ fn for_each_object<'py>(
     }
     Ok(())
 }
+
+/// The memory of a 1-D object array, for reading its items off the Python thread.
+#[derive(Clone, Copy)]
+pub struct RawObjects {
+    data: *const u8,
+    len: usize,
+    stride: isize,
+}
+
+// SAFETY: only read while the thread that owns the GIL blocks in `gather_all` (see there).
+unsafe impl Send for RawObjects {}
+unsafe impl Sync for RawObjects {}
+
+/// numpy's array type, compared by pointer on worker threads.
+#[derive(Clone, Copy)]
+struct ArrayType(*mut pyo3::ffi::PyTypeObject);
+unsafe impl Send for ArrayType {}
+unsafe impl Sync for ArrayType {}
+
+impl RawObjects {
+    /// A 1-D object array's item buffer, or `None` for anything else.
+    pub fn of(obj: &Bound<'_, PyAny>) -> Option<Self> {
+        let a = obj.cast::<PyUntypedArray>().ok()?;
+        if a.ndim() != 1 || a.dtype().kind() != b'O' {
+            return None;
+        }
+        let ptr: *mut PyArrayObject = a.as_array_ptr();
+        // SAFETY: a live 1-D numpy array, read under the GIL.
+        let (data, len, stride) = unsafe { ((*ptr).fields.data as *const u8, *(*ptr).fields.dimensions as usize, *(*ptr).fields.strides) };
+        Some(RawObjects { data, len, stride })
+    }
+}
+
+/// Element kind and size from a dtype's `kind` and `type_num` (the fields numpy 1 and 2 share).
+fn element(kind: u8, type_num: i32) -> Option<usize> {
+    let long = std::mem::size_of::<std::ffi::c_long>();
+    Some(match (kind, type_num) {
+        (b'i', 1) | (b'u', 2) => 1,
+        (b'i', 3) | (b'u', 4) => 2,
+        (b'i', 5) | (b'u', 6) | (b'f', 11) => 4,
+        (b'i', 7) | (b'u', 8) => long,
+        (b'i', 9) | (b'u', 10) | (b'f', 12) => 8,
+        _ => return None,
+    })
+}
+
+/// One row's memory read straight from its structs, or `None` when the row needs the checked
+/// path (not exactly an ndarray, not 1-D, a dtype we do not read here, foreign byte order).
+///
+/// SAFETY: `p` is an item of a live object array, and no Python code can run meanwhile.
+unsafe fn raw_row(p: *mut pyo3::ffi::PyObject, array_type: ArrayType) -> Option<Row> {
+    if p.is_null() || (*p).ob_type != array_type.0 {
+        return None;
+    }
+    let a = p as *mut PyArrayObject;
+    if (*a).fields.nd != 1 {
+        return None;
+    }
+    let d = &(*(*a).fields.descr).fields;
+    let byteorder = d.byteorder as u8;
+    if !(byteorder == b'=' || byteorder == b'|' || (cfg!(target_endian = "little") && byteorder == b'<')) {
+        return None;
+    }
+    let kind = d.kind as u8;
+    let itemsize = element(kind, d.type_num)?;
+    Some(Row { data: (*a).fields.data as *const u8, len: *(*a).fields.dimensions as usize, stride: *(*a).fields.strides, kind, itemsize })
+}
+
+/// Gathers one ragged feature without the Python API; `None` sends it down the checked path
+/// (which also produces the precise error).
+///
+/// SAFETY: as [`raw_row`], for every item of `ids` and `weights`.
+unsafe fn gather_raw(ids: RawObjects, weights: Option<RawObjects>, array_type: ArrayType) -> Option<Gathered> {
+    let item = |o: RawObjects, k: usize| std::ptr::read_unaligned(o.data.offset(k as isize * o.stride) as *const *mut pyo3::ffi::PyObject);
+    let mut values: Vec<i32> = Vec::new();
+    let mut splits: Vec<i32> = Vec::with_capacity(ids.len + 1);
+    splits.push(0);
+    for k in 0..ids.len {
+        let row = raw_row(item(ids, k), array_type)?;
+        let ok = match (row.kind, row.itemsize) {
+            (b'i', 4) if row.stride == 4 && (row.data as usize) % 4 == 0 => {
+                if row.len > 0 {
+                    values.extend_from_slice(std::slice::from_raw_parts(row.data as *const i32, row.len));
+                }
+                true
+            }
+            (b'i', 4) => copy_row::<i32, i32>(&row, &mut values, Some).is_ok(),
+            (b'i', 8) => copy_row::<i64, i32>(&row, &mut values, narrow).is_ok(),
+            _ => false,
+        };
+        if !ok {
+            return None;
+        }
+        splits.push(i32::try_from(values.len()).ok()?);
+    }
+    let weights = match weights {
+        None => None,
+        Some(w) => {
+            if w.len != ids.len {
+                return None;
+            }
+            let mut out: Vec<f32> = Vec::with_capacity(values.len());
+            for k in 0..w.len {
+                let row = raw_row(item(w, k), array_type)?;
+                let ok = match (row.kind, row.itemsize) {
+                    (b'f', 4) => copy_row::<f32, f32>(&row, &mut out, Some).is_ok(),
+                    (b'f', 8) => copy_row::<f64, f32>(&row, &mut out, |v| Some(v as f32)).is_ok(),
+                    _ => false,
+                };
+                if !ok || out.len() != splits[k + 1] as usize {
+                    return None;
+                }
+            }
+            Some(out)
+        }
+    };
+    Some((values, splits, weights))
+}
+
+/// Gathers the ragged features among `leaves` on rayon's pool; `None` where a feature needs the
+/// checked path (or is not ragged).
+///
+/// The workers read the object arrays' items and the items' numpy structs without the Python
+/// API. That is sound because the calling thread holds the GIL and blocks until they finish:
+/// no Python code runs anywhere in the meantime, so nothing can be freed or resized, and every
+/// object read is kept alive by `leaves`, which the caller owns.
+pub fn gather_all<'py>(py: Python<'py>, leaves: &[(Option<RawObjects>, Option<RawObjects>)]) -> Vec<Option<FeatureData<'py>>> {
+    use numpy::PyUntypedArray as Arr;
+    use pyo3::type_object::PyTypeInfo;
+    use rayon::prelude::*;
+    let array_type = ArrayType(Arr::type_object_raw(py));
+    leaves
+        .par_iter()
+        .map(|&(ids, weights)| match ids {
+            // SAFETY: see the function's documentation.
+            Some(ids) => unsafe { gather_raw(ids, weights, array_type) },
+            None => None,
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|g| g.map(|(ids, splits, weights)| FeatureData::Ragged { ids, splits, weights }))
+        .collect()
+}
+
+/// A gathered ragged feature: ids, row splits, weights.
+type Gathered = (Vec<i32>, Vec<i32>, Option<Vec<f32>>);

@@ -309,11 +309,29 @@ pub fn preprocess_resolved(
         validate_ids,
     )
     .map_err(|e| to_py(py, e))?;
-    let data = features
+    // Ragged features are gathered in parallel off the Python API; anything unusual (and every
+    // error) goes through the checked path below, one feature at a time.
+    let raw: Vec<_> = features
         .iter()
-        .zip(&specs)
         .enumerate()
-        .map(|(i, (f, spec))| numpy_input::feature(&spec.0 .0, f, weights.as_ref().map(|w| &w[i])))
+        .map(|(i, f)| {
+            let w = weights.as_ref().map(|w| numpy_input::RawObjects::of(&w[i]));
+            match (numpy_input::RawObjects::of(f), w) {
+                (Some(ids), None) => (Some(ids), None),
+                (Some(ids), Some(Some(w))) => (Some(ids), Some(w)),
+                _ => (None, None),
+            }
+        })
+        .collect();
+    let fast = numpy_input::gather_all(py, &raw);
+    let data = fast
+        .into_iter()
+        .zip(features.iter().zip(&specs))
+        .enumerate()
+        .map(|(i, (done, (f, spec)))| match done {
+            Some(d) => Ok(d),
+            None => numpy_input::feature(&spec.0 .0, f, weights.as_ref().map(|w| &w[i])),
+        })
         .collect::<PyResult<Vec<_>>>()?;
     let sources = data
         .iter()
