@@ -11,7 +11,8 @@ include the call's Python-side argument handling (pytree flattening, spec readin
 objects): `embedding.preprocess_sparse_dense_matmul_input(...)` against
 `sparsecore_prep.preprocess_sparse_dense_matmul_input(...)`, interleaved pass by pass, with the
 default thread counts of both (one thread per CPU). The outputs are checked to be identical
-inside the reference's written ranges before anything is timed.
+inside the reference's written ranges before anything is timed. Reported: median wall time and
+median CPU time (all threads) per call; on a shared machine the CPU time is the steadier number.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
   import sparsecore_prep as scp
 
   if not args.json:
-    print(f"{'workload':<10} {'ids':>10} {'reference ms':>13} {'ours ms':>9} {'speed-up':>9}")
+    print(f"{'workload':<10} {'ids':>10} {'reference ms':>13} {'ours ms':>9} {'speed-up':>9} {'CPU ms ref/ours':>17}")
   for name in args.workloads:
     arrow, cfg_path = workload(name)
     with open(cfg_path) as fh:
@@ -108,21 +109,26 @@ def main(argv=None) -> int:
     ref.compare(case, want, got)
 
     times = {"reference": [], "ours": []}
+    cpu = {"reference": [], "ours": []}
     for i in range(args.warmup + args.repeat):
       for side, fn in (("reference", reference_call), ("ours", our_call)):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if i >= args.warmup:
           times[side].append(dt * 1e3)
+          cpu[side].append(dc * 1e3)
     ref_ms, our_ms = float(np.median(times["reference"])), float(np.median(times["ours"]))
+    ref_cpu, our_cpu = float(np.median(cpu["reference"])), float(np.median(cpu["ours"]))
     if args.json:
       print(json.dumps({"workload": name, "ids": num_ids, "rows": rows * len(feats), "repeat": args.repeat,
                         "reference_median_ms": ref_ms, "ours_median_ms": our_ms,
                         "reference_min_ms": min(times["reference"]), "ours_min_ms": min(times["ours"]),
-                        "speedup": ref_ms / our_ms}))
+                        "speedup": ref_ms / our_ms, "reference_cpu_ms": ref_cpu, "ours_cpu_ms": our_cpu,
+                        "cpu_ratio": ref_cpu / our_cpu, "load_1min": os.getloadavg()[0]}))
     else:
-      print(f"{name:<10} {num_ids:>10,} {ref_ms:>13.1f} {our_ms:>9.1f} {ref_ms / our_ms:>8.2f}x")
+      print(f"{name:<10} {num_ids:>10,} {ref_ms:>13.1f} {our_ms:>9.1f} {ref_ms / our_ms:>8.2f}x"
+            f" {ref_cpu:>8.1f}/{our_cpu:<8.1f}")
   return 0
 
 
