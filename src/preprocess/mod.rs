@@ -112,9 +112,18 @@ pub struct PreprocessorBuilder {
     threads: Option<usize>,
     global_batch_sizes: Option<Vec<usize>>,
     minibatching: minibatch::Settings,
+    plan: Option<Plan>,
 }
 
 impl PreprocessorBuilder {
+    /// Runs every batch on this plan (from [`Plan::from_resolved`]) instead of planning the
+    /// config's stacking: callers that already hold a stacking, such as the reference's
+    /// `FeatureSpec`s, keep it exactly. The plan must be for this config's features.
+    pub fn plan(mut self, plan: Plan) -> Self {
+        self.plan = Some(plan);
+        self
+    }
+
     /// Runs on a dedicated pool of `n` threads (default: rayon's global pool, one thread per
     /// CPU). The output is identical for every `n`.
     pub fn threads(mut self, n: usize) -> Self {
@@ -146,8 +155,16 @@ impl PreprocessorBuilder {
     /// Validates the config and builds the preprocessor.
     pub fn build(self) -> Result<Preprocessor> {
         // Validate everything that does not depend on batch sizes now, not at the first batch.
-        let nominal = self.global_batch_sizes.clone().unwrap_or_else(|| vec![0; self.config.features.len()]);
-        Plan::new(&self.config, &nominal)?;
+        match &self.plan {
+            Some(plan) if plan.features.len() != self.config.features.len() => {
+                return Err(Error::InputCount { expected: self.config.features.len(), got: plan.features.len() });
+            }
+            Some(_) => {}
+            None => {
+                let nominal = self.global_batch_sizes.clone().unwrap_or_else(|| vec![0; self.config.features.len()]);
+                Plan::new(&self.config, &nominal)?;
+            }
+        }
         let o = &self.config.config;
         if o.enable_minibatching && self.minibatching.all_reduce.is_none() && o.local_device_count < o.global_device_count {
             return Err(Error::option(
@@ -171,7 +188,8 @@ impl PreprocessorBuilder {
         Ok(Preprocessor {
             config: self.config,
             global_batch_sizes: self.global_batch_sizes,
-            plan: None,
+            fixed_plan: self.plan.is_some(),
+            plan: self.plan,
             plan_local_sizes: Vec::new(),
             local_sizes: Vec::new(),
             pool,
@@ -211,6 +229,8 @@ impl PreprocessorBuilder {
 pub struct Preprocessor {
     config: Config,
     global_batch_sizes: Option<Vec<usize>>,
+    /// The plan was given ([`PreprocessorBuilder::plan`]) and is never re-planned.
+    fixed_plan: bool,
     plan: Option<Plan>,
     plan_local_sizes: Vec<usize>,
     local_sizes: Vec<usize>,
@@ -226,7 +246,13 @@ pub struct Preprocessor {
 impl Preprocessor {
     /// Starts a builder for `config`.
     pub fn builder(config: Config) -> PreprocessorBuilder {
-        PreprocessorBuilder { config, threads: None, global_batch_sizes: None, minibatching: minibatch::Settings::default() }
+        PreprocessorBuilder {
+            config,
+            threads: None,
+            global_batch_sizes: None,
+            minibatching: minibatch::Settings::default(),
+            plan: None,
+        }
     }
 
     /// A preprocessor with default settings.
@@ -252,7 +278,7 @@ impl Preprocessor {
 
     /// Plans (or returns the cached plan) for local batches of the given sizes, one per feature.
     pub fn plan_for(&mut self, local_batch_sizes: &[usize]) -> Result<&Plan> {
-        if self.plan.is_none() || self.plan_local_sizes != local_batch_sizes {
+        if !self.fixed_plan && (self.plan.is_none() || self.plan_local_sizes != local_batch_sizes) {
             let plan = match &self.global_batch_sizes {
                 Some(global) => Plan::new(&self.config, global)?,
                 None => Plan::for_local_batches(&self.config, local_batch_sizes)?,

@@ -11,7 +11,7 @@ mod config;
 mod plan;
 
 pub use config::{Config, FeatureConfig, Options, StackLimits, Stacking, TableConfig};
-pub use plan::{Combiner, DeviceLayout, FeaturePlan, Plan, StackPlan};
+pub use plan::{Combiner, DeviceLayout, FeaturePlan, Placement, Plan, ResolvedStack, StackPlan};
 
 /// Alignment unit of partitions inside a COO buffer, in elements (`TPU_VECTOR_REGISTER_ALIGNMENT_SIZE`).
 pub const ALIGNMENT: usize = 8;

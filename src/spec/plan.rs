@@ -199,6 +199,37 @@ pub struct Plan {
     pub enable_minibatching: bool,
 }
 
+/// Where one feature already sits in its stack (the reference's `FeatureIdTransformation` and
+/// stack name), for [`Plan::from_resolved`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// Name of the stack (one of the [`ResolvedStack`]s).
+    pub stack: String,
+    /// First global stacked sample of the feature.
+    pub row_offset: u64,
+    /// Added to every column id (`row_offset_in_shard * N` of its table).
+    pub col_offset: u64,
+    /// Shard rotation of its table (below N).
+    pub col_shift: u64,
+    /// The feature's global batch size (reported in the plan; offsets are taken as given).
+    pub global_batch_size: usize,
+}
+
+/// A stack's settings as its `StackedTableSpec` holds them, for [`Plan::from_resolved`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedStack {
+    /// Stack name.
+    pub name: String,
+    /// "sum", "mean" or "sqrtn".
+    pub combiner: String,
+    /// Limit on de-duplicated ids per (SparseCore, partition).
+    pub max_ids_per_partition: u64,
+    /// Limit on distinct ids per (SparseCore, partition).
+    pub max_unique_ids_per_partition: u64,
+    /// Suggested COO buffer size per device, if any.
+    pub suggested_coo_buffer_size_per_device: Option<u64>,
+}
+
 /// Most SparseCores (N) a job can have: partitions are addressed by the low bits of a 32-bit
 /// column id, and the 2^31 padded vocabulary must still give every shard a row.
 pub const MAX_SPARSECORES: usize = 1 << 30;
@@ -324,6 +355,160 @@ impl Plan {
             .map(|&b| b.saturating_mul(o.global_device_count) / o.local_device_count)
             .collect();
         Self::new(config, &global)
+    }
+
+    /// Plans `config` with a stacking that was already decided elsewhere: per config feature,
+    /// its stack and offsets (`placements[i]` for `config.features[i]`), and per stack, its
+    /// combiner, limits and suggested buffer size. This is what the reference's preprocessing
+    /// reads from `FeatureSpec`s after `prepare_feature_specs_for_training`, `auto_stack_tables`
+    /// or a hand-written `stack_tables` (SPEC Part 2, section 2.6), so the Python drop-in can
+    /// honour any stacking its caller made instead of re-deriving it from `config.stacking`.
+    ///
+    /// Members of a stack are taken in `row_offset` order (equal offsets are an error, as they
+    /// would give two features the same samples), stacks in order of first appearance. The key
+    /// layout is sized from the offsets and vocabularies, never from a caller-supplied stack
+    /// vocabulary, so a wrong spec cannot corrupt keys.
+    pub fn from_resolved(config: &Config, placements: &[Placement], stacks: &[ResolvedStack]) -> Result<Self> {
+        let opts = &config.config;
+        if let Some(s) = &opts.sharding_strategy {
+            if !s.eq_ignore_ascii_case("mod") {
+                return Err(Error::option("sharding_strategy", s, "Unsupported sharding strategy. Only MOD is supported."));
+            }
+        }
+        let layout = DeviceLayout::new(opts.local_device_count, opts.global_device_count, opts.num_sc_per_device)?;
+        if config.features.is_empty() {
+            return Err(Error::NoFeatures);
+        }
+        if placements.len() != config.features.len() {
+            return Err(Error::InputCount { expected: config.features.len(), got: placements.len() });
+        }
+        let n = layout.num_partitions() as u64;
+        let feature_tables = validate_features(config)?;
+        for (i, t) in config.tables.iter().enumerate() {
+            if config.tables[..i].iter().any(|u| u.name == t.name) {
+                return Err(Error::config("table", &t.name, "duplicate table name"));
+            }
+            if t.vocabulary_size == 0 || t.vocabulary_size > i32::MAX as u64 {
+                return Err(Error::config("table", &t.name, format!("vocabulary_size {} must be in 1..=2147483647", t.vocabulary_size)));
+            }
+        }
+        let mut features = Vec::with_capacity(placements.len());
+        for ((f, &t), p) in config.features.iter().zip(&feature_tables).zip(placements) {
+            let table = &config.tables[t];
+            let stack = stacks.iter().position(|s| s.name == p.stack).ok_or_else(|| {
+                Error::config("feature", &f.name, format!("placed in stack `{}`, which is not among the given stacks", p.stack))
+            })?;
+            let col_offset = u32::try_from(p.col_offset).ok().filter(|&c| c <= i32::MAX as u32).ok_or_else(|| {
+                Error::config("feature", &f.name, format!("col_offset {} exceeds the 32-bit column ids (2147483647)", p.col_offset))
+            })?;
+            if p.row_offset > MAX_STACK_SAMPLES {
+                return Err(Error::BatchTooLarge {
+                    stack: p.stack.clone(),
+                    what: "global samples before this feature (row_offset)",
+                    count: p.row_offset,
+                    limit: MAX_STACK_SAMPLES,
+                });
+            }
+            if p.col_shift >= n {
+                return Err(Error::config("feature", &f.name, format!("col_shift {} must be below the {n} SparseCores", p.col_shift)));
+            }
+            features.push(FeaturePlan {
+                name: f.name.clone(),
+                table: table.name.clone(),
+                table_index: t,
+                stack,
+                global_batch_size: p.global_batch_size,
+                row_offset: p.row_offset,
+                col_offset,
+                col_shift: p.col_shift as u32,
+                padded_vocab_size: round_up(table.vocabulary_size, 8 * n),
+                padded_embedding_dim: round_up(table.embedding_dim, ALIGNMENT as u64),
+                row_offset_in_shard: p.col_offset / n,
+                shard_rotation: p.col_shift,
+                vocabulary_size: table.vocabulary_size,
+                embedding_dim: table.embedding_dim,
+            });
+        }
+        let mut order: Vec<usize> = Vec::new();
+        for f in &features {
+            if !order.contains(&f.stack) {
+                order.push(f.stack);
+            }
+        }
+        // Members by the given stacks' indices, taken before the features are renumbered to
+        // planned stacks.
+        let groups: Vec<(usize, Vec<usize>)> = order
+            .iter()
+            .map(|&s| {
+                let mut members: Vec<usize> = (0..features.len()).filter(|&i| features[i].stack == s).collect();
+                members.sort_by_key(|&i| features[i].row_offset);
+                (s, members)
+            })
+            .collect();
+        let mut planned = Vec::with_capacity(order.len());
+        for (index, (s, members)) in groups.into_iter().enumerate() {
+            let rs = &stacks[s];
+            for w in members.windows(2) {
+                if features[w[0]].row_offset == features[w[1]].row_offset {
+                    return Err(Error::config(
+                        "stack",
+                        &rs.name,
+                        format!(
+                            "features `{}` and `{}` have the same row_offset {}",
+                            features[w[0]].name, features[w[1]].name, features[w[0]].row_offset
+                        ),
+                    ));
+                }
+            }
+            let combiner = Combiner::parse(&rs.combiner).ok_or_else(|| {
+                Error::config("stack", &rs.name, format!("unknown combiner {:?}; expected \"sum\", \"mean\" or \"sqrtn\"", rs.combiner))
+            })?;
+            // Every column id of the stack is below the largest col_offset + padded vocabulary.
+            let vocab = members.iter().map(|&i| features[i].col_offset as u64 + features[i].padded_vocab_size).max().unwrap_or(0);
+            check_stack_vocab(&rs.name, vocab)?;
+            let mut tables: Vec<usize> = Vec::new();
+            for &i in &members {
+                if !tables.contains(&features[i].table_index) {
+                    tables.push(features[i].table_index);
+                }
+            }
+            let total = members.iter().fold(0u64, |acc, &i| acc.saturating_add(features[i].global_batch_size as u64));
+            let dim = members.iter().map(|&i| features[i].padded_embedding_dim).max().unwrap_or(0);
+            for &i in &members {
+                features[i].stack = index;
+                features[i].padded_embedding_dim = dim;
+            }
+            planned.push(StackPlan {
+                name: rs.name.clone(),
+                features: members,
+                tables,
+                combiner,
+                max_ids_per_partition: check_limit("stack", &rs.name, "max_ids_per_partition", rs.max_ids_per_partition)?,
+                max_unique_ids_per_partition: check_limit(
+                    "stack",
+                    &rs.name,
+                    "max_unique_ids_per_partition",
+                    rs.max_unique_ids_per_partition,
+                )?,
+                suggested_coo_buffer_size_per_device: rs.suggested_coo_buffer_size_per_device,
+                stack_vocab_size: vocab,
+                stack_embedding_dim: dim,
+                total_sample_count: total,
+                coo_buffer_size_per_device: 0,
+                row_pointers_per_device: 0,
+            });
+        }
+        for stack in &mut planned {
+            size_buffers(stack, &layout, opts.enable_minibatching)?;
+        }
+        Ok(Plan {
+            layout,
+            features,
+            stacks: planned,
+            allow_id_dropping: opts.allow_id_dropping,
+            validate_ids: opts.validate_ids,
+            enable_minibatching: opts.enable_minibatching,
+        })
     }
 
     /// The plan in the shape of a golden case's `resolved` block: the reference's stacking

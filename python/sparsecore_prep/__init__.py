@@ -1,0 +1,507 @@
+"""sparsecore_prep: SparseCore input preprocessing in Rust, for Python.
+
+Three entry points:
+
+* :func:`preprocess_sparse_dense_matmul_input` is a drop-in replacement for
+  ``jax_tpu_embedding.sparsecore.lib.nn.embedding.preprocess_sparse_dense_matmul_input``:
+  the same arguments (numpy dense or ragged features, the reference's own
+  ``FeatureSpec`` objects after ``prepare_feature_specs_for_training`` or
+  ``auto_stack_tables``), the same result structure and values, and Python
+  exceptions where the reference aborts the process.
+* :class:`Preprocessor` takes our JSON config and Arrow record batches (any
+  producer of ``__arrow_c_array__`` / ``__arrow_c_stream__``, read without
+  copies). It pickles through its config, so it ships to Ray Data and Spark
+  workers.
+* :class:`FdoStats` merges per-batch FDO statistics from any number of
+  workers and tunes a config from them; :class:`FdoStatsMapper` is the
+  :class:`Preprocessor` shaped for ``ray.data.Dataset.map_batches``.
+
+The heavy lifting runs in the Rust crate ``sparsecore-prep`` with the GIL
+released.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+from typing import Any, Iterable, Mapping, NamedTuple
+
+import numpy as np
+
+from . import _native
+from ._native import InvalidInputError, LimitExceededError
+
+__all__ = [
+    "FdoStats",
+    "FdoStatsMapper",
+    "InvalidInputError",
+    "LimitExceededError",
+    "PreprocessedInput",
+    "Preprocessor",
+    "SparseDenseMatmulInput",
+    "SparseDenseMatmulInputStats",
+    "preprocess_sparse_dense_matmul_input",
+]
+
+__version__ = _native.__version__
+
+_REFERENCE_EMBEDDING = "jax_tpu_embedding.sparsecore.lib.nn.embedding"
+
+
+# -----------------------------------------------------------------------------
+# Result types (the reference's field names)
+# -----------------------------------------------------------------------------
+
+
+class SparseDenseMatmulInput(NamedTuple):
+  """Per-stack CSR-wrapped COO buffers, keyed by stack name.
+
+  Same fields as the reference's class of this name. Without a leading
+  dimension each array is 1-D (``L * RP`` row pointers, ``L * C`` entries);
+  with it, ``[L, RP]`` and ``[L, C]``.
+  """
+
+  lhs_row_pointers: Mapping[str, np.ndarray]
+  lhs_embedding_ids: Mapping[str, np.ndarray]
+  lhs_sample_ids: Mapping[str, np.ndarray]
+  lhs_gains: Mapping[str, np.ndarray]
+
+
+@dataclasses.dataclass
+class SparseDenseMatmulInputStats:
+  """FDO statistics of one call, per stack (the reference's field names).
+
+  ``max_ids_per_partition`` and ``max_unique_ids_per_partition`` are int32
+  arrays of ``L * N`` (device-major), ``required_buffer_size_per_sc`` int32
+  arrays of ``L * S``, ``id_drop_counters`` ints.
+  """
+
+  max_ids_per_partition: dict[str, np.ndarray]
+  max_unique_ids_per_partition: dict[str, np.ndarray]
+  required_buffer_size_per_sc: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  id_drop_counters: dict[str, int] = dataclasses.field(default_factory=dict)
+
+  def get_required_buffer_size_per_device(self, table_name: str, num_sc_per_device: int | None = None) -> int | None:
+    """The buffer a device needs for ``table_name``: max over its SparseCores times S."""
+    if table_name not in self.required_buffer_size_per_sc:
+      return None
+    val = self.required_buffer_size_per_sc[table_name]
+    return int(np.max(val) * (num_sc_per_device or np.size(val)))
+
+
+@dataclasses.dataclass
+class PreprocessedInput:
+  """The buffers and the number of minibatches (``np.full(L, M)``).
+
+  The ``lhs_*`` properties forward to :attr:`sparse_dense_matmul_input`, as
+  the reference's class does.
+  """
+
+  sparse_dense_matmul_input: SparseDenseMatmulInput
+  num_minibatches: np.ndarray
+
+  @property
+  def lhs_row_pointers(self) -> Mapping[str, np.ndarray]:
+    """Row pointers per stack."""
+    return self.sparse_dense_matmul_input.lhs_row_pointers
+
+  @property
+  def lhs_embedding_ids(self) -> Mapping[str, np.ndarray]:
+    """Shard-local embedding rows per stack."""
+    return self.sparse_dense_matmul_input.lhs_embedding_ids
+
+  @property
+  def lhs_sample_ids(self) -> Mapping[str, np.ndarray]:
+    """SparseCore-local sample ids per stack."""
+    return self.sparse_dense_matmul_input.lhs_sample_ids
+
+  @property
+  def lhs_gains(self) -> Mapping[str, np.ndarray]:
+    """Combined gains per stack."""
+    return self.sparse_dense_matmul_input.lhs_gains
+
+
+def _result_types():
+  """The reference's own result classes when it is already imported, else ours.
+
+  Returning its classes (a flax PyTreeNode among them) lets the result flow
+  unchanged into ``tpu_sparse_dense_matmul`` under ``jax.jit``; the reference
+  is never imported on our behalf (importing jax takes seconds).
+  """
+  ref = sys.modules.get(_REFERENCE_EMBEDDING)
+  if ref is not None:
+    try:
+      return ref.SparseDenseMatmulInput, ref.PreprocessedInput, ref.SparseDenseMatmulInputStats
+    except AttributeError:
+      pass
+  return SparseDenseMatmulInput, PreprocessedInput, SparseDenseMatmulInputStats
+
+
+def _wrap(raw, local_device_count: int, has_leading_dimension: bool):
+  rp, eid, sid, gains, num_minibatches, (max_ids, max_unique, required, dropped) = raw
+  matmul_input, preprocessed, stats_type = _result_types()
+  minibatches = np.full(local_device_count, num_minibatches)
+  if has_leading_dimension:
+    minibatches = minibatches.reshape(local_device_count, 1)
+  return (
+      preprocessed(matmul_input(rp, eid, sid, gains), minibatches),
+      stats_type(max_ids, max_unique, required, dropped),
+  )
+
+
+# -----------------------------------------------------------------------------
+# Pytrees (dicts by sorted key, lists and tuples in order, None empty), as
+# jax.tree.leaves flattens them; jax itself is used when it is already loaded.
+# -----------------------------------------------------------------------------
+
+
+def _flatten(tree, path=(), out=None):
+  if out is None:
+    out = []
+  if tree is None:
+    return out
+  if isinstance(tree, Mapping):
+    for k in sorted(tree):
+      _flatten(tree[k], path + (k,), out)
+  elif isinstance(tree, (list, tuple)):
+    for i, v in enumerate(tree):
+      _flatten(v, path + (i,), out)
+  else:
+    out.append((path, tree))
+  return out
+
+
+def _leaves_with_paths(tree):
+  jax = sys.modules.get("jax")
+  if jax is not None:
+    pairs = jax.tree_util.tree_leaves_with_path(tree)
+    return [p for p, _ in pairs], [v for _, v in pairs]
+  pairs = _flatten(tree)
+  return [p for p, _ in pairs], [v for _, v in pairs]
+
+
+def _same_structure(a_paths, b_paths, a_name: str, b_name: str) -> None:
+  if a_paths != b_paths:
+    raise ValueError(
+        f"Pytree structures of {a_name} and {b_name} do not match.\n"
+        f"{a_name}: {len(a_paths)} leaves at {a_paths[:8]}{'...' if len(a_paths) > 8 else ''}\n"
+        f"{b_name}: {len(b_paths)} leaves at {b_paths[:8]}{'...' if len(b_paths) > 8 else ''}")
+
+
+# -----------------------------------------------------------------------------
+# FeatureSpecs, read by duck typing (SPEC Part 2, section 2.6)
+# -----------------------------------------------------------------------------
+
+
+def _spec_tuple(spec) -> tuple:
+  """What preprocessing reads of one FeatureSpec, as the native call takes it."""
+  table = spec.table_spec
+  stacked = table.stacked_table_spec  # the reference asserts it is stacked
+  setting = table.setting_in_stack
+  transform = getattr(spec, "_id_transformation", None)
+  if transform is None:
+    transform = getattr(spec, "id_transformation", None)
+  row_offset = col_offset = col_shift = 0
+  if transform is not None:
+    row_offset, col_offset, col_shift = (int(transform.row_offset), int(transform.col_offset), int(transform.col_shift))
+  shape = getattr(spec, "output_shape", None) or getattr(spec, "input_shape", None) or [0, 0]
+  global_batch = int(math.prod(shape[:-1])) if len(shape) > 1 else int(shape[0])
+  suggested = stacked.suggested_coo_buffer_size_per_device
+  return (
+      (str(spec.name), str(table.name), int(table.vocabulary_size), int(table.embedding_dim), global_batch),
+      (str(setting.stack_name), row_offset, col_offset, col_shift),
+      (
+          str(stacked.combiner),
+          int(stacked.max_ids_per_partition),
+          int(stacked.max_unique_ids_per_partition),
+          None if suggested is None else int(suggested),
+      ),
+  )
+
+
+_INT_IDS = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+def _feature_leaf(leaf, name: str):
+  """Dense leaves become int32/int64 arrays (other integer types are widened)."""
+  if not isinstance(leaf, np.ndarray):
+    leaf = np.asarray(leaf)
+  if leaf.ndim == 2 and leaf.dtype not in _INT_IDS:
+    if leaf.dtype.kind not in "iu":
+      raise TypeError(f"feature `{name}`: ids must be integers, got dtype {leaf.dtype}")
+    leaf = leaf.astype(np.int64)
+  return leaf
+
+
+def _weights_leaf(leaf):
+  if not isinstance(leaf, np.ndarray):
+    leaf = np.asarray(leaf)
+  if leaf.ndim == 2 and leaf.dtype != np.float32:
+    leaf = leaf.astype(np.float32)  # the reference force-casts dense weights to float32
+  return leaf
+
+
+def preprocess_sparse_dense_matmul_input(
+    features,
+    features_weights,
+    feature_specs,
+    local_device_count: int,
+    global_device_count: int,
+    num_sc_per_device: int,
+    sharding_strategy: str = "MOD",
+    has_leading_dimension: bool = False,
+    allow_id_dropping: bool = False,
+    batch_number: int = 0,
+    enable_minibatching: bool = False,
+    *,
+    all_reduce_interface=None,
+    validate_ids: bool = True,
+):
+  """Preprocesses one batch for the SparseCore sparse-dense matmul.
+
+  A drop-in replacement for the reference's
+  ``embedding.preprocess_sparse_dense_matmul_input``: the same arguments, the
+  same ``(PreprocessedInput, SparseDenseMatmulInputStats)`` result, and the same
+  values in every position the reference writes.
+
+  Args:
+    features: pytree (dict, list, tuple) of per-feature local batches: 2-D
+      integer numpy arrays ``[batch, valency]`` (every cell is an id), or 1-D
+      ``dtype=object`` arrays holding one 1-D id array per sample.
+    features_weights: the same structure of float weights, or None (or an
+      empty container) for unit weights.
+    feature_specs: the same structure of the reference's ``FeatureSpec``s,
+      stacked by ``prepare_feature_specs_for_training`` or
+      ``auto_stack_tables`` (any object with the same attributes works).
+    local_device_count: L, devices fed by this host.
+    global_device_count: G, devices in the job.
+    num_sc_per_device: S, SparseCores per device (there is no TPU to ask).
+    sharding_strategy: only "MOD" (any case).
+    has_leading_dimension: arrays shaped ``[L, ...]`` instead of flat.
+    allow_id_dropping: drop ids over the limits (counted in the stats) instead
+      of raising :class:`LimitExceededError`.
+    batch_number: keys minibatching's cross-host agreement.
+    enable_minibatching: split batches that exceed a limit into minibatches.
+    all_reduce_interface: must be None (single host); multi-host minibatching
+      from Python is not supported yet.
+    validate_ids: reject ids outside ``[0, vocabulary_size)`` (the reference
+      silently misplaces them). Turn off only for inputs known to be valid.
+
+  Returns:
+    ``(PreprocessedInput, SparseDenseMatmulInputStats)``. When the reference is
+    already imported, its own classes are used, so the result passes to its
+    ``tpu_sparse_dense_matmul`` unchanged.
+
+  Raises:
+    ValueError: bad options, a pytree mismatch, and every condition where the
+      reference aborts the process: :class:`LimitExceededError` for exceeded
+      limits without dropping, :class:`InvalidInputError` for bad ids, weights
+      or batch sizes.
+    TypeError: leaves of an unusable type or dtype.
+  """
+  if all_reduce_interface is not None:
+    raise ValueError("all_reduce_interface is not supported by sparsecore_prep yet; "
+                     "multi-host minibatching needs the Rust API (TcpAllReduce)")
+  if not isinstance(sharding_strategy, str) or sharding_strategy.upper() != "MOD":
+    raise ValueError(f"Unsupported sharding strategy: {sharding_strategy}. Only MOD is supported.")
+  if num_sc_per_device is None:
+    raise ValueError("num_sc_per_device must be given (there is no TPU to detect it from)")
+  if not features_weights:
+    features_weights = None
+  f_paths, f_leaves = _leaves_with_paths(features)
+  s_paths, s_leaves = _leaves_with_paths(feature_specs)
+  _same_structure(f_paths, s_paths, "features", "feature_specs")
+  w_leaves = None
+  if features_weights is not None:
+    w_paths, w_leaves = _leaves_with_paths(features_weights)
+    _same_structure(w_paths, s_paths, "features_weights", "feature_specs")
+  specs = [_spec_tuple(s) for s in s_leaves]
+  f_leaves = [_feature_leaf(f, s[0][0]) for f, s in zip(f_leaves, specs)]
+  if w_leaves is not None:
+    w_leaves = [_weights_leaf(w) for w in w_leaves]
+  raw = _native.preprocess_resolved(
+      f_leaves, w_leaves, specs, int(local_device_count), int(global_device_count), int(num_sc_per_device),
+      sharding_strategy, bool(has_leading_dimension), bool(allow_id_dropping), int(batch_number),
+      bool(enable_minibatching), bool(validate_ids))
+  return _wrap(raw, int(local_device_count), has_leading_dimension)
+
+
+# -----------------------------------------------------------------------------
+# Config + Arrow
+# -----------------------------------------------------------------------------
+
+
+def _config_json(config) -> str:
+  """Config text from a dict, a JSON string, or a path to a JSON file."""
+  if isinstance(config, Mapping):
+    return json.dumps(config)
+  if isinstance(config, (str, os.PathLike)):
+    text = os.fspath(config)
+    if isinstance(text, str) and text.lstrip().startswith("{"):
+      return text
+    with open(text) as fh:
+      return fh.read()
+  raise TypeError(f"config must be a dict, a JSON string or a path, got {type(config).__name__}")
+
+
+class Preprocessor:
+  """A reusable preprocessor for one config, over Arrow record batches.
+
+  ``Preprocessor(config)(batch)`` returns ``(PreprocessedInput,
+  SparseDenseMatmulInputStats)`` like the drop-in call. ``batch`` is one local
+  batch: a pyarrow ``RecordBatch`` or ``Table`` or any object with
+  ``__arrow_c_array__`` / ``__arrow_c_stream__``, whose columns the config's
+  features name (``List``/``LargeList`` of Int32/Int64 ids, optional
+  ``List<Float32>`` weights). Nothing is copied on the way in, and the GIL is
+  released while the batch is processed.
+
+  It pickles as its config, so Ray Data (``map_batches``) and Spark
+  (``mapInArrow``) can ship it to workers, where it is rebuilt.
+
+  Args:
+    config: our config (SPEC Part 1, section 1.1) as a dict, JSON text or a
+      path to a JSON file.
+    threads: a dedicated pool of this many threads (default: one shared pool
+      with one thread per CPU).
+    has_leading_dimension: shape arrays ``[L, ...]`` instead of flat.
+  """
+
+  def __init__(self, config, *, threads: int | None = None, has_leading_dimension: bool = False):
+    self._native = _native.NativePreprocessor(_config_json(config), threads)
+    self._threads = threads
+    self._leading = bool(has_leading_dimension)
+    self._local_devices = int(self.config["config"]["local_device_count"])
+
+  @property
+  def config(self) -> dict:
+    """The config, with defaults filled in."""
+    return json.loads(self._native.config_json)
+
+  def __call__(self, batch):
+    """Preprocesses one record batch: ``(PreprocessedInput, SparseDenseMatmulInputStats)``."""
+    raw = self._native.run(batch, self._leading)
+    return _wrap(raw, self._local_devices, self._leading)
+
+  def set_batch_number(self, batch_number: int) -> None:
+    """Sets the step number that keys minibatching's cross-host agreement."""
+    self._native.set_batch_number(int(batch_number))
+
+  def fdo_stats(self, batch) -> "FdoStats":
+    """The FDO statistics of one record batch, without writing buffers.
+
+    Limits are measured, not enforced, so this never raises
+    :class:`LimitExceededError`.
+    """
+    return FdoStats(self._native.fdo_stats(batch))
+
+  def __reduce__(self):
+    return (_rebuild_preprocessor, (type(self), self._native.config_json, self._threads, self._leading))
+
+  def __repr__(self) -> str:
+    cfg = self.config
+    return (f"{type(self).__name__}({len(cfg['features'])} features, {len(cfg['tables'])} tables, "
+            f"layout {cfg['config']['local_device_count']}/{cfg['config']['global_device_count']}/"
+            f"{cfg['config']['num_sc_per_device']})")
+
+
+def _rebuild_preprocessor(cls, config_json, threads, leading):
+  return cls(config_json, threads=threads, has_leading_dimension=leading)
+
+
+class FdoStats:
+  """FDO statistics merged over batches, workers and hosts.
+
+  Element-wise maxima of the per-partition and per-SparseCore arrays, sums of
+  dropped ids and of batches; the JSON format is the CLI's ``stats.json``, so
+  ``sparsecore-prep fdo merge`` / ``fdo tune`` read it too.
+  """
+
+  def __init__(self, native: "_native.NativeFdoStats"):
+    self._native = native
+
+  @classmethod
+  def from_json(cls, text: str) -> "FdoStats":
+    """Parses stats JSON (ours or the CLI's)."""
+    return cls(_native.NativeFdoStats.from_json(text))
+
+  @classmethod
+  def read(cls, path) -> "FdoStats":
+    """Reads a stats JSON file."""
+    with open(path) as fh:
+      return cls.from_json(fh.read())
+
+  @classmethod
+  def merge_all(cls, stats: Iterable["FdoStats"]) -> "FdoStats":
+    """Merges any number of stats (at least one) into new stats."""
+    it = iter(stats)
+    try:
+      first = next(it)
+    except StopIteration:
+      raise ValueError("no FDO stats to merge") from None
+    out = cls.from_json(first.to_json())
+    for s in it:
+      out.merge(s)
+    return out
+
+  def merge(self, other: "FdoStats") -> "FdoStats":
+    """Merges ``other`` into these stats (in place) and returns them."""
+    self._native.merge(other._native)
+    return self
+
+  @property
+  def batches(self) -> int:
+    """Batches merged in."""
+    return self._native.batches
+
+  def to_json(self) -> str:
+    """The stats as JSON."""
+    return self._native.to_json()
+
+  def to_dict(self) -> dict:
+    """The stats as a dict (the JSON, parsed)."""
+    return json.loads(self.to_json())
+
+  def write(self, path) -> None:
+    """Writes the JSON to ``path`` atomically (temporary name, then rename)."""
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
+      fh.write(self.to_json())
+    os.replace(tmp, path)
+
+  def tune(self, config, headroom: float = 1.0) -> dict:
+    """A copy of ``config`` with limits and buffer sizes from these stats.
+
+    The rule of ``sparsecore-prep fdo tune``: observed maxima times
+    ``headroom``, rounded up to 8 (buffers to 8 * S).
+    """
+    return json.loads(self._native.tune(_config_json(config), float(headroom)))
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, FdoStats) and self._native == other._native
+
+  def __reduce__(self):
+    return (FdoStats.from_json, (self.to_json(),))
+
+  def __repr__(self) -> str:
+    d = self.to_dict()
+    return f"FdoStats({d['batches']} batches, stacks {sorted(d['stacks'])})"
+
+
+class FdoStatsMapper(Preprocessor):
+  """A :class:`Preprocessor` shaped for ``ray.data.Dataset.map_batches``.
+
+  Each call takes one batch (pyarrow ``Table``) and returns a one-row batch
+  ``{"fdo_stats": [json]}``, the statistics of that batch; merge the rows with
+  :meth:`FdoStats.merge_all`. Pass it as the class so that Ray builds one per
+  worker::
+
+      ds.map_batches(FdoStatsMapper, fn_constructor_args=(config,),
+                     batch_format="pyarrow", batch_size=B, concurrency=2)
+  """
+
+  def __call__(self, batch):
+    """``{"fdo_stats": np.array([stats JSON], dtype=object)}`` for one batch."""
+    return {"fdo_stats": np.array([self.fdo_stats(batch).to_json()], dtype=object)}

@@ -1,0 +1,114 @@
+"""Type stubs of sparsecore_prep (see __init__.py for the documentation)."""
+
+import dataclasses
+import os
+from typing import Any, Iterable, Mapping, NamedTuple
+
+import numpy as np
+
+from ._native import InvalidInputError as InvalidInputError
+from ._native import LimitExceededError as LimitExceededError
+
+__version__: str
+
+class SparseDenseMatmulInput(NamedTuple):
+  """Per-stack CSR-wrapped COO buffers, keyed by stack name."""
+
+  lhs_row_pointers: Mapping[str, np.ndarray]
+  lhs_embedding_ids: Mapping[str, np.ndarray]
+  lhs_sample_ids: Mapping[str, np.ndarray]
+  lhs_gains: Mapping[str, np.ndarray]
+
+@dataclasses.dataclass
+class SparseDenseMatmulInputStats:
+  """FDO statistics of one call, per stack."""
+
+  max_ids_per_partition: dict[str, np.ndarray]
+  max_unique_ids_per_partition: dict[str, np.ndarray]
+  required_buffer_size_per_sc: dict[str, np.ndarray] = ...
+  id_drop_counters: dict[str, int] = ...
+  def get_required_buffer_size_per_device(self, table_name: str, num_sc_per_device: int | None = None) -> int | None:
+    """The buffer a device needs for `table_name`."""
+
+@dataclasses.dataclass
+class PreprocessedInput:
+  """The buffers and the number of minibatches per local device."""
+
+  sparse_dense_matmul_input: SparseDenseMatmulInput
+  num_minibatches: np.ndarray
+  @property
+  def lhs_row_pointers(self) -> Mapping[str, np.ndarray]: ...
+  @property
+  def lhs_embedding_ids(self) -> Mapping[str, np.ndarray]: ...
+  @property
+  def lhs_sample_ids(self) -> Mapping[str, np.ndarray]: ...
+  @property
+  def lhs_gains(self) -> Mapping[str, np.ndarray]: ...
+
+Nested = Any  # dicts, lists and tuples of leaves
+
+def preprocess_sparse_dense_matmul_input(
+    features: Nested,
+    features_weights: Nested | None,
+    feature_specs: Nested,
+    local_device_count: int,
+    global_device_count: int,
+    num_sc_per_device: int,
+    sharding_strategy: str = "MOD",
+    has_leading_dimension: bool = False,
+    allow_id_dropping: bool = False,
+    batch_number: int = 0,
+    enable_minibatching: bool = False,
+    *,
+    all_reduce_interface: None = None,
+    validate_ids: bool = True,
+) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
+  """Drop-in replacement for the reference's preprocess_sparse_dense_matmul_input."""
+
+ConfigLike = Mapping[str, Any] | str | os.PathLike[str]
+
+class Preprocessor:
+  """A reusable, picklable preprocessor for one config, over Arrow record batches."""
+
+  def __init__(self, config: ConfigLike, *, threads: int | None = None, has_leading_dimension: bool = False) -> None: ...
+  @property
+  def config(self) -> dict[str, Any]:
+    """The config, with defaults filled in."""
+  def __call__(self, batch: Any) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
+    """Preprocesses one record batch (any __arrow_c_array__ / __arrow_c_stream__ object)."""
+  def set_batch_number(self, batch_number: int) -> None:
+    """Sets the step number that keys minibatching's cross-host agreement."""
+  def fdo_stats(self, batch: Any) -> FdoStats:
+    """The FDO statistics of one record batch, without writing buffers."""
+
+class FdoStats:
+  """FDO statistics merged over batches, workers and hosts."""
+
+  @classmethod
+  def from_json(cls, text: str) -> FdoStats:
+    """Parses stats JSON (ours or the CLI's)."""
+  @classmethod
+  def read(cls, path: str | os.PathLike[str]) -> FdoStats:
+    """Reads a stats JSON file."""
+  @classmethod
+  def merge_all(cls, stats: Iterable[FdoStats]) -> FdoStats:
+    """Merges any number of stats (at least one) into new stats."""
+  def merge(self, other: FdoStats) -> FdoStats:
+    """Merges `other` in place and returns self."""
+  @property
+  def batches(self) -> int:
+    """Batches merged in."""
+  def to_json(self) -> str:
+    """The stats as JSON."""
+  def to_dict(self) -> dict[str, Any]:
+    """The stats as a dict."""
+  def write(self, path: str | os.PathLike[str]) -> None:
+    """Writes the JSON atomically."""
+  def tune(self, config: ConfigLike, headroom: float = 1.0) -> dict[str, Any]:
+    """A copy of `config` with limits and buffer sizes from these stats."""
+
+class FdoStatsMapper(Preprocessor):
+  """A Preprocessor shaped for ray.data.Dataset.map_batches: one stats row per batch."""
+
+  def __call__(self, batch: Any) -> dict[str, np.ndarray]:  # type: ignore[override]
+    """`{"fdo_stats": np.array([stats JSON], dtype=object)}` for one batch."""

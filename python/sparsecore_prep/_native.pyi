@@ -1,0 +1,74 @@
+"""Type stubs of the Rust extension module (used through sparsecore_prep)."""
+
+from typing import Any
+
+import numpy as np
+
+__version__: str
+
+class LimitExceededError(ValueError):
+  """A partition exceeded its limit and allow_id_dropping is off (the reference aborts)."""
+
+  stack: str
+  limit_name: str
+  observed: int
+  limit: int
+  device: int
+  sparsecore: int
+  partition: int
+
+class InvalidInputError(ValueError):
+  """Ids, weights or batch sizes the pipeline cannot use."""
+
+_Dicts = tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]
+_Results = tuple[
+    dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], int,
+    tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], dict[str, int]],
+]
+_SpecTuple = tuple[tuple[str, str, int, int, int], tuple[str, int, int, int], tuple[str, int, int, int | None]]
+
+class NativePreprocessor:
+  """A config-driven preprocessor over Arrow record batches."""
+
+  def __init__(self, config_json: str, threads: int | None = None) -> None: ...
+  @property
+  def config_json(self) -> str:
+    """The config as normalised JSON."""
+  def set_batch_number(self, batch_number: int) -> None:
+    """Sets the minibatching batch number."""
+  def run(self, batch: Any, has_leading_dimension: bool = False) -> _Results:
+    """Preprocesses one record batch: the reference's 6-tuple."""
+  def fdo_stats(self, batch: Any) -> NativeFdoStats:
+    """Statistics of one record batch."""
+
+class NativeFdoStats:
+  """Mergeable FDO statistics."""
+
+  @staticmethod
+  def from_json(text: str) -> NativeFdoStats:
+    """Parses stats JSON."""
+  def to_json(self) -> str:
+    """The stats as JSON."""
+  def merge(self, other: NativeFdoStats) -> None:
+    """Merges `other` in place."""
+  @property
+  def batches(self) -> int:
+    """Batches merged in."""
+  def tune(self, config_json: str, headroom: float) -> str:
+    """A tuned config, as JSON."""
+
+def preprocess_resolved(
+    features: list[Any],
+    weights: list[Any] | None,
+    specs: list[_SpecTuple],
+    local_device_count: int,
+    global_device_count: int,
+    num_sc_per_device: int,
+    sharding_strategy: str,
+    has_leading_dimension: bool,
+    allow_id_dropping: bool,
+    batch_number: int,
+    enable_minibatching: bool,
+    validate_ids: bool,
+) -> _Results:
+  """The drop-in call on flattened leaves and resolved specs."""

@@ -1,0 +1,63 @@
+//! Arrow record batches from Python through the Arrow PyCapsule interface
+//! (`__arrow_c_array__`, `__arrow_c_stream__`), so that any producer works (pyarrow of any
+//! version, polars, duckdb, nanoarrow) and nothing is copied: the imported arrays keep the
+//! producer's buffers alive through their release callbacks.
+
+use arrow_array::ffi::{from_ffi, FFI_ArrowArray, FFI_ArrowSchema};
+use arrow_array::ffi_stream::{RecordBatchStreamReader, FFI_ArrowArrayStream};
+use arrow_array::{Array, RecordBatch, RecordBatchReader, StructArray};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyCapsuleMethods, PyTuple};
+
+fn capsule_ptr<T>(capsule: &Bound<'_, PyAny>, name: &'static std::ffi::CStr) -> PyResult<*mut T> {
+    let capsule = capsule.cast::<PyCapsule>().map_err(|_| PyTypeError::new_err("the Arrow interface did not return a PyCapsule"))?;
+    Ok(capsule.pointer_checked(Some(name))?.as_ptr() as *mut T)
+}
+
+/// Imports one record batch (or a table / reader, whose batches are concatenated).
+pub fn record_batch(obj: &Bound<'_, PyAny>) -> PyResult<RecordBatch> {
+    if obj.hasattr("__arrow_c_array__")? {
+        let pair = obj.call_method0("__arrow_c_array__")?;
+        let pair = pair.cast::<PyTuple>().map_err(|_| PyTypeError::new_err("__arrow_c_array__ must return a tuple"))?;
+        if pair.len() != 2 {
+            return Err(PyTypeError::new_err("__arrow_c_array__ must return (schema capsule, array capsule)"));
+        }
+        let schema: *mut FFI_ArrowSchema = capsule_ptr(&pair.get_item(0)?, c"arrow_schema")?;
+        let array: *mut FFI_ArrowArray = capsule_ptr(&pair.get_item(1)?, c"arrow_array")?;
+        // SAFETY: the capsules hold valid C data interface structs (their names were checked).
+        // `from_raw` moves the array out and marks the capsule's copy released, as the PyCapsule
+        // protocol prescribes for consumers; the schema is only borrowed (its capsule frees it).
+        let data = unsafe {
+            let array = FFI_ArrowArray::from_raw(array);
+            from_ffi(array, &*schema)
+        }
+        .map_err(|e| PyValueError::new_err(format!("cannot import the Arrow array: {e}")))?;
+        let array = StructArray::from(data);
+        if array.null_count() > 0 {
+            return Err(PyValueError::new_err("the Arrow record batch has null rows"));
+        }
+        return Ok(RecordBatch::from(array));
+    }
+    if obj.hasattr("__arrow_c_stream__")? {
+        let capsule = obj.call_method0("__arrow_c_stream__")?;
+        let stream: *mut FFI_ArrowArrayStream = capsule_ptr(&capsule, c"arrow_array_stream")?;
+        // SAFETY: a valid C stream interface struct; `from_raw` takes it over and leaves the
+        // capsule's copy released.
+        let reader = unsafe { RecordBatchStreamReader::from_raw(stream) }
+            .map_err(|e| PyValueError::new_err(format!("cannot import the Arrow stream: {e}")))?;
+        let schema = reader.schema();
+        let batches: Vec<RecordBatch> =
+            reader.collect::<Result<_, _>>().map_err(|e| PyValueError::new_err(format!("reading the Arrow stream: {e}")))?;
+        return match batches.len() {
+            1 => Ok(batches.into_iter().next().expect("one batch")),
+            // Several chunks are one local batch: concatenate (the only copy on this path).
+            _ => arrow_select::concat::concat_batches(&schema, &batches)
+                .map_err(|e| PyValueError::new_err(format!("concatenating the Arrow stream's batches: {e}"))),
+        };
+    }
+    Err(PyTypeError::new_err(format!(
+        "expected an Arrow record batch or table (an object with __arrow_c_array__ or __arrow_c_stream__), got {}",
+        obj.get_type().name()?
+    )))
+}

@@ -1,0 +1,347 @@
+//! The native classes and the drop-in call.
+//!
+//! Results leave Rust as plain tuples and dicts in the layout of the reference's pybind module
+//! (`row_pointers`, `embedding_ids`, `sample_ids`, `gains` dicts keyed by stack, the number of
+//! minibatches and a stats tuple); `sparsecore_prep/__init__.py` wraps them in the reference's
+//! result classes.
+
+use numpy::PyArray1;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+use sparsecore_prep::fdo::{tune, FdoStats};
+use sparsecore_prep::input::SampleSource;
+use sparsecore_prep::spec::{FeatureConfig, Options, Placement, ResolvedStack, Stacking, TableConfig};
+use sparsecore_prep::{Config, Output, Plan, Preprocessor};
+
+use crate::errors::to_py;
+use crate::{arrow_input, numpy_input};
+
+/// The four arrays of every stack, the number of minibatches, and the stats.
+type Results = (Py<PyDict>, Py<PyDict>, Py<PyDict>, Py<PyDict>, usize, Py<PyTuple>);
+
+/// Hands the output buffers to numpy (moved, not copied) and the stats as arrays.
+fn results(py: Python<'_>, out: &mut Output, leading: bool) -> PyResult<Results> {
+    let (rp, eid, sid, gains) = (PyDict::new(py), PyDict::new(py), PyDict::new(py), PyDict::new(py));
+    let (max_ids, max_unique, required, dropped) = (PyDict::new(py), PyDict::new(py), PyDict::new(py), PyDict::new(py));
+    for so in &mut out.stacks {
+        let l = so.local_devices();
+        let (rp_per, c) = (so.row_pointers_per_device(), so.coo_buffer_size_per_device());
+        let name = so.name.as_str();
+        rp.set_item(name, shaped(leading, l, PyArray1::from_vec(py, std::mem::take(&mut so.row_pointers)).into_any(), rp_per)?)?;
+        eid.set_item(name, shaped(leading, l, PyArray1::from_vec(py, std::mem::take(&mut so.embedding_ids)).into_any(), c)?)?;
+        sid.set_item(name, shaped(leading, l, PyArray1::from_vec(py, std::mem::take(&mut so.sample_ids)).into_any(), c)?)?;
+        gains.set_item(name, shaped(leading, l, PyArray1::from_vec(py, std::mem::take(&mut so.gains)).into_any(), c)?)?;
+        stats_into(py, so, &max_ids, &max_unique, &required, &dropped)?;
+    }
+    let stats = PyTuple::new(py, [max_ids, max_unique, required, dropped])?;
+    Ok((rp.unbind(), eid.unbind(), sid.unbind(), gains.unbind(), out.num_minibatches, stats.unbind()))
+}
+
+/// A flat array, or `[l, cols]` with a leading dimension.
+fn shaped<'py>(leading: bool, l: usize, a: Bound<'py, PyAny>, cols: usize) -> PyResult<Bound<'py, PyAny>> {
+    if leading {
+        a.call_method1("reshape", ((l, cols),))
+    } else {
+        Ok(a)
+    }
+}
+
+fn stats_into(
+    py: Python<'_>,
+    so: &sparsecore_prep::StackOutput,
+    max_ids: &Bound<'_, PyDict>,
+    max_unique: &Bound<'_, PyDict>,
+    required: &Bound<'_, PyDict>,
+    dropped: &Bound<'_, PyDict>,
+) -> PyResult<()> {
+    let st = &so.stats;
+    let name = so.name.as_str();
+    max_ids.set_item(name, PyArray1::from_slice(py, &st.max_ids_per_partition))?;
+    max_unique.set_item(name, PyArray1::from_slice(py, &st.max_unique_ids_per_partition))?;
+    required.set_item(name, PyArray1::from_slice(py, &st.required_buffer_size_per_sc))?;
+    dropped.set_item(name, st.dropped_id_count)?;
+    Ok(())
+}
+
+/// Runs `prep` on `sources` with the GIL released.
+fn run_detached(py: Python<'_>, prep: &mut Preprocessor, sources: &[Box<dyn SampleSource + '_>], out: &mut Output, stats_only: bool) -> PyResult<()> {
+    let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
+    let result = py.detach(|| if stats_only { prep.run_stats(&inputs, out) } else { prep.run(&inputs, out) });
+    result.map_err(|e| to_py(py, e))
+}
+
+/// A config-driven preprocessor over Arrow record batches (wrapped by `sparsecore_prep.Preprocessor`).
+#[pyclass(module = "sparsecore_prep._native")]
+pub struct NativePreprocessor {
+    prep: Preprocessor,
+    out: Output,
+    config_json: String,
+}
+
+#[pymethods]
+impl NativePreprocessor {
+    /// `config_json`: the config file's text. `threads`: a dedicated pool of that many threads
+    /// (default: the process-wide pool, one thread per CPU).
+    #[new]
+    #[pyo3(signature = (config_json, threads=None))]
+    fn new(py: Python<'_>, config_json: &str, threads: Option<usize>) -> PyResult<Self> {
+        let config = Config::from_json(config_json).map_err(|e| to_py(py, e))?;
+        let mut builder = Preprocessor::builder(config.clone());
+        if let Some(n) = threads {
+            builder = builder.threads(n);
+        }
+        let prep = builder.build().map_err(|e| to_py(py, e))?;
+        Ok(NativePreprocessor { prep, out: Output::new(), config_json: config.to_json() })
+    }
+
+    /// The config as normalised JSON (defaults filled in).
+    #[getter]
+    fn config_json(&self) -> &str {
+        &self.config_json
+    }
+
+    /// Sets the batch number that keys minibatching's cross-host agreement.
+    fn set_batch_number(&mut self, batch_number: u64) {
+        self.prep.set_batch_number(batch_number);
+    }
+
+    /// Preprocesses one record batch: the reference's 6-tuple.
+    #[pyo3(signature = (batch, has_leading_dimension=false))]
+    fn run(&mut self, py: Python<'_>, batch: &Bound<'_, PyAny>, has_leading_dimension: bool) -> PyResult<Results> {
+        let rb = arrow_input::record_batch(batch)?;
+        let (prep, out) = (&mut self.prep, &mut self.out);
+        py.detach(|| prep.run_record_batch(&rb, out)).map_err(|e| to_py(py, e))?;
+        results(py, out, has_leading_dimension)
+    }
+
+    /// The FDO statistics of one record batch (no buffers written), as mergeable stats.
+    fn fdo_stats(&mut self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<NativeFdoStats> {
+        let rb = arrow_input::record_batch(batch)?;
+        let (prep, out) = (&mut self.prep, &mut self.out);
+        py.detach(|| -> sparsecore_prep::Result<FdoStats> {
+            let features = sparsecore_prep::input::features_from_record_batch(prep.config(), &rb)?;
+            let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
+            prep.run_stats(&inputs, out)?;
+            let plan = prep.plan().expect("a successful run has a plan");
+            let mut stats = FdoStats::new(plan.layout);
+            stats.record(plan, out)?;
+            Ok(stats)
+        })
+        .map(|inner| NativeFdoStats { inner })
+        .map_err(|e| to_py(py, e))
+    }
+}
+
+/// Mergeable FDO statistics (the crate's `fdo::FdoStats`).
+#[pyclass(module = "sparsecore_prep._native")]
+#[derive(Clone)]
+pub struct NativeFdoStats {
+    inner: FdoStats,
+}
+
+#[pymethods]
+impl NativeFdoStats {
+    /// Parses the JSON of `to_json` (or of the CLI's `stats.json`).
+    #[staticmethod]
+    fn from_json(py: Python<'_>, text: &str) -> PyResult<Self> {
+        FdoStats::from_json(text).map(|inner| NativeFdoStats { inner }).map_err(|e| to_py(py, e))
+    }
+
+    fn to_json(&self) -> String {
+        self.inner.to_json()
+    }
+
+    /// Element-wise max of the arrays, sum of drops and batches, in place.
+    fn merge(&mut self, py: Python<'_>, other: &NativeFdoStats) -> PyResult<()> {
+        self.inner.merge(&other.inner).map_err(|e| to_py(py, e))
+    }
+
+    #[getter]
+    fn batches(&self) -> u64 {
+        self.inner.batches
+    }
+
+    /// New limits and buffer sizes for `config_json` (JSON in, JSON out), with `headroom`.
+    fn tune(&self, py: Python<'_>, config_json: &str, headroom: f64) -> PyResult<String> {
+        let config = Config::from_json(config_json).map_err(|e| to_py(py, e))?;
+        let (tuned, _) = tune(&config, &self.inner, headroom).map_err(|e| to_py(py, e))?;
+        // The tuned config must itself be usable.
+        Preprocessor::new(tuned.clone()).map_err(|e| to_py(py, e))?;
+        Ok(tuned.to_json())
+    }
+
+    fn __eq__(&self, other: &NativeFdoStats) -> bool {
+        self.inner == other.inner
+    }
+}
+
+/// Per feature, what the reference reads from its `FeatureSpec` (SPEC Part 2, section 2.6):
+/// `(name, table, vocabulary_size, embedding_dim, global_batch)`,
+/// `(stack, row_offset, col_offset, col_shift)`,
+/// `(combiner, max_ids_per_partition, max_unique_ids_per_partition, suggested_coo_buffer_size_per_device)`.
+type SpecTuple = ((String, String, u64, u64, usize), (String, u64, u64, u64), (String, u64, u64, Option<u64>));
+
+/// Config and plan for features whose stacking was already resolved by the reference's specs.
+#[allow(clippy::too_many_arguments)]
+fn resolved_plan(
+    specs: &[SpecTuple],
+    l: usize,
+    g: usize,
+    s: usize,
+    sharding_strategy: String,
+    allow_id_dropping: bool,
+    enable_minibatching: bool,
+    validate_ids: bool,
+) -> sparsecore_prep::Result<(Config, Plan)> {
+    let mut tables: Vec<TableConfig> = Vec::new();
+    let mut stacks: Vec<ResolvedStack> = Vec::new();
+    let mut features = Vec::with_capacity(specs.len());
+    let mut placements = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let ((name, table, vocab, dim, global_batch), (stack, row_offset, col_offset, col_shift), (combiner, max_ids, max_unique, _)) = spec;
+        match tables.iter().find(|t| &t.name == table) {
+            Some(t) if t.vocabulary_size != *vocab || t.embedding_dim != *dim => {
+                return Err(sparsecore_prep::Error::config(
+                    "table",
+                    table,
+                    format!(
+                        "two table specs share this name with different shapes ({}x{} and {vocab}x{dim})",
+                        t.vocabulary_size, t.embedding_dim
+                    ),
+                ));
+            }
+            Some(_) => {}
+            None => tables.push(TableConfig {
+                name: table.clone(),
+                vocabulary_size: *vocab,
+                embedding_dim: *dim,
+                combiner: combiner.clone(),
+                max_ids_per_partition: *max_ids,
+                max_unique_ids_per_partition: *max_unique,
+                suggested_coo_buffer_size_per_device: None,
+            }),
+        }
+        // Per stack, the settings of its first feature in row-offset order, as the reference
+        // takes them (all members share one StackedTableSpec in practice).
+        let first = specs.iter().filter(|sp| sp.1 .0 == *stack).min_by_key(|sp| sp.1 .1).unwrap_or(spec);
+        if !stacks.iter().any(|x| &x.name == stack) {
+            let (combiner, max_ids, max_unique, suggested) = &first.2;
+            stacks.push(ResolvedStack {
+                name: stack.clone(),
+                combiner: combiner.clone(),
+                max_ids_per_partition: *max_ids,
+                max_unique_ids_per_partition: *max_unique,
+                suggested_coo_buffer_size_per_device: *suggested,
+            });
+        }
+        features.push(FeatureConfig { name: name.clone(), table: table.clone(), column: None, weights_column: None });
+        placements.push(Placement {
+            stack: stack.clone(),
+            row_offset: *row_offset,
+            col_offset: *col_offset,
+            col_shift: *col_shift,
+            global_batch_size: *global_batch,
+        });
+    }
+    let config = Config {
+        config: Options {
+            local_device_count: l,
+            global_device_count: g,
+            num_sc_per_device: s,
+            allow_id_dropping,
+            stacking: Stacking::Feature,
+            stack_limits: None,
+            enable_minibatching,
+            stack_suggested_coo_buffer_size_per_device: None,
+            validate_ids,
+            sharding_strategy: Some(sharding_strategy),
+        },
+        tables,
+        features,
+    };
+    let plan = Plan::from_resolved(&config, &placements, &stacks)?;
+    Ok((config, plan))
+}
+
+/// The drop-in call: numpy leaves (already flattened) and resolved specs in, the reference's
+/// 6-tuple out.
+#[pyfunction]
+#[pyo3(signature = (features, weights, specs, local_device_count, global_device_count, num_sc_per_device,
+                    sharding_strategy, has_leading_dimension, allow_id_dropping, batch_number,
+                    enable_minibatching, validate_ids))]
+#[allow(clippy::too_many_arguments)]
+pub fn preprocess_resolved(
+    py: Python<'_>,
+    features: Vec<Bound<'_, PyAny>>,
+    weights: Option<Vec<Bound<'_, PyAny>>>,
+    specs: Vec<SpecTuple>,
+    local_device_count: usize,
+    global_device_count: usize,
+    num_sc_per_device: usize,
+    sharding_strategy: String,
+    has_leading_dimension: bool,
+    allow_id_dropping: bool,
+    batch_number: u64,
+    enable_minibatching: bool,
+    validate_ids: bool,
+) -> PyResult<Results> {
+    if features.len() != specs.len() {
+        return Err(PyValueError::new_err(format!(
+            "{} features for {} feature specs (the lists must match one to one)",
+            features.len(),
+            specs.len()
+        )));
+    }
+    if let Some(w) = &weights {
+        if w.len() != features.len() {
+            return Err(PyValueError::new_err(format!("{} weights for {} features", w.len(), features.len())));
+        }
+    }
+    let (config, plan) = resolved_plan(
+        &specs,
+        local_device_count,
+        global_device_count,
+        num_sc_per_device,
+        sharding_strategy,
+        allow_id_dropping,
+        enable_minibatching,
+        validate_ids,
+    )
+    .map_err(|e| to_py(py, e))?;
+    // Ragged features are gathered in parallel off the Python API; anything unusual (and every
+    // error) goes through the checked path below, one feature at a time.
+    let raw: Vec<_> = features
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let w = weights.as_ref().map(|w| numpy_input::RawObjects::of(&w[i]));
+            match (numpy_input::RawObjects::of(f), w) {
+                (Some(ids), None) => (Some(ids), None),
+                (Some(ids), Some(Some(w))) => (Some(ids), Some(w)),
+                _ => (None, None),
+            }
+        })
+        .collect();
+    let fast = numpy_input::gather_all(py, &raw);
+    let data = fast
+        .into_iter()
+        .zip(features.iter().zip(&specs))
+        .enumerate()
+        .map(|(i, (done, (f, spec)))| match done {
+            Some(d) => Ok(d),
+            None => numpy_input::feature(&spec.0 .0, f, weights.as_ref().map(|w| &w[i])),
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let sources = data
+        .iter()
+        .zip(&specs)
+        .map(|(d, spec)| d.source(&spec.0 .0))
+        .collect::<sparsecore_prep::Result<Vec<_>>>()
+        .map_err(|e| to_py(py, e))?;
+    let mut prep = Preprocessor::builder(config).plan(plan).build().map_err(|e| to_py(py, e))?;
+    prep.set_batch_number(batch_number);
+    let mut out = Output::new();
+    run_detached(py, &mut prep, &sources, &mut out, false)?;
+    results(py, &mut out, has_leading_dimension)
+}

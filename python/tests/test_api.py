@@ -1,0 +1,244 @@
+"""The package's API: Arrow input, pickling, FDO stats, input forms and errors.
+
+Expected values come from the reference: SPEC Part 2 section 3.9's worked example (the peer's
+actual output) and the golden cases' expected.json, never from our own code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import sparsecore_prep as scp
+from test_golden import SHARED, array, specs_from_resolved
+
+GOLDEN = os.path.join(SHARED, "golden")
+
+
+def load(name):
+  with open(os.path.join(GOLDEN, name, "input.json")) as fh:
+    case = json.load(fh)
+  with open(os.path.join(GOLDEN, name, "expected.json")) as fh:
+    return case, json.load(fh)
+
+
+def record_batch(case):
+  """The case's inline data as an Arrow record batch (one List column per feature)."""
+  cols, names = [], []
+  for f in case["features"]:
+    cols.append(pa.array(f["ids"], type=pa.list_(pa.int64())))
+    names.append(f["name"])
+    if case["config"].get("weights"):
+      cols.append(pa.array(f["weights"], type=pa.list_(pa.float32())))
+      names.append(f["name"] + "__w")
+  return pa.RecordBatch.from_arrays(cols, names=names)
+
+
+def arrow_config(case):
+  cfg = {k: case[k] for k in ("config", "tables", "features")}
+  cfg["features"] = [{"name": f["name"], "table": f["table"],
+                      "weights_column": f["name"] + "__w" if case["config"].get("weights") else None}
+                     for f in case["features"]]
+  return cfg
+
+
+def assert_matches(expected, out, stats):
+  m = out.sparse_dense_matmul_input
+  for name, want in expected["stacks"].items():
+    np.testing.assert_array_equal(m.lhs_row_pointers[name], want["row_pointers"])
+    for lo, hi in want["valid_ranges"]:
+      np.testing.assert_array_equal(m.lhs_embedding_ids[name][lo:hi], want["embedding_ids"][lo:hi])
+      np.testing.assert_array_equal(m.lhs_sample_ids[name][lo:hi], want["sample_ids"][lo:hi])
+      np.testing.assert_array_equal(m.lhs_gains[name][lo:hi].view(np.uint32), want["gains_bits"][lo:hi])
+    st = want["stats"]
+    np.testing.assert_array_equal(stats.max_ids_per_partition[name], st["max_ids_per_partition"])
+    np.testing.assert_array_equal(stats.required_buffer_size_per_sc[name], st["required_buffer_size_per_sc"])
+    assert stats.id_drop_counters[name] == st["dropped_id_count"]
+
+
+def spec_example_specs():
+  """SPEC 3.9: one table, vocab 8, S = 2, G = 1."""
+  stacked = SimpleNamespace(combiner="sum", max_ids_per_partition=8, max_unique_ids_per_partition=8,
+                            suggested_coo_buffer_size_per_device=None)
+  table = SimpleNamespace(name="t", vocabulary_size=8, embedding_dim=8, stacked_table_spec=stacked,
+                          setting_in_stack=SimpleNamespace(stack_name="t"))
+  return {"f": SimpleNamespace(name="f", table_spec=table, output_shape=[2, 8], _id_transformation=None)}
+
+
+def spec_example_ids():
+  ids = np.empty(2, dtype=object)
+  ids[0] = np.array([0, 0, 0, 2, 4, 1], dtype=np.int64)
+  ids[1] = np.array([1, 1, 1, 3, 3, 5, 5, 7, 7, 0], dtype=np.int32)
+  return {"f": ids}
+
+
+def test_spec_stats_example_with_duck_typed_specs():
+  out, stats = scp.preprocess_sparse_dense_matmul_input(spec_example_ids(), None, spec_example_specs(), 1, 1, 2)
+  np.testing.assert_array_equal(out.lhs_row_pointers["t"], [3, 9, 16, 16, 16, 16, 16, 16, 1, 12, 16, 16, 16, 16, 16, 16])
+  np.testing.assert_array_equal(stats.max_ids_per_partition["t"], [3, 4])
+  np.testing.assert_array_equal(stats.max_unique_ids_per_partition["t"], [3, 4])
+  np.testing.assert_array_equal(stats.required_buffer_size_per_sc["t"], [16, 16])
+  eid, gains = out.lhs_embedding_ids["t"], out.lhs_gains["t"]
+  np.testing.assert_array_equal(eid[[0, 1, 2, 8]], [0, 1, 2, 0])
+  np.testing.assert_array_equal(gains[[0, 1, 2, 8]], [3, 1, 1, 1])
+  np.testing.assert_array_equal(eid[[16, 24, 25, 26, 27]], [0, 0, 1, 2, 3])
+  np.testing.assert_array_equal(gains[[16, 24, 25, 26, 27]], [1, 3, 2, 2, 2])
+  assert out.num_minibatches.tolist() == [1] and out.num_minibatches.dtype == np.int64
+  assert stats.get_required_buffer_size_per_device("t") == 32
+
+
+def test_ragged_rows_as_lists_and_leading_dimension():
+  ids = spec_example_ids()
+  ids["f"][0] = [0, 0, 0, 2, 4, 1]  # a Python list row
+  out, _ = scp.preprocess_sparse_dense_matmul_input(ids, None, spec_example_specs(), 1, 1, 2,
+                                                    has_leading_dimension=True)
+  assert out.lhs_row_pointers["t"].shape == (1, 16)
+  assert out.lhs_embedding_ids["t"].shape == (1, 32)
+  assert out.num_minibatches.shape == (1, 1)
+  np.testing.assert_array_equal(out.lhs_row_pointers["t"][0, :8], [3, 9, 16, 16, 16, 16, 16, 16])
+
+
+def test_golden_case_through_arrow_and_pickle():
+  case, expected = load("case_001_single_sum_weights_g1")
+  prep = scp.Preprocessor(arrow_config(case))
+  rb = record_batch(case)
+  assert_matches(expected, *prep(rb))
+  # A table of several chunks is one local batch (the stream interface).
+  table = pa.Table.from_batches([rb.slice(0, 5), rb.slice(5)])
+  assert table.column(0).num_chunks == 2
+  assert_matches(expected, *prep(table))
+  clone = pickle.loads(pickle.dumps(prep))
+  assert clone.config == prep.config
+  assert_matches(expected, *clone(rb))
+
+
+def test_config_from_a_path(tmp_path):
+  case, expected = load("case_013_multi_table_mixed_combiners_g2l2")
+  path = tmp_path / "cfg.json"
+  path.write_text(json.dumps(arrow_config(case)))
+  assert_matches(expected, *scp.Preprocessor(path)(record_batch(case)))
+  assert_matches(expected, *scp.Preprocessor(str(path), threads=1)(record_batch(case)))
+
+
+def test_fdo_stats_merge_and_tune():
+  case, expected = load("case_019_drop_hot_partition_g2l2")
+  prep = scp.Preprocessor(arrow_config(case))
+  one = prep.fdo_stats(record_batch(case))
+  st = expected["stacks"]["t0"]["stats"]
+  d = one.to_dict()
+  assert d["batches"] == 1
+  assert d["stacks"]["t0"]["max_ids_per_partition"] == st["max_ids_per_partition"]
+  assert d["stacks"]["t0"]["required_buffer_size_per_sc"] == st["required_buffer_size_per_sc"]
+  merged = scp.FdoStats.merge_all([one, one, pickle.loads(pickle.dumps(one))])
+  assert merged.batches == 3
+  assert merged.to_dict()["stacks"]["t0"]["max_ids_per_partition"] == st["max_ids_per_partition"]
+  assert merged.to_dict()["stacks"]["t0"]["dropped_id_count"] == 3 * d["stacks"]["t0"]["dropped_id_count"]
+  assert scp.FdoStats.from_json(merged.to_json()) == merged
+  tuned = merged.tune(arrow_config(case), headroom=1.0)
+  t0 = tuned["tables"][0]
+  # Observed maxima rounded up to 8: the tuned config drops nothing on this batch.
+  assert t0["max_ids_per_partition"] == -(-max(st["max_ids_per_partition"]) // 8) * 8
+  tuned["config"]["allow_id_dropping"] = False
+  _, stats = scp.Preprocessor(tuned)(record_batch(case))
+  assert stats.id_drop_counters["t0"] == 0
+
+
+def test_limit_exceeded_raises_with_attributes():
+  case, expected = load("case_033_error_exceed_without_drop_g1")
+  with pytest.raises(scp.LimitExceededError, match=expected["error"]["message_contains"]) as e:
+    scp.Preprocessor(arrow_config(case))(record_batch(case))
+  assert isinstance(e.value, ValueError)
+  assert e.value.stack == "t0" and e.value.observed > e.value.limit
+  # fdo_stats measures instead of enforcing.
+  assert scp.Preprocessor(arrow_config(case)).fdo_stats(record_batch(case)).batches == 1
+
+
+def test_input_errors_name_the_feature():
+  case, _ = load("case_001_single_sum_weights_g1")
+  prep = scp.Preprocessor(arrow_config(case))
+  rb = record_batch(case).drop_columns(["f0"]) if hasattr(pa.RecordBatch, "drop_columns") else None
+  if rb is not None:
+    with pytest.raises(scp.InvalidInputError, match="f0"):
+      prep(rb)
+  with pytest.raises(TypeError, match="Arrow"):
+    prep({"f0": [1, 2]})
+  bad = pa.RecordBatch.from_arrays([pa.array([1.0, 2.0]), pa.array([[1.0], [1.0]], type=pa.list_(pa.float32()))],
+                                   names=["f0", "f0__w"])
+  with pytest.raises(TypeError, match="f0"):
+    prep(bad)
+  with pytest.raises(ValueError, match="num_sc_per_device"):
+    scp.Preprocessor({"config": {"local_device_count": 1, "global_device_count": 1, "num_sc_per_device": 3},
+                      "tables": case["tables"], "features": case["features"]})
+
+
+def test_drop_in_errors():
+  specs = spec_example_specs()
+  ids = spec_example_ids()
+  with pytest.raises(ValueError, match="Pytree structures"):
+    scp.preprocess_sparse_dense_matmul_input({"g": ids["f"]}, None, specs, 1, 1, 2)
+  with pytest.raises(ValueError, match="Unsupported sharding strategy"):
+    scp.preprocess_sparse_dense_matmul_input(ids, None, specs, 1, 1, 2, sharding_strategy="DIV")
+  with pytest.raises(ValueError, match="power of 2"):
+    scp.preprocess_sparse_dense_matmul_input(ids, None, specs, 1, 3, 2)
+  with pytest.raises(TypeError, match="integers"):
+    scp.preprocess_sparse_dense_matmul_input({"f": np.ones((2, 2), np.float32)}, None, specs, 1, 1, 2)
+  with pytest.raises(ValueError, match="dtype=object"):
+    scp.preprocess_sparse_dense_matmul_input({"f": np.arange(2)}, None, specs, 1, 1, 2)
+  bad = spec_example_ids()
+  bad["f"][1] = np.array([1, 9], dtype=np.int32)  # vocabulary_size is 8
+  with pytest.raises(scp.InvalidInputError, match="id 9"):
+    scp.preprocess_sparse_dense_matmul_input(bad, None, specs, 1, 1, 2)
+  weights = {"f": np.array([np.ones(6, np.float32), np.ones(3, np.float32)], dtype=object)}
+  with pytest.raises(ValueError, match="weights"):
+    scp.preprocess_sparse_dense_matmul_input(ids, weights, specs, 1, 1, 2)
+  with pytest.raises(scp.LimitExceededError):
+    tight = spec_example_specs()
+    tight["f"].table_spec.stacked_table_spec.max_ids_per_partition = 2
+    scp.preprocess_sparse_dense_matmul_input(ids, None, tight, 1, 1, 2)
+
+
+def test_dense_input_dtypes():
+  case, expected = load("case_029_dense_layout_g2l2")
+  specs = specs_from_resolved(case)
+  cfg = case["config"]
+  for dtype in (np.int32, np.int64, np.int16, np.uint16):
+    feats = [array(f["ids"], dtype, True) for f in case["features"]]
+    weights = [array(f["weights"], np.float64, True) for f in case["features"]]  # cast to f32 like the reference
+    out, stats = scp.preprocess_sparse_dense_matmul_input(feats, weights, specs, cfg["local_device_count"],
+                                                          cfg["global_device_count"], cfg["num_sc_per_device"])
+    assert_matches(expected, out, stats)
+  # Non-contiguous views are read in place.
+  feats = [np.asfortranarray(array(f["ids"], np.int32, True)) for f in case["features"]]
+  weights = [array(f["weights"], np.float32, True) for f in case["features"]]
+  assert_matches(expected, *scp.preprocess_sparse_dense_matmul_input(
+      feats, weights, specs, cfg["local_device_count"], cfg["global_device_count"], cfg["num_sc_per_device"]))
+
+
+def test_concurrent_calls_from_threads():
+  """The GIL is released while preprocessing: calls from several threads all finish correctly."""
+  case, expected = load("case_025_g4l4_zipf_b64")
+  prep_cfg = arrow_config(case)
+  rb = record_batch(case)
+  errors = []
+
+  def work():
+    try:
+      p = scp.Preprocessor(prep_cfg)
+      for _ in range(5):
+        assert_matches(expected, *p(rb))
+    except Exception as e:  # collected and re-raised on the main thread
+      errors.append(e)
+
+  threads = [threading.Thread(target=work) for _ in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors, errors

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The Python package's CI: builds python/ with maturin into a venv that also holds the
+# reference (jax-tpu-embedding, via ../shared/peer/setup.sh) and Ray, then runs python/tests:
+# the API tests, the golden cases through the drop-in call, the differential test against the
+# reference (DIFF_CASES random cases, default 240) and the Ray Data example against the CLI.
+#
+#   scripts/ci_python.sh                 # from the repository root (or anywhere)
+#   SPARSECORE_PY_VENV=DIR scripts/ci_python.sh
+#
+# The venv is kept under $HOME/.cache and reused; a run that finds it complete installs nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+shared="${SPARSECORE_SHARED:-$root/../shared}"
+venv="${SPARSECORE_PY_VENV:-$HOME/.cache/sparsecore-python-venv}"
+log() { printf 'ci_python: %s\n' "$*" >&2; }
+t0=$(date +%s)
+
+# 1. The reference and its pinned numpy/pyarrow (idempotent), then our tools, pinned.
+py=$(bash "$shared/peer/setup.sh" "$venv")
+if ! "$py" - python/requirements-ci.txt >/dev/null 2>&1 <<'PYEOF'
+import importlib.metadata as md, sys
+for line in open(sys.argv[1]):
+    line = line.split("#")[0].strip()
+    if line:
+        name, want = line.split("==")
+        if md.version(name.split("[")[0]) != want:
+            sys.exit(1)
+PYEOF
+then
+  log "installing $(tr '\n' ' ' < python/requirements-ci.txt)"
+  "$py" -m pip install --disable-pip-version-check --no-input -q \
+    -c "$shared/peer/constraints.txt" -c python/constraints-ci.txt -r python/requirements-ci.txt >&2
+fi
+t1=$(date +%s)
+
+# 2. The extension module, optimised, installed into the venv.
+log "maturin develop --release"
+(cd python && VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" maturin develop --release --quiet >&2)
+# The CLI that the Ray example is compared with (debug is enough for the tiny dataset).
+cargo build --quiet --bin sparsecore-prep
+t2=$(date +%s)
+
+# 3. The tests. Missing pieces are failures here, not skips.
+log "pytest"
+SPARSECORE_SHARED="$shared" SPARSECORE_PREP_CLI="$root/target/debug/sparsecore-prep" \
+  REQUIRE_REFERENCE=1 REQUIRE_RAY=1 JAX_PLATFORMS=cpu \
+  "$py" -m pytest python/tests -q -p no:cacheprovider -rs
+t3=$(date +%s)
+log "setup $((t1 - t0)) s, build $((t2 - t1)) s, tests $((t3 - t2)) s"
