@@ -330,6 +330,7 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
             table: tables[f.table].name.clone(),
             column: None,
             weights_column: spec.weights.then(|| format!("{}__w", f.name)),
+            hash: None,
         })
         .collect();
     let mut options = Options {
