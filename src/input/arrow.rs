@@ -30,7 +30,7 @@ enum IdStore<'a> {
 }
 
 /// Splits a list array into its offsets and child array, rejecting null lists.
-fn list_parts<'a>(feature: &str, column: &str, array: &'a dyn Array, expected: &'static str) -> Result<(Offsets<'a>, &'a dyn Array)> {
+pub(crate) fn list_parts<'a>(feature: &str, column: &str, array: &'a dyn Array, expected: &'static str) -> Result<(Offsets<'a>, &'a dyn Array)> {
     let type_error = || Error::ColumnType {
         feature: feature.to_string(),
         column: column.to_string(),
@@ -128,7 +128,7 @@ impl<'a> ArrowListInput<'a> {
 }
 
 /// The weights column's values and offsets, checked against the ids' rows.
-fn weights_parts<'a>(
+pub(crate) fn weights_parts<'a>(
     feature: &str,
     column: &str,
     offsets: &Offsets<'a>,

@@ -13,7 +13,7 @@
 //! rows sorted and inside the batch); values (id ranges, finite weights) are checked during
 //! extraction, where each id is read anyway.
 
-mod arrow;
+pub(crate) mod arrow;
 mod coo;
 mod dense;
 pub mod hash;
