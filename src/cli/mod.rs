@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod dynamic;
 mod fdo;
 mod generate;
 mod preprocess;
@@ -44,6 +45,11 @@ enum Command {
     },
     /// Time preprocessing of a file held in memory (same fields as ../shared/peer/run_peer.py).
     Bench(bench::Args),
+    /// Dynamic tables (raw keys, lazily created rows): load tests against memory or Redis.
+    Dynamic {
+        #[command(subcommand)]
+        command: dynamic::Command,
+    },
 }
 
 /// Runs the tool; returns the process exit code.
@@ -56,6 +62,7 @@ pub fn main() -> i32 {
         Command::Stats(a) => preprocess::run_stats(a),
         Command::Fdo { command } => fdo::run(command),
         Command::Bench(a) => bench::run(a),
+        Command::Dynamic { command } => dynamic::run(command),
     };
     match result {
         Ok(()) => 0,

@@ -22,10 +22,14 @@
 
 mod load;
 mod memory;
+#[cfg(feature = "redis")]
+mod redis;
 mod train;
 
 pub use load::LoadStream;
 pub use memory::MemoryTable;
+#[cfg(feature = "redis")]
+pub use self::redis::{RedisConfig, RedisTable};
 pub use train::{dynamic_backward, dynamic_forward, KeyBatch};
 
 use std::collections::BTreeMap;

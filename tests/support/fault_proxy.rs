@@ -1,0 +1,122 @@
+//! A loopback TCP proxy in front of a Redis server that crashes the server at a chosen point of
+//! the n-th transaction a client sends, so that fault tests hit the exact moment they mean to:
+//!
+//! - [`Crash::MidTransaction`]: the server receives `MULTI` and part of the queued commands, never
+//!   the `EXEC`, and is SIGKILLed.
+//! - [`Crash::AfterExec`]: the server receives the whole transaction and runs it, but is
+//!   SIGKILLed before the client sees the reply (applied, not acknowledged).
+
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Crash {
+    MidTransaction,
+    AfterExec,
+}
+
+pub struct FaultProxy {
+    pub port: u16,
+    /// Set once the crash has happened.
+    pub crashed: Arc<AtomicBool>,
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+impl FaultProxy {
+    /// Forwards connections to `127.0.0.1:upstream`; on the `nth` (1-based) `MULTI` crashes as
+    /// `crash` says by calling `kill`.
+    pub fn start(upstream: u16, nth: usize, crash: Crash, kill: impl Fn() + Send + Sync + 'static) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let crashed = Arc::new(AtomicBool::new(false));
+        let multis = Arc::new(AtomicUsize::new(0));
+        let kill = Arc::new(kill);
+        let c = crashed.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { break };
+                if c.load(Ordering::SeqCst) {
+                    drop(client); // the server is gone: refuse like it would
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else { continue };
+                let drop_replies = Arc::new(AtomicBool::new(false));
+                // Server → client.
+                {
+                    let (mut from, mut to, drop_replies) = (server.try_clone().unwrap(), client.try_clone().unwrap(), drop_replies.clone());
+                    std::thread::spawn(move || {
+                        let mut buf = vec![0u8; 1 << 16];
+                        while let Ok(n) = from.read(&mut buf) {
+                            if n == 0 || (!drop_replies.load(Ordering::SeqCst) && to.write_all(&buf[..n]).is_err()) {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(Shutdown::Both);
+                    });
+                }
+                // Client → server, watching for the n-th MULTI.
+                let (mut from, mut to) = (client, server);
+                let (multis, crashed, kill) = (multis.clone(), c.clone(), kill.clone());
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 1 << 16];
+                    let mut armed = false;
+                    let mut tail: Vec<u8> = Vec::new();
+                    while let Ok(n) = from.read(&mut buf) {
+                        if n == 0 {
+                            break;
+                        }
+                        let chunk = &buf[..n];
+                        if !armed {
+                            if let Some(at) = find(chunk, b"MULTI\r\n") {
+                                if multis.fetch_add(1, Ordering::SeqCst) + 1 == nth {
+                                    armed = true;
+                                    if crash == Crash::MidTransaction {
+                                        let cut = at + (n - at) / 2;
+                                        assert!(find(&chunk[..cut], b"EXEC").is_none(), "the cut must precede EXEC");
+                                        let _ = to.write_all(&chunk[..cut]);
+                                        std::thread::sleep(Duration::from_millis(200));
+                                        crashed.store(true, Ordering::SeqCst);
+                                        kill();
+                                        let _ = from.shutdown(Shutdown::Both);
+                                        return;
+                                    }
+                                    drop_replies.store(true, Ordering::SeqCst);
+                                }
+                            }
+                        }
+                        if to.write_all(chunk).is_err() {
+                            break;
+                        }
+                        if armed {
+                            tail.extend_from_slice(chunk);
+                            if find(&tail, b"EXEC\r\n").is_some() {
+                                // Let the server run and persist it, then crash before replying.
+                                std::thread::sleep(Duration::from_millis(300));
+                                crashed.store(true, Ordering::SeqCst);
+                                kill();
+                                let _ = from.shutdown(Shutdown::Both);
+                                return;
+                            }
+                            let keep = tail.len().saturating_sub(8);
+                            tail.drain(..keep);
+                        }
+                    }
+                    let _ = to.shutdown(Shutdown::Both);
+                });
+            }
+        });
+        FaultProxy { port, crashed }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+}
