@@ -8,7 +8,7 @@ mod generate;
 mod preprocess;
 mod table;
 
-use std::path::PathBuf;
+use std::path::Path;
 
 use clap::{Parser, Subcommand};
 use sparsecore_prep::input::SampleSource;
@@ -99,7 +99,7 @@ fn parse_shard(s: &str) -> std::result::Result<(usize, usize), String> {
 }
 
 /// Writes a config JSON atomically.
-fn write_config(path: &PathBuf, config: &sparsecore_prep::Config) -> Result<()> {
+fn write_config(path: &Path, config: &sparsecore_prep::Config) -> Result<()> {
     sparsecore_prep::fdo::write_atomic(path, config.to_json().as_bytes())
 }
 

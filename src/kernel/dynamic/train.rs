@@ -62,7 +62,7 @@ impl KeyBatch {
                         Combiner::Mean => 1.0f32 / n as f32,
                         Combiner::Sqrtn => 1.0f32 / (n as f32).sqrt(),
                     };
-                    gains.extend(std::iter::repeat_n(g, n));
+                    gains.extend(std::iter::repeat(g).take(n));
                 }
                 Some(ws) => {
                     let ws = &ws[w[0]..w[1]];
