@@ -245,7 +245,7 @@ fn killed_server_leaves_no_partial_batch() {
         let (server, acked) = (server.clone(), acked.clone());
         std::thread::spawn(move || {
             // Bounded wait for 20 acknowledged batches, then SIGKILL mid-stream after a varying
-            // delay, so that runs hit different phases of a batch (read, compute, EXEC).
+            // delay, so that runs hit different phases of a batch (read, compute, write).
             for _ in 0..6000 {
                 if acked.load(Ordering::SeqCst) >= 20 {
                     break;
@@ -302,9 +302,9 @@ fn killed_server_leaves_no_partial_batch() {
     assert_same(&t.export().unwrap(), &replay(spec("ft", 8, &opt, 11), &s, &opt, &all));
 }
 
-/// The server crashes at an exact point of the 21st batch's transaction (through a proxy that
-/// watches the bytes): with only part of the transaction received, or after running it but
-/// before replying. After a restart from the AOF the batch is wholly absent or wholly present,
+/// The server crashes at an exact point of the 21st batch's update (through a proxy that
+/// watches the bytes): with only part of the request received, or after running it but before
+/// replying. After a restart from the AOF the batch is wholly absent or wholly present,
 /// the table equals the replay of the journal, and retrying under its id applies it once.
 fn crash_at(crash: Crash) {
     let server = Arc::new(Mutex::new(RedisServer::start(Persistence::AofAlways)));
@@ -325,7 +325,7 @@ fn crash_at(crash: Crash) {
             break;
         }
     }
-    assert_eq!(failed, Some(20), "{crash:?}: the 21st transaction is the one cut");
+    assert_eq!(failed, Some(20), "{crash:?}: the 21st update is the one cut");
     assert!(proxy.crashed.load(Ordering::SeqCst));
     let e = t.get_or_init(&[1], &mut [0.0; 8]).unwrap_err();
     assert_eq!(store_kind(&e), Some(StoreErrorKind::Connection), "{e}");
@@ -334,7 +334,7 @@ fn crash_at(crash: Crash) {
     let url = server.lock().unwrap().url();
     let t = open(&url, &ns, spec("cut", 8, &opt, 12), Duration::from_secs(2));
     let journal = t.applied_updates().unwrap();
-    let survived = if crash == Crash::AfterExec { 21 } else { 20 };
+    let survived = if crash == Crash::AfterApply { 21 } else { 20 };
     assert_eq!(journal, (0..survived).collect::<Vec<u64>>(), "{crash:?}");
     assert_same(&t.export().unwrap(), &replay(spec("cut", 8, &opt, 12), &s, &opt, &journal));
     for id in 20..total {
@@ -348,13 +348,13 @@ fn crash_at(crash: Crash) {
 }
 
 #[test]
-fn crash_mid_transaction_applies_nothing_of_the_batch() {
-    crash_at(Crash::MidTransaction);
+fn crash_mid_request_applies_nothing_of_the_batch() {
+    crash_at(Crash::MidRequest);
 }
 
 #[test]
-fn crash_after_exec_keeps_the_whole_batch_and_retry_is_a_no_op() {
-    crash_at(Crash::AfterExec);
+fn crash_after_apply_keeps_the_whole_batch_and_retry_is_a_no_op() {
+    crash_at(Crash::AfterApply);
 }
 
 /// A server that stops answering (SIGSTOP) makes calls fail with a timeout error instead of

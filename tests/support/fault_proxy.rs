@@ -1,10 +1,11 @@
 //! A loopback TCP proxy in front of a Redis server that crashes the server at a chosen point of
-//! the n-th transaction a client sends, so that fault tests hit the exact moment they mean to:
+//! the n-th batch update (`EVAL` of the compare-and-set script) a client sends, so that fault
+//! tests hit the exact moment they mean to:
 //!
-//! - [`Crash::MidTransaction`]: the server receives `MULTI` and part of the queued commands, never
-//!   the `EXEC`, and is SIGKILLed.
-//! - [`Crash::AfterExec`]: the server receives the whole transaction and runs it, but is
-//!   SIGKILLed before the client sees the reply (applied, not acknowledged).
+//! - [`Crash::MidRequest`]: the server receives only the first part of the update's bytes and
+//!   is SIGKILLed.
+//! - [`Crash::AfterApply`]: the server receives the whole update and runs it, but is SIGKILLed
+//!   before the client sees the reply (applied, not acknowledged).
 
 #![allow(dead_code)]
 
@@ -16,8 +17,8 @@ use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Crash {
-    MidTransaction,
-    AfterExec,
+    MidRequest,
+    AfterApply,
 }
 
 pub struct FaultProxy {
@@ -31,13 +32,13 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 }
 
 impl FaultProxy {
-    /// Forwards connections to `127.0.0.1:upstream`; on the `nth` (1-based) `MULTI` crashes as
+    /// Forwards connections to `127.0.0.1:upstream`; on the `nth` (1-based) `EVAL` crashes as
     /// `crash` says by calling `kill`.
     pub fn start(upstream: u16, nth: usize, crash: Crash, kill: impl Fn() + Send + Sync + 'static) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let crashed = Arc::new(AtomicBool::new(false));
-        let multis = Arc::new(AtomicUsize::new(0));
+        let evals = Arc::new(AtomicUsize::new(0));
         let kill = Arc::new(kill);
         let c = crashed.clone();
         std::thread::spawn(move || {
@@ -62,25 +63,36 @@ impl FaultProxy {
                         let _ = to.shutdown(Shutdown::Both);
                     });
                 }
-                // Client → server, watching for the n-th MULTI.
+                // Client → server, watching for the n-th EVAL.
                 let (mut from, mut to) = (client, server);
-                let (multis, crashed, kill) = (multis.clone(), c.clone(), kill.clone());
+                let (evals, crashed, kill) = (evals.clone(), c.clone(), kill.clone());
                 std::thread::spawn(move || {
                     let mut buf = vec![0u8; 1 << 16];
                     let mut armed = false;
-                    let mut tail: Vec<u8> = Vec::new();
-                    while let Ok(n) = from.read(&mut buf) {
-                        if n == 0 {
-                            break;
-                        }
+                    loop {
+                        let n = match from.read(&mut buf) {
+                            Ok(0) => break,
+                            Ok(n) => n,
+                            Err(e) if armed && matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                                // The client sent the whole update and waits for the reply: let
+                                // the server run and persist it, then crash before it replies.
+                                std::thread::sleep(Duration::from_millis(300));
+                                crashed.store(true, Ordering::SeqCst);
+                                kill();
+                                let _ = from.shutdown(Shutdown::Both);
+                                return;
+                            }
+                            Err(_) => break,
+                        };
                         let chunk = &buf[..n];
                         if !armed {
-                            if let Some(at) = find(chunk, b"MULTI\r\n") {
-                                if multis.fetch_add(1, Ordering::SeqCst) + 1 == nth {
+                            if let Some(at) = find(chunk, b"$4\r\nEVAL\r\n") {
+                                if evals.fetch_add(1, Ordering::SeqCst) + 1 == nth {
                                     armed = true;
-                                    if crash == Crash::MidTransaction {
+                                    if crash == Crash::MidRequest {
+                                        // The rest of this chunk is never sent: the server
+                                        // holds an incomplete command.
                                         let cut = at + (n - at) / 2;
-                                        assert!(find(&chunk[..cut], b"EXEC").is_none(), "the cut must precede EXEC");
                                         let _ = to.write_all(&chunk[..cut]);
                                         std::thread::sleep(Duration::from_millis(200));
                                         crashed.store(true, Ordering::SeqCst);
@@ -89,24 +101,12 @@ impl FaultProxy {
                                         return;
                                     }
                                     drop_replies.store(true, Ordering::SeqCst);
+                                    let _ = from.set_read_timeout(Some(Duration::from_millis(200)));
                                 }
                             }
                         }
                         if to.write_all(chunk).is_err() {
                             break;
-                        }
-                        if armed {
-                            tail.extend_from_slice(chunk);
-                            if find(&tail, b"EXEC\r\n").is_some() {
-                                // Let the server run and persist it, then crash before replying.
-                                std::thread::sleep(Duration::from_millis(300));
-                                crashed.store(true, Ordering::SeqCst);
-                                kill();
-                                let _ = from.shutdown(Shutdown::Both);
-                                return;
-                            }
-                            let keep = tail.len().saturating_sub(8);
-                            tail.drain(..keep);
                         }
                     }
                     let _ = to.shutdown(Shutdown::Both);

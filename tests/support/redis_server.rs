@@ -19,7 +19,7 @@ static COUNTER: AtomicUsize = AtomicUsize::new(0);
 pub enum Persistence {
     /// Nothing on disk.
     None,
-    /// Append-only file, fsync after every write: every acknowledged `EXEC` survives a kill.
+    /// Append-only file, fsync after every write: every acknowledged write survives a kill.
     AofAlways,
 }
 

@@ -36,6 +36,9 @@ impl KeyBatch {
         if offsets.first() != Some(&0) || offsets.last() != Some(&keys.len()) || offsets.windows(2).any(|w| w[0] > w[1]) {
             return Err(Error::input(feature, format!("offsets must rise from 0 to the {} keys", keys.len())));
         }
+        if keys.len() > u32::MAX as usize {
+            return Err(Error::input(feature, format!("{} keys in one batch; at most {} are supported", keys.len(), u32::MAX)));
+        }
         if let Some(w) = weights {
             if w.len() != keys.len() {
                 return Err(Error::input(feature, format!("{} weights for {} keys", w.len(), keys.len())));
