@@ -117,6 +117,45 @@ fn redis_equals_memory_on_the_same_key_stream() {
     }
 }
 
+/// Batches of 4500 rows and slots cross the script's 2000-key chunks (and the client's
+/// per-command chunks) and still equal memory. A concurrent write to a slot that sits in the
+/// last chunk, landing between a batch's read and its write (injected by the proxy), is seen:
+/// the batch is retried on the new value instead of overwriting it.
+#[test]
+fn large_batches_see_a_conflict_in_their_last_chunk() {
+    let server = RedisServer::start(Persistence::None);
+    let opt = Optimizer::Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, epsilon: 1e-8, step: 0 };
+    let s = LoadStream { seed: 8, keys_per_batch: 1500, key_space: 1600, lookups_per_batch: 100, dim: 4 };
+    let ns = namespace();
+    // Key 1400 of batch 2: its names are 4200..4203 of 4500, in the script's third chunk.
+    let key = s.update(2).0[1400];
+    let m_name = format!("{ns}:big:m:{key:016x}");
+    let new_m = [1.0f32, 2.0, 3.0, 4.0];
+    let bytes: Vec<u8> = new_m.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut request = format!("*3\r\n$3\r\nSET\r\n${}\r\n{m_name}\r\n${}\r\n", m_name.len(), bytes.len()).into_bytes();
+    request.extend_from_slice(&bytes);
+    request.extend_from_slice(b"\r\n");
+    let proxy = FaultProxy::start(server.port, 3, Crash::WriteFirst(request), || {});
+    let r = open(&proxy.url(), &ns, spec("big", 4, &opt, 8), Duration::from_secs(5));
+    let m = MemoryTable::new(spec("big", 4, &opt, 8));
+    for id in 0..2 {
+        step(&r, &s, &opt, id).unwrap();
+        step(&m, &s, &opt, id).unwrap();
+    }
+    assert_same(&r.export().unwrap(), &m.export().unwrap());
+    // Batch 2's update is the third EVAL: the other writer's SET lands first.
+    step(&r, &s, &opt, 2).unwrap();
+    let mut e = m.export().unwrap().entries[&key].clone();
+    e.slots[0] = new_m.to_vec();
+    let mut patch = Snapshot::default();
+    patch.entries.insert(key, e);
+    m.import(&patch).unwrap();
+    step(&m, &s, &opt, 2).unwrap();
+    step(&r, &s, &opt, 3).unwrap();
+    step(&m, &s, &opt, 3).unwrap();
+    assert_same(&r.export().unwrap(), &m.export().unwrap());
+}
+
 #[test]
 fn keys_are_namespaced_by_table_and_slot() {
     let (url, _server) = shared_or_spawned();
@@ -310,7 +349,7 @@ fn crash_at(crash: Crash) {
     let server = Arc::new(Mutex::new(RedisServer::start(Persistence::AofAlways)));
     let upstream = server.lock().unwrap().port;
     let killer = server.clone();
-    let proxy = FaultProxy::start(upstream, 21, crash, move || killer.lock().unwrap().kill());
+    let proxy = FaultProxy::start(upstream, 21, crash.clone(), move || killer.lock().unwrap().kill());
     let ns = namespace();
     let opt = Optimizer::Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, epsilon: 1e-8, step: 1 };
     let s = LoadStream { seed: 12, keys_per_batch: 400, key_space: 1000, lookups_per_batch: 0, dim: 8 };

@@ -15,10 +15,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Crash {
     MidRequest,
     AfterApply,
+    /// Not a crash: another client's raw RESP request (a concurrent writer) reaches the server
+    /// just before the update, i.e. between the update's read and its write.
+    WriteFirst(Vec<u8>),
 }
 
 pub struct FaultProxy {
@@ -65,7 +68,7 @@ impl FaultProxy {
                 }
                 // Client → server, watching for the n-th EVAL.
                 let (mut from, mut to) = (client, server);
-                let (evals, crashed, kill) = (evals.clone(), c.clone(), kill.clone());
+                let (evals, crashed, kill, crash) = (evals.clone(), c.clone(), kill.clone(), crash.clone());
                 std::thread::spawn(move || {
                     let mut buf = vec![0u8; 1 << 16];
                     let mut armed = false;
@@ -89,6 +92,18 @@ impl FaultProxy {
                             if let Some(at) = find(chunk, b"$4\r\nEVAL\r\n") {
                                 if evals.fetch_add(1, Ordering::SeqCst) + 1 == nth {
                                     armed = true;
+                                    if let Crash::WriteFirst(request) = &crash {
+                                        let mut other = TcpStream::connect(("127.0.0.1", upstream)).unwrap();
+                                        other.write_all(request).unwrap();
+                                        let mut reply = [0u8; 64];
+                                        let n = other.read(&mut reply).unwrap();
+                                        assert!(reply[..n].starts_with(b"+OK"), "{:?}", String::from_utf8_lossy(&reply[..n]));
+                                        armed = false;
+                                        if to.write_all(chunk).is_err() {
+                                            break;
+                                        }
+                                        continue;
+                                    }
                                     if crash == Crash::MidRequest {
                                         // The rest of this chunk is never sent: the server
                                         // holds an incomplete command.

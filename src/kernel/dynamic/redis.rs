@@ -93,7 +93,8 @@ fn ok_name(s: &str) -> bool {
     !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
 }
 
-/// The atomic compare-and-set of one batch. KEYS: the update's applied marker, the journal, then
+/// The atomic compare-and-set of one batch (`MGET`/`MSET` in chunks of 2000 keys, below Lua's
+/// `unpack` limit). KEYS: the update's applied marker, the journal, then
 /// every row and slot name. ARGV: the update id (empty when untagged), the values read (empty
 /// for an absent key; stored values are never empty), then the new values. Returns 2 if the
 /// update was already applied, 0 if any value changed since it was read (nothing written), 1
@@ -101,13 +102,24 @@ fn ok_name(s: &str) -> bool {
 const CAS_SCRIPT: &str = r"
 local n = #KEYS - 2
 if ARGV[1] ~= '' and redis.call('EXISTS', KEYS[1]) == 1 then return 2 end
-for i = 1, n do
-  local cur = redis.call('GET', KEYS[i + 2])
-  if cur == false then cur = '' end
-  if cur ~= ARGV[i + 1] then return 0 end
+local step = 2000
+for s = 1, n, step do
+  local e = math.min(s + step - 1, n)
+  local cur = redis.call('MGET', unpack(KEYS, s + 2, e + 2))
+  for i = s, e do
+    local c = cur[i - s + 1]
+    if c == false then c = '' end
+    if c ~= ARGV[i + 1] then return 0 end
+  end
 end
-for i = 1, n do
-  redis.call('SET', KEYS[i + 2], ARGV[n + i + 1])
+for s = 1, n, step do
+  local e = math.min(s + step - 1, n)
+  local kv = {}
+  for i = s, e do
+    kv[#kv + 1] = KEYS[i + 2]
+    kv[#kv + 1] = ARGV[n + i + 1]
+  end
+  redis.call('MSET', unpack(kv))
 end
 if ARGV[1] ~= '' then
   redis.call('SET', KEYS[1], '1')
