@@ -348,8 +348,14 @@ fn killed_server_leaves_no_partial_batch() {
 fn crash_at(crash: Crash) {
     let server = Arc::new(Mutex::new(RedisServer::start(Persistence::AofAlways)));
     let upstream = server.lock().unwrap().port;
-    let killer = server.clone();
-    let proxy = FaultProxy::start(upstream, 21, crash.clone(), move || killer.lock().unwrap().kill());
+    // The proxy's threads outlive the test: they hold the server weakly, so that dropping it
+    // at the end (or while unwinding) still stops the process.
+    let killer = Arc::downgrade(&server);
+    let proxy = FaultProxy::start(upstream, 21, crash.clone(), move || {
+        if let Some(s) = killer.upgrade() {
+            s.lock().unwrap().kill();
+        }
+    });
     let ns = namespace();
     let opt = Optimizer::Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, epsilon: 1e-8, step: 1 };
     let s = LoadStream { seed: 12, keys_per_batch: 400, key_space: 1000, lookups_per_batch: 0, dim: 8 };
