@@ -251,6 +251,14 @@ fn forward_and_backward_by_hand() {
     assert!(KeyBatch::new("f", &keys, &[0, 5], Some(&[1.0, f32::NAN, 1.0, 1.0, 1.0]), Combiner::Sum).is_err());
     let e = dynamic_backward(&t, &batch, Array2::zeros((3, 2)).view(), &sgd, None).unwrap_err();
     assert!(e.to_string().contains("[4, 2]"), "{e}");
+    // A batch assembled by hand is checked, not trusted.
+    let mut bad = batch.clone();
+    bad.index[4] = 3;
+    let e = dynamic_forward(&t, &bad).unwrap_err();
+    assert!(e.to_string().contains("index 3 is outside its 3 unique keys"), "{e}");
+    let mut bad = batch.clone();
+    bad.gains.pop();
+    assert!(dynamic_backward(&t, &bad, dact.view(), &sgd, None).unwrap_err().to_string().contains("4 gains for 5 ids"));
 }
 
 fn string_batch(rows: &[&[(&str, f32)]]) -> RecordBatch {

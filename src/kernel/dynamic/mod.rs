@@ -186,9 +186,10 @@ pub struct Entry {
 }
 
 impl Entry {
-    /// Splits a flat `[row | slots...]` entry.
+    /// Splits a flat `[row | slots...]` entry (`dim > 0`; a shorter `flat` gives a short row).
     pub fn from_flat(dim: usize, flat: &[f32]) -> Self {
-        Entry { row: flat[..dim].to_vec(), slots: flat[dim..].chunks(dim).map(<[f32]>::to_vec).collect() }
+        let (row, slots) = flat.split_at(dim.min(flat.len()));
+        Entry { row: row.to_vec(), slots: slots.chunks(dim.max(1)).map(<[f32]>::to_vec).collect() }
     }
 
     /// Whether every value has the same bits as `other`'s (`==` treats NaNs as unequal and

@@ -121,13 +121,30 @@ impl KeyBatch {
 
     /// Samples in the batch.
     pub fn num_samples(&self) -> usize {
-        self.offsets.len() - 1
+        self.offsets.len().saturating_sub(1)
+    }
+
+    /// Checks the fields' consistency (they are public, so a batch may be built by hand):
+    /// offsets rise from 0 to the number of ids, one gain per id, every index names a key.
+    pub fn validate(&self, table: &str) -> Result<()> {
+        let n = self.index.len();
+        if self.offsets.first() != Some(&0) || self.offsets.last() != Some(&n) || self.offsets.windows(2).any(|w| w[0] > w[1]) {
+            return Err(Error::input(table, format!("key batch offsets must rise from 0 to its {n} ids")));
+        }
+        if self.gains.len() != n {
+            return Err(Error::input(table, format!("key batch has {} gains for {n} ids", self.gains.len())));
+        }
+        if let Some(&i) = self.index.iter().find(|&&i| i as usize >= self.unique.len()) {
+            return Err(Error::input(table, format!("key batch index {i} is outside its {} unique keys", self.unique.len())));
+        }
+        Ok(())
     }
 }
 
 /// Forward pass: looks each distinct key up once (creating new keys) and combines them,
 /// `act[r] = Σ gains[i] · row(key_i)` over sample `r`'s ids in order. Returns `[samples, dim]`.
 pub fn dynamic_forward(table: &dyn DynamicTable, batch: &KeyBatch) -> Result<Array2<f32>> {
+    batch.validate(&table.spec().name)?;
     let rows = table.lookup(&batch.unique)?;
     let mut act = Array2::<f32>::zeros((batch.num_samples(), table.spec().dim));
     for (r, w) in batch.offsets.windows(2).enumerate() {
@@ -149,6 +166,7 @@ pub fn dynamic_backward(
     optimizer: &Optimizer,
     update_id: Option<u64>,
 ) -> Result<Applied> {
+    batch.validate(&table.spec().name)?;
     let dim = table.spec().dim;
     if activation_grads.dim() != (batch.num_samples(), dim) {
         return Err(Error::input(
