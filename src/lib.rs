@@ -57,7 +57,7 @@ pub mod spec;
 pub mod stats;
 pub mod workload;
 
-pub use error::{Error, LimitKind, Result};
+pub use error::{Error, LimitKind, Result, StoreErrorKind};
 pub use output::{Output, StackOutput};
 pub use allreduce::{AllReduce, LocalAllReduce, TcpAllReduce};
 pub use preprocess::{Preprocessor, PreprocessorBuilder};

@@ -12,11 +12,16 @@
 //!
 //! Weights, when asked for, are k/16 for k uniform in 1..=64 (exact in f32 and in decimal), in a
 //! column `<feature>__w`.
+//!
+//! With `raw_keys`, each id is written as a Criteo-style key instead: 8 lowercase hex digits of
+//! `(id · 0x9E3779B1 mod 2³²) xor 0x5bd1e995·(feature + 1)` (a bijection on 32-bit ids, so
+//! distinct ids stay distinct keys), in a `List<Utf8>` column, and every feature declares
+//! `"hash": {"seed": <feature index>}`. The config's limits are measured on the hashed ids.
 
 use std::str::FromStr;
 use std::sync::Arc;
 
-use arrow_array::{ArrayRef, Float32Array, Int32Array, Int64Array, ListArray, RecordBatch};
+use arrow_array::{ArrayRef, Float32Array, Int32Array, Int64Array, ListArray, RecordBatch, StringArray};
 use arrow_buffer::OffsetBuffer;
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use rand::rngs::StdRng;
@@ -24,7 +29,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Normal, Zipf};
 
 use crate::error::{Error, Result};
-use crate::input::{features_from_record_batch, SampleSource};
+use crate::input::{features_from_record_batch, HashConfig, SampleSource};
 use crate::output::Output;
 use crate::preprocess::Preprocessor;
 use crate::spec::{round_up, Config, FeatureConfig, Options, StackLimits, Stacking, TableConfig};
@@ -104,6 +109,8 @@ pub struct WorkloadSpec {
     pub stacking: Stacking,
     /// Ids as Int32 instead of Int64.
     pub int32_ids: bool,
+    /// Criteo-style hex string keys (`List<Utf8>`) on hashed features instead of ids.
+    pub raw_keys: bool,
 }
 
 impl WorkloadSpec {
@@ -118,6 +125,7 @@ impl WorkloadSpec {
             seed: 20240611,
             stacking: Stacking::Feature,
             int32_ids: false,
+            raw_keys: false,
         }
     }
 }
@@ -257,6 +265,12 @@ fn build(profile: Profile) -> (Vec<TableConfig>, Vec<FeatureGen>) {
     }
 }
 
+/// The Criteo-style key of id `id` of feature `feature` (module docs).
+fn raw_key(id: i64, feature: usize) -> String {
+    let salt = 0x5bd1_e995u32.wrapping_mul(feature as u32 + 1);
+    format!("{:08x}", (id as u32).wrapping_mul(0x9E37_79B1) ^ salt)
+}
+
 /// Generates a workload. The same spec always gives the same bytes (for one build of the crate).
 pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
     let (l, g, s) = spec.layout;
@@ -271,7 +285,16 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
     let (mut tables, feats) = build(spec.profile);
     let mut rng = StdRng::seed_from_u64(spec.seed);
 
-    let id_type = if spec.int32_ids { DataType::Int32 } else { DataType::Int64 };
+    if spec.raw_keys && spec.int32_ids {
+        return Err(Error::option("int32-ids", true, "raw keys are strings; int32 ids do not apply"));
+    }
+    let id_type = if spec.raw_keys {
+        DataType::Utf8
+    } else if spec.int32_ids {
+        DataType::Int32
+    } else {
+        DataType::Int64
+    };
     let mut fields = Vec::new();
     for f in &feats {
         fields.push(Field::new_list(&f.name, Field::new_list_field(id_type.clone(), false), false));
@@ -284,7 +307,7 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
     let mut batches = Vec::with_capacity(spec.num_batches);
     for _ in 0..spec.num_batches {
         let mut columns: Vec<ArrayRef> = Vec::new();
-        for f in &feats {
+        for (fi, f) in feats.iter().enumerate() {
             let mut lengths = Vec::with_capacity(spec.batch_size);
             for _ in 0..spec.batch_size {
                 lengths.push(match f.lengths {
@@ -298,7 +321,9 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
             let total: usize = lengths.iter().sum();
             let ids: Vec<i64> = (0..total).map(|_| f.ids.draw(&mut rng)).collect();
             let offsets = OffsetBuffer::<i32>::from_lengths(lengths.iter().copied());
-            let values: ArrayRef = if spec.int32_ids {
+            let values: ArrayRef = if spec.raw_keys {
+                Arc::new(StringArray::from_iter_values(ids.iter().map(|&v| raw_key(v, fi))))
+            } else if spec.int32_ids {
                 Arc::new(Int32Array::from(ids.iter().map(|&v| v as i32).collect::<Vec<_>>()))
             } else {
                 Arc::new(Int64Array::from(ids))
@@ -325,11 +350,13 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
 
     let features: Vec<FeatureConfig> = feats
         .iter()
-        .map(|f| FeatureConfig {
+        .enumerate()
+        .map(|(fi, f)| FeatureConfig {
             name: f.name.clone(),
             table: tables[f.table].name.clone(),
             column: None,
             weights_column: spec.weights.then(|| format!("{}__w", f.name)),
+            hash: spec.raw_keys.then_some(HashConfig { seed: fi as u64 }),
         })
         .collect();
     let mut options = Options {

@@ -1039,3 +1039,42 @@ fn generate_is_deterministic() {
     assert_ne!(std::fs::read(&d1).unwrap(), std::fs::read(&d3).unwrap());
     assert!(listing(&dir.0).iter().all(|n| !n.contains(".tmp-")));
 }
+
+/// `generate --raw-keys` writes Criteo-style hex string keys on hashed features: the same draws
+/// as without it, each id written as the documented key, and `preprocess` takes the file as is.
+#[test]
+fn generate_raw_keys_writes_hashed_string_features() {
+    use arrow_array::{Array, Int64Array, ListArray, StringArray};
+    let dir = TempDir::new("raw-keys");
+    let (ids_file, _, _) = generate(&dir, "ids", "criteo", 64, 1, "1/1/4", false);
+    let data = dir.join("raw.arrow");
+    let cfg = dir.join("raw.json");
+    let line: Value = serde_json::from_str(
+        ok(&["generate", "--profile", "criteo", "--raw-keys", "--out", s(&data), "--config-out", s(&cfg), "--batch-size", "64"]).trim(),
+    )
+    .unwrap();
+    assert_eq!(line["raw_keys"], json!(true));
+    let config = read_json(&cfg);
+    let ids = &record_batches(&ids_file)[0];
+    let raw = &record_batches(&data)[0];
+    for (i, f) in config["features"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(f["hash"], json!({"seed": i}), "feature {i} declares its hash seed");
+        let name = f["name"].as_str().unwrap();
+        let keys = raw.column_by_name(name).unwrap().as_any().downcast_ref::<ListArray>().expect("List<Utf8>");
+        let keys = keys.values().as_any().downcast_ref::<StringArray>().expect("Utf8 keys");
+        let ids = ids.column_by_name(name).unwrap().as_any().downcast_ref::<ListArray>().unwrap();
+        let ids = ids.values().as_any().downcast_ref::<Int64Array>().unwrap();
+        assert_eq!(keys.len(), ids.len());
+        let salt = 0x5bd1_e995u32.wrapping_mul(i as u32 + 1);
+        for (k, &id) in keys.iter().zip(ids.values()) {
+            assert_eq!(k.unwrap(), format!("{:08x}", (id as u32).wrapping_mul(0x9E37_79B1) ^ salt));
+        }
+    }
+    let out = dir.join("out");
+    preprocess(&cfg, &data, &out, &[]);
+    let stats = read_json(&out.join("stats.json"));
+    assert_eq!(stats["batches"], json!(1));
+    // Mixing raw keys with int32 ids is refused.
+    let o = run(&["generate", "--profile", "criteo", "--raw-keys", "--int32-ids", "--out", s(&data), "--config-out", s(&cfg)]);
+    assert!(!o.status.success());
+}

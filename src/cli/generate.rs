@@ -42,6 +42,10 @@ pub struct Args {
     /// Write ids as Int32 instead of Int64.
     #[arg(long)]
     int32_ids: bool,
+    /// Write Criteo-style hex string keys (List<Utf8>) on features hashed with xxh3 instead of
+    /// ids.
+    #[arg(long, conflicts_with = "int32_ids")]
+    raw_keys: bool,
 }
 
 fn parse_stacking(s: &str) -> std::result::Result<Stacking, String> {
@@ -61,6 +65,7 @@ pub fn run(a: Args) -> Result<()> {
     spec.seed = a.seed;
     spec.stacking = a.stacking;
     spec.int32_ids = a.int32_ids;
+    spec.raw_keys = a.raw_keys;
     let w = generate(&spec)?;
 
     // Both files go to temporary names first and are renamed only when both are complete.
@@ -93,6 +98,7 @@ pub fn run(a: Args) -> Result<()> {
         "rows_per_batch": spec.batch_size,
         "features": w.config.features.len(),
         "tables": w.config.tables.len(),
+        "raw_keys": a.raw_keys,
         "total_ids": w.total_ids(),
         "max_ids_per_partition": w.config.tables.iter().map(|t| t.max_ids_per_partition).max(),
         "max_unique_ids_per_partition": w.config.tables.iter().map(|t| t.max_unique_ids_per_partition).max(),

@@ -2,13 +2,14 @@
 
 mod bench;
 mod demo;
+mod dynamic;
 mod fdo;
 mod generate;
 mod preprocess;
 mod soak;
 mod table;
 
-use std::path::PathBuf;
+use std::path::Path;
 
 use clap::{Parser, Subcommand};
 use sparsecore_prep::input::SampleSource;
@@ -48,6 +49,11 @@ enum Command {
     /// Stream random batches of varying shapes through one preprocessor for M minutes, check
     /// every K-th output against the oracle model, and fail on a mismatch or on RSS growth.
     Soak(soak::Args),
+    /// Dynamic tables (raw keys, lazily created rows): load tests against memory or Redis.
+    Dynamic {
+        #[command(subcommand)]
+        command: dynamic::Command,
+    },
 }
 
 /// Runs the tool; returns the process exit code.
@@ -66,6 +72,7 @@ pub fn main() -> i32 {
             Ok(false) => return 1,
             Err(e) => Err(e),
         },
+        Command::Dynamic { command } => dynamic::run(command),
     };
     match result {
         Ok(()) => 0,
@@ -102,7 +109,7 @@ fn parse_shard(s: &str) -> std::result::Result<(usize, usize), String> {
 }
 
 /// Writes a config JSON atomically.
-fn write_config(path: &PathBuf, config: &sparsecore_prep::Config) -> Result<()> {
+fn write_config(path: &Path, config: &sparsecore_prep::Config) -> Result<()> {
     sparsecore_prep::fdo::write_atomic(path, config.to_json().as_bytes())
 }
 

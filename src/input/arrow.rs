@@ -1,25 +1,36 @@
 //! Arrow input: `List`/`LargeList` columns of `Int32`/`Int64` ids, optional `List<Float32>`
-//! weights, read in place from the Arrow buffers.
+//! weights, read in place from the Arrow buffers. A feature with a `"hash"` config may instead
+//! carry raw keys (strings, bytes, arbitrary int64s); those are hashed into an owned id buffer
+//! (see [`super::hash`]), the one case where this stage copies.
 
 use arrow_array::{Array, Float32Array, Int32Array, Int64Array, LargeListArray, ListArray, RecordBatch};
 
+use super::hash::{HashBuffers, OwnedIds, RAW_KEY_TYPES};
 use super::{FeatureView, Ids, Offsets, SampleSource};
 use crate::error::{Error, Result};
 use crate::spec::Config;
 
-const IDS_TYPES: &str = "List<Int32>, List<Int64>, LargeList<Int32> or LargeList<Int64>";
+const IDS_TYPES: &str =
+    "List<Int32>, List<Int64>, LargeList<Int32> or LargeList<Int64> (string or binary keys need a \"hash\" config on the feature)";
 const WEIGHTS_TYPES: &str = "List<Float32> or LargeList<Float32>";
 
 /// One feature's ids (and weights) borrowed from Arrow list arrays: one list per sample.
+/// Hashed features own their ids instead (materialised from the raw keys).
 #[derive(Debug, Clone)]
 pub struct ArrowListInput<'a> {
-    ids: Ids<'a>,
+    ids: IdStore<'a>,
     offsets: Offsets<'a>,
     weights: Option<(&'a [f32], Offsets<'a>)>,
 }
 
+#[derive(Debug, Clone)]
+enum IdStore<'a> {
+    Borrowed(Ids<'a>),
+    Hashed(OwnedIds),
+}
+
 /// Splits a list array into its offsets and child array, rejecting null lists.
-fn list_parts<'a>(feature: &str, column: &str, array: &'a dyn Array, expected: &'static str) -> Result<(Offsets<'a>, &'a dyn Array)> {
+pub(crate) fn list_parts<'a>(feature: &str, column: &str, array: &'a dyn Array, expected: &'static str) -> Result<(Offsets<'a>, &'a dyn Array)> {
     let type_error = || Error::ColumnType {
         feature: feature.to_string(),
         column: column.to_string(),
@@ -69,28 +80,76 @@ impl<'a> ArrowListInput<'a> {
             });
         };
         offsets.validate(feature, "list offsets", ids.len())?;
-        let weights = match weights {
-            None => None,
-            Some((wcol, warr)) => {
-                let (woffsets, wchild) = list_parts(feature, wcol, warr, WEIGHTS_TYPES)?;
-                let values = wchild.as_any().downcast_ref::<Float32Array>().ok_or_else(|| Error::ColumnType {
-                    feature: feature.to_string(),
-                    column: wcol.to_string(),
-                    expected: WEIGHTS_TYPES,
-                    found: warr.data_type().to_string(),
-                })?;
-                if woffsets.rows() != offsets.rows() {
-                    return Err(Error::input(
-                        feature,
-                        format!("weights column `{wcol}` has {} rows, ids column `{column}` has {}", woffsets.rows(), offsets.rows()),
-                    ));
-                }
-                woffsets.validate(feature, "weights list offsets", values.len())?;
-                Some((&values.values()[..], woffsets))
-            }
-        };
-        Ok(ArrowListInput { ids, offsets, weights })
+        let weights = weights_parts(feature, column, &offsets, weights)?;
+        Ok(ArrowListInput { ids: IdStore::Borrowed(ids), offsets, weights })
     }
+
+    /// Wraps a column of raw keys (`List`/`LargeList` of Utf8, LargeUtf8, Binary, LargeBinary,
+    /// Int64 or Int32), hashing each key to `xxh3_64(key, seed) mod vocabulary_size` (see
+    /// [`super::hash`] for the exact bytes hashed). The ids are materialised in a buffer taken
+    /// from `buffers`; give it back with [`HashBuffers::recycle`].
+    pub fn hashed(
+        feature: &str,
+        column: &str,
+        keys: &'a dyn Array,
+        weights: Option<(&str, &'a dyn Array)>,
+        seed: u64,
+        vocabulary_size: u64,
+        buffers: &mut HashBuffers,
+    ) -> Result<Self> {
+        let (offsets, child) = list_parts(feature, column, keys, RAW_KEY_TYPES)?;
+        offsets.validate(feature, "list offsets", child.len())?;
+        let rows = offsets.rows();
+        let range = if rows == 0 { (0, 0) } else { (offsets.range(0).0, offsets.range(rows - 1).1) };
+        let ids = buffers.hash(feature, column, child, range, seed, vocabulary_size)?;
+        let weights = weights_parts(feature, column, &offsets, weights)?;
+        Ok(ArrowListInput { ids: IdStore::Hashed(ids), offsets, weights })
+    }
+
+    /// Whether the ids were hashed from raw keys (and so are owned, not borrowed).
+    pub fn is_hashed(&self) -> bool {
+        matches!(self.ids, IdStore::Hashed(_))
+    }
+
+    pub(crate) fn into_owned_ids(self) -> Option<OwnedIds> {
+        match self.ids {
+            IdStore::Hashed(ids) => Some(ids),
+            IdStore::Borrowed(_) => None,
+        }
+    }
+
+    fn ids(&self) -> Ids<'_> {
+        match &self.ids {
+            IdStore::Borrowed(ids) => *ids,
+            IdStore::Hashed(OwnedIds::I32(v)) => Ids::I32(v),
+            IdStore::Hashed(OwnedIds::I64(v)) => Ids::I64(v),
+        }
+    }
+}
+
+/// The weights column's values and offsets, checked against the ids' rows.
+pub(crate) fn weights_parts<'a>(
+    feature: &str,
+    column: &str,
+    offsets: &Offsets<'a>,
+    weights: Option<(&str, &'a dyn Array)>,
+) -> Result<Option<(&'a [f32], Offsets<'a>)>> {
+    let Some((wcol, warr)) = weights else { return Ok(None) };
+    let (woffsets, wchild) = list_parts(feature, wcol, warr, WEIGHTS_TYPES)?;
+    let values = wchild.as_any().downcast_ref::<Float32Array>().ok_or_else(|| Error::ColumnType {
+        feature: feature.to_string(),
+        column: wcol.to_string(),
+        expected: WEIGHTS_TYPES,
+        found: warr.data_type().to_string(),
+    })?;
+    if woffsets.rows() != offsets.rows() {
+        return Err(Error::input(
+            feature,
+            format!("weights column `{wcol}` has {} rows, ids column `{column}` has {}", woffsets.rows(), offsets.rows()),
+        ));
+    }
+    woffsets.validate(feature, "weights list offsets", values.len())?;
+    Ok(Some((&values.values()[..], woffsets)))
 }
 
 impl SampleSource for ArrowListInput<'_> {
@@ -101,13 +160,24 @@ impl SampleSource for ArrowListInput<'_> {
         self.weights.is_some()
     }
     fn view(&self) -> FeatureView<'_> {
-        FeatureView::Ragged { ids: self.ids, offsets: self.offsets, weights: self.weights }
+        FeatureView::Ragged { ids: self.ids(), offsets: self.offsets, weights: self.weights }
     }
 }
 
 /// Maps a record batch to the config's features by their `column` / `weights_column` names,
-/// in config feature order.
+/// in config feature order. Features with a `"hash"` config are hashed into fresh buffers; use
+/// [`features_from_record_batch_reusing`] to recycle them across batches.
 pub fn features_from_record_batch<'a>(config: &Config, batch: &'a RecordBatch) -> Result<Vec<ArrowListInput<'a>>> {
+    features_from_record_batch_reusing(config, batch, &mut HashBuffers::new())
+}
+
+/// [`features_from_record_batch`], taking hashed features' id buffers from `buffers` (hand the
+/// inputs back with [`HashBuffers::recycle`] after the batch).
+pub fn features_from_record_batch_reusing<'a>(
+    config: &Config,
+    batch: &'a RecordBatch,
+    buffers: &mut HashBuffers,
+) -> Result<Vec<ArrowListInput<'a>>> {
     let schema = batch.schema_ref();
     let find = |feature: &str, column: &str| -> Result<&'a dyn Array> {
         match schema.index_of(column) {
@@ -129,7 +199,17 @@ pub fn features_from_record_batch<'a>(config: &Config, batch: &'a RecordBatch) -
                 Some(w) => Some((w.as_str(), find(&f.name, w)?)),
                 None => None,
             };
-            ArrowListInput::new(&f.name, column, ids, weights)
+            match &f.hash {
+                None => ArrowListInput::new(&f.name, column, ids, weights),
+                Some(h) => {
+                    let table = config
+                        .tables
+                        .iter()
+                        .find(|t| t.name == f.table)
+                        .ok_or_else(|| Error::config("feature", &f.name, format!("table `{}` is not in the config", f.table)))?;
+                    ArrowListInput::hashed(&f.name, column, ids, weights, h.seed, table.vocabulary_size, buffers)
+                }
+            }
         })
         .collect()
 }

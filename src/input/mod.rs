@@ -6,16 +6,21 @@
 //! borrowed slices that the extract stage matches once per (feature, SparseCore) slice, so the
 //! per-id loops are monomorphic and nothing is copied.
 //!
+//! The one exception is hashed features (raw string/int64 keys, [`hash`]): their ids are
+//! computed, so the view owns them.
+//!
 //! Constructors check structure (offsets monotone and in bounds, weights of the ids' shape, COO
 //! rows sorted and inside the batch); values (id ranges, finite weights) are checked during
 //! extraction, where each id is read anyway.
 
-mod arrow;
+pub(crate) mod arrow;
 mod coo;
 mod dense;
+pub mod hash;
 mod ragged;
 
-pub use self::arrow::{features_from_record_batch, ArrowListInput};
+pub use self::arrow::{features_from_record_batch, features_from_record_batch_reusing, ArrowListInput};
+pub use hash::{HashBuffers, HashConfig};
 pub use coo::CooInput;
 pub use dense::DenseInput;
 pub use ragged::RaggedInput;

@@ -10,7 +10,10 @@
 //!   (SPEC 6.3), with the optimizer's [`Slots`] stored beside the table rows.
 //! - [`PartitionedTable`]: a host table split across replicas by rows (`Token`) or columns
 //!   (`Encoding`), whose lookups and updates equal the unsplit table's exactly.
+//! - [`dynamic`]: tables keyed by raw keys, created lazily, with slots beside each row, in memory
+//!   or in a Redis server shared by workers, and the forward/backward path over them.
 
+pub mod dynamic;
 mod forward;
 mod host;
 mod optimizer;

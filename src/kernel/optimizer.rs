@@ -96,6 +96,19 @@ impl Optimizer {
         }
     }
 
+    /// Names of the slot variables, in [`Optimizer::slot_inits`] order (they name the slots of
+    /// dynamic tables in shared stores).
+    pub fn slot_names(&self) -> &'static [&'static str] {
+        match self {
+            Optimizer::Sgd { .. } => &[],
+            Optimizer::Adagrad { .. } => &["accumulator"],
+            Optimizer::AdagradMomentum { .. } => &["accumulator", "momentum"],
+            Optimizer::Adam { .. } => &["m", "v"],
+            Optimizer::Laprop { .. } => &["mu", "nu"],
+            Optimizer::Ftrl { .. } => &["accumulator", "linear"],
+        }
+    }
+
     fn hyper(&self) -> Vec<(&'static str, f32)> {
         match *self {
             Optimizer::Sgd { lr } | Optimizer::Adagrad { lr } => vec![("lr", lr)],

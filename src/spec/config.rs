@@ -129,12 +129,17 @@ pub struct FeatureConfig {
     pub name: String,
     /// Name of the table it looks up.
     pub table: String,
-    /// Arrow column of ids (`List<Int32|Int64>`); defaults to the feature name.
+    /// Arrow column of ids (`List<Int32|Int64>`, or raw keys with `hash`); defaults to the
+    /// feature name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub column: Option<String>,
     /// Optional Arrow column of weights (`List<Float32>`, same shape as the ids).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights_column: Option<String>,
+    /// Raw keys: the column holds strings, bytes or arbitrary int64s, each mapped to
+    /// `xxh3_64(key, seed) mod vocabulary_size` ([`crate::input::hash`]). Arrow input only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash: Option<crate::input::HashConfig>,
 }
 
 impl FeatureConfig {
