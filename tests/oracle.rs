@@ -374,6 +374,7 @@ fn build(scn: &Scn) -> (Config, Batch) {
             table: format!("t{}", f.table % scn.tables.len()),
             column: None,
             weights_column: None,
+            hash: None,
         })
         .collect();
     let config = Config {
