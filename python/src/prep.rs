@@ -235,7 +235,7 @@ fn resolved_plan(
                 suggested_coo_buffer_size_per_device: *suggested,
             });
         }
-        features.push(FeatureConfig { name: name.clone(), table: table.clone(), column: None, weights_column: None });
+        features.push(FeatureConfig { name: name.clone(), table: table.clone(), column: None, weights_column: None, hash: None });
         placements.push(Placement {
             stack: stack.clone(),
             row_offset: *row_offset,
