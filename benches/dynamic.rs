@@ -2,7 +2,7 @@
 //! and updates (one Adagrad step on 4096 distinct keys) on the in-memory backend and, with the
 //! `redis` feature, on a Redis server this bench starts on a random loopback port. Throughput
 //! is keys per second. `redis-benchmark -t get,set,mget` on the same machine is the ceiling
-//! for the Redis numbers (BENCHMARKS-dynamic.md).
+//! for the Redis numbers (BENCHMARKS.md).
 
 #[cfg(feature = "redis")]
 #[path = "../tests/support/redis_server.rs"]
