@@ -493,11 +493,10 @@ impl Sink<'_, '_> {
     ) -> Result<()> {
         let layout = self.out.layout;
         let combiner = self.ctx.combiner;
-        let mut data = self.row_base - self.out.row_lo;
         // Read once: the writes below could alias `self` for all the compiler knows.
         let (vocab, check) = (self.plan.vocabulary_size, self.ctx.validate_ids);
         let (shift, mask, offset) = (self.plan.col_shift, self.mask, self.plan.col_offset);
-        for r in rows {
+        for (data, r) in (self.row_base - self.out.row_lo..).zip(rows) {
             let (a, b) = (offsets[r].to_usize(), offsets[r + 1].to_usize());
             let row_ids = ids.get(a..b).ok_or_else(|| bad_row(&self.plan.name, "ids", r))?;
             if !row_ids.is_empty() {
@@ -517,7 +516,6 @@ impl Sink<'_, '_> {
                     return Err(self.out_of_range(r, id));
                 }
             }
-            data += 1;
         }
         Ok(())
     }

@@ -7,7 +7,6 @@ use std::io::{Read, Write};
 use std::path::Path;
 
 use crate::error::{Error, Result};
-use crate::stats::StackStats;
 
 use super::{FdoStats, LayoutKey};
 
@@ -160,7 +159,7 @@ pub fn stats_from_arrays(layout: LayoutKey, arrays: &BTreeMap<String, NpyArray>,
     let mut stats = FdoStats::new(layout);
     for (key, a) in arrays {
         let (stack, field) = split_key(key).ok_or_else(|| bad(source, format!("Unexpected key: {key}")))?;
-        let st = stats.stacks.entry(stack.to_string()).or_insert_with(StackStats::default);
+        let st = stats.stacks.entry(stack.to_string()).or_default();
         let v = a.max_over_rows();
         let ints = || v.iter().map(|&x| x.clamp(i32::MIN as i64, i32::MAX as i64) as i32).collect::<Vec<_>>();
         match field {

@@ -65,7 +65,7 @@ impl KeyBatch {
                         Combiner::Mean => 1.0f32 / n as f32,
                         Combiner::Sqrtn => 1.0f32 / (n as f32).sqrt(),
                     };
-                    gains.extend(std::iter::repeat(g).take(n));
+                    gains.extend(std::iter::repeat_n(g, n));
                 }
                 Some(ws) => {
                     let ws = &ws[w[0]..w[1]];
