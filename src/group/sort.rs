@@ -133,12 +133,7 @@ fn radix_passes<K: SortKey, const P: usize>(keys: &mut Vec<K>, scratch: &mut Rad
     counts.resize(P * radix, 0);
     let mut parts = counts.chunks_exact_mut(radix);
     let mut counts: [&mut [u32]; P] = std::array::from_fn(|_| parts.next().unwrap_or_default());
-    for &k in keys.iter() {
-        let k = k.to_u64() >> lo;
-        for (p, c) in counts.iter_mut().enumerate() {
-            c[((k >> (p as u32 * digit)) & mask) as usize] += 1;
-        }
-    }
+    histograms(keys, &mut counts, lo, digit, mask);
     // Every slot is written before it is read; only grow, never re-zero.
     if scratch.len() < keys.len() {
         scratch.resize(keys.len(), K::default());
@@ -159,6 +154,21 @@ fn radix_passes<K: SortKey, const P: usize>(keys: &mut Vec<K>, scratch: &mut Rad
         scatter(&keys[..n], &mut scratch[..n], c, shift, mask);
         std::mem::swap(keys, scratch);
         keys.truncate(n);
+    }
+}
+
+/// The digit histograms of all passes, in one read of the keys.
+#[allow(unsafe_code)]
+#[inline(always)]
+fn histograms<K: SortKey, const P: usize>(keys: &[K], counts: &mut [&mut [u32]; P], lo: u32, digit: u32, mask: u64) {
+    assert!(counts.iter().all(|c| c.len() > mask as usize));
+    for &k in keys {
+        let k = k.to_u64() >> lo;
+        for (p, c) in counts.iter_mut().enumerate() {
+            let d = ((k >> (p as u32 * digit)) & mask) as usize;
+            // SAFETY: d <= mask < c.len() (asserted above).
+            unsafe { *c.get_unchecked_mut(d) += 1 };
+        }
     }
 }
 
