@@ -322,11 +322,26 @@ def preprocess_sparse_dense_matmul_input(
   f_leaves = [_feature_leaf(f, s[0][0]) for f, s in zip(f_leaves, specs)]
   if w_leaves is not None:
     w_leaves = [_weights_leaf(w) for w in w_leaves]
-  raw = _native.preprocess_resolved(
-      f_leaves, w_leaves, specs, int(local_device_count), int(global_device_count), int(num_sc_per_device),
-      sharding_strategy, bool(has_leading_dimension), bool(allow_id_dropping), int(batch_number),
-      bool(enable_minibatching), bool(validate_ids))
+  key = (tuple(specs), int(local_device_count), int(global_device_count), int(num_sc_per_device), sharding_strategy,
+         bool(allow_id_dropping), bool(enable_minibatching), bool(validate_ids))
+  # Taken out of the cache for the call, so that concurrent calls never share one.
+  native = _DROP_IN_CACHE.pop(key, None)
+  if native is None:
+    native = _native.NativeDropIn(specs, *key[1:])
+  try:
+    raw = native.run(f_leaves, w_leaves, bool(has_leading_dimension), int(batch_number))
+  finally:
+    _DROP_IN_CACHE[key] = native
+    while len(_DROP_IN_CACHE) > _DROP_IN_CACHE_SIZE:
+      _DROP_IN_CACHE.pop(next(iter(_DROP_IN_CACHE)), None)
   return _wrap(raw, int(local_device_count), has_leading_dimension)
+
+
+# The drop-in call's native state (plan, scratch memory, gather buffers) per distinct specs and
+# options, most recently used last. The key holds what the specs say (read afresh every call),
+# not the spec objects, so a spec changed in place (FDO raising a limit) gets a new entry.
+_DROP_IN_CACHE: dict = {}
+_DROP_IN_CACHE_SIZE = 4
 
 
 # -----------------------------------------------------------------------------

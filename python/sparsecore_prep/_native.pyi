@@ -72,3 +72,21 @@ def preprocess_resolved(
     validate_ids: bool,
 ) -> _Results:
   """The drop-in call on flattened leaves and resolved specs."""
+
+
+class NativeDropIn:
+  """The drop-in call's state for one set of resolved specs and options (plan, scratch, gather buffers)."""
+
+  def __init__(
+      self,
+      specs: list[_SpecTuple],
+      local_device_count: int,
+      global_device_count: int,
+      num_sc_per_device: int,
+      sharding_strategy: str,
+      allow_id_dropping: bool,
+      enable_minibatching: bool,
+      validate_ids: bool,
+  ) -> None: ...
+  def run(self, features: list[Any], weights: list[Any] | None, has_leading_dimension: bool, batch_number: int) -> _Results:
+    """One batch of flattened leaves, in spec order; one call at a time."""

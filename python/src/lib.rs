@@ -23,6 +23,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<prep::NativePreprocessor>()?;
     m.add_class::<prep::NativeFdoStats>()?;
+    m.add_class::<prep::NativeDropIn>()?;
     m.add_function(wrap_pyfunction!(prep::preprocess_resolved, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -380,17 +380,20 @@ unsafe fn raw_row(p: *mut pyo3::ffi::PyObject, array_type: ArrayType) -> Option<
     Some(Row { data: (*a).fields.data as *const u8, len: *(*a).fields.dimensions as usize, stride: *(*a).fields.strides, kind, itemsize })
 }
 
-/// Gathers one ragged feature without the Python API; `None` sends it down the checked path
-/// (which also produces the precise error).
+/// Gathers one ragged feature without the Python API into `buf` (cleared first, its memory
+/// reused); `false` sends it down the checked path (which also produces the precise error).
 ///
 /// SAFETY: as [`raw_row`], for every item of `ids` and `weights`.
-unsafe fn gather_raw(ids: RawObjects, weights: Option<RawObjects>, array_type: ArrayType) -> Option<Gathered> {
+unsafe fn gather_raw(ids: RawObjects, weights: Option<RawObjects>, array_type: ArrayType, buf: &mut Gathered) -> bool {
     let item = |o: RawObjects, k: usize| std::ptr::read_unaligned(o.data.offset(k as isize * o.stride) as *const *mut pyo3::ffi::PyObject);
-    let mut values: Vec<i32> = Vec::new();
-    let mut splits: Vec<i32> = Vec::with_capacity(ids.len + 1);
+    let (values, splits, weights_out) = buf;
+    values.clear();
+    splits.clear();
+    splits.reserve(ids.len + 1);
     splits.push(0);
-    for k in 0..ids.len {
-        let row = raw_row(item(ids, k), array_type)?;
+    let n = ids.len;
+    for k in 0..n {
+        let Some(row) = raw_row(item(ids, k), array_type) else { return false };
         let ok = match (row.kind, row.itemsize) {
             (b'i', 4) if row.stride == 4 && (row.data as usize) % 4 == 0 => {
                 if row.len > 0 {
@@ -398,63 +401,88 @@ unsafe fn gather_raw(ids: RawObjects, weights: Option<RawObjects>, array_type: A
                 }
                 true
             }
-            (b'i', 4) => copy_row::<i32, i32>(&row, &mut values, Some).is_ok(),
-            (b'i', 8) => copy_row::<i64, i32>(&row, &mut values, narrow).is_ok(),
+            (b'i', 4) => copy_row::<i32, i32>(&row, values, Some).is_ok(),
+            (b'i', 8) => copy_row::<i64, i32>(&row, values, narrow).is_ok(),
             _ => false,
         };
         if !ok {
-            return None;
+            return false;
         }
-        splits.push(i32::try_from(values.len()).ok()?);
+        let Ok(end) = i32::try_from(values.len()) else { return false };
+        splits.push(end);
     }
-    let weights = match weights {
-        None => None,
+    match weights {
+        None => *weights_out = None,
         Some(w) => {
             if w.len != ids.len {
-                return None;
+                return false;
             }
-            let mut out: Vec<f32> = Vec::with_capacity(values.len());
+            let out = weights_out.get_or_insert_with(Vec::new);
+            out.clear();
+            out.reserve(values.len());
             for k in 0..w.len {
-                let row = raw_row(item(w, k), array_type)?;
+                let Some(row) = raw_row(item(w, k), array_type) else { return false };
                 let ok = match (row.kind, row.itemsize) {
-                    (b'f', 4) => copy_row::<f32, f32>(&row, &mut out, Some).is_ok(),
-                    (b'f', 8) => copy_row::<f64, f32>(&row, &mut out, |v| Some(v as f32)).is_ok(),
+                    (b'f', 4) => copy_row::<f32, f32>(&row, out, Some).is_ok(),
+                    (b'f', 8) => copy_row::<f64, f32>(&row, out, |v| Some(v as f32)).is_ok(),
                     _ => false,
                 };
                 if !ok || out.len() != splits[k + 1] as usize {
-                    return None;
+                    return false;
                 }
             }
-            Some(out)
         }
-    };
-    Some((values, splits, weights))
+    }
+    true
 }
 
-/// Gathers the ragged features among `leaves` on rayon's pool; `None` where a feature needs the
-/// checked path (or is not ragged).
+/// Gathers the ragged features among `leaves` on rayon's pool, into `scratch` (one buffer per
+/// leaf, resized to fit; its memory is reused from call to call, so a steady stream of batches
+/// does not fault in fresh pages for the gathered ids each time). `None` where a feature needs
+/// the checked path (or is not ragged).
 ///
 /// The workers read the object arrays' items and the items' numpy structs without the Python
 /// API. That is sound because the calling thread holds the GIL and blocks until they finish:
 /// no Python code runs anywhere in the meantime, so nothing can be freed or resized, and every
 /// object read is kept alive by `leaves`, which the caller owns.
-pub fn gather_all<'py>(py: Python<'py>, leaves: &[(Option<RawObjects>, Option<RawObjects>)]) -> Vec<Option<FeatureData<'py>>> {
+pub fn gather_all<'py>(
+    py: Python<'py>,
+    leaves: &[(Option<RawObjects>, Option<RawObjects>)],
+    scratch: &mut Vec<Gathered>,
+) -> Vec<Option<FeatureData<'py>>> {
     use numpy::PyUntypedArray as Arr;
     use pyo3::type_object::PyTypeInfo;
     use rayon::prelude::*;
     let array_type = ArrayType(Arr::type_object_raw(py));
-    leaves
-        .par_iter()
-        .map(|&(ids, weights)| match ids {
+    scratch.resize_with(leaves.len(), Default::default);
+    scratch
+        .par_iter_mut()
+        .zip(leaves.par_iter())
+        .map(|(buf, &(ids, weights))| match ids {
             // SAFETY: see the function's documentation.
-            Some(ids) => unsafe { gather_raw(ids, weights, array_type) },
-            None => None,
+            Some(ids) => unsafe { gather_raw(ids, weights, array_type, buf) },
+            None => false,
         })
-        .collect::<Vec<_>>()
+        .collect::<Vec<bool>>()
         .into_iter()
-        .map(|g| g.map(|(ids, splits, weights)| FeatureData::Ragged { ids, splits, weights }))
+        .zip(scratch.iter_mut())
+        .map(|(ok, buf)| {
+            ok.then(|| {
+                let (ids, splits, weights) = std::mem::take(buf);
+                FeatureData::Ragged { ids, splits, weights }
+            })
+        })
         .collect()
 }
 
+/// Hands the buffers of gathered features back to `scratch` for the next call.
+pub fn recycle(data: Vec<FeatureData<'_>>, scratch: &mut [Gathered]) {
+    for (d, slot) in data.into_iter().zip(scratch.iter_mut()) {
+        if let FeatureData::Ragged { ids, splits, weights } = d {
+            *slot = (ids, splits, weights);
+        }
+    }
+}
+
 /// A gathered ragged feature: ids, row splits, weights.
-type Gathered = (Vec<i32>, Vec<i32>, Option<Vec<f32>>);
+pub type Gathered = (Vec<i32>, Vec<i32>, Option<Vec<f32>>);

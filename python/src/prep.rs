@@ -264,8 +264,124 @@ fn resolved_plan(
     Ok((config, plan))
 }
 
-/// The drop-in call: numpy leaves (already flattened) and resolved specs in, the reference's
-/// 6-tuple out.
+/// The drop-in call's state for one set of resolved specs and options: the preprocessor (its
+/// plan, and its per-thread scratch, which keeps its memory from call to call) and the buffers
+/// ragged features are gathered into. `sparsecore_prep.preprocess_sparse_dense_matmul_input`
+/// keeps a few of these, keyed by the specs' contents and the options, so that repeated calls
+/// (a training loop) allocate and fault in only the output arrays they return.
+///
+/// One call at a time: the Python side takes an instance out of its cache for the duration of
+/// a call, so concurrent calls from several threads each get their own.
+#[pyclass(module = "sparsecore_prep._native")]
+pub struct NativeDropIn {
+    prep: Preprocessor,
+    names: Vec<String>,
+    scratch: Vec<numpy_input::Gathered>,
+}
+
+#[pymethods]
+impl NativeDropIn {
+    /// Plans the specs (resolved `(feature, placement, stack)` tuples, see `SpecTuple`) under
+    /// the options; errors are the ones a call with these specs would raise.
+    #[new]
+    #[pyo3(signature = (specs, local_device_count, global_device_count, num_sc_per_device,
+                        sharding_strategy, allow_id_dropping, enable_minibatching, validate_ids))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        specs: Vec<SpecTuple>,
+        local_device_count: usize,
+        global_device_count: usize,
+        num_sc_per_device: usize,
+        sharding_strategy: String,
+        allow_id_dropping: bool,
+        enable_minibatching: bool,
+        validate_ids: bool,
+    ) -> PyResult<Self> {
+        let (config, plan) = resolved_plan(
+            &specs,
+            local_device_count,
+            global_device_count,
+            num_sc_per_device,
+            sharding_strategy,
+            allow_id_dropping,
+            enable_minibatching,
+            validate_ids,
+        )
+        .map_err(|e| to_py(py, e))?;
+        let prep = Preprocessor::builder(config).plan(plan).build().map_err(|e| to_py(py, e))?;
+        let names = specs.into_iter().map(|s| s.0 .0).collect();
+        Ok(NativeDropIn { prep, names, scratch: Vec::new() })
+    }
+
+    /// Preprocesses one batch: numpy leaves (already flattened, in spec order), the
+    /// reference's 6-tuple out.
+    #[pyo3(signature = (features, weights, has_leading_dimension, batch_number))]
+    fn run(
+        &mut self,
+        py: Python<'_>,
+        features: Vec<Bound<'_, PyAny>>,
+        weights: Option<Vec<Bound<'_, PyAny>>>,
+        has_leading_dimension: bool,
+        batch_number: u64,
+    ) -> PyResult<Results> {
+        if features.len() != self.names.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} features for {} feature specs (the lists must match one to one)",
+                features.len(),
+                self.names.len()
+            )));
+        }
+        if let Some(w) = &weights {
+            if w.len() != features.len() {
+                return Err(PyValueError::new_err(format!("{} weights for {} features", w.len(), features.len())));
+            }
+        }
+        // Ragged features are gathered in parallel off the Python API; anything unusual (and
+        // every error) goes through the checked path below, one feature at a time.
+        let raw: Vec<_> = features
+            .iter()
+            .enumerate()
+            .map(|(i, f)| {
+                let w = weights.as_ref().map(|w| numpy_input::RawObjects::of(&w[i]));
+                match (numpy_input::RawObjects::of(f), w) {
+                    (Some(ids), None) => (Some(ids), None),
+                    (Some(ids), Some(Some(w))) => (Some(ids), Some(w)),
+                    _ => (None, None),
+                }
+            })
+            .collect();
+        let fast = numpy_input::gather_all(py, &raw, &mut self.scratch);
+        let data = fast
+            .into_iter()
+            .zip(features.iter().zip(&self.names))
+            .enumerate()
+            .map(|(i, (done, (f, name)))| match done {
+                Some(d) => Ok(d),
+                None => numpy_input::feature(name, f, weights.as_ref().map(|w| &w[i])),
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let mut out = Output::new();
+        let ran = {
+            let sources = data
+                .iter()
+                .zip(&self.names)
+                .map(|(d, name)| d.source(name))
+                .collect::<sparsecore_prep::Result<Vec<_>>>()
+                .map_err(|e| to_py(py, e));
+            sources.and_then(|sources| {
+                self.prep.set_batch_number(batch_number);
+                run_detached(py, &mut self.prep, &sources, &mut out, false)
+            })
+        };
+        numpy_input::recycle(data, &mut self.scratch);
+        ran?;
+        results(py, &mut out, has_leading_dimension)
+    }
+}
+
+/// The drop-in call without the cache: numpy leaves (already flattened) and resolved specs in,
+/// the reference's 6-tuple out.
 #[pyfunction]
 #[pyo3(signature = (features, weights, specs, local_device_count, global_device_count, num_sc_per_device,
                     sharding_strategy, has_leading_dimension, allow_id_dropping, batch_number,
@@ -293,13 +409,9 @@ pub fn preprocess_resolved(
             specs.len()
         )));
     }
-    if let Some(w) = &weights {
-        if w.len() != features.len() {
-            return Err(PyValueError::new_err(format!("{} weights for {} features", w.len(), features.len())));
-        }
-    }
-    let (config, plan) = resolved_plan(
-        &specs,
+    let mut call = NativeDropIn::new(
+        py,
+        specs,
         local_device_count,
         global_device_count,
         num_sc_per_device,
@@ -307,41 +419,6 @@ pub fn preprocess_resolved(
         allow_id_dropping,
         enable_minibatching,
         validate_ids,
-    )
-    .map_err(|e| to_py(py, e))?;
-    // Ragged features are gathered in parallel off the Python API; anything unusual (and every
-    // error) goes through the checked path below, one feature at a time.
-    let raw: Vec<_> = features
-        .iter()
-        .enumerate()
-        .map(|(i, f)| {
-            let w = weights.as_ref().map(|w| numpy_input::RawObjects::of(&w[i]));
-            match (numpy_input::RawObjects::of(f), w) {
-                (Some(ids), None) => (Some(ids), None),
-                (Some(ids), Some(Some(w))) => (Some(ids), Some(w)),
-                _ => (None, None),
-            }
-        })
-        .collect();
-    let fast = numpy_input::gather_all(py, &raw);
-    let data = fast
-        .into_iter()
-        .zip(features.iter().zip(&specs))
-        .enumerate()
-        .map(|(i, (done, (f, spec)))| match done {
-            Some(d) => Ok(d),
-            None => numpy_input::feature(&spec.0 .0, f, weights.as_ref().map(|w| &w[i])),
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-    let sources = data
-        .iter()
-        .zip(&specs)
-        .map(|(d, spec)| d.source(&spec.0 .0))
-        .collect::<sparsecore_prep::Result<Vec<_>>>()
-        .map_err(|e| to_py(py, e))?;
-    let mut prep = Preprocessor::builder(config).plan(plan).build().map_err(|e| to_py(py, e))?;
-    prep.set_batch_number(batch_number);
-    let mut out = Output::new();
-    run_detached(py, &mut prep, &sources, &mut out, false)?;
-    results(py, &mut out, has_leading_dimension)
+    )?;
+    call.run(py, features, weights, has_leading_dimension, batch_number)
 }

@@ -242,3 +242,27 @@ def test_concurrent_calls_from_threads():
   for t in threads:
     t.join()
   assert not errors, errors
+
+
+def test_drop_in_state_is_reused_but_specs_are_read_every_call():
+  # The native state is cached between calls; a spec edited in place (a limit lowered) must still
+  # take effect, a failed call must not poison the next one, and reused gather buffers must not
+  # leak the previous batch's rows.
+  specs, ids = spec_example_specs(), spec_example_ids()
+  first, _ = scp.preprocess_sparse_dense_matmul_input(ids, None, specs, 1, 1, 2)
+  specs["f"].table_spec.stacked_table_spec.max_ids_per_partition = 2
+  with pytest.raises(scp.LimitExceededError):
+    scp.preprocess_sparse_dense_matmul_input(ids, None, specs, 1, 1, 2)
+  specs["f"].table_spec.stacked_table_spec.max_ids_per_partition = 8
+  again, stats = scp.preprocess_sparse_dense_matmul_input(ids, None, specs, 1, 1, 2)
+  for field in ("lhs_row_pointers", "lhs_embedding_ids", "lhs_sample_ids"):
+    np.testing.assert_array_equal(getattr(again, field)["t"], getattr(first, field)["t"])
+  np.testing.assert_array_equal(stats.max_ids_per_partition["t"], [3, 4])
+  # Fewer ids through the same cached state: only this batch's ids count. Sample 1 (SparseCore 1)
+  # is now empty, so the maxima come from sample 0 alone: partition 0 holds ids 0, 2, 4 (the
+  # three 0s combine into one entry), partition 1 holds id 1.
+  short = {"f": np.empty(2, dtype=object)}
+  short["f"][0], short["f"][1] = ids["f"][0], np.array([], dtype=np.int32)
+  _, stats = scp.preprocess_sparse_dense_matmul_input(short, None, specs, 1, 1, 2)
+  np.testing.assert_array_equal(stats.max_ids_per_partition["t"], [3, 1])
+  np.testing.assert_array_equal(stats.required_buffer_size_per_sc["t"], [16, 0])  # 3 and 1 entries, each rounded up to 8
