@@ -55,13 +55,10 @@ impl StackOutput {
         let p_len = per_device("max_ids_per_partition", plan.layout.num_partitions())?;
         // The COO arrays first (`L * C`, usually the largest), so that an impossible size fails
         // before anything else is reserved.
-        // A fresh array (no memory yet: a new `Output`, or one whose buffers were moved out,
-        // as the Python bindings do every call) comes zeroed from the allocator, so the
-        // `resize` below has nothing left to write.
-        let reserved = reserve_zeroed(&mut self.embedding_ids, c_len, "embedding_ids")
-            .and_then(|()| reserve_zeroed(&mut self.sample_ids, c_len, "sample_ids"))
-            .and_then(|()| reserve_zeroed(&mut self.gains, c_len, "gains"))
-            .and_then(|()| reserve_zeroed(&mut self.row_pointers, rp_len, "row_pointers"))
+        let reserved = reserve(&mut self.embedding_ids, c_len, "embedding_ids")
+            .and_then(|()| reserve(&mut self.sample_ids, c_len, "sample_ids"))
+            .and_then(|()| reserve(&mut self.gains, c_len, "gains"))
+            .and_then(|()| reserve(&mut self.row_pointers, rp_len, "row_pointers"))
             .and_then(|()| reserve(&mut self.stats.max_ids_per_partition, p_len, "max_ids_per_partition"))
             .and_then(|()| reserve(&mut self.stats.max_unique_ids_per_partition, p_len, "max_unique_ids_per_partition"));
         if let Err((array, len)) = reserved {
@@ -130,45 +127,6 @@ fn view2<T>(v: &[T], rows: usize, cols: usize) -> ArrayView2<'_, T> {
 /// Reserves room for `len` elements without writing any; on failure, names the array.
 fn reserve<T>(v: &mut Vec<T>, len: usize, array: &'static str) -> Result<(), (&'static str, usize)> {
     v.try_reserve_exact(len.saturating_sub(v.len())).map_err(|_| (array, len))
-}
-
-/// As [`reserve`], but an array without memory gets `len` zeros straight from the allocator.
-///
-/// The pipeline overwrites every element of the COO arrays anyway (entries, then the padding
-/// tail), so zeroing them is pure overhead: for a fresh allocation, `alloc_zeroed` gets pages
-/// that are already zero (fresh `mmap` pages for large arrays), where `resize(len, 0)` would
-/// write every byte. Still fallible: an impossible size is an error, not an abort.
-fn reserve_zeroed<T: ZeroIsValid>(v: &mut Vec<T>, len: usize, array: &'static str) -> Result<(), (&'static str, usize)> {
-    if v.capacity() == 0 && len > 0 {
-        *v = zeroed_vec(len).ok_or((array, len))?;
-        Ok(())
-    } else {
-        reserve(v, len, array)
-    }
-}
-
-/// Element types whose all-zero bit pattern is a valid value (`0`, `0.0`).
-trait ZeroIsValid: Copy {}
-impl ZeroIsValid for i32 {}
-impl ZeroIsValid for f32 {}
-
-/// `len` zeros from the allocator's `alloc_zeroed` (no memset for fresh pages), or `None` when
-/// the size overflows a `Layout` or the allocator refuses.
-#[allow(unsafe_code)]
-fn zeroed_vec<T: ZeroIsValid>(len: usize) -> Option<Vec<T>> {
-    let layout = std::alloc::Layout::array::<T>(len).ok()?;
-    if layout.size() == 0 {
-        return Some(Vec::new());
-    }
-    // SAFETY: the layout has a non-zero size (checked above), as `alloc_zeroed` requires.
-    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<T>();
-    if ptr.is_null() {
-        return None;
-    }
-    // SAFETY: `ptr` was allocated by the global allocator with exactly the layout of `[T; len]`
-    // (`Vec`'s own layout for capacity `len`), it is non-null and aligned for `T`, and all `len`
-    // elements are initialised: zero bytes are a valid `T` (`ZeroIsValid`: i32 and f32 only).
-    Some(unsafe { Vec::from_raw_parts(ptr, len, len) })
 }
 
 /// Everything one batch produces.
