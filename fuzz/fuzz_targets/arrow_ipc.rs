@@ -9,7 +9,7 @@
 
 #![no_main]
 
-use fuzz_common::{check_oracle, run_deterministic, write_scratch};
+use fuzz_common::{check_oracle, kind_of, let_decoder_panics_unwind, run_deterministic, verbose, write_scratch};
 use libfuzzer_sys::fuzz_target;
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::io::BatchReader;
@@ -61,18 +61,37 @@ const MINIBATCHED: &str = r#"{
 /// Record batches read per input: a fuzzer-made stream can declare many.
 const MAX_BATCHES: usize = 4;
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(init: let_decoder_panics_unwind(), |data: &[u8]| {
     let configs = [FEATURE_STACKED, AUTO_STACKED, MINIBATCHED].map(|c| Config::from_json(c).expect("fixed config"));
     let path = write_scratch("input", data);
-    let Ok(reader) = BatchReader::open(&path) else { return };
+    let reader = match BatchReader::open(&path) {
+        Ok(r) => r,
+        Err(e) => return note("open", &e),
+    };
     let _ = reader.schema();
     for (i, batch) in reader.take(MAX_BATCHES).enumerate() {
-        let Ok(batch) = batch else { return };
+        let batch = match batch {
+            Ok(b) => b,
+            Err(e) => return note("batch", &e),
+        };
         for config in &configs {
-            let Ok(features) = features_from_record_batch(config, &batch) else { continue };
+            let features = match features_from_record_batch(config, &batch) {
+                Ok(f) => f,
+                Err(e) => {
+                    note("columns", &e);
+                    continue;
+                }
+            };
             let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
             let ours = run_deterministic(config, |b| b, i as u64, &inputs);
             check_oracle(config, &inputs, i as u64, ours.as_ref());
         }
     }
 });
+
+/// Reports where an input stopped, under `SPARSECORE_FUZZ_VERBOSE=1`.
+fn note(stage: &str, e: &sparsecore_prep::Error) {
+    if verbose() {
+        eprintln!("fuzz outcome: {stage} Err {}", kind_of(e.root()));
+    }
+}

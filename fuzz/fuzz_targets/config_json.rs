@@ -54,7 +54,7 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(plan) = &nominal {
         check_plan(&config, plan);
     }
-    let built = Preprocessor::builder(config.clone()).threads(1).build();
+    let built = Preprocessor::builder(config.clone()).build();
     let o = &config.config;
     let needs_all_reduce = o.enable_minibatching && o.local_device_count < o.global_device_count;
     match (&nominal, &built) {

@@ -6,7 +6,7 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use fuzz_common::{check_oracle, output_bytes, run_deterministic, OUTPUT_BUDGET_BYTES};
+use fuzz_common::{check_oracle, kind_of, verbose, output_bytes, run_deterministic, OUTPUT_BUDGET_BYTES};
 use libfuzzer_sys::fuzz_target;
 use sparsecore_prep::input::{Ids, Offsets, RaggedInput, SampleSource};
 use sparsecore_prep::spec::{FeatureConfig, Options, StackLimits, Stacking, TableConfig};
@@ -203,6 +203,9 @@ fuzz_target!(|case: Case| {
             Ok(r) => sources.push(r),
             Err(e) => {
                 assert!(e.to_string().contains(&c.name), "error does not name feature {}: {e}", c.name);
+                if verbose() {
+                    eprintln!("fuzz outcome: input Err {}", kind_of(&e));
+                }
                 return;
             }
         }
@@ -210,6 +213,9 @@ fuzz_target!(|case: Case| {
     let sizes: Vec<usize> = sources.iter().map(|s| s.num_samples()).collect();
     if let Ok(plan) = Plan::for_local_batches(&config, &sizes) {
         if output_bytes(&plan) > OUTPUT_BUDGET_BYTES {
+            if verbose() {
+                eprintln!("fuzz outcome: skipped (buffers over budget)");
+            }
             return;
         }
     }

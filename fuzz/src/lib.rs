@@ -5,6 +5,7 @@
 #![deny(unsafe_code)]
 
 use std::path::PathBuf;
+use std::sync::OnceLock;
 
 /// The oracle: a slow re-implementation of SPEC 3.3-3.9 shared with the tests.
 #[path = "../../tests/model/mod.rs"]
@@ -85,6 +86,14 @@ pub fn same_result(a: Result<&Output, &Error>, b: Result<&Output, &Error>) -> Re
     }
 }
 
+/// Worker pools of one and two threads, made once per process: starting threads for every
+/// input would cost more than the input. Running a preprocessor built without `threads(n)`
+/// inside `pool.install` is what `threads(n)` itself does.
+fn pools() -> &'static [rayon::ThreadPool; 2] {
+    static POOLS: OnceLock<[rayon::ThreadPool; 2]> = OnceLock::new();
+    POOLS.get_or_init(|| [1, 2].map(|n| rayon::ThreadPoolBuilder::new().num_threads(n).build().expect("thread pool")))
+}
+
 /// Runs `inputs` with one and with two worker threads (the two-thread preprocessor runs the
 /// batch twice into the same `Output`, so buffer reuse is exercised too), panics unless all
 /// three runs agree byte for byte, and returns the one-thread result.
@@ -96,17 +105,50 @@ pub fn run_deterministic(
     batch_number: u64,
     inputs: &[&dyn SampleSource],
 ) -> Result<Output, Error> {
-    let build = |threads: usize| prepare(Preprocessor::builder(config.clone()).threads(threads)).build();
-    let mut p1 = build(1)?;
+    let [one, two] = pools();
+    let r1 = run_checked(one, two, config, &prepare, batch_number, inputs);
+    if verbose() {
+        match &r1 {
+            Ok(_) => eprintln!("fuzz outcome: Ok"),
+            Err(e) => eprintln!("fuzz outcome: Err {}", kind_of(e.root())),
+        }
+    }
+    r1
+}
+
+/// With `SPARSECORE_FUZZ_VERBOSE=1` in the environment, the targets print each input's outcome
+/// (`fuzz outcome: ...`), so that running a corpus once (`-runs=0`) shows how many inputs reach
+/// a successful run and the oracle.
+pub fn verbose() -> bool {
+    static VERBOSE: OnceLock<bool> = OnceLock::new();
+    *VERBOSE.get_or_init(|| std::env::var_os("SPARSECORE_FUZZ_VERBOSE").is_some_and(|v| v == "1"))
+}
+
+/// The variant name of an error (its `Debug` text up to the fields).
+pub fn kind_of(e: &Error) -> String {
+    let text = format!("{e:?}");
+    text.split([' ', '{', '(']).next().unwrap_or_default().to_string()
+}
+
+fn run_checked(
+    one: &rayon::ThreadPool,
+    two: &rayon::ThreadPool,
+    config: &Config,
+    prepare: &impl Fn(sparsecore_prep::PreprocessorBuilder) -> sparsecore_prep::PreprocessorBuilder,
+    batch_number: u64,
+    inputs: &[&dyn SampleSource],
+) -> Result<Output, Error> {
+    let build = || prepare(Preprocessor::builder(config.clone())).build();
+    let mut p1 = build()?;
     p1.set_batch_number(batch_number);
     let mut out1 = Output::new();
-    let r1 = p1.run(inputs, &mut out1).map(|()| out1);
+    let r1 = one.install(|| p1.run(inputs, &mut out1)).map(|()| out1);
 
-    let mut p2 = build(2).expect("the one-thread build succeeded, so the two-thread one must");
+    let mut p2 = build().expect("the first build succeeded, so the second must");
     p2.set_batch_number(batch_number);
     let mut out2 = Output::new();
     for pass in 0..2 {
-        let r2 = p2.run(inputs, &mut out2);
+        let r2 = two.install(|| p2.run(inputs, &mut out2));
         if let Err(e) = same_result(r1.as_ref(), r2.as_ref().map(|()| &out2)) {
             panic!("1 thread vs 2 threads (pass {pass}): {e}");
         }
@@ -166,4 +208,30 @@ pub fn check_oracle(config: &Config, inputs: &[&dyn SampleSource], batch_number:
     if let Err(e) = model::check(config, &batch, batch_number, ours) {
         panic!("crate and oracle model disagree: {e}");
     }
+    if verbose() {
+        eprintln!("fuzz outcome: oracle agrees ({})", if ours.is_ok() { "Ok" } else { "Err" });
+    }
+}
+
+/// Lets a panic raised inside the arrow-* and parquet crates unwind instead of aborting, for
+/// targets that read files: `io::BatchReader` contains those (arrow-ipc 60 and parquet 60 still
+/// panic on some malformed files) and returns an error. Every other panic still goes to
+/// libfuzzer-sys's hook, which aborts and reports it; and a dependency panic that escapes the
+/// library unwinds into libfuzzer-sys's own `catch_unwind`, which aborts too. So only what the
+/// library contains is let through.
+pub fn let_decoder_panics_unwind() {
+    let abort_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let decoder = info.location().map(|l| l.file()).filter(|f| {
+            f.contains("/registry/") && ["/arrow-", "/parquet-"].iter().any(|c| f.contains(c))
+        });
+        match decoder {
+            Some(file) => {
+                if verbose() {
+                    eprintln!("fuzz outcome: contained decoder panic in {file}");
+                }
+            }
+            None => abort_hook(info),
+        }
+    }));
 }
