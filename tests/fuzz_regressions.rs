@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use arrow_array::{Array, ArrayRef, Int32Array, ListArray, RecordBatch};
 use arrow_buffer::OffsetBuffer;
 use arrow_schema::{DataType, Field, Schema};
+use sparsecore_prep::fdo::{csv, npz, FdoStats, LayoutKey};
 use sparsecore_prep::io::BatchReader;
 use sparsecore_prep::{Error, Result};
 
@@ -15,11 +16,16 @@ fn hex(text: &str) -> Vec<u8> {
     digits.chunks(2).map(|p| u8::from_str_radix(std::str::from_utf8(p).unwrap(), 16).unwrap()).collect()
 }
 
-/// Writes `bytes` to a scratch file named `name` and reads every record batch from it.
-fn read_all(name: &str, bytes: &[u8]) -> Result<Vec<RecordBatch>> {
+/// A scratch path named `name`, unique to this test process.
+fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("sparsecore-fuzz-regressions-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let path: PathBuf = dir.join(name);
+    dir.join(name)
+}
+
+/// Writes `bytes` to a scratch file named `name` and reads every record batch from it.
+fn read_all(name: &str, bytes: &[u8]) -> Result<Vec<RecordBatch>> {
+    let path = scratch(name);
     std::fs::write(&path, bytes).unwrap();
     let result = BatchReader::open(&path).and_then(|r| r.collect::<Result<Vec<_>>>());
     std::fs::remove_file(&path).unwrap();
@@ -170,4 +176,100 @@ fn ipc_block_with_negative_body_length_is_an_error() {
     bytes[at..at + 8].copy_from_slice(&(-1i64).to_le_bytes());
     let reason = arrow_reason(&read_all("negative_body.arrow", &bytes).unwrap_err());
     assert!(reason.contains("record batch block 0") && reason.contains("body -1 bytes do not lie within"), "{reason}");
+}
+
+/// stats_import target, `crash-b7502b5f03e2f88fc3475ce153c10b6944e45da0`: our stats JSON with a
+/// stack named " t0". The CSV reader trimmed keys, so exporting these stats to the reference's
+/// CSV and importing them back renamed the stack to "t0".
+const STACK_NAME_WITH_SPACE: &str = r#"{
+ "version": 1,
+ "layout": {
+  "local_device_count": 1,
+  "global_device_count": 2,
+  "num_sc_per_device": 2
+ },
+ "batches": 2,
+ "stacks": {
+ " t0": {
+   "max_ids_per_partition": [
+    2,
+    2,
+    15,
+    9
+   ],
+   "max_unique_ids_p'r_partition": [
+    5,
+    10,
+    1
+   ],
+   "max_unique_ids_per_partition": [
+ 9
+   ],
+   "required_buffer_size_per_sc": [
+    195,
+    124
+   ],
+   "dropped_id_count": 0
+  }
+ }
+}"#;
+
+#[test]
+fn csv_export_keeps_stack_names_verbatim() {
+    let stats = FdoStats::from_json(STACK_NAME_WITH_SPACE).unwrap();
+    assert!(stats.stacks.contains_key(" t0"));
+    let path = scratch("space.csv");
+    csv::export(&path, &stats).unwrap();
+    let back = csv::import(&path, stats.layout).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(back.stacks.keys().collect::<Vec<_>>(), vec![" t0"]);
+    assert_eq!(back.stacks[" t0"], stats.stacks[" t0"]);
+}
+
+#[test]
+fn csv_export_refuses_names_that_cannot_be_keys() {
+    let mut stats = FdoStats::from_json(STACK_NAME_WITH_SPACE).unwrap();
+    let st = stats.stacks.remove(" t0").unwrap();
+    stats.stacks.insert("a,b".into(), st);
+    let path = scratch("comma.csv");
+    let e = csv::export(&path, &stats).unwrap_err();
+    assert!(matches!(e, Error::InvalidInput { .. }), "{e:?}");
+    assert!(e.to_string().contains("comma.csv") && e.to_string().contains("\"a,b\""), "{e}");
+    assert!(!path.exists());
+}
+
+/// An `.npy` of shape (0, 2^40): no data, so it decodes, but the row width sized the result of
+/// `max_over_rows` (8 TiB) and aborted the process. Found while writing the stats_import
+/// target (its run had not reached it yet).
+#[test]
+fn npy_without_rows_sizes_nothing() {
+    let mut header = String::from("{'descr': '<i8', 'fortran_order': False, 'shape': (0, 1099511627776), }");
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    bytes.extend_from_slice(header.as_bytes());
+    let a = npz::decode_npy(&bytes, "t0_max_ids.npy").unwrap();
+    assert_eq!(a.shape, vec![0, 1 << 40]);
+    assert_eq!(a.max_over_rows(), Vec::<i64>::new());
+    let layout = LayoutKey { local_device_count: 1, global_device_count: 1, num_sc_per_device: 4 };
+    let stats = npz::stats_from_arrays(layout, &[("t0_max_ids".to_string(), a)].into(), "x.npz").unwrap();
+    assert!(stats.stacks["t0"].max_ids_per_partition.is_empty());
+}
+
+/// stats_import target (merging parsed stats with themselves): counts near `u64::MAX` in a
+/// stats file overflowed `merge` (a panic with overflow checks, a wrap without).
+#[test]
+fn merging_huge_counts_saturates() {
+    let text = STACK_NAME_WITH_SPACE
+        .replace("\"batches\": 2", "\"batches\": 18446744073709551615")
+        .replace("\"dropped_id_count\": 0", "\"dropped_id_count\": 18446744073709551000");
+    let stats = FdoStats::from_json(&text).unwrap();
+    let mut merged = stats.clone();
+    merged.merge(&stats).unwrap();
+    assert_eq!(merged.batches, u64::MAX);
+    assert_eq!(merged.stacks[" t0"].dropped_id_count, u64::MAX);
+    assert_eq!(merged.stacks[" t0"].max_ids_per_partition, vec![2, 2, 15, 9]);
 }

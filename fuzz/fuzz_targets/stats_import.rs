@@ -38,12 +38,14 @@ fn exercise(stats: &FdoStats, config: &Config) {
     }
     // The reference's formats: what we write must read back to the same arrays.
     let arrays = npz::stats_to_arrays(stats);
-    let text = csv::render(&arrays);
-    let parsed = csv::parse(&text, "rendered").expect("CSV we rendered parses");
-    for (k, a) in &arrays {
-        // An empty array renders as no line at all, so only non-empty ones come back.
-        if !a.data.is_empty() {
-            assert_eq!(parsed.get(k).map(|p| &p.data), Some(&a.data), "CSV round trip of {k}");
+    // Keys with a comma or a line break are refused by `csv::export`; others must come back.
+    if arrays.keys().all(|k| csv::representable(k)) {
+        let parsed = csv::parse(&csv::render(&arrays), "rendered").expect("CSV we rendered parses");
+        for (k, a) in &arrays {
+            // An empty array renders as no line at all, so only non-empty ones come back.
+            if !a.data.is_empty() {
+                assert_eq!(parsed.get(k).map(|p| &p.data), Some(&a.data), "CSV round trip of {k:?}");
+            }
         }
     }
     for a in arrays.values() {
