@@ -7,6 +7,7 @@ use std::path::Path;
 
 use arrow_array::RecordBatch;
 use arrow_ipc::reader::{FileReader, StreamReader};
+use arrow_ipc::{root_as_footer, root_as_message, Message, MessageHeader};
 use arrow_schema::SchemaRef;
 use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ParquetRecordBatchReaderBuilder};
 
@@ -31,6 +32,8 @@ pub struct BatchReader {
     path: String,
     index: usize,
     num_batches: Option<usize>,
+    /// A decoder panicked (and was contained): its state is unknown, so no batch follows.
+    poisoned: bool,
 }
 
 impl BatchReader {
@@ -55,56 +58,72 @@ impl BatchReader {
         } else {
             FileFormat::ArrowStream
         };
-        let mut num_batches = None;
-        let (inner, schema): (Box<dyn Iterator<Item = _> + Send>, SchemaRef) = match format {
-            FileFormat::ArrowFile => {
-                let r = FileReader::try_new(BufReader::new(file), None).map_err(arrow_err)?;
-                let schema = r.schema();
-                num_batches = Some(r.num_batches());
-                (Box::new(r), schema)
-            }
-            FileFormat::ArrowStream => {
-                let r = StreamReader::try_new(BufReader::new(file), None).map_err(|source| Error::Arrow {
-                    context: format!("{name} is neither Parquet nor an Arrow IPC file or stream"),
-                    source,
-                })?;
-                let schema = r.schema();
-                (Box::new(r), schema)
-            }
-            FileFormat::Parquet => {
-                // One record batch per row group: a row group is the writer's batch, and a
-                // batch is one local batch, so row groups must neither merge nor split.
-                let pq = |e: parquet::errors::ParquetError| Error::Arrow {
-                    context: format!("reading Parquet {name}"),
-                    source: arrow_schema::ArrowError::ExternalError(Box::new(e)),
-                };
-                let meta = ArrowReaderMetadata::load(&file, Default::default()).map_err(pq)?;
-                let schema = meta.schema().clone();
-                let groups: Vec<usize> =
-                    meta.metadata().row_groups().iter().map(|g| g.num_rows().max(0) as usize).collect();
-                num_batches = Some(groups.len());
-                let iter = groups.into_iter().enumerate().filter(|&(_, rows)| rows > 0).flat_map(move |(i, rows)| {
-                    let opened = file
-                        .try_clone()
-                        .map_err(|e| arrow_schema::ArrowError::IoError(e.to_string(), e))
-                        .and_then(|f| {
-                            ParquetRecordBatchReaderBuilder::new_with_metadata(f, meta.clone())
-                                .with_row_groups(vec![i])
-                                .with_batch_size(rows)
-                                .build()
-                                .map_err(|e| arrow_schema::ArrowError::ExternalError(Box::new(e)))
-                        });
-                    let boxed: Box<dyn Iterator<Item = std::result::Result<RecordBatch, arrow_schema::ArrowError>> + Send> =
-                        match opened {
-                            Ok(r) => Box::new(r),
-                            Err(e) => Box::new(std::iter::once(Err(e))),
-                        };
-                    boxed
-                });
-                (Box::new(iter), schema)
-            }
-        };
-        Ok(BatchReader { inner, schema, format, path: name, index: 0, num_batches })
+        if format != FileFormat::Parquet {
+            // arrow-ipc trusts the lengths and offsets a file declares; check them first.
+            let len = file.metadata().map_err(io_err("reading"))?.len();
+            let checked = check_ipc(&mut BufReader::new(&mut file), len, format);
+            file.seek(SeekFrom::Start(0)).map_err(io_err("reading"))?;
+            checked.map_err(|reason| Error::Arrow {
+                context: format!("reading {name}"),
+                source: arrow_schema::ArrowError::IpcError(reason),
+            })?;
+        }
+        let opened = contain_panics(|| -> Result<_> {
+            let mut num_batches = None;
+            let (inner, schema): (Box<dyn Iterator<Item = _> + Send>, SchemaRef) = match format {
+                FileFormat::ArrowFile => {
+                    let r = FileReader::try_new(BufReader::new(file), None).map_err(arrow_err)?;
+                    let schema = r.schema();
+                    num_batches = Some(r.num_batches());
+                    (Box::new(r), schema)
+                }
+                FileFormat::ArrowStream => {
+                    let r = StreamReader::try_new(BufReader::new(file), None).map_err(|source| Error::Arrow {
+                        context: format!("{name} is neither Parquet nor an Arrow IPC file or stream"),
+                        source,
+                    })?;
+                    let schema = r.schema();
+                    (Box::new(r), schema)
+                }
+                FileFormat::Parquet => {
+                    // One record batch per row group: a row group is the writer's batch, and a
+                    // batch is one local batch, so row groups must neither merge nor split.
+                    let pq = |e: parquet::errors::ParquetError| Error::Arrow {
+                        context: format!("reading Parquet {name}"),
+                        source: arrow_schema::ArrowError::ExternalError(Box::new(e)),
+                    };
+                    let meta = ArrowReaderMetadata::load(&file, Default::default()).map_err(pq)?;
+                    let schema = meta.schema().clone();
+                    let groups: Vec<usize> =
+                        meta.metadata().row_groups().iter().map(|g| g.num_rows().max(0) as usize).collect();
+                    num_batches = Some(groups.len());
+                    let iter = groups.into_iter().enumerate().filter(|&(_, rows)| rows > 0).flat_map(move |(i, rows)| {
+                        let opened = file
+                            .try_clone()
+                            .map_err(|e| arrow_schema::ArrowError::IoError(e.to_string(), e))
+                            .and_then(|f| {
+                                ParquetRecordBatchReaderBuilder::new_with_metadata(f, meta.clone())
+                                    .with_row_groups(vec![i])
+                                    .with_batch_size(rows)
+                                    .build()
+                                    .map_err(|e| arrow_schema::ArrowError::ExternalError(Box::new(e)))
+                            });
+                        let boxed: Box<dyn Iterator<Item = std::result::Result<RecordBatch, arrow_schema::ArrowError>> + Send> =
+                            match opened {
+                                Ok(r) => Box::new(r),
+                                Err(e) => Box::new(std::iter::once(Err(e))),
+                            };
+                        boxed
+                    });
+                    (Box::new(iter), schema)
+                }
+            };
+            Ok((inner, schema, num_batches))
+        });
+        let (inner, schema, num_batches) = opened.unwrap_or_else(|panic| {
+            Err(Error::Arrow { context: format!("reading {name}"), source: arrow_schema::ArrowError::ParseError(panic) })
+        })?;
+        Ok(BatchReader { inner, schema, format, path: name, index: 0, num_batches, poisoned: false })
     }
 
     /// The file's schema.
@@ -126,11 +145,155 @@ impl BatchReader {
 impl Iterator for BatchReader {
     type Item = Result<RecordBatch>;
     fn next(&mut self) -> Option<Self::Item> {
-        let item = self.inner.next()?;
+        if self.poisoned {
+            return None;
+        }
+        let item = match contain_panics(|| self.inner.next()) {
+            Ok(item) => item?,
+            Err(panic) => {
+                self.poisoned = true;
+                Err(arrow_schema::ArrowError::ParseError(panic))
+            }
+        };
         let i = self.index;
         self.index += 1;
         Some(item.map_err(|source| Error::Arrow { context: format!("{}: record batch {i}", self.path), source }))
     }
+}
+
+/// Checks the framing of an Arrow IPC file or stream of `len` bytes before arrow-ipc reads it:
+/// every block and message lies inside the file, and every buffer of every record or dictionary
+/// batch inside its message body. arrow-ipc 60 trusts these numbers: it slices buffers past
+/// their body (a panic), sizes an allocation by the footer length (up to 2 GiB) and unwraps
+/// negative block lengths, so a corrupt file would abort the process instead of returning an
+/// error. Only metadata is read; bodies are skipped.
+///
+/// Framing that arrow-ipc itself reports as an error (a bad magic, a truncated stream, a
+/// message that is not a flatbuffer) is left to it, so that its messages stay the same.
+fn check_ipc<R: Read + Seek>(r: &mut R, len: u64, format: FileFormat) -> std::result::Result<(), String> {
+    let io = |e: std::io::Error| e.to_string();
+    if format == FileFormat::ArrowStream {
+        let mut pos = 0u64;
+        for i in 0.. {
+            let mut word = [0u8; 4];
+            if read_up_to(r, &mut word).map_err(io)? < 4 {
+                return Ok(());
+            }
+            pos += 4;
+            if word == [0xff; 4] {
+                if read_up_to(r, &mut word).map_err(io)? < 4 {
+                    return Ok(());
+                }
+                pos += 4;
+            }
+            let meta_len = i32::from_le_bytes(word);
+            if meta_len <= 0 || meta_len as u64 > len - pos {
+                return Ok(()); // end of stream, or an error arrow-ipc reports
+            }
+            let mut meta = vec![0u8; meta_len as usize];
+            r.read_exact(&mut meta).map_err(io)?;
+            pos += meta_len as u64;
+            let Ok(message) = root_as_message(&meta) else { return Ok(()) };
+            let body = message.bodyLength();
+            if body < 0 || body as u64 > len - pos {
+                return Ok(()); // arrow-ipc reports it, after a bounded read
+            }
+            check_message(&message, body as u64).map_err(|e| format!("IPC message {i}: {e}"))?;
+            r.seek(SeekFrom::Current(body)).map_err(io)?;
+            pos += body as u64;
+        }
+        return Ok(());
+    }
+    // File format: "ARROW1" + padding, messages, footer, footer length (i32), "ARROW1".
+    const TAIL: u64 = 10;
+    const HEAD: u64 = 8;
+    if len < HEAD + TAIL {
+        return Ok(());
+    }
+    let mut tail = [0u8; TAIL as usize];
+    r.seek(SeekFrom::End(-(TAIL as i64))).map_err(io)?;
+    r.read_exact(&mut tail).map_err(io)?;
+    let footer_len = i32::from_le_bytes([tail[0], tail[1], tail[2], tail[3]]);
+    if &tail[4..] != b"ARROW1" || footer_len < 0 {
+        return Ok(());
+    }
+    let data_end = len - TAIL;
+    if footer_len as u64 > data_end - HEAD {
+        return Err(format!("footer length {footer_len} exceeds the {} bytes between header and trailer", data_end - HEAD));
+    }
+    let data_end = data_end - footer_len as u64;
+    let mut footer = vec![0u8; footer_len as usize];
+    r.seek(SeekFrom::Start(data_end)).map_err(io)?;
+    r.read_exact(&mut footer).map_err(io)?;
+    let footer = root_as_footer(&footer).map_err(|e| format!("footer is not an IPC footer: {e}"))?;
+    for (what, blocks) in [("dictionary", footer.dictionaries()), ("record batch", footer.recordBatches())] {
+        for (i, block) in blocks.iter().flatten().enumerate() {
+            let (offset, meta_len, body) = (block.offset(), block.metaDataLength(), block.bodyLength());
+            let end = (offset >= 0 && meta_len >= 8 && body >= 0)
+                .then(|| (offset as u64).checked_add(meta_len as u64)?.checked_add(body as u64))
+                .flatten();
+            if end.is_none_or(|end| end > data_end) {
+                return Err(format!(
+                    "{what} block {i}: offset {offset}, metadata {meta_len} and body {body} bytes do not lie \
+                     within the file's {data_end} data bytes"
+                ));
+            }
+            let mut meta = vec![0u8; meta_len as usize];
+            r.seek(SeekFrom::Start(offset as u64)).map_err(io)?;
+            r.read_exact(&mut meta).map_err(io)?;
+            let prefix = if meta[..4] == [0xff; 4] { 8 } else { 4 };
+            let message =
+                root_as_message(&meta[prefix..]).map_err(|e| format!("{what} block {i}: metadata is not an IPC message: {e}"))?;
+            check_message(&message, body as u64).map_err(|e| format!("{what} block {i}: {e}"))?;
+        }
+    }
+    Ok(())
+}
+
+/// A record or dictionary batch's lengths are non-negative and its buffers lie inside its
+/// `body`-byte message body.
+fn check_message(message: &Message<'_>, body: u64) -> std::result::Result<(), String> {
+    let batch = match message.header_type() {
+        MessageHeader::RecordBatch => message.header_as_record_batch(),
+        MessageHeader::DictionaryBatch => message.header_as_dictionary_batch().and_then(|d| d.data()),
+        _ => None,
+    };
+    let Some(batch) = batch else { return Ok(()) };
+    if batch.length() < 0 {
+        return Err(format!("negative row count {}", batch.length()));
+    }
+    for (j, node) in batch.nodes().iter().flatten().enumerate() {
+        if node.length() < 0 || node.null_count() < 0 {
+            return Err(format!("field node {j}: negative length {} or null count {}", node.length(), node.null_count()));
+        }
+    }
+    for (j, buffer) in batch.buffers().iter().flatten().enumerate() {
+        let (offset, length) = (buffer.offset(), buffer.length());
+        let end = (offset >= 0 && length >= 0).then(|| (offset as u64).checked_add(length as u64)).flatten();
+        if end.is_none_or(|end| end > body) {
+            return Err(format!("buffer {j} (offset {offset}, {length} bytes) lies outside the {body}-byte message body"));
+        }
+    }
+    Ok(())
+}
+
+/// Runs a step of arrow-ipc's or parquet's decoding, turning a panic inside it into an error
+/// message.
+///
+/// Both crates (version 60) still panic on some malformed files, past the framing that
+/// [`check_ipc`] verifies: arrow-data's validation asserts that an offsets buffer is a whole
+/// number of aligned `i32`s before it checks its length, for one. A corrupt file must be an
+/// error, not the end of the process, so file decoding is the one place the crate catches
+/// panics. (Under `panic = "abort"` they still abort; allocation failures always do.)
+fn contain_panics<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|payload| {
+        let what = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string());
+        format!("malformed file: the decoder panicked: {what}")
+    })
 }
 
 fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {

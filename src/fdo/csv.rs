@@ -27,7 +27,8 @@ pub fn parse(text: &str, source: &str) -> Result<BTreeMap<String, NpyArray>> {
             .split_whitespace()
             .map(|v| v.parse::<i64>().map_err(|_| bad(format!("line {}: {v:?} is not an integer", i + 2))))
             .collect::<Result<Vec<_>>>()?;
-        rows.entry(key.trim().to_string()).or_default().push(vals);
+        // The key is kept verbatim: stack names may start or end with spaces.
+        rows.entry(key.to_string()).or_default().push(vals);
     }
     rows.into_iter()
         .map(|(k, rs)| {
@@ -67,7 +68,20 @@ pub fn import(path: &Path, layout: LayoutKey) -> Result<FdoStats> {
     stats_from_arrays(layout, &parse(&text, &name)?, &name)
 }
 
-/// Writes stats as a reference `.csv` file.
+/// Whether `key` reads back unchanged from a CSV line: it holds no comma (the key/values
+/// separator) and no line break.
+pub fn representable(key: &str) -> bool {
+    !key.contains([',', '\n', '\r'])
+}
+
+/// Writes stats as a reference `.csv` file. A stack whose name cannot be a CSV key (see
+/// [`representable`]) is refused rather than written as a file that reads back differently.
 pub fn export(path: &Path, stats: &FdoStats) -> Result<()> {
+    if let Some(name) = stats.stacks.keys().find(|k| !representable(k)) {
+        return Err(Error::InvalidInput {
+            feature: path.display().to_string(),
+            reason: format!("stack name {name:?} cannot be a CSV key: it contains a comma or a line break"),
+        });
+    }
     super::write_atomic(path, render(&stats_to_arrays(stats)).as_bytes())
 }

@@ -68,13 +68,13 @@ impl FdoStats {
         for so in &out.stacks {
             merge_stack(self.stacks.entry(so.name.clone()).or_default(), &so.stats);
         }
-        self.batches += 1;
+        self.batches = self.batches.saturating_add(1);
         Ok(())
     }
 
     /// Merges `other` in: element-wise max of the per-partition and per-SparseCore arrays, sum
-    /// of dropped ids and of batches. Stats of another layout or another set of stacks are
-    /// refused, naming the difference.
+    /// of dropped ids and of batches (saturating: the counts come from files). Stats of another
+    /// layout or another set of stacks are refused, naming the difference.
     pub fn merge(&mut self, other: &FdoStats) -> Result<()> {
         if self.layout != other.layout {
             return Err(layout_mismatch("the first stats", &self.layout, "the second", &other.layout));
@@ -103,7 +103,7 @@ impl FdoStats {
             }
             merge_stack(mine, st);
         }
-        self.batches += other.batches;
+        self.batches = self.batches.saturating_add(other.batches);
         Ok(())
     }
 
@@ -161,7 +161,7 @@ fn merge_stack(into: &mut StackStats, from: &StackStats) {
     max_into(&mut into.max_ids_per_partition, &from.max_ids_per_partition);
     max_into(&mut into.max_unique_ids_per_partition, &from.max_unique_ids_per_partition);
     max_into(&mut into.required_buffer_size_per_sc, &from.required_buffer_size_per_sc);
-    into.dropped_id_count += from.dropped_id_count;
+    into.dropped_id_count = into.dropped_id_count.saturating_add(from.dropped_id_count);
 }
 
 /// Writes `bytes` to a temporary sibling of `path`, then renames it into place, so that a

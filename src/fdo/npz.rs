@@ -27,20 +27,21 @@ pub struct NpyArray {
 }
 
 impl NpyArray {
-    /// Column-wise max over rows (a 1-D or 0-d array is returned as is, flattened).
+    /// Column-wise max over rows (a 1-D or 0-d array is returned as is, flattened). An array
+    /// without values (no rows, or a zero-width row) gives no values: its row width is only a
+    /// declared shape, never backed by data, so it must not size an allocation.
     pub fn max_over_rows(&self) -> Vec<i64> {
-        if self.shape.len() < 2 {
+        if self.shape.len() < 2 || self.data.is_empty() {
             return self.data.clone();
         }
-        let cols: usize = self.shape[1..].iter().fold(1usize, |a, &d| a.saturating_mul(d));
+        // A decoded array has every dimension at least 1 here, so `cols <= data.len()`; the
+        // `min` keeps a hand-built array with a shape its data does not match just as bounded.
+        let cols: usize = self.shape[1..].iter().fold(1usize, |a, &d| a.saturating_mul(d)).min(self.data.len());
         let mut out = vec![i64::MIN; cols];
         for row in self.data.chunks(cols.max(1)) {
             for (o, &v) in out.iter_mut().zip(row) {
                 *o = (*o).max(v);
             }
-        }
-        if self.data.is_empty() {
-            out.iter_mut().for_each(|v| *v = 0);
         }
         out
     }
