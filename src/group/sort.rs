@@ -139,6 +139,7 @@ fn radix_passes<K: SortKey, const P: usize>(keys: &mut Vec<K>, scratch: &mut Rad
         scratch.resize(keys.len(), K::default());
     }
     let n = keys.len();
+    let mut in_scratch = false;
     for (p, c) in counts.iter_mut().enumerate() {
         // A digit every key shares moves nothing.
         if c.iter().any(|&x| x as usize == n) {
@@ -151,9 +152,18 @@ fn radix_passes<K: SortKey, const P: usize>(keys: &mut Vec<K>, scratch: &mut Rad
             sum += v;
         }
         let shift = lo + p as u32 * digit;
-        scatter(&keys[..n], &mut scratch[..n], c, shift, mask);
-        std::mem::swap(keys, scratch);
-        keys.truncate(n);
+        // Ping-pong between the two buffers without swapping the `Vec`s themselves: each
+        // buffer keeps its own capacity, which the per-worker workspaces rely on to stay
+        // allocation-free (a swap would move capacities between a stack's chunks).
+        if in_scratch {
+            scatter(&scratch[..n], &mut keys[..n], c, shift, mask);
+        } else {
+            scatter(&keys[..n], &mut scratch[..n], c, shift, mask);
+        }
+        in_scratch = !in_scratch;
+    }
+    if in_scratch {
+        keys.copy_from_slice(&scratch[..n]);
     }
 }
 
