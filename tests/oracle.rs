@@ -190,6 +190,7 @@ fn oracle_golden_cases() {
 // 2. SPEC worked examples
 // ---------------------------------------------------------------------------------------------
 
+#[allow(clippy::too_many_arguments)]
 fn one_table(l: usize, g: usize, s: usize, combiner: &str, max_ids: u64, max_unique: u64, suggested: Option<u64>, drop: bool) -> Config {
     Config::from_json(&format!(
         r#"{{"config": {{"local_device_count": {l}, "global_device_count": {g}, "num_sc_per_device": {s}, "allow_id_dropping": {drop}}},

@@ -19,7 +19,6 @@
 //! than 5% above the warm-up's.
 
 #[path = "../../tests/model/mod.rs"]
-#[allow(dead_code, unused_imports)]
 mod model;
 
 use std::io::Write;
@@ -32,6 +31,7 @@ use sparsecore_prep::{Config, Output, Preprocessor, Result};
 
 use model::{Batch, Feature, FlatBatch};
 
+/// Options of `soak`: the run's length, its random stream, and how often to pay for a check.
 #[derive(clap::Args)]
 pub struct Args {
     /// How long to run, in minutes (fractions allowed).

@@ -283,9 +283,9 @@ pub fn preprocess_with_plan(plan: &Plan, batch: &Batch) -> Result<Vec<StackResul
         // (observed, device, sc, partition) of the first largest count, per limit.
         let mut worst_ids = (0u32, 0usize, 0usize, 0usize);
         let mut worst_unique = (0u32, 0usize, 0usize, 0usize);
-        for d in 0..l {
-            for sc in 0..s {
-                let grouped = group(&ex[d][sc], n, drop, limits);
+        for (d, ex_d) in ex.iter().enumerate() {
+            for (sc, ex_sc) in ex_d.iter().enumerate() {
+                let grouped = group(ex_sc, n, drop, limits);
                 // Statistics (SPEC 3.7): counted after merging, before dropping.
                 let mut required = 0usize;
                 for p in 0..n {
