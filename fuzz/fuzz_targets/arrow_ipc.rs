@@ -63,8 +63,8 @@ const MAX_BATCHES: usize = 4;
 
 fuzz_target!(init: let_decoder_panics_unwind(), |data: &[u8]| {
     let configs = [FEATURE_STACKED, AUTO_STACKED, MINIBATCHED].map(|c| Config::from_json(c).expect("fixed config"));
-    let path = write_scratch("input", data);
-    let reader = match BatchReader::open(&path) {
+    let scratch = write_scratch("input", data);
+    let reader = match BatchReader::open(scratch.path()) {
         Ok(r) => r,
         Err(e) => return note("open", &e),
     };

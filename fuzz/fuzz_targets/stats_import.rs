@@ -72,14 +72,14 @@ fuzz_target!(|data: &[u8]| {
         let _ = a.max_over_rows();
     }
     // The file readers, on the same bytes.
-    let path = write_scratch("stats", data);
-    if let Ok(stats) = npz::import(&path, LAYOUT) {
+    let scratch = write_scratch("stats", data);
+    if let Ok(stats) = npz::import(scratch.path(), LAYOUT) {
         exercise(&stats, &config);
     }
-    if let Ok(stats) = csv::import(&path, LAYOUT) {
+    if let Ok(stats) = csv::import(scratch.path(), LAYOUT) {
         exercise(&stats, &config);
     }
-    if let Ok(stats) = FdoStats::from_path(&path) {
+    if let Ok(stats) = FdoStats::from_path(scratch.path()) {
         exercise(&stats, &config);
     }
 });

@@ -163,11 +163,28 @@ pub fn scratch_path(name: &str) -> PathBuf {
     dir.join(format!("sparsecore-fuzz-{}-{name}", std::process::id()))
 }
 
-/// Writes `data` to this process's scratch file `name` and returns its path.
-pub fn write_scratch(name: &str, data: &[u8]) -> PathBuf {
+/// A scratch file holding one input, removed when dropped (the readers under test only take
+/// paths).
+pub struct Scratch(PathBuf);
+
+impl Scratch {
+    /// The file's path.
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Writes `data` to this process's scratch file `name`.
+pub fn write_scratch(name: &str, data: &[u8]) -> Scratch {
     let path = scratch_path(name);
     std::fs::write(&path, data).expect("scratch file is writable");
-    path
+    Scratch(path)
 }
 
 /// A feature's rows as plain vectors (ids widened to i64, weights by their own offsets), for
