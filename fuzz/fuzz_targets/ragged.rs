@@ -119,6 +119,7 @@ fn config_of(case: &Case) -> Config {
             table: tables[f.table as usize % tables.len()].name.clone(),
             column: None,
             weights_column: None,
+            hash: None,
         })
         .collect();
     Config {
