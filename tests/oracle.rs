@@ -874,3 +874,33 @@ fn check_is_discriminating() {
     let wrong = Error::IdOutOfRange { feature: "x".into(), table: "a".into(), row: 0, id: 40, vocabulary_size: 40 };
     assert!(model::check(&strict, &batch, 0, Err(&wrong)).is_err(), "check accepted another error kind");
 }
+
+/// Found by the `ragged` fuzz target: a row whose weights are subnormal. The reference flushes
+/// subnormals to zero (its threads run with FTZ/DAZ), so a mean over them divides 0 by 0; the
+/// model once computed `w / sum` in plain IEEE arithmetic and got ±inf where the crate (and
+/// the reference) give NaN.
+#[test]
+fn subnormal_weights_agree_with_the_model() {
+    let config = sparsecore_prep::Config::from_json(
+        r#"{"config": {"local_device_count": 1, "global_device_count": 1, "num_sc_per_device": 1},
+            "tables": [{"name": "t0", "vocabulary_size": 64, "embedding_dim": 4, "combiner": "mean",
+                        "max_ids_per_partition": 64, "max_unique_ids_per_partition": 64}],
+            "features": [{"name": "f0", "table": "t0"}]}"#,
+    )
+    .unwrap();
+    let sub = f32::from_bits(1); // the smallest positive subnormal
+    let batch = model::Batch {
+        features: vec![model::Feature {
+            name: "f0".into(),
+            rows: vec![vec![3, 3, 5], vec![7], vec![9, 11], vec![]],
+            weights: Some(vec![vec![sub, -sub, 2.0], vec![sub], vec![sub, sub], vec![]]),
+        }],
+    };
+    let ours = model::run_crate(&config, &batch, 0, 1);
+    model::check(&config, &batch, 0, ours.as_ref()).unwrap();
+    // The row of two subnormals: 0 / 0 on the reference's threads.
+    let out = ours.unwrap();
+    let t0 = out.stack("t0").unwrap();
+    let k = t0.embedding_ids.iter().position(|&e| e == 9).unwrap();
+    assert!(t0.gains[k].is_nan());
+}

@@ -475,25 +475,41 @@ fn unity_gain(combiner: Combiner, count: usize) -> f32 {
     }
 }
 
+/// The reference's worker threads run with denormals-are-zero and flush-to-zero (observed in
+/// its dumps, not in SPEC): a subnormal float read or produced by an operation is a zero of the
+/// same sign.
+fn ftz(x: f32) -> f32 {
+    if x != 0.0 && x.abs() < f32::MIN_POSITIVE {
+        if x.is_sign_negative() {
+            -0.0
+        } else {
+            0.0
+        }
+    } else {
+        x
+    }
+}
+
 /// SPEC 3.5, variable weights: per id, its weight over the row's divisor, accumulated in the
-/// reference's float order.
+/// reference's float order, under the reference's flush-to-zero mode ([`ftz`]).
 fn weighted_gains(combiner: Combiner, weights: &[f32]) -> Vec<f32> {
+    let weights: Vec<f32> = weights.iter().map(|&w| ftz(w)).collect();
     match combiner {
-        Combiner::Sum => weights.to_vec(),
+        Combiner::Sum => weights,
         Combiner::Mean => {
             let mut sum = 0.0f32;
-            for &w in weights {
-                sum += w;
+            for &w in &weights {
+                sum = ftz(sum + w);
             }
-            weights.iter().map(|&w| w / sum).collect()
+            weights.iter().map(|&w| ftz(w / sum)).collect()
         }
         Combiner::Sqrtn => {
             let mut q = 0.0f32;
-            for &w in weights {
-                q = (q as f64 + (w as f64) * (w as f64)) as f32;
+            for &w in &weights {
+                q = ftz((q as f64 + (w as f64) * (w as f64)) as f32);
             }
             let root = q.sqrt();
-            weights.iter().map(|&w| w / root).collect()
+            weights.iter().map(|&w| ftz(w / root)).collect()
         }
     }
 }
@@ -549,7 +565,7 @@ fn group(ex: &Extracted, n: usize, drop: bool, (max_ids, max_unique): (u32, u32)
         let p = (col as usize) & (n - 1);
         if let Some(i) = last {
             if out[i].row == row && out[i].col == col {
-                out[i].gain += gain;
+                out[i].gain = ftz(out[i].gain + gain);
                 continue;
             }
         }
