@@ -16,7 +16,7 @@ export RUSTUP_TOOLCHAIN="${RUSTUP_TOOLCHAIN:-stable}"
 SECONDS_PER_TARGET="${FUZZ_SECONDS:-30}"
 # Dev build (overflow checks and debug assertions on), no AddressSanitizer: a clean release
 # build forces one codegen unit per crate and takes too long for CI on two cores; the long
-# local runs in RELIABILITY-fuzz.md use `-O -a` with AddressSanitizer.
+# local runs in RELIABILITY.md use `-O -a` with AddressSanitizer.
 BUILD_FLAGS=(--dev -s none)
 # libFuzzer limits: 2 GB RSS, no single allocation above 512 MB, 10 s per input.
 RUN_FLAGS=(-rss_limit_mb=2048 -malloc_limit_mb=512 -timeout=10 -print_final_stats=1)

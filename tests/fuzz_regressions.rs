@@ -1,4 +1,4 @@
-//! Inputs found by the fuzz targets (`fuzz/`, see RELIABILITY-fuzz.md) that crashed the crate
+//! Inputs found by the fuzz targets (`fuzz/`, see RELIABILITY.md) that crashed the crate
 //! before their fix, each now a typed error. Each test holds its input inline, as libFuzzer
 //! saved it (hex), or builds it when it is a corruption of a valid file.
 
