@@ -103,19 +103,9 @@ impl<'a> SegmentWriter<'a> {
         while self.p < t {
             self.close();
         }
-        let i = self.i;
-        if i >= self.cs {
-            self.dropped += 1;
-            self.last_written = false;
-            return;
-        }
-        let offset = row.wrapping_sub(self.row_lo);
-        let sample = if offset < self.batch_per_sc { offset } else { row % self.batch_per_sc };
-        self.embedding_ids[i] = local as i32;
-        self.sample_ids[i] = sample as i32;
-        self.gains[i] = gain;
-        self.i = i + 1;
-        self.last_written = true;
+        let before = self.dropped;
+        self.write_here(local, row, gain);
+        self.last_written = self.dropped == before;
     }
 
     /// Appends an entry of the current partition.
