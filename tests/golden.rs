@@ -12,29 +12,14 @@ mod common;
 use std::path::Path;
 
 use sparsecore_prep::case::Case;
-use sparsecore_prep::input::SampleSource;
-use sparsecore_prep::{Output, Preprocessor};
+use sparsecore_prep::Preprocessor;
 
 /// Runs one case from `input.json` alone; `Err` describes the first mismatch.
 fn check_case(dir: &Path) -> Result<(), String> {
     let case = Case::from_path(dir).map_err(|e| format!("loading: {e}"))?;
     let expected = common::load_json(&dir.join("expected.json"));
-    let mut out = Output::new();
-    let result = Preprocessor::builder(case.config.clone())
-        .global_batch_sizes(case.global_batch_sizes())
-        .threads(2)
-        .build()
-        .and_then(|mut prep| {
-            let sources = case.sources()?;
-            let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
-            prep.run(&inputs, &mut out)?;
-            Ok(prep)
-        });
-    if let Some(err) = expected.get("error") {
-        return common::check_error(err, result.map(|_| ()));
-    }
-    let prep = result.map_err(|e| format!("preprocessing failed: {e}"))?;
-    common::check_output(&case.raw, &expected, prep.plan().ok_or("no plan")?, &out)
+    let builder = Preprocessor::builder(case.config.clone()).global_batch_sizes(case.global_batch_sizes()).threads(2);
+    common::run_and_check(&case, builder, &expected)
 }
 
 #[test]

@@ -11,9 +11,8 @@ use std::path::Path;
 
 use serde_json::Value;
 use sparsecore_prep::case::Case;
-use sparsecore_prep::input::SampleSource;
 use sparsecore_prep::spec::{Placement, ResolvedStack};
-use sparsecore_prep::{Config, Error, Output, Plan, Preprocessor};
+use sparsecore_prep::{Config, Error, Plan, Preprocessor};
 
 fn resolved(case: &Case) -> (Vec<Placement>, Vec<ResolvedStack>) {
     let r = &case.raw["resolved"];
@@ -74,18 +73,7 @@ fn check_case(dir: &Path) -> Result<(), String> {
             return Err(format!("stack {} differs from the planner's", s.name));
         }
     }
-    let mut out = Output::new();
-    let result = Preprocessor::builder(case.config.clone()).plan(plan).threads(2).build().and_then(|mut prep| {
-        let sources = case.sources()?;
-        let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
-        prep.run(&inputs, &mut out)?;
-        Ok(prep)
-    });
-    if let Some(err) = expected.get("error") {
-        return common::check_error(err, result.map(|_| ()));
-    }
-    let prep = result.map_err(|e| format!("preprocessing failed: {e}"))?;
-    common::check_output(&case.raw, &expected, prep.plan().ok_or("no plan")?, &out)
+    common::run_and_check(&case, Preprocessor::builder(case.config.clone()).plan(plan).threads(2), &expected)
 }
 
 #[test]

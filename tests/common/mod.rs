@@ -6,7 +6,26 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use sparsecore_prep::spec::{PAD_GAIN_BITS, PAD_ID};
-use sparsecore_prep::{Error, Output, Plan};
+use sparsecore_prep::case::Case;
+use sparsecore_prep::input::SampleSource;
+use sparsecore_prep::{Error, Output, Plan, PreprocessorBuilder};
+
+/// Builds the preprocessor from `builder`, runs `case` through it and compares with `expected`
+/// (an error case by kind and message, otherwise the whole output).
+pub fn run_and_check(case: &Case, builder: PreprocessorBuilder, expected: &Value) -> Result<(), String> {
+    let mut out = Output::new();
+    let result = builder.build().and_then(|mut prep| {
+        let sources = case.sources()?;
+        let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
+        prep.run(&inputs, &mut out)?;
+        Ok(prep)
+    });
+    if let Some(err) = expected.get("error") {
+        return check_error(err, result.map(|_| ()));
+    }
+    let prep = result.map_err(|e| format!("preprocessing failed: {e}"))?;
+    check_output(&case.raw, expected, prep.plan().ok_or("no plan")?, &out)
+}
 
 /// Case directories (holding input.json and expected.json) under `root`, sorted.
 pub fn case_dirs(root: &Path) -> Vec<PathBuf> {
