@@ -56,6 +56,10 @@ pub struct SegmentWriter<'a> {
     dropped: u64,
     /// Whether the last pushed entry was written (duplicates merge into it only then).
     last_written: bool,
+    /// The gain of the last written entry, kept in a register for branch-free merging.
+    last_gain: f32,
+    /// Occurrences merged into the last written entry.
+    count: u32,
     /// Whether `finish` pads the slice's tail (not when the next segment follows in it).
     pad_tail: bool,
 }
@@ -81,6 +85,8 @@ impl<'a> SegmentWriter<'a> {
             row_lo,
             dropped: 0,
             last_written: false,
+            last_gain: 0.0,
+            count: 0,
             pad_tail: true,
         }
     }
@@ -126,6 +132,8 @@ impl<'a> SegmentWriter<'a> {
             *self.sample_ids.get_unchecked_mut(i) = sample as i32;
             *self.gains.get_unchecked_mut(i) = gain;
         }
+        self.last_gain = gain;
+        self.count = 1;
         self.i = i + 1;
     }
 
@@ -185,7 +193,9 @@ impl EntrySink for SegmentWriter<'_> {
     fn add_to_last(&mut self, gain: f32) {
         if self.last_written {
             // Merged as the reference does, on a thread that flushes subnormals to zero.
-            self.gains[self.i - 1] = flush_subnormal(self.gains[self.i - 1] + gain);
+            self.last_gain = flush_subnormal(self.last_gain + gain);
+            self.gains[self.i - 1] = self.last_gain;
+            self.count += 1;
         }
     }
 
@@ -203,6 +213,52 @@ impl EntrySink for SegmentWriter<'_> {
         // Once an entry is dropped every later one is (the cursor stays at `cs`), so the
         // last entry was written exactly when nothing has been dropped yet.
         self.last_written = self.dropped == 0;
+    }
+
+    #[inline(always)]
+    fn room(&self) -> usize {
+        self.cs - self.i
+    }
+
+    /// Writes the entry at the cursor, or over the last entry (the same row and column) with
+    /// the merged gain, selecting rather than branching.
+    #[inline(always)]
+    fn push_or_merge(&mut self, dup: bool, _partition: u32, local: u32, _nbits: u32, row: u32, gain: f32) {
+        let merged = flush_subnormal(self.last_gain + gain);
+        // Selected as bits: a float select tends to become a branch.
+        let g = f32::from_bits(std::hint::select_unpredictable(dup, merged.to_bits(), gain.to_bits()));
+        self.put(dup, local, row, g);
+    }
+
+    #[inline(always)]
+    fn push_or_count(&mut self, dup: bool, _partition: u32, local: u32, _nbits: u32, row: u32) {
+        self.count = std::hint::select_unpredictable(dup, self.count.saturating_add(1), 1);
+        // The f32 sum of `count` ones.
+        self.put(dup, local, row, self.count.min(1 << 24) as f32);
+    }
+}
+
+impl SegmentWriter<'_> {
+    /// Writes an entry at the cursor, or over the last entry when `dup` (its id and sample
+    /// are the same, so only the gain changes), without a branch on `dup`.
+    #[inline(always)]
+    #[allow(unsafe_code)]
+    fn put(&mut self, dup: bool, local: u32, row: u32, gain: f32) {
+        let offset = row.wrapping_sub(self.row_lo);
+        let sample = if offset < self.batch_per_sc { offset } else { row % self.batch_per_sc };
+        // The last entry exists when `dup`: the first key of a partition is never a duplicate.
+        let j = self.i - dup as usize;
+        assert!(j < self.cs);
+        // SAFETY: j < cs (asserted; the walk keeps i < cs through `room`), and `cs` is the
+        // minimum of the three slices' lengths.
+        unsafe {
+            *self.embedding_ids.get_unchecked_mut(j) = local as i32;
+            *self.sample_ids.get_unchecked_mut(j) = sample as i32;
+            *self.gains.get_unchecked_mut(j) = gain;
+        }
+        self.last_gain = gain;
+        self.last_written = true;
+        self.i = j + 1;
     }
 }
 
@@ -251,6 +307,35 @@ mod tests {
         // The deterministic tail.
         assert!(emb[32..].iter().all(|&v| v == P));
         assert!(g[32..].iter().all(|v| v.to_bits() == PAD_GAIN_BITS));
+    }
+
+    #[test]
+    fn branch_free_merges_equal_the_plain_ones() {
+        // The walk's branch-free calls against push_local / add_to_last, including a count
+        // past 2^24, where summing ones in f32 stops growing.
+        let runs: [(u32, usize); 4] = [(0, 1), (1, 3), (2, (1 << 24) + 3), (3, 2)];
+        let written = |fast: bool| {
+            let mut bufs = (vec![0i32; 8], vec![0i32; 16], vec![0i32; 16], vec![0f32; 16]);
+            let seg = Segment { row_pointers: &mut bufs.0, embedding_ids: &mut bufs.1, sample_ids: &mut bufs.2, gains: &mut bufs.3 };
+            let mut w = SegmentWriter::new(seg, 1, 8, 0);
+            for &(local, n) in &runs {
+                for k in 0..n {
+                    match (fast, k > 0) {
+                        (true, dup) => w.push_or_count(dup, 0, local, 0, local),
+                        (false, false) => w.push_local(0, local, 0, local, 1.0),
+                        (false, true) => w.add_to_last(1.0),
+                    }
+                }
+            }
+            w.finish();
+            bufs
+        };
+        let (fast, plain) = (written(true), written(false));
+        assert_eq!(fast.1, plain.1);
+        assert_eq!(fast.2, plain.2);
+        let bits = |g: &[f32]| g.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&fast.3), bits(&plain.3));
+        assert_eq!(&fast.3[..4], &[1.0, 3.0, 16_777_216.0, 2.0]);
     }
 
     #[test]

@@ -112,6 +112,33 @@ pub trait EntrySink {
     fn push_local(&mut self, partition: u32, local: u32, nbits: u32, row: u32, gain: f32) {
         self.push_parts(partition, local, nbits, row, gain);
     }
+    /// How many more entries of the current partition can certainly be appended without
+    /// overflowing, which is what lets the walk call [`EntrySink::push_or_merge`].
+    #[inline(always)]
+    fn room(&self) -> usize {
+        usize::MAX
+    }
+    /// Merges `gain` into the last entry when `dup` (the same row and column), else appends an
+    /// entry of the current partition, as [`EntrySink::push_local`]. About a third of the keys
+    /// of real batches are duplicates, in no pattern a branch predictor can learn, so sinks
+    /// that can do this without a branch override it; it is called only while
+    /// [`EntrySink::room`] is positive.
+    #[inline(always)]
+    fn push_or_merge(&mut self, dup: bool, partition: u32, local: u32, nbits: u32, row: u32, gain: f32) {
+        if dup {
+            self.add_to_last(gain);
+        } else {
+            self.push_local(partition, local, nbits, row, gain);
+        }
+    }
+    /// [`EntrySink::push_or_merge`] with a gain of 1.0. A merged entry's gain is then the
+    /// number of occurrences merged into it (summing ones in f32 is exact up to 2^24, where the
+    /// sum stops growing), which a sink can count in an integer register instead of carrying
+    /// a float sum from key to key.
+    #[inline(always)]
+    fn push_or_count(&mut self, dup: bool, partition: u32, local: u32, nbits: u32, row: u32) {
+        self.push_or_merge(dup, partition, local, nbits, row, 1.0);
+    }
 }
 
 impl EntrySink for Vec<Entry> {
@@ -274,9 +301,11 @@ impl RunState {
 
 /// The walk without dropping, for gains that are not per-index (unit, per row, or packed):
 /// there a whole key (column bits and row) identifies a (row, column) pair, so merging is one
-/// compare, and since nothing is dropped the current partition's counters stay in registers
-/// until the keys cross into the next partition (one compare per key). The state and the sink
-/// are locals of this loop, passed by value, so that they are not re-read from memory per key.
+/// compare, and since nothing is dropped the current partition's counters stay in registers.
+/// The keys are cut at partition boundaries (a binary search each: keys are sorted), and within
+/// a partition every key either merges or appends without a branch, in blocks the sink has
+/// room for. The state and the sink are locals of this loop, passed by value, so that they are
+/// not re-read from memory per key.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn run<S: EntrySink, const GAINS: u8, K: SortKey>(
@@ -289,35 +318,97 @@ fn run<S: EntrySink, const GAINS: u8, K: SortKey>(
     unique: &mut [u32],
 ) -> S {
     let layout = ex.layout;
-    let (db, lmask) = (layout.data_bits, (1u64 << layout.local_bits) - 1);
-    let dmask = (1u64 << db) - 1;
-    let row_lo = ex.row_lo;
+    let part_bits = layout.data_bits + layout.local_bits;
     let mut st = *state;
-    for &k in keys {
-        let element = high | k.to_u64();
-        let key = if GAINS == PACKED { element >> 32 } else { element };
-        let data = (key & dmask) as u32;
-        let gain = match GAINS {
-            PER_ROW => ex.row_gains.get(data as usize).copied().unwrap_or(0.0),
-            PACKED => f32::from_bits(element as u32),
-            _ => 1.0,
-        };
-        if key == st.last {
-            sink.add_to_last(gain);
-            continue;
-        }
+    let mut rest = keys;
+    while let Some(&first) = rest.first() {
+        let key = element_key::<GAINS>(high | first.to_u64());
         if key >= st.part_end {
             st.flush(ids, unique);
             st.part = layout.partition(key);
-            st.part_end = ((st.part as u64) + 1) << (db + layout.local_bits);
+            st.part_end = ((st.part as u64) + 1) << part_bits;
             sink = sink.start_partition(st.part as u32);
         }
-        st.ids += 1;
-        st.unique += ((key ^ st.last) >> db != 0) as u32;
-        sink.push_local(st.part as u32, ((key >> db) & lmask) as u32, layout.nbits, row_lo + data, gain);
-        st.last = key;
+        let end = rest.partition_point(|&k| element_key::<GAINS>(high | k.to_u64()) < st.part_end);
+        let (part, next) = rest.split_at(end);
+        sink = run_partition::<S, GAINS, K>(ex, sink, part, high, &mut st);
+        rest = next;
     }
     *state = st;
+    sink
+}
+
+/// The key of a stored element (packed elements carry the gain in their low half).
+#[inline(always)]
+fn element_key<const GAINS: u8>(element: u64) -> u64 {
+    if GAINS == PACKED {
+        element >> 32
+    } else {
+        element
+    }
+}
+
+/// [`run`] over the keys of one partition, `st.part`.
+#[inline(always)]
+fn run_partition<S: EntrySink, const GAINS: u8, K: SortKey>(
+    ex: &Extracted,
+    mut sink: S,
+    keys: &[K],
+    high: u64,
+    st: &mut RunState,
+) -> S {
+    let layout = ex.layout;
+    let (db, lmask) = (layout.data_bits, (1u64 << layout.local_bits) - 1);
+    let dmask = (1u64 << db) - 1;
+    let (row_lo, part) = (ex.row_lo, st.part as u32);
+    let gain_of = |element: u64, data: u32| match GAINS {
+        PER_ROW => ex.row_gains.get(data as usize).copied().unwrap_or(0.0),
+        PACKED => f32::from_bits(element as u32),
+        _ => 1.0,
+    };
+    let (mut last, mut n_ids, mut n_unique) = (st.last, st.ids, st.unique);
+    let mut rest = keys;
+    while !rest.is_empty() {
+        // Each key appends at most one entry, so a block no longer than the room never
+        // overflows.
+        let take = rest.len().min(sink.room());
+        if take == 0 {
+            break;
+        }
+        let (block, next) = rest.split_at(take);
+        for &k in block {
+            let element = high | k.to_u64();
+            let key = element_key::<GAINS>(element);
+            let data = (key & dmask) as u32;
+            let dup = key == last;
+            n_ids += !dup as u32;
+            n_unique += ((key ^ last) >> db != 0) as u32;
+            let local = ((key >> db) & lmask) as u32;
+            if GAINS == UNIT {
+                sink.push_or_count(dup, part, local, layout.nbits, row_lo + data);
+            } else {
+                sink.push_or_merge(dup, part, local, layout.nbits, row_lo + data, gain_of(element, data));
+            }
+            last = key;
+        }
+        rest = next;
+    }
+    // Out of room: what is left overflows, entry by entry, as the sink decides.
+    for &k in rest {
+        let element = high | k.to_u64();
+        let key = element_key::<GAINS>(element);
+        let data = (key & dmask) as u32;
+        let gain = gain_of(element, data);
+        if key == last {
+            sink.add_to_last(gain);
+            continue;
+        }
+        n_ids += 1;
+        n_unique += ((key ^ last) >> db != 0) as u32;
+        sink.push_local(part, ((key >> db) & lmask) as u32, layout.nbits, row_lo + data, gain);
+        last = key;
+    }
+    (st.last, st.ids, st.unique) = (last, n_ids, n_unique);
     sink
 }
 
