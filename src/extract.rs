@@ -30,11 +30,10 @@ pub struct Extracted {
     /// How this SparseCore's keys are packed.
     pub layout: KeyLayout,
     /// One sort key (or packed key and gain) per extracted id, in extraction order, when the
-    /// layout stores whole `u64`s.
+    /// layout is not [`KeyLayout::narrow`].
     pub keys: Vec<u64>,
-    /// Otherwise the keys' low 32 bits, in chunks by the bits above (see
-    /// [`KeyLayout::chunk_bits`]); only the first `2^chunk_bits` chunks are in use.
-    pub chunks: Vec<Vec<u32>>,
+    /// Otherwise the keys themselves, as `u32`, in extraction order.
+    pub narrow: Vec<u32>,
     /// Weighted stacks with index payloads: (sample row, gain) of each extraction index, kept
     /// together so that the walk's random lookup touches one cache line.
     pub rows: Vec<(u32, f32)>,
@@ -42,6 +41,8 @@ pub struct Extracted {
     pub row_gains: Vec<f32>,
     /// First row of this SparseCore (`s * bsps`).
     pub row_lo: u32,
+    /// Rows this SparseCore's keys can reference, from `row_lo` on: unity payloads are below it.
+    pub row_span: u32,
     /// Whether the payload is an extraction index (weighted) or a row (unity).
     pub weighted: bool,
     /// Unity weights with the sum combiner: every gain is 1.0 and `row_gains` is not kept.
@@ -59,27 +60,15 @@ impl Extracted {
         reserve_to(&mut self.keys, other.keys.capacity());
         reserve_to(&mut self.rows, other.rows.capacity());
         reserve_to(&mut self.row_gains, other.row_gains.capacity());
-        if self.chunks.len() < other.chunks.len() {
-            self.chunks.resize_with(other.chunks.len(), Vec::new);
-        }
-        for (mine, theirs) in self.chunks.iter_mut().zip(&other.chunks) {
-            reserve_to(mine, theirs.capacity());
-        }
-    }
-
-    /// Chunks in use.
-    pub fn active_chunks(&self) -> &[Vec<u32>] {
-        match self.layout.chunk_bits() {
-            Some(c) => &self.chunks[..1 << c],
-            None => &[],
-        }
+        reserve_to(&mut self.narrow, other.narrow.capacity());
     }
 
     /// Keys extracted.
     pub fn len(&self) -> usize {
-        match self.layout.chunk_bits() {
-            Some(_) => self.active_chunks().iter().map(Vec::len).sum(),
-            None => self.keys.len(),
+        if self.layout.narrow() {
+            self.narrow.len()
+        } else {
+            self.keys.len()
         }
     }
 
@@ -91,25 +80,17 @@ impl Extracted {
     #[inline(always)]
     fn push_key(&mut self, key: u64) {
         if self.layout.narrow() {
-            self.chunks[(key >> 32) as usize].push(key as u32);
+            self.narrow.push(key as u32);
         } else {
             self.keys.push(key);
         }
     }
 
-    /// Sets the layout and empties the key storage for it.
+    /// Sets the layout and empties the key storage.
     fn reset_keys(&mut self, layout: KeyLayout) {
         self.layout = layout;
         self.keys.clear();
-        if let Some(c) = layout.chunk_bits() {
-            let n = 1usize << c;
-            if self.chunks.len() < n {
-                self.chunks.resize_with(n, Vec::new);
-            }
-            for chunk in &mut self.chunks[..n] {
-                chunk.clear();
-            }
-        }
+        self.narrow.clear();
     }
 }
 
@@ -176,6 +157,7 @@ pub fn extract_sc(
         });
     }
     let span = row_hi - row_lo;
+    out.row_span = span as u32;
     let nbits = layout.partition_bits();
     let row_bits = bits_for(span.saturating_sub(1) as u64);
     let packed = ctx.weighted && nbits + ctx.local_bits + row_bits <= 32;
@@ -309,50 +291,66 @@ fn unity_gain(combiner: Combiner, n: usize) -> f32 {
 
 /// Where the fast path writes keys, resolved once per slice.
 trait KeySink {
-    fn push(&mut self, key: u64);
+    /// Appends the keys of one row's ids (all with payload `data`) and returns whether any id
+    /// is at or above `enc.vocab`.
+    fn write_row<T: IdValue>(&mut self, ids: &[T], enc: RowEncoder, data: u32) -> bool;
+}
 
-    /// Appends a row's keys. The contiguous sinks take them as one `extend` over a slice, a
-    /// branch-free loop the compiler vectorises.
+/// A feature's id-to-key arithmetic, passed by value so that the row loop keeps it in
+/// registers (read through `self`, every field is reloaded per id: the key stores could alias
+/// it for all the compiler knows).
+#[derive(Clone, Copy)]
+struct RowEncoder {
+    /// Ids at or above this are out of range.
+    vocab: u64,
+    shift: u32,
+    mask: u32,
+    offset: u32,
+    layout: KeyLayout,
+}
+
+impl RowEncoder {
     #[inline(always)]
-    fn extend_row<I: Iterator<Item = u64>>(&mut self, keys: I) {
-        for k in keys {
-            self.push(k);
-        }
+    fn key(self, id: u64, data: u32) -> u64 {
+        self.layout.encode(0, col_of(id as u32, self.shift, self.mask, self.offset), data)
     }
 }
 
 /// Keys that fit 32 bits.
-struct OneChunk<'a>(&'a mut Vec<u32>);
-/// 32-bit halves, chunked by the bits above.
-struct Chunks<'a>(&'a mut [Vec<u32>]);
+struct Narrow<'a>(&'a mut Vec<u32>);
 /// Whole 64-bit keys.
 struct Wide<'a>(&'a mut Vec<u64>);
 
-impl KeySink for OneChunk<'_> {
+impl KeySink for Narrow<'_> {
     #[inline(always)]
-    fn push(&mut self, key: u64) {
-        self.0.push(key as u32);
-    }
-    #[inline(always)]
-    fn extend_row<I: Iterator<Item = u64>>(&mut self, keys: I) {
-        self.0.extend(keys.map(|k| k as u32));
-    }
-}
-impl KeySink for Chunks<'_> {
-    #[inline(always)]
-    fn push(&mut self, key: u64) {
-        self.0[(key >> 32) as usize].push(key as u32);
+    fn write_row<T: IdValue>(&mut self, ids: &[T], enc: RowEncoder, data: u32) -> bool {
+        write_row_into(self.0, ids, enc, data, |k| k as u32)
     }
 }
 impl KeySink for Wide<'_> {
     #[inline(always)]
-    fn push(&mut self, key: u64) {
-        self.0.push(key);
+    fn write_row<T: IdValue>(&mut self, ids: &[T], enc: RowEncoder, data: u32) -> bool {
+        write_row_into(self.0, ids, enc, data, |k| k)
     }
-    #[inline(always)]
-    fn extend_row<I: Iterator<Item = u64>>(&mut self, keys: I) {
-        self.0.extend(keys);
+}
+
+/// One row's keys appended to `v` in a loop with no branch and no call: validation is one
+/// flag for the row (the offending id is looked up only on error).
+#[inline(always)]
+#[allow(unsafe_code)]
+fn write_row_into<E, T: IdValue>(v: &mut Vec<E>, ids: &[T], enc: RowEncoder, data: u32, cast: impl Fn(u64) -> E) -> bool {
+    v.reserve(ids.len());
+    let len = v.len();
+    let mut bad = false;
+    for (slot, &id) in v.spare_capacity_mut()[..ids.len()].iter_mut().zip(ids) {
+        let id = id.to_i64() as u64;
+        bad |= id >= enc.vocab;
+        slot.write(cast(enc.key(id, data)));
     }
+    // SAFETY: after `reserve`, the spare capacity holds at least `ids.len()` slots, and the
+    // loop above initialised the first `ids.len()` of them.
+    unsafe { v.set_len(len + ids.len()) };
+    bad
 }
 
 /// A row offset.
@@ -459,27 +457,18 @@ impl Sink<'_, '_> {
             self.out.data_sorted = false;
         }
         self.out.last_data = first + (rows.len() - 1) as u32;
-        match self.out.layout.chunk_bits() {
-            Some(0) => {
-                let mut keys = std::mem::take(&mut self.out.chunks[0]);
-                keys.reserve(total);
-                let r = self.ragged_unity_into(&mut OneChunk(&mut keys), ids, offsets, rows);
-                self.out.chunks[0] = keys;
-                r
-            }
-            Some(c) => {
-                let mut chunks = std::mem::take(&mut self.out.chunks);
-                let r = self.ragged_unity_into(&mut Chunks(&mut chunks[..1 << c]), ids, offsets, rows);
-                self.out.chunks = chunks;
-                r
-            }
-            None => {
-                let mut keys = std::mem::take(&mut self.out.keys);
-                keys.reserve(total);
-                let r = self.ragged_unity_into(&mut Wide(&mut keys), ids, offsets, rows);
-                self.out.keys = keys;
-                r
-            }
+        if self.out.layout.narrow() {
+            let mut keys = std::mem::take(&mut self.out.narrow);
+            keys.reserve(total);
+            let r = self.ragged_unity_into(&mut Narrow(&mut keys), ids, offsets, rows);
+            self.out.narrow = keys;
+            r
+        } else {
+            let mut keys = std::mem::take(&mut self.out.keys);
+            keys.reserve(total);
+            let r = self.ragged_unity_into(&mut Wide(&mut keys), ids, offsets, rows);
+            self.out.keys = keys;
+            r
         }
     }
 
@@ -491,11 +480,15 @@ impl Sink<'_, '_> {
         offsets: &[O],
         rows: Range<usize>,
     ) -> Result<()> {
-        let layout = self.out.layout;
         let combiner = self.ctx.combiner;
-        // Read once: the writes below could alias `self` for all the compiler knows.
         let (vocab, check) = (self.plan.vocabulary_size, self.ctx.validate_ids);
-        let (shift, mask, offset) = (self.plan.col_shift, self.mask, self.plan.col_offset);
+        let enc = RowEncoder {
+            vocab: if check { vocab } else { u64::MAX },
+            shift: self.plan.col_shift,
+            mask: self.mask,
+            offset: self.plan.col_offset,
+            layout: self.out.layout,
+        };
         for (data, r) in (self.row_base - self.out.row_lo..).zip(rows) {
             let (a, b) = (offsets[r].to_usize(), offsets[r + 1].to_usize());
             let row_ids = ids.get(a..b).ok_or_else(|| bad_row(&self.plan.name, "ids", r))?;
@@ -503,15 +496,8 @@ impl Sink<'_, '_> {
                 if combiner != Combiner::Sum {
                     self.out.row_gains[data as usize] = unity_gain(combiner, row_ids.len());
                 }
-                // Validation is folded into one flag per row so that the loop has no branch;
-                // the offending id is looked up only on error.
-                let mut bad = false;
-                keys.extend_row(row_ids.iter().map(|&id| {
-                    let id = id.to_i64();
-                    bad |= check & (id as u64 >= vocab);
-                    layout.encode(0, col_of(id as u32, shift, mask, offset), data)
-                }));
-                if bad {
+                // (Unchecked, `vocab` is u64::MAX, which only the id -1 reaches.)
+                if keys.write_row(row_ids, enc, data) && check {
                     let id = row_ids.iter().map(|v| v.to_i64()).find(|&id| id as u64 >= vocab).unwrap_or_default();
                     return Err(self.out_of_range(r, id));
                 }

@@ -10,7 +10,7 @@
 //! padded too, so the output is a pure function of the input.
 
 use crate::extract::flush_subnormal;
-use crate::group::{Entry, EntrySink};
+use crate::group::{walk_block_plain, Block, Entry, EntrySink, SortKey};
 use crate::spec::{ALIGNMENT, PAD_GAIN_BITS, PAD_ID};
 
 /// The padding gain (quiet NaN with the reference's bit pattern).
@@ -220,45 +220,60 @@ impl EntrySink for SegmentWriter<'_> {
         self.cs - self.i
     }
 
-    /// Writes the entry at the cursor, or over the last entry (the same row and column) with
-    /// the merged gain, selecting rather than branching.
-    #[inline(always)]
-    fn push_or_merge(&mut self, dup: bool, _partition: u32, local: u32, _nbits: u32, row: u32, gain: f32) {
-        let merged = flush_subnormal(self.last_gain + gain);
-        // Selected as bits: a float select tends to become a branch.
-        let g = f32::from_bits(std::hint::select_unpredictable(dup, merged.to_bits(), gain.to_bits()));
-        self.put(dup, local, row, g);
-    }
-
-    #[inline(always)]
-    fn push_or_count(&mut self, dup: bool, _partition: u32, local: u32, _nbits: u32, row: u32) {
-        self.count = std::hint::select_unpredictable(dup, self.count.saturating_add(1), 1);
-        // The f32 sum of `count` ones.
-        self.put(dup, local, row, self.count.min(1 << 24) as f32);
-    }
-}
-
-impl SegmentWriter<'_> {
-    /// Writes an entry at the cursor, or over the last entry when `dup` (its id and sample
-    /// are the same, so only the gain changes), without a branch on `dup`.
+    /// The branch-free block walk: every key writes its entry at the cursor, or, when it
+    /// repeats the previous key, over the previous entry (same id and sample) with the merged
+    /// gain, chosen by a select; unit gains are counted in an integer register.
     #[inline(always)]
     #[allow(unsafe_code)]
-    fn put(&mut self, dup: bool, local: u32, row: u32, gain: f32) {
-        let offset = row.wrapping_sub(self.row_lo);
-        let sample = if offset < self.batch_per_sc { offset } else { row % self.batch_per_sc };
-        // The last entry exists when `dup`: the first key of a partition is never a duplicate.
-        let j = self.i - dup as usize;
-        assert!(j < self.cs);
-        // SAFETY: j < cs (asserted; the walk keeps i < cs through `room`), and `cs` is the
-        // minimum of the three slices' lengths.
-        unsafe {
-            *self.embedding_ids.get_unchecked_mut(j) = local as i32;
-            *self.sample_ids.get_unchecked_mut(j) = sample as i32;
-            *self.gains.get_unchecked_mut(j) = gain;
+    fn walk_block<K: SortKey>(&mut self, keys: &[K], b: Block, last: u64, gain: impl Fn(u64, u32) -> f32) -> (u64, u32, u32) {
+        let start = self.i;
+        if b.row_lo != self.row_lo || b.row_span > self.batch_per_sc || keys.len() > self.cs - start {
+            // Payloads that are not this segment's samples, or no room: the plain walk.
+            return walk_block_plain(self, keys, b, last, gain);
         }
-        self.last_gain = gain;
-        self.last_written = true;
-        self.i = j + 1;
+        // With nothing written yet there is nothing to merge into (`last` then belongs to no
+        // entry of this segment, and cannot equal a key of this partition anyway).
+        let mut last = if start == 0 { u64::MAX } else { last };
+        let dmask = (1u64 << b.data_bits) - 1;
+        let (emb, smp, gains) = (self.embedding_ids.as_mut_ptr(), self.sample_ids.as_mut_ptr(), self.gains.as_mut_ptr());
+        let (mut i, mut count, mut acc, mut unique) = (start, self.count, self.last_gain, 0u32);
+        for &k in keys {
+            let element = b.high | k.to_u64();
+            let key = element >> b.element_shift;
+            let dup = key == last;
+            unique += ((key ^ last) >> b.data_bits != 0) as u32;
+            let data = (key & dmask) as u32;
+            let g = if b.unit {
+                count = std::hint::select_unpredictable(dup, count.saturating_add(1), 1);
+                // The f32 sum of `count` ones: exact up to 2^24, where it stops growing.
+                (count as f32).min(16_777_216.0)
+            } else {
+                let g = gain(element, data);
+                let merged = flush_subnormal(acc + g);
+                // Selected as bits: a float select tends to become a branch.
+                f32::from_bits(std::hint::select_unpredictable(dup, merged.to_bits(), g.to_bits()))
+            };
+            acc = g;
+            let j = i - dup as usize;
+            // SAFETY: `dup` needs an entry before the cursor (start > 0, or a key of this
+            // block), so j cannot underflow; the cursor grows by at most one per key from
+            // `start`, and start + keys.len() <= cs (checked above), so j < cs, the length of
+            // all three slices.
+            unsafe {
+                emb.add(j).write(((key >> b.data_bits) & b.local_mask) as i32);
+                // The sample is the payload: rows of this segment (row_lo matches) and below
+                // batch_per_sc (row_span does).
+                smp.add(j).write(data as i32);
+                gains.add(j).write(g);
+            }
+            i = j + 1;
+            last = key;
+        }
+        if i > start || !keys.is_empty() {
+            self.last_written = true;
+        }
+        (self.i, self.count, self.last_gain) = (i, count, acc);
+        (last, (i - start) as u32, unique)
     }
 }
 
@@ -310,32 +325,47 @@ mod tests {
     }
 
     #[test]
-    fn branch_free_merges_equal_the_plain_ones() {
-        // The walk's branch-free calls against push_local / add_to_last, including a count
-        // past 2^24, where summing ones in f32 stops growing.
-        let runs: [(u32, usize); 4] = [(0, 1), (1, 3), (2, (1 << 24) + 3), (3, 2)];
-        let written = |fast: bool| {
-            let mut bufs = (vec![0i32; 8], vec![0i32; 16], vec![0i32; 16], vec![0f32; 16]);
-            let seg = Segment { row_pointers: &mut bufs.0, embedding_ids: &mut bufs.1, sample_ids: &mut bufs.2, gains: &mut bufs.3 };
-            let mut w = SegmentWriter::new(seg, 1, 8, 0);
-            for &(local, n) in &runs {
-                for k in 0..n {
-                    match (fast, k > 0) {
-                        (true, dup) => w.push_or_count(dup, 0, local, 0, local),
-                        (false, false) => w.push_local(0, local, 0, local, 1.0),
-                        (false, true) => w.add_to_last(1.0),
-                    }
+    fn branch_free_walk_equals_the_plain_one() {
+        // Runs of equal keys (local id in the high half, sample in the low): the writer's
+        // branch-free walk against the plain one, for unit gains (including a count past
+        // 2^24, where summing ones in f32 stops growing) and for given gains.
+        let runs: [(u64, u64, usize); 5] = [(0, 0, 1), (1, 1, 3), (2, 2, (1 << 24) + 3), (3, 3, 2), (5, 4, 2)];
+        let keys: Vec<u64> = runs.iter().flat_map(|&(local, row, n)| std::iter::repeat_n(local << 3 | row, n)).collect();
+        let gain = |element: u64, _data: u32| if element >> 3 == 5 { 1.5 } else { 0.25 };
+        for unit in [true, false] {
+            let block = Block { high: 0, element_shift: 0, data_bits: 3, local_mask: 7, nbits: 0, partition: 0, row_lo: 0, row_span: 8, unit };
+            let written = |fast: bool| {
+                let mut bufs = (vec![0i32; 8], vec![0i32; 16], vec![0i32; 16], vec![0f32; 16]);
+                let seg = Segment { row_pointers: &mut bufs.0, embedding_ids: &mut bufs.1, sample_ids: &mut bufs.2, gains: &mut bufs.3 };
+                let mut w = SegmentWriter::new(seg, 1, 8, 0);
+                // Two blocks, split inside a run.
+                let (a, b) = keys.split_at(2);
+                let mut last = u64::MAX;
+                let mut totals = (0, 0);
+                for part in [a, b] {
+                    let (l, ids, unique) =
+                        if fast { w.walk_block(part, block, last, gain) } else { walk_block_plain(&mut w, part, block, last, gain) };
+                    last = l;
+                    totals = (totals.0 + ids, totals.1 + unique);
                 }
+                w.finish();
+                (bufs, totals)
+            };
+            let ((fast, ft), (plain, pt)) = (written(true), written(false));
+            assert_eq!(ft, pt);
+            assert_eq!(ft, (5, 5));
+            assert_eq!(fast.1, plain.1);
+            assert_eq!(&fast.2[..5], &[0, 1, 2, 3, 4]);
+            assert_eq!(fast.2, plain.2);
+            let bits = |g: &[f32]| g.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fast.3), bits(&plain.3));
+            if unit {
+                assert_eq!(&fast.3[..5], &[1.0, 3.0, 16_777_216.0, 2.0, 2.0]);
+            } else {
+                assert_eq!(&fast.3[..2], &[0.25, 0.75]);
+                assert_eq!(&fast.3[3..5], &[0.5, 3.0]);
             }
-            w.finish();
-            bufs
-        };
-        let (fast, plain) = (written(true), written(false));
-        assert_eq!(fast.1, plain.1);
-        assert_eq!(fast.2, plain.2);
-        let bits = |g: &[f32]| g.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&fast.3), bits(&plain.3));
-        assert_eq!(&fast.3[..4], &[1.0, 3.0, 16_777_216.0, 2.0]);
+        }
     }
 
     #[test]

@@ -23,8 +23,9 @@ use crate::spec::{DATA_BITS, DATA_MASK};
 /// Bits of the minibatching bucket.
 pub const BUCKET_BITS: u32 = 6;
 
-/// Most key bits above 32 that are split off into chunks (4096 chunks): each chunk then sorts
-/// 32-bit keys, which move three times faster than 64-bit ones.
+/// Most bits of a key's top that the sort splits off into chunks (4096 chunks): the chunks'
+/// keys are then sorted as `u32` and walked while they are in cache (see `group::sort`). Keys
+/// wider than `32 + MAX_CHUNK_BITS` are sorted whole, as `u64`.
 pub const MAX_CHUNK_BITS: u32 = 12;
 
 /// How one SparseCore packs (bucket, column, data) into a key.
@@ -81,22 +82,19 @@ impl KeyLayout {
         self.bucket_shift() + if self.buckets { BUCKET_BITS } else { 0 }
     }
 
-    /// How keys are stored: `Some(c)` means as `u32` low halves in `2^c` chunks chosen by the
-    /// key's bits above 32 (`c = 0`: the key fits 32 bits, one chunk); `None` means as whole
-    /// `u64` (packed with a gain, or too wide for [`MAX_CHUNK_BITS`]).
-    #[inline]
-    pub fn chunk_bits(&self) -> Option<u32> {
-        if self.packed {
-            return None;
-        }
-        let c = self.width().saturating_sub(32);
-        (c <= MAX_CHUNK_BITS).then_some(c)
-    }
-
-    /// Whether keys are stored as `u32` halves (see [`KeyLayout::chunk_bits`]).
+    /// Whether extraction stores the keys as `u32` (they fit 32 bits, and carry no gain).
     #[inline]
     pub fn narrow(&self) -> bool {
-        self.chunk_bits().is_some()
+        !self.packed && self.width() <= 32
+    }
+
+    /// Whether the sort may split the keys into chunks by their top bits, sorting and walking
+    /// each chunk's low bits as `u32` (unpacked keys at most `32 + MAX_CHUNK_BITS` wide); the
+    /// value is the fewest chunk bits that leave 32.
+    #[inline]
+    pub fn min_chunk_bits(&self) -> Option<u32> {
+        let c = self.width().saturating_sub(32);
+        (!self.packed && c <= MAX_CHUNK_BITS).then_some(c)
     }
 
     /// Bit position of the key inside a stored element (32 when packed with a gain).
@@ -215,10 +213,13 @@ mod tests {
     #[test]
     fn narrow_only_when_it_fits() {
         let l = KeyLayout { nbits: 2, local_bits: 18, data_bits: 11, buckets: false, packed: false };
-        assert_eq!(l.chunk_bits(), Some(0));
-        assert_eq!(KeyLayout { buckets: true, ..l }.chunk_bits(), Some(5));
-        assert_eq!(KeyLayout { packed: true, ..l }.chunk_bits(), None);
-        assert_eq!(KeyLayout { nbits: 9, local_bits: 23, data_bits: 26, buckets: true, packed: false }.chunk_bits(), None);
+        assert!(l.narrow());
+        assert_eq!(l.min_chunk_bits(), Some(0));
+        assert_eq!(KeyLayout { buckets: true, ..l }.min_chunk_bits(), Some(5));
+        assert!(!KeyLayout { buckets: true, ..l }.narrow());
+        assert_eq!(KeyLayout { packed: true, ..l }.min_chunk_bits(), None);
+        assert!(!KeyLayout { packed: true, ..l }.narrow());
+        assert_eq!(KeyLayout { nbits: 9, local_bits: 23, data_bits: 26, buckets: true, packed: false }.min_chunk_bits(), None);
         let l = KeyLayout { nbits: 0, local_bits: 0, data_bits: 0, buckets: false, packed: false };
         assert_eq!(l.decode(l.encode(0, 0, 0)), (0, 0, 0));
     }

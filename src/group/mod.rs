@@ -15,7 +15,7 @@ mod key;
 mod sort;
 
 pub use key::{bits_for, decode_key, encode_key, KeyLayout};
-pub use sort::{sort_chunk, sort_keys, RadixScratch, SortKey};
+pub use sort::{chunk_bits_for, sort_chunk, sort_keys, split, RadixScratch, SortKey};
 
 use crate::extract::{flush_subnormal, Extracted};
 use crate::spec::{round_up, ALIGNMENT};
@@ -113,32 +113,77 @@ pub trait EntrySink {
         self.push_parts(partition, local, nbits, row, gain);
     }
     /// How many more entries of the current partition can certainly be appended without
-    /// overflowing, which is what lets the walk call [`EntrySink::push_or_merge`].
+    /// overflowing, which is what lets the walk call [`EntrySink::walk_block`].
     #[inline(always)]
     fn room(&self) -> usize {
         usize::MAX
     }
-    /// Merges `gain` into the last entry when `dup` (the same row and column), else appends an
-    /// entry of the current partition, as [`EntrySink::push_local`]. About a third of the keys
-    /// of real batches are duplicates, in no pattern a branch predictor can learn, so sinks
-    /// that can do this without a branch override it; it is called only while
-    /// [`EntrySink::room`] is positive.
+    /// Walks `keys`, sorted keys of one partition (as [`Block`] describes them), continuing
+    /// after the key `last`: a key equal to the one before it merges its gain into that entry,
+    /// any other appends an entry. `gain` gives an element's gain from the element and its
+    /// payload (unused when `block.unit`). Called with at most [`EntrySink::room`] keys.
+    /// Returns the last key, and how many entries and distinct columns the block added.
+    ///
+    /// About a third of the keys of real batches are duplicates, in no pattern a branch
+    /// predictor can learn, so sinks that can merge without a branch override this.
     #[inline(always)]
-    fn push_or_merge(&mut self, dup: bool, partition: u32, local: u32, nbits: u32, row: u32, gain: f32) {
-        if dup {
-            self.add_to_last(gain);
-        } else {
-            self.push_local(partition, local, nbits, row, gain);
+    fn walk_block<K: SortKey>(&mut self, keys: &[K], block: Block, last: u64, gain: impl Fn(u64, u32) -> f32) -> (u64, u32, u32)
+    where
+        Self: Sized,
+    {
+        walk_block_plain(self, keys, block, last, gain)
+    }
+}
+
+/// A run of one partition's sorted keys, as [`EntrySink::walk_block`] reads them.
+#[derive(Debug, Clone, Copy)]
+pub struct Block {
+    /// ORed into every stored element (a chunk's top bits).
+    pub high: u64,
+    /// Shift from an element to its key (32 when a gain is packed below the key).
+    pub element_shift: u32,
+    /// Bits of the payload.
+    pub data_bits: u32,
+    /// Mask of the local id, once shifted down by `data_bits`.
+    pub local_mask: u64,
+    /// log2 N.
+    pub nbits: u32,
+    /// The partition of every key.
+    pub partition: u32,
+    /// Row of payload 0: a key's row is `row_lo + payload`.
+    pub row_lo: u32,
+    /// Payloads are below this.
+    pub row_span: u32,
+    /// Every gain is 1.0 (the sum combiner without weights).
+    pub unit: bool,
+}
+
+/// [`EntrySink::walk_block`] through `push_local` and `add_to_last`.
+#[inline(always)]
+pub fn walk_block_plain<S: EntrySink, K: SortKey>(
+    sink: &mut S,
+    keys: &[K],
+    b: Block,
+    mut last: u64,
+    gain: impl Fn(u64, u32) -> f32,
+) -> (u64, u32, u32) {
+    let dmask = (1u64 << b.data_bits) - 1;
+    let (mut ids, mut unique) = (0u32, 0u32);
+    for &k in keys {
+        let element = b.high | k.to_u64();
+        let key = element >> b.element_shift;
+        let data = (key & dmask) as u32;
+        let g = if b.unit { 1.0 } else { gain(element, data) };
+        if key == last {
+            sink.add_to_last(g);
+            continue;
         }
+        ids += 1;
+        unique += ((key ^ last) >> b.data_bits != 0) as u32;
+        sink.push_local(b.partition, ((key >> b.data_bits) & b.local_mask) as u32, b.nbits, b.row_lo + data, g);
+        last = key;
     }
-    /// [`EntrySink::push_or_merge`] with a gain of 1.0. A merged entry's gain is then the
-    /// number of occurrences merged into it (summing ones in f32 is exact up to 2^24, where the
-    /// sum stops growing), which a sink can count in an integer register instead of carrying
-    /// a float sum from key to key.
-    #[inline(always)]
-    fn push_or_count(&mut self, dup: bool, partition: u32, local: u32, nbits: u32, row: u32) {
-        self.push_or_merge(dup, partition, local, nbits, row, 1.0);
-    }
+    (last, ids, unique)
 }
 
 impl EntrySink for Vec<Entry> {
@@ -154,11 +199,15 @@ impl EntrySink for Vec<Entry> {
     }
 }
 
-/// Radix-sort scratch for both key widths, reused across batches.
+/// Sort memory, reused across batches: the chunks of [`sort::split`] with their bounds, and the
+/// radix sort's second buffers for both key widths.
 #[derive(Debug, Default)]
 pub struct SortScratch {
     wide: RadixScratch<u64>,
     narrow: RadixScratch<u32>,
+    chunks: Vec<u32>,
+    starts: Vec<u32>,
+    cursors: Vec<u32>,
 }
 
 impl SortScratch {
@@ -166,33 +215,23 @@ impl SortScratch {
     pub fn reserve_like(&mut self, other: &SortScratch) {
         self.wide.reserve_like(&other.wide);
         self.narrow.reserve_like(&other.narrow);
-    }
-}
-
-/// Sorts the extracted keys in place.
-pub fn sort_extracted(ex: &mut Extracted, scratch: &mut SortScratch) {
-    let (layout, sorted) = (ex.layout, ex.data_sorted);
-    match layout.chunk_bits() {
-        Some(c) => {
-            let (lo, hi) = (layout.data_bits, layout.width().min(32));
-            for chunk in &mut ex.chunks[..1 << c] {
-                sort_chunk(chunk, &mut scratch.narrow, lo, hi, sorted);
-            }
+        for (mine, theirs) in [(&mut self.chunks, &other.chunks), (&mut self.starts, &other.starts), (&mut self.cursors, &other.cursors)] {
+            crate::extract::reserve_to(mine, theirs.capacity());
         }
-        None => sort_keys(&mut ex.keys, &mut scratch.wide, layout, sorted),
     }
 }
 
 /// Sorts the extracted keys, then walks them into `out` (cleared first) and `stats`.
 pub fn sort_and_group(ex: &mut Extracted, scratch: &mut SortScratch, limits: Limits, out: &mut Vec<Entry>, stats: &mut ScStats) {
-    sort_extracted(ex, scratch);
     out.clear();
-    *out = group_sorted(ex, limits, std::mem::take(out), stats);
+    *out = sort_and_walk(ex, scratch, limits, std::mem::take(out), stats);
 }
 
-/// The walk of SPEC 3.7 over already sorted keys, sending kept entries to `sink`, which is
-/// taken by value (so that its state stays in registers) and handed back.
-pub fn group_sorted<S: EntrySink>(ex: &Extracted, limits: Limits, sink: S, stats: &mut ScStats) -> S {
+/// Sorts the extracted keys and runs the walk of SPEC 3.7 over them, sending kept entries to
+/// `sink`, which is taken by value (so that its state stays in registers) and handed back.
+/// Large key sets are sorted chunk by chunk (see [`sort::split`]), each chunk walked right
+/// after its sort, while it is in cache.
+pub fn sort_and_walk<S: EntrySink>(ex: &mut Extracted, scratch: &mut SortScratch, limits: Limits, sink: S, stats: &mut ScStats) -> S {
     let n = 1usize << ex.layout.nbits;
     stats.ids.clear();
     stats.ids.resize(n, 0);
@@ -202,14 +241,14 @@ pub fn group_sorted<S: EntrySink>(ex: &Extracted, limits: Limits, sink: S, stats
     // Gains come from per-index arrays (weights), packed beside the key (weights, narrow),
     // per-row arrays (unity mean/sqrtn), or are all 1.0 (unity sum).
     match (ex.weighted, ex.unit_gains || ex.layout.packed, limits.drop) {
-        (true, true, false) => walk::<S, PACKED, false>(ex, limits, sink, stats),
-        (true, true, true) => walk::<S, PACKED, true>(ex, limits, sink, stats),
-        (true, false, false) => walk::<S, WEIGHTED, false>(ex, limits, sink, stats),
-        (true, false, true) => walk::<S, WEIGHTED, true>(ex, limits, sink, stats),
-        (false, false, false) => walk::<S, PER_ROW, false>(ex, limits, sink, stats),
-        (false, false, true) => walk::<S, PER_ROW, true>(ex, limits, sink, stats),
-        (false, true, false) => walk::<S, UNIT, false>(ex, limits, sink, stats),
-        (false, true, true) => walk::<S, UNIT, true>(ex, limits, sink, stats),
+        (true, true, false) => walk::<S, PACKED, false>(ex, scratch, limits, sink, stats),
+        (true, true, true) => walk::<S, PACKED, true>(ex, scratch, limits, sink, stats),
+        (true, false, false) => walk::<S, WEIGHTED, false>(ex, scratch, limits, sink, stats),
+        (true, false, true) => walk::<S, WEIGHTED, true>(ex, scratch, limits, sink, stats),
+        (false, false, false) => walk::<S, PER_ROW, false>(ex, scratch, limits, sink, stats),
+        (false, false, true) => walk::<S, PER_ROW, true>(ex, scratch, limits, sink, stats),
+        (false, true, false) => walk::<S, UNIT, false>(ex, scratch, limits, sink, stats),
+        (false, true, true) => walk::<S, UNIT, true>(ex, scratch, limits, sink, stats),
     }
 }
 
@@ -219,16 +258,74 @@ const PER_ROW: u8 = 1;
 const UNIT: u8 = 2;
 const PACKED: u8 = 3;
 
+/// Sorts `ex`'s keys and runs `$body` over each sorted slice in key order, with `$keys` bound
+/// to the slice (of `u32` or `u64`) and `$high` to the bits to OR into each of its elements.
+/// A macro rather than a closure so that the body can move the sink in and out.
+macro_rules! for_each_sorted {
+    ($ex:ident, $scratch:ident, |$keys:ident, $high:ident| $body:block) => {{
+        let layout = $ex.layout;
+        let sorted = $ex.data_sorted;
+        match sort::chunk_bits_for($ex.len(), &layout) {
+            // Few keys: sorted in place, one slice.
+            Some(0) => {
+                sort_chunk(&mut $ex.narrow, &mut $scratch.narrow, layout.data_bits, layout.width(), sorted);
+                let ($keys, $high) = (&$ex.narrow[..], 0u64);
+                $body
+            }
+            Some(c) => {
+                let shift = layout.width() - c;
+                let SortScratch { narrow, chunks, starts, cursors, .. } = &mut *$scratch;
+                if layout.narrow() {
+                    sort::split(&$ex.narrow, layout.width(), c, chunks, starts, cursors);
+                } else {
+                    sort::split(&$ex.keys, layout.width(), c, chunks, starts, cursors);
+                }
+                for b in 0..1usize << c {
+                    let (lo, hi) = (starts[b] as usize, starts[b + 1] as usize);
+                    if lo == hi {
+                        continue;
+                    }
+                    let chunk = &mut chunks[lo..hi];
+                    sort_chunk(chunk, narrow, layout.data_bits, shift, sorted);
+                    let ($keys, $high) = (&chunk[..], (b as u64) << shift);
+                    $body
+                }
+            }
+            None => {
+                sort_keys(&mut $ex.keys, &mut $scratch.wide, layout, sorted);
+                let ($keys, $high) = (&$ex.keys[..], 0u64);
+                $body
+            }
+        }
+    }};
+}
+
 /// Runs the walker over every key in sorted order, whichever way the keys are stored.
 #[inline(always)]
-fn walk<S: EntrySink, const GAINS: u8, const DROP: bool>(ex: &Extracted, limits: Limits, sink: S, stats: &mut ScStats) -> S {
+fn walk<S: EntrySink, const GAINS: u8, const DROP: bool>(
+    ex: &mut Extracted,
+    scratch: &mut SortScratch,
+    limits: Limits,
+    mut sink: S,
+    stats: &mut ScStats,
+) -> S {
     let n = 1usize << ex.layout.nbits;
+    let (ids, unique) = (&mut stats.ids[..n], &mut stats.unique[..n]);
+    if !DROP && GAINS != WEIGHTED && !ex.layout.buckets {
+        // The common case gets a walk over whole partitions (see `run`).
+        let mut st = RunState::new(ex.layout);
+        for_each_sorted!(ex, scratch, |keys, high| {
+            sink = run::<S, GAINS, _>(ex, sink, keys, high, &mut st, ids, unique);
+        });
+        st.flush(ids, unique);
+        stats.dropped = 0;
+        return sink;
+    }
     let mut w = Walker::<S, GAINS, DROP> {
-        ex,
         limits,
         sink,
-        ids: &mut stats.ids[..n],
-        unique: &mut stats.unique[..n],
+        ids,
+        unique,
         dropped: 0,
         last_col: u64::MAX,
         last_row: u32::MAX,
@@ -236,37 +333,11 @@ fn walk<S: EntrySink, const GAINS: u8, const DROP: bool>(ex: &Extracted, limits:
         prev_row: u32::MAX,
         dropping_col: false,
     };
-    if !DROP && GAINS != WEIGHTED && !ex.layout.buckets {
-        // The common case gets a walk over whole partitions (see `run`).
-        let mut st = RunState::new(ex.layout);
-        let mut sink = w.sink;
-        match ex.layout.chunk_bits() {
-            Some(_) => {
-                for (c, chunk) in ex.active_chunks().iter().enumerate() {
-                    sink = run::<S, GAINS, u32>(ex, sink, chunk, (c as u64) << 32, &mut st, w.ids, w.unique);
-                }
-            }
-            None => sink = run::<S, GAINS, u64>(ex, sink, &ex.keys, 0, &mut st, w.ids, w.unique),
+    for_each_sorted!(ex, scratch, |keys, high| {
+        for &k in keys {
+            w.step(ex, high | k.to_u64());
         }
-        st.flush(w.ids, w.unique);
-        stats.dropped = 0;
-        return sink;
-    }
-    match ex.layout.chunk_bits() {
-        Some(_) => {
-            for (c, chunk) in ex.active_chunks().iter().enumerate() {
-                let high = (c as u64) << 32;
-                for &k in chunk {
-                    w.step(high | k as u64);
-                }
-            }
-        }
-        None => {
-            for &k in &ex.keys {
-                w.step(k);
-            }
-        }
-    }
+    });
     let (dropped, sink) = (w.dropped, w.sink);
     stats.dropped = dropped;
     sink
@@ -359,14 +430,23 @@ fn run_partition<S: EntrySink, const GAINS: u8, K: SortKey>(
 ) -> S {
     let layout = ex.layout;
     let (db, lmask) = (layout.data_bits, (1u64 << layout.local_bits) - 1);
-    let dmask = (1u64 << db) - 1;
     let (row_lo, part) = (ex.row_lo, st.part as u32);
     let gain_of = |element: u64, data: u32| match GAINS {
         PER_ROW => ex.row_gains.get(data as usize).copied().unwrap_or(0.0),
         PACKED => f32::from_bits(element as u32),
         _ => 1.0,
     };
-    let (mut last, mut n_ids, mut n_unique) = (st.last, st.ids, st.unique);
+    let block = Block {
+        high,
+        element_shift: if GAINS == PACKED { 32 } else { 0 },
+        data_bits: db,
+        local_mask: lmask,
+        nbits: layout.nbits,
+        partition: part,
+        row_lo,
+        row_span: ex.row_span,
+        unit: GAINS == UNIT,
+    };
     let mut rest = keys;
     while !rest.is_empty() {
         // Each key appends at most one entry, so a block no longer than the room never
@@ -375,47 +455,20 @@ fn run_partition<S: EntrySink, const GAINS: u8, K: SortKey>(
         if take == 0 {
             break;
         }
-        let (block, next) = rest.split_at(take);
-        for &k in block {
-            let element = high | k.to_u64();
-            let key = element_key::<GAINS>(element);
-            let data = (key & dmask) as u32;
-            let dup = key == last;
-            n_ids += !dup as u32;
-            n_unique += ((key ^ last) >> db != 0) as u32;
-            let local = ((key >> db) & lmask) as u32;
-            if GAINS == UNIT {
-                sink.push_or_count(dup, part, local, layout.nbits, row_lo + data);
-            } else {
-                sink.push_or_merge(dup, part, local, layout.nbits, row_lo + data, gain_of(element, data));
-            }
-            last = key;
-        }
+        let (keys, next) = rest.split_at(take);
+        let (last, ids, unique) = sink.walk_block(keys, block, st.last, gain_of);
+        (st.last, st.ids, st.unique) = (last, st.ids + ids, st.unique + unique);
         rest = next;
     }
     // Out of room: what is left overflows, entry by entry, as the sink decides.
-    for &k in rest {
-        let element = high | k.to_u64();
-        let key = element_key::<GAINS>(element);
-        let data = (key & dmask) as u32;
-        let gain = gain_of(element, data);
-        if key == last {
-            sink.add_to_last(gain);
-            continue;
-        }
-        n_ids += 1;
-        n_unique += ((key ^ last) >> db != 0) as u32;
-        sink.push_local(part, ((key >> db) & lmask) as u32, layout.nbits, row_lo + data, gain);
-        last = key;
-    }
-    (st.last, st.ids, st.unique) = (last, n_ids, n_unique);
+    let (last, ids, unique) = walk_block_plain(&mut sink, rest, block, st.last, gain_of);
+    (st.last, st.ids, st.unique) = (last, st.ids + ids, st.unique + unique);
     sink
 }
 
 /// The state of the walk, specialised for where gains live and for dropping. Columns are
 /// compared as the key's column bits (bucket, partition, local id).
 struct Walker<'a, S, const GAINS: u8, const DROP: bool> {
-    ex: &'a Extracted,
     limits: Limits,
     sink: S,
     ids: &'a mut [u32],
@@ -432,8 +485,7 @@ struct Walker<'a, S, const GAINS: u8, const DROP: bool> {
 
 impl<S: EntrySink, const GAINS: u8, const DROP: bool> Walker<'_, S, GAINS, DROP> {
     #[inline(always)]
-    fn step(&mut self, element: u64) {
-        let ex = self.ex;
+    fn step(&mut self, ex: &Extracted, element: u64) {
         let layout = ex.layout;
         let key = if GAINS == PACKED { element >> 32 } else { element };
         let colbits = layout.col_field(key);

@@ -5,9 +5,16 @@
 //!
 //! Extraction emits keys whose payload never decreases (samples are visited in row order and
 //! weighted payloads are running indices), so a *stable* sort by the column bits alone yields
-//! the full key order. That is an LSD radix sort over the few column bits a stack uses
-//! (typically 2 passes), far cheaper than a comparison sort. When the payload is not monotone
-//! (only possible with hand-made inconsistent row offsets) we fall back to `sort_unstable`.
+//! the full key order. That is an LSD radix sort over the few column bits a stack uses,
+//! far cheaper than a comparison sort. When the payload is not monotone (only possible with
+//! hand-made inconsistent row offsets) we fall back to `sort_unstable`.
+//!
+//! A SparseCore's keys outgrow the core's caches (hundreds of thousands of keys in real
+//! batches), and every radix pass over them would then stream through memory. So [`split`]
+//! first scatters them by their top bits into chunks of a few thousand keys, once, and each
+//! chunk is then radix-sorted on its remaining column bits and walked by the grouping stage
+//! while it is still in cache. The split is itself a stable counting sort, so chunk by chunk
+//! the order is the same.
 
 use super::key::{KeyLayout, BUCKET_BITS};
 
@@ -84,15 +91,71 @@ pub fn sort_keys<K: SortKey>(keys: &mut Vec<K>, scratch: &mut RadixScratch<K>, l
     radix_by_bits(keys, scratch, lo, hi);
 }
 
-/// Sorts one chunk of 32-bit key halves by bits `[lo, hi)` (the column bits below 32), or
-/// wholly when the payloads are not known to be sorted.
-pub fn sort_chunk(keys: &mut Vec<u32>, scratch: &mut RadixScratch<u32>, lo: u32, hi: u32, data_sorted: bool) {
+/// Sorts one chunk of 32-bit keys by bits `[lo, hi)` (the column bits the chunk does not
+/// share), or wholly when the payloads are not known to be sorted.
+pub fn sort_chunk(keys: &mut [u32], scratch: &mut RadixScratch<u32>, lo: u32, hi: u32, data_sorted: bool) {
     if !data_sorted || keys.len() < SMALL {
-        // Equal halves of one chunk are equal keys, so an unstable sort is exact.
+        // Equal keys of one chunk are equal keys, so an unstable sort is exact.
         keys.sort_unstable();
         return;
     }
     radix_by_bits(keys, scratch, lo, hi);
+}
+
+/// Aim for chunks of at most about `2^CHUNK_TARGET_BITS` keys, which stay in the core's L2
+/// cache through their sort and walk. (The split costs about one radix pass; smaller chunks,
+/// though each sorts faster, measured no faster overall on the `long` workload.)
+const CHUNK_TARGET_BITS: u32 = 16;
+
+/// How many top bits [`split`] should cut `n` keys of `layout` by: enough for chunks of about
+/// `2^CHUNK_TARGET_BITS` keys, at least enough to leave 32 bits, and no more than the column
+/// bits (`None`: the keys are sorted whole, see [`KeyLayout::min_chunk_bits`]).
+pub fn chunk_bits_for(n: usize, layout: &KeyLayout) -> Option<u32> {
+    let min = layout.min_chunk_bits()?;
+    let col_bits = layout.width() - layout.data_bits;
+    let want = super::key::bits_for((n >> CHUNK_TARGET_BITS) as u64).min(col_bits).min(super::key::MAX_CHUNK_BITS);
+    Some(want.max(min))
+}
+
+/// Splits `keys` (each below `2^width`) into `2^c` chunks by their top `c` bits, keeping each
+/// key's low `width - c` bits, in a stable counting sort: chunk `b` is
+/// `out[starts[b]..starts[b + 1]]`. `out` and `starts` are reused memory.
+#[allow(unsafe_code)]
+pub fn split<K: SortKey>(keys: &[K], width: u32, c: u32, out: &mut Vec<u32>, starts: &mut Vec<u32>, cursors: &mut Vec<u32>) {
+    assert!(width - c <= 32 && c < 32 && keys.len() < u32::MAX as usize);
+    let shift = width - c;
+    let chunks = 1usize << c;
+    let (mask, low) = ((chunks - 1) as u64, (1u64 << shift) - 1);
+    starts.clear();
+    starts.resize(chunks + 1, 0);
+    for &k in keys {
+        let d = ((k.to_u64() >> shift) & mask) as usize;
+        // SAFETY: d <= mask < chunks < starts.len().
+        unsafe { *starts.get_unchecked_mut(d + 1) += 1 };
+    }
+    for b in 0..chunks {
+        starts[b + 1] += starts[b];
+    }
+    cursors.clear();
+    cursors.extend_from_slice(&starts[..chunks]);
+    // Every slot is written before it is read; only grow, never re-zero.
+    if out.len() < keys.len() {
+        out.resize(keys.len(), 0);
+    }
+    let out = &mut out[..keys.len()];
+    for &k in keys {
+        let k = k.to_u64();
+        let d = ((k >> shift) & mask) as usize;
+        // SAFETY: d < chunks == cursors.len(); the cursors start at the exclusive prefix sums
+        // of the counts of these very keys, so digit d hands out exactly the slots
+        // [starts[d], starts[d + 1]), all below keys.len() == out.len().
+        unsafe {
+            let slot = cursors.get_unchecked_mut(d);
+            let pos = *slot as usize;
+            *slot += 1;
+            *out.get_unchecked_mut(pos) = (k & low) as u32;
+        }
+    }
 }
 
 /// Passes whose histograms are gathered in one read of the keys.
@@ -103,7 +166,7 @@ const FUSED_PASSES: usize = 3;
 /// The histograms of all passes come from one read of the keys (a permutation leaves every
 /// digit's histogram unchanged), and the scatter indexes without bounds checks: this loop is
 /// where the pipeline spends most of its time, and its indices are in range by construction.
-fn radix_by_bits<K: SortKey>(keys: &mut Vec<K>, scratch: &mut RadixScratch<K>, lo: u32, hi: u32) {
+fn radix_by_bits<K: SortKey>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, hi: u32) {
     if hi <= lo {
         return;
     }
@@ -125,7 +188,7 @@ fn radix_by_bits<K: SortKey>(keys: &mut Vec<K>, scratch: &mut RadixScratch<K>, l
 }
 
 /// `P` passes of `digit` bits from bit `lo` up.
-fn radix_passes<K: SortKey, const P: usize>(keys: &mut Vec<K>, scratch: &mut RadixScratch<K>, lo: u32, digit: u32) {
+fn radix_passes<K: SortKey, const P: usize>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, digit: u32) {
     let radix = 1usize << digit;
     let mask = (radix - 1) as u64;
     let RadixScratch { keys: scratch, counts } = scratch;

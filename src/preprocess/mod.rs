@@ -12,7 +12,7 @@ use crate::error::{Error, LimitKind, Result};
 use crate::extract::{extract_sc, Extracted, StackCtx};
 use crate::fill::{Segment, SegmentWriter};
 use crate::group::bucket::BucketFn;
-use crate::group::{group_sorted, sort_extracted, Bucketed, CountedEntry, Entry, EntrySink, KeyLayout, Limits, ScStats, SortScratch};
+use crate::group::{sort_and_walk, Bucketed, CountedEntry, Entry, EntrySink, KeyLayout, Limits, ScStats, SortScratch};
 use crate::input::{features_from_record_batch, SampleSource};
 use crate::output::Output;
 use crate::spec::{Config, Plan, StackPlan, DATA_MASK};
@@ -507,22 +507,21 @@ fn run_task(
             task.error = Some(e);
             return;
         }
-        sort_extracted(ex, scratch);
         match seg {
             // Group straight into the buffer: no intermediate entry list.
             Some(seg) => {
                 let writer = SegmentWriter::new(seg, plan.layout.num_partitions(), ctx.batch_per_sc as u32, ex.row_lo);
-                task.overflow = group_sorted(ex, limits, writer, &mut task.stats).finish();
+                task.overflow = sort_and_walk(ex, scratch, limits, writer, &mut task.stats).finish();
             }
             // Minibatching's first pass keeps the merged entries for the fill that follows.
             None if limits.keep_entries => {
                 let mut kept = std::mem::take(&mut task.pass1);
                 kept.clear();
-                task.pass1 = group_sorted(ex, limits, kept, &mut task.stats);
+                task.pass1 = sort_and_walk(ex, scratch, limits, kept, &mut task.stats);
             }
             // Stats only: the entries are counted, not kept.
             None => {
-                group_sorted(ex, limits, Discard, &mut task.stats);
+                sort_and_walk(ex, scratch, limits, Discard, &mut task.stats);
             }
         }
     });
