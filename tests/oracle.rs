@@ -904,3 +904,62 @@ fn subnormal_weights_agree_with_the_model() {
     let k = t0.embedding_ids.iter().position(|&e| e == 9).unwrap();
     assert!(t0.gains[k].is_nan());
 }
+
+/// SparseCores with tens of thousands of ids, where the sort splits keys into chunks by their
+/// top bits, against the model, from ragged and from dense rows; also keys wider than 32 bits, weights,
+/// per-row gains, tight limits with dropping, a buffer that overflows mid-batch, and 1 and 2
+/// threads.
+#[test]
+fn large_sparsecores_match_the_model() {
+    use sparsecore_prep::input::{DenseInput, SampleSource};
+    use sparsecore_prep::{Output, Preprocessor};
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    // (vocab, L/G/S, combiner, weighted, max_ids, max_unique, suggested, drop, rows, ids per row)
+    let cases: [(u64, (usize, usize, usize), &str, bool, u64, u64, Option<u64>, bool, usize, usize); 7] = [
+        (1_000_000, (1, 1, 2), "sum", false, 1 << 20, 1 << 20, None, false, 2048, 80),
+        (10_000_000, (1, 1, 4), "sum", false, 1 << 20, 1 << 20, None, false, 4096, 70),
+        (1 << 30, (1, 2, 2), "mean", false, 1 << 20, 1 << 20, None, false, 2048, 80),
+        (50_000, (1, 1, 1), "sqrtn", false, 1 << 20, 1 << 20, None, false, 1024, 90),
+        (1_000_000, (1, 1, 2), "sum", true, 1 << 20, 1 << 20, None, false, 2048, 60),
+        (300_000, (1, 1, 2), "sum", false, 18_000, 6_000, None, true, 4096, 60),
+        (1_000_000, (1, 1, 1), "sum", false, 1 << 20, 1 << 20, Some(40_000), false, 1024, 100),
+    ];
+    for (i, &(vocab, (l, g, s), combiner, weighted, max_ids, max_unique, suggested, drop, rows, width)) in cases.iter().enumerate() {
+        let config = Config::from_json(&format!(
+            r#"{{"config": {{"local_device_count": {l}, "global_device_count": {g}, "num_sc_per_device": {s}, "allow_id_dropping": {drop}}},
+                "tables": [{{"name": "t", "vocabulary_size": {vocab}, "embedding_dim": 8, "combiner": "{combiner}",
+                             "max_ids_per_partition": {max_ids}, "max_unique_ids_per_partition": {max_unique},
+                             "suggested_coo_buffer_size_per_device": {}}}],
+                "features": [{{"name": "f", "table": "t"}}]}}"#,
+            suggested.map_or("null".to_string(), |x| x.to_string())
+        ))
+        .unwrap();
+        // Skewed ids (a hot set, repeated within rows) so that many keys merge.
+        let hot = (vocab / 7).max(1);
+        let ids: Vec<Vec<i64>> = (0..rows)
+            .map(|_| (0..width).map(|_| if next() % 3 == 0 { (next() % 64 * hot % vocab) as i64 } else { (next() % vocab) as i64 }).collect())
+            .collect();
+        let weights = weighted.then(|| ids.iter().map(|r| r.iter().map(|_| (next() % 97) as f32 / 16.0).collect()).collect());
+        let batch = feature(ids.clone(), weights);
+        for threads in [1, 2] {
+            let ours = model::run_crate(&config, &batch, 0, threads);
+            model::check(&config, &batch, 0, ours.as_ref()).unwrap_or_else(|e| panic!("case {i}, {threads} thread(s): {e}"));
+        }
+        // The same ids as a dense batch (no weights): the split-after-extraction path.
+        if !weighted {
+            let flat: Vec<i64> = ids.iter().flatten().copied().collect();
+            let array = ndarray::Array2::from_shape_vec((rows, width), flat).unwrap();
+            let dense = DenseInput::from_i64(array.view());
+            let mut prep = Preprocessor::new(config.clone()).unwrap();
+            let mut out = Output::new();
+            let result = prep.run(&[&dense as &dyn SampleSource], &mut out);
+            model::check(&config, &batch, 0, result.as_ref().map(|()| &out)).unwrap_or_else(|e| panic!("case {i}, dense: {e}"));
+        }
+    }
+}
