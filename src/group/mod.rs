@@ -274,12 +274,9 @@ macro_rules! for_each_sorted {
             }
             Some(c) => {
                 let shift = layout.width() - c;
-                let SortScratch { narrow, chunks, starts, cursors, .. } = &mut *$scratch;
-                if layout.narrow() {
-                    sort::split(&$ex.narrow, layout.width(), c, chunks, starts, cursors);
-                } else {
-                    sort::split(&$ex.keys, layout.width(), c, chunks, starts, cursors);
-                }
+                // (Keys wider than 32 bits, so `ex.keys` holds them.)
+                let SortScratch { narrow, wide, chunks, starts, cursors } = &mut *$scratch;
+                sort::split(&$ex.keys, layout.width(), c, chunks, starts, cursors, wide);
                 for b in 0..1usize << c {
                     let (lo, hi) = (starts[b] as usize, starts[b + 1] as usize);
                     if lo == hi {

@@ -102,36 +102,49 @@ pub fn sort_chunk(keys: &mut [u32], scratch: &mut RadixScratch<u32>, lo: u32, hi
     radix_by_bits(keys, scratch, lo, hi);
 }
 
-/// Aim for chunks of at most about `2^CHUNK_TARGET_BITS` keys, which stay in the core's L2
-/// cache through their sort and walk. (The split costs about one radix pass; smaller chunks,
-/// though each sorts faster, measured no faster overall on the `long` workload.)
-const CHUNK_TARGET_BITS: u32 = 16;
-
-/// How many top bits [`split`] should cut `n` keys of `layout` by: enough for chunks of about
-/// `2^CHUNK_TARGET_BITS` keys, at least enough to leave 32 bits, and no more than the column
-/// bits (`None`: the keys are sorted whole, see [`KeyLayout::min_chunk_bits`]).
-pub fn chunk_bits_for(n: usize, layout: &KeyLayout) -> Option<u32> {
-    let min = layout.min_chunk_bits()?;
-    let col_bits = layout.width() - layout.data_bits;
-    let want = super::key::bits_for((n >> CHUNK_TARGET_BITS) as u64).min(col_bits).min(super::key::MAX_CHUNK_BITS);
-    Some(want.max(min))
+/// How many top bits [`split`] cuts `n` keys of `layout` by: just enough to leave 32 bits
+/// (`None`: the keys are sorted whole, see [`KeyLayout::min_chunk_bits`]).
+///
+/// Splitting more finely keeps chunks in cache, but the split is a pass over the keys of its
+/// own, and on this machine smaller chunks never won it back: with few column bits (one radix
+/// pass) it doubled the passes (`high-multivalency`: +21% of the time), and on `long` it
+/// measured even.
+pub fn chunk_bits_for(_n: usize, layout: &KeyLayout) -> Option<u32> {
+    layout.min_chunk_bits()
 }
+
+/// Most chunk bits one scatter pass fans out to: past this, each key lands on a different
+/// page from the last and the scatter thrashes the TLB, so [`split`] goes in two passes.
+const MAX_FAN_BITS: u32 = 6;
 
 /// Splits `keys` (each below `2^width`) into `2^c` chunks by their top `c` bits, keeping each
 /// key's low `width - c` bits, in a stable counting sort: chunk `b` is
-/// `out[starts[b]..starts[b + 1]]`. `out` and `starts` are reused memory.
-#[allow(unsafe_code)]
-pub fn split<K: SortKey>(keys: &[K], width: u32, c: u32, out: &mut Vec<u32>, starts: &mut Vec<u32>, cursors: &mut Vec<u32>) {
-    assert!(width - c <= 32 && c < 32 && keys.len() < u32::MAX as usize);
+/// `out[starts[b]..starts[b + 1]]`. `out`, `starts`, `cursors` and `tmp` are reused memory.
+///
+/// Up to `2 * MAX_FAN_BITS` bits it takes two scatters, through `tmp`: by the top bits into
+/// at most `2^MAX_FAN_BITS` ranges, then each range (a few hundred KiB at most, in cache) by
+/// the rest.
+pub fn split(
+    keys: &[u64],
+    width: u32,
+    c: u32,
+    out: &mut Vec<u32>,
+    starts: &mut Vec<u32>,
+    cursors: &mut Vec<u32>,
+    tmp: &mut RadixScratch<u64>,
+) {
+    assert!(width - c <= 32 && c <= 2 * MAX_FAN_BITS && keys.len() < u32::MAX as usize);
+    let n = keys.len();
     let shift = width - c;
     let chunks = 1usize << c;
-    let (mask, low) = ((chunks - 1) as u64, (1u64 << shift) - 1);
+    let mask = (chunks - 1) as u64;
     starts.clear();
     starts.resize(chunks + 1, 0);
-    for &k in keys {
-        let d = ((k.to_u64() >> shift) & mask) as usize;
-        // SAFETY: d <= mask < chunks < starts.len().
-        unsafe { *starts.get_unchecked_mut(d + 1) += 1 };
+    {
+        let counts = &mut starts[1..];
+        for &k in keys {
+            counts[((k >> shift) & mask) as usize] += 1;
+        }
     }
     for b in 0..chunks {
         starts[b + 1] += starts[b];
@@ -139,22 +152,49 @@ pub fn split<K: SortKey>(keys: &[K], width: u32, c: u32, out: &mut Vec<u32>, sta
     cursors.clear();
     cursors.extend_from_slice(&starts[..chunks]);
     // Every slot is written before it is read; only grow, never re-zero.
-    if out.len() < keys.len() {
-        out.resize(keys.len(), 0);
+    if out.len() < n {
+        out.resize(n, 0);
     }
-    let out = &mut out[..keys.len()];
-    for &k in keys {
-        let k = k.to_u64();
+    let out = &mut out[..n];
+    if c <= MAX_FAN_BITS {
+        scatter_low(keys.iter().copied(), out, cursors, shift, mask);
+        return;
+    }
+    // Two passes: by the top c1 bits into `tmp`, then each of those ranges by the next c2.
+    let c2 = c / 2;
+    let c1 = c - c2;
+    let tmp = &mut tmp.keys;
+    if tmp.len() < n {
+        tmp.resize(n, 0);
+    }
+    let tmp = &mut tmp[..n];
+    let mut top = [0u32; 1 << MAX_FAN_BITS];
+    for (j, t) in top.iter_mut().enumerate().take(1 << c1) {
+        *t = starts[j << c2];
+    }
+    scatter(keys, tmp, &mut top[..1 << c1], shift + c2, ((1u64 << c1) - 1) as u64);
+    for j in 0..1usize << c1 {
+        let (lo, hi) = (starts[j << c2] as usize, starts[(j + 1) << c2] as usize);
+        let range = &tmp[lo..hi];
+        scatter_low(range.iter().copied(), out, &mut cursors[j << c2..(j + 1) << c2], shift, (1u64 << c2) - 1);
+    }
+}
+
+/// The scatter of [`split`]: `key & low bits` to `out[cursors[(key >> shift) & mask]++]`, where
+/// `cursors` were set from the counts of these very keys.
+#[allow(unsafe_code)]
+#[inline(always)]
+fn scatter_low(keys: impl Iterator<Item = u64>, out: &mut [u32], cursors: &mut [u32], shift: u32, mask: u64) {
+    assert!(mask as usize <= cursors.len().wrapping_sub(1));
+    let low = (1u64 << shift) - 1;
+    for k in keys {
         let d = ((k >> shift) & mask) as usize;
-        // SAFETY: d < chunks == cursors.len(); the cursors start at the exclusive prefix sums
-        // of the counts of these very keys, so digit d hands out exactly the slots
-        // [starts[d], starts[d + 1]), all below keys.len() == out.len().
-        unsafe {
-            let slot = cursors.get_unchecked_mut(d);
-            let pos = *slot as usize;
-            *slot += 1;
-            *out.get_unchecked_mut(pos) = (k & low) as u32;
-        }
+        // SAFETY: d <= mask < cursors.len() (asserted). (Each cursor hands out exactly the
+        // slots its digit's keys were counted for; the store is bounds-checked anyway.)
+        let slot = unsafe { cursors.get_unchecked_mut(d) };
+        let pos = *slot as usize;
+        *slot += 1;
+        out[pos] = (k & low) as u32;
     }
 }
 
