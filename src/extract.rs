@@ -334,6 +334,25 @@ impl KeySink for Wide<'_> {
     }
 }
 
+/// Keys with consecutive payloads from `first` (weighted extraction indices) appended to `v`;
+/// returns whether any id is at or above `enc.vocab`.
+#[inline(always)]
+#[allow(unsafe_code)]
+fn write_indexed<E, T: IdValue>(v: &mut Vec<E>, ids: &[T], enc: RowEncoder, first: u32, cast: impl Fn(u64) -> E) -> bool {
+    v.reserve(ids.len());
+    let len = v.len();
+    let mut bad = false;
+    for ((slot, &id), data) in v.spare_capacity_mut()[..ids.len()].iter_mut().zip(ids).zip(first..) {
+        let id = id.to_i64() as u64;
+        bad |= id >= enc.vocab;
+        slot.write(cast(enc.key(id, data)));
+    }
+    // SAFETY: after `reserve`, the spare capacity holds at least `ids.len()` slots, and the
+    // loop above initialised the first `ids.len()` of them.
+    unsafe { v.set_len(len + ids.len()) };
+    bad
+}
+
 /// One row's keys appended to `v` in a loop with no branch and no call: validation is one
 /// flag for the row (the offending id is looked up only on error).
 #[inline(always)]
@@ -525,7 +544,8 @@ impl Sink<'_, '_> {
                 Some((w, woff)) => {
                     let (wa, wb) = woff.range(r);
                     let wrow = w.get(wa..wb).ok_or_else(|| bad_row(&self.plan.name, "weights", r))?;
-                    self.weighted_row(r, row_ids, wrow.iter().copied())?
+                    let row_ids = ids.get(a..b).unwrap_or_default();
+                    self.weighted_row_slices(r, row_ids, wrow)?
                 }
                 None => self.row(r, row_ids)?,
             }
@@ -655,6 +675,88 @@ impl Sink<'_, '_> {
             id,
             vocabulary_size: self.plan.vocabulary_size,
         }
+    }
+
+    /// [`Sink::weighted_row`] over slices (weighted ragged rows, the common weighted input):
+    /// the same checks and arithmetic, in loops whose state the compiler keeps in registers.
+    #[inline]
+    #[allow(unsafe_code)]
+    fn weighted_row_slices<T: IdValue>(&mut self, r: usize, ids: &[T], weights: &[f32]) -> Result<()> {
+        let n = ids.len();
+        if weights.len() != n {
+            return Err(Error::WeightsShape { feature: self.plan.name.clone(), row: r, ids: n, weights: weights.len() });
+        }
+        if let Some(&w) = weights.iter().find(|w| !w.is_finite()) {
+            return Err(Error::InvalidWeight { feature: self.plan.name.clone(), row: r, value: w });
+        }
+        let combiner = self.ctx.combiner;
+        // Exactly as `weighted_row`: weights flushed on the way in, sums and quotients out.
+        let divisor = match combiner {
+            Combiner::Sum => 1.0f32,
+            Combiner::Mean => weights.iter().fold(0.0f32, |acc, &w| flush_subnormal(acc + flush_subnormal(w))),
+            Combiner::Sqrtn => weights
+                .iter()
+                .fold(0.0f32, |acc, &w| {
+                    let w = flush_subnormal(w);
+                    flush_subnormal((acc as f64 + (w as f64) * (w as f64)) as f32)
+                })
+                .sqrt(),
+        };
+        let sum = combiner == Combiner::Sum;
+        let gain = move |w: f32| {
+            let w = flush_subnormal(w);
+            if sum {
+                w
+            } else {
+                flush_subnormal(w / divisor)
+            }
+        };
+        let (vocab, check) = (self.plan.vocabulary_size, self.ctx.validate_ids);
+        let enc = RowEncoder {
+            vocab: if check { vocab } else { u64::MAX },
+            shift: self.plan.col_shift,
+            mask: self.mask,
+            offset: self.plan.col_offset,
+            layout: self.out.layout,
+        };
+        let row_id = self.row_base + (r - self.start) as u32;
+        let mut bad = false;
+        if enc.layout.packed {
+            let data = row_id - self.out.row_lo;
+            if data < self.out.last_data {
+                self.out.data_sorted = false;
+            }
+            self.out.last_data = data;
+            let keys = &mut self.out.keys;
+            keys.reserve(n);
+            let len = keys.len();
+            for ((slot, &id), &w) in keys.spare_capacity_mut()[..n].iter_mut().zip(ids).zip(weights) {
+                let id = id.to_i64() as u64;
+                bad |= id >= enc.vocab;
+                slot.write((enc.key(id, data) << 32) | gain(w).to_bits() as u64);
+            }
+            // SAFETY: after `reserve`, the spare capacity holds at least n slots, and the loop
+            // initialised the first n of them.
+            unsafe { keys.set_len(len + n) };
+        } else {
+            let first = self.out.rows.len();
+            if (first + n) as u64 > 1u64 << enc.layout.data_bits {
+                // The ids counted up front (which sized the payload) disagree with the rows read.
+                return Err(Error::input(&self.plan.name, "the input's offsets or indices are inconsistent"));
+            }
+            // The payload is the extraction index.
+            bad = if enc.layout.narrow() {
+                write_indexed(&mut self.out.narrow, ids, enc, first as u32, |k| k as u32)
+            } else {
+                write_indexed(&mut self.out.keys, ids, enc, first as u32, |k| k)
+            };
+            self.out.rows.extend(weights.iter().map(|&w| (row_id, gain(w))));
+        }
+        if bad && check {
+            let id = ids.iter().map(|v| v.to_i64()).find(|&id| id as u64 >= vocab).unwrap_or_default();
+            return Err(self.out_of_range(r, id));
+        }
+        Ok(())
     }
 
     #[inline]
