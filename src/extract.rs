@@ -34,6 +34,8 @@ pub struct Extracted {
     pub keys: Vec<u64>,
     /// Otherwise the keys themselves, as `u32`, in extraction order.
     pub narrow: Vec<u32>,
+    /// With [`KeyLayout::packed_wide`]: the gain of each key in `keys`.
+    pub packed_gains: Vec<f32>,
     /// Weighted stacks with index payloads: (sample row, gain) of each extraction index, kept
     /// together so that the walk's random lookup touches one cache line.
     pub rows: Vec<(u32, f32)>,
@@ -61,6 +63,7 @@ impl Extracted {
         reserve_to(&mut self.rows, other.rows.capacity());
         reserve_to(&mut self.row_gains, other.row_gains.capacity());
         reserve_to(&mut self.narrow, other.narrow.capacity());
+        reserve_to(&mut self.packed_gains, other.packed_gains.capacity());
     }
 
     /// Keys extracted.
@@ -91,6 +94,7 @@ impl Extracted {
         self.layout = layout;
         self.keys.clear();
         self.narrow.clear();
+        self.packed_gains.clear();
     }
 }
 
@@ -160,7 +164,9 @@ pub fn extract_sc(
     out.row_span = span as u32;
     let nbits = layout.partition_bits();
     let row_bits = bits_for(span.saturating_sub(1) as u64);
-    let packed = ctx.weighted && nbits + ctx.local_bits + row_bits <= 32;
+    // Weighted keys carry their gain when the row fits as payload (beside the key in one `u64`
+    // up to 32 key bits, split into 32-bit chunks by the sort up to `32 + MAX_CHUNK_BITS`).
+    let packed = ctx.weighted && nbits + ctx.local_bits + row_bits <= 32 + crate::group::MAX_CHUNK_BITS;
     let data_bits = if ctx.weighted {
         // The reference's payload is the extraction index: more than 2^26 weighted ids in one
         // SparseCore corrupt its keys, so they are an error here whichever payload we use.
@@ -727,17 +733,22 @@ impl Sink<'_, '_> {
                 self.out.data_sorted = false;
             }
             self.out.last_data = data;
-            let keys = &mut self.out.keys;
-            keys.reserve(n);
-            let len = keys.len();
-            for ((slot, &id), &w) in keys.spare_capacity_mut()[..n].iter_mut().zip(ids).zip(weights) {
-                let id = id.to_i64() as u64;
-                bad |= id >= enc.vocab;
-                slot.write((enc.key(id, data) << 32) | gain(w).to_bits() as u64);
+            if enc.layout.packed_wide() {
+                bad = write_row_into(&mut self.out.keys, ids, enc, data, |k| k);
+                self.out.packed_gains.extend(weights.iter().map(|&w| gain(w)));
+            } else {
+                let keys = &mut self.out.keys;
+                keys.reserve(n);
+                let len = keys.len();
+                for ((slot, &id), &w) in keys.spare_capacity_mut()[..n].iter_mut().zip(ids).zip(weights) {
+                    let id = id.to_i64() as u64;
+                    bad |= id >= enc.vocab;
+                    slot.write((enc.key(id, data) << 32) | gain(w).to_bits() as u64);
+                }
+                // SAFETY: after `reserve`, the spare capacity holds at least n slots, and the
+                // loop initialised the first n of them.
+                unsafe { keys.set_len(len + n) };
             }
-            // SAFETY: after `reserve`, the spare capacity holds at least n slots, and the loop
-            // initialised the first n of them.
-            unsafe { keys.set_len(len + n) };
         } else {
             let first = self.out.rows.len();
             if (first + n) as u64 > 1u64 << enc.layout.data_bits {
@@ -798,11 +809,19 @@ impl Sink<'_, '_> {
             let sum = self.ctx.combiner == Combiner::Sum;
             // Branch-free like the unweighted path: validation is one flag per row.
             let mut bad = false;
-            self.out.keys.extend(ids.clone().zip(weights).map(|(id, w)| {
+            let wide = layout.packed_wide();
+            let Extracted { keys, packed_gains, .. } = &mut *self.out;
+            for (id, w) in ids.clone().zip(weights) {
                 bad |= check & (id as u64 >= vocab);
                 let gain = if sum { w } else { flush_subnormal(w / divisor) };
-                (layout.encode(0, col_of(id as u32, shift, mask, offset), data) << 32) | gain.to_bits() as u64
-            }));
+                let key = layout.encode(0, col_of(id as u32, shift, mask, offset), data);
+                if wide {
+                    keys.push(key);
+                    packed_gains.push(gain);
+                } else {
+                    keys.push((key << 32) | gain.to_bits() as u64);
+                }
+            }
             if bad {
                 let id = ids.into_iter().find(|&id| id as u64 >= vocab).unwrap_or_default();
                 return Err(self.out_of_range(r, id));

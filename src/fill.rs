@@ -238,8 +238,8 @@ impl EntrySink for SegmentWriter<'_> {
         let (emb, smp, gains) = (self.embedding_ids.as_mut_ptr(), self.sample_ids.as_mut_ptr(), self.gains.as_mut_ptr());
         let (mut i, mut count, mut acc, mut unique) = (start, self.count, self.last_gain, 0u32);
         for &k in keys {
-            let element = b.high | k.to_u64();
-            let key = element >> b.element_shift;
+            let element = k.to_u64();
+            let key = (element >> b.element_shift) | b.high;
             let dup = key == last;
             unique += ((key ^ last) >> b.data_bits != 0) as u32;
             let data = (key & dmask) as u32;

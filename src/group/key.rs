@@ -88,13 +88,23 @@ impl KeyLayout {
         !self.packed && self.width() <= 32
     }
 
-    /// Whether the sort may split the keys into chunks by their top bits, sorting and walking
-    /// each chunk's low bits as `u32` (unpacked keys at most `32 + MAX_CHUNK_BITS` wide); the
-    /// value is the fewest chunk bits that leave 32.
+    /// Whether the sort splits the keys into chunks by their top bits, sorting and walking
+    /// each chunk's low 32 bits (as `u32`, or beside the gain when packed): keys wider than 32
+    /// bits, up to `32 + MAX_CHUNK_BITS`. The value is the fewest chunk bits that leave 32
+    /// (0 for unpacked keys that fit already).
     #[inline]
     pub fn min_chunk_bits(&self) -> Option<u32> {
         let c = self.width().saturating_sub(32);
-        (!self.packed && c <= MAX_CHUNK_BITS).then_some(c)
+        // Packed keys of up to 32 bits sit whole in the high half of their element.
+        (c <= MAX_CHUNK_BITS && !(self.packed && c == 0)).then_some(c)
+    }
+
+    /// Packed keys too wide for the high half of a `u64` beside their gain: extraction keeps
+    /// keys and gains apart, and the sort's split joins each chunk's low 32 key bits with the
+    /// gain.
+    #[inline]
+    pub fn packed_wide(&self) -> bool {
+        self.packed && self.width() > 32
     }
 
     /// Bit position of the key inside a stored element (32 when packed with a gain).
@@ -218,6 +228,8 @@ mod tests {
         assert_eq!(KeyLayout { buckets: true, ..l }.min_chunk_bits(), Some(5));
         assert!(!KeyLayout { buckets: true, ..l }.narrow());
         assert_eq!(KeyLayout { packed: true, ..l }.min_chunk_bits(), None);
+        assert_eq!(KeyLayout { packed: true, buckets: true, ..l }.min_chunk_bits(), Some(5));
+        assert!(KeyLayout { packed: true, buckets: true, ..l }.packed_wide());
         assert!(!KeyLayout { packed: true, ..l }.narrow());
         assert_eq!(KeyLayout { nbits: 9, local_bits: 23, data_bits: 26, buckets: true, packed: false }.min_chunk_bits(), None);
         let l = KeyLayout { nbits: 0, local_bits: 0, data_bits: 0, buckets: false, packed: false };

@@ -14,8 +14,8 @@ pub mod bucket;
 mod key;
 mod sort;
 
-pub use key::{bits_for, decode_key, encode_key, KeyLayout};
-pub use sort::{chunk_bits_for, sort_chunk, sort_keys, split, RadixScratch, SortKey};
+pub use key::{bits_for, decode_key, encode_key, KeyLayout, MAX_CHUNK_BITS};
+pub use sort::{chunk_bits_for, sort_chunk, sort_keys, sort_packed_chunk, split, split_packed, RadixScratch, SortKey};
 
 use crate::extract::{flush_subnormal, Extracted};
 use crate::spec::{round_up, ALIGNMENT};
@@ -138,7 +138,7 @@ pub trait EntrySink {
 /// A run of one partition's sorted keys, as [`EntrySink::walk_block`] reads them.
 #[derive(Debug, Clone, Copy)]
 pub struct Block {
-    /// ORed into every stored element (a chunk's top bits).
+    /// ORed into every element's key (a chunk's top bits).
     pub high: u64,
     /// Shift from an element to its key (32 when a gain is packed below the key).
     pub element_shift: u32,
@@ -170,8 +170,8 @@ pub fn walk_block_plain<S: EntrySink, K: SortKey>(
     let dmask = (1u64 << b.data_bits) - 1;
     let (mut ids, mut unique) = (0u32, 0u32);
     for &k in keys {
-        let element = b.high | k.to_u64();
-        let key = element >> b.element_shift;
+        let element = k.to_u64();
+        let key = (element >> b.element_shift) | b.high;
         let data = (key & dmask) as u32;
         let g = if b.unit { 1.0 } else { gain(element, data) };
         if key == last {
@@ -206,6 +206,8 @@ pub struct SortScratch {
     wide: RadixScratch<u64>,
     narrow: RadixScratch<u32>,
     chunks: Vec<u32>,
+    /// The chunks of packed keys wider than 32 bits.
+    packed: Vec<u64>,
     starts: Vec<u32>,
     cursors: Vec<u32>,
 }
@@ -218,6 +220,7 @@ impl SortScratch {
         for (mine, theirs) in [(&mut self.chunks, &other.chunks), (&mut self.starts, &other.starts), (&mut self.cursors, &other.cursors)] {
             crate::extract::reserve_to(mine, theirs.capacity());
         }
+        crate::extract::reserve_to(&mut self.packed, other.packed.capacity());
     }
 }
 
@@ -272,10 +275,27 @@ macro_rules! for_each_sorted {
                 let ($keys, $high) = (&$ex.narrow[..], 0u64);
                 $body
             }
+            Some(c) if layout.packed => {
+                // Weighted keys wider than 32 bits: each chunk's elements join the low 32 key
+                // bits (high half) with the gain.
+                let shift = layout.width() - c;
+                let SortScratch { wide, packed, starts, cursors, .. } = &mut *$scratch;
+                sort::split_packed(&$ex.keys, &$ex.packed_gains, layout.width(), c, packed, starts, cursors);
+                for b in 0..1usize << c {
+                    let (lo, hi) = (starts[b] as usize, starts[b + 1] as usize);
+                    if lo == hi {
+                        continue;
+                    }
+                    let chunk = &mut packed[lo..hi];
+                    sort_packed_chunk(chunk, wide, 32 + layout.data_bits, sorted);
+                    let ($keys, $high) = (&chunk[..], (b as u64) << shift);
+                    $body
+                }
+            }
             Some(c) => {
                 let shift = layout.width() - c;
                 // (Keys wider than 32 bits, so `ex.keys` holds them.)
-                let SortScratch { narrow, wide, chunks, starts, cursors } = &mut *$scratch;
+                let SortScratch { narrow, wide, chunks, starts, cursors, .. } = &mut *$scratch;
                 sort::split(&$ex.keys, layout.width(), c, chunks, starts, cursors, wide);
                 for b in 0..1usize << c {
                     let (lo, hi) = (starts[b] as usize, starts[b + 1] as usize);
@@ -332,7 +352,7 @@ fn walk<S: EntrySink, const GAINS: u8, const DROP: bool>(
     };
     for_each_sorted!(ex, scratch, |keys, high| {
         for &k in keys {
-            w.step(ex, high | k.to_u64());
+            w.step(ex, k.to_u64(), high);
         }
     });
     let (dropped, sink) = (w.dropped, w.sink);
@@ -390,14 +410,14 @@ fn run<S: EntrySink, const GAINS: u8, K: SortKey>(
     let mut st = *state;
     let mut rest = keys;
     while let Some(&first) = rest.first() {
-        let key = element_key::<GAINS>(high | first.to_u64());
+        let key = element_key::<GAINS>(first.to_u64()) | high;
         if key >= st.part_end {
             st.flush(ids, unique);
             st.part = layout.partition(key);
             st.part_end = ((st.part as u64) + 1) << part_bits;
             sink = sink.start_partition(st.part as u32);
         }
-        let end = rest.partition_point(|&k| element_key::<GAINS>(high | k.to_u64()) < st.part_end);
+        let end = rest.partition_point(|&k| (element_key::<GAINS>(k.to_u64()) | high) < st.part_end);
         let (part, next) = rest.split_at(end);
         sink = run_partition::<S, GAINS, K>(ex, sink, part, high, &mut st);
         rest = next;
@@ -482,9 +502,9 @@ struct Walker<'a, S, const GAINS: u8, const DROP: bool> {
 
 impl<S: EntrySink, const GAINS: u8, const DROP: bool> Walker<'_, S, GAINS, DROP> {
     #[inline(always)]
-    fn step(&mut self, ex: &Extracted, element: u64) {
+    fn step(&mut self, ex: &Extracted, element: u64, high: u64) {
         let layout = ex.layout;
-        let key = if GAINS == PACKED { element >> 32 } else { element };
+        let key = element_key::<GAINS>(element) | high;
         let colbits = layout.col_field(key);
         let data = layout.data(key);
         let (row, gain) = match GAINS {

@@ -180,6 +180,53 @@ pub fn split(
     }
 }
 
+/// [`split`] for packed keys kept apart from their gains: chunk elements are
+/// `(key's low width - c bits) << 32 | gain bits`, so that each chunk sorts and walks like
+/// keys packed whole. One scatter pass (weighted stacks this wide are rare).
+#[allow(unsafe_code)]
+pub fn split_packed(keys: &[u64], gains: &[f32], width: u32, c: u32, out: &mut Vec<u64>, starts: &mut Vec<u32>, cursors: &mut Vec<u32>) {
+    assert!(width - c <= 32 && c <= super::key::MAX_CHUNK_BITS && keys.len() < u32::MAX as usize && keys.len() == gains.len());
+    let n = keys.len();
+    let shift = width - c;
+    let chunks = 1usize << c;
+    let (mask, low) = ((chunks - 1) as u64, (1u64 << shift) - 1);
+    starts.clear();
+    starts.resize(chunks + 1, 0);
+    {
+        let counts = &mut starts[1..];
+        for &k in keys {
+            counts[((k >> shift) & mask) as usize] += 1;
+        }
+    }
+    for b in 0..chunks {
+        starts[b + 1] += starts[b];
+    }
+    cursors.clear();
+    cursors.extend_from_slice(&starts[..chunks]);
+    if out.len() < n {
+        out.resize(n, 0);
+    }
+    let out = &mut out[..n];
+    for (&k, &g) in keys.iter().zip(gains) {
+        let d = ((k >> shift) & mask) as usize;
+        // SAFETY: d <= mask < cursors.len() == chunks.
+        let slot = unsafe { cursors.get_unchecked_mut(d) };
+        let pos = *slot as usize;
+        *slot += 1;
+        out[pos] = ((k & low) << 32) | g.to_bits() as u64;
+    }
+}
+
+/// Sorts one chunk of packed elements (key bits in the high half) by their column bits, from
+/// bit `lo` up, stably: equal columns keep extraction order, in which their gains are summed.
+pub fn sort_packed_chunk(keys: &mut [u64], scratch: &mut RadixScratch<u64>, lo: u32, data_sorted: bool) {
+    if !data_sorted || keys.len() < SMALL {
+        keys.sort_by_key(|e| e >> lo);
+        return;
+    }
+    radix_by_bits(keys, scratch, lo, 64);
+}
+
 /// The scatter of [`split`]: `key & low bits` to `out[cursors[(key >> shift) & mask]++]`, where
 /// `cursors` were set from the counts of these very keys.
 #[allow(unsafe_code)]
