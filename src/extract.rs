@@ -300,6 +300,10 @@ trait KeySink {
     /// Appends the keys of one row's ids (all with payload `data`) and returns whether any id
     /// is at or above `enc.vocab`.
     fn write_row<T: IdValue>(&mut self, ids: &[T], enc: RowEncoder, data: u32) -> bool;
+    /// Keys held.
+    fn len(&self) -> usize;
+    /// ORs `data` into the keys at `range` (written with payload 0); false if out of bounds.
+    fn or_payload(&mut self, range: Range<usize>, data: u32) -> bool;
 }
 
 /// A feature's id-to-key arithmetic, passed by value so that the row loop keeps it in
@@ -332,11 +336,27 @@ impl KeySink for Narrow<'_> {
     fn write_row<T: IdValue>(&mut self, ids: &[T], enc: RowEncoder, data: u32) -> bool {
         write_row_into(self.0, ids, enc, data, |k| k as u32)
     }
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    #[inline(always)]
+    fn or_payload(&mut self, range: Range<usize>, data: u32) -> bool {
+        self.0.get_mut(range).map(|keys| keys.iter_mut().for_each(|k| *k |= data)).is_some()
+    }
 }
 impl KeySink for Wide<'_> {
     #[inline(always)]
     fn write_row<T: IdValue>(&mut self, ids: &[T], enc: RowEncoder, data: u32) -> bool {
         write_row_into(self.0, ids, enc, data, |k| k)
+    }
+    #[inline(always)]
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    #[inline(always)]
+    fn or_payload(&mut self, range: Range<usize>, data: u32) -> bool {
+        self.0.get_mut(range).map(|keys| keys.iter_mut().for_each(|k| *k |= data as u64)).is_some()
     }
 }
 
@@ -497,6 +517,9 @@ impl Sink<'_, '_> {
         }
     }
 
+    /// Two passes, so that short rows (one or two ids, as in Criteo) cost little each: one
+    /// loop over all the SparseCore's ids writes their keys with payload 0, then each row ORs
+    /// its payload into its own keys.
     #[inline(always)]
     fn ragged_unity_into<K: KeySink, T: IdValue, O: OffsetValue>(
         &mut self,
@@ -514,21 +537,44 @@ impl Sink<'_, '_> {
             offset: self.plan.col_offset,
             layout: self.out.layout,
         };
+        // The caller checked offsets[start] <= offsets[end] <= ids.len().
+        let lo = offsets[rows.start].to_usize();
+        let flat = &ids[lo..offsets[rows.end].to_usize()];
+        let base = keys.len();
+        // (Unchecked, `vocab` is u64::MAX, which only the id -1 reaches.)
+        let bad = keys.write_row(flat, enc, 0) && check;
+        // The first out-of-range id, and the row that holds it, are looked up only on error.
+        let first_bad = || flat.iter().position(|v| v.to_i64() as u64 >= vocab);
+        let (first_row, last_row) = (rows.start, rows.end);
         for (data, r) in (self.row_base - self.out.row_lo..).zip(rows) {
             let (a, b) = (offsets[r].to_usize(), offsets[r + 1].to_usize());
-            let row_ids = ids.get(a..b).ok_or_else(|| bad_row(&self.plan.name, "ids", r))?;
-            if !row_ids.is_empty() {
-                if combiner != Combiner::Sum {
-                    self.out.row_gains[data as usize] = unity_gain(combiner, row_ids.len());
+            let in_bounds = a <= b && a >= lo && keys.or_payload(base + (a - lo)..base + (b - lo), data);
+            if !in_bounds {
+                // An earlier row's bad id comes first, as it would row by row.
+                if let Some(k) = first_bad().filter(|_| bad).filter(|&k| k < a.saturating_sub(lo)) {
+                    return Err(self.bad_id_at(&offsets[first_row..r], first_row, lo + k, ids));
                 }
-                // (Unchecked, `vocab` is u64::MAX, which only the id -1 reaches.)
-                if keys.write_row(row_ids, enc, data) && check {
-                    let id = row_ids.iter().map(|v| v.to_i64()).find(|&id| id as u64 >= vocab).unwrap_or_default();
-                    return Err(self.out_of_range(r, id));
-                }
+                return Err(bad_row(&self.plan.name, "ids", r));
+            }
+            if combiner != Combiner::Sum && b > a {
+                self.out.row_gains[data as usize] = unity_gain(combiner, b - a);
+            }
+        }
+        if bad {
+            if let Some(k) = first_bad() {
+                return Err(self.bad_id_at(&offsets[first_row..last_row], first_row, lo + k, ids));
             }
         }
         Ok(())
+    }
+
+    /// `IdOutOfRange` for the id at `ids[k]`, naming the row that holds it: `starts` are the
+    /// (checked, non-decreasing) first offsets of rows `first_row..`.
+    #[cold]
+    fn bad_id_at<T: IdValue, O: OffsetValue>(&self, starts: &[O], first_row: usize, k: usize, ids: &[T]) -> Error {
+        // The last row starting at or before k (rows before it are empty or end before k).
+        let r = first_row + starts.partition_point(|o| o.to_usize() <= k).saturating_sub(1);
+        self.out_of_range(r, ids[k].to_i64())
     }
 
     fn ragged<T: IdValue>(
