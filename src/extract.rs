@@ -45,6 +45,8 @@ pub struct Extracted {
     pub row_lo: u32,
     /// Rows this SparseCore's keys can reference, from `row_lo` on: unity payloads are below it.
     pub row_span: u32,
+    /// Where short rows end, for extraction's running payload.
+    row_marks: Vec<u32>,
     /// Whether the payload is an extraction index (weighted) or a row (unity).
     pub weighted: bool,
     /// Unity weights with the sum combiner: every gain is 1.0 and `row_gains` is not kept.
@@ -64,6 +66,7 @@ impl Extracted {
         reserve_to(&mut self.row_gains, other.row_gains.capacity());
         reserve_to(&mut self.narrow, other.narrow.capacity());
         reserve_to(&mut self.packed_gains, other.packed_gains.capacity());
+        reserve_to(&mut self.row_marks, other.row_marks.capacity());
     }
 
     /// Keys extracted.
@@ -304,7 +307,13 @@ trait KeySink {
     fn len(&self) -> usize;
     /// ORs `data` into the keys at `range` (written with payload 0); false if out of bounds.
     fn or_payload(&mut self, range: Range<usize>, data: u32) -> bool;
+    /// ORs into key `base + k` the payload `first + marks[0] + ... + marks[k]`.
+    fn or_running_payload(&mut self, base: usize, marks: &[u32], first: u32);
 }
+
+/// Rows shorter than this on average are extracted with a running payload (see
+/// `ragged_unity_into`).
+const SHORT_ROWS: usize = 8;
 
 /// A feature's id-to-key arithmetic, passed by value so that the row loop keeps it in
 /// registers (read through `self`, every field is reloaded per id: the key stores could alias
@@ -344,6 +353,14 @@ impl KeySink for Narrow<'_> {
     fn or_payload(&mut self, range: Range<usize>, data: u32) -> bool {
         self.0.get_mut(range).map(|keys| keys.iter_mut().for_each(|k| *k |= data)).is_some()
     }
+    #[inline(always)]
+    fn or_running_payload(&mut self, base: usize, marks: &[u32], first: u32) {
+        let mut data = first;
+        for (k, &m) in self.0[base..].iter_mut().zip(marks) {
+            data += m;
+            *k |= data;
+        }
+    }
 }
 impl KeySink for Wide<'_> {
     #[inline(always)]
@@ -357,6 +374,14 @@ impl KeySink for Wide<'_> {
     #[inline(always)]
     fn or_payload(&mut self, range: Range<usize>, data: u32) -> bool {
         self.0.get_mut(range).map(|keys| keys.iter_mut().for_each(|k| *k |= data as u64)).is_some()
+    }
+    #[inline(always)]
+    fn or_running_payload(&mut self, base: usize, marks: &[u32], first: u32) {
+        let mut data = first;
+        for (k, &m) in self.0[base..].iter_mut().zip(marks) {
+            data += m;
+            *k |= data as u64;
+        }
     }
 }
 
@@ -546,7 +571,40 @@ impl Sink<'_, '_> {
         // The first out-of-range id, and the row that holds it, are looked up only on error.
         let first_bad = || flat.iter().position(|v| v.to_i64() as u64 >= vocab);
         let (first_row, last_row) = (rows.start, rows.end);
-        for (data, r) in (self.row_base - self.out.row_lo..).zip(rows) {
+        let first_data = self.row_base - self.out.row_lo;
+        if flat.len() < SHORT_ROWS * rows.len() {
+            // Short rows: mark where each row ends, and let one running sum over the ids give
+            // every key its row, instead of a loop per row.
+            let mut marks = std::mem::take(&mut self.out.row_marks);
+            marks.clear();
+            marks.resize(flat.len() + 1, 0);
+            let hi = lo + flat.len();
+            let mut prev = lo;
+            for (data, r) in (first_data..).zip(rows.clone()) {
+                let b = offsets[r + 1].to_usize();
+                if b < prev || b > hi {
+                    self.out.row_marks = marks;
+                    if let Some(k) = first_bad().filter(|_| bad).filter(|&k| k < prev - lo) {
+                        return Err(self.bad_id_at(&offsets[first_row..r], first_row, lo + k, ids));
+                    }
+                    return Err(bad_row(&self.plan.name, "ids", r));
+                }
+                marks[b - lo] += 1;
+                if combiner != Combiner::Sum && b > prev {
+                    self.out.row_gains[data as usize] = unity_gain(combiner, b - prev);
+                }
+                prev = b;
+            }
+            keys.or_running_payload(base, &marks[..flat.len()], first_data);
+            self.out.row_marks = marks;
+            if bad {
+                if let Some(k) = first_bad() {
+                    return Err(self.bad_id_at(&offsets[first_row..last_row], first_row, lo + k, ids));
+                }
+            }
+            return Ok(());
+        }
+        for (data, r) in (first_data..).zip(rows) {
             let (a, b) = (offsets[r].to_usize(), offsets[r + 1].to_usize());
             let in_bounds = a <= b && a >= lo && keys.or_payload(base + (a - lo)..base + (b - lo), data);
             if !in_bounds {
