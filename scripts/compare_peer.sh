@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Side-by-side throughput against the reference (jax-tpu-embedding 0.1.0), in one run, as ratios.
-# Usage: scripts/compare_peer.sh [THREADS...]   (default: 1 2)
+# Usage: [ROUNDS=5] [REPEAT=5] [WORKLOADS="long ..."] scripts/compare_peer.sh [THREADS...]   (default: 1 2)
 # Generates the issue's workloads with ../shared/peer/make_workload.py into target/peer, then
 # runs `sparsecore-prep bench --json` and `run_peer.py` on the same files, interleaved.
 set -euo pipefail
@@ -11,7 +11,7 @@ mkdir -p "$D"
 PY=$(bash "$P/setup.sh")
 cargo build --release --quiet
 BIN=target/release/sparsecore-prep
-REPEAT=${REPEAT:-7}
+REPEAT=${REPEAT:-5}
 THREADS=("${@:-1 2}")
 [ $# -eq 0 ] && THREADS=(1 2)
 
@@ -27,16 +27,34 @@ gen large_vocab large-vocab 1/1/4
 gen high_mv high-multivalency 1/1/4
 gen moderate_mv moderate-multivalency 1/1/4
 
-printf '%-12s %7s %12s %12s %7s\n' workload threads ours_Mids/s peer_Mids/s ratio
+# Each (workload, threads) pair runs ROUNDS rounds; a round runs ours and then the reference,
+# each for REPEAT passes, and its ratio is ours/reference of the two median ids/s. The table
+# gives the median of the rounds' ratios (and their range), which cancels the machine's slow
+# phases (a shared VM: a neighbour can halve memory bandwidth for seconds), since both sides of
+# a round see the same phase. At one thread both sides are pinned to the same CPU
+# (PIN_CPU, default 1): the VM's two vCPUs are not equally fast, and an unpinned run lands
+# on either.
+ROUNDS=${ROUNDS:-5}
+PIN_CPU=${PIN_CPU:-1}
+printf '%-12s %7s %12s %12s %7s %15s\n' workload threads ours_Mids/s peer_Mids/s ratio ratio_range
 for w in ${WORKLOADS:-criteo_444 long long_w large_vocab high_mv moderate_mv}; do
   for t in "${THREADS[@]}"; do
-    ours=$("$BIN" bench --config "$D/$w.json" --input "$D/$w.arrow" --threads "$t" --repeat "$REPEAT" --json)
-    peer=$("$PY" "$P/run_peer.py" --config "$D/$w.json" --input "$D/$w.arrow" --threads "$t" --repeat "$REPEAT" 2>/dev/null)
-    python3 - "$w" "$t" "$ours" "$peer" <<'PY'
-import json, sys
-w, t, ours, peer = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
-a, b = ours["ids_per_sec"] / 1e6, peer["ids_per_sec"] / 1e6
-print(f"{w:<12} {t:>7} {a:>12.1f} {b:>12.1f} {a / b:>6.2f}x")
+    pin=()
+    [ "$t" = 1 ] && pin=(taskset -c "$PIN_CPU")
+    rounds=()
+    for _ in $(seq "$ROUNDS"); do
+      ours=$("${pin[@]}" "$BIN" bench --config "$D/$w.json" --input "$D/$w.arrow" --threads "$t" --repeat "$REPEAT" --json)
+      peer=$("${pin[@]}" "$PY" "$P/run_peer.py" --config "$D/$w.json" --input "$D/$w.arrow" --threads "$t" --repeat "$REPEAT" 2>/dev/null)
+      rounds+=("$ours" "$peer")
+    done
+    python3 - "$w" "$t" "${rounds[@]}" <<'PY'
+import json, statistics, sys
+w, t, runs = sys.argv[1], sys.argv[2], [json.loads(r) for r in sys.argv[3:]]
+ours = [r["ids_per_sec"] / 1e6 for r in runs[0::2]]
+peer = [r["ids_per_sec"] / 1e6 for r in runs[1::2]]
+ratios = [a / b for a, b in zip(ours, peer)]
+print(f"{w:<12} {t:>7} {statistics.median(ours):>12.1f} {statistics.median(peer):>12.1f} "
+      f"{statistics.median(ratios):>6.2f}x {min(ratios):>6.2f}-{max(ratios):.2f}x")
 PY
   done
 done
