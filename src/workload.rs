@@ -275,7 +275,7 @@ fn raw_key(id: i64, feature: usize) -> String {
 pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
     let (l, g, s) = spec.layout;
     let local_scs = l * s;
-    if spec.batch_size == 0 || spec.batch_size % local_scs != 0 {
+    if spec.batch_size == 0 || !spec.batch_size.is_multiple_of(local_scs) {
         return Err(Error::option(
             "batch-size",
             spec.batch_size,

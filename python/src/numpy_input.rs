@@ -345,7 +345,11 @@ impl RawObjects {
     }
 }
 
+/// Rows up to this long are copied element by element (see `gather_raw`).
+const SHORT_ROW: usize = 8;
+
 /// Element kind and size from a dtype's `kind` and `type_num` (the fields numpy 1 and 2 share).
+#[inline(always)]
 fn element(kind: u8, type_num: i32) -> Option<usize> {
     let long = std::mem::size_of::<std::ffi::c_long>();
     Some(match (kind, type_num) {
@@ -362,6 +366,7 @@ fn element(kind: u8, type_num: i32) -> Option<usize> {
 /// path (not exactly an ndarray, not 1-D, a dtype we do not read here, foreign byte order).
 ///
 /// SAFETY: `p` is an item of a live object array, and no Python code can run meanwhile.
+#[inline(always)]
 unsafe fn raw_row(p: *mut pyo3::ffi::PyObject, array_type: ArrayType) -> Option<Row> {
     if p.is_null() || (*p).ob_type != array_type.0 {
         return None;
@@ -396,8 +401,16 @@ unsafe fn gather_raw(ids: RawObjects, weights: Option<RawObjects>, array_type: A
         let Some(row) = raw_row(item(ids, k), array_type) else { return false };
         let ok = match (row.kind, row.itemsize) {
             (b'i', 4) if row.stride == 4 && (row.data as usize) % 4 == 0 => {
-                if row.len > 0 {
-                    values.extend_from_slice(std::slice::from_raw_parts(row.data as *const i32, row.len));
+                let src = if row.len > 0 { std::slice::from_raw_parts(row.data as *const i32, row.len) } else { &[][..] };
+                if src.len() <= SHORT_ROW {
+                    // Most rows of sparse features hold an id or two: a call to memcpy per
+                    // row costs more than the copy.
+                    values.reserve(SHORT_ROW);
+                    for &v in src {
+                        values.push(v);
+                    }
+                } else {
+                    values.extend_from_slice(src);
                 }
                 true
             }

@@ -72,7 +72,7 @@ impl<K> RadixScratch<K> {
 
 /// Sorts `keys` ascending. `data_sorted` says the payloads are non-decreasing in input order.
 /// `scratch` is reused memory.
-pub fn sort_keys<K: SortKey>(keys: &mut Vec<K>, scratch: &mut RadixScratch<K>, layout: KeyLayout, data_sorted: bool) {
+pub fn sort_keys<K: SortKey>(keys: &mut [K], scratch: &mut RadixScratch<K>, layout: KeyLayout, data_sorted: bool) {
     if !data_sorted || keys.len() < SMALL {
         if layout.packed {
             // The payload here is the row, but the reference orders a column's entries by
@@ -172,7 +172,7 @@ pub fn split(
     for (j, t) in top.iter_mut().enumerate().take(1 << c1) {
         *t = starts[j << c2];
     }
-    scatter(keys, tmp, &mut top[..1 << c1], shift + c2, ((1u64 << c1) - 1) as u64);
+    scatter(keys, tmp, &mut top[..1 << c1], shift + c2, (1u64 << c1) - 1);
     for j in 0..1usize << c1 {
         let (lo, hi) = (starts[j << c2] as usize, starts[(j + 1) << c2] as usize);
         let range = &tmp[lo..hi];

@@ -403,7 +403,7 @@ fn check_batches(plan: &Plan, inputs: &[&dyn SampleSource], batch_per_sc: &mut V
                 return Err(Error::BatchTooLarge { stack: stack.name.clone(), what: "samples", count: bsd, limit: DATA_MASK });
             }
             let bsd = bsd as usize;
-            if bsd % s != 0 {
+            if !bsd.is_multiple_of(s) {
                 return Err(Error::BatchNotDivisible {
                     stack: stack.name.clone(),
                     feature: plan.features[stack.features[0]].name.clone(),
