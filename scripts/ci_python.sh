@@ -34,10 +34,10 @@ then
 fi
 t1=$(date +%s)
 
-# 2. The extension module, installed into the venv. CI builds it with the dev profile, which
-# reuses the dependencies `cargo test` just compiled (a release build of arrow and pyo3 from
-# nothing takes minutes on 2 cores); SPARSECORE_PY_RELEASE=1 builds it optimised, as
-# python/bench.py needs.
+# 2. The extension module, installed into the venv: the dev profile by default, which reuses
+# the dependencies `cargo test` just compiled (for quick local runs); SPARSECORE_PY_RELEASE=1
+# builds it optimised, as .ci/run and python/bench.py do (about 3 minutes from nothing on
+# 2 cores).
 profile=()
 [ -n "${SPARSECORE_PY_RELEASE:-}" ] && profile=(--release)
 log "maturin develop ${profile[*]:-}"
