@@ -136,21 +136,8 @@ pub fn split(
     assert!(width - c <= 32 && c <= 2 * MAX_FAN_BITS && keys.len() < u32::MAX as usize);
     let n = keys.len();
     let shift = width - c;
-    let chunks = 1usize << c;
-    let mask = (chunks - 1) as u64;
-    starts.clear();
-    starts.resize(chunks + 1, 0);
-    {
-        let counts = &mut starts[1..];
-        for &k in keys {
-            counts[((k >> shift) & mask) as usize] += 1;
-        }
-    }
-    for b in 0..chunks {
-        starts[b + 1] += starts[b];
-    }
-    cursors.clear();
-    cursors.extend_from_slice(&starts[..chunks]);
+    let mask = ((1usize << c) - 1) as u64;
+    chunk_starts(keys, shift, c, starts, cursors);
     // Every slot is written before it is read; only grow, never re-zero.
     if out.len() < n {
         out.resize(n, 0);
@@ -180,16 +167,11 @@ pub fn split(
     }
 }
 
-/// [`split`] for packed keys kept apart from their gains: chunk elements are
-/// `(key's low width - c bits) << 32 | gain bits`, so that each chunk sorts and walks like
-/// keys packed whole. One scatter pass (weighted stacks this wide are rare).
-#[allow(unsafe_code)]
-pub fn split_packed(keys: &[u64], gains: &[f32], width: u32, c: u32, out: &mut Vec<u64>, starts: &mut Vec<u32>, cursors: &mut Vec<u32>) {
-    assert!(width - c <= 32 && c <= super::key::MAX_CHUNK_BITS && keys.len() < u32::MAX as usize && keys.len() == gains.len());
-    let n = keys.len();
-    let shift = width - c;
+/// The bounds of [`split`]'s `2^c` chunks of `keys` (chunk = the bits from `shift` up) in
+/// `starts` (`2^c + 1` entries), and `cursors` set to each chunk's first slot.
+fn chunk_starts(keys: &[u64], shift: u32, c: u32, starts: &mut Vec<u32>, cursors: &mut Vec<u32>) {
     let chunks = 1usize << c;
-    let (mask, low) = ((chunks - 1) as u64, (1u64 << shift) - 1);
+    let mask = (chunks - 1) as u64;
     starts.clear();
     starts.resize(chunks + 1, 0);
     {
@@ -203,6 +185,18 @@ pub fn split_packed(keys: &[u64], gains: &[f32], width: u32, c: u32, out: &mut V
     }
     cursors.clear();
     cursors.extend_from_slice(&starts[..chunks]);
+}
+
+/// [`split`] for packed keys kept apart from their gains: chunk elements are
+/// `(key's low width - c bits) << 32 | gain bits`, so that each chunk sorts and walks like
+/// keys packed whole. One scatter pass (weighted stacks this wide are rare).
+#[allow(unsafe_code)]
+pub fn split_packed(keys: &[u64], gains: &[f32], width: u32, c: u32, out: &mut Vec<u64>, starts: &mut Vec<u32>, cursors: &mut Vec<u32>) {
+    assert!(width - c <= 32 && c <= super::key::MAX_CHUNK_BITS && keys.len() < u32::MAX as usize && keys.len() == gains.len());
+    let n = keys.len();
+    let shift = width - c;
+    let (mask, low) = (((1usize << c) - 1) as u64, (1u64 << shift) - 1);
+    chunk_starts(keys, shift, c, starts, cursors);
     if out.len() < n {
         out.resize(n, 0);
     }
