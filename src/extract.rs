@@ -288,6 +288,18 @@ pub(crate) fn flush_subnormal(x: f32) -> f32 {
     f32::from_bits(if bits & 0x7f80_0000 == 0 { bits & 0x8000_0000 } else { bits })
 }
 
+/// The divisor of a weighted row's gains, from its (already flushed) weights, accumulated
+/// exactly as the reference does: sums in f32 left to right, sqrtn's squares summed in f64
+/// with one f32 rounding per step, subnormal sums flushed as on its threads.
+#[inline(always)]
+fn weighted_divisor(combiner: Combiner, weights: impl Iterator<Item = f32>) -> f32 {
+    match combiner {
+        Combiner::Sum => 1.0f32,
+        Combiner::Mean => weights.fold(0.0f32, |acc, w| flush_subnormal(acc + w)),
+        Combiner::Sqrtn => weights.fold(0.0f32, |acc, w| flush_subnormal((acc as f64 + (w as f64) * (w as f64)) as f32)).sqrt(),
+    }
+}
+
 /// Unity-weight gain of a sample with `n` ids.
 #[inline(always)]
 fn unity_gain(combiner: Combiner, n: usize) -> f32 {
@@ -335,15 +347,41 @@ impl RowEncoder {
     }
 }
 
-/// Keys that fit 32 bits.
-struct Narrow<'a>(&'a mut Vec<u32>);
-/// Whole 64-bit keys.
-struct Wide<'a>(&'a mut Vec<u64>);
+/// A stored key: `u32` when the layout is narrow, else `u64`.
+trait KeyWord: Copy + std::ops::BitOrAssign {
+    /// A key (which fits this width).
+    fn from_key(key: u64) -> Self;
+    /// A payload, to OR into a key written with payload 0.
+    fn from_payload(data: u32) -> Self;
+}
+impl KeyWord for u32 {
+    #[inline(always)]
+    fn from_key(key: u64) -> Self {
+        key as u32
+    }
+    #[inline(always)]
+    fn from_payload(data: u32) -> Self {
+        data
+    }
+}
+impl KeyWord for u64 {
+    #[inline(always)]
+    fn from_key(key: u64) -> Self {
+        key
+    }
+    #[inline(always)]
+    fn from_payload(data: u32) -> Self {
+        data as u64
+    }
+}
 
-impl KeySink for Narrow<'_> {
+/// Keys appended to `ex.narrow` (`u32`) or `ex.keys` (`u64`).
+struct Keys<'a, E>(&'a mut Vec<E>);
+
+impl<E: KeyWord> KeySink for Keys<'_, E> {
     #[inline(always)]
     fn write_row<T: IdValue>(&mut self, ids: &[T], enc: RowEncoder, data: u32) -> bool {
-        write_row_into(self.0, ids, enc, data, |k| k as u32)
+        write_keys(self.0, ids, enc, std::iter::repeat(data))
     }
     #[inline(always)]
     fn len(&self) -> usize {
@@ -351,74 +389,35 @@ impl KeySink for Narrow<'_> {
     }
     #[inline(always)]
     fn or_payload(&mut self, range: Range<usize>, data: u32) -> bool {
-        self.0.get_mut(range).map(|keys| keys.iter_mut().for_each(|k| *k |= data)).is_some()
+        self.0.get_mut(range).map(|keys| keys.iter_mut().for_each(|k| *k |= E::from_payload(data))).is_some()
     }
     #[inline(always)]
     fn or_running_payload(&mut self, base: usize, marks: &[u32], first: u32) {
         let mut data = first;
         for (k, &m) in self.0[base..].iter_mut().zip(marks) {
             data += m;
-            *k |= data;
-        }
-    }
-}
-impl KeySink for Wide<'_> {
-    #[inline(always)]
-    fn write_row<T: IdValue>(&mut self, ids: &[T], enc: RowEncoder, data: u32) -> bool {
-        write_row_into(self.0, ids, enc, data, |k| k)
-    }
-    #[inline(always)]
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    #[inline(always)]
-    fn or_payload(&mut self, range: Range<usize>, data: u32) -> bool {
-        self.0.get_mut(range).map(|keys| keys.iter_mut().for_each(|k| *k |= data as u64)).is_some()
-    }
-    #[inline(always)]
-    fn or_running_payload(&mut self, base: usize, marks: &[u32], first: u32) {
-        let mut data = first;
-        for (k, &m) in self.0[base..].iter_mut().zip(marks) {
-            data += m;
-            *k |= data as u64;
+            *k |= E::from_payload(data);
         }
     }
 }
 
-/// Keys with consecutive payloads from `first` (weighted extraction indices) appended to `v`;
-/// returns whether any id is at or above `enc.vocab`.
+/// Keys of `ids`, with payloads from `payloads` (one row's, or running extraction indices),
+/// appended to `v` in a loop with no branch and no call; returns whether any id is at or above
+/// `enc.vocab` (validation is one flag, the offending id is looked up only on error).
 #[inline(always)]
 #[allow(unsafe_code)]
-fn write_indexed<E, T: IdValue>(v: &mut Vec<E>, ids: &[T], enc: RowEncoder, first: u32, cast: impl Fn(u64) -> E) -> bool {
+fn write_keys<E: KeyWord, T: IdValue>(v: &mut Vec<E>, ids: &[T], enc: RowEncoder, payloads: impl Iterator<Item = u32>) -> bool {
     v.reserve(ids.len());
     let len = v.len();
     let mut bad = false;
-    for ((slot, &id), data) in v.spare_capacity_mut()[..ids.len()].iter_mut().zip(ids).zip(first..) {
+    for ((slot, &id), data) in v.spare_capacity_mut()[..ids.len()].iter_mut().zip(ids).zip(payloads) {
         let id = id.to_i64() as u64;
         bad |= id >= enc.vocab;
-        slot.write(cast(enc.key(id, data)));
+        slot.write(E::from_key(enc.key(id, data)));
     }
     // SAFETY: after `reserve`, the spare capacity holds at least `ids.len()` slots, and the
-    // loop above initialised the first `ids.len()` of them.
-    unsafe { v.set_len(len + ids.len()) };
-    bad
-}
-
-/// One row's keys appended to `v` in a loop with no branch and no call: validation is one
-/// flag for the row (the offending id is looked up only on error).
-#[inline(always)]
-#[allow(unsafe_code)]
-fn write_row_into<E, T: IdValue>(v: &mut Vec<E>, ids: &[T], enc: RowEncoder, data: u32, cast: impl Fn(u64) -> E) -> bool {
-    v.reserve(ids.len());
-    let len = v.len();
-    let mut bad = false;
-    for (slot, &id) in v.spare_capacity_mut()[..ids.len()].iter_mut().zip(ids) {
-        let id = id.to_i64() as u64;
-        bad |= id >= enc.vocab;
-        slot.write(cast(enc.key(id, data)));
-    }
-    // SAFETY: after `reserve`, the spare capacity holds at least `ids.len()` slots, and the
-    // loop above initialised the first `ids.len()` of them.
+    // loop above initialised the first `ids.len()` of them (the payloads never run out: both
+    // callers pass unbounded ones).
     unsafe { v.set_len(len + ids.len()) };
     bad
 }
@@ -530,13 +529,13 @@ impl Sink<'_, '_> {
         if self.out.layout.narrow() {
             let mut keys = std::mem::take(&mut self.out.narrow);
             keys.reserve(total);
-            let r = self.ragged_unity_into(&mut Narrow(&mut keys), ids, offsets, rows);
+            let r = self.ragged_unity_into(&mut Keys(&mut keys), ids, offsets, rows);
             self.out.narrow = keys;
             r
         } else {
             let mut keys = std::mem::take(&mut self.out.keys);
             keys.reserve(total);
-            let r = self.ragged_unity_into(&mut Wide(&mut keys), ids, offsets, rows);
+            let r = self.ragged_unity_into(&mut Keys(&mut keys), ids, offsets, rows);
             self.out.keys = keys;
             r
         }
@@ -572,6 +571,8 @@ impl Sink<'_, '_> {
         let first_bad = || flat.iter().position(|v| v.to_i64() as u64 >= vocab);
         let (first_row, last_row) = (rows.start, rows.end);
         let first_data = self.row_base - self.out.row_lo;
+        // The first row whose offsets are broken, and where it starts.
+        let mut broken = None;
         if flat.len() < SHORT_ROWS * rows.len() {
             // Short rows: mark where each row ends, and let one running sum over the ids give
             // every key its row, instead of a loop per row.
@@ -580,14 +581,11 @@ impl Sink<'_, '_> {
             marks.resize(flat.len() + 1, 0);
             let hi = lo + flat.len();
             let mut prev = lo;
-            for (data, r) in (first_data..).zip(rows.clone()) {
+            for (data, r) in (first_data..).zip(rows) {
                 let b = offsets[r + 1].to_usize();
                 if b < prev || b > hi {
-                    self.out.row_marks = marks;
-                    if let Some(k) = first_bad().filter(|_| bad).filter(|&k| k < prev - lo) {
-                        return Err(self.bad_id_at(&offsets[first_row..r], first_row, lo + k, ids));
-                    }
-                    return Err(bad_row(&self.plan.name, "ids", r));
+                    broken = Some((r, prev));
+                    break;
                 }
                 marks[b - lo] += 1;
                 if combiner != Combiner::Sum && b > prev {
@@ -595,33 +593,32 @@ impl Sink<'_, '_> {
                 }
                 prev = b;
             }
-            keys.or_running_payload(base, &marks[..flat.len()], first_data);
+            if broken.is_none() {
+                keys.or_running_payload(base, &marks[..flat.len()], first_data);
+            }
             self.out.row_marks = marks;
-            if bad {
-                if let Some(k) = first_bad() {
-                    return Err(self.bad_id_at(&offsets[first_row..last_row], first_row, lo + k, ids));
+        } else {
+            for (data, r) in (first_data..).zip(rows) {
+                let (a, b) = (offsets[r].to_usize(), offsets[r + 1].to_usize());
+                if !(a <= b && a >= lo && keys.or_payload(base + (a - lo)..base + (b - lo), data)) {
+                    broken = Some((r, a));
+                    break;
+                }
+                if combiner != Combiner::Sum && b > a {
+                    self.out.row_gains[data as usize] = unity_gain(combiner, b - a);
                 }
             }
-            return Ok(());
         }
-        for (data, r) in (first_data..).zip(rows) {
-            let (a, b) = (offsets[r].to_usize(), offsets[r + 1].to_usize());
-            let in_bounds = a <= b && a >= lo && keys.or_payload(base + (a - lo)..base + (b - lo), data);
-            if !in_bounds {
-                // An earlier row's bad id comes first, as it would row by row.
-                if let Some(k) = first_bad().filter(|_| bad).filter(|&k| k < a.saturating_sub(lo)) {
-                    return Err(self.bad_id_at(&offsets[first_row..r], first_row, lo + k, ids));
-                }
-                return Err(bad_row(&self.plan.name, "ids", r));
+        if let Some((r, a)) = broken {
+            // An earlier row's bad id comes first, as it would row by row.
+            if let Some(k) = if bad { first_bad() } else { None }.filter(|&k| k < a.saturating_sub(lo)) {
+                return Err(self.bad_id_at(&offsets[first_row..r], first_row, lo + k, ids));
             }
-            if combiner != Combiner::Sum && b > a {
-                self.out.row_gains[data as usize] = unity_gain(combiner, b - a);
-            }
+            return Err(bad_row(&self.plan.name, "ids", r));
         }
-        if bad {
-            if let Some(k) = first_bad() {
-                return Err(self.bad_id_at(&offsets[first_row..last_row], first_row, lo + k, ids));
-            }
+        // (Looked up only when some id is bad: the scan is not free.)
+        if let Some(k) = if bad { first_bad() } else { None } {
+            return Err(self.bad_id_at(&offsets[first_row..last_row], first_row, lo + k, ids));
         }
         Ok(())
     }
@@ -801,17 +798,7 @@ impl Sink<'_, '_> {
         }
         let combiner = self.ctx.combiner;
         // Exactly as `weighted_row`: weights flushed on the way in, sums and quotients out.
-        let divisor = match combiner {
-            Combiner::Sum => 1.0f32,
-            Combiner::Mean => weights.iter().fold(0.0f32, |acc, &w| flush_subnormal(acc + flush_subnormal(w))),
-            Combiner::Sqrtn => weights
-                .iter()
-                .fold(0.0f32, |acc, &w| {
-                    let w = flush_subnormal(w);
-                    flush_subnormal((acc as f64 + (w as f64) * (w as f64)) as f32)
-                })
-                .sqrt(),
-        };
+        let divisor = weighted_divisor(combiner, weights.iter().map(|&w| flush_subnormal(w)));
         let sum = combiner == Combiner::Sum;
         let gain = move |w: f32| {
             let w = flush_subnormal(w);
@@ -838,7 +825,7 @@ impl Sink<'_, '_> {
             }
             self.out.last_data = data;
             if enc.layout.packed_wide() {
-                bad = write_row_into(&mut self.out.keys, ids, enc, data, |k| k);
+                bad = write_keys(&mut self.out.keys, ids, enc, std::iter::repeat(data));
                 self.out.packed_gains.extend(weights.iter().map(|&w| gain(w)));
             } else {
                 let keys = &mut self.out.keys;
@@ -861,9 +848,9 @@ impl Sink<'_, '_> {
             }
             // The payload is the extraction index.
             bad = if enc.layout.narrow() {
-                write_indexed(&mut self.out.narrow, ids, enc, first as u32, |k| k as u32)
+                write_keys(&mut self.out.narrow, ids, enc, first as u32..)
             } else {
-                write_indexed(&mut self.out.keys, ids, enc, first as u32, |k| k)
+                write_keys(&mut self.out.keys, ids, enc, first as u32..)
             };
             self.out.rows.extend(weights.iter().map(|&w| (row_id, gain(w))));
         }
@@ -892,14 +879,7 @@ impl Sink<'_, '_> {
         // The divisor, accumulated exactly as the reference does, subnormals flushed as on
         // its threads (weights are flushed on the way in, sums and quotients on the way out).
         let weights = weights.map(flush_subnormal);
-        let divisor = match self.ctx.combiner {
-            Combiner::Sum => 1.0f32,
-            Combiner::Mean => weights.clone().fold(0.0f32, |acc, w| flush_subnormal(acc + w)),
-            Combiner::Sqrtn => weights
-                .clone()
-                .fold(0.0f32, |acc, w| flush_subnormal((acc as f64 + (w as f64) * (w as f64)) as f32))
-                .sqrt(),
-        };
+        let divisor = weighted_divisor(self.ctx.combiner, weights.clone());
         let row_id = self.row_base + (r - self.start) as u32;
         if self.out.layout.packed {
             let data = row_id - self.out.row_lo;
