@@ -90,3 +90,8 @@ class NativeDropIn:
   ) -> None: ...
   def run(self, features: list[Any], weights: list[Any] | None, has_leading_dimension: bool, batch_number: int) -> _Results:
     """One batch of flattened leaves, in spec order; one call at a time."""
+
+class PooledBuffer:
+    """The base object of every output array: owns its memory, which goes back to the call
+    state that made it when numpy frees the last view, so that the next call reuses the pages
+    instead of faulting in fresh ones. Not constructible from Python."""

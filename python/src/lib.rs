@@ -8,12 +8,14 @@
 //!
 //! Unsafe code is confined to [`numpy_input`] (reading the rows of ragged object arrays through
 //! numpy's C structs, which is what makes a 400,000-row batch cost microseconds rather than
-//! tens of milliseconds) and [`arrow_input`] (importing Arrow C data interface capsules). The
-//! library crate itself keeps `#![deny(unsafe_code)]`.
+//! tens of milliseconds), [`arrow_input`] (importing Arrow C data interface capsules) and
+//! [`pool`] (numpy arrays that view a buffer owned by their base object, so that the memory can
+//! be reused by the next call). The library crate itself keeps `#![deny(unsafe_code)]`.
 
 mod arrow_input;
 mod errors;
 mod numpy_input;
+mod pool;
 mod prep;
 
 use pyo3::prelude::*;
@@ -24,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<prep::NativePreprocessor>()?;
     m.add_class::<prep::NativeFdoStats>()?;
     m.add_class::<prep::NativeDropIn>()?;
+    m.add_class::<pool::PooledBuffer>()?;
     m.add_function(wrap_pyfunction!(prep::preprocess_resolved, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -15,23 +15,25 @@ use sparsecore_prep::spec::{FeatureConfig, Options, Placement, ResolvedStack, St
 use sparsecore_prep::{Config, Output, Plan, Preprocessor};
 
 use crate::errors::to_py;
+use crate::pool::BufferPool;
 use crate::{arrow_input, numpy_input};
 
 /// The four arrays of every stack, the number of minibatches, and the stats.
 type Results = (Py<PyDict>, Py<PyDict>, Py<PyDict>, Py<PyDict>, usize, Py<PyTuple>);
 
-/// Hands the output buffers to numpy (moved, not copied) and the stats as arrays.
-fn results(py: Python<'_>, out: &mut Output, leading: bool) -> PyResult<Results> {
+/// Hands the output buffers to numpy (moved, not copied; their memory comes back to `pool`
+/// when numpy frees them) and the stats as arrays.
+fn results(py: Python<'_>, out: &mut Output, pool: &BufferPool, leading: bool) -> PyResult<Results> {
     let (rp, eid, sid, gains) = (PyDict::new(py), PyDict::new(py), PyDict::new(py), PyDict::new(py));
     let (max_ids, max_unique, required, dropped) = (PyDict::new(py), PyDict::new(py), PyDict::new(py), PyDict::new(py));
-    for so in &mut out.stacks {
+    for (i, so) in out.stacks.iter_mut().enumerate() {
         let l = so.local_devices();
         let (rp_per, c) = (so.row_pointers_per_device(), so.coo_buffer_size_per_device());
         let name = so.name.as_str();
-        rp.set_item(name, shaped(leading, l, PyArray1::from_vec(py, std::mem::take(&mut so.row_pointers)).into_any(), rp_per)?)?;
-        eid.set_item(name, shaped(leading, l, PyArray1::from_vec(py, std::mem::take(&mut so.embedding_ids)).into_any(), c)?)?;
-        sid.set_item(name, shaped(leading, l, PyArray1::from_vec(py, std::mem::take(&mut so.sample_ids)).into_any(), c)?)?;
-        gains.set_item(name, shaped(leading, l, PyArray1::from_vec(py, std::mem::take(&mut so.gains)).into_any(), c)?)?;
+        rp.set_item(name, shaped(leading, l, pool.array(py, std::mem::take(&mut so.row_pointers), i, 0)?, rp_per)?)?;
+        eid.set_item(name, shaped(leading, l, pool.array(py, std::mem::take(&mut so.embedding_ids), i, 1)?, c)?)?;
+        sid.set_item(name, shaped(leading, l, pool.array(py, std::mem::take(&mut so.sample_ids), i, 2)?, c)?)?;
+        gains.set_item(name, shaped(leading, l, pool.array(py, std::mem::take(&mut so.gains), i, 3)?, c)?)?;
         stats_into(py, so, &max_ids, &max_unique, &required, &dropped)?;
     }
     let stats = PyTuple::new(py, [max_ids, max_unique, required, dropped])?;
@@ -76,6 +78,7 @@ fn run_detached(py: Python<'_>, prep: &mut Preprocessor, sources: &[Box<dyn Samp
 pub struct NativePreprocessor {
     prep: Preprocessor,
     out: Output,
+    pool: BufferPool,
     config_json: String,
 }
 
@@ -92,7 +95,7 @@ impl NativePreprocessor {
             builder = builder.threads(n);
         }
         let prep = builder.build().map_err(|e| to_py(py, e))?;
-        Ok(NativePreprocessor { prep, out: Output::new(), config_json: config.to_json() })
+        Ok(NativePreprocessor { prep, out: Output::new(), pool: BufferPool::default(), config_json: config.to_json() })
     }
 
     /// The config as normalised JSON (defaults filled in).
@@ -111,8 +114,9 @@ impl NativePreprocessor {
     fn run(&mut self, py: Python<'_>, batch: &Bound<'_, PyAny>, has_leading_dimension: bool) -> PyResult<Results> {
         let rb = arrow_input::record_batch(batch)?;
         let (prep, out) = (&mut self.prep, &mut self.out);
+        self.pool.refill(out);
         py.detach(|| prep.run_record_batch(&rb, out)).map_err(|e| to_py(py, e))?;
-        results(py, out, has_leading_dimension)
+        results(py, out, &self.pool, has_leading_dimension)
     }
 
     /// The FDO statistics of one record batch (no buffers written), as mergeable stats.
@@ -277,6 +281,10 @@ pub struct NativeDropIn {
     prep: Preprocessor,
     names: Vec<String>,
     scratch: Vec<numpy_input::Gathered>,
+    /// The output of the last call, whose arrays were moved into numpy, and the pool their
+    /// memory returns to (see `pool`).
+    out: Output,
+    pool: BufferPool,
 }
 
 #[pymethods]
@@ -311,7 +319,7 @@ impl NativeDropIn {
         .map_err(|e| to_py(py, e))?;
         let prep = Preprocessor::builder(config).plan(plan).build().map_err(|e| to_py(py, e))?;
         let names = specs.into_iter().map(|s| s.0 .0).collect();
-        Ok(NativeDropIn { prep, names, scratch: Vec::new() })
+        Ok(NativeDropIn { prep, names, scratch: Vec::new(), out: Output::new(), pool: BufferPool::default() })
     }
 
     /// Preprocesses one batch: numpy leaves (already flattened, in spec order), the
@@ -361,7 +369,8 @@ impl NativeDropIn {
                 None => numpy_input::feature(name, f, weights.as_ref().map(|w| &w[i])),
             })
             .collect::<PyResult<Vec<_>>>()?;
-        let mut out = Output::new();
+        let out = &mut self.out;
+        self.pool.refill(out);
         let ran = {
             let sources = data
                 .iter()
@@ -371,12 +380,12 @@ impl NativeDropIn {
                 .map_err(|e| to_py(py, e));
             sources.and_then(|sources| {
                 self.prep.set_batch_number(batch_number);
-                run_detached(py, &mut self.prep, &sources, &mut out, false)
+                run_detached(py, &mut self.prep, &sources, out, false)
             })
         };
         numpy_input::recycle(data, &mut self.scratch);
         ran?;
-        results(py, &mut out, has_leading_dimension)
+        results(py, out, &self.pool, has_leading_dimension)
     }
 }
 

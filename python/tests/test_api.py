@@ -6,6 +6,7 @@ actual output) and the golden cases' expected.json, never from our own code.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pickle
@@ -266,3 +267,64 @@ def test_drop_in_state_is_reused_but_specs_are_read_every_call():
   _, stats = scp.preprocess_sparse_dense_matmul_input(short, None, specs, 1, 1, 2)
   np.testing.assert_array_equal(stats.max_ids_per_partition["t"], [3, 1])
   np.testing.assert_array_equal(stats.required_buffer_size_per_sc["t"], [16, 0])  # 3 and 1 entries, each rounded up to 8
+
+
+def _whole_output(out):
+  """Every array of a result, whole (padding included), copied."""
+  m = out.sparse_dense_matmul_input
+  return {f: {k: np.array(v) for k, v in getattr(m, f).items()}
+          for f in ("lhs_row_pointers", "lhs_embedding_ids", "lhs_sample_ids", "lhs_gains")}
+
+
+def _assert_same_output(a, b):
+  for field, stacks in a.items():
+    for name, arr in stacks.items():
+      np.testing.assert_array_equal(arr.view(np.uint32) if arr.dtype == np.float32 else arr,
+                                    b[field][name].view(np.uint32) if arr.dtype == np.float32 else b[field][name],
+                                    err_msg=f"{field}[{name}]")
+
+
+def _data_ptr(a):
+  return a.__array_interface__["data"][0]
+
+
+def test_output_memory_is_reused_only_after_numpy_frees_it():
+  # The arrays a call returns are views of buffers that go back to the drop-in state when numpy
+  # frees them. Arrays still alive must never be overwritten by a later call; freed ones are
+  # reused, and a reused buffer must not leak the earlier batch (padding included).
+  case_a, _ = load("case_025_g4l4_zipf_b64")
+  specs = specs_from_resolved(case_a)
+  opts = dict(local_device_count=case_a["config"]["local_device_count"],
+              global_device_count=case_a["config"]["global_device_count"],
+              num_sc_per_device=case_a["config"]["num_sc_per_device"])
+  assert all(f.get("layout", "ragged") == "ragged" for f in case_a["features"])
+  feats = [array(f["ids"], np.int64, False) for f in case_a["features"]]
+  # A second batch of the same shape with other ids: every row reversed and shifted by one.
+  vocab = {t["name"]: t["vocabulary_size"] for t in case_a["tables"]}
+  other = [array([[(v + 1) % vocab[f["table"]] for v in r[::-1]] for r in f["ids"]], np.int64, False)
+           for f in case_a["features"]]
+
+  fresh_other = _whole_output(scp.preprocess_sparse_dense_matmul_input(other, None, specs, **opts)[0])
+  kept, _ = scp.preprocess_sparse_dense_matmul_input(feats, None, specs, **opts)
+  kept_copy = _whole_output(kept)
+  # `kept` is alive: the next call must use other memory and leave it untouched.
+  second, _ = scp.preprocess_sparse_dense_matmul_input(other, None, specs, **opts)
+  for field in kept_copy:
+    for name in kept_copy[field]:
+      assert not np.shares_memory(getattr(kept.sparse_dense_matmul_input, field)[name],
+                                  getattr(second.sparse_dense_matmul_input, field)[name])
+  _assert_same_output(kept_copy, _whole_output(kept))
+  _assert_same_output(fresh_other, _whole_output(second))
+  # Free `kept` (its buffers return to the pool): the next call reuses exactly that memory, and
+  # its output is the other batch's, byte for byte.
+  name = next(iter(kept_copy["lhs_embedding_ids"]))
+  freed = _data_ptr(kept.sparse_dense_matmul_input.lhs_embedding_ids[name])
+  del kept
+  gc.collect()
+  third, _ = scp.preprocess_sparse_dense_matmul_input(other, None, specs, **opts)
+  reused = third.sparse_dense_matmul_input.lhs_embedding_ids[name]
+  assert type(reused.base).__name__ == "PooledBuffer" and _data_ptr(reused) == freed
+  _assert_same_output(fresh_other, _whole_output(third))
+  # And the arrays are ordinary, writable numpy arrays.
+  arr = third.sparse_dense_matmul_input.lhs_gains[name]
+  assert arr.flags.writeable and arr.dtype == np.float32
