@@ -26,9 +26,9 @@ fn batch(skewed: bool) -> (Vec<i32>, Vec<i32>) {
     let mut splits = vec![0];
     for r in 0..32 {
         if skewed {
-            values.extend((0..6).map(|k| (8 * (6 * r + k)) as i32));
+            values.extend((0..6).map(|k| (8 * (6 * r + k))));
         } else {
-            values.push(r as i32);
+            values.push(r);
         }
         splits.push(values.len() as i32);
     }

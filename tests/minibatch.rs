@@ -1256,7 +1256,7 @@ fn check_model(
         let (b_ids, _, b_uniq, _) = maxes[&t];
         let (mut max_ids, mut max_unique) = (limits[&t].0 as u32, limits[&t].1 as u32);
         if v.below {
-            if b_ids >= 2 && v.below_seeds.0 % 2 == 0 {
+            if b_ids >= 2 && v.below_seeds.0.is_multiple_of(2) {
                 max_ids = 1 + v.below_seeds.0 as u32 % (b_ids - 1);
             }
             if b_uniq >= 2 && v.below_seeds.1 % 2 == 1 {
@@ -1413,7 +1413,7 @@ fn check_model(
 
 fn pick(seed: u8, lo: u32, hi: u32) -> u32 {
     // Mostly strictly below the partition maximum (minibatching required), sometimes at it.
-    let v = if hi <= lo || seed % 4 == 0 { hi.max(lo) } else { lo + seed as u32 % (hi - lo) };
+    let v = if hi <= lo || seed.is_multiple_of(4) { hi.max(lo) } else { lo + seed as u32 % (hi - lo) };
     v.max(1)
 }
 

@@ -370,7 +370,7 @@ fn roundup(x: u64, m: u64) -> u64 {
 /// A suggested COO buffer size per device from a seed: anywhere in `1..=theoretical` for even
 /// seeds, at most `8 * S` (one aligned partition per SparseCore) for odd ones.
 fn suggestion(seed: u32, theoretical: u64, s: u64) -> u64 {
-    let range = if seed % 2 == 0 { theoretical } else { theoretical.min(8 * s) };
+    let range = if seed.is_multiple_of(2) { theoretical } else { theoretical.min(8 * s) };
     1 + (seed / 2) as u64 % range
 }
 

@@ -226,7 +226,7 @@ pub fn preprocess_with_plan(plan: &Plan, batch: &Batch) -> Result<Vec<StackResul
         if bsd as u64 > DATA_MASK {
             return Err(ModelError::BatchTooLarge { stack: stack.name.clone() });
         }
-        if bsd % s != 0 {
+        if !bsd.is_multiple_of(s) {
             return Err(ModelError::BatchNotDivisible {
                 stack: stack.name.clone(),
                 feature: plan.features[members[0]].name.clone(),
@@ -573,7 +573,7 @@ fn group(ex: &Extracted, n: usize, drop: bool, (max_ids, max_unique): (u32, u32)
             dropped += 1;
             continue;
         }
-        let new_col = prev.map_or(true, |(_, c)| c != col);
+        let new_col = prev.is_none_or(|(_, c)| c != col);
         observed_ids[p] += 1;
         if new_col {
             observed_unique[p] += 1;
