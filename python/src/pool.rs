@@ -22,7 +22,7 @@ use sparsecore_prep::Output;
 /// The four arrays of a stack, in the order of the reference's result.
 const ROLES: usize = 4;
 
-/// One array's memory.
+/// One array's memory (the two element types the four output arrays use).
 pub enum Buf {
     I32(Vec<i32>),
     F32(Vec<f32>),
@@ -76,10 +76,13 @@ fn put<T: Pooled>(dst: &mut Vec<T>, slot: &mut Option<Buf>) {
     }
 }
 
-/// Element types of the output arrays.
+/// Element types of the output arrays, so that one pool serves `i32` and `f32` arrays.
 pub trait Pooled: Element + Copy {
+    /// Tags a buffer with its type for the pool.
     fn wrap(v: Vec<Self>) -> Buf;
+    /// The buffer back, if it holds this type (a slot only ever holds its own array's type).
     fn unwrap(b: Buf) -> Option<Vec<Self>>;
+    /// The buffer's elements, if it holds this type.
     fn view(b: &Buf) -> &[Self];
 }
 
