@@ -16,7 +16,7 @@
 //! while it is still in cache. The split is itself a stable counting sort, so chunk by chunk
 //! the order is the same.
 
-use super::key::{KeyLayout, BUCKET_BITS};
+use super::key::{KeyLayout, BUCKET_BITS, MAX_CHUNK_BITS};
 
 /// Largest radix digit, in bits.
 const MAX_DIGIT_BITS: u32 = 12;
@@ -137,7 +137,7 @@ pub fn split(
     cursors: &mut Vec<u32>,
     tmp: &mut RadixScratch<u64>,
 ) {
-    assert!(width - c <= 32 && c <= 2 * MAX_FAN_BITS && keys.len() < u32::MAX as usize);
+    assert!(width - c <= 32 && c <= MAX_CHUNK_BITS && keys.len() < u32::MAX as usize);
     let n = keys.len();
     let shift = width - c;
     let mask = ((1usize << c) - 1) as u64;
@@ -159,7 +159,8 @@ pub fn split(
         tmp.resize(n, 0);
     }
     let tmp = &mut tmp[..n];
-    let mut top = [0u32; 1 << MAX_FAN_BITS];
+    // The first pass fans out to at most 2^ceil(MAX_CHUNK_BITS / 2) ranges.
+    let mut top = [0u32; 1 << (MAX_CHUNK_BITS - MAX_CHUNK_BITS / 2)];
     for (j, t) in top.iter_mut().enumerate().take(1 << c1) {
         *t = starts[j << c2];
     }
@@ -196,7 +197,7 @@ fn chunk_starts(keys: &[u64], shift: u32, c: u32, starts: &mut Vec<u32>, cursors
 /// keys packed whole. One scatter pass (weighted stacks this wide are rare).
 #[allow(unsafe_code)]
 pub fn split_packed(keys: &[u64], gains: &[f32], width: u32, c: u32, out: &mut Vec<u64>, starts: &mut Vec<u32>, cursors: &mut Vec<u32>) {
-    assert!(width - c <= 32 && c <= super::key::MAX_CHUNK_BITS && keys.len() < u32::MAX as usize && keys.len() == gains.len());
+    assert!(width - c <= 32 && c <= MAX_CHUNK_BITS && keys.len() < u32::MAX as usize && keys.len() == gains.len());
     let n = keys.len();
     let shift = width - c;
     let (mask, low) = (((1usize << c) - 1) as u64, (1u64 << shift) - 1);
