@@ -86,41 +86,31 @@ pub trait Pooled: Element + Copy {
     fn view(b: &Buf) -> &[Self];
 }
 
-impl Pooled for i32 {
-    fn wrap(v: Vec<Self>) -> Buf {
-        Buf::I32(v)
-    }
-    fn unwrap(b: Buf) -> Option<Vec<Self>> {
-        match b {
-            Buf::I32(v) => Some(v),
-            Buf::F32(_) => None,
+/// `Pooled` for an element type: `$this` is its `Buf` variant, `$other` the other one.
+macro_rules! pooled {
+    ($t:ty, $this:ident, $other:ident) => {
+        impl Pooled for $t {
+            fn wrap(v: Vec<Self>) -> Buf {
+                Buf::$this(v)
+            }
+            fn unwrap(b: Buf) -> Option<Vec<Self>> {
+                match b {
+                    Buf::$this(v) => Some(v),
+                    Buf::$other(_) => None,
+                }
+            }
+            fn view(b: &Buf) -> &[Self] {
+                match b {
+                    Buf::$this(v) => v,
+                    Buf::$other(_) => &[],
+                }
+            }
         }
-    }
-    fn view(b: &Buf) -> &[Self] {
-        match b {
-            Buf::I32(v) => v,
-            Buf::F32(_) => &[],
-        }
-    }
+    };
 }
 
-impl Pooled for f32 {
-    fn wrap(v: Vec<Self>) -> Buf {
-        Buf::F32(v)
-    }
-    fn unwrap(b: Buf) -> Option<Vec<Self>> {
-        match b {
-            Buf::F32(v) => Some(v),
-            Buf::I32(_) => None,
-        }
-    }
-    fn view(b: &Buf) -> &[Self] {
-        match b {
-            Buf::F32(v) => v,
-            Buf::I32(_) => &[],
-        }
-    }
-}
+pooled!(i32, I32, F32);
+pooled!(f32, F32, I32);
 
 /// The base object of a pooled numpy array: owns the memory, and hands it back to its pool
 /// (if the pool still exists and the slot is free) when numpy drops it.
