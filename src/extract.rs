@@ -509,7 +509,16 @@ impl Sink<'_, '_> {
     }
 
     /// Unweighted ragged rows: one pass, keys written straight into the right-width vector.
+    /// Compiled twice (see [`crate::isa`]).
     fn ragged_unity<T: IdValue, O: OffsetValue>(&mut self, ids: &[T], offsets: &[O], rows: Range<usize>) -> Result<()> {
+        let sink = self;
+        crate::isa::dispatch_v3!(<T: IdValue, O: OffsetValue> (sink: &mut Sink<'_, '_>, ids: &[T], offsets: &[O], rows: Range<usize>) -> Result<()> {
+            sink.ragged_unity_body(ids, offsets, rows)
+        })
+    }
+
+    #[inline(always)]
+    fn ragged_unity_body<T: IdValue, O: OffsetValue>(&mut self, ids: &[T], offsets: &[O], rows: Range<usize>) -> Result<()> {
         if rows.is_empty() {
             return Ok(());
         }

@@ -49,6 +49,7 @@ pub mod fdo;
 pub mod fill;
 pub mod group;
 pub mod input;
+mod isa;
 pub mod kernel;
 pub mod io;
 pub mod output;

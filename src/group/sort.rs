@@ -137,43 +137,46 @@ pub fn split(
     cursors: &mut Vec<u32>,
     tmp: &mut RadixScratch<u64>,
 ) {
-    assert!(width - c <= 32 && c <= MAX_CHUNK_BITS && keys.len() < u32::MAX as usize);
-    let n = keys.len();
-    let shift = width - c;
-    let mask = ((1usize << c) - 1) as u64;
-    chunk_starts(keys, shift, c, starts, cursors);
-    // Every slot is written before it is read; only grow, never re-zero.
-    if out.len() < n {
-        out.resize(n, 0);
-    }
-    let out = &mut out[..n];
-    if c <= MAX_FAN_BITS {
-        scatter_low(keys.iter().copied(), out, cursors, shift, mask);
-        return;
-    }
-    // Two passes: by the top c1 bits into `tmp`, then each of those ranges by the next c2.
-    let c2 = c / 2;
-    let c1 = c - c2;
-    let tmp = &mut tmp.keys;
-    if tmp.len() < n {
-        tmp.resize(n, 0);
-    }
-    let tmp = &mut tmp[..n];
-    // The first pass fans out to at most 2^ceil(MAX_CHUNK_BITS / 2) ranges.
-    let mut top = [0u32; 1 << (MAX_CHUNK_BITS - MAX_CHUNK_BITS / 2)];
-    for (j, t) in top.iter_mut().enumerate().take(1 << c1) {
-        *t = starts[j << c2];
-    }
-    scatter(keys, tmp, &mut top[..1 << c1], shift + c2, (1u64 << c1) - 1);
-    for j in 0..1usize << c1 {
-        let (lo, hi) = (starts[j << c2] as usize, starts[(j + 1) << c2] as usize);
-        let range = &tmp[lo..hi];
-        scatter_low(range.iter().copied(), out, &mut cursors[j << c2..(j + 1) << c2], shift, (1u64 << c2) - 1);
-    }
+    crate::isa::dispatch_v3!(<> (keys: &[u64], width: u32, c: u32, out: &mut Vec<u32>, starts: &mut Vec<u32>, cursors: &mut Vec<u32>, tmp: &mut RadixScratch<u64>) -> () {
+        assert!(width - c <= 32 && c <= MAX_CHUNK_BITS && keys.len() < u32::MAX as usize);
+        let n = keys.len();
+        let shift = width - c;
+        let mask = ((1usize << c) - 1) as u64;
+        chunk_starts(keys, shift, c, starts, cursors);
+        // Every slot is written before it is read; only grow, never re-zero.
+        if out.len() < n {
+            out.resize(n, 0);
+        }
+        let out = &mut out[..n];
+        if c <= MAX_FAN_BITS {
+            scatter_low(keys.iter().copied(), out, cursors, shift, mask);
+            return;
+        }
+        // Two passes: by the top c1 bits into `tmp`, then each of those ranges by the next c2.
+        let c2 = c / 2;
+        let c1 = c - c2;
+        let tmp = &mut tmp.keys;
+        if tmp.len() < n {
+            tmp.resize(n, 0);
+        }
+        let tmp = &mut tmp[..n];
+        // The first pass fans out to at most 2^ceil(MAX_CHUNK_BITS / 2) ranges.
+        let mut top = [0u32; 1 << (MAX_CHUNK_BITS - MAX_CHUNK_BITS / 2)];
+        for (j, t) in top.iter_mut().enumerate().take(1 << c1) {
+            *t = starts[j << c2];
+        }
+        scatter(keys, tmp, &mut top[..1 << c1], shift + c2, (1u64 << c1) - 1);
+        for j in 0..1usize << c1 {
+            let (lo, hi) = (starts[j << c2] as usize, starts[(j + 1) << c2] as usize);
+            let range = &tmp[lo..hi];
+            scatter_low(range.iter().copied(), out, &mut cursors[j << c2..(j + 1) << c2], shift, (1u64 << c2) - 1);
+        }
+    })
 }
 
 /// The bounds of [`split`]'s `2^c` chunks of `keys` (chunk = the bits from `shift` up) in
 /// `starts` (`2^c + 1` entries), and `cursors` set to each chunk's first slot.
+#[inline(always)]
 fn chunk_starts(keys: &[u64], shift: u32, c: u32, starts: &mut Vec<u32>, cursors: &mut Vec<u32>) {
     let chunks = 1usize << c;
     let mask = (chunks - 1) as u64;
@@ -252,19 +255,25 @@ const FUSED_PASSES: usize = 3;
 /// The histograms of all passes come from one read of the keys (a permutation leaves every
 /// digit's histogram unchanged), and the scatter indexes without bounds checks: this loop is
 /// where the pipeline spends most of its time, and its indices are in range by construction.
+/// Compiled twice (see [`crate::isa`]).
 fn radix_by_bits<K: SortKey>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, hi: u32) {
-    if hi <= lo {
-        return;
-    }
+    crate::isa::dispatch_v3!(<K: SortKey> (keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, hi: u32) -> () {
+        // Ranges of up to FUSED_PASSES digits (only keys wider than 36 column bits, never the
+        // 32-bit halves, take more than one), lowest first.
+        let mut from = lo;
+        while from < hi {
+            let to = hi.min(from + FUSED_PASSES as u32 * MAX_DIGIT_BITS);
+            radix_range(keys, scratch, from, to);
+            from = to;
+        }
+    })
+}
+
+/// [`radix_by_bits`] for at most `FUSED_PASSES` digits.
+#[inline(always)]
+fn radix_range<K: SortKey>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, hi: u32) {
     let span = hi - lo;
     let passes = span.div_ceil(MAX_DIGIT_BITS);
-    if passes as usize > FUSED_PASSES {
-        // Only keys wider than 36 column bits (never the 32-bit halves): split the range.
-        let mid = lo + FUSED_PASSES as u32 * MAX_DIGIT_BITS;
-        radix_by_bits(keys, scratch, lo, mid);
-        radix_by_bits(keys, scratch, mid, hi);
-        return;
-    }
     let digit = span.div_ceil(passes);
     match passes {
         1 => radix_passes::<K, 1>(keys, scratch, lo, digit),
@@ -274,6 +283,7 @@ fn radix_by_bits<K: SortKey>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: 
 }
 
 /// `P` passes of `digit` bits from bit `lo` up.
+#[inline(always)]
 fn radix_passes<K: SortKey, const P: usize>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, digit: u32) {
     let radix = 1usize << digit;
     let mask = (radix - 1) as u64;
