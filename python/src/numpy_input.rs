@@ -345,9 +345,6 @@ impl RawObjects {
     }
 }
 
-/// Rows up to this long are copied element by element (see `gather_raw`).
-const SHORT_ROW: usize = 8;
-
 /// Element kind and size from a dtype's `kind` and `type_num` (the fields numpy 1 and 2 share).
 #[inline(always)]
 fn element(kind: u8, type_num: i32) -> Option<usize> {
@@ -362,93 +359,211 @@ fn element(kind: u8, type_num: i32) -> Option<usize> {
     })
 }
 
-/// One row's memory read straight from its structs, or `None` when the row needs the checked
-/// path (not exactly an ndarray, not 1-D, a dtype we do not read here, foreign byte order).
+/// A dtype's element kind and size, if its values can be read in native byte order.
 ///
-/// SAFETY: `p` is an item of a live object array, and no Python code can run meanwhile.
-#[inline(always)]
-unsafe fn raw_row(p: *mut pyo3::ffi::PyObject, array_type: ArrayType) -> Option<Row> {
-    if p.is_null() || (*p).ob_type != array_type.0 {
-        return None;
-    }
-    let a = p as *mut PyArrayObject;
-    if (*a).fields.nd != 1 {
-        return None;
-    }
-    let d = &(*(*a).fields.descr).fields;
+/// SAFETY: `descr` is a live dtype object, and no Python code can run meanwhile.
+unsafe fn native_element(descr: *mut numpy::npyffi::PyArray_Descr) -> Option<(u8, usize)> {
+    let d = &(*descr).fields;
     let byteorder = d.byteorder as u8;
     if !(byteorder == b'=' || byteorder == b'|' || (cfg!(target_endian = "little") && byteorder == b'<')) {
         return None;
     }
     let kind = d.kind as u8;
-    let itemsize = element(kind, d.type_num)?;
-    Some(Row { data: (*a).fields.data as *const u8, len: *(*a).fields.dimensions as usize, stride: *(*a).fields.strides, kind, itemsize })
+    element(kind, d.type_num).map(|size| (kind, size))
 }
 
-/// Gathers one ragged feature without the Python API into `buf` (cleared first, its memory
-/// reused); `false` sends it down the checked path (which also produces the precise error).
+/// One row as the first pass of [`gather_raw`] found it: `len` elements from address `addr`,
+/// `stride` bytes apart.
+#[derive(Clone, Copy, Default)]
+struct Span {
+    addr: usize,
+    len: usize,
+    stride: isize,
+}
+
+/// What the first pass of [`gather_raw`] found of all rows of one object array.
+struct Probe {
+    /// Element size, the same for every row (and the kind, which `accept` checked).
+    itemsize: usize,
+    /// The rows' element count.
+    total: usize,
+    /// Every row contiguous, aligned, and starting where the previous one ends: the rows are
+    /// consecutive slices of one buffer (as `np.split` or slicing one flat array gives), so
+    /// their values are one block of memory.
+    chained: bool,
+}
+
+/// The first pass over an object array: each row's span into `spans`, and the running element
+/// count after each row into `ends` (`ends[k]` for row `k`, wrapping past `i32::MAX`, which
+/// the caller rejects by `total`). `None` for anything the checked path must see: a row that
+/// is not exactly a 1-D ndarray, a dtype `accept` rejects or that differs from the first row's.
 ///
-/// SAFETY: as [`raw_row`], for every item of `ids` and `weights`.
-unsafe fn gather_raw(ids: RawObjects, weights: Option<RawObjects>, array_type: ArrayType, buf: &mut Gathered) -> bool {
-    let item = |o: RawObjects, k: usize| std::ptr::read_unaligned(o.data.offset(k as isize * o.stride) as *const *mut pyo3::ffi::PyObject);
-    let (values, splits, weights_out) = buf;
-    values.clear();
-    splits.clear();
-    splits.reserve(ids.len + 1);
-    splits.push(0);
-    let n = ids.len;
-    for k in 0..n {
-        let Some(row) = raw_row(item(ids, k), array_type) else { return false };
-        let ok = match (row.kind, row.itemsize) {
-            (b'i', 4) if row.stride == 4 && (row.data as usize) % 4 == 0 => {
-                let src = if row.len > 0 { std::slice::from_raw_parts(row.data as *const i32, row.len) } else { &[][..] };
-                if src.len() <= SHORT_ROW {
-                    // Most rows of sparse features hold an id or two: a call to memcpy per
-                    // row costs more than the copy.
-                    values.reserve(SHORT_ROW);
-                    for &v in src {
-                        values.push(v);
-                    }
-                } else {
-                    values.extend_from_slice(src);
-                }
-                true
+/// This pass reads each row's object and shape once and copies nothing, so that the copy that
+/// follows knows the total (one reservation, no capacity checks per row) and whether the rows
+/// are one block of memory. The objects and their shapes are tens of megabytes per batch
+/// (a numpy array is about 100 bytes, plus its shape), so reading them once is most of the cost.
+///
+/// SAFETY: `o` is a live object array whose items no Python code can change meanwhile.
+unsafe fn probe(
+    o: RawObjects,
+    array_type: ArrayType,
+    accept: impl Fn(u8, usize) -> bool,
+    spans: &mut Vec<Span>,
+    ends: &mut [i32],
+) -> Option<Probe> {
+    debug_assert_eq!(ends.len(), o.len);
+    spans.clear();
+    spans.resize(o.len, Span::default());
+    // The dtype object the rows were checked against: rows sliced from one array share it, so
+    // a pointer comparison stands for reading and checking the dtype of every row.
+    let mut descr: *mut numpy::npyffi::PyArray_Descr = std::ptr::null_mut();
+    let (mut kind, mut itemsize) = (0u8, 1usize);
+    let (mut total, mut next, mut chained) = (0usize, 0usize, true);
+    let at = |k: usize| std::ptr::read_unaligned(o.data.offset(k as isize * o.stride) as *const *mut pyo3::ffi::PyObject);
+    for (k, (span, end)) in spans.iter_mut().zip(ends.iter_mut()).enumerate() {
+        let p = at(k);
+        if p.is_null() || (*p).ob_type != array_type.0 {
+            return None;
+        }
+        let f = &(*(p as *mut PyArrayObject)).fields;
+        if f.nd != 1 {
+            return None;
+        }
+        if f.descr != descr {
+            let (kd, size) = native_element(f.descr)?;
+            if !accept(kd, size) || (!descr.is_null() && (kd, size) != (kind, itemsize)) {
+                return None;
             }
-            (b'i', 4) => copy_row::<i32, i32>(&row, values, Some).is_ok(),
-            (b'i', 8) => copy_row::<i64, i32>(&row, values, narrow).is_ok(),
-            _ => false,
-        };
-        if !ok {
+            (descr, kind, itemsize) = (f.descr, kd, size);
+        }
+        let (addr, len, stride) = (f.data as usize, *f.dimensions as usize, *f.strides);
+        // (`itemsize` is a power of two.)
+        chained &= (k == 0 || addr == next) && stride == itemsize as isize && addr & (itemsize - 1) == 0;
+        next = addr.wrapping_add(len.wrapping_mul(itemsize));
+        total = total.wrapping_add(len);
+        *span = Span { addr, len, stride };
+        *end = total as i32;
+    }
+    Some(Probe { itemsize, total, chained })
+}
+
+/// Appends the values of `spans` (elements of type `T`), converted by `conv`, to `out`, which
+/// has room for `total` more; `false` if `conv` rejects a value.
+///
+/// SAFETY: every span is `len` elements of `T`, `stride` bytes apart, in live memory that
+/// nothing writes meanwhile; when `chained`, the spans are consecutive and aligned (see
+/// [`Probe::chained`]).
+unsafe fn copy_spans<T: Copy, U: Copy + Default>(spans: &[Span], total: usize, chained: bool, out: &mut Vec<U>, conv: impl Fn(T) -> Option<U>) -> bool {
+    debug_assert!(out.capacity() - out.len() >= total);
+    let size = std::mem::size_of::<T>() as isize;
+    if chained && total > 0 {
+        // One block: check, then convert in one loop (a memcpy when `T` is `U`).
+        let src = std::slice::from_raw_parts(spans[0].addr as *const T, total);
+        if !src.iter().all(|&v| conv(v).is_some()) {
             return false;
         }
-        let Ok(end) = i32::try_from(values.len()) else { return false };
-        splits.push(end);
+        out.extend(src.iter().map(|&v| conv(v).unwrap_or_default()));
+        return true;
     }
-    match weights {
-        None => *weights_out = None,
-        Some(w) => {
-            if w.len != ids.len {
-                return false;
+    for s in spans {
+        if s.stride == size && s.addr % std::mem::align_of::<T>() == 0 {
+            if s.len == 0 {
+                continue;
             }
-            let out = weights_out.get_or_insert_with(Vec::new);
-            out.clear();
-            out.reserve(values.len());
-            for k in 0..w.len {
-                let Some(row) = raw_row(item(w, k), array_type) else { return false };
-                let ok = match (row.kind, row.itemsize) {
-                    (b'f', 4) => copy_row::<f32, f32>(&row, out, Some).is_ok(),
-                    (b'f', 8) => copy_row::<f64, f32>(&row, out, |v| Some(v as f32)).is_ok(),
-                    _ => false,
-                };
-                if !ok || out.len() != splits[k + 1] as usize {
-                    return false;
-                }
+            // Element by element: most rows of sparse features hold an id or two, for which
+            // a call to memcpy per row costs more than the copy.
+            for &v in std::slice::from_raw_parts(s.addr as *const T, s.len) {
+                let Some(u) = conv(v) else { return false };
+                out.push(u);
+            }
+        } else {
+            for k in 0..s.len as isize {
+                // Element k of a 1-D array is at data + k * stride (numpy's own addressing);
+                // read_unaligned copes with any alignment.
+                let v = std::ptr::read_unaligned((s.addr as *const u8).offset(k * s.stride) as *const T);
+                let Some(u) = conv(v) else { return false };
+                out.push(u);
             }
         }
     }
     true
 }
 
+/// Gathers one ragged feature without the Python API into `buf` (its memory reused); `false`
+/// sends it down the checked path (which also produces the precise error).
+///
+/// Two passes: [`probe`] reads every row's object, then the values are copied from the spans
+/// it recorded (a few hundred kilobytes, still in cache).
+///
+/// SAFETY: as [`probe`], for `ids` and `weights`.
+unsafe fn gather_raw(ids: RawObjects, weights: Option<RawObjects>, array_type: ArrayType, buf: &mut Gathered) -> bool {
+    thread_local! {
+        /// The first pass's per-row record, per thread rather than per feature: it lives only
+        /// from one pass to the next, so one buffer stays in this core's cache (a feature's
+        /// rows take a few hundred kilobytes), where per-feature buffers would be cold memory
+        /// written afresh on every call.
+        static SCRATCH: std::cell::RefCell<(Vec<Span>, Vec<i32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    }
+    SCRATCH.with_borrow_mut(|(spans, weight_ends)| gather_with(ids, weights, array_type, buf, spans, weight_ends))
+}
+
+/// [`gather_raw`] with its scratch.
+///
+/// SAFETY: as [`gather_raw`].
+unsafe fn gather_with(
+    ids: RawObjects,
+    weights: Option<RawObjects>,
+    array_type: ArrayType,
+    buf: &mut Gathered,
+    spans: &mut Vec<Span>,
+    weight_ends: &mut Vec<i32>,
+) -> bool {
+    let Gathered { ids: values, splits, weights: weights_out } = buf;
+    let n = ids.len;
+    splits.clear();
+    splits.resize(n + 1, 0);
+    let int = |kind: u8, size: usize| kind == b'i' && (size == 4 || size == 8);
+    let Some(p) = probe(ids, array_type, int, spans, &mut splits[1..]) else { return false };
+    if p.total > i32::MAX as usize {
+        return false;
+    }
+    values.clear();
+    values.reserve(p.total);
+    let copied = match p.itemsize {
+        4 => copy_spans::<i32, i32>(spans, p.total, p.chained, values, Some),
+        _ => copy_spans::<i64, i32>(spans, p.total, p.chained, values, narrow),
+    };
+    if !copied {
+        return false;
+    }
+    match weights {
+        None => *weights_out = None,
+        Some(w) => {
+            if w.len != n {
+                return false;
+            }
+            let float = |kind: u8, size: usize| kind == b'f' && (size == 4 || size == 8);
+            weight_ends.clear();
+            weight_ends.resize(n, 0);
+            let Some(q) = probe(w, array_type, float, spans, weight_ends) else { return false };
+            // The weights must have the ids' shape, row by row.
+            if weight_ends[..] != splits[1..] {
+                return false;
+            }
+            let out = weights_out.get_or_insert_with(Vec::new);
+            out.clear();
+            out.reserve(q.total);
+            let copied = match q.itemsize {
+                4 => copy_spans::<f32, f32>(spans, q.total, q.chained, out, Some),
+                _ => copy_spans::<f64, f32>(spans, q.total, q.chained, out, |v| Some(v as f32)),
+            };
+            if !copied {
+                return false;
+            }
+        }
+    }
+    true
+}
 /// Gathers the ragged features among `leaves` on rayon's pool, into `scratch` (one buffer per
 /// leaf, resized to fit; its memory is reused from call to call, so a steady stream of batches
 /// does not fault in fresh pages for the gathered ids each time). `None` where a feature needs
@@ -481,7 +596,7 @@ pub fn gather_all<'py>(
         .zip(scratch.iter_mut())
         .map(|(ok, buf)| {
             ok.then(|| {
-                let (ids, splits, weights) = std::mem::take(buf);
+                let (ids, splits, weights) = (std::mem::take(&mut buf.ids), std::mem::take(&mut buf.splits), buf.weights.take());
                 FeatureData::Ragged { ids, splits, weights }
             })
         })
@@ -492,10 +607,15 @@ pub fn gather_all<'py>(
 pub fn recycle(data: Vec<FeatureData<'_>>, scratch: &mut [Gathered]) {
     for (d, slot) in data.into_iter().zip(scratch.iter_mut()) {
         if let FeatureData::Ragged { ids, splits, weights } = d {
-            *slot = (ids, splits, weights);
+            (slot.ids, slot.splits, slot.weights) = (ids, splits, weights);
         }
     }
 }
 
-/// A gathered ragged feature: ids, row splits, weights.
-pub type Gathered = (Vec<i32>, Vec<i32>, Option<Vec<f32>>);
+/// One ragged feature's gathered ids, row splits and weights, kept from call to call.
+#[derive(Default)]
+pub struct Gathered {
+    ids: Vec<i32>,
+    splits: Vec<i32>,
+    weights: Option<Vec<f32>>,
+}

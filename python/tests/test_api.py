@@ -205,6 +205,64 @@ def test_drop_in_errors():
     scp.preprocess_sparse_dense_matmul_input(ids, None, tight, 1, 1, 2)
 
 
+def ragged_views(rows, dtype, layout):
+  """An object array of per-sample arrays with `rows`' values, laid out in memory as `layout` says."""
+  out = np.empty(len(rows), dtype=object)
+  lens = [len(r) for r in rows]
+  flat = np.asarray([v for r in rows for v in r], dtype=dtype)
+  ends = np.cumsum([0] + lens)
+  if layout == "separate":  # one allocation per sample
+    for i, r in enumerate(rows):
+      out[i] = np.asarray(r, dtype=dtype)
+  elif layout == "chained":  # consecutive slices of one flat array (np.split's layout)
+    for i in range(len(rows)):
+      out[i] = flat[ends[i]:ends[i + 1]]
+  elif layout == "backwards":  # slices of one array, the last sample's first in memory
+    back = np.concatenate([flat[ends[i]:ends[i + 1]] for i in reversed(range(len(rows)))] + [flat[:0]])
+    start = len(flat)
+    for i in range(len(rows)):
+      start -= lens[i]
+      out[i] = back[start:start + lens[i]]
+  elif layout == "strided":  # every other element of a doubled array
+    doubled = np.repeat(flat, 2)
+    for i in range(len(rows)):
+      out[i] = doubled[2 * ends[i]:2 * ends[i + 1]:2]
+  elif layout == "reversed":  # negative strides
+    for i in range(len(rows)):
+      out[i] = flat[ends[i]:ends[i + 1]][::-1].copy()[::-1]
+  return out
+
+
+@pytest.mark.parametrize("name", ["case_005_sqrtn_weights_g1", "case_009_empty_samples_g1", "case_025_g4l4_zipf_b64"])
+@pytest.mark.parametrize("layout", ["separate", "chained", "backwards", "strided", "reversed"])
+def test_ragged_row_layouts_read_alike(name, layout):
+  """Rows are read from their own memory whatever its layout: the chained fast path (rows that
+  are consecutive slices of one array) and the per-row path give the reference's output."""
+  case, expected = load(name)
+  assert all(f.get("layout") != "dense" for f in case["features"])
+  specs = specs_from_resolved(case)
+  cfg = case["config"]
+  args = (cfg["local_device_count"], cfg["global_device_count"], cfg["num_sc_per_device"])
+  for id_type, weight_type in ((np.int32, np.float32), (np.int64, np.float64)):
+    feats = [ragged_views(f["ids"], id_type, layout) for f in case["features"]]
+    weights = None
+    if cfg.get("weights"):
+      weights = [ragged_views(f["weights"] if f["weights"] is not None else [[1.0] * len(r) for r in f["ids"]],
+                              weight_type, layout) for f in case["features"]]
+    assert_matches(expected, *scp.preprocess_sparse_dense_matmul_input(feats, weights, specs, *args))
+  # Weights whose rows do not match the ids' row by row are refused, in any layout.
+  if cfg.get("weights"):
+    rows = case["features"][0]["ids"]
+    shifted = [[1.0] * len(r) for r in rows[1:]] + [[1.0] * len(rows[0])]
+    if [len(r) for r in shifted] != [len(r) for r in rows]:
+      feats = [ragged_views(f["ids"], np.int32, layout) for f in case["features"]]
+      bad = [ragged_views(shifted, np.float32, layout)] + [
+          ragged_views(f["weights"] if f["weights"] is not None else [[1.0] * len(r) for r in f["ids"]], np.float32, layout)
+          for f in case["features"][1:]]
+      with pytest.raises(ValueError, match="weights"):
+        scp.preprocess_sparse_dense_matmul_input(feats, bad, specs, *args)
+
+
 def test_dense_input_dtypes():
   case, expected = load("case_029_dense_layout_g2l2")
   specs = specs_from_resolved(case)
