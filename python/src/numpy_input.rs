@@ -18,6 +18,11 @@ use sparsecore_prep::input::{DenseInput, RaggedInput, SampleSource};
 pub enum FeatureData<'py> {
     /// Ragged rows gathered into `ids` with row splits, and weights beside them.
     Ragged { ids: Vec<i32>, splits: Vec<i32>, weights: Option<Vec<f32>> },
+    /// Ragged rows whose int32 ids are already one block of memory (consecutive slices of one
+    /// array), read in place: `len` ids at `addr`, inside the buffer of the numpy array
+    /// `_owner`, which this holds a reference to, so that the memory outlives the call even if
+    /// another thread replaces the rows while the GIL is released.
+    RaggedInPlace { addr: usize, len: usize, _owner: Py<PyAny>, splits: Vec<i32>, weights: Option<Vec<f32>> },
     /// A dense `[batch, valency]` array of i32 ids.
     DenseI32 { ids: PyReadonlyArray2<'py, i32>, weights: Option<PyReadonlyArray2<'py, f32>> },
     /// A dense `[batch, valency]` array of i64 ids.
@@ -29,6 +34,17 @@ impl FeatureData<'_> {
     pub fn source<'a>(&'a self, name: &str) -> sparsecore_prep::Result<Box<dyn SampleSource + 'a>> {
         Ok(match self {
             FeatureData::Ragged { ids, splits, weights } => {
+                let input = RaggedInput::from_i32(name, ids, splits)?;
+                match weights {
+                    Some(w) => Box::new(input.with_weights(name, w)?),
+                    None => Box::new(input),
+                }
+            }
+            FeatureData::RaggedInPlace { addr, len, _owner: _, splits, weights } => {
+                // SAFETY: `gather_raw` checked that these `len` aligned int32s lie inside the
+                // buffer of the array `owner`, which is alive as long as `self` (it holds a
+                // reference), and an array's buffer lives as long as the array.
+                let ids = unsafe { std::slice::from_raw_parts(*addr as *const i32, *len) };
                 let input = RaggedInput::from_i32(name, ids, splits)?;
                 match weights {
                     Some(w) => Box::new(input.with_weights(name, w)?),
@@ -391,6 +407,8 @@ struct Probe {
     /// consecutive slices of one buffer (as `np.split` or slicing one flat array gives), so
     /// their values are one block of memory.
     chained: bool,
+    /// The first row's `base` object (the array whose memory a view shares), or null.
+    base: *mut pyo3::ffi::PyObject,
 }
 
 /// The first pass over an object array: each row's span into `spans`, and the running element
@@ -419,6 +437,7 @@ unsafe fn probe(
     let mut descr: *mut numpy::npyffi::PyArray_Descr = std::ptr::null_mut();
     let (mut kind, mut itemsize) = (0u8, 1usize);
     let (mut total, mut next, mut chained) = (0usize, 0usize, true);
+    let mut base = std::ptr::null_mut();
     let at = |k: usize| std::ptr::read_unaligned(o.data.offset(k as isize * o.stride) as *const *mut pyo3::ffi::PyObject);
     for (k, (span, end)) in spans.iter_mut().zip(ends.iter_mut()).enumerate() {
         let p = at(k);
@@ -437,6 +456,9 @@ unsafe fn probe(
             (descr, kind, itemsize) = (f.descr, kd, size);
         }
         let (addr, len, stride) = (f.data as usize, *f.dimensions as usize, *f.strides);
+        if k == 0 {
+            base = f.base;
+        }
         // (`itemsize` is a power of two.)
         chained &= (k == 0 || addr == next) && stride == itemsize as isize && addr & (itemsize - 1) == 0;
         next = addr.wrapping_add(len.wrapping_mul(itemsize));
@@ -444,7 +466,25 @@ unsafe fn probe(
         *span = Span { addr, len, stride };
         *end = total as i32;
     }
-    Some(Probe { itemsize, total, chained })
+    Some(Probe { itemsize, total, chained, base })
+}
+
+/// Whether `bytes` bytes at `addr` lie inside the buffer of `base`, a 1-D contiguous numpy
+/// array (so that a reference to `base` keeps them alive).
+///
+/// SAFETY: `base` is null or a live object, and no Python code can run meanwhile.
+unsafe fn holds(base: *mut pyo3::ffi::PyObject, addr: usize, bytes: usize, array_type: ArrayType) -> bool {
+    if base.is_null() || (*base).ob_type != array_type.0 {
+        return false;
+    }
+    let f = &(*(base as *mut PyArrayObject)).fields;
+    if f.nd != 1 {
+        return false;
+    }
+    let Some((_, size)) = native_element(f.descr) else { return false };
+    let (start, len) = (f.data as usize, *f.dimensions as usize);
+    *f.strides == size as isize
+        && len.checked_mul(size).and_then(|n| start.checked_add(n)).is_some_and(|end| start <= addr && addr.checked_add(bytes).is_some_and(|e| e <= end))
 }
 
 /// Appends the values of `spans` (elements of type `T`), converted by `conv`, to `out`, which
@@ -518,7 +558,7 @@ unsafe fn gather_with(
     spans: &mut Vec<Span>,
     weight_ends: &mut Vec<i32>,
 ) -> bool {
-    let Gathered { ids: values, splits, weights: weights_out } = buf;
+    let Gathered { ids: values, splits, weights: weights_out, in_place } = buf;
     let n = ids.len;
     splits.clear();
     splits.resize(n + 1, 0);
@@ -528,10 +568,17 @@ unsafe fn gather_with(
         return false;
     }
     values.clear();
-    values.reserve(p.total);
-    let copied = match p.itemsize {
-        4 => copy_spans::<i32, i32>(spans, p.total, p.chained, values, Some),
-        _ => copy_spans::<i64, i32>(spans, p.total, p.chained, values, narrow),
+    *in_place = None;
+    if p.itemsize == 4 && p.chained && p.total > 0 && holds(p.base, spans[0].addr, p.total * 4, array_type) {
+        // The ids are one block inside the first row's base array: read in place.
+        *in_place = Some((spans[0].addr, p.total, p.base as usize));
+    }
+    let copied = in_place.is_some() || {
+        values.reserve(p.total);
+        match p.itemsize {
+            4 => copy_spans::<i32, i32>(spans, p.total, p.chained, values, Some),
+            _ => copy_spans::<i64, i32>(spans, p.total, p.chained, values, narrow),
+        }
     };
     if !copied {
         return false;
@@ -596,8 +643,17 @@ pub fn gather_all<'py>(
         .zip(scratch.iter_mut())
         .map(|(ok, buf)| {
             ok.then(|| {
-                let (ids, splits, weights) = (std::mem::take(&mut buf.ids), std::mem::take(&mut buf.splits), buf.weights.take());
-                FeatureData::Ragged { ids, splits, weights }
+                let (splits, weights) = (std::mem::take(&mut buf.splits), buf.weights.take());
+                match buf.in_place.take() {
+                    Some((addr, len, owner)) => {
+                        // SAFETY: `owner` is the live array `gather_raw` checked, kept alive by
+                        // the rows (which `leaves` keeps); this takes a reference of our own,
+                        // on the thread that holds the GIL.
+                        let owner = unsafe { Bound::from_borrowed_ptr(py, owner as *mut pyo3::ffi::PyObject) }.unbind();
+                        FeatureData::RaggedInPlace { addr, len, _owner: owner, splits, weights }
+                    }
+                    None => FeatureData::Ragged { ids: std::mem::take(&mut buf.ids), splits, weights },
+                }
             })
         })
         .collect()
@@ -606,8 +662,10 @@ pub fn gather_all<'py>(
 /// Hands the buffers of gathered features back to `scratch` for the next call.
 pub fn recycle(data: Vec<FeatureData<'_>>, scratch: &mut [Gathered]) {
     for (d, slot) in data.into_iter().zip(scratch.iter_mut()) {
-        if let FeatureData::Ragged { ids, splits, weights } = d {
-            (slot.ids, slot.splits, slot.weights) = (ids, splits, weights);
+        match d {
+            FeatureData::Ragged { ids, splits, weights } => (slot.ids, slot.splits, slot.weights) = (ids, splits, weights),
+            FeatureData::RaggedInPlace { splits, weights, .. } => (slot.splits, slot.weights) = (splits, weights),
+            _ => {}
         }
     }
 }
@@ -618,4 +676,6 @@ pub struct Gathered {
     ids: Vec<i32>,
     splits: Vec<i32>,
     weights: Option<Vec<f32>>,
+    /// Set instead of `ids` when the ids are read in place: (address, count, owning array).
+    in_place: Option<(usize, usize, usize)>,
 }
