@@ -965,3 +965,45 @@ fn large_sparsecores_match_the_model() {
         }
     }
 }
+
+/// Keys wider than 32 bits on both sides of the sort's whole-sort limit (2^15 keys per
+/// SparseCore): small sets are radix-sorted whole as `u64`, larger ones split into chunks by
+/// their top bits first. Both must give the model's output, with sums, means and weights.
+#[test]
+fn wide_keys_sorted_whole_and_split_match_the_model() {
+    for (rows, combiner, weighted) in [(3_000, "sum", false), (12_000, "mean", true), (30_000, "sum", false), (60_000, "sqrtn", true)] {
+        // Vocabulary 2^24 on one SparseCore: 24 column bits beside the row's 12-16 bits, 36-40
+        // in all (the split takes 4-8 chunk bits).
+        let config = Config::from_json(&format!(
+            r#"{{"config": {{"local_device_count": 1, "global_device_count": 1, "num_sc_per_device": 1, "allow_id_dropping": true}},
+                "tables": [{{"name": "t", "vocabulary_size": 16777216, "embedding_dim": 8, "combiner": "{combiner}",
+                             "max_ids_per_partition": 1000000, "max_unique_ids_per_partition": 1000000}}],
+                "features": [{{"name": "f", "table": "t"}}]}}"#
+        ))
+        .unwrap();
+        // Ids spread over the whole vocabulary, with repeats inside rows and across them.
+        let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ rows as u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let ids: Vec<Vec<i64>> = (0..rows)
+            .map(|_| {
+                let n = 1 + (next() % 3) as usize;
+                (0..n).map(|_| if next() % 4 == 0 { (next() % 64) as i64 } else { (next() % (1 << 24)) as i64 }).collect()
+            })
+            .collect();
+        let weights = weighted.then(|| ids.iter().map(|r| r.iter().map(|_| (1 + next() % 64) as f32 / 16.0).collect()).collect());
+        let batch = feature(ids, weights);
+        let keys: usize = batch.features[0].rows.iter().map(Vec::len).sum();
+        assert_eq!(keys > 1 << 15, rows >= 30_000, "{rows} rows give {keys} keys");
+        let want = model::preprocess(&config, &batch, 0);
+        assert!(want.is_ok(), "model failed: {want:?}");
+        for threads in [1, 2] {
+            let ours = model::run_crate(&config, &batch, 0, threads);
+            model::compare(want.clone(), ours.as_ref()).unwrap_or_else(|e| panic!("{rows} rows, {combiner}, {threads} thread(s): {e}"));
+        }
+    }
+}
