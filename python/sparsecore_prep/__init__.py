@@ -183,6 +183,23 @@ def _leaves_with_paths(tree):
   return [p for p, _ in pairs], [v for _, v in pairs]
 
 
+def _leaves_and_structure(tree):
+  """The leaves, and a structure to compare: jax's treedef when jax is loaded (flattening
+  without key paths is several times faster), else the paths."""
+  jax = sys.modules.get("jax")
+  if jax is not None:
+    return jax.tree_util.tree_flatten(tree)
+  pairs = _flatten(tree)
+  return [v for _, v in pairs], [p for p, _ in pairs]
+
+
+def _check_structure(a, a_struct, b, b_struct, a_name: str, b_name: str) -> None:
+  """Raises unless trees `a` and `b` have leaves at the same paths. Equal structures pass at
+  once; otherwise the paths decide (a list and a tuple with the same indices still match)."""
+  if a_struct != b_struct:
+    _same_structure(_leaves_with_paths(a)[0], _leaves_with_paths(b)[0], a_name, b_name)
+
+
 def _same_structure(a_paths, b_paths, a_name: str, b_name: str) -> None:
   if a_paths != b_paths:
     raise ValueError(
@@ -311,13 +328,13 @@ def preprocess_sparse_dense_matmul_input(
     raise ValueError("num_sc_per_device must be given (there is no TPU to detect it from)")
   if not features_weights:
     features_weights = None
-  f_paths, f_leaves = _leaves_with_paths(features)
-  s_paths, s_leaves = _leaves_with_paths(feature_specs)
-  _same_structure(f_paths, s_paths, "features", "feature_specs")
+  f_leaves, f_struct = _leaves_and_structure(features)
+  s_leaves, s_struct = _leaves_and_structure(feature_specs)
+  _check_structure(features, f_struct, feature_specs, s_struct, "features", "feature_specs")
   w_leaves = None
   if features_weights is not None:
-    w_paths, w_leaves = _leaves_with_paths(features_weights)
-    _same_structure(w_paths, s_paths, "features_weights", "feature_specs")
+    w_leaves, w_struct = _leaves_and_structure(features_weights)
+    _check_structure(features_weights, w_struct, feature_specs, s_struct, "features_weights", "feature_specs")
   specs = [_spec_tuple(s) for s in s_leaves]
   f_leaves = [_feature_leaf(f, s[0][0]) for f, s in zip(f_leaves, specs)]
   if w_leaves is not None:

@@ -184,6 +184,13 @@ def test_drop_in_errors():
   ids = spec_example_ids()
   with pytest.raises(ValueError, match="Pytree structures"):
     scp.preprocess_sparse_dense_matmul_input({"g": ids["f"]}, None, specs, 1, 1, 2)
+  weights = {"g": np.array([np.ones(6, np.float32), np.ones(10, np.float32)], dtype=object)}
+  with pytest.raises(ValueError, match="Pytree structures of features_weights and feature_specs"):
+    scp.preprocess_sparse_dense_matmul_input(ids, weights, specs, 1, 1, 2)
+  # A list and a tuple with the same items match: leaves are paired by path, as jax's key paths
+  # pair them (with or without jax loaded).
+  out, _ = scp.preprocess_sparse_dense_matmul_input([ids["f"]], None, (specs["f"],), 1, 1, 2)
+  np.testing.assert_array_equal(out.lhs_row_pointers["t"][:8], [3, 9, 16, 16, 16, 16, 16, 16])
   with pytest.raises(ValueError, match="Unsupported sharding strategy"):
     scp.preprocess_sparse_dense_matmul_input(ids, None, specs, 1, 1, 2, sharding_strategy="DIV")
   with pytest.raises(ValueError, match="power of 2"):
