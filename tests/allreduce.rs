@@ -26,7 +26,7 @@ fn batch(skewed: bool) -> (Vec<i32>, Vec<i32>) {
     let mut splits = vec![0];
     for r in 0..32 {
         if skewed {
-            values.extend((0..6).map(|k| (8 * (6 * r + k))));
+            values.extend((0..6).map(|k| 8 * (6 * r + k)));
         } else {
             values.push(r);
         }

@@ -80,9 +80,12 @@ fn workload(layout: (usize, usize, usize), batch: usize, weights: bool, stacking
     Workload { config, feats }
 }
 
+/// One feature's ragged batch: ids, row splits, weights.
+type RaggedFeature = (Vec<i64>, Vec<i64>, Option<Vec<f32>>);
+
 struct Workload {
     config: Config,
-    feats: Vec<(Vec<i64>, Vec<i64>, Option<Vec<f32>>)>,
+    feats: Vec<RaggedFeature>,
 }
 
 /// Returns whether the batch was checked (tight limits may make a single bucket overflow).

@@ -1237,9 +1237,9 @@ fn check_model(
 
     // The inputs seen through the stacking model equal the reference's entries.
     let raw = raw_counts(sc, rags, l, s, n);
-    for t in 0..sc.tables.len() {
+    for (t, name) in TABLE_NAMES.iter().enumerate().take(sc.tables.len()) {
         let got: BTreeSet<(usize, usize, i32, usize, i32)> =
-            decode_plain(reference.stack(TABLE_NAMES[t]).unwrap(), l, s, n).iter().map(|e| (e.0, e.1, e.2, e.3, e.4)).collect();
+            decode_plain(reference.stack(name).unwrap(), l, s, n).iter().map(|e| (e.0, e.1, e.2, e.3, e.4)).collect();
         let want: BTreeSet<(usize, usize, i32, usize, i32)> =
             raw.keys().filter(|k| k.0 == t).map(|k| (k.1, k.2, k.3, k.4, k.5)).collect();
         if got != want {
@@ -1474,8 +1474,8 @@ fn check_scenario(sc: &Scen, tally: &Tally) -> Result<(), TestCaseError> {
     let mut maxes = BTreeMap::new();
     let mut required = false;
     let mut split = 0u64;
-    for t in 0..sc.tables.len() {
-        let so = reference.stack(TABLE_NAMES[t]).ok_or_else(|| fail("reference stack missing"))?;
+    for (t, name) in TABLE_NAMES.iter().enumerate().take(sc.tables.len()) {
+        let so = reference.stack(name).ok_or_else(|| fail("reference stack missing"))?;
         if so.stats.dropped_id_count != 0 {
             return Err(fail("reference dropped ids"));
         }

@@ -108,7 +108,7 @@ fn run(c: &Case, optimizer: Optimizer, seed: u64) -> Option<usize> {
         let nsps = (sp.len() - 1) / (l * s);
         let base = (fp.row_offset / n as u64) as usize;
         let combiner = &c.config.tables[fp.table_index].combiner;
-        for d in 0..l {
+        for (d, dact_d) in dact.iter().enumerate().take(l) {
             for sc in 0..s {
                 for j in 0..nsps {
                     let r = (d * s + sc) * nsps + j;
@@ -123,7 +123,7 @@ fn run(c: &Case, optimizer: Optimizer, seed: u64) -> Option<usize> {
                         let row = physical(n, table.rows_per_shard, fp.shard_rotation as usize, fp.row_offset_in_shard as usize, id as usize);
                         let acc = grad.entry(row).or_insert_with(|| vec![0.0; 8]);
                         for k in 0..8 {
-                            acc[k] += wi / norm * dact[d][[sc * bsps + base + j, k]];
+                            acc[k] += wi / norm * dact_d[[sc * bsps + base + j, k]];
                         }
                     }
                 }

@@ -921,7 +921,8 @@ fn large_sparsecores_match_the_model() {
         x
     };
     // (vocab, L/G/S, combiner, weighted, max_ids, max_unique, suggested, drop, rows, ids per row)
-    let cases: [(u64, (usize, usize, usize), &str, bool, u64, u64, Option<u64>, bool, usize, usize); 9] = [
+    type LargeCase = (u64, (usize, usize, usize), &'static str, bool, u64, u64, Option<u64>, bool, usize, usize);
+    let cases: [LargeCase; 9] = [
         (10_000_000, (1, 1, 4), "mean", true, 1 << 20, 1 << 20, None, false, 4096, 50),
         (1 << 30, (1, 2, 2), "sqrtn", true, 12_000, 4_000, None, true, 2048, 40),
         (1_000_000, (1, 1, 2), "sum", false, 1 << 20, 1 << 20, None, false, 2048, 80),

@@ -137,6 +137,9 @@ fn file_name(stack: &str) -> String {
     stack.chars().map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect()
 }
 
+/// The last plan, and the ids each of its stacks received over the whole file.
+type PlanAndIds = (sparsecore_prep::Plan, Vec<u64>);
+
 /// Streams the file: calls `each(batch_index, prep, out, ids)` after every processed batch.
 fn stream(
     config: Config,
@@ -146,7 +149,7 @@ fn stream(
     threads: Option<usize>,
     stats_only: bool,
     mut each: impl FnMut(u64, &Preprocessor, &Output) -> Result<()>,
-) -> Result<(FdoStats, Option<(sparsecore_prep::Plan, Vec<u64>)>)> {
+) -> Result<(FdoStats, Option<PlanAndIds>)> {
     let mut builder = Preprocessor::builder(config);
     if let Some(t) = threads {
         builder = builder.threads(t);
@@ -196,7 +199,7 @@ fn stream(
     Ok((stats, plan.map(|p| (p, ids_per_stack))))
 }
 
-fn summary(stats: &FdoStats, plan: &Option<(sparsecore_prep::Plan, Vec<u64>)>, buffers: bool) {
+fn summary(stats: &FdoStats, plan: &Option<PlanAndIds>, buffers: bool) {
     let Some((plan, ids)) = plan else {
         println!("no record batch processed");
         return;
