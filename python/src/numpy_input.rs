@@ -1,12 +1,14 @@
 //! numpy inputs as the reference takes them: dense 2-D arrays (read in place) and 1-D object
 //! arrays of per-sample 1-D arrays (gathered into one flat buffer, since the crate's ragged view
-//! wants contiguous ids).
+//! wants contiguous ids, or read in place when the rows already are one block).
 //!
 //! Reading a ragged batch touches one Python object per sample, so this is the Python-facing
 //! hot loop: a criteo batch has 26 × 16,384 rows. Going through rust-numpy's checked API costs a
 //! dynamic borrow per row; instead each row's `PyArrayObject` fields (data, length, stride,
-//! dtype) are read directly while the GIL is held, and the values copied out. That is the only
-//! unsafe code here, in [`row_of`] and [`copy_row`].
+//! dtype) are read directly, on rayon's workers while the calling thread holds the GIL
+//! ([`gather_all`]), and the values copied out. The unsafe code is that reading ([`row_of`],
+//! [`probe`], [`holds`]), the copies from the memory it found ([`copy_row`], [`copy_spans`]),
+//! and the ids read in place ([`FeatureData::RaggedInPlace`]).
 
 use numpy::npyffi::PyArrayObject;
 use numpy::{PyArray2, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray2, PyUntypedArray, PyUntypedArrayMethods};
@@ -33,23 +35,13 @@ impl FeatureData<'_> {
     /// The crate's view of this feature. `name` labels errors.
     pub fn source<'a>(&'a self, name: &str) -> sparsecore_prep::Result<Box<dyn SampleSource + 'a>> {
         Ok(match self {
-            FeatureData::Ragged { ids, splits, weights } => {
-                let input = RaggedInput::from_i32(name, ids, splits)?;
-                match weights {
-                    Some(w) => Box::new(input.with_weights(name, w)?),
-                    None => Box::new(input),
-                }
-            }
+            FeatureData::Ragged { ids, splits, weights } => ragged_source(name, ids, splits, weights)?,
             FeatureData::RaggedInPlace { addr, len, _owner: _, splits, weights } => {
                 // SAFETY: `gather_raw` checked that these `len` aligned int32s lie inside the
-                // buffer of the array `owner`, which is alive as long as `self` (it holds a
+                // buffer of the array `_owner`, which is alive as long as `self` (it holds a
                 // reference), and an array's buffer lives as long as the array.
                 let ids = unsafe { std::slice::from_raw_parts(*addr as *const i32, *len) };
-                let input = RaggedInput::from_i32(name, ids, splits)?;
-                match weights {
-                    Some(w) => Box::new(input.with_weights(name, w)?),
-                    None => Box::new(input),
-                }
+                ragged_source(name, ids, splits, weights)?
             }
             FeatureData::DenseI32 { ids, weights } => {
                 let input = DenseInput::from_i32(ids.as_array());
@@ -67,6 +59,20 @@ impl FeatureData<'_> {
             }
         })
     }
+}
+
+/// The crate's view of gathered ragged ids, row splits and weights.
+fn ragged_source<'a>(
+    name: &str,
+    ids: &'a [i32],
+    splits: &'a [i32],
+    weights: &'a Option<Vec<f32>>,
+) -> sparsecore_prep::Result<Box<dyn SampleSource + 'a>> {
+    let input = RaggedInput::from_i32(name, ids, splits)?;
+    Ok(match weights {
+        Some(w) => Box::new(input.with_weights(name, w)?),
+        None => Box::new(input),
+    })
 }
 
 /// Reads one feature (and its weights) from the leaves the reference accepts.
@@ -127,11 +133,18 @@ fn describe(obj: &Bound<'_, PyAny>) -> String {
     }
 }
 
-/// What a row array's C struct says about its memory.
-struct Row {
-    data: *const u8,
+/// Where a 1-D array's elements are: `len` elements from address `addr`, `stride` bytes apart.
+/// Only ever made from a live array's struct ([`row_of`], [`probe`]).
+#[derive(Clone, Copy, Default)]
+struct Span {
+    addr: usize,
     len: usize,
     stride: isize,
+}
+
+/// What a row array's C struct says about its memory and its elements.
+struct Row {
+    span: Span,
     kind: u8,
     itemsize: usize,
 }
@@ -150,29 +163,33 @@ fn row_of(obj: &Bound<'_, PyAny>) -> Option<Result<Row, String>> {
     // SAFETY: `a` is a live numpy array (the cast checked its type) and we hold the GIL, so its
     // struct is initialised and stays alive while we read it; a 1-D array has one dimension and
     // one stride.
-    let (data, len, stride) = unsafe { ((*ptr).fields.data as *const u8, *(*ptr).fields.dimensions as usize, *(*ptr).fields.strides) };
-    Some(Ok(Row { data, len, stride, kind: d.kind(), itemsize: d.itemsize() }))
+    let (addr, len, stride) = unsafe { ((*ptr).fields.data as usize, *(*ptr).fields.dimensions as usize, *(*ptr).fields.strides) };
+    Some(Ok(Row { span: Span { addr, len, stride }, kind: d.kind(), itemsize: d.itemsize() }))
 }
 
-/// Appends the row's values, converted by `conv`, to `out`.
+/// Appends the values of one row, converted by `conv`, to `out`; the first value `conv`
+/// rejects is the error.
 ///
-/// `T` must be the row's element type (checked by the callers against kind and itemsize).
-fn copy_row<T: Copy, U>(row: &Row, out: &mut Vec<U>, mut conv: impl FnMut(T) -> Option<U>) -> Result<(), T> {
-    debug_assert_eq!(row.itemsize, std::mem::size_of::<T>());
-    out.reserve(row.len);
-    let contiguous = row.stride == std::mem::size_of::<T>() as isize && (row.data as usize) % std::mem::align_of::<T>() == 0;
-    if contiguous && row.len > 0 {
-        // SAFETY: numpy guarantees `len` elements of `T` at `data` for a live, contiguous array
-        // (alignment checked above); the GIL is held and the array referenced, so it is not freed.
-        let values = unsafe { std::slice::from_raw_parts(row.data as *const T, row.len) };
+/// `T` must be the row's element type (checked by the callers against kind and itemsize), and
+/// the array `span` was read from must stay alive and unchanged meanwhile (the GIL is held, or
+/// its holder blocks until the gather is done).
+fn copy_row<T: Copy, U>(span: &Span, out: &mut Vec<U>, mut conv: impl FnMut(T) -> Option<U>) -> Result<(), T> {
+    out.reserve(span.len);
+    let contiguous = span.stride == std::mem::size_of::<T>() as isize && span.addr % std::mem::align_of::<T>() == 0;
+    if contiguous && span.len > 0 {
+        // Element by element: most rows of sparse features hold an id or two, for which a call
+        // to memcpy per row costs more than the copy.
+        // SAFETY: numpy guarantees `len` elements of `T` at `addr` for a live, contiguous array
+        // (alignment checked above), and the array is not freed meanwhile (see above).
+        let values = unsafe { std::slice::from_raw_parts(span.addr as *const T, span.len) };
         for &v in values {
             out.push(conv(v).ok_or(v)?);
         }
     } else {
-        for k in 0..row.len {
-            // SAFETY: element k of a live 1-D array is at data + k * stride (numpy's own
+        for k in 0..span.len {
+            // SAFETY: element k of a live 1-D array is at addr + k * stride (numpy's own
             // addressing); read_unaligned copes with any alignment.
-            let v = unsafe { std::ptr::read_unaligned(row.data.offset(k as isize * row.stride) as *const T) };
+            let v = unsafe { std::ptr::read_unaligned((span.addr as *const u8).offset(k as isize * span.stride) as *const T) };
             out.push(conv(v).ok_or(v)?);
         }
     }
@@ -210,14 +227,14 @@ fn push_ids(name: &str, r: usize, obj: &Bound<'_, PyAny>, out: &mut Vec<i32>) ->
         }
     };
     match (row.kind, row.itemsize) {
-        (b'i', 4) => copy_row::<i32, i32>(&row, out, Some).map_err(|v| out_of_range(v as i128)),
-        (b'i', 8) => copy_row::<i64, i32>(&row, out, narrow).map_err(|v| out_of_range(v as i128)),
-        (b'i', 2) => copy_row::<i16, i32>(&row, out, |v| Some(v as i32)).map_err(|v| out_of_range(v as i128)),
-        (b'i', 1) => copy_row::<i8, i32>(&row, out, |v| Some(v as i32)).map_err(|v| out_of_range(v as i128)),
-        (b'u', 4) => copy_row::<u32, i32>(&row, out, |v| i32::try_from(v).ok()).map_err(|v| out_of_range(v as i128)),
-        (b'u', 8) => copy_row::<u64, i32>(&row, out, |v| i32::try_from(v).ok()).map_err(|v| out_of_range(v as i128)),
-        (b'u', 2) => copy_row::<u16, i32>(&row, out, |v| Some(v as i32)).map_err(|v| out_of_range(v as i128)),
-        (b'u', 1) => copy_row::<u8, i32>(&row, out, |v| Some(v as i32)).map_err(|v| out_of_range(v as i128)),
+        (b'i', 4) => copy_row::<i32, i32>(&row.span, out, Some).map_err(|v| out_of_range(v as i128)),
+        (b'i', 8) => copy_row::<i64, i32>(&row.span, out, narrow).map_err(|v| out_of_range(v as i128)),
+        (b'i', 2) => copy_row::<i16, i32>(&row.span, out, |v| Some(v as i32)).map_err(|v| out_of_range(v as i128)),
+        (b'i', 1) => copy_row::<i8, i32>(&row.span, out, |v| Some(v as i32)).map_err(|v| out_of_range(v as i128)),
+        (b'u', 4) => copy_row::<u32, i32>(&row.span, out, |v| i32::try_from(v).ok()).map_err(|v| out_of_range(v as i128)),
+        (b'u', 8) => copy_row::<u64, i32>(&row.span, out, |v| i32::try_from(v).ok()).map_err(|v| out_of_range(v as i128)),
+        (b'u', 2) => copy_row::<u16, i32>(&row.span, out, |v| Some(v as i32)).map_err(|v| out_of_range(v as i128)),
+        (b'u', 1) => copy_row::<u8, i32>(&row.span, out, |v| Some(v as i32)).map_err(|v| out_of_range(v as i128)),
         _ => Err(PyTypeError::new_err(format!(
             "feature `{name}`, sample row {r}: ids must be integers, got dtype {}",
             obj.cast::<PyUntypedArray>().map(|a| a.dtype().to_string()).unwrap_or_default()
@@ -246,8 +263,8 @@ fn push_weights(name: &str, r: usize, obj: &Bound<'_, PyAny>, out: &mut Vec<f32>
         }
     };
     let ok = match (row.kind, row.itemsize) {
-        (b'f', 4) => copy_row::<f32, f32>(&row, out, Some).is_ok(),
-        (b'f', 8) => copy_row::<f64, f32>(&row, out, |v| Some(v as f32)).is_ok(),
+        (b'f', 4) => copy_row::<f32, f32>(&row.span, out, Some).is_ok(),
+        (b'f', 8) => copy_row::<f64, f32>(&row.span, out, |v| Some(v as f32)).is_ok(),
         _ => false,
     };
     if ok {
@@ -388,15 +405,6 @@ unsafe fn native_element(descr: *mut numpy::npyffi::PyArray_Descr) -> Option<(u8
     element(kind, d.type_num).map(|size| (kind, size))
 }
 
-/// One row as the first pass of [`gather_raw`] found it: `len` elements from address `addr`,
-/// `stride` bytes apart.
-#[derive(Clone, Copy, Default)]
-struct Span {
-    addr: usize,
-    len: usize,
-    stride: isize,
-}
-
 /// What the first pass of [`gather_raw`] found of all rows of one object array.
 struct Probe {
     /// Element size, the same for every row (and the kind, which `accept` checked).
@@ -495,7 +503,6 @@ unsafe fn holds(base: *mut pyo3::ffi::PyObject, addr: usize, bytes: usize, array
 /// [`Probe::chained`]).
 unsafe fn copy_spans<T: Copy, U: Copy + Default>(spans: &[Span], total: usize, chained: bool, out: &mut Vec<U>, conv: impl Fn(T) -> Option<U>) -> bool {
     debug_assert!(out.capacity() - out.len() >= total);
-    let size = std::mem::size_of::<T>() as isize;
     if chained && total > 0 {
         // One block: check, then convert in one loop (a memcpy when `T` is `U`).
         let src = std::slice::from_raw_parts(spans[0].addr as *const T, total);
@@ -505,28 +512,7 @@ unsafe fn copy_spans<T: Copy, U: Copy + Default>(spans: &[Span], total: usize, c
         out.extend(src.iter().map(|&v| conv(v).unwrap_or_default()));
         return true;
     }
-    for s in spans {
-        if s.stride == size && s.addr % std::mem::align_of::<T>() == 0 {
-            if s.len == 0 {
-                continue;
-            }
-            // Element by element: most rows of sparse features hold an id or two, for which
-            // a call to memcpy per row costs more than the copy.
-            for &v in std::slice::from_raw_parts(s.addr as *const T, s.len) {
-                let Some(u) = conv(v) else { return false };
-                out.push(u);
-            }
-        } else {
-            for k in 0..s.len as isize {
-                // Element k of a 1-D array is at data + k * stride (numpy's own addressing);
-                // read_unaligned copes with any alignment.
-                let v = std::ptr::read_unaligned((s.addr as *const u8).offset(k * s.stride) as *const T);
-                let Some(u) = conv(v) else { return false };
-                out.push(u);
-            }
-        }
-    }
-    true
+    spans.iter().all(|s| copy_row(s, out, &conv).is_ok())
 }
 
 /// Gathers one ragged feature without the Python API into `buf` (its memory reused); `false`
