@@ -6,7 +6,7 @@ use sparsecore_prep::extract::{extract_sc, Extracted, StackCtx};
 use sparsecore_prep::fill::{fill_segment, Segment};
 use sparsecore_prep::group::{sort_and_group, Entry, KeyLayout, Limits, ScStats, SortScratch};
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
-use sparsecore_prep::workload::{generate, Profile, Workload, WorkloadSpec};
+use sparsecore_testkit::workload::{generate, Profile, Workload, WorkloadSpec};
 use sparsecore_prep::{Output, Preprocessor};
 
 fn workload(profile: Profile, batch: usize) -> Workload {

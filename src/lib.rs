@@ -42,7 +42,6 @@
 #![deny(unsafe_code)]
 
 pub mod allreduce;
-pub mod case;
 mod error;
 pub mod extract;
 pub mod fdo;
@@ -50,13 +49,11 @@ pub mod fill;
 pub mod group;
 pub mod input;
 mod isa;
-pub mod kernel;
 pub mod io;
 pub mod output;
 mod preprocess;
 pub mod spec;
 pub mod stats;
-pub mod workload;
 
 pub use error::{Error, LimitKind, Result, StoreErrorKind};
 pub use output::{Output, StackOutput};

@@ -9,7 +9,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
-use sparsecore_prep::workload::{generate, Profile, WorkloadSpec};
+use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 use sparsecore_prep::{Output, Preprocessor};
 
 struct Counting;

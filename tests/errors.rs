@@ -18,7 +18,7 @@ use arrow_array::{ArrayRef, Int32Array, LargeListArray, ListArray, RecordBatch};
 use ndarray::{Array2, ArrayView2};
 use serde_json::{json, Value};
 
-use sparsecore_prep::case::Case;
+use sparsecore_testkit::case::Case;
 use sparsecore_prep::input::{
     features_from_record_batch, ArrowListInput, CooInput, DenseIds, DenseInput, FeatureView, Ids, Offsets, RaggedInput,
     SampleSource,

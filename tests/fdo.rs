@@ -560,7 +560,7 @@ fn tune_refuses_bad_input() {
 /// exactly the tuned suggestions.
 #[test]
 fn tuned_config_holds_the_measured_batches() {
-    use sparsecore_prep::workload::{generate, Profile, WorkloadSpec};
+    use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
     use sparsecore_prep::Output;
     let mut spec = WorkloadSpec::new(Profile::Long);
     spec.batch_size = 64;

@@ -11,7 +11,7 @@ mod common;
 
 use std::path::Path;
 
-use sparsecore_prep::case::Case;
+use sparsecore_testkit::case::Case;
 use sparsecore_prep::Preprocessor;
 
 /// Runs one case from `input.json` alone; `Err` describes the first mismatch.

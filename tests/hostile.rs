@@ -34,7 +34,7 @@ use arrow_array::{ArrayRef, LargeListArray, ListArray, RecordBatch};
 use ndarray::{Array2, ArrayView2};
 use serde_json::{json, Value};
 
-use sparsecore_prep::case::Case;
+use sparsecore_testkit::case::Case;
 use sparsecore_prep::input::{
     ArrowListInput, CooInput, DenseIds, DenseInput, FeatureView, Ids, Offsets, RaggedInput, SampleSource,
 };

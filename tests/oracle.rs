@@ -23,8 +23,7 @@
 //! 4. `check_is_discriminating`: `model::check` rejects outputs with one word changed.
 
 mod common;
-#[path = "model/mod.rs"]
-mod model;
+use sparsecore_testkit::model;
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -35,7 +34,7 @@ use proptest::sample::select;
 use proptest::test_runner::{Config as ProptestConfig, RngSeed, TestCaseError, TestRunner};
 use serde_json::Value;
 
-use sparsecore_prep::case::{Case, CaseData};
+use sparsecore_testkit::case::{Case, CaseData};
 use sparsecore_prep::spec::{Options, StackLimits, Stacking, TableConfig};
 use sparsecore_prep::{Config, Error, LimitKind, Plan};
 

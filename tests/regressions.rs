@@ -84,8 +84,8 @@ fn stats_only_outputs_have_empty_buffers_not_panics() {
     assert_eq!(s.embedding_ids_2d().len(), 0);
     let plan = p.plan().unwrap().clone();
     let t = ndarray::Array2::<f32>::zeros((64, 8));
-    let table = sparsecore_prep::kernel::StackedTable::from_tables(&plan, "t0", &[t.view()]).unwrap();
-    let e = sparsecore_prep::kernel::sparse_dense_matmul(&plan, s, 1, &table).unwrap_err();
+    let table = sparsecore_kernel::StackedTable::from_tables(&plan, "t0", &[t.view()]).unwrap();
+    let e = sparsecore_kernel::sparse_dense_matmul(&plan, s, 1, &table).unwrap_err();
     assert!(e.to_string().contains("stats-only"), "{e}");
 }
 

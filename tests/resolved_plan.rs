@@ -10,7 +10,7 @@ mod common;
 use std::path::Path;
 
 use serde_json::Value;
-use sparsecore_prep::case::Case;
+use sparsecore_testkit::case::Case;
 use sparsecore_prep::spec::{Placement, ResolvedStack};
 use sparsecore_prep::{Config, Error, Plan, Preprocessor};
 

@@ -8,9 +8,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 /// The oracle: a slow re-implementation of SPEC 3.3-3.9 shared with the tests.
-#[path = "../../tests/model/mod.rs"]
-#[allow(dead_code)]
-pub mod model;
+pub use sparsecore_testkit::model;
 
 use sparsecore_prep::input::{FeatureView, Ids, Offsets, SampleSource};
 use sparsecore_prep::{Config, Error, Output, Plan, Preprocessor};

@@ -5,7 +5,7 @@
 
 use arrow_array::{Array, Float32Array, Int32Array, Int64Array, LargeListArray, ListArray, RecordBatch};
 
-use super::hash::{HashBuffers, OwnedIds, RAW_KEY_TYPES};
+use super::hash::{for_each_key, HashBuffers, OwnedIds, RAW_KEY_TYPES};
 use super::{FeatureView, Ids, Offsets, SampleSource};
 use crate::error::{Error, Result};
 use crate::spec::Config;
@@ -212,4 +212,48 @@ pub fn features_from_record_batch_reusing<'a>(
             }
         })
         .collect()
+}
+
+/// The rows of an Arrow list column of raw keys, each key hashed to its full 64-bit value (see
+/// [`super::hash`]), flattened with their row offsets and optional weights. This is the input
+/// of tables keyed by raw keys (dynamic tables), which need the keys before any
+/// `mod vocabulary_size`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RawKeyRows {
+    /// Every key, row after row.
+    pub keys: Vec<u64>,
+    /// Row `r` holds `keys[offsets[r]..offsets[r + 1]]`; `offsets[0]` is 0.
+    pub offsets: Vec<usize>,
+    /// One weight per key, when a weights column was given.
+    pub weights: Option<Vec<f32>>,
+}
+
+impl RawKeyRows {
+    /// Reads `keys` (a `List`/`LargeList` of a raw key type, column `column` of feature
+    /// `feature`) and optional `List<Float32>` weights. Errors name the feature and column.
+    pub fn from_arrow(feature: &str, column: &str, keys: &dyn Array, weights: Option<(&str, &dyn Array)>, seed: u64) -> Result<Self> {
+        let (offsets, child) = list_parts(feature, column, keys, RAW_KEY_TYPES)?;
+        offsets.validate(feature, "list offsets", child.len())?;
+        let rows = offsets.rows();
+        // Checks the key type even when there are no rows.
+        for_each_key(feature, column, child, (0, 0), seed, |_, _| {})?;
+        let mut flat_keys = Vec::with_capacity(child.len());
+        let mut flat_offsets = Vec::with_capacity(rows + 1);
+        flat_offsets.push(0);
+        let weights = weights_parts(feature, column, &offsets, weights)?;
+        let mut flat_weights = weights.map(|_| Vec::with_capacity(child.len()));
+        for r in 0..rows {
+            let (lo, hi) = offsets.range(r);
+            for_each_key(feature, column, child, (lo, hi), seed, |_, k| flat_keys.push(k))?;
+            if let (Some((values, woffsets)), Some(fw)) = (&weights, &mut flat_weights) {
+                let (wlo, whi) = woffsets.range(r);
+                if whi - wlo != hi - lo {
+                    return Err(Error::WeightsShape { feature: feature.to_string(), row: r, ids: hi - lo, weights: whi - wlo });
+                }
+                fw.extend_from_slice(&values[wlo..whi]);
+            }
+            flat_offsets.push(flat_keys.len());
+        }
+        Ok(RawKeyRows { keys: flat_keys, offsets: flat_offsets, weights: flat_weights })
+    }
 }

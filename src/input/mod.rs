@@ -19,7 +19,7 @@ mod dense;
 pub mod hash;
 mod ragged;
 
-pub use self::arrow::{features_from_record_batch, features_from_record_batch_reusing, ArrowListInput};
+pub use self::arrow::{features_from_record_batch, features_from_record_batch_reusing, ArrowListInput, RawKeyRows};
 pub use hash::{HashBuffers, HashConfig};
 pub use coo::CooInput;
 pub use dense::DenseInput;

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use sparsecore_prep::spec::{PAD_GAIN_BITS, PAD_ID};
-use sparsecore_prep::case::Case;
+use sparsecore_testkit::case::Case;
 use sparsecore_prep::input::SampleSource;
 use sparsecore_prep::{Error, Output, Plan, PreprocessorBuilder};
 

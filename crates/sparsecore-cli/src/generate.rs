@@ -1,0 +1,108 @@
+//! `generate`: a synthetic workload as an Arrow IPC file plus its config.
+
+use std::fs::File;
+use std::path::PathBuf;
+
+use arrow_ipc::writer::FileWriter;
+use sparsecore_prep::spec::Stacking;
+use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
+use sparsecore_prep::{Error, Result};
+
+use super::{io_err, parse_layout};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// criteo, long, large-vocab, high-multivalency or moderate-multivalency.
+    #[arg(long)]
+    profile: Profile,
+    /// Arrow IPC file to write.
+    #[arg(long)]
+    out: PathBuf,
+    /// Config JSON to write (limits are the exact maxima the batches need).
+    #[arg(long)]
+    config_out: PathBuf,
+    /// Samples per record batch (default: the profile's, at most about 5M ids).
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Record batches.
+    #[arg(long, default_value_t = 1)]
+    num_batches: usize,
+    /// Device layout L/G/S.
+    #[arg(long, default_value = "1/1/4", value_parser = parse_layout)]
+    layout: (usize, usize, usize),
+    /// Add a `<feature>__w` weights column per feature.
+    #[arg(long)]
+    weights: bool,
+    /// Random seed.
+    #[arg(long, default_value_t = 20240611)]
+    seed: u64,
+    /// Stacking mode of the config: feature or auto.
+    #[arg(long, default_value = "feature", value_parser = parse_stacking)]
+    stacking: Stacking,
+    /// Write ids as Int32 instead of Int64.
+    #[arg(long)]
+    int32_ids: bool,
+    /// Write Criteo-style hex string keys (List<Utf8>) on features hashed with xxh3 instead of
+    /// ids.
+    #[arg(long, conflicts_with = "int32_ids")]
+    raw_keys: bool,
+}
+
+fn parse_stacking(s: &str) -> std::result::Result<Stacking, String> {
+    match s {
+        "feature" => Ok(Stacking::Feature),
+        "auto" => Ok(Stacking::Auto),
+        _ => Err(format!("expected feature or auto, got {s:?}")),
+    }
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let mut spec = WorkloadSpec::new(a.profile);
+    spec.batch_size = a.batch_size.unwrap_or(spec.batch_size);
+    spec.num_batches = a.num_batches;
+    spec.layout = a.layout;
+    spec.weights = a.weights;
+    spec.seed = a.seed;
+    spec.stacking = a.stacking;
+    spec.int32_ids = a.int32_ids;
+    spec.raw_keys = a.raw_keys;
+    let w = generate(&spec)?;
+
+    // Both files go to temporary names first and are renamed only when both are complete.
+    let tmp = sparsecore_prep::fdo::tmp_path(&a.out);
+    let config_tmp = sparsecore_prep::fdo::tmp_path(&a.config_out);
+    let write = || -> Result<()> {
+        let file = File::create(&tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
+        let arrow = |source| Error::Arrow { context: format!("writing {}", a.out.display()), source };
+        let mut writer = FileWriter::try_new(file, &w.schema).map_err(arrow)?;
+        for b in &w.batches {
+            writer.write(b).map_err(arrow)?;
+        }
+        writer.finish().map_err(arrow)?;
+        std::fs::write(&config_tmp, w.config.to_json()).map_err(io_err(format!("writing {}", config_tmp.display())))?;
+        std::fs::rename(&tmp, &a.out).map_err(io_err(format!("renaming {} to {}", tmp.display(), a.out.display())))?;
+        std::fs::rename(&config_tmp, &a.config_out)
+            .map_err(io_err(format!("renaming {} to {}", config_tmp.display(), a.config_out.display())))
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        let _ = std::fs::remove_file(&config_tmp);
+        return Err(e);
+    }
+    let line = serde_json::json!({
+        "profile": a.profile.name(),
+        "arrow": a.out.display().to_string(),
+        "config": a.config_out.display().to_string(),
+        "layout": format!("{}/{}/{}", a.layout.0, a.layout.1, a.layout.2),
+        "batches": w.batches.len(),
+        "rows_per_batch": spec.batch_size,
+        "features": w.config.features.len(),
+        "tables": w.config.tables.len(),
+        "raw_keys": a.raw_keys,
+        "total_ids": w.total_ids(),
+        "max_ids_per_partition": w.config.tables.iter().map(|t| t.max_ids_per_partition).max(),
+        "max_unique_ids_per_partition": w.config.tables.iter().map(|t| t.max_unique_ids_per_partition).max(),
+    });
+    println!("{line}");
+    Ok(())
+}

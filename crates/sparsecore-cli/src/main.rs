@@ -1,0 +1,124 @@
+//! The `sparsecore-prep` command-line tool: argument parsing and dispatch. Each subcommand lives
+//! in its own file.
+
+mod bench;
+mod demo;
+mod dynamic;
+mod fdo;
+mod generate;
+mod preprocess;
+mod soak;
+mod table;
+
+use std::path::Path;
+
+use clap::{Parser, Subcommand};
+use sparsecore_prep::input::SampleSource;
+use sparsecore_prep::{Error, Result};
+
+/// Host-side SparseCore input preprocessing: ids → CSR-wrapped COO buffers + FDO stats.
+#[derive(Parser)]
+#[command(name = "sparsecore-prep", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Preprocess the bundled demo batch (criteo-like, 26 features, 256 samples, with weights)
+    /// and print a per-stack table of stats and buffer usage.
+    Demo {
+        /// Worker threads (default: one per CPU).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
+    /// Write a deterministic synthetic workload (Arrow IPC file) and its config.
+    Generate(generate::Args),
+    /// Preprocess an Arrow IPC or Parquet file batch by batch into per-stack Arrow files and
+    /// merged FDO stats.
+    Preprocess(preprocess::Args),
+    /// Compute FDO stats of a file without writing buffers.
+    Stats(preprocess::StatsArgs),
+    /// Merge, tune, import and export FDO stats.
+    Fdo {
+        #[command(subcommand)]
+        command: fdo::Command,
+    },
+    /// Time preprocessing of a file held in memory (same fields as ../shared/peer/run_peer.py).
+    Bench(bench::Args),
+    /// Stream random batches of varying shapes through one preprocessor for M minutes, check
+    /// every K-th output against the oracle model, and fail on a mismatch or on RSS growth.
+    Soak(soak::Args),
+    /// Dynamic tables (raw keys, lazily created rows): load tests against memory or Redis.
+    Dynamic {
+        #[command(subcommand)]
+        command: dynamic::Command,
+    },
+}
+
+/// Runs the tool; returns the process exit code.
+fn main() {
+    std::process::exit(run());
+}
+
+fn run() -> i32 {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Demo { threads } => demo::run(threads),
+        Command::Generate(a) => generate::run(a),
+        Command::Preprocess(a) => preprocess::run(a),
+        Command::Stats(a) => preprocess::run_stats(a),
+        Command::Fdo { command } => fdo::run(command),
+        Command::Bench(a) => bench::run(a),
+        Command::Soak(a) => match soak::run(a) {
+            Ok(true) => Ok(()),
+            // The soak printed what went wrong.
+            Ok(false) => return 1,
+            Err(e) => Err(e),
+        },
+        Command::Dynamic { command } => dynamic::run(command),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("sparsecore-prep: error: {e}");
+            1
+        }
+    }
+}
+
+/// Ids per stack of a batch (duplicates included).
+fn count_ids(plan: &sparsecore_prep::Plan, inputs: &[&dyn SampleSource]) -> Vec<u64> {
+    plan.stacks.iter().map(|s| s.features.iter().map(|&f| inputs[f].view().num_ids() as u64).sum()).collect()
+}
+
+/// Parses `L/G/S`.
+fn parse_layout(s: &str) -> std::result::Result<(usize, usize, usize), String> {
+    let parts: Vec<&str> = s.split('/').collect();
+    let nums: Vec<usize> = parts.iter().filter_map(|p| p.trim().parse().ok()).collect();
+    match nums.as_slice() {
+        [l, g, sc] if parts.len() == 3 => Ok((*l, *g, *sc)),
+        _ => Err(format!("expected L/G/S (three integers), got {s:?}")),
+    }
+}
+
+/// Parses `i/N` with `i < N`.
+fn parse_shard(s: &str) -> std::result::Result<(usize, usize), String> {
+    let (i, n) = s.split_once('/').ok_or_else(|| format!("expected i/N, got {s:?}"))?;
+    let (i, n): (usize, usize) = (i.trim().parse().map_err(|_| format!("bad shard index in {s:?}"))?, n.trim().parse().map_err(|_| format!("bad shard count in {s:?}"))?);
+    if n == 0 || i >= n {
+        return Err(format!("shard {i}/{n}: need 0 <= i < N"));
+    }
+    Ok((i, n))
+}
+
+/// Writes a config JSON atomically.
+fn write_config(path: &Path, config: &sparsecore_prep::Config) -> Result<()> {
+    sparsecore_prep::fdo::write_atomic(path, config.to_json().as_bytes())
+}
+
+/// An I/O error with context.
+fn io_err(context: String) -> impl FnOnce(std::io::Error) -> Error {
+    move |source| Error::Io { context, source }
+}

@@ -1,0 +1,122 @@
+//! The forward pass over a stack's buffers (SPEC 6.2): for every valid slot of every segment,
+//! `act[s · bsps + sample_id] += gain · shard_p[embedding_id]`.
+
+use ndarray::{s, Array2, ArrayView2};
+
+use super::StackedTable;
+use sparsecore_prep::{Error, Result};
+use sparsecore_prep::StackOutput;
+use sparsecore_prep::spec::{Plan, ALIGNMENT};
+
+/// Calls `f(device, activation_row, partition, embedding_id, gain)` for every valid slot of a
+/// stack's buffers, every segment and minibatch included, checking ids against the shard and
+/// the batch. Padding slots are never visited.
+pub(crate) fn for_each_slot(
+    plan: &Plan,
+    out: &StackOutput,
+    num_minibatches: usize,
+    table: &StackedTable,
+    mut f: impl FnMut(usize, usize, usize, usize, f32) -> Result<()>,
+) -> Result<()> {
+    let sp = plan.stack(&out.name).ok_or_else(|| Error::config("stack", &out.name, "not in the plan"))?;
+    let layout = plan.layout;
+    let (n, s_count, rpb) = (layout.num_partitions(), layout.sc_per_device, layout.row_pointers_per_segment());
+    if table.num_shards != n || table.dim != sp.stack_embedding_dim as usize || table.stack != sp.name {
+        return Err(Error::config(
+            "stack",
+            &sp.name,
+            format!(
+                "table has {} shards of dim {} for stack `{}`, expected {n} shards of dim {}",
+                table.num_shards, table.dim, table.stack, sp.stack_embedding_dim
+            ),
+        ));
+    }
+    let bsd = (sp.total_sample_count / layout.global_devices as u64) as usize;
+    let bsps = bsd / s_count;
+    let c = out.coo_buffer_size_per_device();
+    let cs = c / s_count;
+    let l = layout.local_devices;
+    let rp_len = out.row_pointers_per_device();
+    if c == 0
+        || out.row_pointers.len() != l * rp_len
+        || [out.embedding_ids.len(), out.sample_ids.len(), out.gains.len()].iter().any(|&n| n != l * c)
+    {
+        return Err(Error::input(&sp.name, "the output has no buffers of the plan's sizes (a stats-only run?)"));
+    }
+    let m_count = if plan.enable_minibatching { num_minibatches.max(1) } else { 1 };
+    for d in 0..layout.local_devices {
+        let rp = &out.row_pointers[d * out.row_pointers_per_device()..(d + 1) * out.row_pointers_per_device()];
+        let emb = &out.embedding_ids[d * c..(d + 1) * c];
+        let smp = &out.sample_ids[d * c..(d + 1) * c];
+        let gains = &out.gains[d * c..(d + 1) * c];
+        let mut prev_end = 0usize;
+        for sc in 0..s_count {
+            for m in 0..m_count {
+                let k = sc * m_count + m;
+                // Segment-relative pointers (no minibatching) or absolute ones.
+                let (base, mut start) = if plan.enable_minibatching { (0, prev_end) } else { (sc * cs, sc * cs) };
+                for p in 0..n {
+                    if p > 0 {
+                        start = start.next_multiple_of(ALIGNMENT);
+                    }
+                    let end = (base + rp.get(k * rpb + p).copied().unwrap_or(0).max(0) as usize).min(c);
+                    for i in start.min(end)..end {
+                        let (e, smp_id) = (emb[i], smp[i]);
+                        if e < 0 || e as usize >= table.rows_per_shard {
+                            return Err(Error::input(
+                                &sp.name,
+                                format!("embedding id {e} at device {d} slot {i} is outside the shard of {} rows", table.rows_per_shard),
+                            ));
+                        }
+                        if smp_id < 0 || smp_id as usize >= bsps {
+                            return Err(Error::input(&sp.name, format!("sample id {smp_id} at device {d} slot {i} is outside the {bsps} samples")));
+                        }
+                        f(d, sc * bsps + smp_id as usize, p, e as usize, gains[i])?;
+                    }
+                    start = end;
+                }
+                prev_end = start.next_multiple_of(ALIGNMENT).min(c);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Activations of one stack, one `[bsd, D]` array per local device (`bsd` = S · bsps, the
+/// per-device stacked batch), summed over all minibatches:
+/// `act[s · bsps + sample_id] += gain · shard_p[embedding_id]` for every valid slot.
+///
+/// `num_minibatches` is [`crate::Output::num_minibatches`]; with minibatching enabled the row
+/// pointers are absolute and segments are (SparseCore, minibatch) pairs.
+pub fn sparse_dense_matmul(plan: &Plan, out: &StackOutput, num_minibatches: usize, table: &StackedTable) -> Result<Vec<Array2<f32>>> {
+    let sp = plan.stack(&out.name).ok_or_else(|| Error::config("stack", &out.name, "not in the plan"))?;
+    let bsd = (sp.total_sample_count / plan.layout.global_devices as u64) as usize;
+    let mut acts: Vec<Array2<f32>> = (0..plan.layout.local_devices).map(|_| Array2::zeros((bsd, table.dim))).collect();
+    for_each_slot(plan, out, num_minibatches, table, |d, row, p, e, gain| {
+        acts[d].row_mut(row).scaled_add(gain, &table.shard(p).row(e));
+        Ok(())
+    })?;
+    Ok(acts)
+}
+
+/// One feature's activations from a device's stacked activations (the reference's
+/// `_get_activation_for_feature`): for each SparseCore, the feature's rows of its slice, and
+/// the table's own columns. Returns `[S · rows, dim]`.
+pub fn feature_activations(plan: &Plan, feature: usize, device_act: ArrayView2<'_, f32>) -> Result<Array2<f32>> {
+    let f = plan.features.get(feature).ok_or_else(|| Error::config("feature", feature.to_string(), "no such feature"))?;
+    let layout = plan.layout;
+    let s_count = layout.sc_per_device;
+    let per_sc = device_act.nrows() / s_count;
+    let base = (f.row_offset / layout.num_partitions() as u64) as usize;
+    let rows = f.global_batch_size / layout.num_partitions();
+    let dim = f.embedding_dim as usize;
+    if base + rows > per_sc || dim > device_act.ncols() {
+        return Err(Error::config("feature", &f.name, "activations do not cover this feature"));
+    }
+    let mut out = Array2::<f32>::zeros((s_count * rows, dim));
+    for sc in 0..s_count {
+        out.slice_mut(s![sc * rows..(sc + 1) * rows, ..])
+            .assign(&device_act.slice(s![sc * per_sc + base..sc * per_sc + base + rows, ..dim]));
+    }
+    Ok(out)
+}

@@ -1,0 +1,109 @@
+//! The stacked, sharded table layout (SPEC 4).
+//!
+//! A stack of vocabulary `V` (Σ padded member vocabularies) and dim `D` is split into `N` shards
+//! of `R = V / N` rows. Vocabulary row `v` of a member table with rotation `r` and in-shard
+//! offset `o` lives in shard `(v mod N + r) mod N` at row `v div N + o`; shard `g` belongs to
+//! device `g / S`, which holds its `S` shards SparseCore-major. The rows addressed this way are
+//! exactly the (partition, embedding id) pairs of the buffers.
+
+use ndarray::{Array2, ArrayView2};
+
+use sparsecore_prep::{Error, Result};
+use sparsecore_prep::spec::{Plan, StackPlan};
+
+/// One stack's table in the kernels' layout: `[N · R, D]`, shard-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StackedTable {
+    /// Stack name.
+    pub stack: String,
+    /// N: shards (global SparseCores).
+    pub num_shards: usize,
+    /// R: rows per shard.
+    pub rows_per_shard: usize,
+    /// D: the stack's padded embedding dim.
+    pub dim: usize,
+    /// `[N · R, D]`; padding rows and columns are 0.
+    pub data: Array2<f32>,
+}
+
+fn stack_of<'p>(plan: &'p Plan, stack: &str) -> Result<&'p StackPlan> {
+    plan.stack(stack).ok_or_else(|| Error::config("stack", stack, "not in the plan"))
+}
+
+impl StackedTable {
+    /// Builds a stack from its member tables, in the stack's table order (`StackPlan::tables`),
+    /// each `[vocabulary_size, embedding_dim]` as in the config.
+    pub fn from_tables(plan: &Plan, stack: &str, tables: &[ArrayView2<'_, f32>]) -> Result<Self> {
+        let sp = stack_of(plan, stack)?;
+        if tables.len() != sp.tables.len() {
+            return Err(Error::config("stack", stack, format!("{} tables given for {} member tables", tables.len(), sp.tables.len())));
+        }
+        let n = plan.layout.num_partitions();
+        let v = sp.stack_vocab_size as usize;
+        let d = sp.stack_embedding_dim as usize;
+        let r = v / n;
+        let mut data = Array2::<f32>::zeros((v, d));
+        for (&t, table) in sp.tables.iter().zip(tables) {
+            let f = member(plan, sp, t)?;
+            let (vocab, dim) = (f.vocabulary_size as usize, table_dim(plan, t));
+            if table.dim() != (vocab, dim) {
+                return Err(Error::config(
+                    "table",
+                    &f.table,
+                    format!("array of shape {:?}, expected [vocabulary_size, embedding_dim] = [{vocab}, {dim}]", table.dim()),
+                ));
+            }
+            for (row, values) in table.outer_iter().enumerate() {
+                let p = physical_row(n, r, f.shard_rotation as usize, f.row_offset_in_shard as usize, row);
+                data.row_mut(p).slice_mut(ndarray::s![..dim]).assign(&values);
+            }
+        }
+        Ok(StackedTable { stack: stack.to_string(), num_shards: n, rows_per_shard: r, dim: d, data })
+    }
+
+    /// Reads member table `table` (a config table index) back out: the exact inverse of
+    /// [`StackedTable::from_tables`].
+    pub fn table(&self, plan: &Plan, table: usize) -> Result<Array2<f32>> {
+        let sp = stack_of(plan, &self.stack)?;
+        let f = member(plan, sp, table)?;
+        let (vocab, dim) = (f.vocabulary_size as usize, table_dim(plan, table));
+        let mut out = Array2::<f32>::zeros((vocab, dim));
+        for (row, mut values) in out.outer_iter_mut().enumerate() {
+            let p = physical_row(self.num_shards, self.rows_per_shard, f.shard_rotation as usize, f.row_offset_in_shard as usize, row);
+            values.assign(&self.data.row(p).slice(ndarray::s![..dim]));
+        }
+        Ok(out)
+    }
+
+    /// Device `d`'s operand: its `S` shards, SparseCore-major, `[S · R, D]` (shard `g` belongs to
+    /// device `g / S`).
+    pub fn device(&self, d: usize, sc_per_device: usize) -> ArrayView2<'_, f32> {
+        let rows = sc_per_device * self.rows_per_shard;
+        self.data.slice(ndarray::s![d * rows..(d + 1) * rows, ..])
+    }
+
+    /// Shard `g`'s rows, `[R, D]`.
+    pub fn shard(&self, g: usize) -> ArrayView2<'_, f32> {
+        self.data.slice(ndarray::s![g * self.rows_per_shard..(g + 1) * self.rows_per_shard, ..])
+    }
+}
+
+/// The physical row of vocabulary row `v` (SPEC 4: `compute_physical_row_ids`).
+#[inline]
+fn physical_row(n: usize, rows_per_shard: usize, rotation: usize, offset_in_shard: usize, v: usize) -> usize {
+    let shard = (v % n + rotation) % n;
+    shard * rows_per_shard + v / n + offset_in_shard
+}
+
+/// A feature plan of table `t` in stack `sp` (they all share the table's placement).
+fn member<'p>(plan: &'p Plan, sp: &StackPlan, t: usize) -> Result<&'p sparsecore_prep::spec::FeaturePlan> {
+    sp.features
+        .iter()
+        .map(|&f| &plan.features[f])
+        .find(|f| f.table_index == t)
+        .ok_or_else(|| Error::config("stack", &sp.name, format!("table index {t} is not a member")))
+}
+
+fn table_dim(plan: &Plan, t: usize) -> usize {
+    plan.features.iter().find(|f| f.table_index == t).map_or(0, |f| f.embedding_dim as usize)
+}

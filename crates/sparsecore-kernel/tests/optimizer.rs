@@ -1,0 +1,242 @@
+//! The backward pass with each optimizer: one step through the buffers equals a dense per-row
+//! step whose gradient is accumulated naively from the input samples (SPEC 6.3); untouched rows
+//! never change; bad hyper-parameters are errors.
+
+use std::collections::BTreeMap;
+
+use ndarray::Array2;
+use sparsecore_prep::input::{RaggedInput, SampleSource};
+use sparsecore_kernel::{apply_gradients, Optimizer, Slots, StackedTable};
+use sparsecore_prep::{Config, Error, Output, Preprocessor};
+
+fn lcg(seed: u64) -> impl FnMut(u64) -> u64 {
+    let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    move |m| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % m
+    }
+}
+
+struct Case {
+    config: Config,
+    feats: Vec<(Vec<i64>, Vec<i64>, Vec<f32>)>,
+}
+
+fn case(layout: (usize, usize, usize), combiner: &str, seed: u64) -> Case {
+    case_with(layout, combiner, seed, false, 4096)
+}
+
+/// `limit` applies to the stack; with minibatching a small one splits the batch.
+fn case_with(layout: (usize, usize, usize), combiner: &str, seed: u64, minibatching: bool, limit: u32) -> Case {
+    let (l, g, s) = layout;
+    let config = Config::from_json(&format!(
+        r#"{{"config": {{"local_device_count": {l}, "global_device_count": {g}, "num_sc_per_device": {s}, "stacking": "auto",
+                        "enable_minibatching": {minibatching},
+                        "stack_limits": {{"max_ids_per_partition": {limit}, "max_unique_ids_per_partition": {limit}}}}},
+            "tables": [{{"name": "ta", "vocabulary_size": 60, "embedding_dim": 8, "combiner": "{combiner}"}},
+                       {{"name": "tb", "vocabulary_size": 30, "embedding_dim": 8, "combiner": "{combiner}"}}],
+            "features": [{{"name": "f0", "table": "ta"}}, {{"name": "f1", "table": "tb"}}, {{"name": "f2", "table": "ta"}}]}}"#
+    ))
+    .unwrap();
+    let mut next = lcg(seed);
+    let feats = (0..3)
+        .map(|f| {
+            let vocab = if f == 1 { 30 } else { 60 };
+            let (mut v, mut sp, mut w) = (Vec::new(), vec![0i64], Vec::new());
+            for _ in 0..32 {
+                for _ in 0..next(5) {
+                    v.push(next(vocab) as i64);
+                    w.push((next(32) + 1) as f32 / 8.0);
+                }
+                sp.push(v.len() as i64);
+            }
+            (v, sp, w)
+        })
+        .collect();
+    Case { config, feats }
+}
+
+/// The physical row of vocabulary row `v` of a member table.
+fn physical(n: usize, r: usize, rotation: usize, offset: usize, v: usize) -> usize {
+    ((v % n + rotation) % n) * r + v / n + offset
+}
+
+/// Returns the number of minibatches, or `None` when tight limits overflowed one bucket.
+fn run(c: &Case, optimizer: Optimizer, seed: u64) -> Option<usize> {
+    let inputs: Vec<RaggedInput<'_>> = c
+        .feats
+        .iter()
+        .zip(&c.config.features)
+        .map(|((v, sp, w), f)| RaggedInput::from_i64(&f.name, v, sp).unwrap().with_weights(&f.name, w).unwrap())
+        .collect();
+    let refs: Vec<&dyn SampleSource> = inputs.iter().map(|i| i as &dyn SampleSource).collect();
+    let mut prep = Preprocessor::new(c.config.clone()).unwrap();
+    let mut out = Output::new();
+    match prep.run(&refs, &mut out) {
+        Ok(()) => {}
+        Err(Error::LimitExceeded { .. }) if c.config.config.enable_minibatching => return None,
+        Err(e) => panic!("{e}"),
+    }
+    let plan = prep.plan().unwrap().clone();
+    assert_eq!(plan.stacks.len(), 1, "auto stacking puts both tables in one stack");
+    let stack = &plan.stacks[0];
+    let so = &out.stacks[0];
+    let layout = plan.layout;
+    let (l, s, n) = (layout.local_devices, layout.sc_per_device, layout.num_partitions());
+    let mut next = lcg(seed);
+    let tables: Vec<Array2<f32>> =
+        c.config.tables.iter().map(|t| Array2::from_shape_fn((t.vocabulary_size as usize, 8), |_| next(200) as f32 / 100.0 - 1.0)).collect();
+    let views: Vec<_> = stack.tables.iter().map(|&t| tables[t].view()).collect();
+    let mut table = StackedTable::from_tables(&plan, &stack.name, &views).unwrap();
+    let before = table.clone();
+    let bsd = (stack.total_sample_count / layout.global_devices as u64) as usize;
+    // Multiples of 1/16: with the sum combiner (weights k/8) every gradient sum is exact, so
+    // summation order cannot matter even for scale-invariant steps (Adam, LaProp).
+    let dact: Vec<Array2<f32>> = (0..l).map(|_| Array2::from_shape_fn((bsd, 8), |_| (next(32) as f32 - 16.0) / 16.0)).collect();
+    let dviews: Vec<_> = dact.iter().map(|a| a.view()).collect();
+    let mut slots = Slots::new(&table, &optimizer);
+    apply_gradients(&plan, so, out.num_minibatches, &dviews, &optimizer, &mut table, &mut slots).unwrap();
+
+    // Naive gradient: every (sample, id) of every feature, with its combiner gain.
+    let bsps = bsd / s;
+    let mut grad: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
+    for &f in &stack.features {
+        let fp = &plan.features[f];
+        let (v, sp, w) = &c.feats[f];
+        let nsps = (sp.len() - 1) / (l * s);
+        let base = (fp.row_offset / n as u64) as usize;
+        let combiner = &c.config.tables[fp.table_index].combiner;
+        for (d, dact_d) in dact.iter().enumerate().take(l) {
+            for sc in 0..s {
+                for j in 0..nsps {
+                    let r = (d * s + sc) * nsps + j;
+                    let (a, b) = (sp[r] as usize, sp[r + 1] as usize);
+                    let ws = &w[a..b];
+                    let norm = match combiner.as_str() {
+                        "mean" => ws.iter().sum::<f32>(),
+                        "sqrtn" => ws.iter().map(|x| x * x).sum::<f32>().sqrt(),
+                        _ => 1.0,
+                    };
+                    for (&id, &wi) in v[a..b].iter().zip(ws) {
+                        let row = physical(n, table.rows_per_shard, fp.shard_rotation as usize, fp.row_offset_in_shard as usize, id as usize);
+                        let acc = grad.entry(row).or_insert_with(|| vec![0.0; 8]);
+                        for k in 0..8 {
+                            acc[k] += wi / norm * dact_d[[sc * bsps + base + j, k]];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // Dense per-row step with the same formula on the naive gradient.
+    let mut want = before.clone();
+    let mut want_slots = Slots::new(&want, &optimizer);
+    for (&row, g) in &grad {
+        let mut w = want.data.row_mut(row);
+        let mut slot_rows: Vec<&mut [f32]> = want_slots.values.iter_mut().map(|x| x.row_mut(row).into_slice().unwrap()).collect();
+        optimizer.apply(g, w.as_slice_mut().unwrap(), &mut slot_rows);
+    }
+    for row in 0..table.data.nrows() {
+        for k in 0..8 {
+            let (got, exp) = (table.data[[row, k]], want.data[[row, k]]);
+            assert!((got - exp).abs() <= 1e-4 * exp.abs().max(1.0), "{optimizer:?} row {row} col {k}: {got} vs {exp}");
+            if !grad.contains_key(&row) {
+                assert_eq!(got.to_bits(), before.data[[row, k]].to_bits(), "untouched row {row} changed");
+            }
+        }
+    }
+    assert!(!grad.is_empty());
+    Some(out.num_minibatches)
+}
+
+fn optimizers() -> Vec<Optimizer> {
+    vec![
+        Optimizer::Sgd { lr: 0.1 },
+        Optimizer::Adagrad { lr: 0.1 },
+        Optimizer::AdagradMomentum { lr: 0.1, momentum: 0.9, beta2: 1.0, epsilon: 1e-10, exponent: 2.0, use_nesterov: false },
+        Optimizer::AdagradMomentum { lr: 0.1, momentum: 0.9, beta2: 0.99, epsilon: 1e-10, exponent: 2.0, use_nesterov: true },
+        Optimizer::Adam { lr: 0.01, beta1: 0.9, beta2: 0.999, epsilon: 1e-8, step: 3 },
+        Optimizer::Ftrl { lr: 0.01, lr_power: -0.5, l1: 0.0, l2: 0.0, beta: 0.0, multiply_linear_by_lr: false },
+        Optimizer::Ftrl { lr: 0.05, lr_power: -0.5, l1: 0.01, l2: 0.1, beta: 0.1, multiply_linear_by_lr: true },
+        Optimizer::Laprop { lr: 0.01, b1: 0.9, b2: 0.95, eps: 1e-30, step: Some(2) },
+        Optimizer::Laprop { lr: 0.01, b1: 0.9, b2: 0.95, eps: 1e-30, step: None },
+    ]
+}
+
+#[test]
+fn one_step_equals_dense_per_row_step() {
+    for (i, (layout, combiner)) in [((1, 1, 4), "sum"), ((2, 2, 2), "mean"), ((1, 2, 4), "sqrtn")].into_iter().enumerate() {
+        let c = case(layout, combiner, 11 + i as u64);
+        for opt in optimizers() {
+            assert_eq!(run(&c, opt, 5 + i as u64), Some(1));
+        }
+    }
+}
+
+proptest::proptest! {
+    // A fixed seed keeps CI deterministic.
+    #![proptest_config(proptest::prelude::ProptestConfig {
+        cases: 48,
+        failure_persistence: None,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x0b71_5eed),
+        ..Default::default()
+    })]
+
+    /// Random inputs, layouts, combiners and optimizers; with minibatching the update equals
+    /// the single-pass one (the gradient of a row gathers every minibatch's slots).
+    #[test]
+    fn random_steps_equal_dense_steps(
+        seed in 0u64..1_000_000,
+        layout in proptest::sample::select(vec![(1usize, 1usize, 4usize), (2, 2, 2), (1, 2, 4), (4, 4, 1), (1, 1, 1)]),
+        combiner in proptest::sample::select(vec!["sum", "mean", "sqrtn"]),
+        opt in proptest::sample::select(optimizers()),
+        minibatching in proptest::bool::ANY,
+    ) {
+        // Multi-host minibatching needs an all-reduce; these layouts run single-host only.
+        let minibatching = minibatching && layout.0 == layout.1;
+        // Adam and LaProp normalise the gradient, so a near-zero row gradient (summed in another
+        // order) flips the step; only the exact (sum combiner) gradients compare for them.
+        let scale_invariant = matches!(opt, Optimizer::Adam { .. } | Optimizer::Laprop { .. });
+        let combiner = if scale_invariant { "sum" } else { combiner };
+        let c = case_with(layout, combiner, seed, minibatching, if minibatching { 6 } else { 4096 });
+        let _ = run(&c, opt, seed ^ 0xABCD);
+    }
+}
+
+#[test]
+fn minibatched_updates_equal_single_pass_updates() {
+    let mut split = 0;
+    for seed in 0..20 {
+        let c = case_with((1, 1, 4), "mean", seed, true, 5);
+        if let Some(m) = run(&c, Optimizer::Adagrad { lr: 0.1 }, seed) {
+            split += (m > 1) as usize;
+        }
+    }
+    assert!(split >= 5, "only {split} of 20 batches were split into minibatches");
+}
+
+#[test]
+fn sgd_formula() {
+    // w' = w - lr * g, checked on literal values.
+    let mut w = [1.0f32, -2.0];
+    Optimizer::Sgd { lr: 0.5 }.apply(&[2.0, 4.0], &mut w, &mut []);
+    assert_eq!(w, [0.0, -4.0]);
+    // Adagrad: a' = 0.1 + 9 = 9.1; w' = 1 - 0.1 * 3 / sqrt(9.1).
+    let (mut w, mut a) = ([1.0f32], [0.1f32]);
+    Optimizer::Adagrad { lr: 0.1 }.apply(&[3.0], &mut w, &mut [&mut a[..]]);
+    assert_eq!(a[0], 0.1 + 9.0);
+    assert_eq!(w[0], 1.0 - 0.1 * 3.0 / (0.1f32 + 9.0).sqrt());
+}
+
+#[test]
+fn nan_hyper_parameters_are_errors() {
+    for bad in [Optimizer::Sgd { lr: f32::NAN }, Optimizer::Adam { lr: 0.1, beta1: f32::INFINITY, beta2: 0.9, epsilon: 1e-8, step: 0 }] {
+        let e = bad.validate().unwrap_err();
+        assert!(matches!(e, Error::InvalidOption { option: "optimizer", .. }), "{e:?}");
+        assert!(e.to_string().contains("finite"), "{e}");
+    }
+    let e = Optimizer::Ftrl { lr: 0.0, lr_power: -0.5, l1: 0.0, l2: 0.0, beta: 0.0, multiply_linear_by_lr: false }.validate().unwrap_err();
+    assert!(e.to_string().contains("FTRL"), "{e}");
+}

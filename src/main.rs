@@ -1,7 +1,0 @@
-//! The `sparsecore-prep` command-line tool.
-
-mod cli;
-
-fn main() {
-    std::process::exit(cli::main());
-}
