@@ -20,84 +20,34 @@
 use std::ops::Range;
 
 use crate::error::{Error, Result};
+use crate::extracted::Extracted;
+use crate::gain::{flush_subnormal, unity_gain, weighted_divisor, weighted_gain};
 use crate::input::{DenseIds, FeatureView, Ids, Offsets, SampleSource};
-use crate::group::{bits_for, KeyLayout};
+use crate::key::{Gains, KeyLayout, KeySetShape, KeyStorage, KeyWord};
+use crate::reuse::reserve_to;
 use crate::spec::{Combiner, DeviceLayout, FeaturePlan, DATA_MASK};
 
-/// Per-SparseCore extraction output, reused from batch to batch.
+/// Extraction's own reused memory, beside the [`Extracted`] keys it writes.
 #[derive(Debug, Default, Clone)]
-pub struct Extracted {
-    /// How this SparseCore's keys are packed.
-    pub layout: KeyLayout,
-    /// One sort key (or packed key and gain) per extracted id, in extraction order, when the
-    /// layout is not [`KeyLayout::narrow`].
-    pub keys: Vec<u64>,
-    /// Otherwise the keys themselves, as `u32`, in extraction order.
-    pub narrow: Vec<u32>,
-    /// With [`KeyLayout::packed_wide`]: the gain of each key in `keys`.
-    pub packed_gains: Vec<f32>,
-    /// Weighted stacks with index payloads: (sample row, gain) of each extraction index, kept
-    /// together so that the walk's random lookup touches one cache line.
-    pub rows: Vec<(u32, f32)>,
-    /// Unity-weight stacks: the gain of each sample row, indexed by the payload `row - row_lo`.
-    pub row_gains: Vec<f32>,
-    /// First row of this SparseCore (`s * bsps`).
-    pub row_lo: u32,
-    /// Rows this SparseCore's keys can reference, from `row_lo` on: unity payloads are below it.
-    pub row_span: u32,
-    /// Where short rows end, for extraction's running payload.
+pub struct ExtractScratch {
+    /// Where short rows end, for the running payload of `ragged_unity_into`.
     row_marks: Vec<u32>,
-    /// Whether the payload is an extraction index (weighted) or a row (unity).
-    pub weighted: bool,
-    /// Unity weights with the sum combiner: every gain is 1.0 and `row_gains` is not kept.
-    pub unit_gains: bool,
-    /// Whether payloads never decrease in extraction order (lets the sort skip them).
-    pub data_sorted: bool,
-    /// Largest payload so far.
-    last_data: u32,
+    /// A copy of a dense row that is not contiguous in memory, and its weights.
+    row_ids: Vec<i64>,
+    row_weights: Vec<f32>,
+    /// Weights of 1.0, for rows without weights in a weighted stack.
+    ones: Vec<f32>,
+    /// Largest payload so far, to tell whether payloads stayed sorted.
+    last_payload: u32,
 }
 
-impl Extracted {
-    /// Grows every buffer to at least `other`'s capacity, so that whatever `other` held fits
-    /// here without allocating (see the per-worker workspaces of `Preprocessor`).
-    pub fn reserve_like(&mut self, other: &Extracted) {
-        reserve_to(&mut self.keys, other.keys.capacity());
-        reserve_to(&mut self.rows, other.rows.capacity());
-        reserve_to(&mut self.row_gains, other.row_gains.capacity());
-        reserve_to(&mut self.narrow, other.narrow.capacity());
-        reserve_to(&mut self.packed_gains, other.packed_gains.capacity());
+impl ExtractScratch {
+    /// Grows the buffers to at least `other`'s capacity.
+    pub fn reserve_like(&mut self, other: &ExtractScratch) {
         reserve_to(&mut self.row_marks, other.row_marks.capacity());
-    }
-
-    /// Keys extracted.
-    pub fn len(&self) -> usize {
-        if self.layout.narrow() {
-            self.narrow.len()
-        } else {
-            self.keys.len()
-        }
-    }
-
-    /// Whether nothing was extracted.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    #[inline(always)]
-    fn push_key(&mut self, key: u64) {
-        if self.layout.narrow() {
-            self.narrow.push(key as u32);
-        } else {
-            self.keys.push(key);
-        }
-    }
-
-    /// Sets the layout and empties the key storage.
-    fn reset_keys(&mut self, layout: KeyLayout) {
-        self.layout = layout;
-        self.keys.clear();
-        self.narrow.clear();
-        self.packed_gains.clear();
+        reserve_to(&mut self.row_ids, other.row_ids.capacity());
+        reserve_to(&mut self.row_weights, other.row_weights.capacity());
+        reserve_to(&mut self.ones, other.ones.capacity());
     }
 }
 
@@ -130,6 +80,7 @@ pub fn samples_per_sc(layout: &DeviceLayout, size: usize) -> usize {
 ///
 /// `members` are the stack's features (indices into `features` and `inputs`) in row-offset
 /// order.
+#[allow(clippy::too_many_arguments)]
 pub fn extract_sc(
     ctx: &StackCtx<'_>,
     features: &[FeaturePlan],
@@ -138,41 +89,30 @@ pub fn extract_sc(
     device: usize,
     sc: usize,
     out: &mut Extracted,
+    scratch: &mut ExtractScratch,
 ) -> Result<()> {
     let layout = &ctx.layout;
     let s = layout.sc_per_device;
-    out.rows.clear();
-    out.weighted = ctx.weighted;
-    out.unit_gains = !ctx.weighted && ctx.combiner == Combiner::Sum;
-    out.data_sorted = true;
-    out.last_data = 0;
-    let row_lo = sc * ctx.batch_per_sc;
-    out.row_lo = row_lo as u32;
+    let first_row = sc * ctx.batch_per_sc;
 
-    // Rows this SparseCore can reference: [row_lo, row_hi).
-    let mut row_hi = row_lo;
+    // Rows this SparseCore can reference: [first_row, row_end).
+    let mut row_end = first_row;
     for &f in members {
         let nsps = samples_per_sc(layout, inputs[f].num_samples());
-        row_hi = row_hi.max(row_base(ctx, &features[f], sc) + nsps);
+        row_end = row_end.max(row_base(ctx, &features[f], sc) + nsps);
     }
-    if row_hi as u64 > DATA_MASK + 1 {
+    if row_end as u64 > DATA_MASK + 1 {
         return Err(Error::BatchTooLarge {
             stack: ctx.name.to_string(),
             what: "samples",
-            count: row_hi as u64,
+            count: row_end as u64,
             limit: DATA_MASK,
         });
     }
-    let span = row_hi - row_lo;
-    out.row_span = span as u32;
-    let nbits = layout.partition_bits();
-    let row_bits = bits_for(span.saturating_sub(1) as u64);
-    // Weighted keys carry their gain when the row fits as payload (beside the key in one `u64`
-    // up to 32 key bits, split into 32-bit chunks by the sort up to `32 + MAX_CHUNK_BITS`).
-    let packed = ctx.weighted && nbits + ctx.local_bits + row_bits <= 32 + crate::group::MAX_CHUNK_BITS;
-    let data_bits = if ctx.weighted {
-        // The reference's payload is the extraction index: more than 2^26 weighted ids in one
-        // SparseCore corrupt its keys, so they are an error here whichever payload we use.
+    let row_span = row_end - first_row;
+    // The reference's payload is the extraction index: more than 2^26 weighted ids in one
+    // SparseCore corrupt its keys, so they are an error here whichever payload we use.
+    let weighted_ids = if ctx.weighted {
         let mut total = 0usize;
         for &f in members {
             let nsps = samples_per_sc(layout, inputs[f].num_samples());
@@ -188,27 +128,28 @@ pub fn extract_sc(
                 limit: DATA_MASK,
             });
         }
-        if packed {
-            row_bits
-        } else {
-            bits_for(total.saturating_sub(1) as u64)
-        }
+        total
     } else {
-        if !out.unit_gains {
-            out.row_gains.clear();
-            out.row_gains.resize(span, 0.0);
-        }
-        row_bits
+        0
     };
-    out.reset_keys(KeyLayout { nbits, local_bits: ctx.local_bits, data_bits, buckets: false, packed });
+    let shape = KeySetShape {
+        nbits: layout.partition_bits(),
+        local_bits: ctx.local_bits,
+        row_span,
+        weighted: ctx.weighted,
+        sum_combiner: ctx.combiner == Combiner::Sum,
+    };
+    out.reset(KeyLayout::for_sparsecore(shape, || weighted_ids), first_row as u32, row_span as u32);
+    scratch.last_payload = 0;
 
     for &f in members {
         let source = inputs[f];
         let plan = &features[f];
         let nsps = samples_per_sc(layout, source.num_samples());
         let start = (device * s + sc) * nsps;
-        let mut sink = Sink {
+        let mut extractor = SliceExtractor {
             out: &mut *out,
+            scratch: &mut *scratch,
             ctx,
             plan,
             mask: (layout.num_partitions() - 1) as u32,
@@ -217,7 +158,7 @@ pub fn extract_sc(
             share: (device * s + sc, layout.local_scs()),
             samples: source.num_samples(),
         };
-        sink.feature(source.view(), start..start + nsps)?;
+        extractor.feature(source.view(), start..start + nsps)?;
     }
     Ok(())
 }
@@ -276,45 +217,11 @@ fn bad_row(feature: &str, what: &str, r: usize) -> Error {
     Error::input(feature, format!("{what} offsets of sample row {r} are out of bounds or decreasing"))
 }
 
-/// The reference computes gains with the x86 flush-to-zero and denormals-are-zero modes on
-/// (its worker threads run that way, as its outputs show): a subnormal weight reads as a zero
-/// of its sign, and a subnormal result (a quotient, a divisor, a merged sum) becomes one. This
-/// applies both, so that every gain op here and in the merge gives the reference's bits
-/// (checked by the `finite_hostile_weights` and `subnormal` reference cases in
-/// tests/hostile.rs). Normal values, zeros, infinities and NaNs pass unchanged.
-#[inline(always)]
-pub(crate) fn flush_subnormal(x: f32) -> f32 {
-    let bits = x.to_bits();
-    f32::from_bits(if bits & 0x7f80_0000 == 0 { bits & 0x8000_0000 } else { bits })
-}
-
-/// The divisor of a weighted row's gains, from its (already flushed) weights, accumulated
-/// exactly as the reference does: sums in f32 left to right, sqrtn's squares summed in f64
-/// with one f32 rounding per step, subnormal sums flushed as on its threads.
-#[inline(always)]
-fn weighted_divisor(combiner: Combiner, weights: impl Iterator<Item = f32>) -> f32 {
-    match combiner {
-        Combiner::Sum => 1.0f32,
-        Combiner::Mean => weights.fold(0.0f32, |acc, w| flush_subnormal(acc + w)),
-        Combiner::Sqrtn => weights.fold(0.0f32, |acc, w| flush_subnormal((acc as f64 + (w as f64) * (w as f64)) as f32)).sqrt(),
-    }
-}
-
-/// Unity-weight gain of a sample with `n` ids.
-#[inline(always)]
-fn unity_gain(combiner: Combiner, n: usize) -> f32 {
-    match combiner {
-        Combiner::Sum => 1.0,
-        Combiner::Mean => 1.0f32 / n as f32,
-        Combiner::Sqrtn => 1.0f32 / (n as f32).sqrt(),
-    }
-}
-
 /// Where the fast path writes keys, resolved once per slice.
-trait KeySink {
+trait KeyWriter {
     /// Appends the keys of one row's ids (all with payload `data`) and returns whether any id
     /// is at or above `enc.vocab`.
-    fn write_row<T: IdValue>(&mut self, ids: &[T], enc: RowEncoder, data: u32) -> bool;
+    fn write_row<T: InputInt>(&mut self, ids: &[T], enc: RowEncoder, data: u32) -> bool;
     /// Keys held.
     fn len(&self) -> usize;
     /// ORs `data` into the keys at `range` (written with payload 0); false if out of bounds.
@@ -343,44 +250,16 @@ struct RowEncoder {
 impl RowEncoder {
     #[inline(always)]
     fn key(self, id: u64, data: u32) -> u64 {
-        self.layout.encode(0, col_of(id as u32, self.shift, self.mask, self.offset), data)
+        self.layout.encode(col_of(id as u32, self.shift, self.mask, self.offset), data)
     }
 }
 
-/// A stored key: `u32` when the layout is narrow, else `u64`.
-trait KeyWord: Copy + std::ops::BitOrAssign {
-    /// A key (which fits this width).
-    fn from_key(key: u64) -> Self;
-    /// A payload, to OR into a key written with payload 0.
-    fn from_payload(data: u32) -> Self;
-}
-impl KeyWord for u32 {
-    #[inline(always)]
-    fn from_key(key: u64) -> Self {
-        key as u32
-    }
-    #[inline(always)]
-    fn from_payload(data: u32) -> Self {
-        data
-    }
-}
-impl KeyWord for u64 {
-    #[inline(always)]
-    fn from_key(key: u64) -> Self {
-        key
-    }
-    #[inline(always)]
-    fn from_payload(data: u32) -> Self {
-        data as u64
-    }
-}
+/// Keys appended to `narrow_keys` (`u32`) or `wide_keys` (`u64`).
+struct KeyVec<'a, E>(&'a mut Vec<E>);
 
-/// Keys appended to `ex.narrow` (`u32`) or `ex.keys` (`u64`).
-struct Keys<'a, E>(&'a mut Vec<E>);
-
-impl<E: KeyWord> KeySink for Keys<'_, E> {
+impl<E: KeyWord> KeyWriter for KeyVec<'_, E> {
     #[inline(always)]
-    fn write_row<T: IdValue>(&mut self, ids: &[T], enc: RowEncoder, data: u32) -> bool {
+    fn write_row<T: InputInt>(&mut self, ids: &[T], enc: RowEncoder, data: u32) -> bool {
         write_keys(self.0, ids, enc, std::iter::repeat(data))
     }
     #[inline(always)]
@@ -389,14 +268,14 @@ impl<E: KeyWord> KeySink for Keys<'_, E> {
     }
     #[inline(always)]
     fn or_payload(&mut self, range: Range<usize>, data: u32) -> bool {
-        self.0.get_mut(range).map(|keys| keys.iter_mut().for_each(|k| *k |= E::from_payload(data))).is_some()
+        self.0.get_mut(range).map(|keys| keys.iter_mut().for_each(|k| *k |= E::from_u64(data as u64))).is_some()
     }
     #[inline(always)]
     fn or_running_payload(&mut self, base: usize, marks: &[u32], first: u32) {
         let mut data = first;
         for (k, &m) in self.0[base..].iter_mut().zip(marks) {
             data += m;
-            *k |= E::from_payload(data);
+            *k |= E::from_u64(data as u64);
         }
     }
 }
@@ -406,14 +285,14 @@ impl<E: KeyWord> KeySink for Keys<'_, E> {
 /// `enc.vocab` (validation is one flag, the offending id is looked up only on error).
 #[inline(always)]
 #[allow(unsafe_code)]
-fn write_keys<E: KeyWord, T: IdValue>(v: &mut Vec<E>, ids: &[T], enc: RowEncoder, payloads: impl Iterator<Item = u32>) -> bool {
+fn write_keys<E: KeyWord, T: InputInt>(v: &mut Vec<E>, ids: &[T], enc: RowEncoder, payloads: impl Iterator<Item = u32>) -> bool {
     v.reserve(ids.len());
     let len = v.len();
     let mut bad = false;
     for ((slot, &id), data) in v.spare_capacity_mut()[..ids.len()].iter_mut().zip(ids).zip(payloads) {
         let id = id.to_i64() as u64;
         bad |= id >= enc.vocab;
-        slot.write(E::from_key(enc.key(id, data)));
+        slot.write(E::from_u64(enc.key(id, data)));
     }
     // SAFETY: after `reserve`, the spare capacity holds at least `ids.len()` slots, and the
     // loop above initialised the first `ids.len()` of them (the payloads never run out: both
@@ -422,42 +301,36 @@ fn write_keys<E: KeyWord, T: IdValue>(v: &mut Vec<E>, ids: &[T], enc: RowEncoder
     bad
 }
 
-/// A row offset.
-trait OffsetValue: Copy {
+/// An id or row offset of an input view: `i32` or `i64`.
+trait InputInt: Copy {
+    fn to_i64(self) -> i64;
     fn to_usize(self) -> usize;
 }
-impl OffsetValue for i32 {
-    #[inline(always)]
-    fn to_usize(self) -> usize {
-        self as usize
-    }
-}
-impl OffsetValue for i64 {
-    #[inline(always)]
-    fn to_usize(self) -> usize {
-        self as usize
-    }
-}
-
-/// A value that can be an id.
-trait IdValue: Copy {
-    fn to_i64(self) -> i64;
-}
-impl IdValue for i32 {
+impl InputInt for i32 {
     #[inline(always)]
     fn to_i64(self) -> i64 {
         self as i64
     }
+    #[inline(always)]
+    fn to_usize(self) -> usize {
+        self as usize
+    }
 }
-impl IdValue for i64 {
+impl InputInt for i64 {
     #[inline(always)]
     fn to_i64(self) -> i64 {
         self
     }
+    #[inline(always)]
+    fn to_usize(self) -> usize {
+        self as usize
+    }
 }
 
-struct Sink<'o, 'c> {
+/// Extracts one feature's slice of samples for one SparseCore into its [`Extracted`] keys.
+struct SliceExtractor<'o, 'c> {
     out: &'o mut Extracted,
+    scratch: &'o mut ExtractScratch,
     ctx: &'c StackCtx<'c>,
     plan: &'c FeaturePlan,
     mask: u32,
@@ -471,7 +344,7 @@ struct Sink<'o, 'c> {
     samples: usize,
 }
 
-impl Sink<'_, '_> {
+impl SliceExtractor<'_, '_> {
     fn feature(&mut self, view: FeatureView<'_>, rows: Range<usize>) -> Result<()> {
         // `SampleSource` is public, so a view may disagree with its own `num_samples`; the
         // built-in inputs never do, but a malformed custom one must give an error, not a panic.
@@ -510,15 +383,15 @@ impl Sink<'_, '_> {
 
     /// Unweighted ragged rows: one pass, keys written straight into the right-width vector.
     /// Compiled twice (see [`crate::isa`]).
-    fn ragged_unity<T: IdValue, O: OffsetValue>(&mut self, ids: &[T], offsets: &[O], rows: Range<usize>) -> Result<()> {
-        let sink = self;
-        crate::isa::dispatch_v3!(<T: IdValue, O: OffsetValue> (sink: &mut Sink<'_, '_>, ids: &[T], offsets: &[O], rows: Range<usize>) -> Result<()> {
-            sink.ragged_unity_body(ids, offsets, rows)
+    fn ragged_unity<T: InputInt, O: InputInt>(&mut self, ids: &[T], offsets: &[O], rows: Range<usize>) -> Result<()> {
+        let extractor = self;
+        crate::isa::dispatch_v3!(<T: InputInt, O: InputInt> (extractor: &mut SliceExtractor<'_, '_>, ids: &[T], offsets: &[O], rows: Range<usize>) -> Result<()> {
+            extractor.ragged_unity_body(ids, offsets, rows)
         })
     }
 
     #[inline(always)]
-    fn ragged_unity_body<T: IdValue, O: OffsetValue>(&mut self, ids: &[T], offsets: &[O], rows: Range<usize>) -> Result<()> {
+    fn ragged_unity_body<T: InputInt, O: InputInt>(&mut self, ids: &[T], offsets: &[O], rows: Range<usize>) -> Result<()> {
         if rows.is_empty() {
             return Ok(());
         }
@@ -530,22 +403,22 @@ impl Sink<'_, '_> {
             }
             _ => return Err(bad_row(&self.plan.name, "ids", rows.start)),
         };
-        let first = self.row_base - self.out.row_lo;
-        if first < self.out.last_data {
-            self.out.data_sorted = false;
+        let first = self.row_base - self.out.first_row;
+        if first < self.scratch.last_payload {
+            self.out.payloads_sorted = false;
         }
-        self.out.last_data = first + (rows.len() - 1) as u32;
-        if self.out.layout.narrow() {
-            let mut keys = std::mem::take(&mut self.out.narrow);
+        self.scratch.last_payload = first + (rows.len() - 1) as u32;
+        if self.out.layout.storage() == KeyStorage::Narrow {
+            let mut keys = std::mem::take(&mut self.out.narrow_keys);
             keys.reserve(total);
-            let r = self.ragged_unity_into(&mut Keys(&mut keys), ids, offsets, rows);
-            self.out.narrow = keys;
+            let r = self.ragged_unity_into(&mut KeyVec(&mut keys), ids, offsets, rows);
+            self.out.narrow_keys = keys;
             r
         } else {
-            let mut keys = std::mem::take(&mut self.out.keys);
+            let mut keys = std::mem::take(&mut self.out.wide_keys);
             keys.reserve(total);
-            let r = self.ragged_unity_into(&mut Keys(&mut keys), ids, offsets, rows);
-            self.out.keys = keys;
+            let r = self.ragged_unity_into(&mut KeyVec(&mut keys), ids, offsets, rows);
+            self.out.wide_keys = keys;
             r
         }
     }
@@ -554,7 +427,7 @@ impl Sink<'_, '_> {
     /// loop over all the SparseCore's ids writes their keys with payload 0, then each row ORs
     /// its payload into its own keys.
     #[inline(always)]
-    fn ragged_unity_into<K: KeySink, T: IdValue, O: OffsetValue>(
+    fn ragged_unity_into<K: KeyWriter, T: InputInt, O: InputInt>(
         &mut self,
         keys: &mut K,
         ids: &[T],
@@ -579,13 +452,13 @@ impl Sink<'_, '_> {
         // The first out-of-range id, and the row that holds it, are looked up only on error.
         let first_bad = || flat.iter().position(|v| v.to_i64() as u64 >= vocab);
         let (first_row, last_row) = (rows.start, rows.end);
-        let first_data = self.row_base - self.out.row_lo;
+        let first_data = self.row_base - self.out.first_row;
         // The first row whose offsets are broken, and where it starts.
         let mut broken = None;
         if flat.len() < SHORT_ROWS * rows.len() {
             // Short rows: mark where each row ends, and let one running sum over the ids give
             // every key its row, instead of a loop per row.
-            let mut marks = std::mem::take(&mut self.out.row_marks);
+            let mut marks = std::mem::take(&mut self.scratch.row_marks);
             marks.clear();
             marks.resize(flat.len() + 1, 0);
             let hi = lo + flat.len();
@@ -605,7 +478,7 @@ impl Sink<'_, '_> {
             if broken.is_none() {
                 keys.or_running_payload(base, &marks[..flat.len()], first_data);
             }
-            self.out.row_marks = marks;
+            self.scratch.row_marks = marks;
         } else {
             for (data, r) in (first_data..).zip(rows) {
                 let (a, b) = (offsets[r].to_usize(), offsets[r + 1].to_usize());
@@ -635,13 +508,13 @@ impl Sink<'_, '_> {
     /// `IdOutOfRange` for the id at `ids[k]`, naming the row that holds it: `starts` are the
     /// (checked, non-decreasing) first offsets of rows `first_row..`.
     #[cold]
-    fn bad_id_at<T: IdValue, O: OffsetValue>(&self, starts: &[O], first_row: usize, k: usize, ids: &[T]) -> Error {
+    fn bad_id_at<T: InputInt, O: InputInt>(&self, starts: &[O], first_row: usize, k: usize, ids: &[T]) -> Error {
         // The last row starting at or before k (rows before it are empty or end before k).
         let r = first_row + starts.partition_point(|o| o.to_usize() <= k).saturating_sub(1);
         self.out_of_range(r, ids[k].to_i64())
     }
 
-    fn ragged<T: IdValue>(
+    fn ragged<T: InputInt>(
         &mut self,
         ids: &[T],
         offsets: Offsets<'_>,
@@ -655,13 +528,12 @@ impl Sink<'_, '_> {
         }
         for r in rows {
             let (a, b) = offsets.range(r);
-            let row_ids = ids.get(a..b).ok_or_else(|| bad_row(&self.plan.name, "ids", r))?.iter().map(|v| v.to_i64());
+            let row_ids = ids.get(a..b).ok_or_else(|| bad_row(&self.plan.name, "ids", r))?;
             match weights {
                 Some((w, woff)) => {
                     let (wa, wb) = woff.range(r);
                     let wrow = w.get(wa..wb).ok_or_else(|| bad_row(&self.plan.name, "weights", r))?;
-                    let row_ids = ids.get(a..b).unwrap_or_default();
-                    self.weighted_row_slices(r, row_ids, wrow)?
+                    self.weighted_row(r, row_ids, wrow)?
                 }
                 None => self.row(r, row_ids)?,
             }
@@ -669,7 +541,7 @@ impl Sink<'_, '_> {
         Ok(())
     }
 
-    fn dense<T: IdValue>(
+    fn dense<T: InputInt>(
         &mut self,
         ids: ndarray::ArrayView2<'_, T>,
         weights: Option<ndarray::ArrayView2<'_, f32>>,
@@ -685,19 +557,35 @@ impl Sink<'_, '_> {
         }
         for r in rows {
             let id_row = ids.row(r);
-            let row_ids = id_row.iter().map(|v| v.to_i64());
-            match &weights {
-                Some(w) => {
-                    let w_row = w.row(r);
-                    self.weighted_row(r, row_ids, w_row.iter().copied())?
+            let weight_row = weights.as_ref().map(|w| w.row(r));
+            match (id_row.as_slice(), weight_row.as_ref().map(|w| w.as_slice())) {
+                (Some(row_ids), None) => self.row(r, row_ids)?,
+                (Some(row_ids), Some(Some(row_weights))) => self.weighted_row(r, row_ids, row_weights)?,
+                // Rows that are not contiguous (a strided view) are copied into scratch first.
+                _ => {
+                    let mut row_ids = std::mem::take(&mut self.scratch.row_ids);
+                    row_ids.clear();
+                    row_ids.extend(id_row.iter().map(|v| v.to_i64()));
+                    let result = match &weight_row {
+                        Some(w) => {
+                            let mut row_weights = std::mem::take(&mut self.scratch.row_weights);
+                            row_weights.clear();
+                            row_weights.extend(w.iter().copied());
+                            let result = self.weighted_row(r, &row_ids, &row_weights);
+                            self.scratch.row_weights = row_weights;
+                            result
+                        }
+                        None => self.row(r, &row_ids),
+                    };
+                    self.scratch.row_ids = row_ids;
+                    result?
                 }
-                None => self.row(r, row_ids)?,
             }
         }
         Ok(())
     }
 
-    fn coo<T: IdValue>(&mut self, indices: &[i64], ids: &[T], rows: Range<usize>) -> Result<()> {
+    fn coo<T: InputInt>(&mut self, indices: &[i64], ids: &[T], rows: Range<usize>) -> Result<()> {
         let nnz = ids.len();
         if indices.len() != 2 * nnz {
             return Err(Error::input(&self.plan.name, format!("indices hold {} values for {nnz} ids", indices.len())));
@@ -716,7 +604,7 @@ impl Sink<'_, '_> {
             while e < nnz && indices[2 * e] as usize == r {
                 e += 1;
             }
-            self.row(r, ids[k..e].iter().map(|v| v.to_i64()))?;
+            self.row(r, &ids[k..e])?;
             k = e;
         }
         Ok(())
@@ -753,31 +641,33 @@ impl Sink<'_, '_> {
 
     /// A row without weights: unity gains, or weights of 1.0 in a weighted stack.
     #[inline]
-    fn row<I>(&mut self, r: usize, ids: I) -> Result<()>
-    where
-        I: ExactSizeIterator<Item = i64> + Clone,
-    {
-        if self.ctx.weighted {
-            let n = ids.len();
-            return self.weighted_row(r, ids, std::iter::repeat_n(1.0f32, n));
-        }
+    fn row<T: InputInt>(&mut self, r: usize, ids: &[T]) -> Result<()> {
         let n = ids.len();
+        if self.ctx.weighted {
+            let mut ones = std::mem::take(&mut self.scratch.ones);
+            if ones.len() < n {
+                ones.resize(n, 1.0);
+            }
+            let result = self.weighted_row(r, ids, &ones[..n]);
+            self.scratch.ones = ones;
+            return result;
+        }
         if n == 0 {
             return Ok(());
         }
         let row_id = self.row_base + (r - self.start) as u32;
-        let data = row_id - self.out.row_lo;
-        if self.ctx.combiner != Combiner::Sum {
+        let data = row_id - self.out.first_row;
+        if self.out.layout.gains == Gains::PerRow {
             self.out.row_gains[data as usize] = unity_gain(self.ctx.combiner, n);
         }
-        if data < self.out.last_data {
-            self.out.data_sorted = false;
+        if data < self.scratch.last_payload {
+            self.out.payloads_sorted = false;
         }
-        self.out.last_data = data;
+        self.scratch.last_payload = data;
         let layout = self.out.layout;
-        for id in ids {
-            let col = self.col_id(r, id)?;
-            self.out.push_key(layout.encode(0, col, data));
+        for &id in ids {
+            let col = self.col_id(r, id.to_i64())?;
+            self.out.push_key(layout.encode(col, data));
         }
         Ok(())
     }
@@ -793,11 +683,11 @@ impl Sink<'_, '_> {
         }
     }
 
-    /// [`Sink::weighted_row`] over slices (weighted ragged rows, the common weighted input):
-    /// the same checks and arithmetic, in loops whose state the compiler keeps in registers.
+    /// A row with weights (or weights of 1.0, see [`SliceExtractor::row`]), in loops whose state
+    /// the compiler keeps in registers.
     #[inline]
     #[allow(unsafe_code)]
-    fn weighted_row_slices<T: IdValue>(&mut self, r: usize, ids: &[T], weights: &[f32]) -> Result<()> {
+    fn weighted_row<T: InputInt>(&mut self, r: usize, ids: &[T], weights: &[f32]) -> Result<()> {
         let n = ids.len();
         if weights.len() != n {
             return Err(Error::WeightsShape { feature: self.plan.name.clone(), row: r, ids: n, weights: weights.len() });
@@ -806,17 +696,9 @@ impl Sink<'_, '_> {
             return Err(Error::InvalidWeight { feature: self.plan.name.clone(), row: r, value: w });
         }
         let combiner = self.ctx.combiner;
-        // Exactly as `weighted_row`: weights flushed on the way in, sums and quotients out.
+        // Weights are flushed on the way in, sums and quotients on the way out.
         let divisor = weighted_divisor(combiner, weights.iter().map(|&w| flush_subnormal(w)));
-        let sum = combiner == Combiner::Sum;
-        let gain = move |w: f32| {
-            let w = flush_subnormal(w);
-            if sum {
-                w
-            } else {
-                flush_subnormal(w / divisor)
-            }
-        };
+        let gain = move |w: f32| weighted_gain(combiner, flush_subnormal(w), divisor);
         let (vocab, check) = (self.plan.vocabulary_size, self.ctx.validate_ids);
         let enc = RowEncoder {
             vocab: if check { vocab } else { u64::MAX },
@@ -827,17 +709,18 @@ impl Sink<'_, '_> {
         };
         let row_id = self.row_base + (r - self.start) as u32;
         let mut bad = false;
-        if enc.layout.packed {
-            let data = row_id - self.out.row_lo;
-            if data < self.out.last_data {
-                self.out.data_sorted = false;
+        let storage = enc.layout.storage();
+        if enc.layout.gains == Gains::InKey {
+            let data = row_id - self.out.first_row;
+            if data < self.scratch.last_payload {
+                self.out.payloads_sorted = false;
             }
-            self.out.last_data = data;
-            if enc.layout.packed_wide() {
-                bad = write_keys(&mut self.out.keys, ids, enc, std::iter::repeat(data));
-                self.out.packed_gains.extend(weights.iter().map(|&w| gain(w)));
+            self.scratch.last_payload = data;
+            if storage == KeyStorage::GainBesideKey {
+                bad = write_keys(&mut self.out.wide_keys, ids, enc, std::iter::repeat(data));
+                self.out.key_gains.extend(weights.iter().map(|&w| gain(w)));
             } else {
-                let keys = &mut self.out.keys;
+                let keys = &mut self.out.wide_keys;
                 keys.reserve(n);
                 let len = keys.len();
                 for ((slot, &id), &w) in keys.spare_capacity_mut()[..n].iter_mut().zip(ids).zip(weights) {
@@ -850,91 +733,22 @@ impl Sink<'_, '_> {
                 unsafe { keys.set_len(len + n) };
             }
         } else {
-            let first = self.out.rows.len();
+            let first = self.out.index_rows.len();
             if (first + n) as u64 > 1u64 << enc.layout.data_bits {
                 // The ids counted up front (which sized the payload) disagree with the rows read.
                 return Err(Error::input(&self.plan.name, "the input's offsets or indices are inconsistent"));
             }
             // The payload is the extraction index.
-            bad = if enc.layout.narrow() {
-                write_keys(&mut self.out.narrow, ids, enc, first as u32..)
+            bad = if storage == KeyStorage::Narrow {
+                write_keys(&mut self.out.narrow_keys, ids, enc, first as u32..)
             } else {
-                write_keys(&mut self.out.keys, ids, enc, first as u32..)
+                write_keys(&mut self.out.wide_keys, ids, enc, first as u32..)
             };
-            self.out.rows.extend(weights.iter().map(|&w| (row_id, gain(w))));
+            self.out.index_rows.extend(weights.iter().map(|&w| (row_id, gain(w))));
         }
         if bad && check {
             let id = ids.iter().map(|v| v.to_i64()).find(|&id| id as u64 >= vocab).unwrap_or_default();
             return Err(self.out_of_range(r, id));
-        }
-        Ok(())
-    }
-
-    #[inline]
-    fn weighted_row<I, W>(&mut self, r: usize, ids: I, weights: W) -> Result<()>
-    where
-        I: ExactSizeIterator<Item = i64> + Clone,
-        W: ExactSizeIterator<Item = f32> + Clone,
-    {
-        let n = ids.len();
-        if weights.len() != n {
-            return Err(Error::WeightsShape { feature: self.plan.name.clone(), row: r, ids: n, weights: weights.len() });
-        }
-        for w in weights.clone() {
-            if !w.is_finite() {
-                return Err(Error::InvalidWeight { feature: self.plan.name.clone(), row: r, value: w });
-            }
-        }
-        // The divisor, accumulated exactly as the reference does, subnormals flushed as on
-        // its threads (weights are flushed on the way in, sums and quotients on the way out).
-        let weights = weights.map(flush_subnormal);
-        let divisor = weighted_divisor(self.ctx.combiner, weights.clone());
-        let row_id = self.row_base + (r - self.start) as u32;
-        if self.out.layout.packed {
-            let data = row_id - self.out.row_lo;
-            if data < self.out.last_data {
-                self.out.data_sorted = false;
-            }
-            self.out.last_data = data;
-            let layout = self.out.layout;
-            let (vocab, check) = (self.plan.vocabulary_size, self.ctx.validate_ids);
-            let (shift, mask, offset) = (self.plan.col_shift, self.mask, self.plan.col_offset);
-            let sum = self.ctx.combiner == Combiner::Sum;
-            // Branch-free like the unweighted path: validation is one flag per row.
-            let mut bad = false;
-            let wide = layout.packed_wide();
-            let Extracted { keys, packed_gains, .. } = &mut *self.out;
-            for (id, w) in ids.clone().zip(weights) {
-                bad |= check & (id as u64 >= vocab);
-                let gain = if sum { w } else { flush_subnormal(w / divisor) };
-                let key = layout.encode(0, col_of(id as u32, shift, mask, offset), data);
-                if wide {
-                    keys.push(key);
-                    packed_gains.push(gain);
-                } else {
-                    keys.push((key << 32) | gain.to_bits() as u64);
-                }
-            }
-            if bad {
-                let id = ids.into_iter().find(|&id| id as u64 >= vocab).unwrap_or_default();
-                return Err(self.out_of_range(r, id));
-            }
-            return Ok(());
-        }
-        let first = self.out.rows.len();
-        if (first + n) as u64 > 1u64 << self.out.layout.data_bits {
-            // The ids counted up front (which sized the payload) disagree with the rows read.
-            return Err(Error::input(&self.plan.name, "the input's offsets or indices are inconsistent"));
-        }
-        for (k, (id, w)) in ids.zip(weights).enumerate() {
-            let col = self.col_id(r, id)?;
-            let gain = match self.ctx.combiner {
-                Combiner::Sum => w,
-                _ => flush_subnormal(w / divisor),
-            };
-            let key = self.out.layout.encode(0, col, (first + k) as u32);
-            self.out.push_key(key);
-            self.out.rows.push((row_id, gain));
         }
         Ok(())
     }
@@ -957,11 +771,4 @@ impl Sink<'_, '_> {
 #[inline(always)]
 fn col_of(id: u32, shift: u32, mask: u32, offset: u32) -> u32 {
     ((id.wrapping_add(shift) & mask) | (id & !mask)).wrapping_add(offset)
-}
-
-/// Grows `v`'s capacity to at least `cap` (keeping its contents).
-pub(crate) fn reserve_to<T>(v: &mut Vec<T>, cap: usize) {
-    if v.capacity() < cap {
-        v.reserve_exact(cap - v.len());
-    }
 }

@@ -9,8 +9,9 @@
 //! `Cs`. The tail after the final aligned cursor, which the reference leaves uninitialised, is
 //! padded too, so the output is a pure function of the input.
 
-use crate::extract::flush_subnormal;
-use crate::group::{walk_block_plain, Block, Entry, EntrySink, SortKey};
+use crate::gain::merge;
+use crate::group::{walk_block_plain, Block, Entry, EntrySink};
+use crate::key::KeyWord;
 use crate::spec::{ALIGNMENT, PAD_GAIN_BITS, PAD_ID};
 
 /// The padding gain (quiet NaN with the reference's bit pattern).
@@ -193,7 +194,7 @@ impl EntrySink for SegmentWriter<'_> {
     fn add_to_last(&mut self, gain: f32) {
         if self.last_written {
             // Merged as the reference does, on a thread that flushes subnormals to zero.
-            self.last_gain = flush_subnormal(self.last_gain + gain);
+            self.last_gain = merge(self.last_gain, gain);
             self.gains[self.i - 1] = self.last_gain;
             self.count += 1;
         }
@@ -225,7 +226,7 @@ impl EntrySink for SegmentWriter<'_> {
     /// gain, chosen by a select; unit gains are counted in an integer register.
     #[inline(always)]
     #[allow(unsafe_code)]
-    fn walk_block<K: SortKey>(&mut self, keys: &[K], b: Block, last: u64, gain: impl Fn(u64, u32) -> f32) -> (u64, u32, u32) {
+    fn walk_block<K: KeyWord>(&mut self, keys: &[K], b: Block, last: u64, gain: impl Fn(u64, u32) -> f32) -> (u64, u32, u32) {
         let start = self.i;
         if b.row_lo != self.row_lo || b.row_span > self.batch_per_sc || keys.len() > self.cs - start {
             // Payloads that are not this segment's samples, or no room: the plain walk.
@@ -249,7 +250,7 @@ impl EntrySink for SegmentWriter<'_> {
                 (count as f32).min(16_777_216.0)
             } else {
                 let g = gain(element, data);
-                let merged = flush_subnormal(acc + g);
+                let merged = merge(acc, g);
                 // Selected as bits: a float select tends to become a branch.
                 f32::from_bits(std::hint::select_unpredictable(dup, merged.to_bits(), g.to_bits()))
             };
@@ -278,6 +279,7 @@ impl EntrySink for SegmentWriter<'_> {
 }
 
 /// Fills `seg` from `entries` (sorted by partition) and returns how many entries did not fit.
+#[cfg(any(test, feature = "internals"))]
 pub fn fill_segment(entries: &[Entry], num_partitions: usize, batch_per_sc: u32, seg: Segment<'_>) -> u64 {
     let mut w = SegmentWriter::new(seg, num_partitions, batch_per_sc, 0);
     for &e in entries {

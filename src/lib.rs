@@ -32,32 +32,57 @@
 //! # Ok::<(), sparsecore_prep::Error>(())
 //! ```
 //!
-//! The pipeline, one module per stage (see `ARCHITECTURE.md`):
-//! [`spec`] (config, stacking plan, buffer sizes) → [`input`] (zero-copy views) → [`extract`]
-//! (slicing, column ids, gains, sort keys) → [`group`] (sort, de-duplication, limits, stats) →
-//! [`fill`] (CSR-wrapped COO segments) → [`output`] and [`stats`]. [`Preprocessor`] drives them
-//! in parallel; [`case`] loads golden cases with inline data.
+//! The pipeline, one module per stage (see `ARCHITECTURE.md`), data flowing one way:
+//! [`spec`] (config, stacking plan, buffer sizes) → [`input`] (zero-copy views) → extract
+//! (slicing, column ids, gains, sort keys) → group (sort, de-duplication, limits, stats) → fill
+//! (CSR-wrapped COO segments) → [`Output`] and [`StackStats`]; [`fdo`] merges statistics and
+//! tunes limits. [`Preprocessor`] drives the stages in parallel. The stages themselves are
+//! internal; the `internals` cargo feature exposes them for this repository's stage benches
+//! only, with no stability promise.
+//!
+//! Side systems live in crates beside this one: `sparsecore-kernel` (the CPU backend and
+//! dynamic tables), `sparsecore-cli` (the `sparsecore-prep` command) and `sparsecore-testkit`.
 
 #![deny(missing_docs)]
 #![deny(unsafe_code)]
 
-pub mod allreduce;
-mod error;
-pub mod extract;
-pub mod fdo;
-pub mod fill;
-pub mod group;
-pub mod input;
-mod isa;
-pub mod io;
-pub mod output;
-mod preprocess;
-pub mod spec;
-pub mod stats;
+/// Declares pipeline modules: crate-private, or public under the unstable `internals` feature
+/// (for this repository's stage benches).
+macro_rules! internal_modules {
+    ($($name:ident),*) => {$(
+        #[cfg(feature = "internals")]
+        pub mod $name;
+        #[cfg(not(feature = "internals"))]
+        mod $name;
+    )*};
+}
 
+// At the bottom of the flow: errors, instruction-set dispatch, and the contracts that stages
+// share (the key and its layout, the gain rules, buffer reuse).
+mod error;
+mod gain;
+mod isa;
+mod reuse;
+internal_modules!(key);
+
+pub mod spec;
+pub mod input;
+
+// The pipeline stages, in flow order, and the extracted keys they hand on.
+internal_modules!(extracted, extract, group, fill);
+mod output;
+mod stats;
+
+// The driver and what sits on top of it.
+mod allreduce;
+mod preprocess;
+pub mod fdo;
+pub mod io;
+
+pub use allreduce::{AllReduce, LocalAllReduce, TcpAllReduce};
+pub use group::bucket::BucketFn;
 pub use error::{Error, LimitKind, Result, StoreErrorKind};
 pub use output::{Output, StackOutput};
-pub use allreduce::{AllReduce, LocalAllReduce, TcpAllReduce};
 pub use preprocess::{Preprocessor, PreprocessorBuilder};
 pub use spec::{Config, Plan};
 pub use stats::StackStats;

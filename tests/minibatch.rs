@@ -41,7 +41,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, RngSeed, TestCaseError, TestRunner};
 use serde_json::json;
 
-use sparsecore_prep::group::bucket::BucketFn;
+use sparsecore_prep::BucketFn;
 use sparsecore_prep::input::{RaggedInput, SampleSource};
 use sparsecore_prep::spec::{PAD_GAIN_BITS, PAD_ID};
 use sparsecore_prep::{AllReduce, Config, Error, LimitKind, LocalAllReduce, Output, Preprocessor, PreprocessorBuilder, StackOutput};

@@ -10,14 +10,15 @@
 //!   whose column is among the first `max_unique` columns, counting every raw occurrence it
 //!   drops.
 
-pub mod bucket;
-mod key;
+pub(crate) mod bucket;
 mod sort;
 
-pub use key::{bits_for, decode_key, encode_key, KeyLayout, MAX_CHUNK_BITS};
-pub use sort::{chunk_bits_for, sort_chunk, sort_keys, sort_packed_chunk, split, split_packed, RadixScratch, SortKey};
+use sort::{sort_chunk, sort_keys, sort_packed_chunk, RadixScratch};
 
-use crate::extract::{flush_subnormal, Extracted};
+use crate::extracted::Extracted;
+use crate::gain::merge;
+use crate::key::{Gains, KeyLayout, KeyWord};
+use crate::reuse::reserve_to;
 use crate::spec::{round_up, ALIGNMENT};
 
 /// One de-duplicated, kept entry, ready for the fill stage.
@@ -40,8 +41,6 @@ pub struct Limits {
     pub max_unique: u32,
     /// Drop what exceeds the limits (otherwise keep everything; the driver reports the excess).
     pub drop: bool,
-    /// Keep the merged entries for a later fill (minibatching's first pass).
-    pub keep_entries: bool,
 }
 
 /// Statistics of one SparseCore for one stack.
@@ -127,7 +126,7 @@ pub trait EntrySink {
     /// About a third of the keys of real batches are duplicates, in no pattern a branch
     /// predictor can learn, so sinks that can merge without a branch override this.
     #[inline(always)]
-    fn walk_block<K: SortKey>(&mut self, keys: &[K], block: Block, last: u64, gain: impl Fn(u64, u32) -> f32) -> (u64, u32, u32)
+    fn walk_block<K: KeyWord>(&mut self, keys: &[K], block: Block, last: u64, gain: impl Fn(u64, u32) -> f32) -> (u64, u32, u32)
     where
         Self: Sized,
     {
@@ -160,7 +159,7 @@ pub struct Block {
 
 /// [`EntrySink::walk_block`] through `push_local` and `add_to_last`.
 #[inline(always)]
-pub fn walk_block_plain<S: EntrySink, K: SortKey>(
+pub fn walk_block_plain<S: EntrySink, K: KeyWord>(
     sink: &mut S,
     keys: &[K],
     b: Block,
@@ -194,7 +193,7 @@ impl EntrySink for Vec<Entry> {
     #[inline(always)]
     fn add_to_last(&mut self, gain: f32) {
         if let Some(last) = self.last_mut() {
-            last.gain = flush_subnormal(last.gain + gain);
+            last.gain = merge(last.gain, gain);
         }
     }
 }
@@ -218,13 +217,14 @@ impl SortScratch {
         self.wide.reserve_like(&other.wide);
         self.narrow.reserve_like(&other.narrow);
         for (mine, theirs) in [(&mut self.chunks, &other.chunks), (&mut self.starts, &other.starts), (&mut self.cursors, &other.cursors)] {
-            crate::extract::reserve_to(mine, theirs.capacity());
+            reserve_to(mine, theirs.capacity());
         }
-        crate::extract::reserve_to(&mut self.packed, other.packed.capacity());
+        reserve_to(&mut self.packed, other.packed.capacity());
     }
 }
 
 /// Sorts the extracted keys, then walks them into `out` (cleared first) and `stats`.
+#[cfg(feature = "internals")]
 pub fn sort_and_group(ex: &mut Extracted, scratch: &mut SortScratch, limits: Limits, out: &mut Vec<Entry>, stats: &mut ScStats) {
     out.clear();
     *out = sort_and_walk(ex, scratch, limits, std::mem::take(out), stats);
@@ -243,23 +243,23 @@ pub fn sort_and_walk<S: EntrySink>(ex: &mut Extracted, scratch: &mut SortScratch
     stats.dropped = 0;
     // Gains come from per-index arrays (weights), packed beside the key (weights, narrow),
     // per-row arrays (unity mean/sqrtn), or are all 1.0 (unity sum).
-    match (ex.weighted, ex.unit_gains || ex.layout.packed, limits.drop) {
-        (true, true, false) => walk::<S, PACKED, false>(ex, scratch, limits, sink, stats),
-        (true, true, true) => walk::<S, PACKED, true>(ex, scratch, limits, sink, stats),
-        (true, false, false) => walk::<S, WEIGHTED, false>(ex, scratch, limits, sink, stats),
-        (true, false, true) => walk::<S, WEIGHTED, true>(ex, scratch, limits, sink, stats),
-        (false, false, false) => walk::<S, PER_ROW, false>(ex, scratch, limits, sink, stats),
-        (false, false, true) => walk::<S, PER_ROW, true>(ex, scratch, limits, sink, stats),
-        (false, true, false) => walk::<S, UNIT, false>(ex, scratch, limits, sink, stats),
-        (false, true, true) => walk::<S, UNIT, true>(ex, scratch, limits, sink, stats),
+    match (ex.layout.gains, limits.drop) {
+        (Gains::InKey, false) => walk::<S, IN_KEY, false>(ex, scratch, limits, sink, stats),
+        (Gains::InKey, true) => walk::<S, IN_KEY, true>(ex, scratch, limits, sink, stats),
+        (Gains::PerIndex, false) => walk::<S, PER_INDEX, false>(ex, scratch, limits, sink, stats),
+        (Gains::PerIndex, true) => walk::<S, PER_INDEX, true>(ex, scratch, limits, sink, stats),
+        (Gains::PerRow, false) => walk::<S, PER_ROW, false>(ex, scratch, limits, sink, stats),
+        (Gains::PerRow, true) => walk::<S, PER_ROW, true>(ex, scratch, limits, sink, stats),
+        (Gains::Unit, false) => walk::<S, UNIT, false>(ex, scratch, limits, sink, stats),
+        (Gains::Unit, true) => walk::<S, UNIT, true>(ex, scratch, limits, sink, stats),
     }
 }
 
-/// Where the walk finds gains.
-const WEIGHTED: u8 = 0;
-const PER_ROW: u8 = 1;
-const UNIT: u8 = 2;
-const PACKED: u8 = 3;
+/// [`Gains`] as const generic parameters of the walk, which is compiled once per variant.
+const PER_INDEX: u8 = Gains::PerIndex as u8;
+const PER_ROW: u8 = Gains::PerRow as u8;
+const UNIT: u8 = Gains::Unit as u8;
+const IN_KEY: u8 = Gains::InKey as u8;
 
 /// Sorts `ex`'s keys and runs `$body` over each sorted slice in key order, with `$keys` bound
 /// to the slice (of `u32` or `u64`) and `$high` to the bits to OR into each of its elements.
@@ -267,20 +267,20 @@ const PACKED: u8 = 3;
 macro_rules! for_each_sorted {
     ($ex:ident, $scratch:ident, |$keys:ident, $high:ident| $body:block) => {{
         let layout = $ex.layout;
-        let sorted = $ex.data_sorted;
+        let sorted = $ex.payloads_sorted;
         match sort::chunk_bits_for($ex.len(), &layout) {
             // Few keys: sorted in place, one slice.
             Some(0) => {
-                sort_chunk(&mut $ex.narrow, &mut $scratch.narrow, layout.data_bits, layout.width(), sorted);
-                let ($keys, $high) = (&$ex.narrow[..], 0u64);
+                sort_chunk(&mut $ex.narrow_keys, &mut $scratch.narrow, layout.data_bits, layout.width(), sorted);
+                let ($keys, $high) = (&$ex.narrow_keys[..], 0u64);
                 $body
             }
-            Some(c) if layout.packed => {
+            Some(c) if layout.gains == Gains::InKey => {
                 // Weighted keys wider than 32 bits: each chunk's elements join the low 32 key
                 // bits (high half) with the gain.
                 let shift = layout.width() - c;
                 let SortScratch { wide, packed, starts, cursors, .. } = &mut *$scratch;
-                sort::split_packed(&$ex.keys, &$ex.packed_gains, layout.width(), c, packed, starts, cursors);
+                sort::split_packed(&$ex.wide_keys, &$ex.key_gains, layout.width(), c, packed, starts, cursors);
                 for b in 0..1usize << c {
                     let (lo, hi) = (starts[b] as usize, starts[b + 1] as usize);
                     if lo == hi {
@@ -296,7 +296,7 @@ macro_rules! for_each_sorted {
                 let shift = layout.width() - c;
                 // (Keys wider than 32 bits, so `ex.keys` holds them.)
                 let SortScratch { narrow, wide, chunks, starts, cursors, .. } = &mut *$scratch;
-                sort::split(&$ex.keys, layout.width(), c, chunks, starts, cursors, wide);
+                sort::split(&$ex.wide_keys, layout.width(), c, chunks, starts, cursors, wide);
                 for b in 0..1usize << c {
                     let (lo, hi) = (starts[b] as usize, starts[b + 1] as usize);
                     if lo == hi {
@@ -309,8 +309,8 @@ macro_rules! for_each_sorted {
                 }
             }
             None => {
-                sort_keys(&mut $ex.keys, &mut $scratch.wide, layout, sorted);
-                let ($keys, $high) = (&$ex.keys[..], 0u64);
+                sort_keys(&mut $ex.wide_keys, &mut $scratch.wide, layout, sorted);
+                let ($keys, $high) = (&$ex.wide_keys[..], 0u64);
                 $body
             }
         }
@@ -328,7 +328,7 @@ fn walk<S: EntrySink, const GAINS: u8, const DROP: bool>(
 ) -> S {
     let n = 1usize << ex.layout.nbits;
     let (ids, unique) = (&mut stats.ids[..n], &mut stats.unique[..n]);
-    if !DROP && GAINS != WEIGHTED && !ex.layout.buckets {
+    if !DROP && GAINS != PER_INDEX {
         // The common case gets a walk over whole partitions (see `run`).
         let mut st = RunState::new(ex.layout);
         for_each_sorted!(ex, scratch, |keys, high| {
@@ -396,7 +396,7 @@ impl RunState {
 /// not re-read from memory per key.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn run<S: EntrySink, const GAINS: u8, K: SortKey>(
+fn run<S: EntrySink, const GAINS: u8, K: KeyWord>(
     ex: &Extracted,
     mut sink: S,
     keys: &[K],
@@ -429,7 +429,7 @@ fn run<S: EntrySink, const GAINS: u8, K: SortKey>(
 /// The key of a stored element (packed elements carry the gain in their low half).
 #[inline(always)]
 fn element_key<const GAINS: u8>(element: u64) -> u64 {
-    if GAINS == PACKED {
+    if GAINS == IN_KEY {
         element >> 32
     } else {
         element
@@ -438,7 +438,7 @@ fn element_key<const GAINS: u8>(element: u64) -> u64 {
 
 /// [`run`] over the keys of one partition, `st.part`.
 #[inline(always)]
-fn run_partition<S: EntrySink, const GAINS: u8, K: SortKey>(
+fn run_partition<S: EntrySink, const GAINS: u8, K: KeyWord>(
     ex: &Extracted,
     mut sink: S,
     keys: &[K],
@@ -447,15 +447,15 @@ fn run_partition<S: EntrySink, const GAINS: u8, K: SortKey>(
 ) -> S {
     let layout = ex.layout;
     let (db, lmask) = (layout.data_bits, (1u64 << layout.local_bits) - 1);
-    let (row_lo, part) = (ex.row_lo, st.part as u32);
+    let (row_lo, part) = (ex.first_row, st.part as u32);
     let gain_of = |element: u64, data: u32| match GAINS {
         PER_ROW => ex.row_gains.get(data as usize).copied().unwrap_or(0.0),
-        PACKED => f32::from_bits(element as u32),
+        IN_KEY => f32::from_bits(element as u32),
         _ => 1.0,
     };
     let block = Block {
         high,
-        element_shift: if GAINS == PACKED { 32 } else { 0 },
+        element_shift: if GAINS == IN_KEY { 32 } else { 0 },
         data_bits: db,
         local_mask: lmask,
         nbits: layout.nbits,
@@ -508,10 +508,10 @@ impl<S: EntrySink, const GAINS: u8, const DROP: bool> Walker<'_, S, GAINS, DROP>
         let colbits = layout.col_field(key);
         let data = layout.data(key);
         let (row, gain) = match GAINS {
-            WEIGHTED => ex.rows[data as usize],
-            PER_ROW => (ex.row_lo + data, ex.row_gains[data as usize]),
-            PACKED => (ex.row_lo + data, f32::from_bits(element as u32)),
-            _ => (ex.row_lo + data, 1.0),
+            PER_INDEX => ex.index_rows[data as usize],
+            PER_ROW => (ex.first_row + data, ex.row_gains[data as usize]),
+            IN_KEY => (ex.first_row + data, f32::from_bits(element as u32)),
+            _ => (ex.first_row + data, 1.0),
         };
         // 1. Merge into the last appended entry.
         if colbits == self.last_col && row == self.last_row {
@@ -547,7 +547,7 @@ impl<S: EntrySink, const GAINS: u8, const DROP: bool> Walker<'_, S, GAINS, DROP>
         if self.ids[g] > self.limits.max_ids || self.dropping_col {
             self.dropped += 1;
         } else {
-            let (_, col, _) = layout.decode(key);
+            let (col, _) = layout.decode(key);
             self.sink.push(Entry { col, row, gain });
             self.last_col = colbits;
             self.last_row = row;
@@ -575,7 +575,7 @@ impl EntrySink for Vec<CountedEntry> {
     #[inline(always)]
     fn add_to_last(&mut self, gain: f32) {
         if let Some(last) = self.last_mut() {
-            last.entry.gain = flush_subnormal(last.entry.gain + gain);
+            last.entry.gain = merge(last.entry.gain, gain);
             last.count += 1;
         }
     }

@@ -16,43 +16,14 @@
 //! while it is still in cache. The split is itself a stable counting sort, so chunk by chunk
 //! the order is the same.
 
-use super::key::{KeyLayout, BUCKET_BITS, MAX_CHUNK_BITS};
+use crate::key::{Gains, KeyLayout, KeyWord, MAX_CHUNK_BITS};
+use crate::reuse::reserve_to;
 
 /// Largest radix digit, in bits.
 const MAX_DIGIT_BITS: u32 = 12;
 
 /// Below this many keys a comparison sort is as fast and needs no histogram.
 const SMALL: usize = 256;
-
-/// A sort key: `u32` when the layout is narrow, else `u64`.
-pub trait SortKey: Copy + Ord + Default + Send + Sync + 'static {
-    /// Widens to `u64`.
-    fn to_u64(self) -> u64;
-    /// Narrows from `u64` (the value must fit).
-    fn from_u64(v: u64) -> Self;
-}
-
-impl SortKey for u32 {
-    #[inline(always)]
-    fn to_u64(self) -> u64 {
-        self as u64
-    }
-    #[inline(always)]
-    fn from_u64(v: u64) -> Self {
-        v as u32
-    }
-}
-
-impl SortKey for u64 {
-    #[inline(always)]
-    fn to_u64(self) -> u64 {
-        self
-    }
-    #[inline(always)]
-    fn from_u64(v: u64) -> Self {
-        v
-    }
-}
 
 /// Reused memory of the radix sort: the second key buffer and the digit histograms (sized to
 /// the digits in use, so that small sorts do not clear 16 KiB tables).
@@ -65,16 +36,16 @@ pub struct RadixScratch<K> {
 impl<K> RadixScratch<K> {
     /// Grows both buffers to at least `other`'s capacity.
     pub fn reserve_like(&mut self, other: &RadixScratch<K>) {
-        crate::extract::reserve_to(&mut self.keys, other.keys.capacity());
-        crate::extract::reserve_to(&mut self.counts, other.counts.capacity());
+        reserve_to(&mut self.keys, other.keys.capacity());
+        reserve_to(&mut self.counts, other.counts.capacity());
     }
 }
 
 /// Sorts `keys` ascending. `data_sorted` says the payloads are non-decreasing in input order.
 /// `scratch` is reused memory.
-pub fn sort_keys<K: SortKey>(keys: &mut [K], scratch: &mut RadixScratch<K>, layout: KeyLayout, data_sorted: bool) {
+pub fn sort_keys<K: KeyWord>(keys: &mut [K], scratch: &mut RadixScratch<K>, layout: KeyLayout, data_sorted: bool) {
     if !data_sorted || keys.len() < SMALL {
-        if layout.packed {
+        if layout.gains == Gains::InKey {
             // The payload here is the row, but the reference orders a column's entries by
             // extraction index (SPEC 3.6): a stable sort by the column bits alone keeps exactly
             // that order, whether or not rows arrived in order, and keeps repeated ids in the
@@ -87,7 +58,7 @@ pub fn sort_keys<K: SortKey>(keys: &mut [K], scratch: &mut RadixScratch<K>, layo
         return;
     }
     let lo = layout.element_shift() + layout.data_bits;
-    let hi = layout.element_shift() + layout.bucket_shift() + if layout.buckets { BUCKET_BITS } else { 0 };
+    let hi = layout.element_shift() + layout.width();
     radix_by_bits(keys, scratch, lo, hi);
 }
 
@@ -120,7 +91,7 @@ const WHOLE_SORT_MAX: usize = 1 << 15;
 pub fn chunk_bits_for(n: usize, layout: &KeyLayout) -> Option<u32> {
     match layout.min_chunk_bits() {
         // (Packed keys keep their gains apart when wide, and only the split joins them.)
-        Some(c) if c > 0 && !layout.packed && n <= WHOLE_SORT_MAX => None,
+        Some(c) if c > 0 && layout.gains != Gains::InKey && n <= WHOLE_SORT_MAX => None,
         other => other,
     }
 }
@@ -268,8 +239,8 @@ const FUSED_PASSES: usize = 3;
 /// digit's histogram unchanged), and the scatter indexes without bounds checks: this loop is
 /// where the pipeline spends most of its time, and its indices are in range by construction.
 /// Compiled twice (see [`crate::isa`]).
-fn radix_by_bits<K: SortKey>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, hi: u32) {
-    crate::isa::dispatch_v3!(<K: SortKey> (keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, hi: u32) -> () {
+fn radix_by_bits<K: KeyWord>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, hi: u32) {
+    crate::isa::dispatch_v3!(<K: KeyWord> (keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, hi: u32) -> () {
         // Ranges of up to FUSED_PASSES digits (only keys wider than 36 column bits, never the
         // 32-bit halves, take more than one), lowest first.
         let mut from = lo;
@@ -283,7 +254,7 @@ fn radix_by_bits<K: SortKey>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: 
 
 /// [`radix_by_bits`] for at most `FUSED_PASSES` digits.
 #[inline(always)]
-fn radix_range<K: SortKey>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, hi: u32) {
+fn radix_range<K: KeyWord>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, hi: u32) {
     let span = hi - lo;
     let passes = span.div_ceil(MAX_DIGIT_BITS);
     let digit = span.div_ceil(passes);
@@ -296,7 +267,7 @@ fn radix_range<K: SortKey>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u3
 
 /// `P` passes of `digit` bits from bit `lo` up.
 #[inline(always)]
-fn radix_passes<K: SortKey, const P: usize>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, digit: u32) {
+fn radix_passes<K: KeyWord, const P: usize>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, digit: u32) {
     let radix = 1usize << digit;
     let mask = (radix - 1) as u64;
     let RadixScratch { keys: scratch, counts } = scratch;
@@ -342,7 +313,7 @@ fn radix_passes<K: SortKey, const P: usize>(keys: &mut [K], scratch: &mut RadixS
 /// The digit histograms of all passes, in one read of the keys.
 #[allow(unsafe_code)]
 #[inline(always)]
-fn histograms<K: SortKey, const P: usize>(keys: &[K], counts: &mut [&mut [u32]; P], lo: u32, digit: u32, mask: u64) {
+fn histograms<K: KeyWord, const P: usize>(keys: &[K], counts: &mut [&mut [u32]; P], lo: u32, digit: u32, mask: u64) {
     assert!(counts.iter().all(|c| c.len() > mask as usize));
     for &k in keys {
         let k = k.to_u64() >> lo;
@@ -357,7 +328,7 @@ fn histograms<K: SortKey, const P: usize>(keys: &[K], counts: &mut [&mut [u32]; 
 /// One stable counting-sort scatter: `starts[d]` is the first slot of digit `d` in `out`.
 #[allow(unsafe_code)]
 #[inline(always)]
-fn scatter<K: SortKey>(keys: &[K], out: &mut [K], starts: &mut [u32], shift: u32, mask: u64) {
+fn scatter<K: KeyWord>(keys: &[K], out: &mut [K], starts: &mut [u32], shift: u32, mask: u64) {
     assert!(mask as usize <= starts.len().wrapping_sub(1) && keys.len() == out.len());
     for &k in keys {
         let d = ((k.to_u64() >> shift) & mask) as usize;
@@ -376,16 +347,13 @@ fn scatter<K: SortKey>(keys: &[K], out: &mut [K], starts: &mut [u32], shift: u32
 mod tests {
     use super::*;
 
-    fn check<K: SortKey>(layout: KeyLayout, cols: &[u32]) {
+    fn check<K: KeyWord>(layout: KeyLayout, cols: &[u32]) {
         // Payload non-decreasing in input order, as extraction produces.
         let dmax = (1u64 << layout.data_bits) - 1;
         let mut keys: Vec<K> = cols
             .iter()
             .enumerate()
-            .map(|(i, &c)| {
-                let bucket = if layout.buckets { c.wrapping_mul(7) % 64 } else { 0 };
-                K::from_u64(layout.encode(bucket, c, ((i / 3) as u64).min(dmax) as u32))
-            })
+            .map(|(i, &c)| K::from_u64(layout.encode(c, ((i / 3) as u64).min(dmax) as u32)))
             .collect();
         let mut want = keys.clone();
         want.sort_unstable();
@@ -405,9 +373,10 @@ mod tests {
         };
         for (nbits, vocab) in [(0u32, 33u64), (2, 1_000_000), (4, 100_000_000), (9, 1 << 31), (3, 8)] {
             let cols: Vec<u32> = (0..5000).map(|_| (next() % vocab) as u32).collect();
-            for (checked, buckets) in [(true, false), (true, true), (false, false)] {
+            // (Unchecked ids with 26 data bits give the widest keys, 58 bits.)
+            for (checked, data_bits) in [(true, 11), (true, 26), (false, 11), (false, 26)] {
                 let local_bits = KeyLayout::local_bits_for(nbits, vocab, checked);
-                let l = KeyLayout { nbits, local_bits, data_bits: 11, buckets, packed: false };
+                let l = KeyLayout { nbits, local_bits, data_bits, gains: Gains::Unit };
                 check::<u64>(l, &cols);
                 if l.width() <= 32 {
                     check::<u32>(l, &cols);
@@ -450,8 +419,8 @@ mod tests {
 
     #[test]
     fn unsorted_payload_falls_back() {
-        let layout = KeyLayout { nbits: 2, local_bits: 8, data_bits: 10, buckets: false, packed: false };
-        let mut keys: Vec<u64> = (0..1000u32).rev().map(|i| layout.encode(0, i % 17, i)).collect();
+        let layout = KeyLayout { nbits: 2, local_bits: 8, data_bits: 10, gains: Gains::Unit };
+        let mut keys: Vec<u64> = (0..1000u32).rev().map(|i| layout.encode(i % 17, i)).collect();
         let mut want = keys.clone();
         want.sort_unstable();
         sort_keys(&mut keys, &mut RadixScratch::default(), layout, false);

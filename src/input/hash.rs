@@ -29,7 +29,6 @@
 //! allocates nothing.
 
 use arrow_array::{Array, BinaryArray, Int32Array, Int64Array, LargeBinaryArray, LargeStringArray, StringArray};
-use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::{Error, Result};
@@ -37,14 +36,7 @@ use crate::error::{Error, Result};
 /// The algorithm's name, as written in documentation and benchmark reports.
 pub const HASH_ALGORITHM: &str = "xxh3-64";
 
-/// A feature's `"hash"` config: keys are hashed with this seed before the modulo. Different
-/// seeds give independent mappings (useful to decorrelate collisions between features).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct HashConfig {
-    /// XXH3 seed.
-    pub seed: u64,
-}
+pub use crate::spec::HashConfig;
 
 /// The 64-bit key of a string or byte-string value (its bytes, hashed as they are).
 #[inline]

@@ -72,7 +72,6 @@ pub(super) fn finish(
             max_ids: stack.max_ids_per_partition,
             max_unique: stack.max_unique_ids_per_partition,
             drop: plan.allow_id_dropping,
-            keep_entries: false,
         };
         st.par_iter_mut().for_each(|t| bucket_pass(&t.pass1, nbits, &settings.bucket_fn, limits, &mut t.bucketed));
     });

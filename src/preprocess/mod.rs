@@ -9,10 +9,12 @@ use arrow_array::RecordBatch;
 use rayon::prelude::*;
 
 use crate::error::{Error, LimitKind, Result};
-use crate::extract::{extract_sc, Extracted, StackCtx};
+use crate::extract::{extract_sc, ExtractScratch, StackCtx};
+use crate::extracted::Extracted;
 use crate::fill::{Segment, SegmentWriter};
 use crate::group::bucket::BucketFn;
-use crate::group::{sort_and_walk, Bucketed, CountedEntry, Entry, EntrySink, KeyLayout, Limits, ScStats, SortScratch};
+use crate::group::{sort_and_walk, Bucketed, CountedEntry, Entry, EntrySink, Limits, ScStats, SortScratch};
+use crate::key::KeyLayout;
 use crate::input::{features_from_record_batch, SampleSource};
 use crate::output::Output;
 use crate::spec::{Config, Plan, StackPlan, DATA_MASK};
@@ -47,13 +49,15 @@ impl EntrySink for Discard {
 #[derive(Debug, Default)]
 struct Workspace {
     extracted: Extracted,
-    scratch: SortScratch,
+    extract_scratch: ExtractScratch,
+    sort_scratch: SortScratch,
 }
 
 impl Workspace {
     fn reserve_like(&mut self, other: &Workspace) {
         self.extracted.reserve_like(&other.extracted);
-        self.scratch.reserve_like(&other.scratch);
+        self.extract_scratch.reserve_like(&other.extract_scratch);
+        self.sort_scratch.reserve_like(&other.sort_scratch);
     }
 }
 
@@ -459,8 +463,8 @@ fn run_stacks(
                 max_unique: stack.max_unique_ids_per_partition,
                 // Pass 1 of minibatching never drops (SPEC 5.4); only its bucketed pass may.
                 drop: plan.allow_id_dropping && !plan.enable_minibatching,
-                keep_entries: mode == Mode::Pass1,
             };
+            let job = StackJob { plan, stack, ctx: &ctx, limits, inputs, workspaces };
             let s = layout.sc_per_device;
             match mode {
                 Mode::Buffers => so
@@ -473,55 +477,65 @@ fn run_stacks(
                     .enumerate()
                     .for_each(|(i, ((((rp, emb), smp), gains), task))| {
                         let seg = Segment { row_pointers: rp, embedding_ids: emb, sample_ids: smp, gains };
-                        run_task(plan, stack, &ctx, limits, inputs, i / s, i % s, Some(seg), task, workspaces);
+                        run_task(&job, i / s, i % s, Destination::Segment(seg), task);
                     }),
-                Mode::StatsOnly | Mode::Pass1 => stack_tasks.par_iter_mut().enumerate().for_each(|(i, task)| {
-                    run_task(plan, stack, &ctx, limits, inputs, i / s, i % s, None, task, workspaces);
+                Mode::StatsOnly => stack_tasks.par_iter_mut().enumerate().for_each(|(i, task)| {
+                    run_task(&job, i / s, i % s, Destination::Stats, task);
+                }),
+                Mode::Pass1 => stack_tasks.par_iter_mut().enumerate().for_each(|(i, task)| {
+                    run_task(&job, i / s, i % s, Destination::Entries, task);
                 }),
             }
         });
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_task(
-    plan: &Plan,
-    stack: &StackPlan,
-    ctx: &StackCtx<'_>,
+/// What every task of one stack shares.
+struct StackJob<'a> {
+    plan: &'a Plan,
+    stack: &'a StackPlan,
+    ctx: &'a StackCtx<'a>,
     limits: Limits,
-    inputs: &[&dyn SampleSource],
-    device: usize,
-    sc: usize,
-    seg: Option<Segment<'_>>,
-    task: &mut Task,
-    workspaces: &Workspaces,
-) {
+    inputs: &'a [&'a dyn SampleSource],
+    workspaces: &'a Workspaces,
+}
+
+/// Where a task's grouped entries go.
+enum Destination<'a> {
+    /// Straight into the SparseCore's segment of the output buffers: no intermediate list.
+    Segment(Segment<'a>),
+    /// Into the task's entry list, for the fill that follows minibatching's first pass.
+    Entries,
+    /// Nowhere: only the statistics are kept.
+    Stats,
+}
+
+/// Runs the task of SparseCore `sc` of local device `device`.
+fn run_task(job: &StackJob<'_>, device: usize, sc: usize, destination: Destination<'_>, task: &mut Task) {
     task.error = None;
     task.overflow = 0;
+    let StackJob { plan, stack, ctx, limits, inputs, workspaces } = *job;
     // Our own code never calls back into rayon inside a task, but a user's
     // `SampleSource::view` may (a lazily decoded source, say): while it waits, rayon can run
     // another task on this thread, which then finds the workspace locked and takes a temporary
     // one instead (see `Workspaces::with`).
     workspaces.with(|ws| {
-        let Workspace { extracted: ex, scratch } = ws;
-        if let Err(e) = extract_sc(ctx, &plan.features, &stack.features, inputs, device, sc, ex) {
+        let Workspace { extracted: ex, extract_scratch, sort_scratch } = ws;
+        if let Err(e) = extract_sc(ctx, &plan.features, &stack.features, inputs, device, sc, ex, extract_scratch) {
             task.error = Some(e);
             return;
         }
-        match seg {
-            // Group straight into the buffer: no intermediate entry list.
-            Some(seg) => {
-                let writer = SegmentWriter::new(seg, plan.layout.num_partitions(), ctx.batch_per_sc as u32, ex.row_lo);
-                task.overflow = sort_and_walk(ex, scratch, limits, writer, &mut task.stats).finish();
+        match destination {
+            Destination::Segment(seg) => {
+                let writer = SegmentWriter::new(seg, plan.layout.num_partitions(), ctx.batch_per_sc as u32, ex.first_row);
+                task.overflow = sort_and_walk(ex, sort_scratch, limits, writer, &mut task.stats).finish();
             }
-            // Minibatching's first pass keeps the merged entries for the fill that follows.
-            None if limits.keep_entries => {
+            Destination::Entries => {
                 let mut kept = std::mem::take(&mut task.pass1);
                 kept.clear();
-                task.pass1 = sort_and_walk(ex, scratch, limits, kept, &mut task.stats);
+                task.pass1 = sort_and_walk(ex, sort_scratch, limits, kept, &mut task.stats);
             }
-            // Stats only: the entries are counted, not kept.
-            None => {
-                sort_and_walk(ex, scratch, limits, Discard, &mut task.stats);
+            Destination::Stats => {
+                sort_and_walk(ex, sort_scratch, limits, Discard, &mut task.stats);
             }
         }
     });

@@ -139,7 +139,7 @@ pub struct FeatureConfig {
     /// Raw keys: the column holds strings, bytes or arbitrary int64s, each mapped to
     /// `xxh3_64(key, seed) mod vocabulary_size` ([`crate::input::hash`]). Arrow input only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hash: Option<crate::input::HashConfig>,
+    pub hash: Option<HashConfig>,
 }
 
 impl FeatureConfig {
@@ -173,4 +173,13 @@ impl Config {
     pub fn table_index(&self, name: &str) -> Option<usize> {
         self.tables.iter().position(|t| t.name == name)
     }
+}
+
+/// A feature's `"hash"` config (read by `input::hash`): keys are hashed with this seed before the modulo. Different
+/// seeds give independent mappings (useful to decorrelate collisions between features).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HashConfig {
+    /// XXH3 seed.
+    pub seed: u64,
 }

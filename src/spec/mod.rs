@@ -10,7 +10,7 @@
 mod config;
 mod plan;
 
-pub use config::{Config, FeatureConfig, Options, StackLimits, Stacking, TableConfig};
+pub use config::{Config, FeatureConfig, HashConfig, Options, StackLimits, Stacking, TableConfig};
 pub use plan::{Combiner, DeviceLayout, FeaturePlan, Placement, Plan, ResolvedStack, StackPlan};
 
 /// Alignment unit of partitions inside a COO buffer, in elements (`TPU_VECTOR_REGISTER_ALIGNMENT_SIZE`).
