@@ -8,7 +8,7 @@ use sparsecore_prep::extracted::Extracted;
 use sparsecore_prep::fill::{fill_segment, Segment};
 use sparsecore_prep::group::{sort_and_group, Entry, Limits, ScStats, SortScratch};
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
-use sparsecore_prep::key::KeyLayout;
+use sparsecore_prep::key::KeyFormat;
 use sparsecore_prep::{Output, Preprocessor};
 use sparsecore_testkit::workload::{generate, Profile, Workload, WorkloadSpec};
 
@@ -50,7 +50,7 @@ fn stages(c: &mut Criterion) {
             weighted: false,
             validate_ids: true,
             batch_per_sc: bsd / layout.sc_per_device,
-            local_bits: KeyLayout::local_bits_for(layout.partition_bits(), stack.stack_vocab_size, true),
+            local_bits: KeyFormat::local_bits_for(layout.partition_bits(), stack.stack_vocab_size, true),
         };
         let limits = Limits {
             max_ids: stack.max_ids_per_partition,

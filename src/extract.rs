@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::extracted::Extracted;
 use crate::gain::{flush_subnormal, unity_gain, weighted_divisor, weighted_gain};
 use crate::input::{DenseIds, FeatureView, Ids, Offsets, SampleSource};
-use crate::key::{Gains, KeyLayout, KeySetShape, KeyStorage, KeyWord};
+use crate::key::{Gains, KeyFormat, KeySetShape, KeyStorage, KeyWord};
 use crate::reuse::reserve_to;
 use crate::spec::{Combiner, DeviceLayout, FeaturePlan, DATA_MASK};
 
@@ -66,7 +66,7 @@ pub struct StackCtx<'a> {
     pub validate_ids: bool,
     /// Per-device stacked batch divided by S.
     pub batch_per_sc: usize,
-    /// Local-id bits of the stack's keys (see [`KeyLayout::local_bits_for`]).
+    /// Local-id bits of the stack's keys (see [`KeyFormat::local_bits_for`]).
     pub local_bits: u32,
 }
 
@@ -139,7 +139,7 @@ pub fn extract_sc(
         weighted: ctx.weighted,
         sum_combiner: ctx.combiner == Combiner::Sum,
     };
-    out.reset(KeyLayout::for_sparsecore(shape, || weighted_ids), first_row as u32, row_span as u32);
+    out.reset(KeyFormat::for_sparsecore(shape, || weighted_ids), first_row as u32, row_span as u32);
     scratch.last_payload = 0;
 
     for &f in members {
@@ -244,13 +244,13 @@ struct RowEncoder {
     shift: u32,
     mask: u32,
     offset: u32,
-    layout: KeyLayout,
+    format: KeyFormat,
 }
 
 impl RowEncoder {
     #[inline(always)]
     fn key(self, id: u64, data: u32) -> u64 {
-        self.layout.encode(col_of(id as u32, self.shift, self.mask, self.offset), data)
+        self.format.encode(col_of(id as u32, self.shift, self.mask, self.offset), data)
     }
 }
 
@@ -408,7 +408,7 @@ impl SliceExtractor<'_, '_> {
             self.out.payloads_sorted = false;
         }
         self.scratch.last_payload = first + (rows.len() - 1) as u32;
-        if self.out.layout.storage() == KeyStorage::Narrow {
+        if self.out.format.storage() == KeyStorage::Narrow {
             let mut keys = std::mem::take(&mut self.out.narrow_keys);
             keys.reserve(total);
             let r = self.ragged_unity_into(&mut KeyVec(&mut keys), ids, offsets, rows);
@@ -441,7 +441,7 @@ impl SliceExtractor<'_, '_> {
             shift: self.plan.col_shift,
             mask: self.mask,
             offset: self.plan.col_offset,
-            layout: self.out.layout,
+            format: self.out.format,
         };
         // The caller checked offsets[start] <= offsets[end] <= ids.len().
         let lo = offsets[rows.start].to_usize();
@@ -657,14 +657,14 @@ impl SliceExtractor<'_, '_> {
         }
         let row_id = self.row_base + (r - self.start) as u32;
         let data = row_id - self.out.first_row;
-        if self.out.layout.gains == Gains::PerRow {
+        if self.out.format.gains == Gains::PerRow {
             self.out.row_gains[data as usize] = unity_gain(self.ctx.combiner, n);
         }
         if data < self.scratch.last_payload {
             self.out.payloads_sorted = false;
         }
         self.scratch.last_payload = data;
-        let layout = self.out.layout;
+        let layout = self.out.format;
         for &id in ids {
             let col = self.col_id(r, id.to_i64())?;
             self.out.push_key(layout.encode(col, data));
@@ -705,12 +705,12 @@ impl SliceExtractor<'_, '_> {
             shift: self.plan.col_shift,
             mask: self.mask,
             offset: self.plan.col_offset,
-            layout: self.out.layout,
+            format: self.out.format,
         };
         let row_id = self.row_base + (r - self.start) as u32;
         let mut bad = false;
-        let storage = enc.layout.storage();
-        if enc.layout.gains == Gains::InKey {
+        let storage = enc.format.storage();
+        if enc.format.gains == Gains::InKey {
             let data = row_id - self.out.first_row;
             if data < self.scratch.last_payload {
                 self.out.payloads_sorted = false;
@@ -734,7 +734,7 @@ impl SliceExtractor<'_, '_> {
             }
         } else {
             let first = self.out.index_rows.len();
-            if (first + n) as u64 > 1u64 << enc.layout.data_bits {
+            if (first + n) as u64 > 1u64 << enc.format.data_bits {
                 // The ids counted up front (which sized the payload) disagree with the rows read.
                 return Err(Error::input(&self.plan.name, "the input's offsets or indices are inconsistent"));
             }

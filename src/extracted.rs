@@ -4,14 +4,14 @@
 //! kept (empty) whatever the layout, so that a SparseCore whose layout changes between batches
 //! reuses its memory.
 
-use crate::key::{Gains, KeyLayout, KeyStorage};
+use crate::key::{Gains, KeyFormat, KeyStorage};
 use crate::reuse::reserve_to;
 
 /// Per-SparseCore extraction output, reused from batch to batch.
 #[derive(Debug, Default, Clone)]
 pub struct Extracted {
     /// How this SparseCore's keys are packed, stored, and where their gains are.
-    pub layout: KeyLayout,
+    pub format: KeyFormat,
     /// [`KeyStorage::Wide`], [`KeyStorage::GainBelowKey`] and [`KeyStorage::GainBesideKey`]:
     /// one `u64` element per extracted id, in extraction order.
     pub wide_keys: Vec<u64>,
@@ -46,7 +46,7 @@ impl Extracted {
     /// Keys extracted.
     #[allow(clippy::len_without_is_empty)]
     pub fn len(&self) -> usize {
-        match self.layout.storage() {
+        match self.format.storage() {
             KeyStorage::Narrow => self.narrow_keys.len(),
             _ => self.wide_keys.len(),
         }
@@ -55,15 +55,15 @@ impl Extracted {
     /// Appends a key without a gain.
     #[inline(always)]
     pub fn push_key(&mut self, key: u64) {
-        match self.layout.storage() {
+        match self.format.storage() {
             KeyStorage::Narrow => self.narrow_keys.push(key as u32),
             _ => self.wide_keys.push(key),
         }
     }
 
     /// Sets the layout and empties the key and gain storage.
-    pub fn reset(&mut self, layout: KeyLayout, first_row: u32, row_span: u32) {
-        self.layout = layout;
+    pub fn reset(&mut self, format: KeyFormat, first_row: u32, row_span: u32) {
+        self.format = format;
         self.first_row = first_row;
         self.row_span = row_span;
         self.payloads_sorted = true;
@@ -71,7 +71,7 @@ impl Extracted {
         self.narrow_keys.clear();
         self.key_gains.clear();
         self.index_rows.clear();
-        if layout.gains == Gains::PerRow {
+        if format.gains == Gains::PerRow {
             self.row_gains.clear();
             self.row_gains.resize(row_span as usize, 0.0);
         }

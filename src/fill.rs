@@ -43,11 +43,12 @@ pub struct SegmentWriter<'a> {
     /// the device buffer for the absolute pointers of minibatching.
     base: usize,
     /// Write cursor.
-    i: usize,
+    cursor: usize,
     /// Current partition.
-    p: usize,
-    cs: usize,
-    n: usize,
+    partition: usize,
+    /// Slots in the segment (`C / S`).
+    capacity: usize,
+    num_partitions: usize,
     nbits: u32,
     mask: u32,
     batch_per_sc: u32,
@@ -69,17 +70,17 @@ impl<'a> SegmentWriter<'a> {
     /// A writer for `seg`; `num_partitions` is N, `batch_per_sc` the per-SparseCore stacked
     /// batch (sample ids are rows modulo it) and `row_lo` the SparseCore's first row.
     pub fn new(seg: Segment<'a>, num_partitions: usize, batch_per_sc: u32, row_lo: u32) -> Self {
-        let cs = seg.embedding_ids.len().min(seg.sample_ids.len()).min(seg.gains.len());
+        let capacity = seg.embedding_ids.len().min(seg.sample_ids.len()).min(seg.gains.len());
         SegmentWriter {
             row_pointers: seg.row_pointers,
             embedding_ids: seg.embedding_ids,
             sample_ids: seg.sample_ids,
             gains: seg.gains,
             base: 0,
-            i: 0,
-            p: 0,
-            cs,
-            n: num_partitions,
+            cursor: 0,
+            partition: 0,
+            capacity,
+            num_partitions,
             nbits: num_partitions.trailing_zeros(),
             mask: (num_partitions - 1) as u32,
             batch_per_sc: batch_per_sc.max(1),
@@ -107,7 +108,7 @@ impl<'a> SegmentWriter<'a> {
     /// Appends an entry of partition `t` (partitions arrive in order).
     #[inline(always)]
     fn write(&mut self, t: usize, local: u32, row: u32, gain: f32) {
-        while self.p < t {
+        while self.partition < t {
             self.close();
         }
         let before = self.dropped;
@@ -119,15 +120,15 @@ impl<'a> SegmentWriter<'a> {
     #[inline(always)]
     #[allow(unsafe_code)]
     fn write_here(&mut self, local: u32, row: u32, gain: f32) {
-        let i = self.i;
-        if i >= self.cs {
+        let i = self.cursor;
+        if i >= self.capacity {
             self.dropped += 1;
             return;
         }
         let offset = row.wrapping_sub(self.row_lo);
         let sample = if offset < self.batch_per_sc { offset } else { row % self.batch_per_sc };
-        // SAFETY: `cs` is the minimum of the three slices' lengths (set in `new`, the slices
-        // are never replaced), and i < cs.
+        // SAFETY: `capacity` is the minimum of the three slices' lengths (set in `new`, the slices
+        // are never replaced), and i < capacity.
         unsafe {
             *self.embedding_ids.get_unchecked_mut(i) = local as i32;
             *self.sample_ids.get_unchecked_mut(i) = sample as i32;
@@ -135,7 +136,7 @@ impl<'a> SegmentWriter<'a> {
         }
         self.last_gain = gain;
         self.count = 1;
-        self.i = i + 1;
+        self.cursor = i + 1;
     }
 
     /// Writes the padding triple into `[from, to)`.
@@ -149,11 +150,11 @@ impl<'a> SegmentWriter<'a> {
     /// Ends partition `p` at the cursor and pads the cursor to the next multiple of 8.
     #[inline]
     fn close(&mut self) {
-        self.row_pointers[self.p] = (self.base + self.i) as i32;
-        let aligned = self.i.next_multiple_of(ALIGNMENT).min(self.cs);
-        self.pad(self.i, aligned);
-        self.i = aligned;
-        self.p += 1;
+        self.row_pointers[self.partition] = (self.base + self.cursor) as i32;
+        let aligned = self.cursor.next_multiple_of(ALIGNMENT).min(self.capacity);
+        self.pad(self.cursor, aligned);
+        self.cursor = aligned;
+        self.partition += 1;
     }
 
     /// Closes the remaining partitions, sets pointers `N..rpb` to the final cursor, pads the
@@ -164,16 +165,16 @@ impl<'a> SegmentWriter<'a> {
 
     /// [`SegmentWriter::finish`], also returning the final (aligned) cursor.
     pub fn finish_at(mut self) -> (u64, usize) {
-        while self.p < self.n {
+        while self.partition < self.num_partitions {
             self.close();
         }
-        let i = self.i;
+        let i = self.cursor;
         let end = (self.base + i) as i32;
-        for rp in &mut self.row_pointers[self.n..] {
+        for rp in &mut self.row_pointers[self.num_partitions..] {
             *rp = end;
         }
         if self.pad_tail {
-            self.pad(i, self.cs);
+            self.pad(i, self.capacity);
         }
         (self.dropped, i)
     }
@@ -195,14 +196,14 @@ impl EntrySink for SegmentWriter<'_> {
         if self.last_written {
             // Merged as the reference does, on a thread that flushes subnormals to zero.
             self.last_gain = merge(self.last_gain, gain);
-            self.gains[self.i - 1] = self.last_gain;
+            self.gains[self.cursor - 1] = self.last_gain;
             self.count += 1;
         }
     }
 
     #[inline(never)]
     fn start_partition(mut self, partition: u32) -> Self {
-        while self.p < partition as usize {
+        while self.partition < partition as usize {
             self.close();
         }
         self
@@ -211,14 +212,14 @@ impl EntrySink for SegmentWriter<'_> {
     #[inline(always)]
     fn push_local(&mut self, _partition: u32, local: u32, _nbits: u32, row: u32, gain: f32) {
         self.write_here(local, row, gain);
-        // Once an entry is dropped every later one is (the cursor stays at `cs`), so the
+        // Once an entry is dropped every later one is (the cursor stays at `capacity`), so the
         // last entry was written exactly when nothing has been dropped yet.
         self.last_written = self.dropped == 0;
     }
 
     #[inline(always)]
     fn room(&self) -> usize {
-        self.cs - self.i
+        self.capacity - self.cursor
     }
 
     /// The branch-free block walk: every key writes its entry at the cursor, or, when it
@@ -227,8 +228,8 @@ impl EntrySink for SegmentWriter<'_> {
     #[inline(always)]
     #[allow(unsafe_code)]
     fn walk_block<K: KeyWord>(&mut self, keys: &[K], b: Block, last: u64, gain: impl Fn(u64, u32) -> f32) -> (u64, u32, u32) {
-        let start = self.i;
-        if b.row_lo != self.row_lo || b.row_span > self.batch_per_sc || keys.len() > self.cs - start {
+        let start = self.cursor;
+        if b.row_lo != self.row_lo || b.row_span > self.batch_per_sc || keys.len() > self.capacity - start {
             // Payloads that are not this segment's samples, or no room: the plain walk.
             return walk_block_plain(self, keys, b, last, gain);
         }
@@ -258,7 +259,7 @@ impl EntrySink for SegmentWriter<'_> {
             let j = i - dup as usize;
             // SAFETY: `dup` needs an entry before the cursor (start > 0, or a key of this
             // block), so j cannot underflow; the cursor grows by at most one per key from
-            // `start`, and start + keys.len() <= cs (checked above), so j < cs, the length of
+            // `start`, and start + keys.len() <= capacity (checked above), so j < capacity, the length of
             // all three slices.
             unsafe {
                 emb.add(j).write(((key >> b.data_bits) & b.local_mask) as i32);
@@ -273,7 +274,7 @@ impl EntrySink for SegmentWriter<'_> {
         if i > start || !keys.is_empty() {
             self.last_written = true;
         }
-        (self.i, self.count, self.last_gain) = (i, count, acc);
+        (self.cursor, self.count, self.last_gain) = (i, count, acc);
         (last, (i - start) as u32, unique)
     }
 }

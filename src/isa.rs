@@ -4,9 +4,9 @@
 //! x86-64 machine. The radix sort, the split and the ragged extraction are also compiled a
 //! second time for x86-64-v3 (AVX2, BMI1/2, FMA, LZCNT, POPCNT; every x86 server CPU since
 //! 2013-2015) and picked at run time, per call, from the CPU's feature flags (one cached load).
-//! Measured on `criteo` at one thread, building the whole crate for v3 took 7-11% off a batch,
-//! most of it in those three places: wider vectors for the key arithmetic, and shifts by a
-//! register count (BMI2) that free the count register in the scatter loops.
+//! Those three places are where v3 pays: wider vectors for the key arithmetic, and shifts by a
+//! register count (BMI2) that free the count register in the scatter loops (BENCHMARKS.md has
+//! the measurements).
 //!
 //! Both versions run the same source, so their outputs are the same bytes: the vector forms
 //! compute the same integer arithmetic, and no floating-point reduction is reordered (gains

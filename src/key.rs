@@ -17,7 +17,7 @@
 //! The bucket field is absent: minibatching's bucketed pass works on merged entries, never on
 //! re-keyed ids. `lb` is the bit width of the stack's largest local id, and `data` (the payload)
 //! is what [`Gains`] says: the sample row relative to the SparseCore's first row, or the
-//! extraction index. [`encode_key`] / [`decode_key`] give the reference's own layout, for tests.
+//! extraction index. [`encode_key`] / [`decode_key`] give the reference's own format, for tests.
 
 #[cfg(test)]
 use crate::spec::{DATA_BITS, DATA_MASK};
@@ -28,7 +28,7 @@ use crate::spec::{DATA_BITS, DATA_MASK};
 pub const MAX_CHUNK_BITS: u32 = 12;
 
 /// Where the gain of each key lives, which also fixes what its payload is. One SparseCore's keys
-/// all share one variant, chosen by [`KeyLayout::for_sparsecore`].
+/// all share one variant, chosen by [`KeyFormat::for_sparsecore`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[repr(u8)]
 pub enum Gains {
@@ -62,7 +62,7 @@ pub enum KeyStorage {
 
 /// How one SparseCore packs (column, data) into a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct KeyLayout {
+pub struct KeyFormat {
     /// log2 N: bits of the partition.
     pub nbits: u32,
     /// Bits of the local embedding id (`col >> nbits`).
@@ -110,12 +110,12 @@ pub fn bits_for(max: u64) -> u32 {
     64 - max.leading_zeros()
 }
 
-/// What a SparseCore's key set is made of, which decides its layout.
+/// What a SparseCore's key set is made of, which decides its format.
 #[derive(Debug, Clone, Copy)]
 pub struct KeySetShape {
     /// log2 N.
     pub nbits: u32,
-    /// Local-id bits of the stack (see [`KeyLayout::local_bits_for`]).
+    /// Local-id bits of the stack (see [`KeyFormat::local_bits_for`]).
     pub local_bits: u32,
     /// Rows the keys can reference, from the SparseCore's first row on.
     pub row_span: usize,
@@ -125,8 +125,8 @@ pub struct KeySetShape {
     pub sum_combiner: bool,
 }
 
-impl KeyLayout {
-    /// The layout of one SparseCore's keys. `weighted_ids` (only read for weighted stacks whose
+impl KeyFormat {
+    /// The format of one SparseCore's keys. `weighted_ids` (only read for weighted stacks whose
     /// rows do not fit beside the gain) gives the number of ids, whose indices are then the
     /// payload.
     pub fn for_sparsecore(shape: KeySetShape, weighted_ids: impl FnOnce() -> usize) -> Self {
@@ -140,7 +140,7 @@ impl KeyLayout {
         } else {
             (Gains::PerIndex, bits_for(weighted_ids().saturating_sub(1) as u64))
         };
-        KeyLayout { nbits: shape.nbits, local_bits: shape.local_bits, data_bits, gains }
+        KeyFormat { nbits: shape.nbits, local_bits: shape.local_bits, data_bits, gains }
     }
 
     /// Local-id bits for a stack: all `32 - nbits` when ids are not range-checked (any 32-bit
@@ -240,7 +240,7 @@ pub fn encode_key(bucket: u32, col: u32, data: u32, nbits: u32) -> u64 {
     ((bucket as u64) << 58) | ((col.rotate_right(nbits) as u64) << DATA_BITS) | data as u64
 }
 
-/// Decodes a key of the reference's layout.
+/// Decodes a key of the reference's format.
 #[inline(always)]
 #[cfg(test)]
 pub fn decode_key(key: u64, nbits: u32) -> (u32, u32, u32) {
@@ -253,8 +253,8 @@ pub fn decode_key(key: u64, nbits: u32) -> (u32, u32, u32) {
 mod tests {
     use super::*;
 
-    fn layout(nbits: u32, local_bits: u32, data_bits: u32, gains: Gains) -> KeyLayout {
-        KeyLayout { nbits, local_bits, data_bits, gains }
+    fn format(nbits: u32, local_bits: u32, data_bits: u32, gains: Gains) -> KeyFormat {
+        KeyFormat { nbits, local_bits, data_bits, gains }
     }
 
     #[test]
@@ -270,7 +270,7 @@ mod tests {
     fn full_width_layout_is_the_reference_key() {
         // With lb = 32 - log2 N and db = 26 the packing is the reference's key below its bucket.
         for nbits in [0, 1, 2, 3, 5, 9] {
-            let l = layout(nbits, 32 - nbits, DATA_BITS, Gains::Unit);
+            let l = format(nbits, 32 - nbits, DATA_BITS, Gains::Unit);
             for col in [0u32, 1, 7, 156, 1000, 123_456_789, i32::MAX as u32] {
                 for data in [0u32, 5, DATA_MASK as u32] {
                     assert_eq!(l.encode(col, data), encode_key(0, col, data, nbits));
@@ -283,9 +283,9 @@ mod tests {
     #[test]
     fn compact_layout_keeps_the_reference_order() {
         let nbits = 3;
-        let lb = KeyLayout::local_bits_for(nbits, 8 * 1000, true);
+        let lb = KeyFormat::local_bits_for(nbits, 8 * 1000, true);
         assert_eq!(lb, 10); // local ids 0..=999
-        let l = layout(nbits, lb, bits_for(999), Gains::Unit);
+        let l = format(nbits, lb, bits_for(999), Gains::Unit);
         assert_eq!(l.storage(), KeyStorage::Narrow);
         let mut cols: Vec<(u32, u32)> = Vec::new();
         for col in (0..8000u32).step_by(37) {
@@ -304,30 +304,30 @@ mod tests {
 
     #[test]
     fn storage_follows_width_and_gains() {
-        let l = layout(2, 18, 11, Gains::Unit);
+        let l = format(2, 18, 11, Gains::Unit);
         assert_eq!(l.storage(), KeyStorage::Narrow);
         assert_eq!(l.min_chunk_bits(), Some(0));
-        assert_eq!(layout(2, 18, 16, Gains::PerRow).min_chunk_bits(), Some(4));
-        assert_eq!(layout(2, 18, 16, Gains::PerRow).storage(), KeyStorage::Wide);
-        assert_eq!(layout(2, 18, 11, Gains::InKey).min_chunk_bits(), None);
-        assert_eq!(layout(2, 18, 11, Gains::InKey).storage(), KeyStorage::GainBelowKey);
-        assert_eq!(layout(2, 18, 16, Gains::InKey).min_chunk_bits(), Some(4));
-        assert_eq!(layout(2, 18, 16, Gains::InKey).storage(), KeyStorage::GainBesideKey);
-        assert_eq!(layout(9, 23, 26, Gains::Unit).min_chunk_bits(), None);
-        let l = layout(0, 0, 0, Gains::Unit);
+        assert_eq!(format(2, 18, 16, Gains::PerRow).min_chunk_bits(), Some(4));
+        assert_eq!(format(2, 18, 16, Gains::PerRow).storage(), KeyStorage::Wide);
+        assert_eq!(format(2, 18, 11, Gains::InKey).min_chunk_bits(), None);
+        assert_eq!(format(2, 18, 11, Gains::InKey).storage(), KeyStorage::GainBelowKey);
+        assert_eq!(format(2, 18, 16, Gains::InKey).min_chunk_bits(), Some(4));
+        assert_eq!(format(2, 18, 16, Gains::InKey).storage(), KeyStorage::GainBesideKey);
+        assert_eq!(format(9, 23, 26, Gains::Unit).min_chunk_bits(), None);
+        let l = format(0, 0, 0, Gains::Unit);
         assert_eq!(l.decode(l.encode(0, 0)), (0, 0));
     }
 
     #[test]
     fn layout_decision() {
         let shape = KeySetShape { nbits: 2, local_bits: 18, row_span: 1024, weighted: false, sum_combiner: true };
-        assert_eq!(KeyLayout::for_sparsecore(shape, || unreachable!()), layout(2, 18, 10, Gains::Unit));
+        assert_eq!(KeyFormat::for_sparsecore(shape, || unreachable!()), format(2, 18, 10, Gains::Unit));
         let mean = KeySetShape { sum_combiner: false, ..shape };
-        assert_eq!(KeyLayout::for_sparsecore(mean, || unreachable!()).gains, Gains::PerRow);
+        assert_eq!(KeyFormat::for_sparsecore(mean, || unreachable!()).gains, Gains::PerRow);
         let weighted = KeySetShape { weighted: true, ..shape };
-        assert_eq!(KeyLayout::for_sparsecore(weighted, || unreachable!()), layout(2, 18, 10, Gains::InKey));
+        assert_eq!(KeyFormat::for_sparsecore(weighted, || unreachable!()), format(2, 18, 10, Gains::InKey));
         // 2 + 30 + 13 bits exceed 32 + MAX_CHUNK_BITS: the extraction index is the payload.
         let wide = KeySetShape { local_bits: 30, row_span: 8192, ..weighted };
-        assert_eq!(KeyLayout::for_sparsecore(wide, || 100), layout(2, 30, 7, Gains::PerIndex));
+        assert_eq!(KeyFormat::for_sparsecore(wide, || 100), format(2, 30, 7, Gains::PerIndex));
     }
 }

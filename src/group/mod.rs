@@ -17,7 +17,7 @@ use sort::{sort_chunk, sort_keys, sort_packed_chunk, RadixScratch};
 
 use crate::extracted::Extracted;
 use crate::gain::merge;
-use crate::key::{Gains, KeyLayout, KeyWord};
+use crate::key::{Gains, KeyFormat, KeyWord};
 use crate::reuse::reserve_to;
 use crate::spec::{round_up, ALIGNMENT};
 
@@ -235,7 +235,7 @@ pub fn sort_and_group(ex: &mut Extracted, scratch: &mut SortScratch, limits: Lim
 /// Large key sets are sorted chunk by chunk (see [`sort::split`]), each chunk walked right
 /// after its sort, while it is in cache.
 pub fn sort_and_walk<S: EntrySink>(ex: &mut Extracted, scratch: &mut SortScratch, limits: Limits, sink: S, stats: &mut ScStats) -> S {
-    let n = 1usize << ex.layout.nbits;
+    let n = 1usize << ex.format.nbits;
     stats.ids.clear();
     stats.ids.resize(n, 0);
     stats.unique.clear();
@@ -243,7 +243,7 @@ pub fn sort_and_walk<S: EntrySink>(ex: &mut Extracted, scratch: &mut SortScratch
     stats.dropped = 0;
     // Gains come from per-index arrays (weights), packed beside the key (weights, narrow),
     // per-row arrays (unity mean/sqrtn), or are all 1.0 (unity sum).
-    match (ex.layout.gains, limits.drop) {
+    match (ex.format.gains, limits.drop) {
         (Gains::InKey, false) => walk::<S, IN_KEY, false>(ex, scratch, limits, sink, stats),
         (Gains::InKey, true) => walk::<S, IN_KEY, true>(ex, scratch, limits, sink, stats),
         (Gains::PerIndex, false) => walk::<S, PER_INDEX, false>(ex, scratch, limits, sink, stats),
@@ -266,50 +266,50 @@ const IN_KEY: u8 = Gains::InKey as u8;
 /// A macro rather than a closure so that the body can move the sink in and out.
 macro_rules! for_each_sorted {
     ($ex:ident, $scratch:ident, |$keys:ident, $high:ident| $body:block) => {{
-        let layout = $ex.layout;
+        let format = $ex.format;
         let sorted = $ex.payloads_sorted;
-        match sort::chunk_bits_for($ex.len(), &layout) {
+        match sort::chunk_bits_for($ex.len(), &format) {
             // Few keys: sorted in place, one slice.
             Some(0) => {
-                sort_chunk(&mut $ex.narrow_keys, &mut $scratch.narrow, layout.data_bits, layout.width(), sorted);
+                sort_chunk(&mut $ex.narrow_keys, &mut $scratch.narrow, format.data_bits, format.width(), sorted);
                 let ($keys, $high) = (&$ex.narrow_keys[..], 0u64);
                 $body
             }
-            Some(c) if layout.gains == Gains::InKey => {
+            Some(c) if format.gains == Gains::InKey => {
                 // Weighted keys wider than 32 bits: each chunk's elements join the low 32 key
                 // bits (high half) with the gain.
-                let shift = layout.width() - c;
+                let shift = format.width() - c;
                 let SortScratch { wide, packed, starts, cursors, .. } = &mut *$scratch;
-                sort::split_packed(&$ex.wide_keys, &$ex.key_gains, layout.width(), c, packed, starts, cursors);
+                sort::split_packed(&$ex.wide_keys, &$ex.key_gains, format.width(), c, packed, starts, cursors);
                 for b in 0..1usize << c {
                     let (lo, hi) = (starts[b] as usize, starts[b + 1] as usize);
                     if lo == hi {
                         continue;
                     }
                     let chunk = &mut packed[lo..hi];
-                    sort_packed_chunk(chunk, wide, 32 + layout.data_bits, sorted);
+                    sort_packed_chunk(chunk, wide, 32 + format.data_bits, sorted);
                     let ($keys, $high) = (&chunk[..], (b as u64) << shift);
                     $body
                 }
             }
             Some(c) => {
-                let shift = layout.width() - c;
+                let shift = format.width() - c;
                 // (Keys wider than 32 bits, so `ex.keys` holds them.)
                 let SortScratch { narrow, wide, chunks, starts, cursors, .. } = &mut *$scratch;
-                sort::split(&$ex.wide_keys, layout.width(), c, chunks, starts, cursors, wide);
+                sort::split(&$ex.wide_keys, format.width(), c, chunks, starts, cursors, wide);
                 for b in 0..1usize << c {
                     let (lo, hi) = (starts[b] as usize, starts[b + 1] as usize);
                     if lo == hi {
                         continue;
                     }
                     let chunk = &mut chunks[lo..hi];
-                    sort_chunk(chunk, narrow, layout.data_bits, shift, sorted);
+                    sort_chunk(chunk, narrow, format.data_bits, shift, sorted);
                     let ($keys, $high) = (&chunk[..], (b as u64) << shift);
                     $body
                 }
             }
             None => {
-                sort_keys(&mut $ex.wide_keys, &mut $scratch.wide, layout, sorted);
+                sort_keys(&mut $ex.wide_keys, &mut $scratch.wide, format, sorted);
                 let ($keys, $high) = (&$ex.wide_keys[..], 0u64);
                 $body
             }
@@ -326,13 +326,13 @@ fn walk<S: EntrySink, const GAINS: u8, const DROP: bool>(
     mut sink: S,
     stats: &mut ScStats,
 ) -> S {
-    let n = 1usize << ex.layout.nbits;
+    let n = 1usize << ex.format.nbits;
     let (ids, unique) = (&mut stats.ids[..n], &mut stats.unique[..n]);
     if !DROP && GAINS != PER_INDEX {
-        // The common case gets a walk over whole partitions (see `run`).
-        let mut st = RunState::new(ex.layout);
+        // The common case gets a walk over whole partitions (see `walk_partitions`).
+        let mut st = PartitionCursor::new(ex.format);
         for_each_sorted!(ex, scratch, |keys, high| {
-            sink = run::<S, GAINS, _>(ex, sink, keys, high, &mut st, ids, unique);
+            sink = walk_partitions::<S, GAINS, _>(ex, sink, keys, high, &mut st, ids, unique);
         });
         st.flush(ids, unique);
         stats.dropped = 0;
@@ -360,9 +360,9 @@ fn walk<S: EntrySink, const GAINS: u8, const DROP: bool>(
     sink
 }
 
-/// Where [`run`] stands between key slices.
+/// Where [`walk_partitions`] stands between key slices.
 #[derive(Clone, Copy)]
-struct RunState {
+struct PartitionCursor {
     /// The last appended key (payload included); `u64::MAX` before the first.
     last: u64,
     /// Keys at or above this belong to a later partition.
@@ -373,9 +373,9 @@ struct RunState {
     unique: u32,
 }
 
-impl RunState {
-    fn new(layout: KeyLayout) -> Self {
-        RunState { last: u64::MAX, part_end: 1u64 << (layout.data_bits + layout.local_bits), part: 0, ids: 0, unique: 0 }
+impl PartitionCursor {
+    fn new(format: KeyFormat) -> Self {
+        PartitionCursor { last: u64::MAX, part_end: 1u64 << (format.data_bits + format.local_bits), part: 0, ids: 0, unique: 0 }
     }
 
     /// Stores the current partition's counters.
@@ -396,30 +396,30 @@ impl RunState {
 /// not re-read from memory per key.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn run<S: EntrySink, const GAINS: u8, K: KeyWord>(
+fn walk_partitions<S: EntrySink, const GAINS: u8, K: KeyWord>(
     ex: &Extracted,
     mut sink: S,
     keys: &[K],
     high: u64,
-    state: &mut RunState,
+    state: &mut PartitionCursor,
     ids: &mut [u32],
     unique: &mut [u32],
 ) -> S {
-    let layout = ex.layout;
-    let part_bits = layout.data_bits + layout.local_bits;
+    let format = ex.format;
+    let part_bits = format.data_bits + format.local_bits;
     let mut st = *state;
     let mut rest = keys;
     while let Some(&first) = rest.first() {
         let key = element_key::<GAINS>(first.to_u64()) | high;
         if key >= st.part_end {
             st.flush(ids, unique);
-            st.part = layout.partition(key);
+            st.part = format.partition(key);
             st.part_end = ((st.part as u64) + 1) << part_bits;
             sink = sink.start_partition(st.part as u32);
         }
         let end = rest.partition_point(|&k| (element_key::<GAINS>(k.to_u64()) | high) < st.part_end);
         let (part, next) = rest.split_at(end);
-        sink = run_partition::<S, GAINS, K>(ex, sink, part, high, &mut st);
+        sink = walk_partition::<S, GAINS, K>(ex, sink, part, high, &mut st);
         rest = next;
     }
     *state = st;
@@ -436,17 +436,17 @@ fn element_key<const GAINS: u8>(element: u64) -> u64 {
     }
 }
 
-/// [`run`] over the keys of one partition, `st.part`.
+/// [`walk_partitions`] over the keys of one partition, `st.part`.
 #[inline(always)]
-fn run_partition<S: EntrySink, const GAINS: u8, K: KeyWord>(
+fn walk_partition<S: EntrySink, const GAINS: u8, K: KeyWord>(
     ex: &Extracted,
     mut sink: S,
     keys: &[K],
     high: u64,
-    st: &mut RunState,
+    st: &mut PartitionCursor,
 ) -> S {
-    let layout = ex.layout;
-    let (db, lmask) = (layout.data_bits, (1u64 << layout.local_bits) - 1);
+    let format = ex.format;
+    let (db, lmask) = (format.data_bits, (1u64 << format.local_bits) - 1);
     let (row_lo, part) = (ex.first_row, st.part as u32);
     let gain_of = |element: u64, data: u32| match GAINS {
         PER_ROW => ex.row_gains.get(data as usize).copied().unwrap_or(0.0),
@@ -458,7 +458,7 @@ fn run_partition<S: EntrySink, const GAINS: u8, K: KeyWord>(
         element_shift: if GAINS == IN_KEY { 32 } else { 0 },
         data_bits: db,
         local_mask: lmask,
-        nbits: layout.nbits,
+        nbits: format.nbits,
         partition: part,
         row_lo,
         row_span: ex.row_span,
@@ -503,10 +503,10 @@ struct Walker<'a, S, const GAINS: u8, const DROP: bool> {
 impl<S: EntrySink, const GAINS: u8, const DROP: bool> Walker<'_, S, GAINS, DROP> {
     #[inline(always)]
     fn step(&mut self, ex: &Extracted, element: u64, high: u64) {
-        let layout = ex.layout;
+        let format = ex.format;
         let key = element_key::<GAINS>(element) | high;
-        let colbits = layout.col_field(key);
-        let data = layout.data(key);
+        let colbits = format.col_field(key);
+        let data = format.data(key);
         let (row, gain) = match GAINS {
             PER_INDEX => ex.index_rows[data as usize],
             PER_ROW => (ex.first_row + data, ex.row_gains[data as usize]),
@@ -521,11 +521,11 @@ impl<S: EntrySink, const GAINS: u8, const DROP: bool> Walker<'_, S, GAINS, DROP>
         if !DROP {
             // Without dropping every entry that is not merged is appended, so the last appended
             // entry is also the last unmerged one: fewer live values on the hot path.
-            let g = layout.partition(key) & (self.ids.len() - 1);
+            let g = format.partition(key) & (self.ids.len() - 1);
             self.ids[g] += 1;
             self.unique[g] += (colbits != self.last_col) as u32;
-            let local = (colbits & ((1u64 << layout.local_bits) - 1)) as u32;
-            self.sink.push_parts(g as u32, local, layout.nbits, row, gain);
+            let local = (colbits & ((1u64 << format.local_bits) - 1)) as u32;
+            self.sink.push_parts(g as u32, local, format.nbits, row, gain);
             self.last_col = colbits;
             self.last_row = row;
             return;
@@ -537,7 +537,7 @@ impl<S: EntrySink, const GAINS: u8, const DROP: bool> Walker<'_, S, GAINS, DROP>
         }
         // 3. Count.
         let new_col = colbits != self.prev_col;
-        let g = layout.partition(key) & (self.ids.len() - 1);
+        let g = format.partition(key) & (self.ids.len() - 1);
         self.ids[g] += 1;
         self.unique[g] += new_col as u32;
         // 4. Keep or drop. The kept counters equal the observed ones, so the counts above decide.
@@ -547,7 +547,7 @@ impl<S: EntrySink, const GAINS: u8, const DROP: bool> Walker<'_, S, GAINS, DROP>
         if self.ids[g] > self.limits.max_ids || self.dropping_col {
             self.dropped += 1;
         } else {
-            let (col, _) = layout.decode(key);
+            let (col, _) = format.decode(key);
             self.sink.push(Entry { col, row, gain });
             self.last_col = colbits;
             self.last_row = row;

@@ -16,7 +16,7 @@
 //! while it is still in cache. The split is itself a stable counting sort, so chunk by chunk
 //! the order is the same.
 
-use crate::key::{Gains, KeyLayout, KeyWord, MAX_CHUNK_BITS};
+use crate::key::{Gains, KeyFormat, KeyWord, MAX_CHUNK_BITS};
 use crate::reuse::reserve_to;
 
 /// Largest radix digit, in bits.
@@ -43,22 +43,22 @@ impl<K> RadixScratch<K> {
 
 /// Sorts `keys` ascending. `data_sorted` says the payloads are non-decreasing in input order.
 /// `scratch` is reused memory.
-pub fn sort_keys<K: KeyWord>(keys: &mut [K], scratch: &mut RadixScratch<K>, layout: KeyLayout, data_sorted: bool) {
+pub fn sort_keys<K: KeyWord>(keys: &mut [K], scratch: &mut RadixScratch<K>, format: KeyFormat, data_sorted: bool) {
     if !data_sorted || keys.len() < SMALL {
-        if layout.gains == Gains::InKey {
+        if format.gains == Gains::InKey {
             // The payload here is the row, but the reference orders a column's entries by
             // extraction index (SPEC 3.6): a stable sort by the column bits alone keeps exactly
             // that order, whether or not rows arrived in order, and keeps repeated ids in the
             // order their gains are summed in.
-            let shift = layout.element_shift() + layout.data_bits;
+            let shift = format.element_shift() + format.data_bits;
             keys.sort_by_key(|e| e.to_u64() >> shift);
         } else {
             keys.sort_unstable();
         }
         return;
     }
-    let lo = layout.element_shift() + layout.data_bits;
-    let hi = layout.element_shift() + layout.width();
+    let lo = format.element_shift() + format.data_bits;
+    let hi = format.element_shift() + format.width();
     radix_by_bits(keys, scratch, lo, hi);
 }
 
@@ -75,23 +75,21 @@ pub fn sort_chunk(keys: &mut [u32], scratch: &mut RadixScratch<u32>, lo: u32, hi
 
 /// Up to this many keys wider than 32 bits are radix-sorted whole, as `u64`, rather than
 /// split into chunks: both key buffers (512 KiB) stay in L2 anyway, and for small sets the
-/// split pass and each chunk's own digit histograms cost more than the wider keys. Criteo's
-/// SparseCores hold 4-12 thousand keys each, several stacks of them wider than 32 bits: sorted
-/// whole, one batch took 0.92-0.94 of the time (one thread, AMD EPYC).
+/// split pass and each chunk's own digit histograms cost more than the wider keys (Criteo-like
+/// SparseCores, with 4-12 thousand keys each, are such sets; BENCHMARKS.md has the numbers).
 const WHOLE_SORT_MAX: usize = 1 << 15;
 
-/// How many top bits [`split`] cuts `n` keys of `layout` by: just enough to leave 32 bits
-/// (`None`: the keys are sorted whole, see [`KeyLayout::min_chunk_bits`] and
+/// How many top bits [`split`] cuts `n` keys of `format` by: just enough to leave 32 bits
+/// (`None`: the keys are sorted whole, see [`KeyFormat::min_chunk_bits`] and
 /// [`WHOLE_SORT_MAX`]).
 ///
 /// Splitting more finely keeps chunks in cache, but the split is a pass over the keys of its
-/// own, and on this machine smaller chunks never won it back: with few column bits (one radix
-/// pass) it doubled the passes (`high-multivalency`: +21% of the time), and on `long` it
-/// measured even.
-pub fn chunk_bits_for(n: usize, layout: &KeyLayout) -> Option<u32> {
-    match layout.min_chunk_bits() {
+/// own, which smaller chunks do not win back: with few column bits (one radix pass) it doubles
+/// the passes (BENCHMARKS.md, "sort and split tuning").
+pub fn chunk_bits_for(n: usize, format: &KeyFormat) -> Option<u32> {
+    match format.min_chunk_bits() {
         // (Packed keys keep their gains apart when wide, and only the split joins them.)
-        Some(c) if c > 0 && layout.gains != Gains::InKey && n <= WHOLE_SORT_MAX => None,
+        Some(c) if c > 0 && format.gains != Gains::InKey && n <= WHOLE_SORT_MAX => None,
         other => other,
     }
 }
@@ -99,10 +97,9 @@ pub fn chunk_bits_for(n: usize, layout: &KeyLayout) -> Option<u32> {
 /// Most chunk bits one scatter pass fans out to; past this [`split`] goes in two passes.
 ///
 /// A fan-out of `2^11` streams keeps one open cache line per chunk (128 KiB, in L2) and one
-/// page per chunk (within the second-level TLB of current x86 cores). Measured on
-/// `large-vocab` (11 chunk bits), one 2048-way pass took 0.82 of the time of two passes of
-/// 64 and 32 ways end to end (AMD EPYC, both pinned to one vCPU, 3 interleaved rounds); an
-/// earlier Intel VM had favoured two passes from 7 bits up, for its smaller TLB.
+/// page per chunk (within the second-level TLB of current x86 cores), so one pass beats two
+/// up to there. A machine with a smaller TLB may favour a lower bound (BENCHMARKS.md, "sort
+/// and split tuning", has the measurements behind this value).
 const MAX_FAN_BITS: u32 = 11;
 
 /// Splits `keys` (each below `2^width`) into `2^c` chunks by their top `c` bits, keeping each
@@ -347,18 +344,18 @@ fn scatter<K: KeyWord>(keys: &[K], out: &mut [K], starts: &mut [u32], shift: u32
 mod tests {
     use super::*;
 
-    fn check<K: KeyWord>(layout: KeyLayout, cols: &[u32]) {
+    fn check<K: KeyWord>(format: KeyFormat, cols: &[u32]) {
         // Payload non-decreasing in input order, as extraction produces.
-        let dmax = (1u64 << layout.data_bits) - 1;
+        let dmax = (1u64 << format.data_bits) - 1;
         let mut keys: Vec<K> = cols
             .iter()
             .enumerate()
-            .map(|(i, &c)| K::from_u64(layout.encode(c, ((i / 3) as u64).min(dmax) as u32)))
+            .map(|(i, &c)| K::from_u64(format.encode(c, ((i / 3) as u64).min(dmax) as u32)))
             .collect();
         let mut want = keys.clone();
         want.sort_unstable();
         let mut scratch = RadixScratch::default();
-        sort_keys(&mut keys, &mut scratch, layout, true);
+        sort_keys(&mut keys, &mut scratch, format, true);
         assert!(keys == want);
     }
 
@@ -375,8 +372,8 @@ mod tests {
             let cols: Vec<u32> = (0..5000).map(|_| (next() % vocab) as u32).collect();
             // (Unchecked ids with 26 data bits give the widest keys, 58 bits.)
             for (checked, data_bits) in [(true, 11), (true, 26), (false, 11), (false, 26)] {
-                let local_bits = KeyLayout::local_bits_for(nbits, vocab, checked);
-                let l = KeyLayout { nbits, local_bits, data_bits, gains: Gains::Unit };
+                let local_bits = KeyFormat::local_bits_for(nbits, vocab, checked);
+                let l = KeyFormat { nbits, local_bits, data_bits, gains: Gains::Unit };
                 check::<u64>(l, &cols);
                 if l.width() <= 32 {
                     check::<u32>(l, &cols);
@@ -419,11 +416,11 @@ mod tests {
 
     #[test]
     fn unsorted_payload_falls_back() {
-        let layout = KeyLayout { nbits: 2, local_bits: 8, data_bits: 10, gains: Gains::Unit };
-        let mut keys: Vec<u64> = (0..1000u32).rev().map(|i| layout.encode(i % 17, i)).collect();
+        let format = KeyFormat { nbits: 2, local_bits: 8, data_bits: 10, gains: Gains::Unit };
+        let mut keys: Vec<u64> = (0..1000u32).rev().map(|i| format.encode(i % 17, i)).collect();
         let mut want = keys.clone();
         want.sort_unstable();
-        sort_keys(&mut keys, &mut RadixScratch::default(), layout, false);
+        sort_keys(&mut keys, &mut RadixScratch::default(), format, false);
         assert_eq!(keys, want);
     }
 }

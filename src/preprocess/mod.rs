@@ -14,7 +14,7 @@ use crate::extracted::Extracted;
 use crate::fill::{Segment, SegmentWriter};
 use crate::group::bucket::BucketFn;
 use crate::group::{sort_and_walk, Bucketed, CountedEntry, Entry, EntrySink, Limits, ScStats, SortScratch};
-use crate::key::KeyLayout;
+use crate::key::KeyFormat;
 use crate::input::{features_from_record_batch, SampleSource};
 use crate::output::Output;
 use crate::spec::{Config, Plan, StackPlan, DATA_MASK};
@@ -456,7 +456,7 @@ fn run_stacks(
                 weighted,
                 validate_ids: plan.validate_ids,
                 batch_per_sc: bsps,
-                local_bits: KeyLayout::local_bits_for(layout.partition_bits(), stack.stack_vocab_size, plan.validate_ids),
+                local_bits: KeyFormat::local_bits_for(layout.partition_bits(), stack.stack_vocab_size, plan.validate_ids),
             };
             let limits = Limits {
                 max_ids: stack.max_ids_per_partition,
