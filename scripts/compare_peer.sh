@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Side-by-side throughput against the reference (jax-tpu-embedding 0.1.0), in one run, as ratios.
-# Usage: [ROUNDS=5] [REPEAT=5] [WORKLOADS="long ..."] scripts/compare_peer.sh [THREADS...]   (default: 1 2)
+# Usage: [ROUNDS=5] [REPEAT=5] [WORKLOADS="long ..."] [BASE_BIN=path] scripts/compare_peer.sh [THREADS...]   (default: 1 2)
+# BASE_BIN: another build of the CLI (e.g. the commit before a refactor) run in the same rounds;
+# the table then also gives its ratio to the reference and ours/base, for before/after checks.
 # Generates the issue's workloads with ../shared/peer/make_workload.py into target/peer, then
 # runs `sparsecore-prep bench --json` and `run_peer.py` on the same files, interleaved.
 set -euo pipefail
@@ -45,16 +47,25 @@ for w in ${WORKLOADS:-criteo_444 long long_w large_vocab high_mv moderate_mv}; d
     for _ in $(seq "$ROUNDS"); do
       ours=$("${pin[@]}" "$BIN" bench --config "$D/$w.json" --input "$D/$w.arrow" --threads "$t" --repeat "$REPEAT" --json)
       peer=$("${pin[@]}" "$PY" "$P/run_peer.py" --config "$D/$w.json" --input "$D/$w.arrow" --threads "$t" --repeat "$REPEAT" 2>/dev/null)
-      rounds+=("$ours" "$peer")
+      base='{}'
+      [ -n "${BASE_BIN:-}" ] && base=$("${pin[@]}" "$BASE_BIN" bench --config "$D/$w.json" --input "$D/$w.arrow" --threads "$t" --repeat "$REPEAT" --json)
+      rounds+=("$ours" "$peer" "$base")
     done
     python3 - "$w" "$t" "${rounds[@]}" <<'PY'
 import json, statistics, sys
 w, t, runs = sys.argv[1], sys.argv[2], [json.loads(r) for r in sys.argv[3:]]
-ours = [r["ids_per_sec"] / 1e6 for r in runs[0::2]]
-peer = [r["ids_per_sec"] / 1e6 for r in runs[1::2]]
+ours = [r["ids_per_sec"] / 1e6 for r in runs[0::3]]
+peer = [r["ids_per_sec"] / 1e6 for r in runs[1::3]]
 ratios = [a / b for a, b in zip(ours, peer)]
-print(f"{w:<12} {t:>7} {statistics.median(ours):>12.1f} {statistics.median(peer):>12.1f} "
-      f"{statistics.median(ratios):>6.2f}x {min(ratios):>6.2f}-{max(ratios):.2f}x")
+line = (f"{w:<12} {t:>7} {statistics.median(ours):>12.1f} {statistics.median(peer):>12.1f} "
+        f"{statistics.median(ratios):>6.2f}x {min(ratios):>6.2f}-{max(ratios):.2f}x")
+if runs[2]:
+    base = [r["ids_per_sec"] / 1e6 for r in runs[2::3]]
+    base_ratios = [a / b for a, b in zip(base, peer)]
+    ours_over_base = [a / b for a, b in zip(ours, base)]
+    line += (f"   base {statistics.median(base_ratios):>5.2f}x  ours/base {statistics.median(ours_over_base):.3f}"
+             f" ({min(ours_over_base):.3f}-{max(ours_over_base):.3f})")
+print(line)
 PY
   done
 done
