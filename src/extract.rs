@@ -404,10 +404,7 @@ impl SliceExtractor<'_, '_> {
             _ => return Err(bad_row(&self.plan.name, "ids", rows.start)),
         };
         let first = self.row_base - self.out.first_row;
-        if first < self.scratch.last_payload {
-            self.out.payloads_sorted = false;
-        }
-        self.scratch.last_payload = first + (rows.len() - 1) as u32;
+        self.note_payloads(first, first + (rows.len() - 1) as u32);
         if self.out.format.storage() == KeyStorage::Narrow {
             let mut keys = std::mem::take(&mut self.out.narrow_keys);
             keys.reserve(total);
@@ -436,13 +433,7 @@ impl SliceExtractor<'_, '_> {
     ) -> Result<()> {
         let combiner = self.ctx.combiner;
         let (vocab, check) = (self.plan.vocabulary_size, self.ctx.validate_ids);
-        let enc = RowEncoder {
-            vocab: if check { vocab } else { u64::MAX },
-            shift: self.plan.col_shift,
-            mask: self.mask,
-            offset: self.plan.col_offset,
-            format: self.out.format,
-        };
+        let enc = self.encoder();
         // The caller checked offsets[start] <= offsets[end] <= ids.len().
         let lo = offsets[rows.start].to_usize();
         let flat = &ids[lo..offsets[rows.end].to_usize()];
@@ -660,16 +651,35 @@ impl SliceExtractor<'_, '_> {
         if self.out.format.gains == Gains::PerRow {
             self.out.row_gains[data as usize] = unity_gain(self.ctx.combiner, n);
         }
-        if data < self.scratch.last_payload {
-            self.out.payloads_sorted = false;
-        }
-        self.scratch.last_payload = data;
+        self.note_payloads(data, data);
         let layout = self.out.format;
         for &id in ids {
             let col = self.col_id(r, id.to_i64())?;
             self.out.push_key(layout.encode(col, data));
         }
         Ok(())
+    }
+
+    /// Records that the keys just written carry payloads `first..=last`, in order; a payload
+    /// below an earlier one means the sort cannot rely on them (see `group::sort`).
+    #[inline(always)]
+    fn note_payloads(&mut self, first: u32, last: u32) {
+        if first < self.scratch.last_payload {
+            self.out.payloads_sorted = false;
+        }
+        self.scratch.last_payload = last;
+    }
+
+    /// This feature's id-to-key arithmetic, for the row loops.
+    #[inline(always)]
+    fn encoder(&self) -> RowEncoder {
+        RowEncoder {
+            vocab: if self.ctx.validate_ids { self.plan.vocabulary_size } else { u64::MAX },
+            shift: self.plan.col_shift,
+            mask: self.mask,
+            offset: self.plan.col_offset,
+            format: self.out.format,
+        }
     }
 
     #[cold]
@@ -700,22 +710,13 @@ impl SliceExtractor<'_, '_> {
         let divisor = weighted_divisor(combiner, weights.iter().map(|&w| flush_subnormal(w)));
         let gain = move |w: f32| weighted_gain(combiner, flush_subnormal(w), divisor);
         let (vocab, check) = (self.plan.vocabulary_size, self.ctx.validate_ids);
-        let enc = RowEncoder {
-            vocab: if check { vocab } else { u64::MAX },
-            shift: self.plan.col_shift,
-            mask: self.mask,
-            offset: self.plan.col_offset,
-            format: self.out.format,
-        };
+        let enc = self.encoder();
         let row_id = self.row_base + (r - self.start) as u32;
         let mut bad = false;
         let storage = enc.format.storage();
         if enc.format.gains == Gains::InKey {
             let data = row_id - self.out.first_row;
-            if data < self.scratch.last_payload {
-                self.out.payloads_sorted = false;
-            }
-            self.scratch.last_payload = data;
+            self.note_payloads(data, data);
             if storage == KeyStorage::GainBesideKey {
                 bad = write_keys(&mut self.out.wide_keys, ids, enc, std::iter::repeat(data));
                 self.out.key_gains.extend(weights.iter().map(|&w| gain(w)));

@@ -17,6 +17,15 @@ use crate::spec::{ALIGNMENT, PAD_GAIN_BITS, PAD_ID};
 /// The padding gain (quiet NaN with the reference's bit pattern).
 pub const PAD_GAIN: f32 = f32::from_bits(PAD_GAIN_BITS);
 
+/// Fills COO slots with the padding triple (`i32::MAX`, `i32::MAX`, NaN `0x7fc00000`): alignment
+/// gaps, and the unwritten tail of a segment or device buffer.
+#[inline]
+pub fn pad_slots(embedding_ids: &mut [i32], sample_ids: &mut [i32], gains: &mut [f32]) {
+    embedding_ids.fill(PAD_ID);
+    sample_ids.fill(PAD_ID);
+    gains.fill(PAD_GAIN);
+}
+
 /// One SparseCore's slices of the four output arrays.
 pub struct Segment<'a> {
     /// `rpb` row pointers.
@@ -55,6 +64,9 @@ pub struct SegmentWriter<'a> {
     /// First row of this SparseCore: rows in `[row_lo, row_lo + batch_per_sc)` map to their
     /// offset without a division.
     row_lo: u32,
+    /// Rows the walked keys can reference, from `row_lo` on (unknown: `u32::MAX`). When it is
+    /// at most `batch_per_sc`, a payload is its own sample id and `walk_block` skips the modulo.
+    row_span: u32,
     dropped: u64,
     /// Whether the last pushed entry was written (duplicates merge into it only then).
     last_written: bool,
@@ -85,12 +97,20 @@ impl<'a> SegmentWriter<'a> {
             mask: (num_partitions - 1) as u32,
             batch_per_sc: batch_per_sc.max(1),
             row_lo,
+            row_span: u32::MAX,
             dropped: 0,
             last_written: false,
             last_gain: 0.0,
             count: 0,
             pad_tail: true,
         }
+    }
+
+    /// Declares that the keys walked into this writer reference rows below `row_lo + row_span`
+    /// (the extracted keys' span), which lets `walk_block` write payloads as sample ids.
+    pub fn with_row_span(mut self, row_span: u32) -> Self {
+        self.row_span = row_span;
+        self
     }
 
     /// Makes row pointers absolute: `base` is this segment's offset in the device buffer.
@@ -142,9 +162,7 @@ impl<'a> SegmentWriter<'a> {
     /// Writes the padding triple into `[from, to)`.
     #[inline]
     fn pad(&mut self, from: usize, to: usize) {
-        self.embedding_ids[from..to].fill(PAD_ID);
-        self.sample_ids[from..to].fill(PAD_ID);
-        self.gains[from..to].fill(PAD_GAIN);
+        pad_slots(&mut self.embedding_ids[from..to], &mut self.sample_ids[from..to], &mut self.gains[from..to]);
     }
 
     /// Ends partition `p` at the cursor and pads the cursor to the next multiple of 8.
@@ -229,7 +247,7 @@ impl EntrySink for SegmentWriter<'_> {
     #[allow(unsafe_code)]
     fn walk_block<K: KeyWord>(&mut self, keys: &[K], b: Block, last: u64, gain: impl Fn(u64, u32) -> f32) -> (u64, u32, u32) {
         let start = self.cursor;
-        if b.row_lo != self.row_lo || b.row_span > self.batch_per_sc || keys.len() > self.capacity - start {
+        if b.row_lo != self.row_lo || self.row_span > self.batch_per_sc || keys.len() > self.capacity - start {
             // Payloads that are not this segment's samples, or no room: the plain walk.
             return walk_block_plain(self, keys, b, last, gain);
         }
@@ -264,7 +282,7 @@ impl EntrySink for SegmentWriter<'_> {
             unsafe {
                 emb.add(j).write(((key >> b.data_bits) & b.local_mask) as i32);
                 // The sample is the payload: rows of this segment (row_lo matches) and below
-                // batch_per_sc (row_span does).
+                // batch_per_sc (`row_span` does).
                 smp.add(j).write(data as i32);
                 gains.add(j).write(g);
             }
@@ -336,11 +354,11 @@ mod tests {
         let keys: Vec<u64> = runs.iter().flat_map(|&(local, row, n)| std::iter::repeat_n(local << 3 | row, n)).collect();
         let gain = |element: u64, _data: u32| if element >> 3 == 5 { 1.5 } else { 0.25 };
         for unit in [true, false] {
-            let block = Block { high: 0, element_shift: 0, data_bits: 3, local_mask: 7, nbits: 0, partition: 0, row_lo: 0, row_span: 8, unit };
+            let block = Block { high: 0, element_shift: 0, data_bits: 3, local_mask: 7, nbits: 0, partition: 0, row_lo: 0, unit };
             let written = |fast: bool| {
                 let mut bufs = (vec![0i32; 8], vec![0i32; 16], vec![0i32; 16], vec![0f32; 16]);
                 let seg = Segment { row_pointers: &mut bufs.0, embedding_ids: &mut bufs.1, sample_ids: &mut bufs.2, gains: &mut bufs.3 };
-                let mut w = SegmentWriter::new(seg, 1, 8, 0);
+                let mut w = SegmentWriter::new(seg, 1, 8, 0).with_row_span(8);
                 // Two blocks, split inside a run.
                 let (a, b) = keys.split_at(2);
                 let mut last = u64::MAX;

@@ -8,6 +8,9 @@ use std::sync::Arc;
 
 use highway::{HighwayHash, HighwayHasher, Key};
 
+use super::sink::{CountedEntry, Entry};
+use super::{max_with_index, Limits};
+
 /// Number of buckets.
 pub const BUCKETS: usize = 64;
 
@@ -107,6 +110,102 @@ pub fn minibatch_ranges(split: u64) -> Vec<(usize, usize)> {
     }
     ranges.push((start, BUCKETS));
     ranges
+}
+
+/// One SparseCore's bucketed pass (SPEC 5.4 step 4), reused across batches.
+#[derive(Debug, Default, Clone)]
+pub struct Bucketed {
+    /// Kept entries in (partition, bucket, local id, row) order.
+    pub entries: Vec<Entry>,
+    /// `starts[g * 64 + b] .. starts[g * 64 + b + 1]` are the entries of partition g, bucket b.
+    pub starts: Vec<u32>,
+    /// De-duplicated ids per (partition, bucket), before dropping.
+    pub ids: Vec<u32>,
+    /// Distinct ids per (partition, bucket), before dropping.
+    pub unique: Vec<u32>,
+    /// Occurrences dropped by the per-bucket limits.
+    pub dropped: u64,
+    /// This SparseCore's split bits.
+    pub split: u64,
+    buckets: Vec<u8>,
+    order: Vec<Entry>,
+    next: Vec<u32>,
+}
+
+impl Bucketed {
+    /// Largest per-(partition, bucket) count of ids and of distinct ids, with the partition of
+    /// each.
+    pub fn max_counts(&self) -> ((u32, usize), (u32, usize)) {
+        let ids = max_with_index(&self.ids);
+        let uniq = max_with_index(&self.unique);
+        ((ids.0, ids.1 / BUCKETS), (uniq.0, uniq.1 / BUCKETS))
+    }
+}
+
+/// The bucketed pass over one SparseCore's pass-1 entries (in pass-1 order: partition, local id,
+/// row). Counting per (partition, bucket) in this order equals the reference's walk over keys
+/// re-sorted with bucket bits: a column's entries are contiguous and share one bucket, so the
+/// "new column" test and each (partition, bucket) group's order are the same.
+pub fn bucket_pass(pass1: &[CountedEntry], nbits: u32, buckets: &BucketFn, limits: Limits, out: &mut Bucketed) {
+    const B: usize = BUCKETS;
+    let n = 1usize << nbits;
+    let mask = (n - 1) as u32;
+    for v in [&mut out.ids, &mut out.unique] {
+        v.clear();
+        v.resize(n * B, 0);
+    }
+    out.order.clear();
+    out.buckets.clear();
+    out.dropped = 0;
+    let mut prev_col = u64::MAX;
+    let mut b = 0u32;
+    let mut dropping_col = false;
+    for ce in pass1 {
+        let col = ce.entry.col;
+        let new_col = col as u64 != prev_col;
+        if new_col {
+            b = buckets.bucket(col);
+        }
+        prev_col = col as u64;
+        let idx = (col & mask) as usize * B + b as usize;
+        out.ids[idx] += 1;
+        out.unique[idx] += new_col as u32;
+        if limits.drop {
+            if new_col {
+                dropping_col = out.unique[idx] > limits.max_unique;
+            }
+            if out.ids[idx] > limits.max_ids || dropping_col {
+                out.dropped += ce.count as u64;
+                continue;
+            }
+        }
+        out.order.push(ce.entry);
+        out.buckets.push(b as u8);
+    }
+    // Split bits of this SparseCore.
+    out.split = 0;
+    for g in 0..n {
+        out.split |= split_bits(&out.ids[g * B..(g + 1) * B], limits.max_ids);
+        out.split |= split_bits(&out.unique[g * B..(g + 1) * B], limits.max_unique);
+    }
+    // Stable counting sort of the kept entries by (partition, bucket).
+    out.starts.clear();
+    out.starts.resize(n * B + 1, 0);
+    for (e, &bk) in out.order.iter().zip(&out.buckets) {
+        out.starts[(e.col & mask) as usize * B + bk as usize + 1] += 1;
+    }
+    for i in 1..out.starts.len() {
+        out.starts[i] += out.starts[i - 1];
+    }
+    out.entries.clear();
+    out.entries.resize(out.order.len(), Entry { col: 0, row: 0, gain: 0.0 });
+    out.next.clear();
+    out.next.extend_from_slice(&out.starts[..n * B]);
+    for (e, &bk) in out.order.iter().zip(&out.buckets) {
+        let k = (e.col & mask) as usize * B + bk as usize;
+        out.entries[out.next[k] as usize] = *e;
+        out.next[k] += 1;
+    }
 }
 
 #[cfg(test)]

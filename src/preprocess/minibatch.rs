@@ -4,7 +4,7 @@
 //! Pass 1 (the ordinary pass, never dropping) has already run when [`finish`] is called: its
 //! statistics are the ones reported and its merged entries sit in the tasks. If no SparseCore of
 //! any stack exceeded a limit (agreed across hosts under key `2·batch`), the entries are written
-//! in the M = 1 layout. Otherwise each SparseCore's entries are counted per (partition, bucket),
+//! as one minibatch (M = 1). Otherwise each SparseCore's entries are counted per (partition, bucket),
 //! dropped per bucket if allowed, the split bits are OR-ed everywhere (key `2·batch + 1`), and
 //! the buffers are written SparseCore-major, minibatch-minor, with absolute row pointers.
 
@@ -12,14 +12,15 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::Task;
+use super::checks::check_limits;
+use super::task::Task;
 use crate::allreduce::{AllReduce, LocalAllReduce};
 use crate::error::Result;
-use crate::fill::{Segment, SegmentWriter, PAD_GAIN};
+use crate::fill::{pad_slots, Segment, SegmentWriter};
 use crate::group::bucket::{minibatch_ranges, BucketFn, BUCKETS};
 use crate::group::{bucket_pass, EntrySink, Limits};
 use crate::output::{Output, StackOutput};
-use crate::spec::{Plan, PAD_ID};
+use crate::spec::Plan;
 
 /// Minibatching settings of a preprocessor.
 #[derive(Clone, Default)]
@@ -60,7 +61,7 @@ pub(super) fn finish(
     if !required {
         out.num_minibatches = 1;
         out.stacks.par_iter_mut().zip(tasks.par_iter_mut()).zip(batch_per_sc.par_iter()).for_each(
-            |((so, st), &bsps)| fill_single(plan, so, st, bsps as u32),
+            |((so, st), &bsps)| fill_one_minibatch(plan, so, st, bsps as u32),
         );
         return Ok(());
     }
@@ -80,7 +81,7 @@ pub(super) fn finish(
         for (stack, st) in plan.stacks.iter().zip(tasks.iter()) {
             for (i, t) in st.iter().enumerate() {
                 let ((ids, pi), (uniq, pu)) = t.bucketed.max_counts();
-                super::check_limits(stack, (ids, i / s, i % s, pi), (uniq, i / s, i % s, pu))?;
+                check_limits(stack, (ids, i / s, i % s, pi), (uniq, i / s, i % s, pu))?;
             }
         }
     }
@@ -109,14 +110,12 @@ fn per_device(so: &mut StackOutput) -> impl Iterator<Item = (&mut [i32], &mut [i
 /// Pads `[from, ..)` of a device's COO buffer and sets its unwritten row pointers (from
 /// `rp_from`) to the final cursor, so that the output is a pure function of the input.
 fn pad_tail(rp: &mut [i32], emb: &mut [i32], smp: &mut [i32], gains: &mut [f32], rp_from: usize, from: usize) {
-    emb[from..].fill(PAD_ID);
-    smp[from..].fill(PAD_ID);
-    gains[from..].fill(PAD_GAIN);
+    pad_slots(&mut emb[from..], &mut smp[from..], &mut gains[from..]);
     rp[rp_from..].fill(from as i32);
 }
 
-/// The M = 1 layout: SparseCore s starts at `min(Σ_{s'<s} required[s'], C)` (SPEC 5.7).
-fn fill_single(plan: &Plan, so: &mut StackOutput, tasks: &mut [Task], bsps: u32) {
+/// One minibatch (M = 1): SparseCore s starts at `min(Σ_{s'<s} required[s'], C)` (SPEC 5.7).
+fn fill_one_minibatch(plan: &Plan, so: &mut StackOutput, tasks: &mut [Task], bsps: u32) {
     let layout = plan.layout;
     let (s_count, n, rpb) = (layout.sc_per_device, layout.num_partitions(), layout.row_pointers_per_segment());
     let c = so.coo_buffer_size_per_device();
@@ -150,7 +149,7 @@ fn fill_single(plan: &Plan, so: &mut StackOutput, tasks: &mut [Task], bsps: u32)
     so.stats.dropped_id_count = dropped;
 }
 
-/// The M > 1 layout: segments (s, m) SparseCore-major, minibatch-minor, filled one after
+/// M > 1 minibatches: segments (s, m) SparseCore-major, minibatch-minor, filled one after
 /// another from offset 0; each partition lists its buckets' entries in bucket order.
 fn fill_minibatches(plan: &Plan, so: &mut StackOutput, tasks: &mut [Task], bsps: u32, ranges: &[(usize, usize)]) {
     let layout = plan.layout;

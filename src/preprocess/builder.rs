@@ -1,0 +1,111 @@
+//! The builder of a [`Preprocessor`].
+
+use super::minibatch;
+use super::workspace::Workspaces;
+use super::Preprocessor;
+use crate::allreduce::AllReduce;
+use crate::error::{Error, Result};
+use crate::group::bucket::BucketFn;
+use crate::spec::{Config, Plan};
+
+/// Builds a [`Preprocessor`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct PreprocessorBuilder {
+    config: Config,
+    threads: Option<usize>,
+    global_batch_sizes: Option<Vec<usize>>,
+    minibatching: minibatch::Settings,
+    plan: Option<Plan>,
+}
+
+impl PreprocessorBuilder {
+    pub(super) fn new(config: Config) -> Self {
+        PreprocessorBuilder { config, threads: None, global_batch_sizes: None, minibatching: minibatch::Settings::default(), plan: None }
+    }
+
+    /// Runs every batch on this plan (from [`Plan::from_resolved`]) instead of planning the
+    /// config's stacking: callers that already hold a stacking, such as the reference's
+    /// `FeatureSpec`s, keep it exactly. The plan must be for this config's features.
+    pub fn plan(mut self, plan: Plan) -> Self {
+        self.plan = Some(plan);
+        self
+    }
+
+    /// Runs on a dedicated pool of `n` threads (default: rayon's global pool, one thread per
+    /// CPU). The output is identical for every `n`.
+    pub fn threads(mut self, n: usize) -> Self {
+        self.threads = Some(n);
+        self
+    }
+
+    /// Fixes each feature's global batch size (one per config feature) instead of deriving it
+    /// as local * G / L. Row offsets and auto stacking are computed from these, as from the
+    /// reference's `output_shape`.
+    pub fn global_batch_sizes(mut self, sizes: Vec<usize>) -> Self {
+        self.global_batch_sizes = Some(sizes);
+        self
+    }
+
+    /// The cross-host agreement used by minibatching (default: this host alone). Required when
+    /// minibatching with more global than local devices.
+    pub fn all_reduce(mut self, all_reduce: std::sync::Arc<dyn AllReduce>) -> Self {
+        self.minibatching.all_reduce = Some(all_reduce);
+        self
+    }
+
+    /// The minibatching bucket function (default: the reference's HighwayHash).
+    pub fn bucket_fn(mut self, f: BucketFn) -> Self {
+        self.minibatching.bucket_fn = f;
+        self
+    }
+
+    /// Validates the config and builds the preprocessor.
+    pub fn build(self) -> Result<Preprocessor> {
+        // Validate everything that does not depend on batch sizes now, not at the first batch.
+        match &self.plan {
+            Some(plan) if plan.features.len() != self.config.features.len() => {
+                return Err(Error::InputCount { expected: self.config.features.len(), got: plan.features.len() });
+            }
+            Some(_) => {}
+            None => {
+                let nominal = self.global_batch_sizes.clone().unwrap_or_else(|| vec![0; self.config.features.len()]);
+                Plan::new(&self.config, &nominal)?;
+            }
+        }
+        let o = &self.config.config;
+        if o.enable_minibatching && self.minibatching.all_reduce.is_none() && o.local_device_count < o.global_device_count {
+            return Err(Error::option(
+                "enable_minibatching",
+                true,
+                "all_reduce_interface must be provided when minibatching is enabled for multi-host",
+            ));
+        }
+        let pool = match self.threads {
+            None => None,
+            Some(0) => return Err(Error::option("threads", 0, "must be at least 1")),
+            Some(n) => Some(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .thread_name(|i| format!("sparsecore-prep-{i}"))
+                    .build()
+                    .map_err(|e| Error::option("threads", n, format!("cannot start the thread pool: {e}")))?,
+            ),
+        };
+        let workers = pool.as_ref().map_or_else(rayon::current_num_threads, |p| p.current_num_threads());
+        Ok(Preprocessor {
+            config: self.config,
+            global_batch_sizes: self.global_batch_sizes,
+            fixed_plan: self.plan.is_some(),
+            plan: self.plan,
+            plan_local_sizes: Vec::new(),
+            local_sizes: Vec::new(),
+            pool,
+            workspaces: Workspaces::new(workers),
+            tasks: Vec::new(),
+            batch_per_sc: Vec::new(),
+            minibatching: self.minibatching,
+        })
+    }
+}
+

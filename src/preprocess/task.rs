@@ -1,0 +1,148 @@
+//! The tasks: one per (stack, local device, local SparseCore), each running extract → group →
+//! fill into its own slice of the output, in parallel.
+
+use rayon::prelude::*;
+
+use super::workspace::{Workspace, Workspaces};
+use super::Mode;
+use crate::error::Error;
+use crate::extract::{extract_sc, StackCtx};
+use crate::fill::{Segment, SegmentWriter};
+use crate::group::{sort_and_walk, Bucketed, CountedEntry, Entry, EntrySink, Limits, ScStats};
+use crate::input::SampleSource;
+use crate::key::KeyFormat;
+use crate::output::Output;
+use crate::spec::{Plan, StackPlan};
+
+/// What one (stack, local SparseCore) task leaves for the merge.
+#[derive(Debug, Default)]
+pub(super) struct Task {
+    /// Minibatching: the pass-1 entries, and the bucketed pass over them.
+    pub pass1: Vec<CountedEntry>,
+    pub bucketed: Bucketed,
+    pub stats: ScStats,
+    pub overflow: u64,
+    pub error: Option<Error>,
+}
+
+/// A sink that keeps nothing (stats-only runs).
+struct Discard;
+
+impl EntrySink for Discard {
+    #[inline(always)]
+    fn push(&mut self, _: Entry) {}
+    #[inline(always)]
+    fn add_to_last(&mut self, _: f32) {}
+}
+
+/// Runs every (stack, device, SparseCore) task; errors are parked in the tasks.
+pub(super) fn run_stacks(
+    plan: &Plan,
+    inputs: &[&dyn SampleSource],
+    batch_per_sc: &[usize],
+    out: &mut Output,
+    tasks: &mut [Vec<Task>],
+    workspaces: &Workspaces,
+    mode: Mode,
+) {
+    let layout = plan.layout;
+    let rpb = layout.row_pointers_per_segment();
+    out.stacks
+        .par_iter_mut()
+        .zip(tasks.par_iter_mut())
+        .zip(plan.stacks.par_iter().zip(batch_per_sc.par_iter()))
+        .for_each(|((so, stack_tasks), (stack, &bsps))| {
+            let cs = stack.coo_buffer_size_per_sc(&layout);
+            let weighted = stack.features.iter().any(|&f| inputs[f].has_weights());
+            let ctx = StackCtx {
+                name: &stack.name,
+                layout,
+                combiner: stack.combiner,
+                weighted,
+                validate_ids: plan.validate_ids,
+                batch_per_sc: bsps,
+                local_bits: KeyFormat::local_bits_for(layout.partition_bits(), stack.stack_vocab_size, plan.validate_ids),
+            };
+            let limits = Limits {
+                max_ids: stack.max_ids_per_partition,
+                max_unique: stack.max_unique_ids_per_partition,
+                // Pass 1 of minibatching never drops (SPEC 5.4); only its bucketed pass may.
+                drop: plan.allow_id_dropping && !plan.enable_minibatching,
+            };
+            let job = StackJob { plan, stack, ctx: &ctx, limits, inputs, workspaces };
+            let s = layout.sc_per_device;
+            match mode {
+                Mode::Buffers => so
+                    .row_pointers
+                    .par_chunks_mut(rpb)
+                    .zip(so.embedding_ids.par_chunks_mut(cs))
+                    .zip(so.sample_ids.par_chunks_mut(cs))
+                    .zip(so.gains.par_chunks_mut(cs))
+                    .zip(stack_tasks.par_iter_mut())
+                    .enumerate()
+                    .for_each(|(i, ((((rp, emb), smp), gains), task))| {
+                        let seg = Segment { row_pointers: rp, embedding_ids: emb, sample_ids: smp, gains };
+                        run_task(&job, i / s, i % s, Destination::Segment(seg), task);
+                    }),
+                Mode::StatsOnly => stack_tasks.par_iter_mut().enumerate().for_each(|(i, task)| {
+                    run_task(&job, i / s, i % s, Destination::Stats, task);
+                }),
+                Mode::Pass1 => stack_tasks.par_iter_mut().enumerate().for_each(|(i, task)| {
+                    run_task(&job, i / s, i % s, Destination::Entries, task);
+                }),
+            }
+        });
+}
+
+/// What every task of one stack shares.
+struct StackJob<'a> {
+    plan: &'a Plan,
+    stack: &'a StackPlan,
+    ctx: &'a StackCtx<'a>,
+    limits: Limits,
+    inputs: &'a [&'a dyn SampleSource],
+    workspaces: &'a Workspaces,
+}
+
+/// Where a task's grouped entries go.
+enum Destination<'a> {
+    /// Straight into the SparseCore's segment of the output buffers: no intermediate list.
+    Segment(Segment<'a>),
+    /// Into the task's entry list, for the fill that follows minibatching's first pass.
+    Entries,
+    /// Nowhere: only the statistics are kept.
+    Stats,
+}
+
+/// Runs the task of SparseCore `sc` of local device `device`.
+fn run_task(job: &StackJob<'_>, device: usize, sc: usize, destination: Destination<'_>, task: &mut Task) {
+    task.error = None;
+    task.overflow = 0;
+    let StackJob { plan, stack, ctx, limits, inputs, workspaces } = *job;
+    // Our own code never calls back into rayon inside a task, but a user's
+    // `SampleSource::view` may (a lazily decoded source, say): while it waits, rayon can run
+    // another task on this thread, which then finds the workspace locked and takes a temporary
+    // one instead (see `Workspaces::with`).
+    workspaces.with(|ws| {
+        let Workspace { extracted: ex, extract_scratch, sort_scratch } = ws;
+        if let Err(e) = extract_sc(ctx, &plan.features, &stack.features, inputs, device, sc, ex, extract_scratch) {
+            task.error = Some(e);
+            return;
+        }
+        match destination {
+            Destination::Segment(seg) => {
+                let writer = SegmentWriter::new(seg, plan.layout.num_partitions(), ctx.batch_per_sc as u32, ex.first_row).with_row_span(ex.row_span);
+                task.overflow = sort_and_walk(ex, sort_scratch, limits, writer, &mut task.stats).finish();
+            }
+            Destination::Entries => {
+                let mut kept = std::mem::take(&mut task.pass1);
+                kept.clear();
+                task.pass1 = sort_and_walk(ex, sort_scratch, limits, kept, &mut task.stats);
+            }
+            Destination::Stats => {
+                sort_and_walk(ex, sort_scratch, limits, Discard, &mut task.stats);
+            }
+        }
+    });
+}
+
