@@ -286,8 +286,11 @@ fn reference_npz_files_merge_to_the_golden_maxima() {
             ("t_one_required_buffer_size", npy_bytes("<i8", "(1,)", &i64_bytes(&[128]))),
         ],
     );
-    // The hand-written bytes are what encode_npy writes.
-    assert_eq!(npy_bytes("<i8", "(4,)", &i64_bytes(&[20, 10, 40, 30])), npz::encode_npy(&arr1(&[20, 10, 40, 30])));
+    // The hand-written bytes (numpy's header text) and encode_npy's (ndarray-npy's, which has no
+    // trailing ", " in the dict) are the same array: format 1.0, 64-byte aligned, `<i8`.
+    let ours = npz::encode_npy(&arr1(&[20, 10, 40, 30]));
+    assert!(ours.starts_with(b"\x93NUMPY\x01\x00") && (ours.len() - 32).is_multiple_of(64), "{ours:?}");
+    assert_eq!(npz::decode_npy(&npy_bytes("<i8", "(4,)", &i64_bytes(&[20, 10, 40, 30])), "numpy").unwrap(), npz::decode_npy(&ours, "ours").unwrap());
 
     let mut merged = npz::import(&f0, layout(1, 1, 4)).unwrap();
     let other = npz::import(&f1, layout(1, 1, 4)).unwrap();
@@ -312,16 +315,51 @@ fn npy_decoding_int32_scalars_and_errors() {
     assert!(e.to_string().contains("16 data bytes for 4 values"), "{e}");
     let e = npz::decode_npy(b"not numpy at all", "junk").unwrap_err();
     assert!(e.to_string().contains("not a .npy"), "{e}");
-    let mut fortran = npy_bytes("<i8", "(1,)", &i64_bytes(&[1]));
+    // A Fortran-order array (numpy writes one for an F-contiguous array) reads in row-major
+    // order, as np.load gives it: [[1, 2, 3], [4, 5, 6]] stored column by column.
+    let mut fortran = npy_bytes("<i8", "(2, 3)", &i64_bytes(&[1, 4, 2, 5, 3, 6]));
     let pos = fortran.windows(5).position(|w| w == b"False").unwrap();
     fortran[pos..pos + 5].copy_from_slice(b"True ");
-    assert!(npz::decode_npy(&fortran, "f").unwrap_err().to_string().contains("Fortran"));
+    assert_eq!(npz::decode_npy(&fortran, "f").unwrap(), NpyArray { shape: vec![2, 3], data: vec![1, 2, 3, 4, 5, 6] });
+    // Big-endian int32, which numpy writes on a big-endian host.
+    let be = npz::decode_npy(&npy_bytes(">i4", "(2,)", &[7i32, -8].iter().flat_map(|x| x.to_be_bytes()).collect::<Vec<_>>()), "be").unwrap();
+    assert_eq!(be, NpyArray { shape: vec![2], data: vec![7, -8] });
 
     let dir = TempDir::new("npz-bad");
     let p = dir.join("garbage.npz");
     std::fs::write(&p, b"PK\x03\x04 this is no zip").unwrap();
     let e = npz::import(&p, layout(1, 1, 4)).unwrap_err();
     assert!(e.to_string().contains("garbage.npz"), "{e}");
+}
+
+/// Hostile `.npy` headers: a shape far larger than the data (ndarray-npy alone would allocate
+/// it first and abort), a format 2.0 header length of 4 GiB, and a header nested deeper than its
+/// parser goes. Each is an error naming the file, in an `.npz` member too.
+#[test]
+fn npy_headers_that_declare_more_than_there_is_are_errors() {
+    let huge = npy_bytes("<i8", "(576460752303423488,)", &i64_bytes(&[1]));
+    let e = npz::decode_npy(&huge, "huge.npy").unwrap_err().to_string();
+    assert!(e.contains("huge.npy") && e.contains("8 data bytes for 576460752303423488 values"), "{e}");
+
+    let mut long = b"\x93NUMPY\x02\x00".to_vec();
+    long.extend_from_slice(&0xffff_fff0u32.to_le_bytes());
+    long.extend_from_slice(b"{'descr': '<i8', ");
+    let e = npz::decode_npy(&long, "long.npy").unwrap_err().to_string();
+    assert!(e.contains("long.npy") && e.contains("truncated header"), "{e}");
+
+    let depth = 20_000;
+    let deep = npy_bytes("<i8", &format!("{}1{}", "(".repeat(depth), ",)".repeat(depth)), &i64_bytes(&[1]));
+    let e = npz::decode_npy(&deep, "deep.npy").unwrap_err().to_string();
+    assert!(e.contains("deep.npy") && e.contains("bad header") && e.len() < 1000, "{e}");
+    let wide = npy_bytes(&"<".repeat(depth), "(1,)", &i64_bytes(&[1]));
+    let e = npz::decode_npy(&wide, "wide.npy").unwrap_err().to_string();
+    assert!(e.contains("wide.npy") && e.contains("is not int64 or int32") && e.len() < 1000, "{e}");
+
+    let dir = TempDir::new("npz-huge");
+    let p = dir.join("huge.npz");
+    write_raw_npz(&p, &[("t_max_ids", huge)]);
+    let e = npz::import(&p, layout(1, 1, 4)).unwrap_err().to_string();
+    assert!(e.contains("huge.npz/t_max_ids") && e.contains("data bytes"), "{e}");
 }
 
 /// After k recorded steps the reference stores `[k, len]` matrices (and `[k, 1]` drop

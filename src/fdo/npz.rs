@@ -1,10 +1,21 @@
 //! The reference's NPZ stats dumps (`NPZFileFDOClient`, SPEC 7.3): a zip of `.npy` arrays
 //! named `<stack>_max_ids`, `<stack>_max_unique_ids`, `<stack>_required_buffer_size` and
 //! `<stack>_id_drop_counters`, int64, one row per recorded step.
+//!
+//! The `.npy` format itself (header dictionary, versions 1.0-3.0, byte orders, Fortran order) is
+//! ndarray-npy's; this module only chooses the element type, checks a declared shape against the
+//! bytes that are there before anything is allocated for it, and reads the zip members itself so
+//! that the same check covers them (ndarray-npy's `NpzReader` allocates what a member's header
+//! declares before reading its data).
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::Path;
+
+use ndarray::{ArrayViewD, IxDyn, ShapeBuilder};
+use ndarray_npy::npy::header::{Header, ReadHeaderError};
+use ndarray_npy::{NpzWriter, ReadableElement, WriteNpyExt};
+use py_literal::Value as PyValue;
 
 use crate::error::{Error, Result};
 
@@ -13,8 +24,22 @@ use super::{FdoStats, LayoutKey};
 /// The reference's key suffixes, in its field order.
 pub const SUFFIXES: [&str; 4] = ["_max_ids", "_max_unique_ids", "_required_buffer_size", "_id_drop_counters"];
 
+/// The `.npy` magic string.
+const MAGIC: &[u8] = b"\x93NUMPY";
+
+/// numpy's own limit on dimensions (`NPY_MAXDIMS` of numpy 2); more is a malformed file.
+const MAX_NDIM: usize = 64;
+
 fn bad(path: &str, what: String) -> Error {
     Error::InvalidInput { feature: path.to_string(), reason: what }
+}
+
+/// A zip error's text, with the I/O error behind it (zip's own text for that is only "i/o error").
+fn zip_problem(e: zip::result::ZipError) -> String {
+    match e {
+        zip::result::ZipError::Io(io) => format!("i/o error: {io}"),
+        other => other.to_string(),
+    }
 }
 
 /// One int64 array: its shape and values (row-major).
@@ -45,76 +70,105 @@ impl NpyArray {
         }
         out
     }
+
+    /// The array as an ndarray view. Every decoded array and every array of
+    /// [`stats_to_arrays`] has a shape that matches its data; a hand-built one whose shape does
+    /// not (or has more than 64 dimensions) is viewed as the 1-D array of its data.
+    fn view(&self) -> ArrayViewD<'_, i64> {
+        ArrayViewD::from_shape(IxDyn(&self.shape), &self.data)
+            .ok()
+            .filter(|v| v.len() == self.data.len() && v.ndim() <= MAX_NDIM)
+            .unwrap_or_else(|| ndarray::ArrayView1::from(&self.data[..]).into_dyn())
+    }
 }
 
-/// Encodes an int64 array as `.npy` (format 1.0, little-endian).
-pub fn encode_npy(a: &NpyArray) -> Vec<u8> {
-    let shape = match a.shape.len() {
-        0 => "()".to_string(),
-        1 => format!("({},)", a.shape[0]),
-        _ => format!("({})", a.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
-    };
-    let mut header = format!("{{'descr': '<i8', 'fortran_order': False, 'shape': {shape}, }}");
-    let total = 10 + header.len() + 1;
-    header.push_str(&" ".repeat((64 - total % 64) % 64));
-    header.push('\n');
-    let mut out = Vec::with_capacity(10 + header.len() + 8 * a.data.len());
-    out.extend_from_slice(b"\x93NUMPY\x01\x00");
-    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
-    out.extend_from_slice(header.as_bytes());
-    for v in &a.data {
-        out.extend_from_slice(&v.to_le_bytes());
+/// `text` on one line, cut to `max` characters: a parse error quotes the header, which can be
+/// megabytes long in a hostile file.
+fn one_line(text: &str, max: usize) -> String {
+    let squashed = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    match squashed.char_indices().nth(max) {
+        Some((cut, _)) => format!("{}...", &squashed[..cut]),
+        None => squashed,
     }
+}
+
+fn shape_text(shape: &[usize]) -> String {
+    match shape {
+        [d] => format!("({d},)"),
+        _ => format!("({})", shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
+    }
+}
+
+/// Encodes an int64 array as `.npy` (little-endian, C order; format 1.0 as numpy writes it).
+pub fn encode_npy(a: &NpyArray) -> Vec<u8> {
+    let mut out = Vec::with_capacity(128 + 8 * a.data.len());
+    // Writing to memory cannot fail: no I/O error, int64 values always encode, and the header
+    // of at most 64 dimensions (`view`) is far below the format's 4 GiB limit.
+    a.view().write_npy(&mut out).expect("an .npy of at most 64 dimensions encodes into memory");
     out
 }
 
-/// Decodes a `.npy` holding little-endian int64 or int32 (C order).
+/// Decodes a `.npy` holding int64 or int32 (either byte order, C or Fortran order; a Fortran
+/// order array comes back in row-major order, as `np.load` gives it). The declared shape is
+/// checked against the data bytes before anything is allocated for it, and bytes after the
+/// data are ignored (as `np.load` ignores them).
 pub fn decode_npy(bytes: &[u8], name: &str) -> Result<NpyArray> {
-    if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
-        return Err(bad(name, "not a .npy array".into()));
+    if !bytes.starts_with(MAGIC) {
+        return Err(bad(name, "not a .npy array (no \\x93NUMPY magic string)".into()));
     }
-    let (hlen, hstart) = match bytes[6] {
-        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
-        2 | 3 if bytes.len() >= 12 => (u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize, 12),
-        v => return Err(bad(name, format!("unsupported .npy version {v}"))),
-    };
-    let header = bytes
-        .get(hstart..hstart + hlen)
-        .and_then(|h| std::str::from_utf8(h).ok())
-        .ok_or_else(|| bad(name, "truncated .npy header".into()))?;
-    let field = |key: &str| -> Option<&str> {
-        let i = header.find(&format!("'{key}'"))?;
-        let rest = header[i + key.len() + 2..].trim_start().strip_prefix(':')?.trim_start();
-        Some(rest)
-    };
-    let descr = field("descr").and_then(|r| r.split('\'').nth(1)).ok_or_else(|| bad(name, "no descr".into()))?;
-    let width = match descr {
-        "<i8" | "|i8" => 8,
-        "<i4" | "|i4" => 4,
-        other => return Err(bad(name, format!("dtype {other} is not int64 or int32"))),
-    };
-    if field("fortran_order").is_some_and(|r| r.starts_with("True")) {
-        return Err(bad(name, "Fortran-order arrays are not supported".into()));
+    // Formats 2.0 and 3.0 declare the header length in 32 bits, and ndarray-npy allocates it
+    // before reading: refuse a length the bytes do not have.
+    if let (Some(2 | 3), Some(len)) = (bytes.get(6), bytes.get(8..12)) {
+        let declared = u32::from_le_bytes(len.try_into().expect("4 bytes")) as usize;
+        if declared > bytes.len() - 12 {
+            return Err(bad(name, format!("not a .npy array: truncated header ({declared} bytes declared, {} there)", bytes.len() - 12)));
+        }
     }
-    let shape_text = field("shape").and_then(|r| r.strip_prefix('(')).and_then(|r| r.split(')').next()).ok_or_else(|| bad(name, "no shape".into()))?;
-    let shape: Vec<usize> = shape_text
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse::<usize>().map_err(|_| bad(name, format!("bad shape ({shape_text})"))))
-        .collect::<Result<_>>()?;
-    let count = shape
+    let mut body = bytes;
+    let header = Header::from_reader(&mut body).map_err(|e| match e {
+        ReadHeaderError::Io(_) => bad(name, "not a .npy array: truncated header".into()),
+        ReadHeaderError::Parse(e) => bad(name, format!("not a .npy array: bad header: {}", one_line(&e.to_string(), 300))),
+    })?;
+    let shape = header.shape;
+    if shape.len() > MAX_NDIM {
+        return Err(bad(name, format!("{} dimensions (numpy allows at most {MAX_NDIM})", shape.len())));
+    }
+    // What ndarray can hold: the product of the non-zero lengths fits in isize (a shape such
+    // as (0, 2^62, 2^62) holds no values but could not be written back).
+    let too_large = || bad(name, format!("shape {} is too large", shape_text(&shape)));
+    shape
         .iter()
-        .try_fold(1usize, |a, &d| a.checked_mul(d))
-        .ok_or_else(|| bad(name, format!("shape ({shape_text}) is too large")))?;
-    let body = &bytes[hstart + hlen..];
-    if count.checked_mul(width).is_none_or(|need| body.len() < need) {
+        .try_fold(1usize, |a, &d| a.checked_mul(d.max(1)))
+        .filter(|&n| n <= isize::MAX as usize)
+        .ok_or_else(too_large)?;
+    let count: usize = shape.iter().product();
+    // '|' ("byte order not applicable") on a multi-byte integer is read as little-endian.
+    let descr = match &header.type_descriptor {
+        PyValue::String(s) if s.starts_with('|') => PyValue::String(s.replacen('|', "<", 1)),
+        other => other.clone(),
+    };
+    let width = match &descr {
+        PyValue::String(s) if s == "<i8" || s == ">i8" => 8,
+        PyValue::String(s) if s == "<i4" || s == ">i4" => 4,
+        _ => return Err(bad(name, format!("dtype {} is not int64 or int32", one_line(&header.type_descriptor.to_string(), 100)))),
+    };
+    let need = count.checked_mul(width).ok_or_else(too_large)?;
+    if body.len() < need {
         return Err(bad(name, format!("{} data bytes for {count} values", body.len())));
     }
-    let data = body[..count * width]
-        .chunks_exact(width)
-        .map(|c| if width == 8 { i64::from_le_bytes(c.try_into().unwrap()) } else { i32::from_le_bytes(c.try_into().unwrap()) as i64 })
-        .collect();
+    let data_bytes = &body[..need];
+    let read_err = |e: ndarray_npy::ReadDataError| bad(name, format!("reading the data: {e}"));
+    let data: Vec<i64> = if width == 8 {
+        i64::read_to_end_exact_vec(data_bytes, &descr, count).map_err(read_err)?
+    } else {
+        i32::read_to_end_exact_vec(data_bytes, &descr, count).map_err(read_err)?.into_iter().map(i64::from).collect()
+    };
+    let data = if header.layout.is_fortran() && count > 0 {
+        let view = ArrayViewD::from_shape(IxDyn(&shape).f(), &data).map_err(|e| bad(name, format!("shape {}: {e}", shape_text(&shape))))?;
+        view.iter().copied().collect()
+    } else {
+        data
+    };
     Ok(NpyArray { shape, data })
 }
 
@@ -122,10 +176,11 @@ pub fn decode_npy(bytes: &[u8], name: &str) -> Result<NpyArray> {
 pub fn read_npz(path: &Path) -> Result<BTreeMap<String, NpyArray>> {
     let name = path.display().to_string();
     let file = std::fs::File::open(path).map_err(|source| Error::Io { context: format!("opening {name}"), source })?;
-    let mut zip = zip::ZipArchive::new(file).map_err(|e| bad(&name, format!("not a zip archive: {e}")))?;
+    let mut zip = zip::ZipArchive::new(file).map_err(|e| bad(&name, format!("not a zip archive: {}", zip_problem(e))))?;
     let mut out = BTreeMap::new();
     for i in 0..zip.len() {
-        let mut f = zip.by_index(i).map_err(|e| bad(&name, e.to_string()))?;
+        let mut f = zip.by_index(i).map_err(|e| bad(&name, format!("member {i}: {}", zip_problem(e))))?;
+        // np.load's names: a single `.npy` suffix is dropped.
         let key = f.name().strip_suffix(".npy").unwrap_or(f.name()).to_string();
         let mut bytes = Vec::new();
         f.read_to_end(&mut bytes).map_err(|source| Error::Io { context: format!("reading {name}/{key}"), source })?;
@@ -136,16 +191,12 @@ pub fn read_npz(path: &Path) -> Result<BTreeMap<String, NpyArray>> {
 
 /// Writes arrays as an uncompressed `.npz` (what `np.savez` writes).
 pub fn write_npz(path: &Path, arrays: &BTreeMap<String, NpyArray>) -> Result<()> {
-    let mut buf = std::io::Cursor::new(Vec::new());
-    {
-        let mut zip = zip::ZipWriter::new(&mut buf);
-        let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
-        for (k, a) in arrays {
-            zip.start_file(format!("{k}.npy"), opts).map_err(|e| bad(&path.display().to_string(), e.to_string()))?;
-            zip.write_all(&encode_npy(a)).map_err(|source| Error::Io { context: format!("writing {}", path.display()), source })?;
-        }
-        zip.finish().map_err(|e| bad(&path.display().to_string(), e.to_string()))?;
+    let name = path.display().to_string();
+    let mut npz = NpzWriter::new(std::io::Cursor::new(Vec::new()));
+    for (k, a) in arrays {
+        npz.add_array(k.as_str(), &a.view()).map_err(|e| bad(&name, format!("writing {k}: {e}")))?;
     }
+    let buf = npz.finish().map_err(|e| bad(&name, e.to_string()))?;
     super::write_atomic(path, &buf.into_inner())
 }
 

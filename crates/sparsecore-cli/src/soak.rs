@@ -23,7 +23,7 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use sparsecore_prep::input::SampleSource;
 use sparsecore_prep::{Config, Output, Preprocessor, Result};
 

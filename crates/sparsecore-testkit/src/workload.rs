@@ -25,7 +25,7 @@ use arrow_array::{ArrayRef, Float32Array, Int32Array, Int64Array, ListArray, Rec
 use arrow_buffer::OffsetBuffer;
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use rand_distr::{Distribution, Normal, Zipf};
 
 use sparsecore_prep::{Error, Result};

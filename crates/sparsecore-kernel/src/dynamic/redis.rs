@@ -241,7 +241,7 @@ impl RedisTable {
     fn mget_replies(&self, op: &str, replies: Vec<Value>) -> Result<Vec<Option<Vec<u8>>>> {
         let mut out = Vec::new();
         for r in replies {
-            let part: Vec<Option<Vec<u8>>> = redis::from_owned_redis_value(r).map_err(|e| self.err(op, e))?;
+            let part: Vec<Option<Vec<u8>>> = redis::from_redis_value(r).map_err(|e| self.err(op, e.into()))?;
             out.extend(part);
         }
         Ok(out)
@@ -362,7 +362,7 @@ impl DynamicTable for RedisTable {
                 pipe.cmd("EXISTS").arg(&marker);
                 self.mget(&mut pipe, &names);
                 let mut replies: Vec<Value> = pipe.query(con).map_err(|e| self.err(format!("MGET ({op})"), e))?;
-                let exists: bool = redis::from_owned_redis_value(replies.remove(0)).map_err(|e| self.err(&op, e))?;
+                let exists: bool = redis::from_redis_value(replies.remove(0)).map_err(|e| self.err(&op, e.into()))?;
                 if exists && update_id.is_some() {
                     return Ok(Applied::Already);
                 }
