@@ -15,6 +15,7 @@ import sys
 # Bottom to top. A module may import only from modules of a strictly lower rank.
 FLOW = [
     ["error", "isa", "reuse"],
+    ["fields"],
     ["spec"],
     ["input"],
     ["key", "gain"],

@@ -195,6 +195,17 @@ pub enum Error {
         limit: u64,
     },
 
+    /// A config or stats file holds a field its format does not know (a typo, most often).
+    #[error("unknown field `{field}` in {location}{}", did_you_mean(.suggestion))]
+    UnknownField {
+        /// The field as written.
+        field: String,
+        /// Where it is: "table `t03`", "the config", "stack `s0`".
+        location: String,
+        /// The known field closest to it, when one is close.
+        suggestion: Option<String>,
+    },
+
     /// A stack's per-device batch does not split evenly over the SparseCores.
     #[error(
         "stack `{stack}` (first feature `{feature}`): batch_size_for_device ({batch}) must be \
@@ -425,4 +436,9 @@ impl Error {
     pub fn input(feature: impl Into<String>, reason: impl Into<String>) -> Self {
         Error::InvalidInput { feature: feature.into(), reason: reason.into() }
     }
+}
+
+/// "; did you mean `x`?" for [`Error::UnknownField`].
+fn did_you_mean(suggestion: &Option<String>) -> String {
+    suggestion.as_ref().map(|s| format!("; did you mean `{s}`?")).unwrap_or_default()
 }

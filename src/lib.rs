@@ -60,6 +60,7 @@ macro_rules! internal_modules {
 // At the bottom of the flow: errors, instruction-set dispatch, and the contracts that stages
 // share (the key and its layout, the gain rules, buffer reuse).
 mod error;
+mod fields;
 mod gain;
 mod isa;
 mod reuse;

@@ -179,7 +179,8 @@ fn ipc_block_with_negative_body_length_is_an_error() {
 }
 
 /// stats_import target, `crash-b7502b5f03e2f88fc3475ce153c10b6944e45da0`: our stats JSON with a
-/// stack named " t0". The CSV reader trimmed keys, so exporting these stats to the reference's
+/// stack named " t0". (The fuzzer's file also held a misspelled `max_unique_ids_p'r_partition`,
+/// which stats parsing ignored then and rejects now: `misspelled_stats_fields_are_errors`.) The CSV reader trimmed keys, so exporting these stats to the reference's
 /// CSV and importing them back renamed the stack to "t0".
 const STACK_NAME_WITH_SPACE: &str = r#"{
  "version": 1,
@@ -197,11 +198,6 @@ const STACK_NAME_WITH_SPACE: &str = r#"{
     15,
     9
    ],
-   "max_unique_ids_p'r_partition": [
-    5,
-    10,
-    1
-   ],
    "max_unique_ids_per_partition": [
  9
    ],
@@ -213,6 +209,20 @@ const STACK_NAME_WITH_SPACE: &str = r#"{
   }
  }
 }"#;
+
+#[test]
+fn misspelled_stats_fields_are_errors() {
+    let text = STACK_NAME_WITH_SPACE.replace(
+        "\"max_unique_ids_per_partition\": [",
+        "\"max_unique_ids_p'r_partition\": [5, 10, 1],\n   \"max_unique_ids_per_partition\": [",
+    );
+    let e = FdoStats::from_json(&text).unwrap_err();
+    assert!(matches!(e, Error::UnknownField { .. }), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        "unknown field `max_unique_ids_p'r_partition` in stack ` t0`; did you mean `max_unique_ids_per_partition`?"
+    );
+}
 
 #[test]
 fn csv_export_keeps_stack_names_verbatim() {

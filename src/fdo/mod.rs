@@ -16,6 +16,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::fields::{self, Nested, Section};
 use crate::output::Output;
 use crate::spec::{round_up, Config, DeviceLayout, Plan, Stacking, ALIGNMENT};
 use crate::stats::StackStats;
@@ -112,9 +113,19 @@ impl FdoStats {
         serde_json::to_string_pretty(self).expect("stats serialise")
     }
 
-    /// Parses JSON, checking the version.
+    /// Parses JSON, checking the version and rejecting fields the format does not know (naming
+    /// the field, its stack and the closest known field).
     pub fn from_json(text: &str) -> Result<Self> {
-        let s: FdoStats = serde_json::from_str(text).map_err(|source| Error::Json { context: "FDO stats".into(), source })?;
+        let json_err = |source| Error::Json { context: "FDO stats".into(), source };
+        let value: serde_json::Value = serde_json::from_str(text).map_err(json_err)?;
+        // The version first: a later format may add fields this build does not know.
+        if let Some(version) = value.get("version").and_then(serde_json::Value::as_u64) {
+            if version != FDO_FORMAT_VERSION as u64 {
+                return Err(Error::option("version", version, format!("unsupported FDO stats version (expected {FDO_FORMAT_VERSION})")));
+            }
+        }
+        fields::check(&value, &STATS_FIELDS)?;
+        let s: FdoStats = serde_json::from_value(value).map_err(json_err)?;
         if s.version != FDO_FORMAT_VERSION {
             return Err(Error::option("version", s.version, format!("unsupported FDO stats version (expected {FDO_FORMAT_VERSION})")));
         }
@@ -348,4 +359,62 @@ pub fn tune(config: &Config, stats: &FdoStats, headroom: f64) -> Result<(Config,
         tuned.config.stack_limits = Some(crate::spec::StackLimits { max_ids_per_partition: ids, max_unique_ids_per_partition: uniq });
     }
     Ok((tuned, changes))
+}
+
+// The fields of a stats file, for `fields::check`; the test `stats_field_lists_match_the_structs`
+// keeps them equal to what the structs serialise.
+static STATS_FIELDS: Section = Section {
+    what: "the FDO stats",
+    named_by: None,
+    fields: &[
+        ("version", Nested::Leaf),
+        ("layout", Nested::Object(&LAYOUT_FIELDS)),
+        ("batches", Nested::Leaf),
+        ("stacks", Nested::MapOf(&STACK_STATS_FIELDS)),
+    ],
+};
+static LAYOUT_FIELDS: Section = Section {
+    what: "`layout`",
+    named_by: None,
+    fields: &[("local_device_count", Nested::Leaf), ("global_device_count", Nested::Leaf), ("num_sc_per_device", Nested::Leaf)],
+};
+static STACK_STATS_FIELDS: Section = Section {
+    what: "stack",
+    named_by: None,
+    fields: &[
+        ("max_ids_per_partition", Nested::Leaf),
+        ("max_unique_ids_per_partition", Nested::Leaf),
+        ("required_buffer_size_per_sc", Nested::Leaf),
+        ("dropped_id_count", Nested::Leaf),
+    ],
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sorted(s: &Section) -> Vec<String> {
+        let mut v: Vec<String> = s.fields.iter().map(|(n, _)| n.to_string()).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn stats_field_lists_match_the_structs() {
+        let mut stats = FdoStats::new(LayoutKey { local_device_count: 1, global_device_count: 1, num_sc_per_device: 4 });
+        stats.stacks.insert("s".into(), StackStats::default());
+        let v = serde_json::to_value(&stats).unwrap();
+        let keys = |v: &serde_json::Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+        assert_eq!(keys(&v), sorted(&STATS_FIELDS));
+        assert_eq!(keys(&v["layout"]), sorted(&LAYOUT_FIELDS));
+        assert_eq!(keys(&v["stacks"]["s"]), sorted(&STACK_STATS_FIELDS));
+        let mut bad = v.clone();
+        bad["stacks"]["s"]["max_ids_per_partitions"] = serde_json::json!([1]);
+        let e = FdoStats::from_json(&bad.to_string()).unwrap_err().to_string();
+        assert_eq!(e, "unknown field `max_ids_per_partitions` in stack `s`; did you mean `max_ids_per_partition`?");
+        let mut bad = v;
+        bad["layot"] = serde_json::json!({});
+        let e = FdoStats::from_json(&bad.to_string()).unwrap_err().to_string();
+        assert_eq!(e, "unknown field `layot` in the FDO stats; did you mean `layout`?");
+    }
 }

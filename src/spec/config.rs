@@ -5,11 +5,20 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::error::{Error, Result};
+use crate::fields::{self, Nested, Section};
+
+/// The config format this build reads and writes (the optional top-level `"version"`). A later
+/// format that changes a field's meaning bumps it, so that an old build refuses a new file
+/// instead of misreading it.
+pub const CONFIG_FORMAT_VERSION: u32 = 1;
 
 /// A whole config file: options, tables and features.
 ///
-/// Unknown keys are ignored, so a golden case's `input.json` (which carries inline data and the
-/// reference's resolved stacking next to these keys) parses as a config too.
+/// [`Config::from_json`] and [`Config::from_path`] reject fields the format does not know,
+/// naming the field, where it is and the closest known one: a misspelled limit must not
+/// silently become the default. (serde alone, e.g. `serde_json::from_value`, ignores them,
+/// which the golden-case loader relies on: a case's `input.json` carries inline data next to
+/// these keys.)
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Config {
     /// Device layout and preprocessing options.
@@ -150,23 +159,52 @@ impl FeatureConfig {
 }
 
 impl Config {
-    /// Parses a config from JSON text.
+    /// Parses a config from JSON text, rejecting unknown fields and unknown format versions.
     pub fn from_json(text: &str) -> Result<Self> {
-        serde_json::from_str(text).map_err(|source| Error::Json { context: "config".into(), source })
+        Self::parse(text, "config")
     }
 
-    /// Reads and parses a config file.
+    /// Reads and parses a config file, as [`Config::from_json`].
     pub fn from_path(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path)
             .map_err(|source| Error::Io { context: format!("reading config {}", path.display()), source })?;
-        serde_json::from_str(&text)
-            .map_err(|source| Error::Json { context: format!("config {}", path.display()), source })
+        Self::parse(&text, &format!("config {}", path.display()))
     }
 
-    /// Serialises the config as pretty JSON.
+    /// Parses a config from a JSON value, as [`Config::from_json`].
+    pub fn from_value(value: serde_json::Value) -> Result<Self> {
+        Self::checked(value, "config")
+    }
+
+    fn parse(text: &str, context: &str) -> Result<Self> {
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|source| Error::Json { context: context.into(), source })?;
+        Self::checked(value, context)
+    }
+
+    fn checked(mut value: serde_json::Value, context: &str) -> Result<Self> {
+        if let Some(version) = value.as_object_mut().and_then(|o| o.remove("version")) {
+            if version.as_u64() != Some(CONFIG_FORMAT_VERSION as u64) {
+                return Err(Error::option(
+                    "version",
+                    version,
+                    format!("this build reads config format version {CONFIG_FORMAT_VERSION}"),
+                ));
+            }
+        }
+        fields::check(&value, &CONFIG_FIELDS)?;
+        serde_json::from_value(value).map_err(|source| Error::Json { context: context.into(), source })
+    }
+
+    /// Serialises the config as pretty JSON, with its format version.
     pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self).expect("config serialises")
+        #[derive(Serialize)]
+        struct Versioned<'a> {
+            version: u32,
+            #[serde(flatten)]
+            config: &'a Config,
+        }
+        serde_json::to_string_pretty(&Versioned { version: CONFIG_FORMAT_VERSION, config: self }).expect("config serialises")
     }
 
     /// Index of the table named `name`.
@@ -182,4 +220,144 @@ impl Config {
 pub struct HashConfig {
     /// XXH3 seed.
     pub seed: u64,
+}
+
+// The fields of each part of a config file, for `fields::check`. The unit test
+// `field_lists_match_the_structs` keeps them equal to what the structs serialise.
+static CONFIG_FIELDS: Section = Section {
+    what: "the config",
+    named_by: None,
+    fields: &[
+        ("config", Nested::Object(&OPTIONS_FIELDS)),
+        ("tables", Nested::ArrayOf(&TABLE_FIELDS)),
+        ("features", Nested::ArrayOf(&FEATURE_FIELDS)),
+    ],
+};
+static OPTIONS_FIELDS: Section = Section {
+    what: "`config`",
+    named_by: None,
+    fields: &[
+        ("local_device_count", Nested::Leaf),
+        ("global_device_count", Nested::Leaf),
+        ("num_sc_per_device", Nested::Leaf),
+        ("allow_id_dropping", Nested::Leaf),
+        ("stacking", Nested::Leaf),
+        ("stack_limits", Nested::Object(&STACK_LIMITS_FIELDS)),
+        ("enable_minibatching", Nested::Leaf),
+        ("stack_suggested_coo_buffer_size_per_device", Nested::Leaf),
+        ("validate_ids", Nested::Leaf),
+        ("sharding_strategy", Nested::Leaf),
+    ],
+};
+static STACK_LIMITS_FIELDS: Section = Section {
+    what: "stack limits",
+    named_by: None,
+    fields: &[("max_ids_per_partition", Nested::Leaf), ("max_unique_ids_per_partition", Nested::Leaf)],
+};
+static TABLE_FIELDS: Section = Section {
+    what: "table",
+    named_by: Some("name"),
+    fields: &[
+        ("name", Nested::Leaf),
+        ("vocabulary_size", Nested::Leaf),
+        ("embedding_dim", Nested::Leaf),
+        ("combiner", Nested::Leaf),
+        ("max_ids_per_partition", Nested::Leaf),
+        ("max_unique_ids_per_partition", Nested::Leaf),
+        ("suggested_coo_buffer_size_per_device", Nested::Leaf),
+    ],
+};
+static FEATURE_FIELDS: Section = Section {
+    what: "feature",
+    named_by: Some("name"),
+    fields: &[
+        ("name", Nested::Leaf),
+        ("table", Nested::Leaf),
+        ("column", Nested::Leaf),
+        ("weights_column", Nested::Leaf),
+        ("hash", Nested::Object(&HASH_FIELDS)),
+    ],
+};
+static HASH_FIELDS: Section = Section { what: "hash config", named_by: None, fields: &[("seed", Nested::Leaf)] };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn full() -> Config {
+        Config {
+            config: Options {
+                local_device_count: 1,
+                global_device_count: 1,
+                num_sc_per_device: 4,
+                allow_id_dropping: true,
+                stacking: Stacking::Auto,
+                stack_limits: Some(StackLimits::default()),
+                enable_minibatching: true,
+                stack_suggested_coo_buffer_size_per_device: Some(BTreeMap::from([("s".to_string(), 64)])),
+                validate_ids: true,
+                sharding_strategy: Some("MOD".into()),
+            },
+            tables: vec![TableConfig {
+                name: "t".into(),
+                vocabulary_size: 8,
+                embedding_dim: 8,
+                combiner: "sum".into(),
+                max_ids_per_partition: 1,
+                max_unique_ids_per_partition: 1,
+                suggested_coo_buffer_size_per_device: Some(64),
+            }],
+            features: vec![FeatureConfig {
+                name: "f".into(),
+                table: "t".into(),
+                column: Some("c".into()),
+                weights_column: Some("w".into()),
+                hash: Some(HashConfig { seed: 1 }),
+            }],
+        }
+    }
+
+    fn keys(v: &serde_json::Value) -> Vec<String> {
+        v.as_object().unwrap().keys().cloned().collect()
+    }
+
+    fn names(s: &Section) -> Vec<String> {
+        let mut v: Vec<String> = s.fields.iter().map(|(n, _)| n.to_string()).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn field_lists_match_the_structs() {
+        let v = serde_json::to_value(full()).unwrap();
+        assert_eq!(keys(&v), names(&CONFIG_FIELDS));
+        assert_eq!(keys(&v["config"]), names(&OPTIONS_FIELDS));
+        assert_eq!(keys(&v["config"]["stack_limits"]), names(&STACK_LIMITS_FIELDS));
+        assert_eq!(keys(&v["tables"][0]), names(&TABLE_FIELDS));
+        assert_eq!(keys(&v["features"][0]), names(&FEATURE_FIELDS));
+        assert_eq!(keys(&v["features"][0]["hash"]), names(&HASH_FIELDS));
+    }
+
+    #[test]
+    fn versions_and_unknown_fields() {
+        let c = full();
+        assert_eq!(Config::from_json(&c.to_json()).unwrap(), c);
+        assert!(c.to_json().contains("\"version\": 1"));
+        let mut v = serde_json::to_value(&c).unwrap();
+        v["version"] = 2.into();
+        let e = Config::from_value(v).unwrap_err().to_string();
+        assert!(e.contains("version") && e.contains("reads config format version 1"), "{e}");
+        let mut v = serde_json::to_value(&c).unwrap();
+        v["tables"][0]["max_ids_per_partitions"] = 4.into();
+        let e = Config::from_value(v).unwrap_err().to_string();
+        assert_eq!(e, "unknown field `max_ids_per_partitions` in table `t`; did you mean `max_ids_per_partition`?");
+        let mut v = serde_json::to_value(&c).unwrap();
+        v["config"]["allow_id_droping"] = true.into();
+        let e = Config::from_value(v).unwrap_err().to_string();
+        assert_eq!(e, "unknown field `allow_id_droping` in `config`; did you mean `allow_id_dropping`?");
+        let mut v = serde_json::to_value(&c).unwrap();
+        v["features"][0]["hash"]["sead"] = 1.into();
+        let e = Config::from_value(v).unwrap_err().to_string();
+        assert_eq!(e, "unknown field `sead` in `hash` of feature `f`; did you mean `seed`?");
+    }
 }
