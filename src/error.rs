@@ -222,12 +222,9 @@ pub enum Error {
         sc_per_device: usize,
     },
 
-    /// A stack's per-device batch gives some SparseCore no sample of some feature.
-    #[error(
-        "stack `{stack}`: Batch size must be greater or equal to the number of features stacked \
-         together (per feature slice): per-device batch {batch} < num_sc_per_device {sc_per_device} \
-         * {features} features"
-    )]
+    /// A stack's per-device batch gives some SparseCore no sample of some feature (or the batch
+    /// is empty: `batch` 0).
+    #[error("stack `{stack}`: {}", batch_too_small(*.batch, *.sc_per_device, *.features))]
     BatchTooSmall {
         /// Stack name.
         stack: String,
@@ -441,4 +438,14 @@ impl Error {
 /// "; did you mean `x`?" for [`Error::UnknownField`].
 fn did_you_mean(suggestion: &Option<String>) -> String {
     suggestion.as_ref().map(|s| format!("; did you mean `{s}`?")).unwrap_or_default()
+}
+
+/// The message of [`Error::BatchTooSmall`]: the reference's words, preceded by "empty batch"
+/// when there are no samples at all (the usual cause, and not what the reference's words say).
+fn batch_too_small(batch: usize, sc_per_device: usize, features: usize) -> String {
+    let empty = if batch == 0 { "empty batch (no samples): " } else { "" };
+    format!(
+        "{empty}Batch size must be greater or equal to the number of features stacked together (per \
+         feature slice): per-device batch {batch} < num_sc_per_device {sc_per_device} * {features} features"
+    )
 }
