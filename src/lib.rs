@@ -87,3 +87,8 @@ pub use output::{Output, StackOutput};
 pub use preprocess::{Preprocessor, PreprocessorBuilder};
 pub use spec::{Config, Plan};
 pub use stats::StackStats;
+
+/// README.md's Rust examples, compiled and run as doctests so that they keep working verbatim.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
