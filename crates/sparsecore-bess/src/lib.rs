@@ -1,0 +1,1 @@
+//! Balanced entity sharding (BESS) for knowledge-graph embeddings on SparseCores.
