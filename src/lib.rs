@@ -83,6 +83,8 @@ pub mod io;
 pub use allreduce::{AllReduce, LocalAllReduce, TcpAllReduce};
 pub use group::bucket::BucketFn;
 pub use error::{Error, LimitKind, Result, StoreErrorKind};
+pub use fdo::FdoStats;
+pub use input::{features_from_record_batch, ArrowListInput, CooInput, DenseInput, RaggedInput, SampleSource};
 pub use output::{Output, StackOutput};
 pub use preprocess::{Preprocessor, PreprocessorBuilder};
 pub use spec::{Config, Plan};
