@@ -77,6 +77,7 @@ mod stats;
 // The driver and what sits on top of it.
 mod allreduce;
 mod preprocess;
+pub mod balance;
 pub mod fdo;
 pub mod io;
 

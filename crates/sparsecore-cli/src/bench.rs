@@ -1,6 +1,7 @@
 //! `bench`: time preprocessing of a whole file held in memory, reporting the same fields as
 //! `../shared/peer/run_peer.py` so that both can be compared in one run.
 
+use crate::stdio::outln;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -85,9 +86,9 @@ pub fn run(a: Args) -> Result<()> {
         "input": a.input.display().to_string(),
     });
     if a.json {
-        println!("{line}");
+        outln!("{line}");
     } else {
-        println!(
+        outln!(
             "{} batches, {} ids, {} threads: median {:.2} ms (min {:.2}, max {:.2}) over {} passes = {:.1} M ids/s",
             batches.len(),
             ids,
@@ -101,7 +102,7 @@ pub fn run(a: Args) -> Result<()> {
         if let (Some(plan), Some(out)) = (plan.as_ref(), outs.last()) {
             let stats: Vec<_> = out.stacks.iter().map(|s| &s.stats).collect();
             let per_stack = super::count_ids(plan, inputs.last().map(Vec::as_slice).unwrap_or(&[]));
-            println!("last batch:");
+            outln!("last batch:");
             table::print(&table::rows(plan, &stats, &per_stack, true), plan.layout.sc_per_device);
         }
     }

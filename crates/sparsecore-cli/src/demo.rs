@@ -1,5 +1,6 @@
 //! `demo`: the bundled batch through the whole pipeline, with a summary table.
 
+use crate::stdio::outln;
 use std::io::Cursor;
 use std::time::Instant;
 
@@ -36,7 +37,7 @@ pub fn run(threads: Option<usize>) -> Result<(), Error> {
     let plan = prep.plan().expect("a batch was planned");
     let ids = super::count_ids(plan, &inputs);
     let total: u64 = ids.iter().sum();
-    println!(
+    outln!(
         "demo batch: {} samples, {} features, {} ids, layout L/G/S = {}/{}/{}, {} stacks, preprocessed in {:.2} ms",
         batch.num_rows(),
         plan.features.len(),

@@ -3,6 +3,7 @@
 //! different `--worker` indices against one Redis table are a multi-worker load test whose
 //! result any process can replay (every batch is a pure function of the seed and its id).
 
+use crate::stdio::outln;
 use std::time::{Duration, Instant};
 
 use sparsecore_kernel::dynamic::{DynamicTable, DynamicTableSpec, Initializer, LoadStream, MemoryTable};
@@ -139,6 +140,6 @@ fn load(a: LoadArgs) -> Result<()> {
         "lookups_per_s": rate(looked_up, lookup_time),
         "updates_per_s": rate(updated, update_time),
     });
-    println!("{line}");
+    outln!("{line}");
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! `fdo merge`, `fdo tune`, `fdo import`, `fdo export`.
 
+use crate::stdio::outln;
 use std::path::{Path, PathBuf};
 
 use clap::Subcommand;
@@ -74,7 +75,7 @@ pub fn run(c: Command) -> Result<()> {
             }
             let merged = merged.expect("clap requires at least one input");
             merged.write(&out)?;
-            println!("merged {} files, {} batches, {} stacks -> {}", inputs.len(), merged.batches, merged.stacks.len(), out.display());
+            outln!("merged {} files, {} batches, {} stacks -> {}", inputs.len(), merged.batches, merged.stacks.len(), out.display());
             Ok(())
         }
         Command::Tune { config, stats, headroom, out } => {
@@ -86,10 +87,10 @@ pub fn run(c: Command) -> Result<()> {
             sparsecore_prep::Preprocessor::new(tuned.clone())
                 .map_err(|e| e.context(format!("the tuned config for {} ({})", out.display(), config.display())))?;
             write_config(&out, &tuned)?;
-            println!("{:<24} {:>17} {:>17} {:>21}", "table/stack", "max ids", "max unique", "suggested buffer");
+            outln!("{:<24} {:>17} {:>17} {:>21}", "table/stack", "max ids", "max unique", "suggested buffer");
             for ch in &changes {
                 let opt = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
-                println!(
+                outln!(
                     "{:<24} {:>17} {:>17} {:>21}",
                     ch.name,
                     format!("{} -> {}", ch.max_ids.0, ch.max_ids.1),
@@ -97,7 +98,7 @@ pub fn run(c: Command) -> Result<()> {
                     format!("{} -> {}", opt(ch.suggested.0), opt(ch.suggested.1)),
                 );
             }
-            println!("wrote {}", out.display());
+            outln!("wrote {}", out.display());
             Ok(())
         }
         Command::Import { input, layout, out } => {

@@ -1,5 +1,6 @@
 //! `generate`: a synthetic workload as an Arrow IPC file plus its config.
 
+use crate::stdio::outln;
 use std::fs::File;
 use std::path::PathBuf;
 
@@ -103,6 +104,6 @@ pub fn run(a: Args) -> Result<()> {
         "max_ids_per_partition": w.config.tables.iter().map(|t| t.max_ids_per_partition).max(),
         "max_unique_ids_per_partition": w.config.tables.iter().map(|t| t.max_unique_ids_per_partition).max(),
     });
-    println!("{line}");
+    outln!("{line}");
     Ok(())
 }

@@ -8,6 +8,7 @@ mod fdo;
 mod generate;
 mod preprocess;
 mod soak;
+mod stdio;
 mod table;
 
 use std::path::Path;
@@ -57,9 +58,14 @@ enum Command {
     },
 }
 
-/// Runs the tool; returns the process exit code.
+/// Runs the tool and exits with its status: 0, 1 on an error (one line on stderr), 2 on a usage
+/// error (clap's), 141 when stdout was closed by its reader (`stdio`).
 fn main() {
-    std::process::exit(run());
+    let code = run();
+    // Lines are flushed as they are written; this reports (or ends quietly on) a closed stdout
+    // for anything still buffered.
+    stdio::flush_stdout();
+    std::process::exit(code);
 }
 
 fn run() -> i32 {
@@ -82,7 +88,7 @@ fn run() -> i32 {
     match result {
         Ok(()) => 0,
         Err(e) => {
-            eprintln!("sparsecore-prep: error: {e}");
+            stdio::write_stderr(format_args!("sparsecore-prep: error: {e}\n"));
             1
         }
     }

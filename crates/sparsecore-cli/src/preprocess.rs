@@ -1,5 +1,6 @@
 //! `preprocess` and `stats`: stream a file through the pipeline, batch by batch.
 
+use crate::stdio::outln;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::BufWriter;
@@ -201,11 +202,11 @@ fn stream(
 
 fn summary(stats: &FdoStats, plan: &Option<PlanAndIds>, buffers: bool) {
     let Some((plan, ids)) = plan else {
-        println!("no record batch processed");
+        outln!("no record batch processed");
         return;
     };
     let per_stack: Vec<&sparsecore_prep::StackStats> = plan.stacks.iter().map(|s| &stats.stacks[&s.name]).collect();
-    println!("{} batches, {} ids", stats.batches, ids.iter().sum::<u64>());
+    outln!("{} batches, {} ids", stats.batches, ids.iter().sum::<u64>());
     table::print(&table::rows(plan, &per_stack, ids, buffers), plan.layout.sc_per_device);
 }
 
@@ -285,7 +286,7 @@ pub fn run_stats(a: StatsArgs) -> Result<()> {
             stats.write(path)?;
             summary(&stats, &plan, false);
         }
-        None => println!("{}", stats.to_json()),
+        None => outln!("{}", stats.to_json()),
     }
     Ok(())
 }

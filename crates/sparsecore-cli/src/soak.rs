@@ -19,6 +19,7 @@
 //! than 5% above the warm-up's.
 
 
+use crate::stdio::outln;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
@@ -154,7 +155,7 @@ pub fn run(a: Args) -> Result<bool> {
     let mut out = Output::new();
     let mut t = Tally::default();
     let mut stderr = std::io::stderr();
-    println!(
+    outln!(
         "soak: L/G/S 2/4/2, {} tables, {} features, auto stacking; {threads} thread(s), seed {}, check every {check_every}, {} min",
         config.tables.len(),
         config.features.len(),
@@ -204,7 +205,7 @@ pub fn run(a: Args) -> Result<bool> {
     }
     let warm_rss = rss_kib();
     let warm_batches = t.batches;
-    println!("soak: warm-up {} batches in {:.1} s, RSS {}", t.batches, started.elapsed().as_secs_f64(), mib(warm_rss));
+    outln!("soak: warm-up {} batches in {:.1} s, RSS {}", t.batches, started.elapsed().as_secs_f64(), mib(warm_rss));
 
     let mut peak = warm_rss;
     let mut next_sample = Instant::now() + Duration::from_secs(1);
@@ -219,7 +220,7 @@ pub fn run(a: Args) -> Result<bool> {
             next_sample = now + Duration::from_secs(1);
         }
         if now >= next_report {
-            println!(
+            outln!(
                 "soak: {:>4.0} s: {} batches, {:.1} M ids/s, checks {}/{} passed, RSS {}",
                 started.elapsed().as_secs_f64(),
                 t.batches,
@@ -237,7 +238,7 @@ pub fn run(a: Args) -> Result<bool> {
         (Some(w), Some(e)) if w > 0 => Some((e as f64 - w as f64) / w as f64 * 100.0),
         _ => None,
     };
-    println!(
+    outln!(
         "soak: {} batches ({} after warm-up) in {:.1} s; {} ids in {:.1} s of preprocessing = {:.1} M ids/s",
         t.batches,
         t.batches - warm_batches,
@@ -246,14 +247,14 @@ pub fn run(a: Args) -> Result<bool> {
         t.busy.as_secs_f64(),
         t.ids as f64 / t.busy.as_secs_f64().max(1e-9) / 1e6
     );
-    println!(
+    outln!(
         "soak: checks passed {}/{} (error batches {}, all checked; ids dropped {})",
         t.checks - t.failures,
         t.checks,
         t.error_batches,
         t.dropped
     );
-    println!(
+    outln!(
         "soak: RSS after warm-up {}, at end {} ({}), peak {}",
         mib(warm_rss),
         mib(end_rss),
@@ -261,15 +262,15 @@ pub fn run(a: Args) -> Result<bool> {
         mib(peak)
     );
     if t.failures > 0 {
-        println!("soak: FAILED: {} batch(es) disagree with the model", t.failures);
+        outln!("soak: FAILED: {} batch(es) disagree with the model", t.failures);
         return Ok(false);
     }
     if let Some(g) = growth {
         if g > 5.0 {
-            println!("soak: FAILED: RSS grew {g:.2}% after warm-up (limit 5%)");
+            outln!("soak: FAILED: RSS grew {g:.2}% after warm-up (limit 5%)");
             return Ok(false);
         }
     }
-    println!("soak: OK");
+    outln!("soak: OK");
     Ok(true)
 }

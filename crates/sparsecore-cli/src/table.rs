@@ -1,5 +1,6 @@
 //! The per-stack summary table printed by `demo`, `preprocess`, `stats` and `bench`.
 
+use crate::stdio::outln;
 use sparsecore_prep::spec::Plan;
 use sparsecore_prep::StackStats;
 
@@ -35,7 +36,7 @@ pub fn rows<'a>(plan: &'a Plan, stats: &'a [&'a StackStats], ids: &[u64], buffer
 /// Prints one row per stack: ids, the buffer and how much of it the batch needs, the largest
 /// per-partition counts against their limits, and drops.
 pub fn print(rows: &[Row<'_>], sc_per_device: usize) {
-    println!(
+    outln!(
         "{:<24} {:>4} {:>10} {:>9} {:>9} {:>6} {:>13} {:>13} {:>8}",
         "stack", "feat", "ids", "C/device", "required", "use%", "max ids/lim", "max uniq/lim", "dropped"
     );
@@ -45,7 +46,7 @@ pub fn print(rows: &[Row<'_>], sc_per_device: usize) {
             Some(c) => (c.to_string(), format!("{:.1}%", 100.0 * required as f64 / c as f64)),
             None => ("-".to_string(), "-".to_string()),
         };
-        println!(
+        outln!(
             "{:<24} {:>4} {:>10} {:>9} {:>9} {:>6} {:>13} {:>13} {:>8}",
             truncate(r.plan_name, 24),
             r.features,

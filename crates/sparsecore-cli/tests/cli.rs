@@ -1078,3 +1078,88 @@ fn generate_raw_keys_writes_hashed_string_features() {
     let o = run(&["generate", "--profile", "criteo", "--raw-keys", "--int32-ids", "--out", s(&data), "--config-out", s(&cfg)]);
     assert!(!o.status.success());
 }
+
+// ---------------------------------------------------------------------------------------------
+// A closed stdout
+// ---------------------------------------------------------------------------------------------
+
+/// The exit status of a process whose stdout was closed by its reader: 141 (128 + SIGPIPE,
+/// what a shell reports for `yes | head`), or death by SIGPIPE itself, or 0.
+fn assert_quiet_pipe_end(what: &str, o: &ProcOutput) {
+    use std::os::unix::process::ExitStatusExt;
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!stderr.contains("panicked") && !stderr.contains("Broken pipe"), "{what}: stderr {stderr:?}");
+    assert_eq!(stderr, "", "{what}: a closed stdout is not an error");
+    assert!(
+        matches!(o.status.code(), Some(0) | Some(141)) || o.status.signal() == Some(13),
+        "{what}: exit status {} (want 0, 141 or SIGPIPE)",
+        o.status
+    );
+}
+
+// Regression: `sparsecore-prep ... | head` panicked with `failed printing to stdout: Broken pipe`
+// and exit status 101.
+/// `stats` without `--out` prints its stats JSON, here 1.2 MB, more than any pipe holds (64 KiB
+/// by default, at most /proc/sys/fs/pipe-max-size, 1 MiB by default): a reader that takes 16
+/// bytes and closes its end makes the tool's writes fail, and it ends quietly.
+#[test]
+fn closed_stdout_ends_quietly() {
+    use std::io::Read;
+    use std::process::Stdio;
+    let dir = TempDir::new("epipe");
+    let (data, cfg, _) = generate(&dir, "w", "criteo", 256, 1, "8/64/4", false);
+    let args = ["stats", "--config", s(&cfg), "--input", s(&data)];
+    let full = ok(&args);
+    assert!(full.len() > 1 << 20, "stats prints {} bytes; the test needs more than a pipe holds", full.len());
+    let mut child = Command::new(BIN).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut head = [0u8; 16];
+    let mut reader = child.stdout.take().unwrap();
+    reader.read_exact(&mut head).unwrap();
+    drop(reader);
+    assert_eq!(&head[..], &full.as_bytes()[..16]);
+    let o = child.wait_with_output().unwrap();
+    assert_quiet_pipe_end("stats | head -c 16", &o);
+    // It could not have written everything: it saw the closed pipe, so the status is 141.
+    assert_eq!(o.status.code(), Some(141), "stats | head -c 16: {}", o.status);
+}
+
+/// Every subcommand that prints, run with a stdout whose reader is gone before it starts: each
+/// ends with status 141 and nothing on stderr, and what it writes to files is complete (a
+/// closed stdout only loses the summary).
+#[test]
+fn every_subcommand_ends_quietly_on_a_closed_stdout() {
+    let dir = TempDir::new("epipe-all");
+    let (data, cfg) = small(&dir);
+    let closed = |args: &[&str]| -> ProcOutput {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        Command::new(BIN).args(args).stdout(writer).output().unwrap()
+    };
+    let check = |args: &[&str]| {
+        let o = closed(args);
+        assert_quiet_pipe_end(&args.join(" "), &o);
+        assert_eq!(o.status.code(), Some(141), "`{}`: {}", args.join(" "), o.status);
+    };
+    check(&["demo", "--threads", "1"]);
+    let g = dir.join("g.arrow");
+    check(&["generate", "--profile", "criteo", "--batch-size", "64", "--out", s(&g), "--config-out", s(&dir.join("g.json"))]);
+    assert_eq!(record_batches(&g).len(), 1);
+    let out = dir.join("out");
+    check(&["preprocess", "--config", s(&cfg), "--input", s(&data), "--out", s(&out)]);
+    let reference = dir.join("reference");
+    preprocess(&cfg, &data, &reference, &[]);
+    assert_same_outputs(&out, &reference);
+    check(&["stats", "--config", s(&cfg), "--input", s(&data)]);
+    let st = out.join("stats.json");
+    check(&["stats", "--config", s(&cfg), "--input", s(&data), "--out", s(&dir.join("st.json"))]);
+    assert_eq!(read_json(&dir.join("st.json")), read_json(&st));
+    check(&["fdo", "merge", s(&st), s(&st), "-o", s(&dir.join("m.json"))]);
+    assert_eq!(read_json(&dir.join("m.json"))["batches"], json!(4));
+    check(&["fdo", "tune", "--config", s(&cfg), "--stats", s(&st), "--headroom", "1.0", "-o", s(&dir.join("t.json"))]);
+    assert!(dir.join("t.json").exists());
+    check(&["bench", "--config", s(&cfg), "--input", s(&data), "--threads", "1", "--repeat", "1"]);
+    check(&["bench", "--config", s(&cfg), "--input", s(&data), "--threads", "1", "--repeat", "1", "--json"]);
+    check(&["dynamic", "load", "--backend", "memory", "--batches", "2"]);
+    // soak prints its first line before any batch.
+    check(&["soak", "--minutes", "0.01", "--threads", "1"]);
+}

@@ -1,0 +1,97 @@
+//! Balancing a window of record batches (src/balance.rs): the permutation is a bijection, every
+//! column moves with its row, no batch gets worse, the result is deterministic, and bad windows
+//! are typed errors.
+
+use arrow_array::RecordBatch;
+use sparsecore_prep::balance::{apply, balance, SampleRef};
+use sparsecore_prep::{features_from_record_batch, Config, Error, Output, Preprocessor, SampleSource};
+use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
+
+fn workload(profile: Profile, batch: usize, batches: usize, layout: (usize, usize, usize)) -> (Config, Vec<RecordBatch>) {
+    let mut spec = WorkloadSpec::new(profile);
+    spec.batch_size = batch;
+    spec.num_batches = batches;
+    spec.layout = layout;
+    let w = generate(&spec).unwrap();
+    (w.config, w.batches)
+}
+
+/// Worst max_ids over the stacks of one batch, from the pipeline's statistics.
+fn worst_max_ids(config: &Config, batch: &RecordBatch) -> i32 {
+    let mut prep = Preprocessor::new(config.clone()).unwrap();
+    let features = features_from_record_batch(config, batch).unwrap();
+    let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
+    let mut out = Output::new();
+    prep.run_stats(&inputs, &mut out).unwrap();
+    out.stacks.iter().map(|s| s.stats.max_ids()).max().unwrap()
+}
+
+#[test]
+fn permutation_is_a_bijection_and_columns_move_together() {
+    let (config, window) = workload(Profile::LargeVocab, 512, 4, (1, 1, 4));
+    let balanced = balance(&config, &window).unwrap();
+    let mut seen: Vec<SampleRef> = balanced.permutation.iter().flatten().copied().collect();
+    seen.sort();
+    let all: Vec<SampleRef> =
+        window.iter().enumerate().flat_map(|(b, rb)| (0..rb.num_rows()).map(move |row| SampleRef { batch: b, row })).collect();
+    assert_eq!(seen, all, "every sample of the window appears exactly once");
+    for (k, (out, perm)) in balanced.batches.iter().zip(&balanced.permutation).enumerate() {
+        assert_eq!(out.num_rows(), window[k].num_rows());
+        assert_eq!(out.schema(), window[k].schema());
+        for (i, r) in perm.iter().enumerate() {
+            for c in 0..out.num_columns() {
+                assert_eq!(out.column(c).slice(i, 1).to_data(), window[r.batch].column(c).slice(r.row, 1).to_data(), "batch {k} row {i} column {c}");
+            }
+        }
+    }
+    // The returned batches are exactly the window with the permutation applied.
+    assert_eq!(apply(&window, &balanced.permutation).unwrap(), balanced.batches);
+}
+
+#[test]
+fn no_batch_gets_worse_and_large_vocab_gets_better() {
+    let (config, window) = workload(Profile::LargeVocab, 512, 8, (1, 1, 4));
+    for w in [1usize, 4, 8] {
+        let mut before = 0;
+        let mut after = 0;
+        for chunk in window.chunks(w) {
+            let balanced = balance(&config, chunk).unwrap();
+            // W = 1: each batch against itself; W > 1: against the window's worst input batch.
+            let window_worst = chunk.iter().map(|b| worst_max_ids(&config, b)).max().unwrap();
+            for (input, output) in chunk.iter().zip(&balanced.batches) {
+                let (b, a) = (worst_max_ids(&config, input), worst_max_ids(&config, output));
+                let bound = if w == 1 { b } else { window_worst };
+                assert!(a <= bound, "W = {w}: a batch got worse ({bound} -> {a})");
+                before = before.max(b);
+                after = after.max(a);
+            }
+            let report = &balanced.report;
+            assert_eq!(report.batches, chunk.len());
+            assert_eq!(report.stacks.len(), report.before.len());
+        }
+        assert!(after < before, "W = {w}: balancing large-vocab should lower the worst cell ({before} -> {after})");
+    }
+}
+
+#[test]
+fn balancing_is_deterministic() {
+    let (config, window) = workload(Profile::Criteo, 256, 2, (1, 1, 4));
+    let a = balance(&config, &window).unwrap();
+    let b = balance(&config, &window).unwrap();
+    assert_eq!(a.permutation, b.permutation);
+    assert_eq!(a.report, b.report);
+}
+
+#[test]
+fn bad_windows_are_typed_errors() {
+    let (config, window) = workload(Profile::LargeVocab, 64, 2, (1, 1, 4));
+    // Different schemas: drop a column from the second batch.
+    let narrower = window[1].project(&(1..window[1].num_columns()).collect::<Vec<_>>()).unwrap();
+    let e = balance(&config, &[window[0].clone(), narrower.clone()]).unwrap_err();
+    assert!(matches!(e, Error::InvalidInput { .. }) && e.to_string().contains("schema"), "{e}");
+    // A column the config needs is missing.
+    let e = balance(&config, &[narrower]).unwrap_err();
+    assert!(matches!(e, Error::MissingColumn { .. }), "{e:?}");
+    // An empty window is nothing to do.
+    assert!(balance(&config, &[]).unwrap().batches.is_empty());
+}
