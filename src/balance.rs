@@ -331,3 +331,33 @@ fn worst_per_stack(loads: &[Vec<StackLoad>]) -> Vec<StackLoad> {
     }
     worst
 }
+
+/// A lower bound on any order's worst `max_ids_per_partition`, per stack: the ids a window sends
+/// to partition p must land in one of its W·L·S slices, so some slice gets at least
+/// ⌈ids to p / (W·L·S)⌉ of them. (Per device the pipeline reports the largest over its S
+/// SparseCores, so the bound holds for every device's statistic too.)
+pub fn lower_bound(config: &Config, window: &[RecordBatch]) -> Result<Vec<u32>> {
+    let mut prep = Preprocessor::builder(config.clone()).threads(1).build()?;
+    let mut totals: Vec<u64> = Vec::new();
+    let mut slices = 0usize;
+    let mut plan_shape = (0usize, 1usize);
+    for rb in window {
+        let features = features_from_record_batch(config, rb)?;
+        let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
+        let sizes: Vec<usize> = inputs.iter().map(|i| i.num_samples()).collect();
+        let plan = prep.plan_for(&sizes)?.clone();
+        let n = plan.layout.num_partitions();
+        plan_shape = (plan.stacks.len(), n);
+        totals.resize(plan.stacks.len() * n, 0);
+        slices += plan.layout.local_scs();
+        for row in 0..rb.num_rows() {
+            for (cell, k) in sample_load(&plan, &inputs, row)?.cells {
+                totals[cell as usize] += k as u64;
+            }
+        }
+    }
+    let (stacks, n) = plan_shape;
+    Ok((0..stacks)
+        .map(|s| totals[s * n..(s + 1) * n].iter().map(|&t| t.div_ceil(slices.max(1) as u64) as u32).max().unwrap_or(0))
+        .collect())
+}

@@ -1,0 +1,72 @@
+//! Measures balancing (src/balance.rs) side by side with the input order, for BENCHMARKS.md:
+//! for every workload profile at layouts 1/1/4 and 1/4/4 and windows W = 1, 4 and 8, the worst
+//! `max_ids_per_partition` over 8 batches before and after, its lower bound, and the time to
+//! balance as a share of the time to preprocess the same batches.
+//!
+//! `cargo run --release --example balance_report [-- SAMPLES_PER_SPARSECORE]` (default 128).
+
+use std::time::Instant;
+
+use sparsecore_prep::balance::{balance, lower_bound};
+use sparsecore_prep::{Output, Preprocessor};
+use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
+
+fn main() -> sparsecore_prep::Result<()> {
+    let per_sc: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(128);
+    println!("| profile | L/G/S | W | worst max_ids before | after | change | lower bound | gap to bound | balance time / preprocess time |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for profile in [Profile::Criteo, Profile::Long, Profile::LargeVocab, Profile::HighMultivalency, Profile::ModerateMultivalency] {
+        for layout in [(1, 1, 4), (1, 4, 4)] {
+            let mut spec = WorkloadSpec::new(profile);
+            spec.layout = layout;
+            spec.batch_size = per_sc * layout.0 * layout.2;
+            spec.num_batches = 8;
+            let w = generate(&spec)?;
+            let mut prep = Preprocessor::builder(w.config.clone()).threads(1).build()?;
+            let mut out = Output::new();
+            let worst = |prep: &mut Preprocessor, out: &mut Output, batches: &[arrow_array::RecordBatch]| -> sparsecore_prep::Result<i32> {
+                let mut m = 0;
+                for b in batches {
+                    let features = sparsecore_prep::features_from_record_batch(&w.config, b)?;
+                    let inputs: Vec<&dyn sparsecore_prep::SampleSource> = features.iter().map(|f| f as _).collect();
+                    prep.run_stats(&inputs, out)?;
+                    m = m.max(out.stacks.iter().map(|s| s.stats.max_ids()).max().unwrap_or(0));
+                }
+                Ok(m)
+            };
+            let t = Instant::now();
+            for b in &w.batches {
+                prep.run_record_batch(b, &mut out).or_else(|e| match e {
+                    sparsecore_prep::Error::LimitExceeded { .. } => Ok(()),
+                    e => Err(e),
+                })?;
+            }
+            let preprocess = t.elapsed().as_secs_f64();
+            let before = worst(&mut prep, &mut out, &w.batches)?;
+            for window in [1usize, 4, 8] {
+                let t = Instant::now();
+                let mut balanced = Vec::new();
+                let mut bound = 0u32;
+                for chunk in w.batches.chunks(window) {
+                    balanced.extend(balance(&w.config, chunk)?.batches);
+                }
+                let cost = t.elapsed().as_secs_f64();
+                for chunk in w.batches.chunks(window) {
+                    bound = bound.max(lower_bound(&w.config, chunk)?.into_iter().max().unwrap_or(0));
+                }
+                let after = worst(&mut prep, &mut out, &balanced)?;
+                println!(
+                    "| {} | {}/{}/{} | {window} | {before} | {after} | {:+.1}% | {bound} | {:.2}% | {:.0}% |",
+                    profile.name(),
+                    layout.0,
+                    layout.1,
+                    layout.2,
+                    100.0 * (after as f64 / before as f64 - 1.0),
+                    100.0 * (after as f64 / bound.max(1) as f64 - 1.0),
+                    100.0 * cost / preprocess,
+                );
+            }
+        }
+    }
+    Ok(())
+}
