@@ -6,6 +6,7 @@ mod demo;
 mod dynamic;
 mod fdo;
 mod generate;
+mod outdir;
 mod preprocess;
 mod soak;
 mod stdio;

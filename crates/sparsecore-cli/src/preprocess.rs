@@ -12,11 +12,12 @@ use arrow_array::{ArrayRef, FixedSizeListArray, Float32Array, Int32Array, Record
 use arrow_ipc::writer::FileWriter;
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use sparsecore_prep::fdo::{tmp_path, FdoStats};
+use sparsecore_prep::fdo::FdoStats;
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::io::BatchReader;
 use sparsecore_prep::{Config, Error, Output, Preprocessor, Result, StackOutput};
 
+use super::outdir::{some_names, Staged};
 use super::{count_ids, io_err, parse_shard, table};
 
 #[derive(clap::Args)]
@@ -27,9 +28,14 @@ pub struct Args {
     /// Arrow IPC (file or stream) or Parquet input.
     #[arg(long)]
     input: PathBuf,
-    /// Output directory: <stack>.arrow per stack and stats.json.
+    /// Output directory: <stack>.arrow per stack and stats.json. It must not exist or be empty,
+    /// unless --overwrite is given.
     #[arg(long)]
     out: PathBuf,
+    /// Replace the outputs of an earlier run in --out (all at once, when this run succeeds;
+    /// stack files the earlier run wrote and this one does not are removed).
+    #[arg(long)]
+    overwrite: bool,
     /// Process record batches i, i+N, ... only.
     #[arg(long, value_parser = parse_shard)]
     shard: Option<(usize, usize)>,
@@ -69,9 +75,11 @@ fn progress(total: Option<usize>) -> ProgressBar {
     pb
 }
 
-/// One stack's output file, written under a temporary name until the run succeeds.
+/// One stack's output file, written into the staging directory until the run succeeds.
 struct StackFile {
-    tmp: PathBuf,
+    /// `<stack>.arrow`.
+    file_name: String,
+    /// Where it will be (for messages).
     path: PathBuf,
     schema: SchemaRef,
     writer: FileWriter<BufWriter<File>>,
@@ -80,9 +88,9 @@ struct StackFile {
 }
 
 impl StackFile {
-    fn create(dir: &Path, so: &StackOutput) -> Result<Self> {
-        let path = dir.join(format!("{}.arrow", file_name(&so.name)));
-        let tmp = tmp_path(&path);
+    fn create(staging: &Path, out: &Path, so: &StackOutput) -> Result<Self> {
+        let name = format!("{}.arrow", file_name(&so.name));
+        let (staged, path) = (staging.join(&name), out.join(&name));
         let rp = so.row_pointers_per_device() as i32;
         let c = so.coo_buffer_size_per_device() as i32;
         let item = |t: DataType| Arc::new(Field::new_list_field(t, false));
@@ -94,10 +102,10 @@ impl StackFile {
             Field::new("sample_ids", DataType::FixedSizeList(item(DataType::Int32), c), false),
             Field::new("gains", DataType::FixedSizeList(item(DataType::Float32), c), false),
         ]));
-        let file = File::create(&tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
+        let file = File::create(&staged).map_err(io_err(format!("creating {}", staged.display())))?;
         let writer = FileWriter::try_new(BufWriter::new(file), &schema)
             .map_err(|source| Error::Arrow { context: format!("writing {}", path.display()), source })?;
-        Ok(StackFile { tmp, path, schema, writer, rp: rp as usize, c: c as usize })
+        Ok(StackFile { file_name: name, path, schema, writer, rp: rp as usize, c: c as usize })
     }
 
     fn write(&mut self, batch_index: u64, so: &StackOutput) -> Result<()> {
@@ -127,8 +135,8 @@ impl StackFile {
         self.writer.write(&batch).map_err(arrow)
     }
 
-    /// Completes the file under its temporary name.
-    fn finish_tmp(mut self) -> Result<()> {
+    /// Completes the file (in the staging directory).
+    fn finish(mut self) -> Result<()> {
         self.writer.finish().map_err(|source| Error::Arrow { context: format!("writing {}", self.path.display()), source })
     }
 }
@@ -212,69 +220,48 @@ fn summary(stats: &FdoStats, plan: &Option<PlanAndIds>, buffers: bool) {
 
 pub fn run(a: Args) -> Result<()> {
     let config = Config::from_path(&a.config)?;
-    std::fs::create_dir_all(&a.out).map_err(io_err(format!("creating output directory {}", a.out.display())))?;
-    // Fail early, before any work, if the directory is not writable.
-    let probe = tmp_path(&a.out.join(".write-probe"));
-    File::create(&probe).map_err(io_err(format!("output directory {} is not writable", a.out.display())))?;
-    let _ = std::fs::remove_file(&probe);
+    // Before any work: refuses an --out it must not write into, and stages the outputs.
+    let staged = Staged::prepare(&a.out, a.overwrite)?;
 
     let mut files: BTreeMap<String, StackFile> = BTreeMap::new();
-    let result = stream(config, &a.config, &a.input, a.shard, a.threads, false, |index, _prep, out| {
+    let (stats, plan) = stream(config, &a.config, &a.input, a.shard, a.threads, false, |index, _prep, out| {
         for so in &out.stacks {
             if !files.contains_key(&so.name) {
-                files.insert(so.name.clone(), StackFile::create(&a.out, so)?);
+                let f = StackFile::create(staged.dir(), &a.out, so)?;
+                if let Some((other, _)) = files.iter().find(|(_, g)| g.file_name == f.file_name) {
+                    return Err(Error::config(
+                        "stack",
+                        &so.name,
+                        format!("its output file {} would also be stack `{other}`'s", f.path.display()),
+                    ));
+                }
+                files.insert(so.name.clone(), f);
             }
             files.get_mut(&so.name).expect("inserted").write(index, so)?;
         }
         Ok(())
-    });
-    let (stats, plan) = match result {
-        Ok(r) => r,
-        Err(e) => {
-            for f in files.values() {
-                let _ = std::fs::remove_file(&f.tmp);
-            }
-            return Err(e);
-        }
-    };
-    // Everything is written under temporary names first; only then is anything renamed into
-    // place, and a failed rename takes back the renames before it.
-    let stats_path = a.out.join("stats.json");
-    let stats_tmp = tmp_path(&stats_path);
-    let mut pending: Vec<(PathBuf, PathBuf)> = Vec::new();
-    // Every temporary name, taken before any file is finished, so a failure can remove all.
-    let tmps: Vec<PathBuf> = files.values().map(|f| f.tmp.clone()).collect();
-    let mut written = || -> Result<()> {
-        for (_, f) in std::mem::take(&mut files) {
-            let (tmp, path) = (f.tmp.clone(), f.path.clone());
-            pending.push((tmp, path));
-            f.finish_tmp()?;
-        }
-        std::fs::write(&stats_tmp, stats.to_json()).map_err(io_err(format!("writing {}", stats_tmp.display())))?;
-        pending.push((stats_tmp.clone(), stats_path.clone()));
-        Ok(())
-    };
-    let result = written();
-    if let Err(e) = result {
-        for t in tmps.iter().chain(pending.iter().map(|(t, _)| t)) {
-            let _ = std::fs::remove_file(t);
-        }
-        return Err(e);
+    })?;
+    let mut names: Vec<String> = Vec::new();
+    for (_, f) in std::mem::take(&mut files) {
+        names.push(f.file_name.clone());
+        f.finish()?;
     }
-    let mut done: Vec<&PathBuf> = Vec::new();
-    for (tmp, path) in &pending {
-        if let Err(source) = std::fs::rename(tmp, path) {
-            for p in done {
-                let _ = std::fs::remove_file(p);
-            }
-            for (t, _) in &pending {
-                let _ = std::fs::remove_file(t);
-            }
-            return Err(Error::Io { context: format!("renaming {} to {}", tmp.display(), path.display()), source });
-        }
-        done.push(path);
-    }
+    names.push("stats.json".into());
+    let stats_path = staged.dir().join("stats.json");
+    std::fs::write(&stats_path, stats.to_json()).map_err(io_err(format!("writing {}", a.out.join("stats.json").display())))?;
+    // Everything is complete in the staging directory; only now does it reach --out (and on an
+    // error before this, dropping `staged` removes it).
+    let committed = staged.commit()?;
+
     summary(&stats, &plan, true);
+    outln!("wrote {} files to {}: {}", names.len(), a.out.display(), names.join(", "));
+    if !committed.replaced.is_empty() || !committed.stale.is_empty() {
+        let stale = match committed.stale.len() {
+            0 => "none stale".to_string(),
+            n => format!("removed {n} stale: {}", some_names(&committed.stale, 8)),
+        };
+        outln!("replaced the {} files of the earlier run in {} ({stale})", committed.replaced.len() + committed.stale.len(), a.out.display());
+    }
     Ok(())
 }
 

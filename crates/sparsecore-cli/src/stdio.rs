@@ -5,7 +5,7 @@
 //! panic and exit status 101. Every line the tool prints on stdout goes through [`outln!`]
 //! instead: a closed stdout ends the process quietly with status 141 (128 + SIGPIPE, what a
 //! shell reports for `yes | head`); any other write error (a full disk behind a redirection) is
-//! one error line on stderr and status 1. Lines on stderr (errors) never end the
+//! one error line on stderr and status 1. Lines on stderr ([`warning!`], errors) never end the
 //! process: a closed stderr only loses them.
 
 use std::fmt;
@@ -52,4 +52,11 @@ macro_rules! outln {
     };
 }
 
-pub(crate) use outln;
+/// One `sparsecore-prep: warning: ...` line on stderr.
+macro_rules! warning {
+    ($($arg:tt)*) => {
+        $crate::stdio::write_stderr(format_args!("sparsecore-prep: warning: {}\n", format_args!($($arg)*)))
+    };
+}
+
+pub(crate) use {outln, warning};

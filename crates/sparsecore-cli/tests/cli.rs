@@ -1008,7 +1008,73 @@ fn preprocess_is_quiet_on_stderr_when_not_a_terminal() {
     assert_eq!(stdout.lines().filter(|l| l.starts_with('t')).count(), 26, "{stdout}");
 }
 
-/// A rerun into the same directory replaces the outputs.
+/// Every file of a directory and its bytes.
+fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    listing(dir).into_iter().map(|n| (n.clone(), std::fs::read(dir.join(&n)).unwrap())).collect()
+}
+
+/// No temporary, staging or set-aside directory or file of a run in `dir`.
+fn assert_no_leftovers(dir: &Path) {
+    let left: Vec<String> = listing(dir).into_iter().filter(|n| n.contains(".tmp-") || n.contains(".old-")).collect();
+    assert!(left.is_empty(), "leftovers in {}: {left:?}", dir.display());
+}
+
+/// `preprocess`'s last stdout line, `wrote N files to DIR: a, b, ...`: the names it lists.
+fn wrote_line(stdout: &str, out: &Path) -> Vec<String> {
+    let line = stdout.lines().find(|l| l.starts_with("wrote ")).unwrap_or_else(|| panic!("no `wrote` line in {stdout}"));
+    let prefix = format!("files to {}: ", out.display());
+    let (head, names) = line.split_once(&prefix).unwrap_or_else(|| panic!("{line:?} does not name {}", out.display()));
+    let names: Vec<String> = names.split(", ").map(String::from).collect();
+    assert_eq!(head, format!("wrote {} ", names.len()), "{line}");
+    names
+}
+
+/// A config of the first `n` features of `cfg` and their tables.
+fn first_features(cfg: &Path, n: usize, to: &Path) -> Vec<String> {
+    let mut c = read_json(cfg);
+    let features: Vec<Value> = c["features"].as_array().unwrap()[..n].to_vec();
+    let used: Vec<String> = features.iter().map(|f| f["table"].as_str().unwrap().to_string()).collect();
+    let tables: Vec<Value> = c["tables"].as_array().unwrap().iter().filter(|t| used.contains(&t["name"].as_str().unwrap().to_string())).cloned().collect();
+    c["features"] = json!(features);
+    c["tables"] = json!(tables);
+    write_json(to, &c);
+    used
+}
+
+/// `preprocess` says where its outputs are: one line naming the directory and every file, which
+/// are exactly the files there.
+#[test]
+fn preprocess_says_where_it_wrote() {
+    let dir = TempDir::new("wrote");
+    let (data, cfg) = small(&dir);
+    let out = dir.join("out");
+    let stdout = preprocess(&cfg, &data, &out, &[]);
+    let names = wrote_line(&stdout, &out);
+    assert_eq!(names.len(), 27, "{names:?}");
+    assert_eq!(names.last().map(String::as_str), Some("stats.json"));
+    assert_eq!(names[0], "t00.arrow");
+    let mut sorted = names.clone();
+    sorted.sort();
+    assert_eq!(listing(&out), sorted);
+    assert_no_leftovers(&dir.0);
+
+    // An existing empty directory is filled (its staging directory inside it is gone after).
+    let empty = dir.join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let small_cfg = dir.join("three.json");
+    first_features(&cfg, 3, &small_cfg);
+    let stdout = preprocess(&small_cfg, &data, &empty, &[]);
+    assert_eq!(wrote_line(&stdout, &empty), ["t00.arrow", "t01.arrow", "t02.arrow", "stats.json"]);
+    assert_eq!(listing(&empty), ["stats.json", "t00.arrow", "t01.arrow", "t02.arrow"]);
+    assert_no_leftovers(&dir.0);
+}
+
+// Regression: a rerun into the directory of an earlier run silently mixed the two: the new run
+// rewrote the stack files it had, and the earlier run's other `<stack>.arrow` files stayed, as if
+// they belonged to it.
+/// A non-empty `--out` is refused, naming the directory and `--overwrite`, before any work and
+/// with the earlier outputs untouched; with `--overwrite` the rerun replaces them (its stats,
+/// its stack files).
 #[test]
 fn preprocess_overwrites_previous_outputs() {
     let dir = TempDir::new("rerun");
@@ -1016,12 +1082,91 @@ fn preprocess_overwrites_previous_outputs() {
     let out = dir.join("out");
     preprocess(&cfg, &data, &out, &[]);
     let first = read_json(&out.join("stats.json"));
-    preprocess(&cfg, &data, &out, &["--shard", "0/2"]);
+    let before = snapshot(&out);
+    let line = fail(&["preprocess", "--config", s(&cfg), "--input", s(&data), "--out", s(&out), "--shard", "0/2"]);
+    assert_mentions(&line, &[s(&out), "not empty", "stats.json", "--overwrite"]);
+    assert_eq!(snapshot(&out), before, "a refused run changed the earlier outputs");
+    assert_no_leftovers(&dir.0);
+
+    let stdout = preprocess(&cfg, &data, &out, &["--shard", "0/2", "--overwrite"]);
     let second = read_json(&out.join("stats.json"));
     assert_eq!(first["batches"], json!(2));
     assert_eq!(second["batches"], json!(1));
     assert_eq!(read_stack_file(&out.join("t00.arrow")).1.len(), 1);
-    assert!(listing(&out).iter().all(|n| !n.contains(".tmp-")));
+    assert_eq!(wrote_line(&stdout, &out).len(), 27);
+    assert!(stdout.contains(&format!("replaced the 27 files of the earlier run in {} (none stale)", out.display())), "{stdout}");
+    assert_no_leftovers(&out);
+    assert_no_leftovers(&dir.0);
+}
+
+/// `--overwrite` with fewer stacks than the earlier run: the earlier run's other stack files are
+/// gone, and stdout names them.
+#[test]
+fn overwrite_removes_stale_stack_files() {
+    let dir = TempDir::new("stale");
+    let (data, cfg) = small(&dir);
+    let out = dir.join("out");
+    preprocess(&cfg, &data, &out, &[]);
+    assert_eq!(listing(&out).len(), 27);
+    let three = dir.join("three.json");
+    let tables = first_features(&cfg, 3, &three);
+    let stdout = preprocess(&three, &data, &out, &["--overwrite"]);
+    let mut want: Vec<String> = tables.iter().map(|t| format!("{t}.arrow")).collect();
+    want.push("stats.json".into());
+    assert_eq!(wrote_line(&stdout, &out), want);
+    want.sort();
+    assert_eq!(listing(&out), want, "stale stack files of the earlier run are left");
+    assert_eq!(stack_names(&read_json(&out.join("stats.json"))), tables);
+    assert!(stdout.contains("(removed 23 stale: t03.arrow, t04.arrow,"), "{stdout}");
+    // The stack files are this run's: the same bytes as a fresh run's.
+    let fresh = dir.join("fresh");
+    preprocess(&three, &data, &fresh, &[]);
+    assert_same_outputs(&out, &fresh);
+    assert_no_leftovers(&dir.0);
+}
+
+/// An `--overwrite` run that fails (here: batch 1 exceeds the limits) leaves the earlier outputs
+/// exactly as they were, and nothing else behind.
+#[test]
+fn failed_overwrite_keeps_the_earlier_outputs() {
+    let dir = TempDir::new("overwrite-fail");
+    let (_, cfg1, _) = generate(&dir, "one", "criteo", 64, 1, "1/1/4", false);
+    let (data4, cfg4, _) = generate(&dir, "four", "criteo", 64, 4, "1/1/4", false);
+    let out = dir.join("out");
+    preprocess(&cfg4, &data4, &out, &[]);
+    let before = snapshot(&out);
+    let line = fail(&["preprocess", "--config", s(&cfg1), "--input", s(&data4), "--out", s(&out), "--overwrite"]);
+    assert_mentions(&line, &["is greater than the set"]);
+    assert_eq!(snapshot(&out), before);
+    assert_no_leftovers(&dir.0);
+}
+
+/// `--overwrite` replaces only what a run writes: a directory that also holds other files is
+/// refused (naming them) and left alone; a symlink to the output directory stays a symlink.
+#[test]
+fn overwrite_refuses_foreign_files_and_keeps_symlinks() {
+    let dir = TempDir::new("overwrite-foreign");
+    let (data, cfg) = small(&dir);
+    let out = dir.join("out");
+    preprocess(&cfg, &data, &out, &[]);
+    std::fs::write(out.join("notes.txt"), "mine").unwrap();
+    std::fs::create_dir(out.join("sub")).unwrap();
+    let line = fail(&["preprocess", "--config", s(&cfg), "--input", s(&data), "--out", s(&out), "--overwrite"]);
+    assert_mentions(&line, &[s(&out), "notes.txt", "sub/", "--overwrite"]);
+    assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
+    assert!(out.join("sub").is_dir());
+    assert_eq!(listing(&out).len(), 29);
+    assert_no_leftovers(&dir.0);
+
+    // Through a symlink: the outputs are replaced where the link points, and the link stays.
+    let real = dir.join("real");
+    preprocess(&cfg, &data, &real, &[]);
+    let link = dir.join("link");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    preprocess(&cfg, &data, &link, &["--overwrite", "--shard", "1/2"]);
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+    assert_eq!(read_json(&real.join("stats.json"))["batches"], json!(1));
+    assert_no_leftovers(&dir.0);
 }
 
 /// `generate` is deterministic: the same arguments give the same bytes; another seed does not.
