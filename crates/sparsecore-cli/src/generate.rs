@@ -2,9 +2,12 @@
 
 use crate::stdio::outln;
 use std::fs::File;
+use std::io::Write;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use arrow_ipc::writer::FileWriter;
+use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sparsecore_prep::spec::Stacking;
 use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 use sparsecore_prep::{Error, Result};
@@ -67,17 +70,33 @@ pub fn run(a: Args) -> Result<()> {
     spec.stacking = a.stacking;
     spec.int32_ids = a.int32_ids;
     spec.raw_keys = a.raw_keys;
+    // Progress on stderr, drawn only when it is a terminal (indicatif hides it otherwise), so
+    // pipes and tests see nothing. The workload is built in one call (the test kit's), which
+    // shows as a ticking spinner; writing it shows batches and bytes.
+    let pb = progress(None, "{spinner} [{elapsed_precise}] {wide_msg}");
+    pb.set_message(format!(
+        "generating {} batch{} of {} samples ({}) and measuring their limits",
+        spec.num_batches,
+        if spec.num_batches == 1 { "" } else { "es" },
+        spec.batch_size,
+        a.profile.name()
+    ));
     let w = generate(&spec)?;
+    pb.finish_and_clear();
 
     // Both files go to temporary names first and are renamed only when both are complete.
     let tmp = sparsecore_prep::fdo::tmp_path(&a.out);
     let config_tmp = sparsecore_prep::fdo::tmp_path(&a.config_out);
+    let pb = progress(Some(w.batches.len() as u64), "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} batches written to {wide_msg}");
     let write = || -> Result<()> {
         let file = File::create(&tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
         let arrow = |source| Error::Arrow { context: format!("writing {}", a.out.display()), source };
-        let mut writer = FileWriter::try_new(file, &w.schema).map_err(arrow)?;
+        let mut writer = FileWriter::try_new(Counting { inner: file, bytes: 0 }, &w.schema).map_err(arrow)?;
+        pb.set_message(format!("{} (0 B)", a.out.display()));
         for b in &w.batches {
             writer.write(b).map_err(arrow)?;
+            pb.set_message(format!("{} ({})", a.out.display(), HumanBytes(writer.get_ref().bytes)));
+            pb.inc(1);
         }
         writer.finish().map_err(arrow)?;
         std::fs::write(&config_tmp, w.config.to_json()).map_err(io_err(format!("writing {}", config_tmp.display())))?;
@@ -85,7 +104,9 @@ pub fn run(a: Args) -> Result<()> {
         std::fs::rename(&config_tmp, &a.config_out)
             .map_err(io_err(format!("renaming {} to {}", config_tmp.display(), a.config_out.display())))
     };
-    if let Err(e) = write() {
+    let written = write();
+    pb.finish_and_clear();
+    if let Err(e) = written {
         let _ = std::fs::remove_file(&tmp);
         let _ = std::fs::remove_file(&config_tmp);
         return Err(e);
@@ -106,4 +127,32 @@ pub fn run(a: Args) -> Result<()> {
     });
     outln!("{line}");
     Ok(())
+}
+
+/// A progress bar (or spinner, without a length) on stderr, ticking on its own when drawn.
+fn progress(len: Option<u64>, template: &str) -> ProgressBar {
+    let pb = ProgressBar::with_draw_target(len, ProgressDrawTarget::stderr());
+    pb.set_style(ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_spinner()));
+    if !pb.is_hidden() {
+        pb.enable_steady_tick(Duration::from_millis(100));
+    }
+    pb
+}
+
+/// A writer that counts the bytes written through it.
+struct Counting<W> {
+    inner: W,
+    bytes: u64,
+}
+
+impl<W: Write> Write for Counting<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.bytes += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }

@@ -1308,3 +1308,40 @@ fn every_subcommand_ends_quietly_on_a_closed_stdout() {
     // soak prints its first line before any batch.
     check(&["soak", "--minutes", "0.01", "--threads", "1"]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Progress
+// ---------------------------------------------------------------------------------------------
+
+/// `generate` draws its progress on stderr when that is a terminal (here a pseudo-terminal from
+/// util-linux `script`), and nothing when it is a pipe; either way it writes the same files.
+#[test]
+fn generate_shows_progress_on_a_terminal_only() {
+    let dir = TempDir::new("gen-progress");
+    let args = |tag: &str| -> Vec<String> {
+        ["generate", "--profile", "criteo", "--batch-size", "64", "--num-batches", "2", "--out"]
+            .iter()
+            .map(|a| a.to_string())
+            .chain([s(&dir.join(&format!("{tag}.arrow"))).to_string(), "--config-out".into(), s(&dir.join(&format!("{tag}.json"))).to_string()])
+            .collect()
+    };
+    let piped = args("piped");
+    let o = Command::new(BIN).args(&piped).output().unwrap();
+    assert!(o.status.success());
+    assert_eq!(String::from_utf8_lossy(&o.stderr), "", "progress drawn into a pipe");
+    assert_eq!(String::from_utf8(o.stdout).unwrap().lines().count(), 1);
+
+    let has_script = cfg!(target_os = "linux") && Command::new("script").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !has_script {
+        eprintln!("skipped the terminal half: no util-linux `script`");
+        return;
+    }
+    let quoted: Vec<String> = std::iter::once(BIN.to_string()).chain(args("tty")).map(|a| format!("'{a}'")).collect();
+    let o = Command::new("script").args(["-qec", &quoted.join(" "), "/dev/null"]).output().unwrap();
+    let shown = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{shown}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert!(shown.contains("generating 2 batches of 64 samples (criteo)"), "no generation spinner in {shown:?}");
+    assert!(shown.contains("batches written to "), "no writing bar in {shown:?}");
+    assert!(shown.contains("\"batches\":2"), "no summary line in {shown:?}");
+    assert_eq!(std::fs::read(dir.join("tty.arrow")).unwrap(), std::fs::read(dir.join("piped.arrow")).unwrap());
+}
