@@ -1304,6 +1304,13 @@ fn every_subcommand_ends_quietly_on_a_closed_stdout() {
     assert!(dir.join("t.json").exists());
     check(&["bench", "--config", s(&cfg), "--input", s(&data), "--threads", "1", "--repeat", "1"]);
     check(&["bench", "--config", s(&cfg), "--input", s(&data), "--threads", "1", "--repeat", "1", "--json"]);
+    // One batch: the export loses nothing, so it warns about nothing.
+    let mut one = read_json(&st);
+    one["batches"] = json!(1);
+    write_json(&dir.join("one.json"), &one);
+    check(&["fdo", "export", s(&dir.join("one.json")), "-o", s(&dir.join("m.npz"))]);
+    check(&["fdo", "import", s(&dir.join("m.npz")), "--layout", "1/1/4", "-o", s(&dir.join("i.json"))]);
+    assert_eq!(read_json(&dir.join("i.json"))["stacks"], read_json(&st)["stacks"]);
     check(&["dynamic", "load", "--backend", "memory", "--batches", "2"]);
     // soak prints its first line before any batch.
     check(&["soak", "--minutes", "0.01", "--threads", "1"]);
@@ -1344,4 +1351,120 @@ fn generate_shows_progress_on_a_terminal_only() {
     assert!(shown.contains("batches written to "), "no writing bar in {shown:?}");
     assert!(shown.contains("\"batches\":2"), "no summary line in {shown:?}");
     assert_eq!(std::fs::read(dir.join("tty.arrow")).unwrap(), std::fs::read(dir.join("piped.arrow")).unwrap());
+}
+
+// ---------------------------------------------------------------------------------------------
+// fdo export / import
+// ---------------------------------------------------------------------------------------------
+
+/// Runs and requires success; returns (stdout, stderr lines).
+fn ok_with_stderr(args: &[&str]) -> (String, Vec<String>) {
+    let o = run(args);
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "`sparsecore-prep {}` failed ({}): {stderr}", args.join(" "), o.status);
+    (String::from_utf8(o.stdout).unwrap(), stderr.lines().map(String::from).collect())
+}
+
+// Regression: `fdo export` and `fdo import` printed nothing, and the NPZ/CSV round trip silently
+// turned `batches` 4 into 1.
+/// Stats of 4 batches exported to NPZ and to CSV: one summary line each (stacks, arrays, the
+/// input, batches, layout, the output and its format, the --layout to import it with), and one
+/// warning that the format does not keep batches (4) and reads back as 1; importing prints its
+/// own summary, warns about nothing, and gives the stats back with batches 1.
+#[test]
+fn fdo_export_and_import_summarise_and_warn_about_batches() {
+    let dir = TempDir::new("fdo-roundtrip");
+    let (data, cfg) = small(&dir);
+    let out = dir.join("out");
+    preprocess(&cfg, &data, &out, &[]);
+    let st = out.join("stats.json");
+    let merged = dir.join("merged.json");
+    ok(&["fdo", "merge", s(&st), s(&st), "-o", s(&merged)]);
+    let original = read_json(&merged);
+    assert_eq!(original["batches"], json!(4));
+    for (ext, format, client) in [("npz", "NPZ", "NPZFileFDOClient"), ("csv", "CSV", "CSVFileFDOClient")] {
+        let dump = dir.join(&format!("fdo_stats.{ext}"));
+        let (stdout, warnings) = ok_with_stderr(&["fdo", "export", s(&merged), "-o", s(&dump)]);
+        assert_eq!(
+            stdout,
+            format!(
+                "exported 26 stacks (104 arrays) of {} (batches 4, layout 1/1/4) to {} ({format}, the reference's {client} dump); it stores no layout: import it with --layout 1/1/4\n",
+                merged.display(),
+                dump.display()
+            )
+        );
+        assert_eq!(
+            warnings,
+            [format!(
+                "sparsecore-prep: warning: {}: the {format} format holds no batch count: batches (4) is not kept and will read back as 1",
+                dump.display()
+            )]
+        );
+
+        let back = dir.join(&format!("back_{ext}.json"));
+        let (stdout, warnings) = ok_with_stderr(&["fdo", "import", s(&dump), "--layout", "1/1/4", "-o", s(&back)]);
+        assert_eq!(
+            stdout,
+            format!(
+                "imported 26 stacks (104 arrays) from {} ({format}) to {}: layout 1/1/4, batches 1 (one per recorded row; {format} stores no batch count)\n",
+                dump.display(),
+                back.display()
+            )
+        );
+        assert_eq!(warnings, Vec::<String>::new());
+        let mut want = original.clone();
+        want["batches"] = json!(1);
+        assert_eq!(read_json(&back), want, "{ext}: everything but batches reads back");
+    }
+
+    // Stats of one batch lose nothing: no warning.
+    let one = dir.join("one.npz");
+    let (stdout, warnings) = ok_with_stderr(&["fdo", "export", s(&out.join("stats.json")), "-o", s(&one)]);
+    assert!(stdout.contains("(batches 2, layout 1/1/4)"), "{stdout}");
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    let mut single = read_json(&st);
+    single["batches"] = json!(1);
+    let single_path = dir.join("single.json");
+    write_json(&single_path, &single);
+    let (_, warnings) = ok_with_stderr(&["fdo", "export", s(&single_path), "-o", s(&one)]);
+    assert_eq!(warnings, Vec::<String>::new());
+}
+
+/// Other values the formats cannot hold are named too: a drop count past int64 on export, and
+/// on import values outside int32 and a negative drop count (clamped).
+#[test]
+fn fdo_export_and_import_warn_about_values_they_cannot_hold() {
+    let dir = TempDir::new("fdo-values");
+    let stats = dir.join("stats.json");
+    write_json(
+        &stats,
+        &json!({
+            "version": 1,
+            "layout": {"local_device_count": 1, "global_device_count": 1, "num_sc_per_device": 4},
+            "batches": 1,
+            "stacks": {"a": {"max_ids_per_partition": [1, 2, 3, 4], "max_unique_ids_per_partition": [1, 1, 1, 1],
+                             "required_buffer_size_per_sc": [8, 8, 8, 8], "dropped_id_count": u64::MAX}}
+        }),
+    );
+    let dump = dir.join("a.csv");
+    let (stdout, warnings) = ok_with_stderr(&["fdo", "export", s(&stats), "-o", s(&dump)]);
+    assert!(stdout.starts_with("exported 1 stack (4 arrays) of "), "{stdout}");
+    assert_eq!(
+        warnings,
+        [format!(
+            "sparsecore-prep: warning: {}: stack `a`: dropped_id_count (18446744073709551615) does not fit the format's int64 and will read back as 0",
+            dump.display()
+        )]
+    );
+
+    let odd = dir.join("odd.csv");
+    std::fs::write(&odd, "key,values\nx_max_ids,1 5000000000 -5000000000\nx_max_unique_ids,1 1 1\nx_id_drop_counters,-3\n").unwrap();
+    let back = dir.join("odd.json");
+    let (stdout, warnings) = ok_with_stderr(&["fdo", "import", s(&odd), "--layout", "1/1/3", "-o", s(&back)]);
+    assert!(stdout.starts_with(&format!("imported 1 stack (3 arrays) from {} (CSV) to {}: layout 1/1/3, batches 1", odd.display(), back.display())), "{stdout}");
+    let w = |m: &str| format!("sparsecore-prep: warning: {}: {m}", odd.display());
+    assert_eq!(warnings, [w("x_id_drop_counters is negative (-3), imported as 0"), w("x_max_ids: 2 value(s) outside int32, clamped to the int32 range")]);
+    let got = read_json(&back);
+    assert_eq!(got["stacks"]["x"]["max_ids_per_partition"], json!([1, i32::MAX, i32::MIN]));
+    assert_eq!(got["stacks"]["x"]["dropped_id_count"], json!(0));
 }
