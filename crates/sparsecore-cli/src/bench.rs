@@ -1,7 +1,6 @@
 //! `bench`: time preprocessing of a whole file held in memory, reporting the same fields as
 //! `../shared/peer/run_peer.py` so that both can be compared in one run.
 
-use crate::stdio::outln;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -9,6 +8,7 @@ use sparsecore_prep::input::{features_from_record_batch, ArrowListInput, SampleS
 use sparsecore_prep::io::BatchReader;
 use sparsecore_prep::{Config, Output, Preprocessor, Result};
 
+use super::stdio::outln;
 use super::table;
 
 #[derive(clap::Args)]

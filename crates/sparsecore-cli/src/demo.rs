@@ -1,6 +1,5 @@
 //! `demo`: the bundled batch through the whole pipeline, with a summary table.
 
-use crate::stdio::outln;
 use std::io::Cursor;
 use std::time::Instant;
 
@@ -8,6 +7,7 @@ use arrow_ipc::reader::FileReader;
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::{Config, Error, Output, Preprocessor};
 
+use super::stdio::outln;
 use super::table;
 
 const CONFIG: &str = include_str!("../../../testdata/demo/criteo_256.json");

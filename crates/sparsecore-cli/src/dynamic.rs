@@ -3,12 +3,13 @@
 //! different `--worker` indices against one Redis table are a multi-worker load test whose
 //! result any process can replay (every batch is a pure function of the seed and its id).
 
-use crate::stdio::outln;
 use std::time::{Duration, Instant};
 
 use sparsecore_kernel::dynamic::{DynamicTable, DynamicTableSpec, Initializer, LoadStream, MemoryTable};
 use sparsecore_kernel::Optimizer;
 use sparsecore_prep::{Error, Result};
+
+use super::stdio::outln;
 
 #[derive(clap::Subcommand)]
 pub enum Command {

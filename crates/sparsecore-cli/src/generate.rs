@@ -1,6 +1,5 @@
 //! `generate`: a synthetic workload as an Arrow IPC file plus its config.
 
-use crate::stdio::outln;
 use std::fs::File;
 use std::io::Write;
 use std::path::PathBuf;
@@ -12,6 +11,7 @@ use sparsecore_prep::spec::Stacking;
 use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 use sparsecore_prep::{Error, Result};
 
+use super::stdio::outln;
 use super::{io_err, parse_layout};
 
 #[derive(clap::Args)]

@@ -1,6 +1,5 @@
 //! `preprocess` and `stats`: stream a file through the pipeline, batch by batch.
 
-use crate::stdio::outln;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::BufWriter;
@@ -18,6 +17,7 @@ use sparsecore_prep::io::BatchReader;
 use sparsecore_prep::{Config, Error, Output, Preprocessor, Result, StackOutput};
 
 use super::outdir::{some_names, Staged};
+use super::stdio::outln;
 use super::{count_ids, io_err, parse_shard, table};
 
 #[derive(clap::Args)]

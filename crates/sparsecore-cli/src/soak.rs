@@ -19,7 +19,6 @@
 //! than 5% above the warm-up's.
 
 
-use crate::stdio::outln;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
@@ -30,6 +29,8 @@ use sparsecore_prep::{Config, Output, Preprocessor, Result};
 
 use sparsecore_testkit::model;
 use sparsecore_testkit::model::{Batch, Feature, FlatBatch};
+
+use super::stdio::outln;
 
 /// Options of `soak`: the run's length, its random stream, and how often to pay for a check.
 #[derive(clap::Args)]

@@ -1,8 +1,9 @@
 //! The per-stack summary table printed by `demo`, `preprocess`, `stats` and `bench`.
 
-use crate::stdio::outln;
 use sparsecore_prep::spec::Plan;
 use sparsecore_prep::StackStats;
+
+use super::stdio::outln;
 
 /// One stack's row.
 pub struct Row<'a> {

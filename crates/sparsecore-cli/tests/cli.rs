@@ -1,5 +1,6 @@
 //! End-to-end tests of the `sparsecore-prep` binary: `generate`, `preprocess`, `stats`,
-//! `fdo merge`, `fdo tune`, `bench` and `demo`, run as real processes in temporary directories.
+//! `fdo merge`, `fdo tune`, `fdo export`, `fdo import`, `bench` and `demo`, run as real processes
+//! in temporary directories.
 //!
 //! What is checked:
 //! - the FDO loop of the issue (generate → preprocess → fdo merge → fdo tune → preprocess) ends
@@ -10,7 +11,12 @@
 //!   `demo` prints its 26 stacks;
 //! - Parquet and Arrow IPC stream inputs give what the Arrow IPC file gives;
 //! - every bad input exits non-zero with one line on stderr naming what is wrong, and leaves no
-//!   output (final or temporary) behind.
+//!   output (final or temporary) behind;
+//! - `preprocess` names every file it wrote, refuses a non-empty `--out` unless `--overwrite`,
+//!   which replaces the earlier outputs all at once (no stale stack file, nothing lost on error);
+//! - a closed stdout ends every subcommand quietly (status 141, nothing on stderr);
+//! - `generate` draws progress on a terminal only;
+//! - `fdo export` / `fdo import` print a summary and warn about what the format cannot hold.
 //!
 //! Tests marked `// Regression:` reproduce defects that were found and fixed; they keep them fixed.
 
