@@ -1,0 +1,329 @@
+//! Batch samplers (besskge's `RandomShardedBatchSampler` and `RigidShardedBatchSampler`;
+//! SPEC section 4): every step takes the same number of triples from every partition.
+
+use std::sync::Arc;
+
+use ndarray::{ArrayD, IxDyn};
+
+use crate::error::{BessError, Result};
+use crate::negative::{Corruption, NegativeSampler};
+use crate::partition::{PartitionMode, PartitionedTriples};
+use crate::rng::NumpyRng;
+
+/// Batch geometry (SPEC 4.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    /// Shards `n`.
+    pub n_shard: usize,
+    /// Partition mode.
+    pub mode: PartitionMode,
+    /// Positive triples per shard per batch, as asked.
+    pub shard_bs: usize,
+    /// Batches per step (per call).
+    pub batches_per_step: usize,
+    /// Triples per partition block per batch (`positive_per_partition`).
+    pub ppp: usize,
+    /// `bps * ppp` (`partition_sample_size`).
+    pub pss: usize,
+    /// Last-axis length after duplication: `2 * ppp` with `duplicate_batch`, else `ppp`.
+    pub q: usize,
+    /// Whether each block is followed by a copy of itself.
+    pub duplicate_batch: bool,
+}
+
+impl Geometry {
+    /// ppp = ceil(shard_bs / n) (shard pairs) or shard_bs; halved for `duplicate_batch`;
+    /// rounded down to even for "ht" corruption. Zero triples per block is an error.
+    pub fn new(part: &PartitionedTriples, shard_bs: usize, batches_per_step: usize, duplicate_batch: bool, corruption: Corruption) -> Result<Self> {
+        let n = part.n_shard();
+        if batches_per_step == 0 {
+            return Err(BessError::param("batches_per_step", 0, "must be at least 1"));
+        }
+        let ppp_of = |bs: usize| {
+            let mut p = if part.mode == PartitionMode::HtShardPair { bs.div_ceil(n) } else { bs };
+            if duplicate_batch {
+                p /= 2;
+            }
+            if corruption == Corruption::Ht {
+                p = p / 2 * 2;
+            }
+            p
+        };
+        let ppp = ppp_of(shard_bs);
+        if ppp == 0 {
+            let mut minimum = shard_bs.max(1);
+            while ppp_of(minimum) == 0 {
+                minimum += 1;
+            }
+            return Err(BessError::ZeroTriplesPerBlock { shard_bs, ppp, n_shard: n, duplicate_batch, corruption: corruption.as_str(), minimum });
+        }
+        let pss = batches_per_step.checked_mul(ppp).ok_or_else(|| BessError::param("batches_per_step", batches_per_step, "too large"))?;
+        Ok(Geometry { n_shard: n, mode: part.mode, shard_bs, batches_per_step, ppp, pss, q: if duplicate_batch { 2 * ppp } else { ppp }, duplicate_batch })
+    }
+
+    /// The block shape: `[n, n]` for shard pairs, `[n]` otherwise.
+    #[must_use]
+    pub fn blk(&self) -> Vec<usize> {
+        match self.mode {
+            PartitionMode::HtShardPair => vec![self.n_shard, self.n_shard],
+            _ => vec![self.n_shard],
+        }
+    }
+
+    /// Number of partitions `P`.
+    #[must_use]
+    pub fn partitions(&self) -> usize {
+        self.mode.partitions(self.n_shard)
+    }
+}
+
+/// Which batch sampler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SamplerKind {
+    /// Uniform with replacement inside every partition, from `default_rng(seed)` (seed words).
+    Random {
+        /// The seed's little-endian 32-bit words.
+        seed_words: Vec<u32>,
+    },
+    /// Every partition read cyclically at the same positions, padded to the longest one, with
+    /// a mask. `shuffle = None` is besskge's `shuffle=False`, exactly. `Some(seed words)`
+    /// shuffles the positions of each epoch with **our** generator: epoch `e` uses the `e`-th
+    /// `permutation(len)` of `default_rng(seed)` (besskge draws it from torch's global RNG,
+    /// which we do not reproduce; SPEC section 0).
+    Rigid {
+        /// Seed words of the per-epoch position shuffle, or `None` for sequential positions.
+        shuffle: Option<Vec<u32>>,
+    },
+}
+
+/// One step's arrays (SPEC 4.2). Shapes: `(bps, *blk, q)` for the triple arrays; `tail` is
+/// transposed to `(bps, t_shard, h_shard, q)` for shard pairs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    /// Head ids (local for `ht_shardpair` / `h_shard`).
+    pub head: ArrayD<i32>,
+    /// Relation ids.
+    pub relation: ArrayD<i32>,
+    /// Tail ids (local for `ht_shardpair` / `t_shard`), transposed for shard pairs.
+    pub tail: ArrayD<i32>,
+    /// Rigid only: which entries are real triples (false = cyclic padding).
+    pub triple_mask: Option<ArrayD<bool>>,
+    /// Negatives, when a negative sampler is attached.
+    pub negative: Option<ArrayD<i32>>,
+    /// TripleBased only.
+    pub negative_mask: Option<ArrayD<bool>>,
+    /// TripleBased with `return_sort_idx` only.
+    pub negative_sort_idx: Option<ArrayD<i32>>,
+    /// The indices into the sorted triples, when `return_triple_idx` is set.
+    pub triple_idx: Option<ArrayD<i64>>,
+    /// The indices into the sorted triples, always (what `triple_idx` returns).
+    pub sample_idx: ArrayD<i64>,
+}
+
+#[derive(Debug, Clone)]
+enum State {
+    Random(NumpyRng),
+    Rigid { shuffle: Option<(Vec<u32>, NumpyRng, usize, Vec<usize>)> },
+}
+
+/// A sharded batch sampler with its negative sampler (besskge's `ShardedBatchSampler`).
+#[derive(Debug, Clone)]
+pub struct BatchSampler {
+    part: Arc<PartitionedTriples>,
+    geometry: Geometry,
+    negative: Option<NegativeSampler>,
+    return_triple_idx: bool,
+    state: State,
+}
+
+/// Options of a [`BatchSampler`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub struct BatchOptions {
+    /// Positive triples per shard per batch.
+    pub shard_bs: usize,
+    /// Batches per call.
+    pub batches_per_step: usize,
+    /// Append a copy of every block (for "ht" at inference).
+    pub duplicate_batch: bool,
+    /// Add `triple_idx`.
+    pub return_triple_idx: bool,
+    /// Random or Rigid.
+    pub kind: SamplerKind,
+}
+
+impl BatchSampler {
+    /// A sampler over `part`. The negative sampler's corruption scheme decides the "ht"
+    /// rounding; without one, "h" is assumed (no rounding) and batches carry no negatives.
+    pub fn new(part: Arc<PartitionedTriples>, options: BatchOptions, negative: Option<NegativeSampler>) -> Result<Self> {
+        let corruption = negative.as_ref().map_or(Corruption::H, NegativeSampler::corruption);
+        let geometry = Geometry::new(&part, options.shard_bs, options.batches_per_step, options.duplicate_batch, corruption)?;
+        let state = match options.kind {
+            SamplerKind::Random { seed_words } => {
+                if let Some(p) = part.triple_counts.iter().position(|&c| c == 0) {
+                    return Err(BessError::EmptyPartition { sampler: "random batch sampler", partition: part.partition_name(p) });
+                }
+                State::Random(NumpyRng::from_words(&seed_words))
+            }
+            SamplerKind::Rigid { shuffle } => State::Rigid {
+                shuffle: shuffle.map(|w| {
+                    let rng = NumpyRng::from_words(&w);
+                    (w, rng, usize::MAX, Vec::new())
+                }),
+            },
+        };
+        Ok(BatchSampler { part, geometry, negative, return_triple_idx: options.return_triple_idx, state })
+    }
+
+    /// The geometry.
+    #[must_use]
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    /// The partitioned triples.
+    #[must_use]
+    pub fn partitioned(&self) -> &Arc<PartitionedTriples> {
+        &self.part
+    }
+
+    /// besskge's `len`: steps per epoch (Random) or the padded partition length (Rigid).
+    #[must_use]
+    pub fn len(&self) -> usize {
+        let max = self.part.triple_counts.iter().copied().max().unwrap_or(0).max(0) as usize;
+        let steps = max.div_ceil(self.geometry.pss);
+        match self.state {
+            State::Random(_) => steps,
+            State::Rigid { .. } => steps * self.geometry.pss,
+        }
+    }
+
+    /// Whether `len` is 0 (never for a built set).
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Steps in one epoch: `len` for Random, `len / pss` for Rigid.
+    #[must_use]
+    pub fn steps_per_epoch(&self) -> usize {
+        match self.state {
+            State::Random(_) => self.len(),
+            State::Rigid { .. } => self.len() / self.geometry.pss,
+        }
+    }
+
+    /// Fraction of Rigid's positions that are padding (mask false), over one epoch: its
+    /// overhead compared with reading every triple once.
+    #[must_use]
+    pub fn rigid_padding_fraction(&self) -> f64 {
+        let len = self.len() as f64 * self.geometry.partitions() as f64;
+        let real: i64 = self.part.triple_counts.iter().sum();
+        if len == 0.0 {
+            0.0
+        } else {
+            1.0 - real as f64 / len
+        }
+    }
+
+    /// Step `step`'s sample indices `(bps, *blk, ppp)` and Rigid's mask.
+    fn sample_triples(&mut self, step: usize) -> Result<(Vec<i64>, Option<Vec<bool>>)> {
+        let g = self.geometry;
+        let p_count = g.partitions();
+        let (counts, offsets) = (&self.part.triple_counts, &self.part.triple_offsets);
+        let total = g.batches_per_step * p_count * g.ppp;
+        let mut idx = Vec::with_capacity(total);
+        let len = self.len();
+        let steps = self.steps_per_epoch();
+        match &mut self.state {
+            State::Random(rng) => {
+                for pos in 0..total {
+                    let p = (pos / g.ppp) % p_count;
+                    let x = rng.integers_63();
+                    idx.push(offsets[p] + (x % counts[p] as u64) as i64);
+                }
+                Ok((idx, None))
+            }
+            State::Rigid { shuffle } => {
+                let n_rows = self.part.len() as i64;
+                let epoch_step = step % steps.max(1);
+                let positions: Vec<usize> = match shuffle {
+                    None => (epoch_step * g.pss..(epoch_step + 1) * g.pss).collect(),
+                    Some((words, rng, epoch, perm)) => {
+                        let want = step / steps.max(1);
+                        if *epoch != usize::MAX && want < *epoch {
+                            *rng = NumpyRng::from_words(words);
+                            *epoch = usize::MAX;
+                        }
+                        while *epoch == usize::MAX || *epoch < want {
+                            *perm = rng.permutation(len);
+                            *epoch = if *epoch == usize::MAX { 0 } else { *epoch + 1 };
+                        }
+                        perm[epoch_step * g.pss..(epoch_step + 1) * g.pss].to_vec()
+                    }
+                };
+                let mut mask = Vec::with_capacity(total);
+                for s in 0..g.batches_per_step {
+                    for p in 0..p_count {
+                        for j in 0..g.ppp {
+                            let gpos = positions[s * g.ppp + j] as i64;
+                            let c = counts[p];
+                            let r = if c == 0 { 0 } else { gpos % c };
+                            idx.push((offsets[p] + r).min(n_rows - 1));
+                            mask.push(gpos < c);
+                        }
+                    }
+                }
+                Ok((idx, Some(mask)))
+            }
+        }
+    }
+
+    /// One call of the sampler: besskge's `__getitem__`. Random ignores `step` (its stream
+    /// continues from the previous call); Rigid takes the positions of step `step`
+    /// (`step mod steps_per_epoch` within the epoch `step / steps_per_epoch`).
+    pub fn sample(&mut self, step: usize) -> Result<Batch> {
+        let g = self.geometry;
+        let (idx, mask) = self.sample_triples(step)?;
+        let mut shape = vec![g.batches_per_step];
+        shape.extend(g.blk());
+        let dup = |v: Vec<i64>| -> Vec<i64> {
+            if !g.duplicate_batch {
+                return v;
+            }
+            v.chunks(g.ppp).flat_map(|c| c.iter().chain(c.iter()).copied()).collect()
+        };
+        let idx = dup(idx);
+        let mask = mask.map(|m| if g.duplicate_batch { m.chunks(g.ppp).flat_map(|c| c.iter().chain(c.iter()).copied()).collect() } else { m });
+        shape.push(g.q);
+        let t = &self.part.triples;
+        let col = |c: usize| -> Vec<i32> { idx.iter().map(|&i| t[[i as usize, c]] as i32).collect() };
+        let mk = |v: Vec<i32>| ArrayD::from_shape_vec(IxDyn(&shape), v).expect("shape matches");
+        let head = mk(col(0));
+        let relation = mk(col(1));
+        let mut tail = mk(col(2));
+        if g.mode == PartitionMode::HtShardPair {
+            tail = tail.permuted_axes(IxDyn(&[0, 2, 1, 3])).as_standard_layout().into_owned();
+        }
+        let sample_idx = ArrayD::from_shape_vec(IxDyn(&shape), idx).expect("shape matches");
+        let triple_mask = mask.map(|m| ArrayD::from_shape_vec(IxDyn(&shape), m).expect("shape matches"));
+        let (negative, negative_mask, negative_sort_idx) = match &mut self.negative {
+            Some(ns) => {
+                let o = ns.sample(&self.part, &sample_idx)?;
+                (Some(o.negative), o.mask, o.sort_idx)
+            }
+            None => (None, None, None),
+        };
+        Ok(Batch {
+            head,
+            relation,
+            tail,
+            triple_mask,
+            negative,
+            negative_mask,
+            negative_sort_idx,
+            triple_idx: self.return_triple_idx.then(|| sample_idx.clone()),
+            sample_idx,
+        })
+    }
+}

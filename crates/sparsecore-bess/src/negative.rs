@@ -1,0 +1,445 @@
+//! Negative samplers (besskge's `RandomShardedNegativeSampler`,
+//! `TypeBasedShardedNegativeSampler` and `TripleBasedShardedNegativeSampler`; SPEC section 5).
+//!
+//! Why per shard: every processing shard draws the same number of negatives from every shard
+//! (`n` blocks of `k`), so the gather of negative rows is as balanced as the positives.
+
+use ndarray::{Array2, ArrayD, IxDyn};
+
+use crate::error::{BessError, Result};
+use crate::partition::PartitionedTriples;
+use crate::rng::NumpyRng;
+
+/// Which side of a triple negatives replace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Corruption {
+    /// Heads.
+    H,
+    /// Tails.
+    T,
+    /// Heads for the first half of each block, tails for the second.
+    Ht,
+}
+
+impl Corruption {
+    /// besskge's name: `h`, `t` or `ht`.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Corruption::H => "h",
+            Corruption::T => "t",
+            Corruption::Ht => "ht",
+        }
+    }
+
+    /// Parses `h`, `t` or `ht`.
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "h" => Ok(Corruption::H),
+            "t" => Ok(Corruption::T),
+            "ht" => Ok(Corruption::Ht),
+            _ => Err(BessError::param("corruption_scheme", name, "must be h, t or ht")),
+        }
+    }
+}
+
+/// What a negative sampler adds to a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NegativeOutput {
+    /// `negative` (int32 local ids on the shard of axis 1); shapes in SPEC 5.
+    pub negative: ArrayD<i32>,
+    /// `negative_mask` (TripleBased only).
+    pub mask: Option<ArrayD<bool>>,
+    /// `negative_sort_idx` (TripleBased with `return_sort_idx` only).
+    pub sort_idx: Option<ArrayD<i32>>,
+}
+
+/// Uniform negatives from every shard (`RandomShardedNegativeSampler`).
+#[derive(Debug, Clone)]
+pub struct RandomNegative {
+    /// Negatives per shard block, `k`.
+    pub n_negative: usize,
+    /// Corruption scheme.
+    pub corruption: Corruption,
+    /// Whether negatives are used on the shard they live on (changes no value, only how a model
+    /// reads the axes).
+    pub local_sampling: bool,
+    /// One list per batch block (`B = 1`, or 2 for `ht`) instead of one per triple.
+    pub flat_negative_format: bool,
+    rng: NumpyRng,
+}
+
+/// Negatives of the same entity type as the corrupted side (`TypeBasedShardedNegativeSampler`).
+#[derive(Debug, Clone)]
+pub struct TypeBasedNegative {
+    /// Negatives per shard block, `k`.
+    pub n_negative: usize,
+    /// Corruption scheme.
+    pub corruption: Corruption,
+    /// Whether the type comes from the triples processed on the sampling shard (true) or on the
+    /// shard that uses the negatives (false).
+    pub local_sampling: bool,
+    rng: NumpyRng,
+}
+
+/// One list's padded tables (SPEC 5.3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PaddedNegatives {
+    /// `[N_, k]` positions of each row sorted by shard (stable).
+    pub sort_idx: Array2<i32>,
+    /// `[N_, n, L]` local ids, cyclically padded per shard.
+    pub padded: ndarray::Array3<i64>,
+    /// `[N_, n, L]` which entries are real.
+    pub mask: ndarray::Array3<bool>,
+}
+
+/// Given negatives per triple or shared (`TripleBasedShardedNegativeSampler`), regrouped by
+/// shard and padded to the same length on every shard.
+#[derive(Debug, Clone)]
+pub struct TripleBasedNegative {
+    /// Corruption scheme.
+    pub corruption: Corruption,
+    /// Give the mask in the layout of `negative` (true) or `(bps, n_a, F, n_sn, L)` (false).
+    pub mask_on_gather: bool,
+    /// Add `negative_sort_idx`.
+    pub return_sort_idx: bool,
+    /// Whether one shared list (`N_ == 1`) is used for every triple.
+    pub flat_negative_format: bool,
+    /// Negatives per list, `k`.
+    pub n_negative: usize,
+    /// Padded length per shard, `L`.
+    pub padded_shard_length: usize,
+    /// Heads' tables ("h" and "ht").
+    pub heads: Option<PaddedNegatives>,
+    /// Tails' tables ("t" and "ht").
+    pub tails: Option<PaddedNegatives>,
+}
+
+/// A negative sampler.
+#[derive(Debug, Clone)]
+pub enum NegativeSampler {
+    /// Uniform over each shard.
+    Random(RandomNegative),
+    /// Uniform over each shard's entities of the corrupted side's type.
+    TypeBased(TypeBasedNegative),
+    /// Given lists (boxed: its padded tables make it much larger than the others).
+    TripleBased(Box<TripleBasedNegative>),
+}
+
+fn seed_rng(seed_words: &[u32]) -> NumpyRng {
+    NumpyRng::from_words(seed_words)
+}
+
+impl RandomNegative {
+    /// `RandomShardedNegativeSampler(n_negative, seed, corruption_scheme, local_sampling,
+    /// flat_negative_format)`, with the seed's 32-bit words.
+    pub fn new(n_negative: usize, seed_words: &[u32], corruption: Corruption, local_sampling: bool, flat_negative_format: bool) -> Result<Self> {
+        if n_negative == 0 {
+            return Err(BessError::param("n_negative", 0, "must be at least 1"));
+        }
+        Ok(RandomNegative { n_negative, corruption, local_sampling, flat_negative_format, rng: seed_rng(seed_words) })
+    }
+}
+
+impl TypeBasedNegative {
+    /// `TypeBasedShardedNegativeSampler(triple_types, n_negative, seed, corruption_scheme,
+    /// local_sampling)`; the types come from the partitioned set at sampling time.
+    pub fn new(n_negative: usize, seed_words: &[u32], corruption: Corruption, local_sampling: bool) -> Result<Self> {
+        if n_negative == 0 {
+            return Err(BessError::param("n_negative", 0, "must be at least 1"));
+        }
+        Ok(TypeBasedNegative { n_negative, corruption, local_sampling, rng: seed_rng(seed_words) })
+    }
+}
+
+/// One negative list regrouped by shard: per row the stable sort by shard, the local ids in
+/// that order, and the count and offset of each shard; plus the largest count.
+struct Grouped {
+    sort: Array2<i32>,
+    locals: Vec<Vec<i64>>,
+    counts: Vec<Vec<usize>>,
+    offsets: Vec<Vec<usize>>,
+    max_count: usize,
+}
+
+fn pad_list(part: &PartitionedTriples, list: &Array2<i64>) -> Grouped {
+    let sh = &part.sharding;
+    let n = sh.n_shard;
+    let (rows, k) = list.dim();
+    let mut sort = Array2::<i32>::zeros((rows, k));
+    let mut locals = Vec::with_capacity(rows);
+    let mut counts = Vec::with_capacity(rows);
+    let mut offsets = Vec::with_capacity(rows);
+    let mut max_cnt = 0;
+    for r in 0..rows {
+        let mut cnt = vec![0usize; n];
+        for c in 0..k {
+            cnt[sh.entity_to_shard[list[[r, c]] as usize] as usize] += 1;
+        }
+        let mut off = vec![0usize; n];
+        for s in 1..n {
+            off[s] = off[s - 1] + cnt[s - 1];
+        }
+        let mut cur = off.clone();
+        let mut loc = vec![0i64; k];
+        for c in 0..k {
+            let e = list[[r, c]] as usize;
+            let s = sh.entity_to_shard[e] as usize;
+            sort[[r, cur[s]]] = c as i32;
+            loc[cur[s]] = sh.entity_to_idx[e];
+            cur[s] += 1;
+        }
+        max_cnt = max_cnt.max(cnt.iter().copied().max().unwrap_or(0));
+        locals.push(loc);
+        counts.push(cnt);
+        offsets.push(off);
+    }
+    Grouped { sort, locals, counts, offsets, max_count: max_cnt }
+}
+
+fn build_padded(n: usize, l: usize, k: usize, g: Grouped) -> PaddedNegatives {
+    let Grouped { sort, locals, counts, offsets, .. } = g;
+    let rows = locals.len();
+    let mut padded = ndarray::Array3::<i64>::zeros((rows, n, l));
+    let mut mask = ndarray::Array3::<bool>::from_elem((rows, n, l), false);
+    for r in 0..rows {
+        for s in 0..n {
+            let (c, o) = (counts[r][s], offsets[r][s]);
+            for i in 0..l {
+                let pos = (o + if c == 0 { 0 } else { i % c }).min(k - 1);
+                padded[[r, s, i]] = locals[r][pos];
+                mask[[r, s, i]] = i < c;
+            }
+        }
+    }
+    PaddedNegatives { sort_idx: sort, padded, mask }
+}
+
+impl TripleBasedNegative {
+    /// `TripleBasedShardedNegativeSampler(neg_heads, neg_tails, corruption_scheme,
+    /// mask_on_gather, return_sort_idx)`, reading the partitioned set's `neg_heads` /
+    /// `neg_tails`. "h" needs heads, "t" tails, "ht" both of one shape.
+    pub fn new(part: &PartitionedTriples, corruption: Corruption, mask_on_gather: bool, return_sort_idx: bool) -> Result<Self> {
+        let need = |which: &'static str, a: &Option<Array2<i64>>| -> Result<Array2<i64>> {
+            a.clone().ok_or_else(|| BessError::param(which, "missing", format!("corruption `{}` needs {which}", corruption.as_str())))
+        };
+        let (h, t) = match corruption {
+            Corruption::H => (Some(need("neg_heads", &part.neg_heads)?), None),
+            Corruption::T => (None, Some(need("neg_tails", &part.neg_tails)?)),
+            Corruption::Ht => {
+                let (h, t) = (need("neg_heads", &part.neg_heads)?, need("neg_tails", &part.neg_tails)?);
+                if h.dim() != t.dim() {
+                    return Err(BessError::param("neg_tails", format!("shape {:?}", t.dim()), format!("must equal neg_heads' shape {:?} for `ht`", h.dim())));
+                }
+                (Some(h), Some(t))
+            }
+        };
+        let rows = h.as_ref().or(t.as_ref()).map(|a| a.nrows()).unwrap_or(1);
+        let k = h.as_ref().or(t.as_ref()).map(|a| a.ncols()).unwrap_or(0);
+        if rows != 1 && rows != part.len() {
+            return Err(BessError::LengthMismatch { column: "negative lists".into(), got: rows, other: "sorted triples".into(), expected: part.len() });
+        }
+        let n = part.n_shard();
+        let ph = h.as_ref().map(|a| pad_list(part, a));
+        let pt = t.as_ref().map(|a| pad_list(part, a));
+        let l = ph.as_ref().map_or(0, |p| p.max_count).max(pt.as_ref().map_or(0, |p| p.max_count));
+        let mk = |p: Option<Grouped>| p.map(|g| build_padded(n, l, k, g));
+        Ok(TripleBasedNegative {
+            corruption,
+            mask_on_gather,
+            return_sort_idx,
+            flat_negative_format: rows == 1,
+            n_negative: k,
+            padded_shard_length: l,
+            heads: mk(ph),
+            tails: mk(pt),
+        })
+    }
+}
+
+/// Shape facts of a `sample_idx` array `(bps, *blk, q)`.
+struct Dims {
+    bps: usize,
+    n: usize,
+    f: usize,
+    q: usize,
+}
+
+fn dims(sample_idx: &ArrayD<i64>) -> Dims {
+    let sh = sample_idx.shape();
+    let bps = sh[0];
+    let n = sh[1];
+    let q = sh[sh.len() - 1];
+    let f: usize = sh[2..].iter().product();
+    Dims { bps, n, f, q }
+}
+
+fn draw_mod_shard(rng: &mut NumpyRng, part: &PartitionedTriples, bps: usize, n: usize, b: usize, k: usize, sampler: &'static str) -> Result<Vec<i64>> {
+    let counts = &part.sharding.shard_counts;
+    if let Some(a) = counts.iter().position(|&c| c == 0) {
+        return Err(BessError::EmptyPartition { sampler, partition: format!("shard {a} (it holds no entities to draw negatives from)") });
+    }
+    let total = bps * n * n * b * k;
+    let mut out = Vec::with_capacity(total);
+    let per_a = n * b * k;
+    for idx in 0..total {
+        let a = (idx / per_a) % n;
+        out.push(i64::from(rng.integers_31()) % counts[a]);
+    }
+    Ok(out)
+}
+
+impl NegativeSampler {
+    /// The corruption scheme (it fixes the batch geometry's rounding, SPEC 4.1).
+    #[must_use]
+    pub fn corruption(&self) -> Corruption {
+        match self {
+            NegativeSampler::Random(s) => s.corruption,
+            NegativeSampler::TypeBased(s) => s.corruption,
+            NegativeSampler::TripleBased(s) => s.corruption,
+        }
+    }
+
+    /// Negatives for the triples `sample_idx` of shape `(bps, *blk, q)` (indices into
+    /// `part.triples`).
+    pub fn sample(&mut self, part: &PartitionedTriples, sample_idx: &ArrayD<i64>) -> Result<NegativeOutput> {
+        let d = dims(sample_idx);
+        match self {
+            NegativeSampler::Random(s) => {
+                let b = match (s.flat_negative_format, s.corruption) {
+                    (true, Corruption::Ht) => 2,
+                    (true, _) => 1,
+                    (false, _) => d.f,
+                };
+                let v = draw_mod_shard(&mut s.rng, part, d.bps, d.n, b, s.n_negative, "random negative sampler")?;
+                let negative = ArrayD::from_shape_vec(IxDyn(&[d.bps, d.n, d.n, b, s.n_negative]), v.into_iter().map(|x| x as i32).collect())
+                    .expect("shape matches the draws");
+                Ok(NegativeOutput { negative, mask: None, sort_idx: None })
+            }
+            NegativeSampler::TypeBased(s) => {
+                let types = part.types.as_ref().ok_or_else(|| BessError::param("types", "missing", "the TypeBased sampler needs a typed partition (type_offsets)"))?;
+                let sh = &part.sharding;
+                let (tc, to) = match (&sh.entity_type_counts, &sh.entity_type_offsets) {
+                    (Some(c), Some(o)) => (c, o),
+                    _ => return Err(BessError::param("entity_type_counts", "missing", "the TypeBased sampler needs a typed sharding")),
+                };
+                // T[s][a][f]: the relevant type of each sampled triple.
+                let flat = sample_idx.as_slice().map(<[i64]>::to_vec).unwrap_or_else(|| sample_idx.iter().copied().collect());
+                let tt: Vec<i64> = flat
+                    .iter()
+                    .enumerate()
+                    .map(|(pos, &row)| {
+                        let j = pos % d.q;
+                        let col = match s.corruption {
+                            Corruption::H => 0,
+                            Corruption::T => 1,
+                            Corruption::Ht => usize::from(j >= d.q / 2),
+                        };
+                        types[[row as usize, col]]
+                    })
+                    .collect();
+                let k = s.n_negative;
+                let raw = draw_mod_shard(&mut s.rng, part, d.bps, d.n, d.f, k, "type-based negative sampler")?;
+                let mut out = Vec::with_capacity(raw.len());
+                for (idx, &v) in raw.iter().enumerate() {
+                    let f = (idx / k) % d.f;
+                    let b = (idx / (k * d.f)) % d.n;
+                    let a = (idx / (k * d.f * d.n)) % d.n;
+                    let st = idx / (k * d.f * d.n * d.n);
+                    let src = if s.local_sampling { a } else { b };
+                    let t = tt[(st * d.n + src) * d.f + f];
+                    if t < 0 || t as usize >= tc.ncols() {
+                        return Err(BessError::param("types", t, format!("outside the sharding's {} types", tc.ncols())));
+                    }
+                    let cnt = tc[[a, t as usize]];
+                    if cnt <= 0 {
+                        return Err(BessError::EmptyPartition {
+                            sampler: "type-based negative sampler",
+                            partition: format!("shard {a}, type {t} (it holds no entities of that type)"),
+                        });
+                    }
+                    out.push((v % cnt + to[[a, t as usize]]) as i32);
+                }
+                let negative = ArrayD::from_shape_vec(IxDyn(&[d.bps, d.n, d.n, d.f, k]), out).expect("shape matches the draws");
+                Ok(NegativeOutput { negative, mask: None, sort_idx: None })
+            }
+            NegativeSampler::TripleBased(s) => Ok(s.sample(sample_idx, &d)),
+        }
+    }
+}
+
+impl TripleBasedNegative {
+    fn sample(&self, sample_idx: &ArrayD<i64>, d: &Dims) -> NegativeOutput {
+        let n = d.n;
+        let l = self.padded_shard_length;
+        let rows: Vec<i64> = sample_idx.iter().copied().collect();
+        // Which table serves position (s, a, f): heads or tails.
+        let table = |f: usize, c_flat: Option<usize>| -> &PaddedNegatives {
+            let use_heads = match self.corruption {
+                Corruption::H => true,
+                Corruption::T => false,
+                Corruption::Ht => match c_flat {
+                    Some(c) => c == 0,
+                    None => f % d.q < d.q / 2,
+                },
+            };
+            if use_heads {
+                self.heads.as_ref().expect("heads built for h/ht")
+            } else {
+                self.tails.as_ref().expect("tails built for t/ht")
+            }
+        };
+        let fo = if self.flat_negative_format { if self.corruption == Corruption::Ht { 2 } else { 1 } } else { d.f };
+        let mut neg = Vec::with_capacity(d.bps * n * n * fo * l);
+        let mut mask_g = Vec::with_capacity(neg.capacity());
+        for st in 0..d.bps {
+            for sn in 0..n {
+                for a in 0..n {
+                    for f in 0..fo {
+                        let (tab, row) = if self.flat_negative_format {
+                            (table(f, Some(if self.corruption == Corruption::Ht { f } else { 0 })), 0)
+                        } else {
+                            (table(f, None), rows[(st * n + a) * d.f + f] as usize)
+                        };
+                        for i in 0..l {
+                            neg.push(tab.padded[[row, sn, i]] as i32);
+                            mask_g.push(tab.mask[[row, sn, i]]);
+                        }
+                    }
+                }
+            }
+        }
+        let neg_shape = [d.bps, n, n, fo, l];
+        let mask = if self.mask_on_gather {
+            ArrayD::from_shape_vec(IxDyn(&neg_shape), mask_g).expect("shape")
+        } else {
+            // (bps, n_a, F', n_sn, L)
+            let g = ArrayD::from_shape_vec(IxDyn(&neg_shape), mask_g).expect("shape");
+            let mut p = g.permuted_axes(IxDyn(&[0, 2, 3, 1, 4]));
+            p = p.as_standard_layout().into_owned();
+            p
+        };
+        let sort_idx = self.return_sort_idx.then(|| {
+            let k = self.n_negative;
+            let mut v = Vec::with_capacity(d.bps * n * d.f * k);
+            for st in 0..d.bps {
+                for a in 0..n {
+                    for f in 0..d.f {
+                        let (tab, row) = if self.flat_negative_format {
+                            let c = match self.corruption {
+                                Corruption::Ht => usize::from(f >= d.f / 2),
+                                _ => 0,
+                            };
+                            (table(f, Some(if self.corruption == Corruption::Ht { c } else { 0 })), 0)
+                        } else {
+                            (table(f, None), rows[(st * n + a) * d.f + f] as usize)
+                        };
+                        v.extend(tab.sort_idx.row(row).iter().copied());
+                    }
+                }
+            }
+            ArrayD::from_shape_vec(IxDyn(&[d.bps, n, d.f, k]), v).expect("shape")
+        });
+        NegativeOutput { negative: ArrayD::from_shape_vec(IxDyn(&neg_shape), neg).expect("shape"), mask: Some(mask), sort_idx }
+    }
+}

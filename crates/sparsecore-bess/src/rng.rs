@@ -1,0 +1,264 @@
+//! numpy's `default_rng(seed)`: SeedSequence, PCG64 (XSL-RR 128/64) and the three draw types
+//! besskge uses (`integers(1 << 63)`, `integers(1 << 31)`, `permutation`), bit for bit
+//! (`shared/bess/SPEC.md`, section 1).
+//!
+//! Why our own and not a crate: besskge's shardings and batches are a pure function of numpy's
+//! stream, including two details no general-purpose PCG crate reproduces: SeedSequence's
+//! hash-mixing of arbitrary-precision seeds, and the persistent half-word buffer that numpy's
+//! 32-bit draws share with each other across calls (SPEC 1.4).
+
+/// Seed words of a non-negative integer: its little-endian base-2^32 digits, at least one
+/// (SPEC 1.1). `0 → [0]`, `2^32 + 1 → [1, 1]`.
+#[must_use]
+pub fn seed_words(seed: u128) -> Vec<u32> {
+    let mut words = Vec::new();
+    let mut s = seed;
+    loop {
+        words.push(s as u32);
+        s >>= 32;
+        if s == 0 {
+            break;
+        }
+    }
+    words
+}
+
+const INIT_A: u32 = 0x43b0_d7e5;
+const MULT_A: u32 = 0x931e_8875;
+const INIT_B: u32 = 0x8b51_f9dd;
+const MULT_B: u32 = 0x58f3_8ded;
+const MIX_L: u32 = 0xca01_f9dd;
+const MIX_R: u32 = 0x4973_f715;
+const POOL: usize = 4;
+
+/// numpy's `SeedSequence(entropy)` with no spawn key, reduced to what `PCG64` asks of it: four
+/// u64 state words (SPEC 1.2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeedSequence {
+    pool: [u32; POOL],
+}
+
+impl SeedSequence {
+    /// Mixes the entropy words (little-endian base-2^32 digits of the seed; an empty slice is
+    /// the seed 0).
+    #[must_use]
+    pub fn from_words(words: &[u32]) -> Self {
+        let mut hc = INIT_A;
+        let mut hashmix = |v: u32| -> u32 {
+            let mut v = v ^ hc;
+            hc = hc.wrapping_mul(MULT_A);
+            v = v.wrapping_mul(hc);
+            v ^ (v >> 16)
+        };
+        let mix = |x: u32, y: u32| -> u32 {
+            let r = MIX_L.wrapping_mul(x).wrapping_sub(MIX_R.wrapping_mul(y));
+            r ^ (r >> 16)
+        };
+        let mut pool = [0u32; POOL];
+        for (i, p) in pool.iter_mut().enumerate() {
+            *p = hashmix(words.get(i).copied().unwrap_or(0));
+        }
+        for src in 0..POOL {
+            for dst in 0..POOL {
+                if src != dst {
+                    let h = hashmix(pool[src]);
+                    pool[dst] = mix(pool[dst], h);
+                }
+            }
+        }
+        for &w in words.iter().skip(POOL) {
+            for p in pool.iter_mut() {
+                let h = hashmix(w);
+                *p = mix(*p, h);
+            }
+        }
+        SeedSequence { pool }
+    }
+
+    /// The first four u64 words of `generate_state` (what `PCG64` consumes).
+    #[must_use]
+    pub fn state_u64(&self) -> [u64; 4] {
+        let mut hb = INIT_B;
+        let mut out32 = [0u32; 8];
+        for (i, o) in out32.iter_mut().enumerate() {
+            let mut v = self.pool[i % POOL] ^ hb;
+            hb = hb.wrapping_mul(MULT_B);
+            v = v.wrapping_mul(hb);
+            *o = v ^ (v >> 16);
+        }
+        std::array::from_fn(|j| u64::from(out32[2 * j]) | (u64::from(out32[2 * j + 1]) << 32))
+    }
+}
+
+const PCG_MULT: u128 = 0x2360_ed05_1fc6_5da4_4385_df64_9fcc_f645;
+
+/// numpy's `PCG64` bit generator (XSL-RR 128/64), stepped before each output (SPEC 1.3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pcg64 {
+    state: u128,
+    inc: u128,
+}
+
+impl Pcg64 {
+    /// Seeds from SeedSequence output.
+    #[must_use]
+    pub fn from_seed_state(s: [u64; 4]) -> Self {
+        let initstate = (u128::from(s[0]) << 64) | u128::from(s[1]);
+        let initseq = (u128::from(s[2]) << 64) | u128::from(s[3]);
+        let inc = (initseq << 1) | 1;
+        let mut state: u128 = 0;
+        state = state.wrapping_mul(PCG_MULT).wrapping_add(inc);
+        state = state.wrapping_add(initstate);
+        state = state.wrapping_mul(PCG_MULT).wrapping_add(inc);
+        Pcg64 { state, inc }
+    }
+
+    /// The next 64-bit output.
+    pub fn next_u64(&mut self) -> u64 {
+        self.state = self.state.wrapping_mul(PCG_MULT).wrapping_add(self.inc);
+        let x = ((self.state >> 64) as u64) ^ (self.state as u64);
+        let rot = (self.state >> 122) as u32;
+        x.rotate_right(rot)
+    }
+
+    /// The internal `(state, inc)`, for tests against numpy's `bit_generator.state`.
+    #[must_use]
+    pub fn state(&self) -> (u128, u128) {
+        (self.state, self.inc)
+    }
+}
+
+/// numpy's `Generator(PCG64(SeedSequence(seed)))`, i.e. `np.random.default_rng(seed)`, with
+/// the draws besskge makes. Each random component (sharding, batch sampler, negative sampler)
+/// owns one, seeded independently (SPEC 6.3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NumpyRng {
+    bits: Pcg64,
+    /// The high half of a 64-bit output not yet handed out by [`NumpyRng::next_u32`]. It
+    /// persists across calls and steps (SPEC 1.4).
+    half: Option<u32>,
+}
+
+impl NumpyRng {
+    /// `default_rng(seed)` from the seed's little-endian 32-bit words ([`seed_words`]).
+    #[must_use]
+    pub fn from_words(words: &[u32]) -> Self {
+        NumpyRng { bits: Pcg64::from_seed_state(SeedSequence::from_words(words).state_u64()), half: None }
+    }
+
+    /// `default_rng(seed)` for a seed below 2^128.
+    #[must_use]
+    pub fn new(seed: u128) -> Self {
+        Self::from_words(&seed_words(seed))
+    }
+
+    /// The next raw 64-bit value (does not touch the 32-bit buffer).
+    pub fn next_u64(&mut self) -> u64 {
+        self.bits.next_u64()
+    }
+
+    /// The next raw 32-bit value: the buffered high half if there is one, else the low half
+    /// of a new 64-bit value (buffering its high half).
+    pub fn next_u32(&mut self) -> u32 {
+        if let Some(h) = self.half.take() {
+            return h;
+        }
+        let v = self.bits.next_u64();
+        self.half = Some((v >> 32) as u32);
+        v as u32
+    }
+
+    /// `integers(1 << 63)`: a uniform value in `[0, 2^63)`.
+    pub fn integers_63(&mut self) -> u64 {
+        self.next_u64() >> 1
+    }
+
+    /// `integers(1 << 31)`: a uniform value in `[0, 2^31)`.
+    pub fn integers_31(&mut self) -> u32 {
+        self.next_u32() >> 1
+    }
+
+    /// numpy's `random_interval(max)`: a uniform value in `[0, max]` by masked rejection.
+    pub fn bounded(&mut self, max: u64) -> u64 {
+        if max == 0 {
+            return 0;
+        }
+        let mut mask = max;
+        for s in [1, 2, 4, 8, 16, 32] {
+            mask |= mask >> s;
+        }
+        if max <= u64::from(u32::MAX) {
+            let mask = mask as u32;
+            loop {
+                let v = self.next_u32() & mask;
+                if u64::from(v) <= max {
+                    return u64::from(v);
+                }
+            }
+        }
+        loop {
+            let v = self.next_u64() & mask;
+            if v <= max {
+                return v;
+            }
+        }
+    }
+
+    /// `permutation(m)`: Fisher-Yates from the top index down over `0..m`.
+    pub fn permutation(&mut self, m: usize) -> Vec<usize> {
+        let mut a: Vec<usize> = (0..m).collect();
+        for i in (1..m).rev() {
+            let j = self.bounded(i as u64) as usize;
+            a.swap(i, j);
+        }
+        a
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seed_sequence_matches_the_worked_examples() {
+        assert_eq!(
+            SeedSequence::from_words(&[1234]).state_u64(),
+            [0x5f83044cad3f26a6, 0xa0d9b3700cea3a6f, 0xa8647d8b1e3e7527, 0x687a8e7300372192]
+        );
+        assert_eq!(
+            SeedSequence::from_words(&[0]).state_u64(),
+            [0xdb2cd7e7b0f478be, 0xabf4641a2c71ba49, 0x20c6ed6d9d7b8d41, 0x2c4099de223c39d4]
+        );
+    }
+
+    #[test]
+    fn pcg64_matches_the_worked_examples() {
+        let mut g = Pcg64::from_seed_state(SeedSequence::from_words(&[1234]).state_u64());
+        assert_eq!(g.state(), (0x160ad84006fe21eaf69b873d9fe45409, 0x50c8fb163c7cea4ed0f51ce6006e4325));
+        assert_eq!([g.next_u64(), g.next_u64(), g.next_u64()], [0xfa08fef3fab6bbba, 0x615481f7fce9ac81, 0xec59dd7c2bde3cb4]);
+        let mut g = NumpyRng::new(0);
+        assert_eq!([g.next_u64(), g.next_u64(), g.next_u64()], [0xa30febcfd9c2825f, 0x4510bdf882d9d721, 0x0a7d3da94ecde8b8]);
+    }
+
+    #[test]
+    fn draws_match_numpy() {
+        let mut g = NumpyRng::new(1234);
+        let v: Vec<u64> = (0..4).map(|_| g.integers_63()).collect();
+        assert_eq!(v, [9008465316566228445, 3506686710911391296, 8515443495629954650, 2413686584519761735]);
+        let mut g = NumpyRng::new(1234);
+        let v: Vec<u32> = (0..5).map(|_| g.integers_31()).collect();
+        assert_eq!(v, [2103139805, 2097446777, 2121586240, 816464123, 367992410]);
+        assert_eq!(NumpyRng::new(1234).permutation(12), [0, 9, 11, 5, 6, 2, 8, 4, 7, 1, 3, 10]);
+        let mut g = NumpyRng::new(7);
+        let v: Vec<u32> = (0..4).map(|_| g.integers_31()).collect();
+        assert_eq!(v, [2029167941, 1342382292, 1469265226, 1926751966]);
+    }
+
+    #[test]
+    fn seed_words_are_little_endian_digits() {
+        assert_eq!(seed_words(0), [0]);
+        assert_eq!(seed_words(1234), [1234]);
+        assert_eq!(seed_words((1 << 32) + 1), [1, 1]);
+        assert_eq!(seed_words(u64::MAX as u128), [u32::MAX, u32::MAX]);
+    }
+}
