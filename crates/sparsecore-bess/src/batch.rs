@@ -157,6 +157,16 @@ impl BatchSampler {
     /// rounding; without one, "h" is assumed (no rounding) and batches carry no negatives.
     pub fn new(part: Arc<PartitionedTriples>, options: BatchOptions, negative: Option<NegativeSampler>) -> Result<Self> {
         let corruption = negative.as_ref().map_or(Corruption::H, NegativeSampler::corruption);
+        Self::build(part, options, negative, corruption)
+    }
+
+    /// A sampler of positives only, with the geometry a negative sampler of `corruption` would
+    /// give (callers that draw negatives themselves, such as the SparseCore stream).
+    pub fn positives_only(part: Arc<PartitionedTriples>, options: BatchOptions, corruption: Corruption) -> Result<Self> {
+        Self::build(part, options, None, corruption)
+    }
+
+    fn build(part: Arc<PartitionedTriples>, options: BatchOptions, negative: Option<NegativeSampler>, corruption: Corruption) -> Result<Self> {
         let geometry = Geometry::new(&part, options.shard_bs, options.batches_per_step, options.duplicate_batch, corruption)?;
         let state = match options.kind {
             SamplerKind::Random { seed_words } => {

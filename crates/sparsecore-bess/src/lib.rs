@@ -22,10 +22,13 @@
 
 pub mod batch;
 pub mod error;
+pub mod layout;
 pub mod negative;
 pub mod partition;
 pub mod rng;
 pub mod sharding;
+pub mod stream;
+pub mod synth;
 
 pub use batch::{Batch, BatchOptions, BatchSampler, Geometry, SamplerKind};
 pub use error::{BessError, Result};
@@ -33,3 +36,5 @@ pub use negative::{Corruption, NegativeOutput, NegativeSampler, RandomNegative, 
 pub use partition::{PartitionBuilder, PartitionMode, PartitionedTriples, Triples};
 pub use rng::{seed_words, NumpyRng};
 pub use sharding::Sharding;
+pub use layout::SparseCoreLayout;
+pub use stream::{BessStream, BessStreamBuilder, CellCounts, NegativeKind, StreamBatch, StreamSampler};
