@@ -1,0 +1,132 @@
+//! Every bad input is a typed error naming the column and the value, never a panic.
+
+use std::sync::Arc;
+
+use arrow_array::{ArrayRef, Float32Array, Int32Array, Int64Array, RecordBatch};
+use ndarray::Array2;
+use sparsecore_bess::{
+    synth, BatchOptions, BatchSampler, BessError, BessStream, Corruption, NegativeSampler, PartitionMode, PartitionedTriples, RandomNegative,
+    SamplerKind, Sharding, StreamSampler, Triples,
+};
+
+fn sharding() -> Arc<Sharding> {
+    Arc::new(Sharding::create(100, 4, &[7], None).unwrap())
+}
+
+fn build(t: &Triples) -> Result<PartitionedTriples, BessError> {
+    PartitionedTriples::builder(sharding(), PartitionMode::HtShardPair).n_relation(5).build(t)
+}
+
+#[test]
+fn entity_ids_out_of_range_name_the_column_and_value() {
+    let e = build(&Triples::from_rows(&[[0, 0, 1], [3, 1, 100]])).unwrap_err();
+    assert!(matches!(&e, BessError::EntityOutOfRange { column, row: 1, value: 100, n_entity: 100 } if column == "tail"), "{e:?}");
+    assert_eq!(e.to_string(), "column `tail`, row 1: entity id 100 is outside 0..100");
+    let e = build(&Triples::from_rows(&[[-3, 0, 1]])).unwrap_err();
+    assert!(matches!(&e, BessError::EntityOutOfRange { column, value: -3, .. } if column == "head"), "{e:?}");
+    let e = PartitionedTriples::builder(sharding(), PartitionMode::HShard)
+        .neg_tails(Array2::from_shape_vec((1, 3), vec![1, 250, 2]).unwrap())
+        .build(&Triples::from_rows(&[[0, 0, 1]]))
+        .unwrap_err();
+    assert!(matches!(&e, BessError::EntityOutOfRange { column, value: 250, .. } if column == "neg_tails"), "{e:?}");
+    let e = build(&Triples::from_rows(&[[0, 9, 1]])).unwrap_err();
+    assert_eq!(e.to_string(), "column `relation`, row 0: relation id 9 is outside 0..5");
+    // Through the stream builder too.
+    let e = BessStream::builder().triples(Triples::from_rows(&[[0, 0, 1], [1, 0, 400]])).n_entity(100).shard_batch_size(4).build().unwrap_err();
+    assert!(matches!(&e, BessError::EntityOutOfRange { column, value: 400, .. } if column == "tail"), "{e:?}");
+}
+
+#[test]
+fn mismatched_column_lengths() {
+    let e = Triples::new(vec![0, 1], vec![0], vec![1, 2]).unwrap_err();
+    assert_eq!(e.to_string(), "column `relation` has 1 rows but column `head` has 2");
+    let e = Triples::from_arrow(&Int64Array::from(vec![1, 2]), &Int32Array::from(vec![0, 0]), &Int64Array::from(vec![1, 2, 3])).unwrap_err();
+    assert!(matches!(&e, BessError::LengthMismatch { column, got: 3, expected: 2, .. } if column == "tail"), "{e:?}");
+    let e = PartitionedTriples::builder(sharding(), PartitionMode::HShard)
+        .neg_heads(Array2::zeros((3, 2)))
+        .build(&Triples::from_rows(&[[0, 0, 1], [1, 0, 2]]))
+        .unwrap_err();
+    assert!(matches!(&e, BessError::LengthMismatch { column, got: 3, expected: 2, .. } if column == "neg_heads"), "{e:?}");
+}
+
+#[test]
+fn arrow_columns_are_checked() {
+    let batch = |cols: Vec<(&str, ArrayRef)>| RecordBatch::try_from_iter(cols).unwrap();
+    let ok = batch(vec![
+        ("head", Arc::new(Int32Array::from(vec![0, 5])) as ArrayRef),
+        ("relation", Arc::new(Int64Array::from(vec![0, 1]))),
+        ("tail", Arc::new(Int64Array::from(vec![3, 4]))),
+    ]);
+    assert_eq!(Triples::from_record_batch(&ok).unwrap(), Triples::from_rows(&[[0, 0, 3], [5, 1, 4]]));
+    let missing = batch(vec![("head", Arc::new(Int32Array::from(vec![0])) as ArrayRef), ("tail", Arc::new(Int32Array::from(vec![0])))]);
+    assert_eq!(Triples::from_record_batch(&missing).unwrap_err().to_string(), "missing column `relation` (expected Int32 or Int64)");
+    let floats = batch(vec![
+        ("head", Arc::new(Float32Array::from(vec![0.0])) as ArrayRef),
+        ("relation", Arc::new(Int32Array::from(vec![0]))),
+        ("tail", Arc::new(Int32Array::from(vec![0]))),
+    ]);
+    assert!(matches!(Triples::from_record_batch(&floats).unwrap_err(), BessError::ColumnType { column, .. } if column == "head"));
+    let nulls = batch(vec![
+        ("head", Arc::new(Int32Array::from(vec![0, 1])) as ArrayRef),
+        ("relation", Arc::new(Int32Array::from(vec![0, 0]))),
+        ("tail", Arc::new(Int32Array::from(vec![Some(0), None]))),
+    ]);
+    assert_eq!(Triples::from_record_batch(&nulls).unwrap_err().to_string(), "column `tail`, row 1: null value");
+}
+
+/// Triples only between shards 0 and 0..3 of a 4-shard sharding: most shard pairs are empty.
+fn lopsided(sh: &Sharding) -> Triples {
+    let on = |s: i64| (0..100).find(|&e| sh.entity_to_shard[e as usize] == s).unwrap();
+    Triples::from_rows(&(0..4).map(|s| [on(0), 0, on(s)]).collect::<Vec<_>>())
+}
+
+#[test]
+fn empty_shard_pair() {
+    let sh = Sharding::create(100, 4, &[0], None).unwrap();
+    let t = lopsided(&sh);
+    for sampler in [StreamSampler::Rigid { shuffle: false }, StreamSampler::Random] {
+        let e = BessStream::builder().triples(t.clone()).n_entity(100).shard_batch_size(4).sampler(sampler).seed(0).build().unwrap_err();
+        assert!(matches!(&e, BessError::EmptyPartition { partition, .. } if partition == "(head shard 1, tail shard 0)"), "{e:?}");
+        assert!(e.to_string().contains("(head shard 1, tail shard 0) has no triples"), "{e}");
+    }
+    // besskge's Random sampler would silently sample the next partition: ours refuses.
+    let part = Arc::new(PartitionedTriples::builder(Arc::new(sh), PartitionMode::HtShardPair).build(&t).unwrap());
+    let opts = BatchOptions { shard_bs: 4, batches_per_step: 1, duplicate_batch: false, return_triple_idx: false, kind: SamplerKind::Random { seed_words: vec![0] } };
+    assert!(matches!(BatchSampler::new(part, opts, None).unwrap_err(), BessError::EmptyPartition { .. }));
+}
+
+#[test]
+fn zero_triples_per_block() {
+    let t = synth::uniform(100, 3, 500, 1);
+    let e = BessStream::builder().triples(t.clone()).n_entity(100).shard_batch_size(0).build().unwrap_err();
+    assert!(matches!(e, BessError::ZeroTriplesPerBlock { shard_bs: 0, ppp: 0, minimum: 1, .. }), "{e:?}");
+    // 4 shards, "ht": ceil(4 / 4) = 1, rounded down to even = 0; 5 gives 2.
+    let e = BessStream::builder().triples(t.clone()).n_entity(100).shard_batch_size(4).corruption(Corruption::Ht).build().unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "shard batch size 4 gives 0 triples per block (n = 4 shards, duplicate_batch = false, corruption `ht`); use a shard batch size of at least 5"
+    );
+    let part = Arc::new(build(&t).unwrap());
+    let neg = NegativeSampler::Random(RandomNegative::new(2, &[1], Corruption::H, false, false).unwrap());
+    let opts = BatchOptions { shard_bs: 1, batches_per_step: 1, duplicate_batch: true, return_triple_idx: false, kind: SamplerKind::Rigid { shuffle: None } };
+    assert!(matches!(BatchSampler::new(part, opts, Some(neg)).unwrap_err(), BessError::ZeroTriplesPerBlock { duplicate_batch: true, .. }));
+}
+
+#[test]
+fn shards_must_be_the_sparsecores() {
+    let t = synth::uniform(100, 3, 500, 1);
+    let e = BessStream::builder().triples(t.clone()).n_entity(100).devices(1, 2, 4).sharding(sharding()).shard_batch_size(8).build().unwrap_err();
+    assert!(matches!(e, BessError::ShardCountMismatch { n_shard: 4, num_sparsecores: 8, .. }), "{e:?}");
+    assert!(e.to_string().contains("n = 4 shards but the layout has N = global_device_count 2 * num_sc_per_device 4 = 8"), "{e}");
+    // A layout the pipeline refuses comes through as the pipeline's own error.
+    let e = BessStream::builder().triples(t).n_entity(100).devices(1, 1, 3).shard_batch_size(8).build().unwrap_err();
+    assert!(matches!(e, BessError::Prep(sparsecore_prep::Error::NotPowerOfTwo { num_scs: 3, .. })), "{e:?}");
+}
+
+#[test]
+fn sharding_parameters() {
+    assert!(matches!(Sharding::create(10, 0, &[0], None).unwrap_err(), BessError::InvalidParameter { name: "n_shard", .. }));
+    assert!(matches!(Sharding::create(10, 2, &[0], Some(&[1, 4])).unwrap_err(), BessError::InvalidParameter { name: "type_offsets", .. }));
+    let e = Sharding::load_npz("/nonexistent/sharding.npz").unwrap_err();
+    assert!(matches!(e, BessError::Io { .. }), "{e:?}");
+}
