@@ -17,7 +17,10 @@ Three entry points:
   :class:`Preprocessor` shaped for ``ray.data.Dataset.map_batches``.
 
 The heavy lifting runs in the Rust crate ``sparsecore-prep`` with the GIL
-released.
+released. Errors are the picklable exceptions of :mod:`sparsecore_prep._errors`
+(:class:`ConfigError`, :class:`InvalidInputError`, :class:`LimitExceededError`,
+:class:`InputTypeError`, :class:`FeatureSpecError`, all
+:class:`SparseCorePrepError`).
 """
 
 from __future__ import annotations
@@ -25,22 +28,34 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 import os
 import sys
 from typing import Any, Iterable, Mapping, NamedTuple
 
 import numpy as np
 
+from ._errors import (
+    ConfigError,
+    FeatureSpecError,
+    InputTypeError,
+    InvalidInputError,
+    LimitExceededError,
+    SparseCorePrepError,
+)
 from . import _native
-from ._native import InvalidInputError, LimitExceededError
 
 __all__ = [
+    "ConfigError",
     "FdoStats",
     "FdoStatsMapper",
+    "FeatureSpecError",
+    "InputTypeError",
     "InvalidInputError",
     "LimitExceededError",
     "PreprocessedInput",
     "Preprocessor",
+    "SparseCorePrepError",
     "SparseDenseMatmulInput",
     "SparseDenseMatmulInputStats",
     "preprocess_sparse_dense_matmul_input",
@@ -202,7 +217,7 @@ def _check_structure(a, a_struct, b, b_struct, a_name: str, b_name: str) -> None
 
 def _same_structure(a_paths, b_paths, a_name: str, b_name: str) -> None:
   if a_paths != b_paths:
-    raise ValueError(
+    raise InvalidInputError(
         f"Pytree structures of {a_name} and {b_name} do not match.\n"
         f"{a_name}: {len(a_paths)} leaves at {a_paths[:8]}{'...' if len(a_paths) > 8 else ''}\n"
         f"{b_name}: {len(b_paths)} leaves at {b_paths[:8]}{'...' if len(b_paths) > 8 else ''}")
@@ -212,43 +227,148 @@ def _same_structure(a_paths, b_paths, a_name: str, b_name: str) -> None:
 # FeatureSpecs, read by duck typing (SPEC Part 2, section 2.6)
 # -----------------------------------------------------------------------------
 
+# What a feature spec must have (python/README.md, "Feature specs", lists the same).
+_SPEC_HELP = (
+    "a feature spec needs `name`, `table_spec.name`, `table_spec.vocabulary_size`, "
+    "`table_spec.setting_in_stack.stack_name` and `table_spec.stacked_table_spec.combiner`, "
+    "`.max_ids_per_partition`, `.max_unique_ids_per_partition` and `.suggested_coo_buffer_size_per_device` "
+    "(None allowed); optional: `_id_transformation` (`row_offset`, `col_offset`, `col_shift`), "
+    "`table_spec.embedding_dim`, `output_shape` or `input_shape` (see python/README.md, \"Feature specs\")")
+
+_REQUIRED = object()
+
+
+class _SpecProblem(Exception):
+  """An attribute of a feature spec that is missing or unusable (turned into FeatureSpecError)."""
+
+  def __init__(self, attribute: str, problem: str):
+    super().__init__(attribute, problem)
+    self.attribute, self.problem = attribute, problem
+
+
+def _attr(obj, dotted: str, default=_REQUIRED):
+  """`obj.a.b.c` for `dotted` "a.b.c"; `default` if a part is missing (or _SpecProblem)."""
+  value = obj
+  for part in dotted.split("."):
+    try:
+      value = getattr(value, part)
+    except AttributeError:
+      if default is _REQUIRED:
+        raise _SpecProblem(dotted, "is missing") from None
+      return default
+  return value
+
+
+def _count(value, dotted: str) -> int:
+  """A non-negative integer (ints and numpy integers; a float is an error, not truncated)."""
+  try:
+    n = operator.index(value)
+  except TypeError:
+    raise _SpecProblem(dotted, f"is {value!r}, not an integer") from None
+  if n < 0:
+    raise _SpecProblem(dotted, f"is {n}, must not be negative")
+  return n
+
 
 def _spec_tuple(spec) -> tuple:
-  """What preprocessing reads of one FeatureSpec, as the native call takes it."""
-  table = spec.table_spec
-  stacked = table.stacked_table_spec  # the reference asserts it is stacked
-  setting = table.setting_in_stack
-  transform = getattr(spec, "_id_transformation", None)
-  if transform is None:
-    transform = getattr(spec, "id_transformation", None)
+  """What preprocessing reads of one FeatureSpec, as the native call takes it (_SpecProblem if
+  an attribute is missing or unusable)."""
+  stacked = "table_spec.stacked_table_spec"
+  path = "_id_transformation"
+  if _attr(spec, path, None) is None:
+    path = "id_transformation"
   row_offset = col_offset = col_shift = 0
-  if transform is not None:
-    row_offset, col_offset, col_shift = (int(transform.row_offset), int(transform.col_offset), int(transform.col_shift))
-  shape = getattr(spec, "output_shape", None) or getattr(spec, "input_shape", None) or [0, 0]
-  global_batch = int(math.prod(shape[:-1])) if len(shape) > 1 else int(shape[0])
-  suggested = stacked.suggested_coo_buffer_size_per_device
+  if _attr(spec, path, None) is not None:
+    row_offset, col_offset, col_shift = (_count(_attr(spec, f"{path}.{a}"), f"{path}.{a}")
+                                         for a in ("row_offset", "col_offset", "col_shift"))
+  shape_path = "output_shape"
+  if _attr(spec, shape_path, None) is None:
+    shape_path = "input_shape"
+  shape = _attr(spec, shape_path, None)
+  global_batch = 0
+  if shape is not None:
+    try:
+      dims = [_count(d, shape_path) for d in shape]
+    except TypeError:
+      raise _SpecProblem(shape_path, f"is {shape!r}, not a sequence of integers") from None
+    global_batch = math.prod(dims[:-1]) if len(dims) > 1 else (dims[0] if dims else 0)
+  dim = _attr(spec, "table_spec.embedding_dim", None)
+  suggested = _attr(spec, f"{stacked}.suggested_coo_buffer_size_per_device")
   return (
-      (str(spec.name), str(table.name), int(table.vocabulary_size), int(table.embedding_dim), global_batch),
-      (str(setting.stack_name), row_offset, col_offset, col_shift),
       (
-          str(stacked.combiner),
-          int(stacked.max_ids_per_partition),
-          int(stacked.max_unique_ids_per_partition),
-          None if suggested is None else int(suggested),
+          str(_attr(spec, "name")),
+          str(_attr(spec, "table_spec.name")),
+          _count(_attr(spec, "table_spec.vocabulary_size"), "table_spec.vocabulary_size"),
+          0 if dim is None else _count(dim, "table_spec.embedding_dim"),
+          global_batch,
+      ),
+      (str(_attr(spec, "table_spec.setting_in_stack.stack_name")), row_offset, col_offset, col_shift),
+      (
+          str(_attr(spec, f"{stacked}.combiner")),
+          _count(_attr(spec, f"{stacked}.max_ids_per_partition"), f"{stacked}.max_ids_per_partition"),
+          _count(_attr(spec, f"{stacked}.max_unique_ids_per_partition"), f"{stacked}.max_unique_ids_per_partition"),
+          None if suggested is None else _count(suggested, f"{stacked}.suggested_coo_buffer_size_per_device"),
       ),
   )
 
 
+def _leaf_path(tree, i: int) -> str:
+  """`feature_specs['f']`-style path of leaf `i` of `tree`, for messages."""
+  try:
+    paths, _ = _leaves_with_paths(tree)
+    path = paths[i]
+    jax = sys.modules.get("jax")
+    if jax is not None:
+      return "feature_specs" + jax.tree_util.keystr(path)
+    return "feature_specs" + "".join(f"[{k!r}]" for k in path)
+  except Exception:  # a message must not fail: fall back to the leaf's position
+    return f"feature_specs leaf {i}"
+
+
+def _spec_tuples(leaves, tree) -> list:
+  """The spec tuples of all leaves; FeatureSpecError names the spec and the attribute."""
+  out = []
+  for i, spec in enumerate(leaves):
+    try:
+      out.append(_spec_tuple(spec))
+    except _SpecProblem as e:
+      where = _leaf_path(tree, i)
+      name = getattr(spec, "name", None)
+      feature = str(name) if name is not None else where
+      label = f"{where} (feature `{name}`)" if name is not None else where
+      raise FeatureSpecError(f"{label}: `{e.attribute}` {e.problem}; {_SPEC_HELP}", feature=feature,
+                             attribute=e.attribute) from None
+  return out
+
+
 _INT_IDS = (np.dtype(np.int32), np.dtype(np.int64))
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
-def _feature_leaf(leaf, name: str):
-  """Dense leaves become int32/int64 arrays (other integer types are widened)."""
+def _reject_beyond_int64(ids: np.ndarray, row_of, spec: tuple) -> None:
+  """uint64 ids of 2**63 and more have no int64 equivalent: InvalidInputError for the first,
+  naming the feature, its row and the id exactly as given."""
+  beyond = np.flatnonzero(ids > _INT64_MAX)
+  if beyond.size:
+    k = int(beyond[0])
+    name, table, vocab = spec[0][0], spec[0][1], spec[0][2]
+    row, bad = int(row_of(k)), int(ids[k])
+    raise InvalidInputError(
+        f"feature `{name}` (table `{table}`), sample row {row}: id {bad} is outside [0, vocabulary_size {vocab})",
+        feature=name, row=row, id=bad)
+
+
+def _feature_leaf(leaf, spec: tuple):
+  """Dense leaves become int32/int64 arrays (other integer types are widened, exactly)."""
   if not isinstance(leaf, np.ndarray):
     leaf = np.asarray(leaf)
   if leaf.ndim == 2 and leaf.dtype not in _INT_IDS:
+    name = spec[0][0]
     if leaf.dtype.kind not in "iu":
-      raise TypeError(f"feature `{name}`: ids must be integers, got dtype {leaf.dtype}")
+      raise InputTypeError(f"feature `{name}`: ids must be integers, got dtype {leaf.dtype}", feature=name)
+    if leaf.dtype == np.uint64 and leaf.size:
+      width = leaf.shape[1]
+      _reject_beyond_int64(leaf.ravel(), lambda k: k // width, spec)
     leaf = leaf.astype(np.int64)
   return leaf
 
@@ -259,6 +379,34 @@ def _weights_leaf(leaf):
   if leaf.ndim == 2 and leaf.dtype != np.float32:
     leaf = leaf.astype(np.float32)  # the reference force-casts dense weights to float32
   return leaf
+
+
+def _check_options(sharding_strategy, num_sc_per_device, all_reduce_interface) -> None:
+  if all_reduce_interface is not None:
+    raise ConfigError("all_reduce_interface is not supported by sparsecore_prep yet; "
+                      "multi-host minibatching needs the Rust API (TcpAllReduce)", field="all_reduce_interface")
+  if not isinstance(sharding_strategy, str) or sharding_strategy.upper() != "MOD":
+    raise ConfigError(f"Unsupported sharding strategy: {sharding_strategy}. Only MOD is supported.",
+                      field="sharding_strategy")
+  if num_sc_per_device is None:
+    raise ConfigError("num_sc_per_device must be given (there is no TPU to detect it from)", field="num_sc_per_device")
+
+
+def _run_native(specs, local_device_count, global_device_count, num_sc_per_device, sharding_strategy,
+                allow_id_dropping, enable_minibatching, validate_ids, run):
+  """`run(native)` on the cached native state for these specs and options."""
+  key = (tuple(specs), int(local_device_count), int(global_device_count), int(num_sc_per_device), sharding_strategy,
+         bool(allow_id_dropping), bool(enable_minibatching), bool(validate_ids))
+  # Taken out of the cache for the call, so that concurrent calls never share one.
+  native = _DROP_IN_CACHE.pop(key, None)
+  if native is None:
+    native = _native.NativeDropIn(specs, *key[1:])
+  try:
+    return run(native)
+  finally:
+    _DROP_IN_CACHE[key] = native
+    while len(_DROP_IN_CACHE) > _DROP_IN_CACHE_SIZE:
+      _DROP_IN_CACHE.pop(next(iter(_DROP_IN_CACHE)), None)
 
 
 def preprocess_sparse_dense_matmul_input(
@@ -292,7 +440,8 @@ def preprocess_sparse_dense_matmul_input(
       empty container) for unit weights.
     feature_specs: the same structure of the reference's ``FeatureSpec``s,
       stacked by ``prepare_feature_specs_for_training`` or
-      ``auto_stack_tables`` (any object with the same attributes works).
+      ``auto_stack_tables`` (any object with the attributes listed in
+      python/README.md, "Feature specs", works).
     local_device_count: L, devices fed by this host.
     global_device_count: G, devices in the job.
     num_sc_per_device: S, SparseCores per device (there is no TPU to ask).
@@ -313,19 +462,15 @@ def preprocess_sparse_dense_matmul_input(
     ``tpu_sparse_dense_matmul`` unchanged.
 
   Raises:
-    ValueError: bad options, a pytree mismatch, and every condition where the
-      reference aborts the process: :class:`LimitExceededError` for exceeded
-      limits without dropping, :class:`InvalidInputError` for bad ids, weights
-      or batch sizes.
-    TypeError: leaves of an unusable type or dtype.
+    ConfigError: bad options or spec values (a ``ValueError``).
+    FeatureSpecError: a spec without an attribute the call reads (a
+      ``TypeError``).
+    LimitExceededError: exceeded limits without dropping (the reference aborts).
+    InvalidInputError: bad ids, weights or batch sizes, a pytree mismatch (a
+      ``ValueError``).
+    InputTypeError: leaves of an unusable type or dtype (a ``TypeError``).
   """
-  if all_reduce_interface is not None:
-    raise ValueError("all_reduce_interface is not supported by sparsecore_prep yet; "
-                     "multi-host minibatching needs the Rust API (TcpAllReduce)")
-  if not isinstance(sharding_strategy, str) or sharding_strategy.upper() != "MOD":
-    raise ValueError(f"Unsupported sharding strategy: {sharding_strategy}. Only MOD is supported.")
-  if num_sc_per_device is None:
-    raise ValueError("num_sc_per_device must be given (there is no TPU to detect it from)")
+  _check_options(sharding_strategy, num_sc_per_device, all_reduce_interface)
   if not features_weights:
     features_weights = None
   f_leaves, f_struct = _leaves_and_structure(features)
@@ -335,26 +480,17 @@ def preprocess_sparse_dense_matmul_input(
   if features_weights is not None:
     w_leaves, w_struct = _leaves_and_structure(features_weights)
     _check_structure(features_weights, w_struct, feature_specs, s_struct, "features_weights", "feature_specs")
-  specs = [_spec_tuple(s) for s in s_leaves]
-  f_leaves = [_feature_leaf(f, s[0][0]) for f, s in zip(f_leaves, specs)]
+  specs = _spec_tuples(s_leaves, feature_specs)
+  f_leaves = [_feature_leaf(f, s) for f, s in zip(f_leaves, specs)]
   if w_leaves is not None:
     w_leaves = [_weights_leaf(w) for w in w_leaves]
-  key = (tuple(specs), int(local_device_count), int(global_device_count), int(num_sc_per_device), sharding_strategy,
-         bool(allow_id_dropping), bool(enable_minibatching), bool(validate_ids))
-  # Taken out of the cache for the call, so that concurrent calls never share one.
-  native = _DROP_IN_CACHE.pop(key, None)
-  if native is None:
-    native = _native.NativeDropIn(specs, *key[1:])
-  try:
-    raw = native.run(f_leaves, w_leaves, bool(has_leading_dimension), int(batch_number))
-  finally:
-    _DROP_IN_CACHE[key] = native
-    while len(_DROP_IN_CACHE) > _DROP_IN_CACHE_SIZE:
-      _DROP_IN_CACHE.pop(next(iter(_DROP_IN_CACHE)), None)
+  raw = _run_native(specs, local_device_count, global_device_count, num_sc_per_device, sharding_strategy,
+                    allow_id_dropping, enable_minibatching, validate_ids,
+                    lambda native: native.run(f_leaves, w_leaves, bool(has_leading_dimension), int(batch_number)))
   return _wrap(raw, int(local_device_count), has_leading_dimension)
 
 
-# The drop-in call's native state (plan, scratch memory, gather buffers) per distinct specs and
+# The drop-in calls' native state (plan, scratch memory, gather buffers) per distinct specs and
 # options, most recently used last. The key holds what the specs say (read afresh every call),
 # not the spec objects, so a spec changed in place (FDO raising a limit) gets a new entry.
 _DROP_IN_CACHE: dict = {}

@@ -6,22 +6,34 @@
 use arrow_array::ffi::{from_ffi, FFI_ArrowArray, FFI_ArrowSchema};
 use arrow_array::ffi_stream::{RecordBatchStreamReader, FFI_ArrowArrayStream};
 use arrow_array::{Array, RecordBatch, RecordBatchReader, StructArray};
-use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyCapsuleMethods, PyTuple};
 
+use crate::errors::{raise, Class};
+
+/// An [`Class::InputType`] about the batch object (no feature to name).
+fn type_error(py: Python<'_>, message: impl Into<String>) -> PyErr {
+    raise(py, Class::InputType, message.into(), &[])
+}
+
+/// An [`Class::InvalidInput`] about the batch.
+fn invalid(py: Python<'_>, message: impl Into<String>) -> PyErr {
+    raise(py, Class::InvalidInput, message.into(), &[])
+}
+
 fn capsule_ptr<T>(capsule: &Bound<'_, PyAny>, name: &'static std::ffi::CStr) -> PyResult<*mut T> {
-    let capsule = capsule.cast::<PyCapsule>().map_err(|_| PyTypeError::new_err("the Arrow interface did not return a PyCapsule"))?;
+    let capsule = capsule.cast::<PyCapsule>().map_err(|_| type_error(capsule.py(), "the Arrow interface did not return a PyCapsule"))?;
     Ok(capsule.pointer_checked(Some(name))?.as_ptr() as *mut T)
 }
 
 /// Imports one record batch (or a table / reader, whose batches are concatenated).
 pub fn record_batch(obj: &Bound<'_, PyAny>) -> PyResult<RecordBatch> {
+    let py = obj.py();
     if obj.hasattr("__arrow_c_array__")? {
         let pair = obj.call_method0("__arrow_c_array__")?;
-        let pair = pair.cast::<PyTuple>().map_err(|_| PyTypeError::new_err("__arrow_c_array__ must return a tuple"))?;
+        let pair = pair.cast::<PyTuple>().map_err(|_| type_error(py, "__arrow_c_array__ must return a tuple"))?;
         if pair.len() != 2 {
-            return Err(PyTypeError::new_err("__arrow_c_array__ must return (schema capsule, array capsule)"));
+            return Err(type_error(py, "__arrow_c_array__ must return (schema capsule, array capsule)"));
         }
         let schema: *mut FFI_ArrowSchema = capsule_ptr(&pair.get_item(0)?, c"arrow_schema")?;
         let array: *mut FFI_ArrowArray = capsule_ptr(&pair.get_item(1)?, c"arrow_array")?;
@@ -32,10 +44,10 @@ pub fn record_batch(obj: &Bound<'_, PyAny>) -> PyResult<RecordBatch> {
             let array = FFI_ArrowArray::from_raw(array);
             from_ffi(array, &*schema)
         }
-        .map_err(|e| PyValueError::new_err(format!("cannot import the Arrow array: {e}")))?;
+        .map_err(|e| invalid(py, format!("cannot import the Arrow array: {e}")))?;
         let array = StructArray::from(data);
         if array.null_count() > 0 {
-            return Err(PyValueError::new_err("the Arrow record batch has null rows"));
+            return Err(invalid(py, "the Arrow record batch has null rows"));
         }
         return Ok(RecordBatch::from(array));
     }
@@ -45,18 +57,18 @@ pub fn record_batch(obj: &Bound<'_, PyAny>) -> PyResult<RecordBatch> {
         // SAFETY: a valid C stream interface struct; `from_raw` takes it over and leaves the
         // capsule's copy released.
         let reader = unsafe { RecordBatchStreamReader::from_raw(stream) }
-            .map_err(|e| PyValueError::new_err(format!("cannot import the Arrow stream: {e}")))?;
+            .map_err(|e| invalid(py, format!("cannot import the Arrow stream: {e}")))?;
         let schema = reader.schema();
         let batches: Vec<RecordBatch> =
-            reader.collect::<Result<_, _>>().map_err(|e| PyValueError::new_err(format!("reading the Arrow stream: {e}")))?;
+            reader.collect::<Result<_, _>>().map_err(|e| invalid(py, format!("reading the Arrow stream: {e}")))?;
         return match batches.len() {
             1 => Ok(batches.into_iter().next().expect("one batch")),
             // Several chunks are one local batch: concatenate (the only copy on this path).
             _ => arrow_select::concat::concat_batches(&schema, &batches)
-                .map_err(|e| PyValueError::new_err(format!("concatenating the Arrow stream's batches: {e}"))),
+                .map_err(|e| invalid(py, format!("concatenating the Arrow stream's batches: {e}"))),
         };
     }
-    Err(PyTypeError::new_err(format!(
+    Err(type_error(py, format!(
         "expected an Arrow record batch or table (an object with __arrow_c_array__ or __arrow_c_stream__), got {}",
         obj.get_type().name()?
     )))

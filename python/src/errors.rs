@@ -1,69 +1,149 @@
 //! The crate's `Error` as Python exceptions.
 //!
-//! Where the reference aborts the process (`CHECK`, `LOG(FATAL)`), we raise. Every exception
-//! derives from a standard one (`ValueError`, `TypeError`, `OSError`, `RuntimeError`), so code
-//! written against the reference's catchable errors keeps working, and carries our message,
-//! which names the stack, feature or column, the value and the limit.
+//! Where the reference aborts the process (`CHECK`, `LOG(FATAL)`), we raise. The exception
+//! classes are defined in Python (`sparsecore_prep/_errors.py`, exported by `sparsecore_prep`),
+//! so that they pickle: an error raised in a `ProcessPoolExecutor`, Ray or Spark worker reaches
+//! the parent as itself. This module looks them up there and raises them with our message, which
+//! names the stack, feature or column, the value and the limit, and with the same facts as
+//! fields. Every class derives from a standard exception (`ValueError`, `TypeError`), so code
+//! written against the reference's catchable errors keeps working.
 
-use pyo3::create_exception;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::BoundObject;
+use pyo3::types::{PyDict, PyType};
 use sparsecore_prep::{Error, LimitKind};
 
-create_exception!(
-    _native,
-    LimitExceededError,
-    PyValueError,
-    "A partition received more ids than its limit and `allow_id_dropping` is off (the reference \
-     aborts the process here). Attributes: stack, limit_name, observed, limit, device, sparsecore, \
-     partition."
-);
-create_exception!(
-    _native,
-    InvalidInputError,
-    PyValueError,
-    "An input the pipeline cannot use: an id outside its table, a non-finite weight, weights of \
-     another shape, a batch that does not split over the SparseCores."
-);
-
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
-    m.add("LimitExceededError", py.get_type::<LimitExceededError>())?;
-    m.add("InvalidInputError", py.get_type::<InvalidInputError>())?;
-    Ok(())
+/// The package's exception classes, with the standard exception each derives from (raised
+/// instead if the class cannot be found, which only a broken installation causes).
+#[derive(Clone, Copy)]
+pub enum Class {
+    Config,
+    InvalidInput,
+    LimitExceeded,
+    InputType,
 }
 
-/// Maps an error to the closest Python exception, keeping our message.
+impl Class {
+    fn name(self) -> &'static str {
+        match self {
+            Class::Config => "ConfigError",
+            Class::InvalidInput => "InvalidInputError",
+            Class::LimitExceeded => "LimitExceededError",
+            Class::InputType => "InputTypeError",
+        }
+    }
+
+    fn fallback(self, message: String) -> PyErr {
+        match self {
+            Class::InputType => PyTypeError::new_err(message),
+            _ => PyValueError::new_err(message),
+        }
+    }
+
+    fn lookup<'py>(self, py: Python<'py>) -> PyResult<&'py Bound<'py, PyType>> {
+        static CLASSES: [PyOnceLock<Py<PyType>>; 4] = [PyOnceLock::new(), PyOnceLock::new(), PyOnceLock::new(), PyOnceLock::new()];
+        CLASSES[self as usize].import(py, "sparsecore_prep._errors", self.name())
+    }
+}
+
+/// A `class(message, **fields)` exception; fields whose value is `None` are left out (they
+/// default to None).
+pub fn raise<'py>(py: Python<'py>, class: Class, message: String, fields: &[(&str, Option<Bound<'py, PyAny>>)]) -> PyErr {
+    let made = (|| -> PyResult<Bound<'py, PyAny>> {
+        let kwargs = PyDict::new(py);
+        for (name, value) in fields {
+            if let Some(value) = value {
+                kwargs.set_item(name, value)?;
+            }
+        }
+        class.lookup(py)?.call((message.as_str(),), Some(&kwargs))
+    })();
+    match made {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(_) => class.fallback(message),
+    }
+}
+
+/// `Some(value)` as a Python object, for [`raise`]'s fields.
+pub fn field<'py, T: IntoPyObject<'py>>(py: Python<'py>, value: T) -> Option<Bound<'py, PyAny>> {
+    value.into_pyobject(py).ok().map(|v| v.into_any().into_bound())
+}
+
+/// An [`Class::InvalidInput`] naming the feature, and the row and id when known (the id exactly
+/// as given: any integer type converts).
+pub fn invalid_input<'py, I: IntoPyObject<'py>>(py: Python<'py>, feature: &str, row: Option<usize>, id: Option<I>, message: String) -> PyErr {
+    let id = id.and_then(|id| field(py, id));
+    raise(py, Class::InvalidInput, message, &[("feature", field(py, feature)), ("row", row.and_then(|r| field(py, r))), ("id", id)])
+}
+
+/// An [`Class::InputType`] naming the feature.
+pub fn input_type(py: Python<'_>, feature: &str, message: String) -> PyErr {
+    raise(py, Class::InputType, message, &[("feature", field(py, feature))])
+}
+
+/// Maps an error to the package's exception for it, keeping our message and the error's facts
+/// as fields.
 pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
     let message = e.to_string();
+    let f = |v: &str| field(py, v);
+    let config = |field_name: Option<&str>, location: Option<String>| {
+        raise(py, Class::Config, message.clone(), &[("field", field_name.and_then(f)), ("location", location.and_then(|l| field(py, l)))])
+    };
     match e.root() {
         Error::LimitExceeded { stack, kind, observed, limit, device, sc, partition } => {
-            let err = LimitExceededError::new_err(message);
-            let value = err.value(py);
             let kind = match kind {
                 LimitKind::MaxIds => "max_ids_per_partition",
                 LimitKind::MaxUniqueIds => "max_unique_ids_per_partition",
             };
-            // Attributes for callers that retune; setting them cannot fail on a fresh exception.
-            let _ = value.setattr("stack", stack.as_str());
-            let _ = value.setattr("limit_name", kind);
-            let _ = value.setattr("observed", *observed);
-            let _ = value.setattr("limit", *limit);
-            let _ = value.setattr("device", *device);
-            let _ = value.setattr("sparsecore", *sc);
-            let _ = value.setattr("partition", *partition);
-            err
+            raise(
+                py,
+                Class::LimitExceeded,
+                message,
+                &[
+                    ("stack", f(stack)),
+                    ("limit_name", f(kind)),
+                    ("observed", field(py, *observed)),
+                    ("limit", field(py, *limit)),
+                    ("device", field(py, *device)),
+                    ("sparsecore", field(py, *sc)),
+                    ("partition", field(py, *partition)),
+                ],
+            )
         }
-        Error::IdOutOfRange { .. }
-        | Error::InvalidWeight { .. }
-        | Error::WeightsShape { .. }
-        | Error::InvalidInput { .. }
-        | Error::BatchNotDivisible { .. }
-        | Error::BatchTooSmall { .. }
-        | Error::MissingColumn { .. } => InvalidInputError::new_err(message),
-        Error::ColumnType { .. } => PyTypeError::new_err(message),
+        Error::IdOutOfRange { feature, row, id, .. } => invalid_input(py, feature, Some(*row), Some(*id), message),
+        Error::InvalidWeight { feature, row, .. } | Error::WeightsShape { feature, row, .. } => {
+            invalid_input(py, feature, Some(*row), None::<i64>, message)
+        }
+        Error::InvalidInput { feature, .. } | Error::MissingColumn { feature, .. } | Error::BatchNotDivisible { feature, .. } => {
+            invalid_input(py, feature, None, None::<i64>, message)
+        }
+        Error::BatchTooSmall { .. } | Error::BatchTooLarge { .. } | Error::InputCount { .. } | Error::Arrow { .. } => {
+            raise(py, Class::InvalidInput, message, &[])
+        }
+        Error::ColumnType { feature, column, .. } => {
+            raise(py, Class::InputType, message, &[("feature", f(feature)), ("column", f(column))])
+        }
+        Error::UnknownField { field: name, location, suggestion } => raise(
+            py,
+            Class::Config,
+            message,
+            &[("field", f(name)), ("location", f(location)), ("suggestion", suggestion.as_deref().and_then(f))],
+        ),
+        Error::InvalidOption { option, .. } => config(Some(option), None),
+        Error::InvalidConfig { what, name, .. } => config(None, Some(format!("{what} `{name}`"))),
+        Error::InvalidLimit { what, name, limit, .. } => config(Some(limit), Some(format!("{what} `{name}`"))),
+        Error::SuggestedBufferTooLarge { stack, .. } => {
+            config(Some("suggested_coo_buffer_size_per_device"), Some(format!("stack `{stack}`")))
+        }
+        Error::BufferSizeOutOfRange { stack, .. } | Error::OutputTooLarge { stack, .. } => config(None, Some(format!("stack `{stack}`"))),
+        Error::NotPowerOfTwo { .. } => config(Some("num_sc_per_device"), None),
+        Error::NoFeatures => config(Some("features"), None),
+        Error::Json { context, .. } => config(None, Some(context.clone())),
+        // Not the data's or the config's fault (and not reachable from Python today).
         Error::Io { .. } => PyOSError::new_err(message),
-        Error::AllReduce { .. } => PyRuntimeError::new_err(message),
+        Error::AllReduce { .. } | Error::DynamicStore { .. } => PyRuntimeError::new_err(message),
         _ => PyValueError::new_err(message),
     }
 }

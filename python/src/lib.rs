@@ -17,12 +17,12 @@ mod errors;
 mod numpy_input;
 mod pool;
 mod prep;
+mod threads;
 
 use pyo3::prelude::*;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    errors::register(m)?;
     m.add_class::<prep::NativePreprocessor>()?;
     m.add_class::<prep::NativeFdoStats>()?;
     m.add_class::<prep::NativeDropIn>()?;

@@ -12,9 +12,10 @@
 
 use numpy::npyffi::PyArrayObject;
 use numpy::{PyArray2, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray2, PyUntypedArray, PyUntypedArrayMethods};
-use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use sparsecore_prep::input::{DenseInput, RaggedInput, SampleSource};
+
+use crate::errors;
 
 /// One feature's local batch, owned (ragged, gathered) or borrowed from numpy (dense).
 pub enum FeatureData<'py> {
@@ -77,8 +78,9 @@ fn ragged_source<'a>(
 
 /// Reads one feature (and its weights) from the leaves the reference accepts.
 pub fn feature<'py>(name: &str, ids: &Bound<'py, PyAny>, weights: Option<&Bound<'py, PyAny>>) -> PyResult<FeatureData<'py>> {
+    let py = ids.py();
     let array = ids.cast::<PyUntypedArray>().map_err(|_| {
-        PyTypeError::new_err(format!(
+        errors::input_type(py, name, format!(
             "feature `{name}`: expected a numpy array (2-D ids, or a 1-D object array of per-sample arrays), got {}",
             type_name(ids)
         ))
@@ -86,12 +88,12 @@ pub fn feature<'py>(name: &str, ids: &Bound<'py, PyAny>, weights: Option<&Bound<
     match array.ndim() {
         2 => dense(name, array, weights),
         1 if array.dtype().kind() == b'O' => ragged(name, array, weights),
-        1 => Err(PyValueError::new_err(format!(
+        1 => Err(errors::invalid_input(py, name, None, None::<i64>, format!(
             "feature `{name}`: a 1-D array must have dtype=object and hold one 1-D array of ids per sample \
              (got dtype {}); use a 2-D array for fixed valency",
             array.dtype()
         ))),
-        n => Err(PyValueError::new_err(format!(
+        n => Err(errors::invalid_input(py, name, None, None::<i64>, format!(
             "feature `{name}`: Only 1D and 2D numpy arrays supported as inputs (got {n} dimensions)"
         ))),
     }
@@ -106,7 +108,7 @@ fn dense<'py>(name: &str, array: &Bound<'py, PyUntypedArray>, weights: Option<&B
         None => None,
         Some(w) => {
             let w = w.cast::<PyArray2<f32>>().map_err(|_| {
-                PyTypeError::new_err(format!(
+                errors::input_type(w.py(), name, format!(
                     "feature `{name}`: dense weights must be a 2-D float32 array like the ids, got {}",
                     describe(w)
                 ))
@@ -120,7 +122,7 @@ fn dense<'py>(name: &str, array: &Bound<'py, PyUntypedArray>, weights: Option<&B
     if let Ok(a) = array.cast::<PyArray2<i64>>() {
         return Ok(FeatureData::DenseI64 { ids: a.try_readonly()?, weights });
     }
-    Err(PyTypeError::new_err(format!(
+    Err(errors::input_type(array.py(), name, format!(
         "feature `{name}`: dense ids must be int32 or int64, got dtype {}",
         array.dtype()
     )))
@@ -202,20 +204,27 @@ fn narrow(v: i64) -> Option<i32> {
 
 /// Appends one sample's ids.
 fn push_ids(name: &str, r: usize, obj: &Bound<'_, PyAny>, out: &mut Vec<i32>) -> PyResult<()> {
+    let py = obj.py();
     let out_of_range = |v: i128| {
-        PyValueError::new_err(format!("feature `{name}`, sample row {r}: id {v} is outside the int32 range of embedding ids"))
+        errors::invalid_input(
+            py,
+            name,
+            Some(r),
+            Some(v),
+            format!("feature `{name}`, sample row {r}: id {v} is outside the int32 range of embedding ids"),
+        )
     };
     let row = match row_of(obj) {
         Some(Ok(row)) => row,
         Some(Err(what)) => {
-            return Err(PyTypeError::new_err(format!(
+            return Err(errors::input_type(py, name, format!(
                 "feature `{name}`, sample row {r}: expected a 1-D array of integer ids, got {what}"
             )))
         }
         None => {
             // Not a numpy array: accept any sequence of Python ints (the reference crashes).
             let values: Vec<i64> = obj.extract().map_err(|_| {
-                PyTypeError::new_err(format!(
+                errors::input_type(py, name, format!(
                     "feature `{name}`, sample row {r}: expected a 1-D array of integer ids, got {}",
                     type_name(obj)
                 ))
@@ -235,7 +244,7 @@ fn push_ids(name: &str, r: usize, obj: &Bound<'_, PyAny>, out: &mut Vec<i32>) ->
         (b'u', 8) => copy_row::<u64, i32>(&row.span, out, |v| i32::try_from(v).ok()).map_err(|v| out_of_range(v as i128)),
         (b'u', 2) => copy_row::<u16, i32>(&row.span, out, |v| Some(v as i32)).map_err(|v| out_of_range(v as i128)),
         (b'u', 1) => copy_row::<u8, i32>(&row.span, out, |v| Some(v as i32)).map_err(|v| out_of_range(v as i128)),
-        _ => Err(PyTypeError::new_err(format!(
+        _ => Err(errors::input_type(py, name, format!(
             "feature `{name}`, sample row {r}: ids must be integers, got dtype {}",
             obj.cast::<PyUntypedArray>().map(|a| a.dtype().to_string()).unwrap_or_default()
         ))),
@@ -247,13 +256,13 @@ fn push_weights(name: &str, r: usize, obj: &Bound<'_, PyAny>, out: &mut Vec<f32>
     let row = match row_of(obj) {
         Some(Ok(row)) => row,
         Some(Err(what)) => {
-            return Err(PyTypeError::new_err(format!(
+            return Err(errors::input_type(obj.py(), name, format!(
                 "feature `{name}`, sample row {r}: expected a 1-D float32 array of weights, got {what}"
             )))
         }
         None => {
             let values: Vec<f64> = obj.extract().map_err(|_| {
-                PyTypeError::new_err(format!(
+                errors::input_type(obj.py(), name, format!(
                     "feature `{name}`, sample row {r}: expected a 1-D float32 array of weights, got {}",
                     type_name(obj)
                 ))
@@ -270,7 +279,7 @@ fn push_weights(name: &str, r: usize, obj: &Bound<'_, PyAny>, out: &mut Vec<f32>
     if ok {
         Ok(())
     } else {
-        Err(PyTypeError::new_err(format!(
+        Err(errors::input_type(obj.py(), name, format!(
             "feature `{name}`, sample row {r}: weights must be float32 (or float64), got dtype {}",
             obj.cast::<PyUntypedArray>().map(|a| a.dtype().to_string()).unwrap_or_default()
         )))
@@ -279,7 +288,8 @@ fn push_weights(name: &str, r: usize, obj: &Bound<'_, PyAny>, out: &mut Vec<f32>
 
 fn ragged<'py>(name: &str, array: &Bound<'py, PyUntypedArray>, weights: Option<&Bound<'py, PyAny>>) -> PyResult<FeatureData<'py>> {
     let rows = array.len();
-    let too_many = || PyValueError::new_err(format!("feature `{name}`: more than 2147483647 ids in one batch"));
+    let py = array.py();
+    let too_many = || errors::invalid_input(py, name, None, None::<i64>, format!("feature `{name}`: more than 2147483647 ids in one batch"));
     let mut ids: Vec<i32> = Vec::new();
     let mut splits: Vec<i32> = Vec::with_capacity(rows + 1);
     splits.push(0);
@@ -292,13 +302,13 @@ fn ragged<'py>(name: &str, array: &Bound<'py, PyUntypedArray>, weights: Option<&
         None => None,
         Some(w) => {
             let wa = w.cast::<PyUntypedArray>().ok().filter(|a| a.ndim() == 1 && a.dtype().kind() == b'O').ok_or_else(|| {
-                PyTypeError::new_err(format!(
+                errors::input_type(py, name, format!(
                     "feature `{name}`: ragged ids need ragged weights (a 1-D object array of per-sample float32 arrays), got {}",
                     describe(w)
                 ))
             })?;
             if wa.len() != rows {
-                return Err(PyValueError::new_err(format!(
+                return Err(errors::invalid_input(py, name, None, None::<i64>, format!(
                     "feature `{name}`: Batch size mismatch for features and weights: {rows} id rows, {} weight rows",
                     wa.len()
                 )));
@@ -308,7 +318,7 @@ fn ragged<'py>(name: &str, array: &Bound<'py, PyUntypedArray>, weights: Option<&
                 push_weights(name, r, item, &mut values)?;
                 let (want, got) = (splits[r + 1] as usize, values.len());
                 if got != want {
-                    return Err(PyValueError::new_err(format!(
+                    return Err(errors::invalid_input(py, name, Some(r), None::<i64>, format!(
                         "feature `{name}`, sample row {r}: {} weights for {} ids (the weights must have the ids' shape)",
                         got - splits[r] as usize,
                         want - splits[r] as usize
@@ -340,7 +350,9 @@ fn for_each_object<'py>(
             let p = std::ptr::read_unaligned(data.offset(k as isize * stride) as *const *mut pyo3::ffi::PyObject);
             pyo3::Borrowed::from_ptr_or_opt(py, p)
         };
-        let item = item.ok_or_else(|| PyValueError::new_err(format!("feature `{name}`, sample row {k}: empty (NULL) object")))?;
+        let item = item.ok_or_else(|| {
+            errors::invalid_input(py, name, Some(k), None::<i64>, format!("feature `{name}`, sample row {k}: empty (NULL) object"))
+        })?;
         f(k, &item)?;
     }
     Ok(())
@@ -597,7 +609,7 @@ unsafe fn gather_with(
     }
     true
 }
-/// Gathers the ragged features among `leaves` on rayon's pool, into `scratch` (one buffer per
+/// Gathers the ragged features among `leaves` on `pool` (the package's, see `threads`), into `scratch` (one buffer per
 /// leaf, resized to fit; its memory is reused from call to call, so a steady stream of batches
 /// does not fault in fresh pages for the gathered ids each time). `None` where a feature needs
 /// the checked path (or is not ragged).
@@ -608,6 +620,7 @@ unsafe fn gather_with(
 /// object read is kept alive by `leaves`, which the caller owns.
 pub fn gather_all<'py>(
     py: Python<'py>,
+    pool: &rayon::ThreadPool,
     leaves: &[(Option<RawObjects>, Option<RawObjects>)],
     scratch: &mut Vec<Gathered>,
 ) -> Vec<Option<FeatureData<'py>>> {
@@ -616,15 +629,18 @@ pub fn gather_all<'py>(
     use rayon::prelude::*;
     let array_type = ArrayType(Arr::type_object_raw(py));
     scratch.resize_with(leaves.len(), Default::default);
-    scratch
-        .par_iter_mut()
-        .zip(leaves.par_iter())
-        .map(|(buf, &(ids, weights))| match ids {
-            // SAFETY: see the function's documentation.
-            Some(ids) => unsafe { gather_raw(ids, weights, array_type, buf) },
-            None => false,
-        })
-        .collect::<Vec<bool>>()
+    let gathered = pool.install(|| {
+        scratch
+            .par_iter_mut()
+            .zip(leaves.par_iter())
+            .map(|(buf, &(ids, weights))| match ids {
+                // SAFETY: see the function's documentation.
+                Some(ids) => unsafe { gather_raw(ids, weights, array_type, buf) },
+                None => false,
+            })
+            .collect::<Vec<bool>>()
+    });
+    gathered
         .into_iter()
         .zip(scratch.iter_mut())
         .map(|(ok, buf)| {

@@ -6,17 +6,17 @@
 //! result classes.
 
 use numpy::PyArray1;
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
+use rayon::ThreadPool;
 use sparsecore_prep::fdo::{tune, FdoStats};
 use sparsecore_prep::input::SampleSource;
 use sparsecore_prep::spec::{FeatureConfig, Options, Placement, ResolvedStack, Stacking, TableConfig};
-use sparsecore_prep::{Config, Output, Plan, Preprocessor};
+use sparsecore_prep::{Config, Output, Plan, Preprocessor, PreprocessorBuilder};
 
-use crate::errors::to_py;
+use crate::errors::{self, to_py};
 use crate::pool::BufferPool;
-use crate::{arrow_input, numpy_input};
+use crate::{arrow_input, numpy_input, threads};
 
 /// The four arrays of every stack, the number of minibatches, and the stats.
 type Results = (Py<PyDict>, Py<PyDict>, Py<PyDict>, Py<PyDict>, usize, Py<PyTuple>);
@@ -66,20 +66,63 @@ fn stats_into(
     Ok(())
 }
 
-/// Runs `prep` on `sources` with the GIL released.
-fn run_detached(py: Python<'_>, prep: &mut Preprocessor, sources: &[Box<dyn SampleSource + '_>], out: &mut Output, stats_only: bool) -> PyResult<()> {
+/// Runs `prep` on `sources` with the GIL released, on `pool`.
+fn run_detached(
+    py: Python<'_>,
+    pool: &ThreadPool,
+    prep: &mut Preprocessor,
+    sources: &[Box<dyn SampleSource + '_>],
+    out: &mut Output,
+) -> PyResult<()> {
     let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
-    let result = py.detach(|| if stats_only { prep.run_stats(&inputs, out) } else { prep.run(&inputs, out) });
-    result.map_err(|e| to_py(py, e))
+    py.detach(|| pool.install(|| prep.run(&inputs, out))).map_err(|e| to_py(py, e))
+}
+
+/// Builds a preprocessor on the package's pool (see `threads`), unless it has a pool of its own:
+/// its per-thread scratch is sized by the pool it is built on.
+fn build(py: Python<'_>, builder: PreprocessorBuilder, dedicated: bool) -> PyResult<Preprocessor> {
+    let built = if dedicated { builder.build() } else { threads::pool()?.install(|| builder.build()) };
+    built.map_err(|e| to_py(py, e))
 }
 
 /// A config-driven preprocessor over Arrow record batches (wrapped by `sparsecore_prep.Preprocessor`).
+///
+/// With `threads`, it has a pool of its own, whose threads a forked child does not inherit: the
+/// first call in another process than the one it was built in rebuilds it (see `threads`).
 #[pyclass(module = "sparsecore_prep._native")]
 pub struct NativePreprocessor {
     prep: Preprocessor,
     out: Output,
     pool: BufferPool,
     config_json: String,
+    threads: Option<usize>,
+    batch_number: u64,
+    pid: u32,
+}
+
+impl NativePreprocessor {
+    fn build(py: Python<'_>, config: Config, threads: Option<usize>) -> PyResult<Preprocessor> {
+        let mut builder = Preprocessor::builder(config);
+        if let Some(n) = threads {
+            builder = builder.threads(n);
+        }
+        build(py, builder, threads.is_some())
+    }
+
+    /// Rebuilds the preprocessor if this is a forked child of the process that built it; the
+    /// pool to run it on (None: its own).
+    fn live(&mut self, py: Python<'_>) -> PyResult<Option<std::sync::Arc<ThreadPool>>> {
+        let pid = std::process::id();
+        if self.pid != pid && self.threads.is_some() {
+            let config = Config::from_json(&self.config_json).map_err(|e| to_py(py, e))?;
+            let mut fresh = Self::build(py, config, self.threads)?;
+            fresh.set_batch_number(self.batch_number);
+            // The old one's pool has no threads here: nothing to join, so nothing is dropped.
+            std::mem::forget(std::mem::replace(&mut self.prep, fresh));
+        }
+        self.pid = pid;
+        Ok(if self.threads.is_some() { None } else { Some(threads::pool()?) })
+    }
 }
 
 #[pymethods]
@@ -90,12 +133,17 @@ impl NativePreprocessor {
     #[pyo3(signature = (config_json, threads=None))]
     fn new(py: Python<'_>, config_json: &str, threads: Option<usize>) -> PyResult<Self> {
         let config = Config::from_json(config_json).map_err(|e| to_py(py, e))?;
-        let mut builder = Preprocessor::builder(config.clone());
-        if let Some(n) = threads {
-            builder = builder.threads(n);
-        }
-        let prep = builder.build().map_err(|e| to_py(py, e))?;
-        Ok(NativePreprocessor { prep, out: Output::new(), pool: BufferPool::default(), config_json: config.to_json() })
+        let config_json = config.to_json();
+        let prep = Self::build(py, config, threads)?;
+        Ok(NativePreprocessor {
+            prep,
+            out: Output::new(),
+            pool: BufferPool::default(),
+            config_json,
+            threads,
+            batch_number: 0,
+            pid: std::process::id(),
+        })
     }
 
     /// The config as normalised JSON (defaults filled in).
@@ -106,6 +154,7 @@ impl NativePreprocessor {
 
     /// Sets the batch number that keys minibatching's cross-host agreement.
     fn set_batch_number(&mut self, batch_number: u64) {
+        self.batch_number = batch_number;
         self.prep.set_batch_number(batch_number);
     }
 
@@ -113,17 +162,24 @@ impl NativePreprocessor {
     #[pyo3(signature = (batch, has_leading_dimension=false))]
     fn run(&mut self, py: Python<'_>, batch: &Bound<'_, PyAny>, has_leading_dimension: bool) -> PyResult<Results> {
         let rb = arrow_input::record_batch(batch)?;
+        let on = self.live(py)?;
         let (prep, out) = (&mut self.prep, &mut self.out);
         self.pool.refill(out);
-        py.detach(|| prep.run_record_batch(&rb, out)).map_err(|e| to_py(py, e))?;
-        results(py, out, &self.pool, has_leading_dimension)
+        let mut run = || prep.run_record_batch(&rb, out);
+        py.detach(|| match &on {
+            Some(pool) => pool.install(run),
+            None => run(),
+        })
+        .map_err(|e| to_py(py, e))?;
+        results(py, &mut self.out, &self.pool, has_leading_dimension)
     }
 
     /// The FDO statistics of one record batch (no buffers written), as mergeable stats.
     fn fdo_stats(&mut self, py: Python<'_>, batch: &Bound<'_, PyAny>) -> PyResult<NativeFdoStats> {
         let rb = arrow_input::record_batch(batch)?;
+        let on = self.live(py)?;
         let (prep, out) = (&mut self.prep, &mut self.out);
-        py.detach(|| -> sparsecore_prep::Result<FdoStats> {
+        let mut run = || -> sparsecore_prep::Result<FdoStats> {
             let features = sparsecore_prep::input::features_from_record_batch(prep.config(), &rb)?;
             let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
             prep.run_stats(&inputs, out)?;
@@ -131,6 +187,10 @@ impl NativePreprocessor {
             let mut stats = FdoStats::new(plan.layout);
             stats.record(plan, out)?;
             Ok(stats)
+        };
+        py.detach(|| match &on {
+            Some(pool) => pool.install(run),
+            None => run(),
         })
         .map(|inner| NativeFdoStats { inner })
         .map_err(|e| to_py(py, e))
@@ -171,7 +231,7 @@ impl NativeFdoStats {
         let config = Config::from_json(config_json).map_err(|e| to_py(py, e))?;
         let (tuned, _) = tune(&config, &self.inner, headroom).map_err(|e| to_py(py, e))?;
         // The tuned config must itself be usable.
-        Preprocessor::new(tuned.clone()).map_err(|e| to_py(py, e))?;
+        build(py, Preprocessor::builder(tuned.clone()), false)?;
         Ok(tuned.to_json())
     }
 
@@ -317,7 +377,7 @@ impl NativeDropIn {
             validate_ids,
         )
         .map_err(|e| to_py(py, e))?;
-        let prep = Preprocessor::builder(config).plan(plan).build().map_err(|e| to_py(py, e))?;
+        let prep = build(py, Preprocessor::builder(config).plan(plan), false)?;
         let names = specs.into_iter().map(|s| s.0 .0).collect();
         Ok(NativeDropIn { prep, names, scratch: Vec::new(), out: Output::new(), pool: BufferPool::default() })
     }
@@ -333,18 +393,11 @@ impl NativeDropIn {
         has_leading_dimension: bool,
         batch_number: u64,
     ) -> PyResult<Results> {
-        if features.len() != self.names.len() {
-            return Err(PyValueError::new_err(format!(
-                "{} features for {} feature specs (the lists must match one to one)",
-                features.len(),
-                self.names.len()
-            )));
-        }
+        self.check_count(py, features.len(), "features")?;
         if let Some(w) = &weights {
-            if w.len() != features.len() {
-                return Err(PyValueError::new_err(format!("{} weights for {} features", w.len(), features.len())));
-            }
+            self.check_count(py, w.len(), "weights")?;
         }
+        let pool = threads::pool()?;
         // Ragged features are gathered in parallel off the Python API; anything unusual (and
         // every error) goes through the checked path below, one feature at a time.
         let raw: Vec<_> = features
@@ -359,7 +412,7 @@ impl NativeDropIn {
                 }
             })
             .collect();
-        let fast = numpy_input::gather_all(py, &raw, &mut self.scratch);
+        let fast = numpy_input::gather_all(py, &pool, &raw, &mut self.scratch);
         let data = fast
             .into_iter()
             .zip(features.iter().zip(&self.names))
@@ -380,12 +433,23 @@ impl NativeDropIn {
                 .map_err(|e| to_py(py, e));
             sources.and_then(|sources| {
                 self.prep.set_batch_number(batch_number);
-                run_detached(py, &mut self.prep, &sources, out, false)
+                run_detached(py, &pool, &mut self.prep, &sources, out)
             })
         };
         numpy_input::recycle(data, &mut self.scratch);
         ran?;
         results(py, out, &self.pool, has_leading_dimension)
+    }
+}
+
+impl NativeDropIn {
+    /// One `what` per feature spec, or an error.
+    fn check_count(&self, py: Python<'_>, got: usize, what: &str) -> PyResult<()> {
+        if got == self.names.len() {
+            return Ok(());
+        }
+        let message = format!("{got} {what} for {} feature specs (the lists must match one to one)", self.names.len());
+        Err(errors::raise(py, errors::Class::InvalidInput, message, &[]))
     }
 }
 
@@ -411,13 +475,6 @@ pub fn preprocess_resolved(
     enable_minibatching: bool,
     validate_ids: bool,
 ) -> PyResult<Results> {
-    if features.len() != specs.len() {
-        return Err(PyValueError::new_err(format!(
-            "{} features for {} feature specs (the lists must match one to one)",
-            features.len(),
-            specs.len()
-        )));
-    }
     let mut call = NativeDropIn::new(
         py,
         specs,
