@@ -7,7 +7,9 @@ Three entry points:
   the same arguments (numpy dense or ragged features, the reference's own
   ``FeatureSpec`` objects after ``prepare_feature_specs_for_training`` or
   ``auto_stack_tables``), the same result structure and values, and Python
-  exceptions where the reference aborts the process.
+  exceptions where the reference aborts the process;
+  :func:`preprocess_sparse_dense_matmul_input_from_sparse_tensor` is the same
+  for the reference's sparse COO entry point (``tf.SparseTensor``-like input).
 * :class:`Preprocessor` takes our JSON config and Arrow record batches (any
   producer of ``__arrow_c_array__`` / ``__arrow_c_stream__``, read without
   copies). It pickles through its config, so it ships to Ray Data and Spark
@@ -59,6 +61,7 @@ __all__ = [
     "SparseDenseMatmulInput",
     "SparseDenseMatmulInputStats",
     "preprocess_sparse_dense_matmul_input",
+    "preprocess_sparse_dense_matmul_input_from_sparse_tensor",
 ]
 
 __version__ = _native.__version__
@@ -155,10 +158,11 @@ def _result_types():
   return SparseDenseMatmulInput, PreprocessedInput, SparseDenseMatmulInputStats
 
 
-def _wrap(raw, local_device_count: int, has_leading_dimension: bool):
+def _wrap(raw, local_device_count: int, has_leading_dimension: bool, minibatches_dtype=np.int64):
   rp, eid, sid, gains, num_minibatches, (max_ids, max_unique, required, dropped) = raw
   matmul_input, preprocessed, stats_type = _result_types()
-  minibatches = np.full(local_device_count, num_minibatches)
+  # int64 as the reference's NumPy path makes it, int32 on its sparse COO path.
+  minibatches = np.full(local_device_count, num_minibatches, dtype=minibatches_dtype)
   if has_leading_dimension:
     minibatches = minibatches.reshape(local_device_count, 1)
   return (
@@ -488,6 +492,120 @@ def preprocess_sparse_dense_matmul_input(
                     allow_id_dropping, enable_minibatching, validate_ids,
                     lambda native: native.run(f_leaves, w_leaves, bool(has_leading_dimension), int(batch_number)))
   return _wrap(raw, int(local_device_count), has_leading_dimension)
+
+
+def _coo_leaves(indices, values, dense_shape, spec: tuple):
+  """One sparse COO feature as the native call takes it: ``[nnz, 2]`` C-contiguous int64
+  indices, ``[nnz]`` int32/int64 ids, and the batch (``dense_shape[0]``)."""
+  name = spec[0][0]
+  idx, ids, shape = np.asarray(indices), np.asarray(values), np.asarray(dense_shape)
+  if idx.size == 0:
+    idx = np.zeros((0, 2), np.int64)
+  if ids.size == 0:
+    ids = np.zeros(0, np.int32)
+  for what, a in (("indices", idx), ("values", ids), ("dense_shape", shape)):
+    if a.dtype.kind not in "iu":
+      raise InputTypeError(f"feature `{name}`: COO {what} must be integers, got dtype {a.dtype}", feature=name)
+  if idx.ndim != 2 or idx.shape[1] != 2:
+    raise InvalidInputError(f"feature `{name}`: COO indices must have shape [nnz, 2] (a rank-2 sparse tensor), "
+                            f"got {list(idx.shape)}", feature=name)
+  if ids.ndim != 1 or ids.shape[0] != idx.shape[0]:
+    raise InvalidInputError(f"feature `{name}`: COO values must have shape [nnz] = [{idx.shape[0]}] like the "
+                            f"indices, got {list(ids.shape)}", feature=name)
+  if shape.ndim != 1 or shape.size < 1 or int(shape[0]) > _INT64_MAX:
+    raise InvalidInputError(f"feature `{name}`: dense_shape must be [batch, width], got {shape.tolist()}", feature=name)
+  batch = int(shape[0])
+  if idx.dtype == np.uint64 and idx.size:
+    beyond = np.flatnonzero(idx[:, 0] > _INT64_MAX)
+    if beyond.size:
+      k = int(beyond[0])
+      raise InvalidInputError(f"feature `{name}`: invalid input: indices[{k}] has row {int(idx[k, 0])}, outside "
+                              f"the batch of {batch} (dense_shape[0])", feature=name, row=int(idx[k, 0]))
+  if ids.dtype == np.uint64 and ids.size:
+    _reject_beyond_int64(ids, lambda k: idx[k, 0], spec)
+  idx = np.ascontiguousarray(idx, dtype=np.int64)
+  ids = np.ascontiguousarray(ids if ids.dtype in _INT_IDS else ids.astype(np.int64))
+  return idx, ids, batch
+
+
+def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
+    indices,
+    values,
+    dense_shapes,
+    feature_specs,
+    local_device_count: int,
+    global_device_count: int,
+    num_sc_per_device: int,
+    sharding_strategy: str = "MOD",
+    has_leading_dimension: bool = False,
+    allow_id_dropping: bool = False,
+    batch_number: int = 0,
+    enable_minibatching: bool = False,
+    *,
+    all_reduce_interface=None,
+    validate_ids: bool = True,
+):
+  """Preprocesses one batch of sparse COO features (``tf.SparseTensor``-like).
+
+  A drop-in replacement for the reference's
+  ``embedding.preprocess_sparse_dense_matmul_input_from_sparse_tensor``: the
+  same arguments, the same result, the same values in every position the
+  reference writes. Every id has weight 1 (COO input carries no weights).
+
+  Args:
+    indices: pytree of per-feature ``[nnz, 2]`` integer arrays (anything
+      ``np.asarray`` takes, e.g. a ``tf.Tensor``): column 0 is the sample row
+      in the local batch, sorted non-decreasing; column 1 (the position) is
+      ignored, as in the reference. Or, with ``values`` and ``dense_shapes``
+      None, a pytree of ``tf.SparseTensor``-like objects, whose ``.indices``,
+      ``.values`` and ``.dense_shape`` are read.
+    values: the same structure of ``[nnz]`` integer ids.
+    dense_shapes: the same structure of ``[batch, width]``: ``batch`` is the
+      feature's local batch (rows without entries are empty samples);
+      ``width`` is not used.
+    feature_specs, local_device_count, global_device_count, num_sc_per_device,
+    sharding_strategy, has_leading_dimension, allow_id_dropping, batch_number,
+    enable_minibatching, all_reduce_interface, validate_ids: as in
+      :func:`preprocess_sparse_dense_matmul_input`.
+
+  Returns:
+    ``(PreprocessedInput, SparseDenseMatmulInputStats)``; ``num_minibatches``
+    is int32, as the reference's COO path makes it.
+
+  Raises:
+    As :func:`preprocess_sparse_dense_matmul_input`; also
+    :class:`InvalidInputError` for indices that are not sorted by row or lie
+    outside ``dense_shape[0]`` (the reference misreads them).
+  """
+  _check_options(sharding_strategy, num_sc_per_device, all_reduce_interface)
+  s_leaves, s_struct = _leaves_and_structure(feature_specs)
+  if values is None and dense_shapes is None:
+    tensors, t_struct = _leaves_and_structure(indices)
+    _check_structure(indices, t_struct, feature_specs, s_struct, "sparse tensors", "feature_specs")
+    i_leaves, v_leaves, d_leaves = [], [], []
+    for i, t in enumerate(tensors):
+      try:
+        i_leaves.append(t.indices)
+        v_leaves.append(t.values)
+        d_leaves.append(t.dense_shape)
+      except AttributeError:
+        raise InputTypeError(
+            f"sparse tensor {i}: with values and dense_shapes None, indices must hold tf.SparseTensor-like objects "
+            f"(.indices, .values, .dense_shape), got {type(t).__name__}") from None
+  else:
+    i_leaves, i_struct = _leaves_and_structure(indices)
+    _check_structure(indices, i_struct, feature_specs, s_struct, "indices", "feature_specs")
+    v_leaves, v_struct = _leaves_and_structure(values)
+    _check_structure(values, v_struct, feature_specs, s_struct, "values", "feature_specs")
+    d_leaves, d_struct = _leaves_and_structure(dense_shapes)
+    _check_structure(dense_shapes, d_struct, feature_specs, s_struct, "dense_shapes", "feature_specs")
+  specs = _spec_tuples(s_leaves, feature_specs)
+  coo = [_coo_leaves(i, v, d, s) for i, v, d, s in zip(i_leaves, v_leaves, d_leaves, specs)]
+  idx, ids, batches = [c[0] for c in coo], [c[1] for c in coo], [c[2] for c in coo]
+  raw = _run_native(specs, local_device_count, global_device_count, num_sc_per_device, sharding_strategy,
+                    allow_id_dropping, enable_minibatching, validate_ids,
+                    lambda native: native.run_coo(idx, ids, batches, bool(has_leading_dimension), int(batch_number)))
+  return _wrap(raw, int(local_device_count), has_leading_dimension, np.int32)
 
 
 # The drop-in calls' native state (plan, scratch memory, gather buffers) per distinct specs and

@@ -5,12 +5,12 @@
 //! minibatches and a stats tuple); `sparsecore_prep/__init__.py` wraps them in the reference's
 //! result classes.
 
-use numpy::PyArray1;
+use numpy::{PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use rayon::ThreadPool;
 use sparsecore_prep::fdo::{tune, FdoStats};
-use sparsecore_prep::input::SampleSource;
+use sparsecore_prep::input::{CooInput, Ids, SampleSource};
 use sparsecore_prep::spec::{FeatureConfig, Options, Placement, ResolvedStack, Stacking, TableConfig};
 use sparsecore_prep::{Config, Output, Plan, Preprocessor, PreprocessorBuilder};
 
@@ -440,6 +440,53 @@ impl NativeDropIn {
         ran?;
         results(py, out, &self.pool, has_leading_dimension)
     }
+
+    /// Preprocesses one batch of sparse COO features (the reference's
+    /// `preprocess_sparse_dense_matmul_sparse_coo_input`), in spec order: per feature, `[nnz, 2]`
+    /// C-contiguous int64 indices (column 0 the sample row, column 1 ignored), `[nnz]`
+    /// C-contiguous int32 or int64 ids, and the local batch size (`dense_shape[0]`). Unit
+    /// weights. The reference's 6-tuple out.
+    #[pyo3(signature = (indices, values, batch_sizes, has_leading_dimension, batch_number))]
+    fn run_coo(
+        &mut self,
+        py: Python<'_>,
+        indices: Vec<PyReadonlyArray2<'_, i64>>,
+        values: Vec<Bound<'_, PyAny>>,
+        batch_sizes: Vec<usize>,
+        has_leading_dimension: bool,
+        batch_number: u64,
+    ) -> PyResult<Results> {
+        self.check_count(py, indices.len(), "indices")?;
+        self.check_count(py, values.len(), "values")?;
+        self.check_count(py, batch_sizes.len(), "dense shapes")?;
+        let pool = threads::pool()?;
+        let values = values.iter().zip(&self.names).map(|(v, name)| coo_values(name, v)).collect::<PyResult<Vec<_>>>()?;
+        let mut sources: Vec<Box<dyn SampleSource + '_>> = Vec::with_capacity(indices.len());
+        for (((idx, ids), &batch), name) in indices.iter().zip(&values).zip(&batch_sizes).zip(&self.names) {
+            let contiguous = |what: &str| {
+                errors::invalid_input(py, name, None, None::<i64>, format!("feature `{name}`: the {what} must be C-contiguous"))
+            };
+            if idx.shape()[1] != 2 {
+                return Err(errors::invalid_input(
+                    py,
+                    name,
+                    None,
+                    None::<i64>,
+                    format!("feature `{name}`: indices must have shape [nnz, 2], got {:?}", idx.shape()),
+                ));
+            }
+            let flat = idx.as_slice().map_err(|_| contiguous("indices"))?;
+            let ids = match ids {
+                CooValues::I32(v) => Ids::I32(v.as_slice().map_err(|_| contiguous("values"))?),
+                CooValues::I64(v) => Ids::I64(v.as_slice().map_err(|_| contiguous("values"))?),
+            };
+            sources.push(Box::new(CooInput::new(name, flat, ids, batch).map_err(|e| to_py(py, e))?));
+        }
+        self.pool.refill(&mut self.out);
+        self.prep.set_batch_number(batch_number);
+        run_detached(py, &pool, &mut self.prep, &sources, &mut self.out)?;
+        results(py, &mut self.out, &self.pool, has_leading_dimension)
+    }
 }
 
 impl NativeDropIn {
@@ -451,6 +498,22 @@ impl NativeDropIn {
         let message = format!("{got} {what} for {} feature specs (the lists must match one to one)", self.names.len());
         Err(errors::raise(py, errors::Class::InvalidInput, message, &[]))
     }
+}
+
+/// A COO feature's ids: a 1-D int32 or int64 array.
+enum CooValues<'py> {
+    I32(PyReadonlyArray1<'py, i32>),
+    I64(PyReadonlyArray1<'py, i64>),
+}
+
+fn coo_values<'py>(name: &str, values: &Bound<'py, PyAny>) -> PyResult<CooValues<'py>> {
+    if let Ok(v) = values.extract::<PyReadonlyArray1<'py, i32>>() {
+        return Ok(CooValues::I32(v));
+    }
+    if let Ok(v) = values.extract::<PyReadonlyArray1<'py, i64>>() {
+        return Ok(CooValues::I64(v));
+    }
+    Err(errors::input_type(values.py(), name, format!("feature `{name}`: COO values must be a 1-D int32 or int64 array")))
 }
 
 /// The drop-in call without the cache: numpy leaves (already flattened) and resolved specs in,

@@ -76,6 +76,15 @@ def build_specs(case):
   return specs
 
 
+def coo_inputs(case):
+  """(indices, values, dense_shapes) as dicts keyed by feature name, for a sparse COO case
+  (`case["coo"]`: every feature has `indices`, `values` and `dense_shape`)."""
+  indices = {f["name"]: f["indices"] for f in case["features"]}
+  values = {f["name"]: f["values"] for f in case["features"]}
+  shapes = {f["name"]: f["dense_shape"] for f in case["features"]}
+  return indices, values, shapes
+
+
 def inputs(case):
   """(features, weights or None) as dicts keyed by feature name (a pytree)."""
   feats, weights = {}, {}
@@ -121,6 +130,9 @@ def run_reference_inline(case):
   from jax_tpu_embedding.sparsecore.lib.nn import embedding
 
   specs = build_specs(case)
+  if case.get("coo"):
+    return plain(embedding.preprocess_sparse_dense_matmul_input_from_sparse_tensor(
+        *coo_inputs(case), specs, **call_options(case)))
   feats, weights = inputs(case)
   return plain(embedding.preprocess_sparse_dense_matmul_input(feats, weights, specs, **call_options(case)))
 

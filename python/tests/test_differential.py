@@ -8,7 +8,11 @@ reference writes (gains by bit pattern), ours must hold the padding triple every
 and the stats must be identical. Configurations where the reference aborts the process are
 run too: the reference must die, and ours must raise.
 
-DIFF_CASES (default 240) sets the number of random cases, DIFF_SEED the seed.
+The sparse COO entry point (`preprocess_sparse_dense_matmul_input_from_sparse_tensor`) gets the
+same random configurations with COO features: rows with gaps in their positions, leading,
+trailing and all-empty rows, int32/int64 indices and ids.
+
+DIFF_CASES (default 240) sets the number of random cases of each entry point, DIFF_SEED the seed.
 REQUIRE_REFERENCE=1 turns a missing reference into a failure instead of a skip (CI).
 """
 
@@ -114,8 +118,39 @@ def make_case(seed: int) -> dict:
   return case
 
 
+def make_coo_case(seed: int) -> dict:
+  """make_case's configuration with every feature as sparse COO input (no weights).
+
+  Each sample row's ids keep their order; their positions (column 1, which the reference
+  ignores) are increasing with random gaps; `dense_shape` is `[batch, width]` with any width
+  above the positions. Indices and ids are int32 or int64 arrays (lists would be pytree nodes).
+  """
+  case = make_case(seed)
+  r = random.Random(seed ^ 0xC00)
+  rng = np.random.default_rng(seed ^ 0xC00)
+  case["coo"] = True
+  for f in case["features"]:
+    rows = list(f["ids"]) if f["ids"].dtype == object else [row for row in f["ids"]]
+    if r.random() < 0.1:
+      rows = [row[:0] for row in rows]  # an all-empty feature (nnz = 0)
+    entries, width = [], 1
+    for i, row in enumerate(rows):
+      positions = np.cumsum(rng.integers(1, 3 if r.random() < 0.5 else 2, size=len(row))) - 1
+      entries.extend((i, int(p), int(v)) for p, v in zip(positions, row))
+      width = max(width, int(positions[-1]) + 1 if len(row) else 1)
+    index_type, value_type = r.choice([np.int64, np.int32]), r.choice([np.int32, np.int64])
+    indices = np.array([[i, p] for i, p, _ in entries], dtype=index_type).reshape(-1, 2)
+    values = np.array([v for _, _, v in entries], dtype=value_type)
+    shape = np.array([len(rows), width + r.randint(0, 3)], dtype=np.int64)
+    f.update(ids=None, weights=None, indices=indices, values=values, dense_shape=shape)
+  return case
+
+
 def run_ours(case):
   specs = ref.build_specs(case)
+  if case.get("coo"):
+    return ref.plain(scp.preprocess_sparse_dense_matmul_input_from_sparse_tensor(
+        *ref.coo_inputs(case), specs, **ref.call_options(case)))
   feats, weights = ref.inputs(case)
   return ref.plain(scp.preprocess_sparse_dense_matmul_input(feats, weights, specs, **ref.call_options(case)))
 
@@ -141,11 +176,36 @@ def test_random_cases_match_the_reference(worker):
   assert dropped >= NUM_CASES // 10 and weighted >= NUM_CASES // 4 and auto >= NUM_CASES // 4
 
 
+def test_random_coo_cases_match_the_reference(worker):
+  seeds = [SEED + 500000 + i for i in range(NUM_CASES)]
+  checked = dropped = auto = empty = 0
+  for seed in seeds:
+    case = make_coo_case(seed)
+    want = worker.run(case)
+    got = run_ours(case)
+    try:
+      compare(case, want, got)
+    except AssertionError as e:
+      raise AssertionError(f"COO case seed {seed} ({describe(case)}): {e}") from None
+    checked += 1
+    dropped += any(want["id_drop_counters"].values())
+    auto += case["stacking"] == "auto"
+    empty += any(len(f["values"]) == 0 for f in case["features"])
+  print(f"differential (COO): {checked}/{len(seeds)} cases identical ({dropped} with drops, {auto} auto-stacked, "
+        f"{empty} with an all-empty feature)")
+  assert dropped >= NUM_CASES // 10 and auto >= NUM_CASES // 4 and empty >= 1
+
+
 def describe(case) -> str:
-  layouts = {("dense" if f["ids"].dtype != object else "ragged") for f in case["features"]}
+  if case.get("coo"):
+    layouts = {"coo"}
+    weighted = False
+  else:
+    layouts = {("dense" if f["ids"].dtype != object else "ragged") for f in case["features"]}
+    weighted = case["features"][0]["weights"] is not None
   return (f"L/G/S {case['local_device_count']}/{case['global_device_count']}/{case['num_sc_per_device']}, "
           f"{case['stacking']} stacking, {len(case['tables'])} tables, {len(case['features'])} features "
-          f"{sorted(layouts)}, weights {case['features'][0]['weights'] is not None}, "
+          f"{sorted(layouts)}, weights {weighted}, "
           f"drop {case['allow_id_dropping']}")
 
 

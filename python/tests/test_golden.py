@@ -1,10 +1,12 @@
-"""The golden cases (real reference outputs) through the drop-in call, with duck-typed specs.
+"""The golden cases (real reference outputs) through the drop-in calls, with duck-typed specs.
 
 Each case's `resolved` block is the reference's stacking result; it becomes plain objects with
 the attributes the reference's FeatureSpec has (SPEC Part 2, section 2.6), so this test needs
 neither jax nor the reference, and checks that those attributes, and nothing else, decide the
 output. Expected values are the reference's own (`expected.json`), compared inside its written
-ranges, gains by bit pattern.
+ranges, gains by bit pattern. The sparse COO cases (`"layout": "coo"`, case_2NN) go through
+`preprocess_sparse_dense_matmul_input_from_sparse_tensor`, the others through
+`preprocess_sparse_dense_matmul_input`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import pytest
 import sparsecore_prep as scp
 
 SHARED = os.environ.get("SPARSECORE_SHARED", os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared"))
-CASES = sorted(glob.glob(os.path.join(SHARED, "golden", "case_0*")) + glob.glob(os.path.join(SHARED, "golden_mb", "case_1*")))
+CASES = sorted(glob.glob(os.path.join(SHARED, "golden", "case_[02]*")) + glob.glob(os.path.join(SHARED, "golden_mb", "case_[12]*")))
+COO_CASES = [p for p in CASES if os.path.basename(p).startswith("case_2")]
 PAD = 2**31 - 1
 PAD_NAN_BITS = 0x7FC00000
 
@@ -59,8 +62,28 @@ def array(rows, dtype, dense):
   return out
 
 
+def is_coo(case):
+  layouts = {f.get("layout") for f in case["features"]}
+  assert layouts <= {"coo"} or "coo" not in layouts, "a case is all COO or has no COO feature"
+  return layouts == {"coo"}
+
+
+def run_coo(case):
+  """Indices, values and dense shapes as the reference takes them (int64 indices, int32 ids)."""
+  cfg = case["config"]
+  indices = [np.asarray(f["indices"], dtype=np.int64).reshape(-1, 2) for f in case["features"]]
+  values = [np.asarray(f["values"], dtype=np.int32) for f in case["features"]]
+  shapes = [np.asarray(f["dense_shape"], dtype=np.int64) for f in case["features"]]
+  return scp.preprocess_sparse_dense_matmul_input_from_sparse_tensor(
+      indices, values, shapes, specs_from_resolved(case), cfg["local_device_count"], cfg["global_device_count"],
+      num_sc_per_device=cfg["num_sc_per_device"], allow_id_dropping=cfg["allow_id_dropping"],
+      enable_minibatching=cfg.get("enable_minibatching", False))
+
+
 def run(case):
   cfg = case["config"]
+  if is_coo(case):
+    return run_coo(case)
   feats = [array(f["ids"], np.int32, f.get("layout") == "dense") for f in case["features"]]
   weights = None
   if cfg.get("weights"):
@@ -72,14 +95,17 @@ def run(case):
       enable_minibatching=cfg.get("enable_minibatching", False))
 
 
+def test_every_coo_case_is_found():
+  # case_200 to case_205 in golden/, case_206 (minibatching) in golden_mb/.
+  assert [os.path.basename(p)[:8] for p in COO_CASES] == [f"case_{n}" for n in range(200, 207)]
+
+
 @pytest.mark.parametrize("path", CASES, ids=os.path.basename)
 def test_golden_case(path):
   with open(os.path.join(path, "input.json")) as fh:
     case = json.load(fh)
   with open(os.path.join(path, "expected.json")) as fh:
     expected = json.load(fh)
-  if any(f.get("layout") == "coo" for f in case["features"]):
-    pytest.skip("sparse COO input has its own entry point")
   if "error" in expected:
     with pytest.raises(scp.LimitExceededError, match=expected["error"]["message_contains"]):
       run(case)
@@ -88,6 +114,8 @@ def test_golden_case(path):
   m = out.sparse_dense_matmul_input
   assert sorted(m.lhs_row_pointers) == sorted(expected["stacks"])
   np.testing.assert_array_equal(out.num_minibatches, expected["num_minibatches"])
+  # The reference's NumPy path makes int64, its COO path int32 (SPEC C6).
+  assert out.num_minibatches.dtype == (np.int32 if is_coo(case) else np.int64)
   for name, want in expected["stacks"].items():
     rp = m.lhs_row_pointers[name]
     want_rp = np.array([PAD if v is None else v for v in want["row_pointers"]])
