@@ -6,8 +6,12 @@ from typing import Any, Iterable, Mapping, NamedTuple
 
 import numpy as np
 
-from ._native import InvalidInputError as InvalidInputError
-from ._native import LimitExceededError as LimitExceededError
+from ._errors import ConfigError as ConfigError
+from ._errors import FeatureSpecError as FeatureSpecError
+from ._errors import InputTypeError as InputTypeError
+from ._errors import InvalidInputError as InvalidInputError
+from ._errors import LimitExceededError as LimitExceededError
+from ._errors import SparseCorePrepError as SparseCorePrepError
 
 __version__: str
 
@@ -64,6 +68,27 @@ def preprocess_sparse_dense_matmul_input(
     validate_ids: bool = True,
 ) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
   """Drop-in replacement for the reference's preprocess_sparse_dense_matmul_input."""
+
+def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
+    indices: Nested,
+    values: Nested | None,
+    dense_shapes: Nested | None,
+    feature_specs: Nested,
+    local_device_count: int,
+    global_device_count: int,
+    num_sc_per_device: int,
+    sharding_strategy: str = "MOD",
+    has_leading_dimension: bool = False,
+    allow_id_dropping: bool = False,
+    batch_number: int = 0,
+    enable_minibatching: bool = False,
+    *,
+    all_reduce_interface: None = None,
+    validate_ids: bool = True,
+) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
+  """Drop-in replacement for the reference's preprocess_sparse_dense_matmul_input_from_sparse_tensor:
+  trees of [nnz, 2] indices, [nnz] ids and [batch, width] dense shapes (or, with values and
+  dense_shapes None, a tree of tf.SparseTensor-like objects). Unit weights."""
 
 ConfigLike = Mapping[str, Any] | str | os.PathLike[str]
 

@@ -1,24 +1,12 @@
-"""Type stubs of the Rust extension module (used through sparsecore_prep)."""
+"""Type stubs of the Rust extension module (used through sparsecore_prep).
+
+Its errors are the classes of sparsecore_prep._errors, which it looks up in the package."""
 
 from typing import Any
 
 import numpy as np
 
 __version__: str
-
-class LimitExceededError(ValueError):
-  """A partition exceeded its limit and allow_id_dropping is off (the reference aborts)."""
-
-  stack: str
-  limit_name: str
-  observed: int
-  limit: int
-  device: int
-  sparsecore: int
-  partition: int
-
-class InvalidInputError(ValueError):
-  """Ids, weights or batch sizes the pipeline cannot use."""
 
 _Dicts = tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]
 _Results = tuple[
@@ -90,6 +78,16 @@ class NativeDropIn:
   ) -> None: ...
   def run(self, features: list[Any], weights: list[Any] | None, has_leading_dimension: bool, batch_number: int) -> _Results:
     """One batch of flattened leaves, in spec order; one call at a time."""
+  def run_coo(
+      self,
+      indices: list[np.ndarray],
+      values: list[np.ndarray],
+      batch_sizes: list[int],
+      has_leading_dimension: bool,
+      batch_number: int,
+  ) -> _Results:
+    """One batch of sparse COO features, in spec order: C-contiguous int64 [nnz, 2] indices,
+    C-contiguous int32/int64 [nnz] ids, local batch sizes. Unit weights."""
 
 class PooledBuffer:
     """The base object of every output array: owns its memory, which goes back to the call

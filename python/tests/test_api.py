@@ -402,3 +402,47 @@ def test_output_memory_is_reused_only_after_numpy_frees_it():
   # And the arrays are ordinary, writable numpy arrays.
   arr = third.sparse_dense_matmul_input.lhs_gains[name]
   assert arr.flags.writeable and arr.dtype == np.float32
+
+
+def _stub(name):
+  import ast
+
+  with open(os.path.join(os.path.dirname(scp.__file__), name)) as fh:
+    return ast.parse(fh.read())
+
+
+def test_stubs_cover_the_public_api():
+  """__init__.pyi declares every name of __all__, with the runtime signatures of the functions;
+  _native.pyi declares every class and function of the extension and their methods."""
+  import ast
+  import inspect
+
+  tree = _stub("__init__.pyi")
+  declared = {}
+  for node in tree.body:
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+      declared[node.name] = node
+    elif isinstance(node, ast.ImportFrom):
+      for alias in node.names:
+        declared[alias.asname or alias.name] = node
+  assert set(scp.__all__) <= set(declared), set(scp.__all__) - set(declared)
+  for name in scp.__all__:
+    node, obj = declared[name], getattr(scp, name)
+    if isinstance(node, ast.FunctionDef):
+      a = node.args
+      stub = [p.arg for p in a.args] + ["*"] + [p.arg for p in a.kwonlyargs]
+      params = inspect.signature(obj).parameters.values()
+      runtime = [p.name for p in params if p.kind != p.KEYWORD_ONLY] + ["*"] + [
+          p.name for p in params if p.kind == p.KEYWORD_ONLY]
+      assert stub == runtime, name
+      stub_defaults = [ast.literal_eval(d) for d in a.defaults]
+      runtime_defaults = [p.default for p in params if p.kind != p.KEYWORD_ONLY and p.default is not p.empty]
+      assert stub_defaults == runtime_defaults, name
+  native = {n.name: n for n in _stub("_native.pyi").body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+  public = {n for n in dir(scp._native) if not n.startswith("_")}
+  assert public == set(native), public ^ set(native)
+  for name, node in native.items():
+    if isinstance(node, ast.ClassDef):
+      methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+      runtime = {m for m in dir(getattr(scp._native, name)) if not m.startswith("_")}
+      assert methods == runtime, (name, methods ^ runtime)
