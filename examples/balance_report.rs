@@ -7,8 +7,30 @@
 
 use std::time::Instant;
 
+use arrow_array::RecordBatch;
 use sparsecore_prep::balance::{balance, lower_bound};
-use sparsecore_prep::{Output, Preprocessor};
+use sparsecore_prep::fdo::{tune, FdoStats};
+use sparsecore_prep::{features_from_record_batch, Config, Output, Preprocessor, SampleSource};
+
+/// `fdo tune` (headroom 1.0) on the stats of `batches`: the tuned limits and buffer sizes,
+/// summed over the tables (max ids, max unique ids, COO buffer per device).
+fn tuned(config: &Config, batches: &[RecordBatch]) -> sparsecore_prep::Result<(u64, u64, u64)> {
+    let mut prep = Preprocessor::builder(config.clone()).threads(1).build()?;
+    let mut out = Output::new();
+    let mut stats: Option<FdoStats> = None;
+    for b in batches {
+        let features = features_from_record_batch(config, b)?;
+        let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as _).collect();
+        prep.run_stats(&inputs, &mut out)?;
+        let plan = prep.plan().expect("planned").clone();
+        stats.get_or_insert_with(|| FdoStats::new(plan.layout)).record(&plan, &out)?;
+    }
+    let Some(stats) = stats else { return Ok((0, 0, 0)) };
+    let (config, _) = tune(config, &stats, 1.0)?;
+    Ok(config.tables.iter().fold((0, 0, 0), |(a, b, c), t| {
+        (a + t.max_ids_per_partition, b + t.max_unique_ids_per_partition, c + t.suggested_coo_buffer_size_per_device.unwrap_or(0))
+    }))
+}
 use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 
 fn main() -> sparsecore_prep::Result<()> {
@@ -64,6 +86,41 @@ fn main() -> sparsecore_prep::Result<()> {
                     100.0 * (after as f64 / before as f64 - 1.0),
                     100.0 * (after as f64 / bound.max(1) as f64 - 1.0),
                     100.0 * cost / preprocess,
+                );
+            }
+        }
+    }
+    println!();
+    println!("`fdo tune --headroom 1.0` on the stats of the same 8 batches, summed over the tables:");
+    println!();
+    println!("| profile | L/G/S | W | Σ max_ids before → after | Σ max_unique before → after | Σ buffer/device before → after |");
+    println!("|---|---|---|---|---|---|");
+    for profile in [Profile::Criteo, Profile::Long, Profile::LargeVocab, Profile::HighMultivalency, Profile::ModerateMultivalency] {
+        for layout in [(1, 1, 4), (1, 4, 4)] {
+            let mut spec = WorkloadSpec::new(profile);
+            spec.layout = layout;
+            spec.batch_size = per_sc * layout.0 * layout.2;
+            spec.num_batches = 8;
+            let w = generate(&spec)?;
+            let before = tuned(&w.config, &w.batches)?;
+            for window in [1usize, 4, 8] {
+                let mut balanced = Vec::new();
+                for chunk in w.batches.chunks(window) {
+                    balanced.extend(balance(&w.config, chunk)?.batches);
+                }
+                let after = tuned(&w.config, &balanced)?;
+                println!(
+                    "| {} | {}/{}/{} | {window} | {} → {} | {} → {} | {} → {} |",
+                    profile.name(),
+                    layout.0,
+                    layout.1,
+                    layout.2,
+                    before.0,
+                    after.0,
+                    before.1,
+                    after.1,
+                    before.2,
+                    after.2
                 );
             }
         }
