@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The Python package's CI: builds python/ with maturin into a venv that also holds the
 # reference (jax-tpu-embedding, via ../shared/peer/setup.sh) and Ray, then runs python/tests:
-# the API tests, the golden cases through the drop-in call, the differential test against the
-# reference (DIFF_CASES random cases, default 240) and the Ray Data example against the CLI.
+# the API and error tests, the golden cases through both drop-in calls, the differential tests
+# against the reference (DIFF_CASES random cases per entry point, default 240), the Ray Data
+# example against the CLI, and python/README.md's code blocks.
 #
-#   scripts/ci_python.sh                 # from the repository root (or anywhere)
+#   scripts/ci_python.sh                 # from the repository root (or anywhere): debug build
+#   SPARSECORE_PY_RELEASE=1 scripts/ci_python.sh   # optimised, as CI runs it
 #   SPARSECORE_PY_VENV=DIR scripts/ci_python.sh
+#   scripts/ci_python.sh -k coo          # extra arguments go to pytest: one file, -k, -x, ...
+#   scripts/ci_python.sh python/tests/test_errors.py::test_error_fields
 #
 # The venv is kept under $HOME/.cache and reused; a run that finds it complete installs nothing.
 set -euo pipefail
@@ -46,10 +50,16 @@ log "maturin develop ${profile[*]:-}"
 cargo build --quiet --bin sparsecore-prep
 t2=$(date +%s)
 
-# 3. The tests. Missing pieces are failures here, not skips.
-log "pytest"
+# 3. The tests. Missing pieces are failures here, not skips. A release run also runs the README's
+# install command (`pip install ./python`, a release wheel: seconds after the build above, which
+# it shares target/ with); a debug run skips it rather than build a second profile.
+readme_install=""
+[ -n "${SPARSECORE_PY_RELEASE:-}" ] && readme_install=1
+# Extra arguments go to pytest, after python/tests unless they name tests under python/.
+case " $* " in *" python/"*) ;; *) set -- python/tests "$@" ;; esac
+log "pytest $*"
 SPARSECORE_SHARED="$shared" SPARSECORE_PREP_CLI="$root/target/debug/sparsecore-prep" \
-  REQUIRE_REFERENCE=1 REQUIRE_RAY=1 JAX_PLATFORMS=cpu \
-  "$py" -m pytest python/tests -q -p no:cacheprovider -rs
+  REQUIRE_REFERENCE=1 REQUIRE_RAY=1 JAX_PLATFORMS=cpu SPARSECORE_README_INSTALL="$readme_install" \
+  "$py" -m pytest -q -p no:cacheprovider -rs "$@"
 t3=$(date +%s)
 log "setup $((t1 - t0)) s, build $((t2 - t1)) s, tests $((t3 - t2)) s"
