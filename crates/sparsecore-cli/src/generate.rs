@@ -85,6 +85,8 @@ pub fn run(a: Args) -> Result<()> {
     pb.finish_and_clear();
 
     // Both files go to temporary names first and are renamed only when both are complete.
+    super::outdir::clean_stale(&a.out, false);
+    super::outdir::clean_stale(&a.config_out, false);
     let tmp = sparsecore_prep::fdo::tmp_path(&a.out);
     let config_tmp = sparsecore_prep::fdo::tmp_path(&a.config_out);
     let pb = progress(Some(w.batches.len() as u64), "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} batches written to {wide_msg}");

@@ -17,6 +17,14 @@
 //!   earlier run's output directory, and renaming it away would take those files with it.
 //!
 //! On any error before the end, the staging directory is removed and `DIR` is as it was.
+//!
+//! A process killed outright (SIGKILL, power loss) removes nothing: its `DIR.tmp-<pid>`,
+//! `DIR/.staging.tmp-<pid>`, `DIR.old-<pid>` and `<file>.tmp-<pid>` stay behind. Every later
+//! run on the same `DIR` first removes those whose `<pid>` is not a running process (on Linux:
+//! `/proc/<pid>` does not exist; where there is no `/proc`, nothing is removed), and leaves the
+//! temporaries of live processes alone ([`clean_stale`]). One case is repaired rather than
+//! removed: a run killed between its two renames leaves `DIR` missing and the earlier outputs
+//! in `DIR.old-<pid>`; they are moved back to `DIR`.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -46,6 +54,8 @@ pub struct Staged {
     dir: PathBuf,
     mode: Mode,
     committed: bool,
+    /// Temporaries of killed runs removed by [`Staged::prepare`].
+    stale: Vec<PathBuf>,
 }
 
 /// What [`Staged::commit`] did.
@@ -86,11 +96,120 @@ fn entries(dir: &Path) -> io::Result<Vec<(String, std::fs::FileType)>> {
     Ok(v)
 }
 
+/// The process id a temporary name ends with: `<base><marker><pid>` with `<pid>` all digits.
+fn temp_pid(name: &str, base: &str, marker: &str) -> Option<u32> {
+    let pid = name.strip_prefix(base)?.strip_prefix(marker)?;
+    if pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    pid.parse().ok()
+}
+
+/// Whether process `pid` is surely gone: on Linux, `/proc/<pid>` does not exist. Without a
+/// readable `/proc` nothing is known, and every process counts as alive.
+pub fn process_is_dead(pid: u32) -> bool {
+    if pid == std::process::id() {
+        return false;
+    }
+    let proc_root = Path::new("/proc");
+    if !proc_root.join("self").exists() {
+        return false;
+    }
+    matches!(std::fs::symlink_metadata(proc_root.join(pid.to_string())), Err(e) if e.kind() == io::ErrorKind::NotFound)
+}
+
+/// Removes one temporary (file or directory tree), counting what went.
+fn remove_temp(path: &Path, removed: &mut Vec<PathBuf>) {
+    let gone = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(path),
+        Ok(_) => std::fs::remove_file(path),
+        Err(e) => Err(e),
+    };
+    match gone {
+        Ok(()) => removed.push(path.to_path_buf()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => crate::stdio::warning!("could not remove the stale temporary {}: {e}", path.display()),
+    }
+}
+
+/// Removes the temporaries that runs killed before they could clean up left beside `path`:
+/// siblings `<name>.tmp-<pid>` (and, with `old`, `<name>.old-<pid>`) whose process is gone.
+/// A dead run's `<name>.old-<pid>` while `path` itself is missing holds the earlier outputs
+/// (the run died between its two renames): it is moved back to `path` instead. Returns what was
+/// removed or restored; errors only warn (a stale temporary never fails a run).
+pub fn clean_stale(path: &Path, old: bool) -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    let (Some(name), Some(parent)) = (path.file_name().and_then(|n| n.to_str()), path.parent()) else {
+        return removed;
+    };
+    let parent = if parent.as_os_str().is_empty() { Path::new(".") } else { parent };
+    let Ok(entries) = std::fs::read_dir(parent) else { return removed };
+    let mut olds = Vec::new();
+    for e in entries.flatten() {
+        let entry = e.file_name();
+        let Some(entry) = entry.to_str() else { continue };
+        if let Some(pid) = temp_pid(entry, name, ".tmp-") {
+            if process_is_dead(pid) {
+                remove_temp(&parent.join(entry), &mut removed);
+            }
+        } else if let Some(pid) = temp_pid(entry, name, ".old-").filter(|_| old) {
+            if process_is_dead(pid) {
+                olds.push(parent.join(entry));
+            }
+        }
+    }
+    olds.sort();
+    for o in olds {
+        if std::fs::symlink_metadata(path).is_err() && o.is_dir() {
+            match std::fs::rename(&o, path) {
+                Ok(()) => {
+                    crate::stdio::warning!(
+                        "{}: an earlier run was killed while replacing its outputs; moved them back from {}",
+                        path.display(),
+                        o.display()
+                    );
+                    removed.push(o);
+                    continue;
+                }
+                Err(e) => crate::stdio::warning!("could not move {} back to {}: {e}", o.display(), path.display()),
+            }
+        }
+        remove_temp(&o, &mut removed);
+    }
+    removed
+}
+
+/// Removes dead runs' temporaries inside an output directory: `.staging.tmp-<pid>` and
+/// `<output>.tmp-<pid>` files.
+fn clean_stale_inside(dir: &Path) -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else { return removed };
+    for e in entries.flatten() {
+        let entry = e.file_name();
+        let Some(entry) = entry.to_str() else { continue };
+        let Some(i) = entry.rfind(".tmp-") else { continue };
+        let base = &entry[..i];
+        if base != ".staging" && !is_output_name(base) {
+            continue;
+        }
+        if temp_pid(entry, base, ".tmp-").is_some_and(process_is_dead) {
+            remove_temp(&dir.join(entry), &mut removed);
+        }
+    }
+    removed
+}
+
 impl Staged {
     /// Checks `out` and creates the staging directory; fails before any work is done if `out`
     /// cannot take the outputs.
     pub fn prepare(out: &Path, overwrite: bool) -> Result<Staged> {
         let refuse = |reason: String| Error::option("out", out.display(), reason);
+        // Temporaries of killed runs go first: they must not make `out` look non-empty.
+        let resolved = std::fs::canonicalize(out).unwrap_or_else(|_| out.to_path_buf());
+        let mut stale = clean_stale(&resolved, true);
+        if resolved.is_dir() {
+            stale.extend(clean_stale_inside(&resolved));
+        }
         let (target, mode) = match std::fs::metadata(out) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 if let Some(parent) = out.parent() {
@@ -139,7 +258,12 @@ impl Staged {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir(&dir)
             .map_err(io_err(format!("output directory {}: creating the staging directory {}", out.display(), dir.display())))?;
-        Ok(Staged { out: out.to_path_buf(), target, dir, mode, committed: false })
+        Ok(Staged { out: out.to_path_buf(), target, dir, mode, committed: false, stale })
+    }
+
+    /// Temporaries of killed runs that [`Staged::prepare`] removed (or restored).
+    pub fn stale_removed(&self) -> &[PathBuf] {
+        &self.stale
     }
 
     /// The directory to write the outputs into.
@@ -231,6 +355,19 @@ mod tests {
         }
         for n in [".arrow", "notes.txt", "stats.json.bak", "data.parquet", "x.arrows"] {
             assert!(!is_output_name(n), "{n}");
+        }
+    }
+
+    #[test]
+    fn temp_pids() {
+        assert_eq!(temp_pid("out.tmp-123", "out", ".tmp-"), Some(123));
+        assert_eq!(temp_pid("out.old-7", "out", ".old-"), Some(7));
+        for n in ["out.tmp-", "out.tmp-12a", "outx.tmp-1", "out.tmp-+1", "out.tmp-99999999999"] {
+            assert_eq!(temp_pid(n, "out", ".tmp-"), None, "{n}");
+        }
+        assert!(!process_is_dead(std::process::id()));
+        if Path::new("/proc/self").exists() {
+            assert!(!process_is_dead(1));
         }
     }
 

@@ -16,7 +16,7 @@ use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::io::BatchReader;
 use sparsecore_prep::{Config, Error, Output, Preprocessor, Result, StackOutput};
 
-use super::outdir::{some_names, Staged};
+use super::outdir::{clean_stale, some_names, Staged};
 use super::stdio::outln;
 use super::{count_ids, io_err, parse_shard, table};
 
@@ -222,6 +222,7 @@ pub fn run(a: Args) -> Result<()> {
     let config = Config::from_path(&a.config)?;
     // Before any work: refuses an --out it must not write into, and stages the outputs.
     let staged = Staged::prepare(&a.out, a.overwrite)?;
+    let stale: Vec<String> = staged.stale_removed().iter().map(|p| p.display().to_string()).collect();
 
     let mut files: BTreeMap<String, StackFile> = BTreeMap::new();
     let (stats, plan) = stream(config, &a.config, &a.input, a.shard, a.threads, false, |index, _prep, out| {
@@ -262,6 +263,9 @@ pub fn run(a: Args) -> Result<()> {
         };
         outln!("replaced the {} files of the earlier run in {} ({stale})", committed.replaced.len() + committed.stale.len(), a.out.display());
     }
+    if !stale.is_empty() {
+        outln!("cleaned up {} temporaries of killed runs: {}", stale.len(), some_names(&stale, 8));
+    }
     Ok(())
 }
 
@@ -270,6 +274,7 @@ pub fn run_stats(a: StatsArgs) -> Result<()> {
     let (stats, plan) = stream(config, &a.config, &a.input, a.shard, a.threads, true, |_, _, _| Ok(()))?;
     match &a.out {
         Some(path) => {
+            clean_stale(path, false);
             stats.write(path)?;
             summary(&stats, &plan, false);
         }
