@@ -316,6 +316,41 @@ def _spec_tuple(spec) -> tuple:
   )
 
 
+def _nonneg(value) -> int:
+  n = operator.index(value)
+  if n < 0:
+    raise ValueError(n)
+  return n
+
+
+def _spec_tuple_fast(spec) -> tuple:
+  """_spec_tuple by plain attribute access (it runs for every feature of every call); any
+  problem makes _spec_tuples ask _spec_tuple, which names it."""
+  table = spec.table_spec
+  stacked = table.stacked_table_spec
+  transform = getattr(spec, "_id_transformation", None)
+  if transform is None:
+    transform = getattr(spec, "id_transformation", None)
+  offsets = (0, 0, 0) if transform is None else (
+      _nonneg(transform.row_offset), _nonneg(transform.col_offset), _nonneg(transform.col_shift))
+  shape = getattr(spec, "output_shape", None)
+  if shape is None:
+    shape = getattr(spec, "input_shape", None)
+  global_batch = 0
+  if shape is not None:
+    dims = [_nonneg(d) for d in shape]
+    global_batch = math.prod(dims[:-1]) if len(dims) > 1 else (dims[0] if dims else 0)
+  dim = getattr(table, "embedding_dim", None)
+  suggested = stacked.suggested_coo_buffer_size_per_device
+  return (
+      (str(spec.name), str(table.name), _nonneg(table.vocabulary_size), 0 if dim is None else _nonneg(dim),
+       global_batch),
+      (str(table.setting_in_stack.stack_name),) + offsets,
+      (str(stacked.combiner), _nonneg(stacked.max_ids_per_partition), _nonneg(stacked.max_unique_ids_per_partition),
+       None if suggested is None else _nonneg(suggested)),
+  )
+
+
 def _leaf_path(tree, i: int) -> str:
   """`feature_specs['f']`-style path of leaf `i` of `tree`, for messages."""
   try:
@@ -334,7 +369,10 @@ def _spec_tuples(leaves, tree) -> list:
   out = []
   for i, spec in enumerate(leaves):
     try:
-      out.append(_spec_tuple(spec))
+      try:
+        out.append(_spec_tuple_fast(spec))
+      except (AttributeError, TypeError, ValueError):
+        out.append(_spec_tuple(spec))  # raises _SpecProblem, naming the attribute
     except _SpecProblem as e:
       where = _leaf_path(tree, i)
       name = getattr(spec, "name", None)
