@@ -120,3 +120,54 @@ pub fn feature_activations(plan: &Plan, feature: usize, device_act: ArrayView2<'
     }
     Ok(out)
 }
+
+/// The adjoint of [`feature_activations`]: one device's per-feature activation gradients,
+/// stacked back into the device's `[bsd, D]` activation layout of stack `stack` (the layout
+/// [`sparse_dense_matmul`] returns and [`crate::apply_gradients`] consumes, one array per local
+/// device).
+///
+/// `feature_grads` pairs a feature index (into [`Plan::features`]) with its gradient, shaped as
+/// [`feature_activations`] returns it: `[S · rows, embedding_dim]`, SparseCore-major, where
+/// `rows = global_batch_size / N`. Each gradient is added into the rows and leading columns
+/// that [`feature_activations`] reads; every other entry (padding columns of the stack's dim,
+/// features not given) is 0; a feature given twice has its gradients summed. So for any device
+/// activations `A` of the stack and gradients `G_f`,
+/// `Σ_f ⟨feature_activations(A, f), G_f⟩ = ⟨A, stack_feature_gradients(G)⟩`: the chain rule
+/// from per-feature gradients (a dense head's) back to the table rows.
+///
+/// Errors name the stack or the feature: a stack not in the plan, a feature index out of
+/// range or of another stack, a gradient of the wrong shape.
+pub fn stack_feature_gradients(plan: &Plan, stack: &str, feature_grads: &[(usize, ArrayView2<'_, f32>)]) -> Result<Array2<f32>> {
+    let sp = plan.stack(stack).ok_or_else(|| Error::config("stack", stack, "not in the plan"))?;
+    let layout = plan.layout;
+    let s_count = layout.sc_per_device;
+    let n = layout.num_partitions();
+    let bsd = (sp.total_sample_count / layout.global_devices as u64) as usize;
+    let per_sc = bsd / s_count;
+    let stack_dim = sp.stack_embedding_dim as usize;
+    let mut out = Array2::<f32>::zeros((bsd, stack_dim));
+    for (feature, grad) in feature_grads {
+        let f = plan.features.get(*feature).ok_or_else(|| Error::config("feature", feature.to_string(), "no such feature"))?;
+        if !sp.features.contains(feature) {
+            let other = plan.stacks.get(f.stack).map_or("?", |s| s.name.as_str());
+            return Err(Error::config("feature", &f.name, format!("belongs to stack `{other}`, not `{stack}`")));
+        }
+        let base = (f.row_offset / n as u64) as usize;
+        let rows = f.global_batch_size / n;
+        let dim = f.embedding_dim as usize;
+        if grad.dim() != (s_count * rows, dim) {
+            return Err(Error::input(
+                &f.name,
+                format!("activation gradient of shape {:?}, expected [S · rows, embedding_dim] = [{}, {dim}]", grad.dim(), s_count * rows),
+            ));
+        }
+        if base + rows > per_sc || dim > stack_dim {
+            return Err(Error::config("feature", &f.name, format!("does not fit the activations of stack `{stack}`")));
+        }
+        for sc in 0..s_count {
+            let mut dst = out.slice_mut(s![sc * per_sc + base..sc * per_sc + base + rows, ..dim]);
+            dst += &grad.slice(s![sc * rows..(sc + 1) * rows, ..]);
+        }
+    }
+    Ok(out)
+}

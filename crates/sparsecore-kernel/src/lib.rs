@@ -4,7 +4,8 @@
 //! - [`StackedTable`]: a stack's tables in the row-sharded, rotated, stacked layout the kernels
 //!   read (SPEC 4), built from per-table dense arrays and read back exactly.
 //! - [`sparse_dense_matmul`]: the forward pass over one stack's buffers (SPEC 6.2), every
-//!   minibatch included, and [`feature_activations`] to take one feature's rows back out.
+//!   minibatch included, [`feature_activations`] to take one feature's rows back out, and
+//!   [`stack_feature_gradients`], its adjoint, to stack per-feature gradients back.
 //! - [`apply_gradients`]: the backward pass (row gradients accumulated over every slot that
 //!   references a row) and one step of SGD, Adagrad, Adagrad-momentum, Adam, FTRL or LaProp
 //!   (SPEC 6.3), with the optimizer's [`Slots`] stored beside the table rows.
@@ -20,6 +21,6 @@ mod optimizer;
 mod table;
 
 pub use host::{Partition, PartitionedTable};
-pub use forward::{feature_activations, sparse_dense_matmul};
+pub use forward::{feature_activations, sparse_dense_matmul, stack_feature_gradients};
 pub use optimizer::{apply_gradients, row_gradients, Optimizer, Slots};
 pub use table::StackedTable;

@@ -272,3 +272,88 @@ fn sum_with_unit_weights_is_exact_and_bad_ids_are_errors() {
         }
     }
 }
+
+/// Small-integer values in -3..=3 from a seed (products and sums stay exact in f32).
+fn small_ints(rows: usize, cols: usize, seed: u64) -> Array2<f32> {
+    let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    Array2::from_shape_fn((rows, cols), |_| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % 7) as f32 - 3.0
+    })
+}
+
+#[test]
+fn stack_feature_gradients_is_the_exact_adjoint_of_feature_activations() {
+    use sparsecore_kernel::stack_feature_gradients;
+    let mut stacks_with_several = 0;
+    for (layout, stacking) in [((1, 1, 4), "feature"), ((1, 1, 4), "auto"), ((2, 2, 2), "auto"), ((2, 4, 2), "auto"), ((1, 2, 1), "feature")] {
+        let w = workload(layout, 32, false, stacking, 5, false);
+        let inputs: Vec<RaggedInput<'_>> =
+            w.feats.iter().zip(&w.config.features).map(|((v, s, _), f)| RaggedInput::from_i64(&f.name, v, s).unwrap()).collect();
+        let refs: Vec<&dyn SampleSource> = inputs.iter().map(|f| f as &dyn SampleSource).collect();
+        let mut prep = Preprocessor::new(w.config.clone()).unwrap();
+        let mut out = Output::new();
+        prep.run(&refs, &mut out).unwrap();
+        let plan = prep.plan().unwrap().clone();
+        for (si, stack) in plan.stacks.iter().enumerate() {
+            stacks_with_several += (stack.features.len() > 1) as usize;
+            let bsd = (stack.total_sample_count / plan.layout.global_devices as u64) as usize;
+            let a = small_ints(bsd, stack.stack_embedding_dim as usize, 100 + si as u64);
+            let fas: Vec<Array2<f32>> = stack.features.iter().map(|&f| feature_activations(&plan, f, a.view()).unwrap()).collect();
+            let gs: Vec<Array2<f32>> =
+                fas.iter().enumerate().map(|(i, fa)| small_ints(fa.nrows(), fa.ncols(), 200 + 10 * si as u64 + i as u64)).collect();
+            let pairs: Vec<(usize, ndarray::ArrayView2<'_, f32>)> = stack.features.iter().zip(&gs).map(|(&f, g)| (f, g.view())).collect();
+            let stacked = stack_feature_gradients(&plan, &stack.name, &pairs).unwrap();
+            assert_eq!(stacked.dim(), a.dim());
+            // <feature_activations(A), G> == <A, stack(G)>, exactly.
+            let lhs: f32 = fas.iter().zip(&gs).map(|(fa, g)| (fa * g).sum()).sum();
+            let rhs: f32 = (&a * &stacked).sum();
+            assert_eq!(lhs, rhs, "stack {} layout {layout:?} {stacking}", stack.name);
+            // And entry by entry: stacking the activations' own pieces gives back A on the
+            // features' rows and columns and 0 elsewhere, so that un-stacking again is the identity.
+            let own: Vec<(usize, ndarray::ArrayView2<'_, f32>)> = stack.features.iter().zip(&fas).map(|(&f, fa)| (f, fa.view())).collect();
+            let restacked = stack_feature_gradients(&plan, &stack.name, &own).unwrap();
+            for (&f, fa) in stack.features.iter().zip(&fas) {
+                assert_eq!(feature_activations(&plan, f, restacked.view()).unwrap(), fa);
+            }
+            let covered: f32 = fas.iter().map(|fa| fa.iter().filter(|&&x| x != 0.0).count() as f32).sum();
+            assert_eq!(restacked.iter().filter(|&&x| x != 0.0).count() as f32, covered);
+            // A feature given twice has its gradients summed (linearity).
+            let f0 = stack.features[0];
+            let twice = stack_feature_gradients(&plan, &stack.name, &[(f0, gs[0].view()), (f0, gs[0].view())]).unwrap();
+            let once = stack_feature_gradients(&plan, &stack.name, &[(f0, gs[0].view())]).unwrap();
+            assert_eq!(twice, &once * 2.0);
+        }
+    }
+    assert!(stacks_with_several > 0, "auto stacking should put several features in one stack");
+}
+
+#[test]
+fn stack_feature_gradients_errors_name_the_stack_or_feature() {
+    use sparsecore_kernel::stack_feature_gradients;
+    use sparsecore_prep::Error;
+    let w = workload((1, 1, 4), 16, false, "feature", 3, true);
+    let inputs: Vec<RaggedInput<'_>> =
+        w.feats.iter().zip(&w.config.features).map(|((v, s, _), f)| RaggedInput::from_i64(&f.name, v, s).unwrap()).collect();
+    let refs: Vec<&dyn SampleSource> = inputs.iter().map(|f| f as &dyn SampleSource).collect();
+    let mut prep = Preprocessor::new(w.config.clone()).unwrap();
+    prep.run(&refs, &mut Output::new()).unwrap();
+    let plan = prep.plan().unwrap().clone();
+    // Feature stacking: stack `ta` holds f0 and f2 (dim 16), `tb` holds f1 (dim 4).
+    let g16 = Array2::<f32>::ones((16, 16));
+    let e = stack_feature_gradients(&plan, "nope", &[(0, g16.view())]).unwrap_err();
+    assert!(matches!(&e, Error::InvalidConfig { what: "stack", name, .. } if name == "nope"), "{e:?}");
+    let e = stack_feature_gradients(&plan, "ta", &[(9, g16.view())]).unwrap_err();
+    assert!(matches!(&e, Error::InvalidConfig { what: "feature", name, .. } if name == "9"), "{e:?}");
+    let e = stack_feature_gradients(&plan, "ta", &[(1, g16.view())]).unwrap_err();
+    assert!(matches!(&e, Error::InvalidConfig { what: "feature", name, .. } if name == "f1"), "{e:?}");
+    assert!(e.to_string().contains("tb"), "{e}");
+    let wrong = Array2::<f32>::ones((16, 4));
+    let e = stack_feature_gradients(&plan, "ta", &[(2, wrong.view())]).unwrap_err();
+    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f2"), "{e:?}");
+    assert!(e.to_string().contains("[16, 16]"), "{e}");
+    // The right shape is accepted.
+    assert_eq!(stack_feature_gradients(&plan, "ta", &[(2, g16.view())]).unwrap().sum(), 256.0);
+}
