@@ -236,7 +236,12 @@ impl BatchSampler {
         }
     }
 
-    /// Step `step`'s sample indices `(bps, *blk, ppp)` and Rigid's mask.
+    /// Step `step`'s sample indices, row-major over `(bps, P, ppp)` (before duplication), and
+    /// Rigid's mask: the draws of [`Self::sample`] without building its output arrays.
+    pub fn sample_indices(&mut self, step: usize) -> Result<(Vec<i64>, Option<Vec<bool>>)> {
+        self.sample_triples(step)
+    }
+
     fn sample_triples(&mut self, step: usize) -> Result<(Vec<i64>, Option<Vec<bool>>)> {
         let g = self.geometry;
         let p_count = g.partitions();
@@ -247,10 +252,13 @@ impl BatchSampler {
         let steps = self.steps_per_epoch();
         match &mut self.state {
             State::Random(rng) => {
-                for pos in 0..total {
-                    let p = (pos / g.ppp) % p_count;
-                    let x = rng.integers_63();
-                    idx.push(offsets[p] + (x % counts[p] as u64) as i64);
+                for _ in 0..g.batches_per_step {
+                    for (&off, &c) in offsets.iter().zip(counts.iter()) {
+                        let c = c as u64;
+                        for _ in 0..g.ppp {
+                            idx.push(off + (rng.integers_63() % c) as i64);
+                        }
+                    }
                 }
                 Ok((idx, None))
             }

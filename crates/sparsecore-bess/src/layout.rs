@@ -128,8 +128,34 @@ impl SparseCoreLayout {
     #[must_use]
     pub fn tail_shard(&self, g: usize, i: usize, step: usize) -> usize {
         let n = self.num_sparsecores();
-        (i + g % n + step % n) % n
+        // N is a power of two (the pipeline checks it), so `mod n` is a mask.
+        (i + g + step) & (n - 1)
     }
+}
+
+/// Ids after merging per (local SparseCore, partition) cell of one stack's output, read from
+/// its row pointers (partition `p` of a segment starts at `roundup(rp[p−1], 8)` and ends at
+/// `rp[p]`): `[L·S][N]`. The pipeline's own stats only keep the maximum over a device's
+/// SparseCores; this is every cell, for measuring balance.
+#[must_use]
+pub fn cell_loads(out: &sparsecore_prep::StackOutput, sc_per_device: usize, num_sparsecores: usize) -> Vec<Vec<i32>> {
+    let rpd = out.row_pointers_per_device();
+    let rpb = rpd / sc_per_device.max(1);
+    let mut cells = Vec::with_capacity(out.local_devices() * sc_per_device);
+    for d in 0..out.local_devices() {
+        for sc in 0..sc_per_device {
+            let base = d * rpd + sc * rpb;
+            let Some(seg) = out.row_pointers.get(base..base + num_sparsecores) else { continue };
+            let mut start = 0;
+            let mut row = Vec::with_capacity(num_sparsecores);
+            for &end in seg {
+                row.push(end - start);
+                start = (end + 7) / 8 * 8;
+            }
+            cells.push(row);
+        }
+    }
+    cells
 }
 
 #[cfg(test)]

@@ -36,5 +36,5 @@ pub use negative::{Corruption, NegativeOutput, NegativeSampler, RandomNegative, 
 pub use partition::{PartitionBuilder, PartitionMode, PartitionedTriples, Triples};
 pub use rng::{seed_words, NumpyRng};
 pub use sharding::Sharding;
-pub use layout::SparseCoreLayout;
+pub use layout::{cell_loads, SparseCoreLayout};
 pub use stream::{BessStream, BessStreamBuilder, CellCounts, NegativeKind, StreamBatch, StreamSampler};

@@ -279,12 +279,15 @@ fn draw_mod_shard(rng: &mut NumpyRng, part: &PartitionedTriples, bps: usize, n: 
     if let Some(a) = counts.iter().position(|&c| c == 0) {
         return Err(BessError::EmptyPartition { sampler, partition: format!("shard {a} (it holds no entities to draw negatives from)") });
     }
-    let total = bps * n * n * b * k;
-    let mut out = Vec::with_capacity(total);
-    let per_a = n * b * k;
-    for idx in 0..total {
-        let a = (idx / per_a) % n;
-        out.push(i64::from(rng.integers_31()) % counts[a]);
+    let mut out = Vec::with_capacity(bps * n * n * b * k);
+    for _ in 0..bps {
+        for &c in counts.iter() {
+            // Shard counts fit in 32 bits (entity ids are int32): a 32-bit modulo is exact.
+            let c = c as u32;
+            for _ in 0..n * b * k {
+                out.push(i64::from(rng.integers_31() % c));
+            }
+        }
     }
     Ok(out)
 }

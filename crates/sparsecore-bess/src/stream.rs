@@ -27,14 +27,13 @@
 
 use std::sync::Arc;
 
-use arrow_array::builder::{BooleanBuilder, Int32Builder, Int64Builder, Int8Builder};
-use arrow_array::{ArrayRef, Int64Array, ListArray, RecordBatch};
-use arrow_buffer::{OffsetBuffer, ScalarBuffer};
+use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, ListArray, RecordBatch};
+use arrow_buffer::{NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use ndarray::{Array2, ArrayD, IxDyn};
 use sparsecore_prep::Config;
 
-use crate::batch::{Batch, BatchOptions, BatchSampler, SamplerKind};
+use crate::batch::{BatchOptions, BatchSampler, SamplerKind};
 use crate::error::{BessError, Result};
 use crate::layout::SparseCoreLayout;
 use crate::negative::{Corruption, NegativeOutput, NegativeSampler, RandomNegative, TripleBasedNegative, TypeBasedNegative};
@@ -110,11 +109,11 @@ pub struct StreamBatch {
     pub step: usize,
     /// The record batch to preprocess.
     pub record_batch: RecordBatch,
-    /// The BESS sampler's own arrays of the step (negatives not included: see `negative`).
-    pub bess: Batch,
     /// `[n, n, ppp]`, SparseCore-major: `[g][i][j]` is the `j`-th triple SparseCore `g` takes
     /// from head shard `i` (a row of [`PartitionedTriples::triples`]).
     pub sample_idx: ArrayD<i64>,
+    /// Rigid only: `[n·n·ppp]` in `sample_idx`'s order, false for cyclic padding.
+    pub triple_mask: Option<Vec<bool>>,
     /// The negative sampler's output for `sample_idx` (axis 1: the shard drawn from; axis 2:
     /// the SparseCore that uses them).
     pub negative: Option<NegativeOutput>,
@@ -393,7 +392,20 @@ impl BessStreamBuilder {
         }))?;
         let steps = self.steps.unwrap_or_else(|| sampler.steps_per_epoch());
         let schema = schema(negative.is_some());
-        Ok(BessStream { config, layout, part, sampler, negative, counts, neg_b: b, neg_k: k, flat, step: 0, steps, schema, corruption: self.corruption })
+        // Physical (head, relation, tail) of every sorted triple: partition (i, j) holds heads
+        // of shard i and tails of shard j, as local ids.
+        if vocab > i32::MAX as usize {
+            return Err(BessError::param("n_entity", n_entity, "N * ceil(E / N) physical ids must fit in int32"));
+        }
+        let mut phys = Vec::with_capacity(part.len());
+        for (p, (&off, &cnt)) in part.triple_offsets.iter().zip(&part.triple_counts).enumerate() {
+            let (i, j) = (p / n, p % n);
+            for row in off as usize..(off + cnt) as usize {
+                let tr = part.triples.row(row);
+                phys.push([layout.physical_id(i, tr[0]) as i32, tr[1] as i32, layout.physical_id(j, tr[2]) as i32]);
+            }
+        }
+        Ok(BessStream { config, layout, part, phys, sampler, negative, counts, neg_b: b, neg_k: k, flat, step: 0, steps, schema, corruption: self.corruption })
     }
 }
 
@@ -422,18 +434,20 @@ fn schema(negatives: bool) -> SchemaRef {
     Arc::new(Schema::new(fields))
 }
 
-/// A list column of at most one id per row: `Some(id)` or an empty list.
-fn one_id_lists(ids: &[Option<i64>]) -> Result<ArrayRef> {
-    let mut offsets = Vec::with_capacity(ids.len() + 1);
-    let mut values = Vec::with_capacity(ids.len());
-    offsets.push(0i32);
-    for id in ids {
-        if let Some(v) = id {
-            values.push(*v);
-        }
-        offsets.push(i32::try_from(values.len()).map_err(|_| BessError::param("rows", ids.len(), "too many for a List column"))?);
+/// A list column over `slices` slices of `r` rows each, whose first `used` rows hold one id
+/// each (`ids`, slice after slice) and the rest none.
+fn one_id_lists(ids: Vec<i64>, slices: usize, used: usize, r: usize) -> Result<ArrayRef> {
+    let total = slices * r;
+    if total >= i32::MAX as usize {
+        return Err(BessError::param("rows", total, "too many for a List column"));
     }
-    let arr = ListArray::try_new(list_field(), OffsetBuffer::new(ScalarBuffer::from(offsets)), Arc::new(Int64Array::from(values)), None)?;
+    let mut offsets = Vec::with_capacity(total + 1);
+    offsets.push(0i32);
+    for slice in 0..slices {
+        let base = (slice * used) as i32;
+        offsets.extend((1..=r).map(|row| base + row.min(used) as i32));
+    }
+    let arr = ListArray::try_new(list_field(), OffsetBuffer::new(ScalarBuffer::from(offsets)), Arc::new(Int64Array::from(ids)), None)?;
     Ok(Arc::new(arr))
 }
 
@@ -443,6 +457,7 @@ pub struct BessStream {
     config: Config,
     layout: SparseCoreLayout,
     part: Arc<PartitionedTriples>,
+    phys: Vec<[i32; 3]>,
     sampler: BatchSampler,
     negative: Option<NegativeSampler>,
     counts: CellCounts,
@@ -521,111 +536,122 @@ impl BessStream {
     pub fn draw(&mut self, step: usize) -> Result<StreamBatch> {
         let n = self.layout.num_sparsecores();
         let ppp = self.counts.ppp;
-        let bess = self.sampler.sample(step)?;
-        let si = &bess.sample_idx; // (1, n, n, ppp)
-        let mut sample_idx = ArrayD::<i64>::zeros(IxDyn(&[n, n, ppp]));
+        // BESS indices, row-major over (head shard i, tail shard j, position).
+        let (bess_idx, bess_mask) = self.sampler.sample_indices(step)?;
+        let mut sample_idx = Vec::with_capacity(n * n * ppp);
+        let mut triple_mask = bess_mask.as_ref().map(|_| Vec::with_capacity(n * n * ppp));
         for g in 0..n {
             for i in 0..n {
-                let j = self.layout.tail_shard(g, i, step);
-                for p in 0..ppp {
-                    sample_idx[[g, i, p]] = si[[0, i, j, p]];
+                let base = (i * n + self.layout.tail_shard(g, i, step)) * ppp;
+                sample_idx.extend_from_slice(&bess_idx[base..base + ppp]);
+                if let (Some(out), Some(m)) = (triple_mask.as_mut(), bess_mask.as_ref()) {
+                    out.extend_from_slice(&m[base..base + ppp]);
                 }
             }
         }
+        let sample_idx = ArrayD::from_shape_vec(IxDyn(&[n, n, ppp]), sample_idx).expect("n * n * ppp indices");
         let negative = match &mut self.negative {
-            Some(ns) => Some(ns.sample(&self.part, &sample_idx.clone().insert_axis(ndarray::Axis(0)))?),
+            Some(ns) => Some(ns.sample(&self.part, &sample_idx.view().insert_axis(ndarray::Axis(0)).to_owned())?),
             None => None,
         };
-        let record_batch = self.record_batch(step, &bess, &sample_idx, negative.as_ref())?;
-        Ok(StreamBatch { step, record_batch, bess, sample_idx, negative })
+        let record_batch = self.record_batch(&sample_idx, triple_mask.as_deref(), negative.as_ref())?;
+        Ok(StreamBatch { step, record_batch, sample_idx, triple_mask, negative })
     }
 
-    fn record_batch(&self, step: usize, bess: &Batch, sample_idx: &ArrayD<i64>, negative: Option<&NegativeOutput>) -> Result<RecordBatch> {
+    fn record_batch(&self, sample_idx: &ArrayD<i64>, triple_mask: Option<&[bool]>, negative: Option<&NegativeOutput>) -> Result<RecordBatch> {
         let lay = &self.layout;
         let n = lay.num_sparsecores();
         let c = &self.counts;
         let (ppp, t, r) = (c.ppp, c.triples_per_sparsecore, c.rows_per_sparsecore);
         let local = lay.local_sparsecores();
         let rows = local * r;
-        let triples = &self.part.triples;
-        let mut head = Vec::with_capacity(rows);
-        let mut tail = Vec::with_capacity(rows);
-        let mut relation = Int32Builder::with_capacity(rows);
-        let mut mask = BooleanBuilder::with_capacity(rows);
-        let mut tidx = Int64Builder::with_capacity(rows);
-        let has_neg = negative.is_some();
-        let mut neg = Vec::with_capacity(if has_neg { rows } else { 0 });
-        let mut neg_shard = Int32Builder::with_capacity(rows);
-        let mut neg_triple = Int32Builder::with_capacity(rows);
-        let mut neg_side = Int8Builder::with_capacity(rows);
-        let mut neg_mask = BooleanBuilder::with_capacity(rows);
-        let triple_mask = bess.triple_mask.as_ref();
-        let (b, k) = (self.neg_b, self.neg_k);
-        let flat = self.flat;
+        let sidx = sample_idx.as_slice().expect("standard layout");
+        // Physical id = local·N + hoff[shard].
+        let n64 = n as i64;
+        let hoff: Vec<i64> = (0..n).map(|s| lay.physical_id(s, 0)).collect();
+        let pad = t < r;
+        // This host's triples, gathered in one tight pass: the random reads of the triple table
+        // are what this stage waits on, and a loop that does nothing else keeps many in flight.
+        let first = lay.global_sparsecore(0) * t;
+        let mine = &sidx[first..first + local * t];
+        let gathered: Vec<[i32; 3]> = mine.iter().map(|&i| self.phys[i as usize]).collect();
+        let mut head = Vec::with_capacity(local * t);
+        let mut tail = Vec::with_capacity(local * t);
+        let mut relation = Vec::with_capacity(rows);
+        let mut mask = Vec::with_capacity(rows);
+        let mut tidx = Vec::with_capacity(rows);
         for slot in 0..local {
-            let g = lay.global_sparsecore(slot);
-            for row in 0..r {
-                if row < t {
-                    let (i, jp) = (row / ppp, row % ppp);
-                    let j = lay.tail_shard(g, i, step);
-                    let idx = sample_idx[[g, i, jp]];
-                    let tr = triples.row(idx as usize);
-                    head.push(Some(lay.physical_id(i, tr[0])));
-                    tail.push(Some(lay.physical_id(j, tr[2])));
-                    relation.append_value(tr[1] as i32);
-                    mask.append_value(triple_mask.is_none_or(|m| m[[0, i, j, jp]]));
-                    tidx.append_value(idx);
-                } else {
-                    head.push(None);
-                    tail.push(None);
-                    relation.append_null();
-                    mask.append_value(false);
-                    tidx.append_null();
-                }
-                if let Some(no) = negative {
-                    let nrows = n * b * k;
-                    if row < nrows {
-                        let x = row / (b * k);
-                        let bb = (row / k) % b;
-                        let ii = row % k;
-                        let v = no.negative[[0, x, g, bb, ii]];
-                        neg.push(Some(lay.physical_id(x, i64::from(v))));
-                        neg_shard.append_value(x as i32);
-                        let (trip, side) = if flat {
-                            (-1, match self.corruption {
-                                Corruption::H => 0,
-                                Corruption::T => 1,
-                                Corruption::Ht => bb as i8,
-                            })
-                        } else {
-                            (bb as i32, match self.corruption {
-                                Corruption::H => 0,
-                                Corruption::T => 1,
-                                Corruption::Ht => i8::from(bb % ppp >= ppp / 2),
-                            })
-                        };
-                        neg_triple.append_value(trip);
-                        neg_side.append_value(side);
-                        neg_mask.append_value(no.mask.as_ref().is_none_or(|m| m[[0, x, g, bb, ii]]));
-                    } else {
-                        neg.push(None);
-                        neg_shard.append_null();
-                        neg_triple.append_null();
-                        neg_side.append_null();
-                        neg_mask.append_null();
-                    }
-                }
+            let at = slot * t;
+            head.extend(gathered[at..at + t].iter().map(|tr| i64::from(tr[0])));
+            tail.extend(gathered[at..at + t].iter().map(|tr| i64::from(tr[2])));
+            relation.extend(gathered[at..at + t].iter().map(|tr| tr[1]));
+            tidx.extend_from_slice(&mine[at..at + t]);
+            match triple_mask {
+                Some(m) => mask.extend_from_slice(&m[first + at..first + at + t]),
+                None => mask.resize(mask.len() + t, true),
+            }
+            if pad {
+                relation.resize(relation.len() + r - t, 0);
+                mask.resize(mask.len() + r - t, false);
+                tidx.resize(tidx.len() + r - t, 0);
             }
         }
-        let mut columns: Vec<ArrayRef> =
-            vec![one_id_lists(&head)?, one_id_lists(&tail)?, Arc::new(relation.finish()), Arc::new(mask.finish()), Arc::new(tidx.finish())];
-        if has_neg {
+        let valid = |len: usize| -> Option<NullBuffer> { pad.then(|| NullBuffer::from_iter((0..local).flat_map(|_| (0..r).map(move |row| row < len)))) };
+        let tvalid = valid(t);
+        let mut columns: Vec<ArrayRef> = vec![
+            one_id_lists(head, local, t, r)?,
+            one_id_lists(tail, local, t, r)?,
+            Arc::new(Int32Array::new(relation.into(), tvalid.clone())),
+            Arc::new(BooleanArray::from(mask)),
+            Arc::new(Int64Array::new(tidx.into(), tvalid)),
+        ];
+        if let Some(no) = negative {
+            let (b, k) = (self.neg_b, self.neg_k);
+            let nrows = n * b * k;
+            let negs = no.negative.as_slice().expect("standard layout");
+            let nmask = no.mask.as_ref().map(|m| m.as_slice().expect("standard layout"));
+            let mut ids = Vec::with_capacity(local * nrows);
+            let mut shard = Vec::with_capacity(rows);
+            let mut trip = Vec::with_capacity(rows);
+            let mut side = Vec::with_capacity(rows);
+            let mut nm = Vec::with_capacity(rows);
+            let side_of = |bb: usize| -> i8 {
+                match (self.corruption, self.flat) {
+                    (Corruption::H, _) => 0,
+                    (Corruption::T, _) => 1,
+                    (Corruption::Ht, true) => bb as i8,
+                    (Corruption::Ht, false) => i8::from(bb % ppp >= ppp / 2),
+                }
+            };
+            for slot in 0..local {
+                let g = lay.global_sparsecore(slot);
+                for (x, &hx) in hoff.iter().enumerate() {
+                    // negative[0][x][g][bb][ii], contiguous over (bb, ii).
+                    let at = (x * n + g) * b * k;
+                    ids.extend(negs[at..at + b * k].iter().map(|&v| i64::from(v) * n64 + hx));
+                    shard.resize(shard.len() + b * k, x as i32);
+                    for bb in 0..b {
+                        trip.resize(trip.len() + k, if self.flat { -1 } else { bb as i32 });
+                        side.resize(side.len() + k, side_of(bb));
+                    }
+                    match nmask {
+                        Some(m) => nm.extend_from_slice(&m[at..at + b * k]),
+                        None => nm.resize(nm.len() + b * k, true),
+                    }
+                }
+                let fill = r - nrows;
+                shard.resize(shard.len() + fill, 0);
+                trip.resize(trip.len() + fill, 0);
+                side.resize(side.len() + fill, 0);
+                nm.resize(nm.len() + fill, false);
+            }
+            let nvalid = (nrows < r).then(|| NullBuffer::from_iter((0..local).flat_map(|_| (0..r).map(move |row| row < nrows))));
             columns.extend([
-                one_id_lists(&neg)?,
-                Arc::new(neg_shard.finish()) as ArrayRef,
-                Arc::new(neg_triple.finish()),
-                Arc::new(neg_side.finish()),
-                Arc::new(neg_mask.finish()),
+                one_id_lists(ids, local, nrows, r)?,
+                Arc::new(Int32Array::new(shard.into(), nvalid.clone())) as ArrayRef,
+                Arc::new(Int32Array::new(trip.into(), nvalid.clone())),
+                Arc::new(Int8Array::new(side.into(), nvalid.clone())),
+                Arc::new(BooleanArray::new(nm.into(), nvalid)),
             ]);
         }
         Ok(RecordBatch::try_new(self.schema.clone(), columns)?)

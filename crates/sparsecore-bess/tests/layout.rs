@@ -3,25 +3,8 @@
 use sparsecore_bess::{synth, BessStream, Corruption, NegativeKind, StreamSampler};
 use sparsecore_prep::{Output, Preprocessor, StackOutput};
 
-/// Per (local SparseCore, partition): ids after merging, read from the row pointers
-/// (partition `p` starts at `roundup(rp[p-1], 8)` and ends at `rp[p]`).
 fn cell_counts(so: &StackOutput, n: usize, s: usize) -> Vec<Vec<i32>> {
-    let rpd = so.row_pointers_per_device();
-    let rpb = rpd / s;
-    let mut cells = Vec::new();
-    for d in 0..so.local_devices() {
-        for sc in 0..s {
-            let seg = &so.row_pointers[d * rpd + sc * rpb..d * rpd + sc * rpb + n];
-            let mut start = 0;
-            let mut row = Vec::with_capacity(n);
-            for &end in seg {
-                row.push(end - start);
-                start = (end + 7) / 8 * 8;
-            }
-            cells.push(row);
-        }
-    }
-    cells
+    sparsecore_bess::cell_loads(so, s, n)
 }
 
 fn run(stream: BessStream, exact_with_negatives: bool) {

@@ -1,0 +1,190 @@
+//! Measures BESS on SparseCores against random batching (crates/sparsecore-bess/MEASUREMENTS.md):
+//! per-cell balance, FDO-tuned buffers, Rigid's padding, and the cost of making the stream
+//! against the cost of preprocessing it, on uniform and power-law graphs at n = 4, 16 and 64.
+//!
+//! `cargo run --release -p sparsecore-bess --example bess_report [-- --quick]`
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use arrow_array::{ArrayRef, Int64Array, ListArray, RecordBatch};
+use arrow_buffer::{OffsetBuffer, ScalarBuffer};
+use arrow_schema::{DataType, Field, Schema};
+use sparsecore_bess::{cell_loads, synth, BatchOptions, BatchSampler, BessStream, Corruption, NumpyRng, PartitionMode, PartitionedTriples, SamplerKind, Triples};
+use sparsecore_prep::fdo::{tune, FdoStats};
+use sparsecore_prep::{Config, Output, Preprocessor};
+
+struct Loads {
+    max: i32,
+    min: i32,
+    sum: f64,
+    cells: f64,
+    dropped: u64,
+}
+
+impl Loads {
+    fn new() -> Self {
+        Loads { max: 0, min: i32::MAX, sum: 0.0, cells: 0.0, dropped: 0 }
+    }
+    fn add(&mut self, cells: &[Vec<i32>]) {
+        for row in cells {
+            for &v in row {
+                self.max = self.max.max(v);
+                self.min = self.min.min(v);
+                self.sum += f64::from(v);
+                self.cells += 1.0;
+            }
+        }
+    }
+    fn mean(&self) -> f64 {
+        self.sum / self.cells
+    }
+}
+
+/// Runs batches through a fresh preprocessor: loads, FDO stats, tuned (max_ids, buffer per
+/// device), and seconds spent preprocessing.
+fn preprocess(config: &Config, batches: &[RecordBatch]) -> (Loads, u64, u64, f64) {
+    let mut prep = Preprocessor::new(config.clone()).expect("config");
+    let mut out = Output::new();
+    let (s, n) = (config.config.num_sc_per_device, config.config.global_device_count * config.config.num_sc_per_device);
+    let mut loads = Loads::new();
+    let mut stats: Option<FdoStats> = None;
+    let mut secs = 0.0;
+    for b in batches {
+        let t0 = Instant::now();
+        prep.run_record_batch(b, &mut out).expect("no batch fails");
+        secs += t0.elapsed().as_secs_f64();
+        let so = &out.stacks[0];
+        loads.add(&cell_loads(so, s, n));
+        loads.dropped += so.stats.dropped_id_count;
+        let plan = prep.plan().expect("planned");
+        stats.get_or_insert_with(|| FdoStats::new(plan.layout)).record(plan, &out).expect("record");
+    }
+    let (tuned, _) = tune(config, stats.as_ref().expect("batches"), 1.0).expect("tune");
+    let t = &tuned.tables[0];
+    (loads, t.max_ids_per_partition, t.suggested_coo_buffer_size_per_device.unwrap_or(0), secs)
+}
+
+fn one_id_lists(ids: &[Option<i64>]) -> ArrayRef {
+    let mut offsets = vec![0i32];
+    let mut values = Vec::new();
+    for id in ids {
+        values.extend(id.iter().copied());
+        offsets.push(values.len() as i32);
+    }
+    Arc::new(ListArray::new(Arc::new(Field::new_list_field(DataType::Int64, false)), OffsetBuffer::new(ScalarBuffer::from(offsets)), Arc::new(Int64Array::from(values)), None))
+}
+
+/// Random batching of the same shape: every SparseCore slice gets `t` triples drawn uniformly
+/// from all triples and `neg` uniform negative entities, with the raw entity ids (mod sharded).
+/// The shape of a batch: slices, rows per slice, triples and negatives per slice.
+struct Shape {
+    slices: usize,
+    rows: usize,
+    t: usize,
+    neg: usize,
+}
+
+fn random_batches(triples: &Triples, n_entity: usize, shape: &Shape, steps: usize, seed: u64) -> Vec<RecordBatch> {
+    let Shape { slices, rows, t, neg } = *shape;
+    let mut rng = NumpyRng::new(u128::from(seed));
+    let list = DataType::List(Arc::new(Field::new_list_field(DataType::Int64, false)));
+    let schema = Arc::new(Schema::new(vec![Field::new("head", list.clone(), false), Field::new("tail", list.clone(), false), Field::new("negative", list, false)]));
+    (0..steps)
+        .map(|_| {
+            let (mut h, mut tl, mut ng) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..slices {
+                for r in 0..rows {
+                    if r < t {
+                        let i = (rng.integers_63() % triples.len() as u64) as usize;
+                        h.push(Some(triples.head[i]));
+                        tl.push(Some(triples.tail[i]));
+                    } else {
+                        h.push(None);
+                        tl.push(None);
+                    }
+                    ng.push((r < neg).then(|| (rng.integers_63() % n_entity as u64) as i64));
+                }
+            }
+            RecordBatch::try_new(schema.clone(), vec![one_id_lists(&h), one_id_lists(&tl), one_id_lists(&ng)]).expect("batch")
+        })
+        .collect()
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let (n_entity, n_triples, steps) = if quick { (4_000, 200_000, 4) } else { (20_000, 400_000, 20) };
+    let shard_bs = 256;
+    let graphs = [("uniform", synth::uniform(n_entity, 50, n_triples, 1)), ("power law a=1.0", synth::power_law(n_entity, 50, n_triples, 1.0, 1))];
+    println!("E = {n_entity} entities, {n_triples} triples, 50 relations; shard batch size {shard_bs} triples per SparseCore; {steps} batches per row; flat tail negatives, k = ppp per shard.\n");
+    println!("| graph | n (L,G,S) | batching | ids per cell max / mean / min | max/mean | dropped | tuned max_ids | tuned buffer per device | Rigid padding |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let mut timing = Vec::new();
+    for (name, triples) in &graphs {
+        for n in [4usize, 16, 64] {
+            let (l, g, s) = (n / 4, n / 4, 4);
+            let ppp = shard_bs / n;
+            // Positives only: every cell exactly 2·ppp.
+            let mut pos = BessStream::builder().triples(triples.clone()).n_entity(n_entity).devices(l, g, s).shard_batch_size(shard_bs).seed(7).steps(steps.min(5)).build().expect("stream");
+            let pos_batches: Vec<RecordBatch> = (0..pos.steps()).map(|k| pos.draw(k).expect("draw").record_batch).collect();
+            let (pl, ..) = preprocess(pos.config(), &pos_batches);
+            let exact = pl.max == pl.min && pl.max as usize == pos.counts().max_ids_per_partition;
+            // With negatives.
+            let mut stream = BessStream::builder()
+                .triples(triples.clone())
+                .n_entity(n_entity)
+                .devices(l, g, s)
+                .shard_batch_size(shard_bs)
+                .negatives(ppp)
+                .corruption(Corruption::T)
+                .seed(7)
+                .steps(steps)
+                .build()
+                .expect("stream");
+            let c = *stream.counts();
+            let t0 = Instant::now();
+            let batches: Vec<RecordBatch> = (0..steps).map(|k| stream.draw(k).expect("draw").record_batch).collect();
+            let make = t0.elapsed().as_secs_f64();
+            let (bl, b_ids, b_buf, prep_secs) = preprocess(stream.config(), &batches);
+            timing.push((name.to_string(), n, make, prep_secs));
+            // Rigid's padding on the same graph and geometry.
+            let part = stream.partitioned().clone();
+            let rigid = BatchSampler::positives_only(
+                Arc::new(PartitionedTriples::clone(&part)),
+                BatchOptions { shard_bs, batches_per_step: 1, duplicate_batch: false, return_triple_idx: false, kind: SamplerKind::Rigid { shuffle: None } },
+                Corruption::T,
+            )
+            .expect("rigid");
+            assert_eq!(part.mode, PartitionMode::HtShardPair);
+            let pad = rigid.rigid_padding_fraction();
+            // Random batching, same shape, raw ids, limits that cannot drop.
+            let mut rc = stream.config().clone();
+            let big = (2 * c.triples_per_sparsecore + c.negative_ids_per_partition * n) as u64;
+            rc.tables[0].vocabulary_size = n_entity as u64;
+            rc.tables[0].max_ids_per_partition = big;
+            rc.tables[0].max_unique_ids_per_partition = big;
+            rc.tables[0].suggested_coo_buffer_size_per_device = None;
+            let shape = Shape { slices: l * s, rows: c.rows_per_sparsecore, t: c.triples_per_sparsecore, neg: c.negative_ids_per_partition * n };
+            let rb = random_batches(triples, n_entity, &shape, steps, 99);
+            let (rl, r_ids, r_buf, _) = preprocess(&rc, &rb);
+            println!(
+                "| {name} | {n} ({l},{g},{s}) | BESS (positives only: max = min = {}: {}) | {} / {:.1} / {} | {:.2} | {} | {b_ids} | {b_buf} | {:.1}% |",
+                pos.counts().max_ids_per_partition,
+                if exact { "yes" } else { "NO" },
+                bl.max,
+                bl.mean(),
+                bl.min,
+                f64::from(bl.max) / bl.mean(),
+                bl.dropped,
+                100.0 * pad
+            );
+            println!("| {name} | {n} ({l},{g},{s}) | random | {} / {:.1} / {} | {:.2} | {} | {r_ids} | {r_buf} | |", rl.max, rl.mean(), rl.min, f64::from(rl.max) / rl.mean(), rl.dropped);
+            eprintln!("  precomputed limit {} (2*ppp {} + negatives {}), buffer {}", c.max_ids_per_partition, c.positive_ids_per_partition, c.negative_ids_per_partition, c.coo_buffer_size_per_device);
+        }
+    }
+    println!("\n| graph | n | make the stream (s) | preprocess it (s) | ratio |");
+    println!("|---|---|---|---|---|");
+    for (name, n, make, prep) in timing {
+        println!("| {name} | {n} | {make:.4} | {prep:.4} | {:.1}% |", 100.0 * make / prep);
+    }
+}
