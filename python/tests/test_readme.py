@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -67,11 +68,20 @@ def test_sh_block(index, tmp_path):
     pytest.skip("builds a release wheel: set SPARSECORE_README_INSTALL=1 (scripts/ci_python.sh does for release runs)")
   env_dir = tmp_path / "venv"
   venv.EnvBuilder(with_pip=True).create(env_dir)
+  try:
+    _install_and_check(index, env_dir, tmp_path)
+  finally:
+    shutil.rmtree(env_dir, ignore_errors=True)  # a venv with a wheel: not worth keeping
+
+
+def _install_and_check(index, env_dir, tmp_path):
   bin_dir = env_dir / "bin"
   purelib = subprocess.run([str(bin_dir / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                            capture_output=True, text=True, check=True).stdout.strip()
   with open(os.path.join(purelib, "test_venv.pth"), "w") as fh:
     fh.write(sysconfig.get_path("purelib") + "\n")
+  # Offline: no index, and the build backend (maturin) from this venv. PIP_NO_BUILD_ISOLATION="0"
+  # is pip's spelling of --no-build-isolation (the variable sets the option's negated value).
   env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
              VIRTUAL_ENV=str(env_dir), PIP_NO_INDEX="1", PIP_NO_BUILD_ISOLATION="0",
              PIP_DISABLE_PIP_VERSION_CHECK="1")
