@@ -2,6 +2,7 @@
 //! in its own file.
 
 mod bench;
+mod bess;
 mod demo;
 mod dynamic;
 mod fdo;
@@ -57,6 +58,12 @@ enum Command {
         #[command(subcommand)]
         command: dynamic::Command,
     },
+    /// Balanced entity sharding (BESS) of knowledge-graph triples: batches laid out for
+    /// SparseCores with exact limits, and shardings (.npz).
+    Bess {
+        #[command(subcommand)]
+        command: bess::Command,
+    },
 }
 
 /// Runs the tool and exits with its status: 0, 1 on an error (one line on stderr), 2 on a usage
@@ -85,6 +92,13 @@ fn run() -> i32 {
             Err(e) => Err(e),
         },
         Command::Dynamic { command } => dynamic::run(command),
+        Command::Bess { command } => match bess::run(command) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                stdio::write_stderr(format_args!("sparsecore-prep: error: {e}\n"));
+                return 1;
+            }
+        },
     };
     match result {
         Ok(()) => 0,

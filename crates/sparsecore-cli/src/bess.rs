@@ -1,0 +1,446 @@
+//! `bess`: balanced entity sharding (the `sparsecore-bess` crate) on the command line.
+//!
+//! - `bess batches`: knowledge-graph triples (`head`, `relation`, `tail`) in, BESS batches laid
+//!   out for SparseCores out (an Arrow IPC file, one record batch per step) with the config whose
+//!   limits are the exact per-(SparseCore, partition) counts; `preprocess --config CFG --input
+//!   OUT` then runs them with nothing dropped.
+//! - `bess shard create` / `bess shard show`: a sharding as besskge's `Sharding.save` `.npz`, and
+//!   back.
+//!
+//! Both files of `bess batches` are written to temporary names and renamed when complete. The
+//! run ends with the per-partition load table (per local SparseCore slot: positives and
+//! negatives per partition, against the config's limits) and, for the Rigid sampler, its
+//! padding overhead.
+
+use std::fs::File;
+use std::io::BufWriter;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow_array::cast::AsArray;
+use arrow_array::types::Int64Type;
+use arrow_array::{Array, RecordBatch};
+use arrow_ipc::writer::FileWriter;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use sparsecore_bess::{seed_words, BessStream, Corruption, Sharding, StreamSampler, Triples};
+use sparsecore_prep::io::BatchReader;
+
+use super::outdir::clean_stale;
+use super::parse_layout;
+use super::stdio::outln;
+
+/// A failure of a `bess` command: its message, with context.
+pub type CliResult<T> = std::result::Result<T, String>;
+
+/// Adds context to any displayable error.
+trait Ctx<T> {
+    fn ctx(self, context: impl FnOnce() -> String) -> CliResult<T>;
+}
+
+impl<T, E: std::fmt::Display> Ctx<T> for std::result::Result<T, E> {
+    fn ctx(self, context: impl FnOnce() -> String) -> CliResult<T> {
+        self.map_err(|e| format!("{}: {e}", context()))
+    }
+}
+
+#[derive(clap::Subcommand)]
+pub enum Command {
+    /// Draw BESS batches from a triples file, laid out for SparseCores, and write them (Arrow
+    /// IPC, one record batch per step) with the config whose limits are their exact counts.
+    Batches(BatchesArgs),
+    /// Create a sharding (.npz, besskge's `Sharding.save` format) or show one.
+    Shard {
+        #[command(subcommand)]
+        command: ShardCommand,
+    },
+}
+
+#[derive(clap::Args)]
+pub struct BatchesArgs {
+    /// Triples: Arrow IPC or Parquet with Int32/Int64 columns head, relation, tail (global ids).
+    #[arg(long)]
+    triples: PathBuf,
+    /// Number of entities E (entity ids are 0..E).
+    #[arg(long)]
+    entities: usize,
+    /// Number of relation types (default: the largest relation id + 1).
+    #[arg(long)]
+    relations: Option<usize>,
+    /// Device layout L/G/S; the sharding has N = G·S shards, one per SparseCore.
+    #[arg(long, default_value = "1/1/4", value_parser = parse_layout)]
+    layout: (usize, usize, usize),
+    /// Which host this is (0 .. G/L): the batches hold its L·S SparseCores' slices.
+    #[arg(long, default_value_t = 0)]
+    host: usize,
+    /// Positive triples per SparseCore per step (besskge's shard_bs).
+    #[arg(long)]
+    shard_batch_size: usize,
+    /// Negatives per shard per list, k (0: no negatives).
+    #[arg(long, default_value_t = 0)]
+    negatives: usize,
+    /// Batch sampler: random (with replacement) or rigid (every triple in turn, padded).
+    #[arg(long, default_value = "random", value_parser = ["random", "rigid"])]
+    sampler: String,
+    /// Rigid only: shuffle the positions every epoch (our seeded generator, not besskge's).
+    #[arg(long)]
+    shuffle: bool,
+    /// Corruption scheme of the negatives: h, t or ht.
+    #[arg(long, default_value = "t", value_parser = ["h", "t", "ht"])]
+    corruption: String,
+    /// One negative list per SparseCore slice (and side) instead of one per triple.
+    #[arg(long)]
+    flat_negatives: bool,
+    /// Append inverse triples (t, r + R, h).
+    #[arg(long)]
+    inverse_triples: bool,
+    /// Reuse a sharding (.npz of `bess shard create` or besskge's `Sharding.save`) instead of
+    /// creating one from --seed.
+    #[arg(long)]
+    sharding: Option<PathBuf>,
+    /// Embedding dimension of the entity table in the config.
+    #[arg(long, default_value_t = 16)]
+    embedding_dim: usize,
+    /// Seed of the sharding, the batch sampler and the negative sampler.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Steps to draw (default: one epoch).
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Arrow IPC file to write.
+    #[arg(long)]
+    out: PathBuf,
+    /// Config JSON to write.
+    #[arg(long)]
+    config_out: PathBuf,
+}
+
+#[derive(clap::Subcommand)]
+pub enum ShardCommand {
+    /// Shard E entities randomly into N equal shards (besskge's `Sharding.create`) and write
+    /// the sharding as .npz.
+    Create {
+        /// Number of entities E.
+        #[arg(long)]
+        entities: usize,
+        /// Number of shards N (or give --layout: N = G·S).
+        #[arg(long, conflicts_with = "layout")]
+        shards: Option<usize>,
+        /// Device layout L/G/S: one shard per SparseCore.
+        #[arg(long, value_parser = parse_layout)]
+        layout: Option<(usize, usize, usize)>,
+        /// Seed (numpy's default_rng(seed), as besskge).
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Entity types by global id ranges: the first id of each type, starting with 0
+        /// (e.g. 0,100,250).
+        #[arg(long, value_delimiter = ',')]
+        type_offsets: Option<Vec<i64>>,
+        /// The .npz file to write.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Read a sharding .npz (ours or besskge's) and print its shard counts.
+    Show {
+        /// The .npz file.
+        file: PathBuf,
+    },
+}
+
+pub fn run(command: Command) -> CliResult<()> {
+    match command {
+        Command::Batches(a) => batches(a),
+        Command::Shard { command: ShardCommand::Create { entities, shards, layout, seed, type_offsets, out } } => {
+            let n = match (shards, layout) {
+                (Some(n), _) => n,
+                (None, Some((_, g, s))) => g * s,
+                (None, None) => return Err("bess shard create: give --shards N or --layout L/G/S".into()),
+            };
+            let sharding = Sharding::create(entities, n, &seed_words(u128::from(seed)), type_offsets.as_deref())
+                .ctx(|| "creating the sharding".to_string())?;
+            clean_stale(&out, false);
+            sharding.save_npz(&out).ctx(|| format!("writing {}", out.display()))?;
+            outln!("wrote {} ({} entities, seed {seed})", out.display(), entities);
+            print_sharding(&sharding);
+            Ok(())
+        }
+        Command::Shard { command: ShardCommand::Show { file } } => {
+            let sharding = Sharding::load_npz(&file).ctx(|| format!("reading {}", file.display()))?;
+            outln!("{}", file.display());
+            print_sharding(&sharding);
+            Ok(())
+        }
+    }
+}
+
+fn print_sharding(sh: &Sharding) {
+    outln!("shards {}, entities {}, slots per shard {}", sh.n_shard, sh.n_entity(), sh.max_entity_per_shard());
+    let counts: Vec<String> = sh.shard_counts.iter().map(i64::to_string).collect();
+    outln!("entities per shard: {}", counts.join(" "));
+    if let Some(types) = &sh.entity_type_counts {
+        for (s, row) in types.outer_iter().enumerate() {
+            let row: Vec<String> = row.iter().map(i64::to_string).collect();
+            outln!("shard {s}: entities per type: {}", row.join(" "));
+        }
+    }
+}
+
+/// Reads every record batch of the triples file into one set of triples.
+fn read_triples(path: &Path) -> CliResult<Triples> {
+    let reader = BatchReader::open(path).ctx(|| format!("triples {}", path.display()))?;
+    let (mut head, mut relation, mut tail) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, batch) in reader.enumerate() {
+        let batch = batch.ctx(|| format!("triples {}", path.display()))?;
+        let rows = head.len();
+        let t = Triples::from_record_batch(&batch)
+            .ctx(|| format!("triples {}, record batch {i} (rows {rows}..{})", path.display(), rows + batch.num_rows()))?;
+        head.extend(t.head);
+        relation.extend(t.relation);
+        tail.extend(t.tail);
+    }
+    if head.is_empty() {
+        return Err(format!("triples {}: no triples", path.display()));
+    }
+    Triples::new(head, relation, tail).ctx(|| format!("triples {}", path.display()))
+}
+
+/// Per (local SparseCore slot, partition): the fewest and most ids over the steps.
+struct Loads {
+    pos_min: Vec<Vec<usize>>,
+    pos_max: Vec<Vec<usize>>,
+    neg_min: Vec<Vec<usize>>,
+    neg_max: Vec<Vec<usize>>,
+    /// Most ids (positives + negatives) in one cell of one step, per slot.
+    total_max: Vec<usize>,
+    /// Triples drawn (rows with a head) and of those Rigid's padding (mask false).
+    drawn: u64,
+    padding: u64,
+}
+
+impl Loads {
+    fn new(slots: usize, n: usize) -> Self {
+        Loads {
+            pos_min: vec![vec![usize::MAX; n]; slots],
+            pos_max: vec![vec![0; n]; slots],
+            neg_min: vec![vec![usize::MAX; n]; slots],
+            neg_max: vec![vec![0; n]; slots],
+            total_max: vec![0; slots],
+            drawn: 0,
+            padding: 0,
+        }
+    }
+
+    /// Counts one step's record batch: slot `k` is rows `k·R .. (k+1)·R`.
+    fn add(&mut self, rb: &RecordBatch, rows_per_slot: usize, partition_of: impl Fn(i64) -> usize) -> CliResult<()> {
+        let (slots, n) = (self.pos_max.len(), self.pos_max.first().map_or(0, Vec::len));
+        let mut pos = vec![vec![0usize; n]; slots];
+        let mut neg = vec![vec![0usize; n]; slots];
+        let count = |name: &str, into: &mut Vec<Vec<usize>>| -> CliResult<()> {
+            let Some(col) = rb.column_by_name(name) else { return Ok(()) };
+            let list = col.as_list_opt::<i32>().ok_or_else(|| format!("column `{name}` is not a list"))?;
+            let values = list.values().as_primitive_opt::<Int64Type>().ok_or_else(|| format!("column `{name}` does not hold Int64"))?;
+            let offsets = list.value_offsets();
+            for row in 0..list.len() {
+                let slot = row / rows_per_slot;
+                for v in offsets[row]..offsets[row + 1] {
+                    into[slot][partition_of(values.value(v as usize))] += 1;
+                }
+            }
+            Ok(())
+        };
+        count(sparsecore_bess::stream::HEAD, &mut pos)?;
+        count(sparsecore_bess::stream::TAIL, &mut pos)?;
+        count(sparsecore_bess::stream::NEGATIVE, &mut neg)?;
+        for k in 0..slots {
+            for p in 0..n {
+                self.pos_min[k][p] = self.pos_min[k][p].min(pos[k][p]);
+                self.pos_max[k][p] = self.pos_max[k][p].max(pos[k][p]);
+                self.neg_min[k][p] = self.neg_min[k][p].min(neg[k][p]);
+                self.neg_max[k][p] = self.neg_max[k][p].max(neg[k][p]);
+                self.total_max[k] = self.total_max[k].max(pos[k][p] + neg[k][p]);
+            }
+        }
+        if let (Some(head), Some(mask)) = (rb.column_by_name(sparsecore_bess::stream::HEAD), rb.column_by_name("triple_mask")) {
+            let (head, mask) = (head.as_list::<i32>(), mask.as_boolean());
+            for row in 0..head.len() {
+                if head.value_length(row) > 0 {
+                    self.drawn += 1;
+                    if mask.is_valid(row) && !mask.value(row) {
+                        self.padding += 1;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `a` or `a..b`.
+fn range(lo: usize, hi: usize) -> String {
+    if lo == hi {
+        lo.to_string()
+    } else {
+        format!("{lo}..{hi}")
+    }
+}
+
+fn progress(len: Option<u64>, template: &str) -> ProgressBar {
+    let pb = ProgressBar::with_draw_target(len, ProgressDrawTarget::stderr());
+    pb.set_style(ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_spinner()));
+    if !pb.is_hidden() {
+        pb.enable_steady_tick(Duration::from_millis(100));
+    }
+    pb
+}
+
+fn batches(a: BatchesArgs) -> CliResult<()> {
+    let (l, g, s) = a.layout;
+    let corruption = Corruption::parse(&a.corruption).ctx(|| "--corruption".to_string())?;
+    let sampler = match a.sampler.as_str() {
+        "rigid" => StreamSampler::Rigid { shuffle: a.shuffle },
+        _ if a.shuffle => return Err("--shuffle applies to --sampler rigid only".into()),
+        _ => StreamSampler::Random,
+    };
+    let pb = progress(None, "{spinner} [{elapsed_precise}] {wide_msg}");
+    pb.set_message(format!("reading {} and partitioning the triples", a.triples.display()));
+    let triples = read_triples(&a.triples)?;
+    let n_triples = triples.len();
+    let mut builder = BessStream::builder()
+        .triples(triples)
+        .n_entity(a.entities)
+        .devices(l, g, s)
+        .host(a.host)
+        .shard_batch_size(a.shard_batch_size)
+        .negatives(a.negatives)
+        .corruption(corruption)
+        .flat_negatives(a.flat_negatives)
+        .sampler(sampler)
+        .embedding_dim(a.embedding_dim)
+        .inverse_triples(a.inverse_triples)
+        .seed(a.seed);
+    if let Some(n) = a.relations {
+        builder = builder.n_relation(n);
+    }
+    if let Some(steps) = a.steps {
+        builder = builder.steps(steps);
+    }
+    if let Some(path) = &a.sharding {
+        let sh = Sharding::load_npz(path).ctx(|| format!("sharding {}", path.display()))?;
+        builder = builder.sharding(Arc::new(sh));
+    }
+    let mut stream = builder.build().ctx(|| format!("triples {}", a.triples.display()))?;
+    pb.finish_and_clear();
+
+    let counts = *stream.counts();
+    let layout = *stream.layout();
+    let (n, slots) = (layout.num_sparsecores(), layout.local_sparsecores());
+    let steps = stream.steps();
+    let schema = stream.schema().clone();
+    let padding_fraction = matches!(sampler, StreamSampler::Rigid { .. }).then(|| stream.batch_sampler().rigid_padding_fraction());
+    let config_json = stream.config().to_json();
+
+    clean_stale(&a.out, false);
+    clean_stale(&a.config_out, false);
+    let tmp = sparsecore_prep::fdo::tmp_path(&a.out);
+    let config_tmp = sparsecore_prep::fdo::tmp_path(&a.config_out);
+    let pb = progress(Some(steps as u64), "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} steps written to {wide_msg} (ETA {eta})");
+    pb.set_message(a.out.display().to_string());
+    let mut loads = Loads::new(slots, n);
+    let mut rows = 0u64;
+    let mut write = || -> CliResult<()> {
+        let file = File::create(&tmp).ctx(|| format!("creating {}", tmp.display()))?;
+        let mut writer = FileWriter::try_new(BufWriter::new(file), &schema).ctx(|| format!("writing {}", a.out.display()))?;
+        for batch in stream.by_ref() {
+            let batch = batch.ctx(|| format!("triples {}", a.triples.display()))?;
+            loads.add(&batch.record_batch, counts.rows_per_sparsecore, |id| layout.partition_of(id))?;
+            rows += batch.record_batch.num_rows() as u64;
+            writer.write(&batch.record_batch).ctx(|| format!("writing {}", a.out.display()))?;
+            pb.inc(1);
+        }
+        writer.finish().ctx(|| format!("writing {}", a.out.display()))?;
+        std::fs::write(&config_tmp, &config_json).ctx(|| format!("writing {}", config_tmp.display()))?;
+        std::fs::rename(&tmp, &a.out).ctx(|| format!("renaming {} to {}", tmp.display(), a.out.display()))?;
+        std::fs::rename(&config_tmp, &a.config_out).ctx(|| format!("renaming {} to {}", config_tmp.display(), a.config_out.display()))
+    };
+    let written = write();
+    pb.finish_and_clear();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        let _ = std::fs::remove_file(&config_tmp);
+        return Err(e);
+    }
+
+    outln!(
+        "wrote {steps} steps ({rows} rows, {} per SparseCore slice) of {n_triples} triples to {} and the config to {}",
+        counts.rows_per_sparsecore,
+        a.out.display(),
+        a.config_out.display()
+    );
+    outln!(
+        "layout {l}/{g}/{s}, host {}: {n} shards, ppp {} triples per shard-pair block per step, COO buffer {} per device",
+        a.host,
+        counts.ppp,
+        counts.coo_buffer_size_per_device
+    );
+    print_loads(&loads, &counts, n, |k| layout.global_sparsecore(k), steps);
+    if let Some(f) = padding_fraction {
+        outln!(
+            "rigid padding: {:.2}% of an epoch's positions pad the shorter shard pairs; {} of the {} triples drawn here were padding ({:.2}%)",
+            100.0 * f,
+            loads.padding,
+            loads.drawn,
+            if loads.drawn == 0 { 0.0 } else { 100.0 * loads.padding as f64 / loads.drawn as f64 }
+        );
+    }
+    Ok(())
+}
+
+/// The per-partition load table: per local SparseCore slot, positives and negatives per
+/// partition over the steps, against the config's limits.
+fn print_loads(loads: &Loads, c: &sparsecore_bess::CellCounts, n: usize, global: impl Fn(usize) -> usize, steps: usize) {
+    outln!(
+        "per-partition load over {steps} steps (limits: positives {}, negatives {}, max_ids_per_partition {})",
+        c.positive_ids_per_partition,
+        c.negative_ids_per_partition,
+        c.max_ids_per_partition
+    );
+    let detailed = n <= 8;
+    let mut header = format!("{:>4} {:>4} {:>12} {:>12} {:>13} {:>6}", "slot", "sc", "positives", "negatives", "max ids/lim", "ok");
+    if detailed {
+        for p in 0..n {
+            header.push_str(&format!(" {:>11}", format!("p{p} pos+neg")));
+        }
+    }
+    outln!("{header}");
+    let mut over = 0;
+    for k in 0..loads.pos_max.len() {
+        let lo = |v: &[usize]| v.iter().copied().min().unwrap_or(0).min(v.iter().copied().max().unwrap_or(0));
+        let hi = |v: &[usize]| v.iter().copied().max().unwrap_or(0);
+        let (pmin, pmax) = (lo(&loads.pos_min[k]), hi(&loads.pos_max[k]));
+        let (nmin, nmax) = (lo(&loads.neg_min[k]), hi(&loads.neg_max[k]));
+        let ok = loads.total_max[k] <= c.max_ids_per_partition
+            && pmax <= c.positive_ids_per_partition
+            && nmax <= c.negative_ids_per_partition;
+        if !ok {
+            over += 1;
+        }
+        let mut line = format!(
+            "{:>4} {:>4} {:>12} {:>12} {:>13} {:>6}",
+            k,
+            global(k),
+            range(pmin, pmax),
+            range(nmin, nmax),
+            format!("{}/{}", loads.total_max[k], c.max_ids_per_partition),
+            if ok { "yes" } else { "OVER" }
+        );
+        if detailed {
+            for p in 0..n {
+                line.push_str(&format!(" {:>11}", format!("{}+{}", loads.pos_max[k][p], loads.neg_max[k][p])));
+            }
+        }
+        outln!("{line}");
+    }
+    if over > 0 {
+        outln!("{over} slots exceed the config's limits");
+    }
+}

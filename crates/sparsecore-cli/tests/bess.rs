@@ -1,0 +1,392 @@
+//! End-to-end tests of `sparsecore-prep bess` (issue 17, item 4): `bess batches` and
+//! `bess shard create` / `bess shard show`, run as real processes on triples files written here
+//! with arrow (IPC and Parquet).
+//!
+//! What is checked:
+//! - `bess batches` output runs through `preprocess --config CFG --input OUT` with nothing
+//!   dropped, and every (device, partition) max_ids equals the config's limit (every cell gets
+//!   exactly its share: with `--negatives 0`, and with negatives, Random and Rigid);
+//! - the load table and Rigid's padding line;
+//! - a sharding written by `bess shard create` reads back (CLI and library) and gives the same
+//!   batches as the sharding created from the same seed; Parquet triples give what IPC gives;
+//! - bad input exits 1 with one line naming what is wrong (entity id out of range with its
+//!   column, row and value; missing column; wrong type; an empty shard pair; a sharding of the
+//!   wrong shard count), and writes nothing;
+//! - progress on a terminal only, and a closed stdout ends quietly.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output as ProcOutput};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use arrow_array::{ArrayRef, Int32Array, Int64Array, RecordBatch, StringArray};
+use arrow_ipc::writer::FileWriter;
+use arrow_schema::{DataType, Field, Schema};
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sparsecore-prep");
+const E: i64 = 64;
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> Self {
+        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+        let p = std::env::temp_dir().join(format!("sparsecore-prep-bess-{}-{name}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+    fn join(&self, rel: &str) -> PathBuf {
+        self.0.join(rel)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn run(args: &[&str]) -> ProcOutput {
+    Command::new(BIN).args(args).output().expect("the binary runs")
+}
+
+fn ok(args: &[&str]) -> String {
+    let o = run(args);
+    assert!(o.status.success(), "`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap()
+}
+
+/// Runs, requires failure with status 1 and one stderr line; returns it.
+fn fails(args: &[&str]) -> String {
+    let o = run(args);
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(1), "`{}`: {stderr}", args.join(" "));
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.starts_with("sparsecore-prep: error: "), "{stderr}");
+    stderr
+}
+
+/// `n` deterministic triples over `E` entities and 5 relations (a 64-bit LCG).
+fn triples(n: usize) -> (Vec<i64>, Vec<i32>, Vec<i64>) {
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |m: u64| {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((x >> 33) % m) as i64
+    };
+    let (mut h, mut r, mut t) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..n {
+        h.push(next(E as u64));
+        r.push(next(5) as i32);
+        t.push(next(E as u64));
+    }
+    (h, r, t)
+}
+
+fn triples_batch(h: Vec<i64>, r: Vec<i32>, t: Vec<i64>) -> RecordBatch {
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("head", DataType::Int64, false),
+        Field::new("relation", DataType::Int32, false),
+        Field::new("tail", DataType::Int64, false),
+    ]));
+    let cols: Vec<ArrayRef> = vec![Arc::new(Int64Array::from(h)), Arc::new(Int32Array::from(r)), Arc::new(Int64Array::from(t))];
+    RecordBatch::try_new(schema, cols).unwrap()
+}
+
+/// Writes record batches as an Arrow IPC file.
+fn write_ipc(path: &Path, batches: &[RecordBatch]) {
+    let mut w = FileWriter::try_new(File::create(path).unwrap(), &batches[0].schema()).unwrap();
+    for b in batches {
+        w.write(b).unwrap();
+    }
+    w.finish().unwrap();
+}
+
+/// 600 triples in two record batches (every one of the 16 shard pairs gets some).
+fn triples_file(dir: &TempDir) -> PathBuf {
+    let (h, r, t) = triples(600);
+    let p = dir.join("triples.arrow");
+    write_ipc(
+        &p,
+        &[
+            triples_batch(h[..250].to_vec(), r[..250].to_vec(), t[..250].to_vec()),
+            triples_batch(h[250..].to_vec(), r[250..].to_vec(), t[250..].to_vec()),
+        ],
+    );
+    p
+}
+
+fn read_json(p: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+}
+
+/// `bess batches` with `extra`, then `preprocess` of its output; returns (bess stdout, config,
+/// stats.json).
+fn batches_then_preprocess(dir: &TempDir, triples: &Path, tag: &str, extra: &[&str]) -> (String, Value, Value) {
+    let (out, cfg, pre) = (dir.join(&format!("{tag}.arrow")), dir.join(&format!("{tag}.json")), dir.join(&format!("{tag}-out")));
+    let mut args = vec!["bess", "batches", "--triples", s(triples), "--entities", "64", "--layout", "1/1/4", "--out", s(&out), "--config-out", s(&cfg)];
+    args.extend_from_slice(extra);
+    let stdout = ok(&args);
+    eprintln!("{stdout}");
+    ok(&["preprocess", "--config", s(&cfg), "--input", s(&out), "--out", s(&pre)]);
+    (stdout, read_json(&cfg), read_json(&pre.join("stats.json")))
+}
+
+/// Nothing dropped, and every (device, partition) max_ids equals the table's limit.
+fn assert_exact_limits(config: &Value, stats: &Value, steps: u64) -> u64 {
+    let limit = config["tables"][0]["max_ids_per_partition"].as_u64().unwrap();
+    assert_eq!(stats["batches"].as_u64(), Some(steps));
+    let stacks = stats["stacks"].as_object().unwrap();
+    assert_eq!(stacks.len(), 1, "one stack: head, tail and negative share the entity table");
+    let st = stacks.values().next().unwrap();
+    assert_eq!(st["dropped_id_count"], 0);
+    let max = st["max_ids_per_partition"].as_array().unwrap();
+    assert_eq!(max.len(), 4, "L·N = 1·4");
+    for m in max {
+        assert_eq!(m.as_u64(), Some(limit), "{st}");
+    }
+    limit
+}
+
+#[test]
+fn batches_without_negatives_fill_every_cell_to_the_limit() {
+    let dir = TempDir::new("neg0");
+    let tr = triples_file(&dir);
+    let (stdout, config, stats) = batches_then_preprocess(&dir, &tr, "b", &["--shard-batch-size", "8", "--negatives", "0", "--seed", "3", "--steps", "5"]);
+    // ppp = ceil(8 / 4) = 2: every cell takes 2 heads and 2 tails.
+    assert_eq!(assert_exact_limits(&config, &stats, 5), 4);
+    assert_eq!(config["features"].as_array().unwrap().len(), 2);
+    assert!(stdout.contains("wrote 5 steps"), "{stdout}");
+    assert!(stdout.contains("limits: positives 4, negatives 0, max_ids_per_partition 4"), "{stdout}");
+    // One row per local SparseCore, every partition at 4+0.
+    let rows: Vec<&str> = stdout.lines().skip_while(|l| !l.trim_start().starts_with("slot")).skip(1).collect();
+    assert_eq!(rows.len(), 4, "{stdout}");
+    for (k, row) in rows.iter().enumerate() {
+        let f: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(&f[..6], &[k.to_string().as_str(), k.to_string().as_str(), "4", "0", "4/4", "yes"], "{row}");
+        assert_eq!(&f[6..], &["4+0"; 4], "{row}");
+    }
+    assert!(!stdout.contains("rigid padding"));
+}
+
+#[test]
+fn batches_with_negatives_random_and_rigid() {
+    let dir = TempDir::new("neg");
+    let tr = triples_file(&dir);
+    // Per-triple negatives: B = T = 4·ppp = 8 lists of k = 2 per shard: 16 negatives per cell.
+    let (stdout, config, stats) =
+        batches_then_preprocess(&dir, &tr, "r", &["--shard-batch-size", "8", "--negatives", "2", "--seed", "1", "--steps", "3"]);
+    assert_eq!(assert_exact_limits(&config, &stats, 3), 4 + 16);
+    assert!(stdout.contains("limits: positives 4, negatives 16, max_ids_per_partition 20"), "{stdout}");
+    assert_eq!(config["features"].as_array().unwrap().len(), 3);
+
+    // Rigid, flat negatives, ht: one list per side, k = 3 → 6 negatives per cell; one epoch.
+    let (stdout, config, stats) = batches_then_preprocess(
+        &dir,
+        &tr,
+        "g",
+        &["--shard-batch-size", "8", "--negatives", "3", "--sampler", "rigid", "--corruption", "ht", "--flat-negatives", "--seed", "1"],
+    );
+    let steps: u64 = stdout.split("wrote ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    assert!(steps > 1, "{stdout}");
+    assert_eq!(assert_exact_limits(&config, &stats, steps), 4 + 6);
+    let pad = stdout.lines().find(|l| l.starts_with("rigid padding: ")).unwrap_or_else(|| panic!("{stdout}"));
+    let pct: f64 = pad["rigid padding: ".len()..].split('%').next().unwrap().parse().unwrap();
+    assert!(pct > 0.0 && pct < 100.0, "{pad}");
+    // Every slot draws T = 4 shards · ppp 2 = 8 triples per step, padding included.
+    let w: Vec<&str> = pad.split("; ").nth(1).unwrap().split_whitespace().collect();
+    let (padding, drawn): (u64, u64) = (w[0].parse().unwrap(), w[3].parse().unwrap());
+    assert_eq!(drawn, steps * 4 * 8, "{pad}");
+    assert!(padding < drawn, "{pad}");
+}
+
+#[test]
+fn shard_create_show_and_reuse() {
+    let dir = TempDir::new("shard");
+    let tr = triples_file(&dir);
+    let npz = dir.join("sh.npz");
+    let created = ok(&["bess", "shard", "create", "--entities", "64", "--layout", "1/1/4", "--seed", "7", "--out", s(&npz)]);
+    assert!(created.contains("shards 4, entities 64, slots per shard 16"), "{created}");
+    assert!(created.contains("entities per shard: 16 16 16 16"), "{created}");
+    let shown = ok(&["bess", "shard", "show", s(&npz)]);
+    assert_eq!(shown.lines().skip(1).collect::<Vec<_>>(), created.lines().skip(1).collect::<Vec<_>>());
+    // The file is the library's sharding for that seed.
+    let loaded = sparsecore_bess::Sharding::load_npz(&npz).unwrap();
+    let made = sparsecore_bess::Sharding::create(64, 4, &sparsecore_bess::seed_words(7), None).unwrap();
+    assert_eq!(loaded, made);
+
+    // Batches from the stored sharding equal batches from the seed.
+    let common = ["--shard-batch-size", "8", "--negatives", "1", "--seed", "7", "--steps", "2"];
+    let (a, b) = (dir.join("a.arrow"), dir.join("b.arrow"));
+    let (aj, bj, c, cj) = (dir.join("a.json"), dir.join("b.json"), dir.join("c.arrow"), dir.join("c.json"));
+    let mut args = vec!["bess", "batches", "--triples", s(&tr), "--entities", "64", "--out", s(&a), "--config-out", s(&aj)];
+    args.extend_from_slice(&common);
+    ok(&args);
+    let mut args = vec!["bess", "batches", "--triples", s(&tr), "--entities", "64", "--out", s(&b), "--config-out", s(&bj)];
+    args.extend_from_slice(&common);
+    args.extend_from_slice(&["--sharding", s(&npz)]);
+    ok(&args);
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+
+    // Typed shardings show their per-type counts.
+    let typed = dir.join("typed.npz");
+    let out = ok(&["bess", "shard", "create", "--entities", "64", "--shards", "4", "--type-offsets", "0,40", "--out", s(&typed)]);
+    assert_eq!(out.lines().filter(|l| l.contains("entities per type:")).count(), 4, "{out}");
+    let sums: i64 = out
+        .lines()
+        .filter_map(|l| l.split("entities per type: ").nth(1))
+        .flat_map(|l| l.split_whitespace().map(|x| x.parse::<i64>().unwrap()).collect::<Vec<_>>())
+        .sum();
+    assert_eq!(sums, 64);
+
+    // A sharding with the wrong shard count for the layout.
+    let eight = dir.join("eight.npz");
+    ok(&["bess", "shard", "create", "--entities", "64", "--shards", "8", "--out", s(&eight)]);
+    let mut args = vec!["bess", "batches", "--triples", s(&tr), "--entities", "64", "--out", s(&c), "--config-out", s(&cj)];
+    args.extend_from_slice(&common);
+    args.extend_from_slice(&["--sharding", s(&eight)]);
+    let e = fails(&args);
+    assert!(e.contains("n = 8 shards") && e.contains("N = global_device_count 1 * num_sc_per_device 4 = 4"), "{e}");
+    assert!(!dir.join("c.arrow").exists() && !dir.join("c.json").exists());
+    // Not a sharding at all.
+    let e = fails(&["bess", "shard", "show", s(&tr)]);
+    assert!(e.contains(s(&tr)), "{e}");
+}
+
+#[test]
+fn parquet_triples_give_what_ipc_gives() {
+    let dir = TempDir::new("parquet");
+    let tr = triples_file(&dir);
+    let (h, r, t) = triples(600);
+    let pq = dir.join("triples.parquet");
+    let batch = triples_batch(h, r, t);
+    let mut w = parquet::arrow::ArrowWriter::try_new(File::create(&pq).unwrap(), batch.schema(), None).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+    let run_on = |input: &Path, tag: &str| {
+        let out = dir.join(&format!("{tag}.arrow"));
+        ok(&["bess", "batches", "--triples", s(input), "--entities", "64", "--shard-batch-size", "8", "--negatives", "2", "--seed", "5", "--steps", "2", "--out", s(&out), "--config-out", s(&dir.join(&format!("{tag}.json")))]);
+        std::fs::read(out).unwrap()
+    };
+    assert_eq!(run_on(&tr, "ipc"), run_on(&pq, "pq"));
+}
+
+#[test]
+fn bad_triples_are_typed_errors() {
+    let dir = TempDir::new("bad");
+    let base = |tag: &str, input: &Path| -> Vec<String> {
+        ["bess", "batches", "--triples", s(input), "--entities", "64", "--shard-batch-size", "8", "--steps", "1", "--out"]
+            .iter()
+            .map(|x| x.to_string())
+            .chain([s(&dir.join(&format!("o-{tag}.arrow"))).to_string(), "--config-out".into(), s(&dir.join(&format!("o-{tag}.json"))).to_string()])
+            .collect()
+    };
+    let fails_on = |tag: &str, input: &Path| -> String {
+        let args = base(tag, input);
+        let e = fails(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(!dir.join(&format!("o-{tag}.arrow")).exists() && !dir.join(&format!("o-{tag}.json")).exists(), "{tag}: outputs left behind");
+        let left: Vec<_> = std::fs::read_dir(&dir.0).unwrap().filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().contains(".tmp-")).collect();
+        assert!(left.is_empty(), "{tag}: temporaries left behind");
+        e
+    };
+
+    // Tail id 64 in the second record batch, global row 300.
+    let (h, r, mut t) = triples(600);
+    t[300] = E;
+    let p = dir.join("tail.arrow");
+    write_ipc(&p, &[triples_batch(h[..250].to_vec(), r[..250].to_vec(), t[..250].to_vec()), triples_batch(h[250..].to_vec(), r[250..].to_vec(), t[250..].to_vec())]);
+    let e = fails_on("tail", &p);
+    assert!(e.contains("column `tail`, row 300: entity id 64 is outside 0..64"), "{e}");
+
+    let (mut h, r, t) = triples(600);
+    h[7] = -1;
+    let p = dir.join("head.arrow");
+    write_ipc(&p, &[triples_batch(h, r, t)]);
+    let e = fails_on("head", &p);
+    assert!(e.contains("column `head`, row 7: entity id -1 is outside 0..64"), "{e}");
+
+    // No tail column.
+    let (h, r, _) = triples(10);
+    let schema = Arc::new(Schema::new(vec![Field::new("head", DataType::Int64, false), Field::new("relation", DataType::Int32, false)]));
+    let b = RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from(h)) as ArrayRef, Arc::new(Int32Array::from(r))]).unwrap();
+    let p = dir.join("notail.arrow");
+    write_ipc(&p, &[b]);
+    let e = fails_on("notail", &p);
+    assert!(e.contains("missing column `tail`") && e.contains("record batch 0"), "{e}");
+
+    // A string relation column.
+    let (h, _, t) = triples(10);
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("head", DataType::Int64, false),
+        Field::new("relation", DataType::Utf8, false),
+        Field::new("tail", DataType::Int64, false),
+    ]));
+    let rel: Vec<&str> = vec!["x"; 10];
+    let b = RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from(h)) as ArrayRef, Arc::new(StringArray::from(rel)), Arc::new(Int64Array::from(t))]).unwrap();
+    let p = dir.join("str.arrow");
+    write_ipc(&p, &[b]);
+    let e = fails_on("str", &p);
+    assert!(e.contains("column `relation` has type Utf8"), "{e}");
+
+    // Every triple on the diagonal of entity 0 → most shard pairs are empty.
+    let p = dir.join("one.arrow");
+    write_ipc(&p, &[triples_batch(vec![0; 20], vec![0; 20], vec![0; 20])]);
+    let e = fails_on("one", &p);
+    assert!(e.contains("has no triples"), "{e}");
+
+    // Options.
+    let tr = triples_file(&dir);
+    let mut args = base("opt", &tr);
+    args.push("--shuffle".into());
+    let e = fails(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(e.contains("--shuffle applies to --sampler rigid only"), "{e}");
+    let mut args = base("opt", &tr);
+    args[7] = "0".into(); // --shard-batch-size 0
+    let e = fails(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(e.contains("shard batch size 0"), "{e}");
+}
+
+#[test]
+fn progress_on_a_terminal_only_and_quiet_on_a_closed_stdout() {
+    let dir = TempDir::new("tty");
+    let tr = triples_file(&dir);
+    let args = |tag: &str| -> Vec<String> {
+        ["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--negatives", "2", "--steps", "50", "--out"]
+            .iter()
+            .map(|x| x.to_string())
+            .chain([s(&dir.join(&format!("{tag}.arrow"))).to_string(), "--config-out".into(), s(&dir.join(&format!("{tag}.json"))).to_string()])
+            .collect()
+    };
+    let o = Command::new(BIN).args(args("piped")).output().unwrap();
+    assert!(o.status.success());
+    assert_eq!(String::from_utf8_lossy(&o.stderr), "", "progress drawn into a pipe");
+
+    // A closed stdout: status 141, nothing on stderr, the files complete.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let o = Command::new(BIN).args(args("closed")).stdout(writer).output().unwrap();
+    assert_eq!(o.status.code(), Some(141));
+    assert_eq!(String::from_utf8_lossy(&o.stderr), "");
+    assert_eq!(std::fs::read(dir.join("closed.arrow")).unwrap(), std::fs::read(dir.join("piped.arrow")).unwrap());
+
+    let has_script = cfg!(target_os = "linux") && Command::new("script").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !has_script {
+        eprintln!("skipped the terminal half: no util-linux `script`");
+        return;
+    }
+    let quoted: Vec<String> = std::iter::once(BIN.to_string()).chain(args("tty")).map(|a| format!("'{a}'")).collect();
+    let o = Command::new("script").args(["-qec", &quoted.join(" "), "/dev/null"]).output().unwrap();
+    let shown = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{shown}");
+    assert!(shown.contains("steps written to "), "no progress bar in {shown:?}");
+    assert!(shown.contains("per-partition load over 50 steps"), "no summary in {shown:?}");
+    assert_eq!(std::fs::read(dir.join("tty.arrow")).unwrap(), std::fs::read(dir.join("piped.arrow")).unwrap());
+}
