@@ -31,6 +31,7 @@ pub(crate) fn for_each_slot(
             ),
         ));
     }
+    check_table_shape(sp, n, table)?;
     let bsd = (sp.total_sample_count / layout.global_devices as u64) as usize;
     let bsps = bsd / s_count;
     let c = out.coo_buffer_size_per_device();
@@ -78,6 +79,26 @@ pub(crate) fn for_each_slot(
                 prev_end = start.next_multiple_of(ALIGNMENT).min(c);
             }
         }
+    }
+    Ok(())
+}
+
+/// A table whose public fields were set by hand must still be the plan's `[N · R, D]`, with
+/// `R = stack_vocab_size / N`: otherwise reading a shard would slice out of bounds.
+pub(crate) fn check_table_shape(sp: &sparsecore_prep::spec::StackPlan, n: usize, table: &StackedTable) -> Result<()> {
+    let r = sp.stack_vocab_size as usize / n;
+    let d = sp.stack_embedding_dim as usize;
+    if table.rows_per_shard != r || table.data.dim() != (n * r, d) {
+        return Err(Error::config(
+            "stack",
+            &sp.name,
+            format!(
+                "table of {} rows per shard and data of shape {:?}, expected {r} rows per shard and [N · R, D] = [{}, {d}]",
+                table.rows_per_shard,
+                table.data.dim(),
+                n * r
+            ),
+        ));
     }
     Ok(())
 }

@@ -235,8 +235,24 @@ pub fn row_gradients(
     table: &StackedTable,
     activation_grads: &[ArrayView2<'_, f32>],
 ) -> Result<BTreeMap<usize, Array1<f32>>> {
+    if table.stack != out.name {
+        return Err(Error::config("stack", &out.name, format!("the table given is stack `{}`'s, not this stack's", table.stack)));
+    }
     if activation_grads.len() != plan.layout.local_devices {
-        return Err(Error::InputCount { expected: plan.layout.local_devices, got: activation_grads.len() });
+        return Err(Error::input(
+            &table.stack,
+            format!("{} activation gradients for {} local devices (one per device)", activation_grads.len(), plan.layout.local_devices),
+        ));
+    }
+    // Exactly the forward pass's shape, `[bsd, D]` per device.
+    if let Some(sp) = plan.stack(&table.stack) {
+        let bsd = (sp.total_sample_count / plan.layout.global_devices as u64) as usize;
+        if let Some((d, g)) = activation_grads.iter().enumerate().find(|(_, g)| g.dim() != (bsd, table.dim)) {
+            return Err(Error::input(
+                &table.stack,
+                format!("activation gradient of device {d} has shape {:?}, expected the activations' [{bsd}, {}]", g.dim(), table.dim),
+            ));
+        }
     }
     let mut grads: BTreeMap<usize, Array1<f32>> = BTreeMap::new();
     for_each_slot(plan, out, num_minibatches, table, |d, act_row, p, e, gain| {
@@ -256,6 +272,13 @@ pub fn row_gradients(
 }
 
 /// Backward pass and one optimizer step on `table` and its `slots`.
+///
+/// `activation_grads` holds one gradient per local device, each of the activations' shape
+/// `[bsd, D]` ([`crate::sparse_dense_matmul`]'s; [`crate::stack_feature_gradients`] builds it
+/// from per-feature gradients). Errors, with the table and slots left unchanged: non-finite
+/// hyper-parameters (naming the hyper-parameter); slots that are not the optimizer's (naming
+/// the stack and the slot variables it needs); activation gradients of the wrong count or shape,
+/// a table of another stack or of the wrong shape, ids outside the shard (naming the stack).
 pub fn apply_gradients(
     plan: &Plan,
     out: &StackOutput,
@@ -266,8 +289,20 @@ pub fn apply_gradients(
     slots: &mut Slots,
 ) -> Result<()> {
     optimizer.validate()?;
-    if slots.values.len() != optimizer.slot_inits().len() || slots.values.iter().any(|s| s.dim() != table.data.dim()) {
-        return Err(Error::option("slots", slots.values.len(), "slots do not match the optimizer and the table"));
+    let names = optimizer.slot_names();
+    if slots.values.len() != names.len() || slots.values.iter().any(|s| s.dim() != table.data.dim()) {
+        let got: Vec<_> = slots.values.iter().map(|s| s.dim()).collect();
+        return Err(Error::config(
+            "stack",
+            &table.stack,
+            format!(
+                "the optimizer needs {} slot variables ({}) of the table's shape {:?}, got {} of shapes {got:?} (Slots::new makes them)",
+                names.len(),
+                if names.is_empty() { "none".to_string() } else { names.join(", ") },
+                table.data.dim(),
+                slots.values.len()
+            ),
+        ));
     }
     let grads = row_gradients(plan, out, num_minibatches, table, activation_grads)?;
     for (row, g) in grads {

@@ -240,3 +240,92 @@ fn nan_hyper_parameters_are_errors() {
     let e = Optimizer::Ftrl { lr: 0.0, lr_power: -0.5, l1: 0.0, l2: 0.0, beta: 0.0, multiply_linear_by_lr: false }.validate().unwrap_err();
     assert!(e.to_string().contains("FTRL"), "{e}");
 }
+
+/// Every mistake a caller can make with the backward pass is a typed error naming the stack
+/// (or the hyper-parameter), never a panic, and leaves the table and its slots as they were.
+#[test]
+fn backward_errors_name_the_stack_and_change_nothing() {
+    let mut c = case((1, 1, 4), "sum", 21);
+    // Feature stacking: stacks `ta` (f0, f2) and `tb` (f1).
+    c.config.config.stacking = sparsecore_prep::spec::Stacking::Feature;
+    let inputs: Vec<RaggedInput<'_>> =
+        c.feats.iter().zip(&c.config.features).map(|((v, sp, _), f)| RaggedInput::from_i64(&f.name, v, sp).unwrap()).collect();
+    let refs: Vec<&dyn SampleSource> = inputs.iter().map(|i| i as &dyn SampleSource).collect();
+    let mut prep = Preprocessor::new(c.config.clone()).unwrap();
+    let mut out = Output::new();
+    prep.run(&refs, &mut out).unwrap();
+    let plan = prep.plan().unwrap().clone();
+    let names: Vec<&str> = plan.stacks.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["ta", "tb"]);
+    let (so, stack) = (&out.stacks[0], &plan.stacks[0]);
+    let ta = Array2::from_shape_fn((60, 8), |(r, c)| (r * 8 + c) as f32 / 100.0);
+    let tb = Array2::from_shape_fn((30, 8), |(r, c)| (r + c) as f32 / 10.0);
+    let mut table = StackedTable::from_tables(&plan, "ta", &[ta.view()]).unwrap();
+    let other = StackedTable::from_tables(&plan, "tb", &[tb.view()]).unwrap();
+    let bsd = stack.total_sample_count as usize;
+    let dact = Array2::<f32>::ones((bsd, 8));
+    let adagrad = Optimizer::Adagrad { lr: 0.1 };
+    let mut slots = Slots::new(&table, &adagrad);
+    let (table0, slots0) = (table.clone(), slots.clone());
+    let stack_named = |e: &Error, name: &str| match e {
+        Error::InvalidConfig { what: "stack", name: n, .. } => n == name,
+        Error::InvalidInput { feature, .. } => feature == name,
+        _ => false,
+    };
+
+    // Missing slot variables for the chosen optimizer (SGD's none for Adagrad's accumulator).
+    let mut none = Slots::new(&table, &Optimizer::Sgd { lr: 0.1 });
+    let e = apply_gradients(&plan, so, out.num_minibatches, &[dact.view()], &adagrad, &mut table, &mut none).unwrap_err();
+    assert!(stack_named(&e, "ta") && e.to_string().contains("accumulator"), "{e}");
+    let adam = Optimizer::Adam { lr: 0.1, beta1: 0.9, beta2: 0.999, epsilon: 1e-8, step: 0 };
+    let e = apply_gradients(&plan, so, out.num_minibatches, &[dact.view()], &adam, &mut table, &mut slots).unwrap_err();
+    assert!(stack_named(&e, "ta") && e.to_string().contains("m, v"), "{e}");
+    // Slots of the wrong shape (another table's).
+    let mut wrong = Slots::new(&other, &adagrad);
+    let e = apply_gradients(&plan, so, out.num_minibatches, &[dact.view()], &adagrad, &mut table, &mut wrong).unwrap_err();
+    assert!(stack_named(&e, "ta"), "{e}");
+
+    // NaN and infinite hyper-parameters name the hyper-parameter.
+    for (bad, what) in [
+        (Optimizer::Adagrad { lr: f32::NAN }, "lr = NaN"),
+        (Optimizer::Adam { lr: 0.1, beta1: 0.9, beta2: 0.999, epsilon: f32::INFINITY, step: 0 }, "epsilon = inf"),
+        (Optimizer::Ftrl { lr: 0.1, lr_power: f32::NAN, l1: 0.0, l2: 0.0, beta: 0.0, multiply_linear_by_lr: false }, "lr_power = NaN"),
+    ] {
+        let mut s = Slots::new(&table, &bad);
+        let e = apply_gradients(&plan, so, out.num_minibatches, &[dact.view()], &bad, &mut table, &mut s).unwrap_err();
+        assert!(matches!(e, Error::InvalidOption { option: "optimizer", .. }) && e.to_string().contains(what), "{e}");
+    }
+
+    // Activation gradients: one per local device, each exactly the activations' [bsd, D].
+    for grads in [vec![], vec![dact.view(), dact.view()]] {
+        let e = apply_gradients(&plan, so, out.num_minibatches, &grads, &adagrad, &mut table, &mut slots).unwrap_err();
+        assert!(stack_named(&e, "ta") && e.to_string().contains("1 local devices"), "{e}");
+    }
+    for shape in [(bsd + 1, 8), (bsd - 1, 8), (bsd, 4), (bsd, 16)] {
+        let g = Array2::<f32>::ones(shape);
+        let e = apply_gradients(&plan, so, out.num_minibatches, &[g.view()], &adagrad, &mut table, &mut slots).unwrap_err();
+        assert!(stack_named(&e, "ta") && e.to_string().contains(&format!("[{bsd}, 8]")), "{shape:?}: {e}");
+    }
+
+    // Tables that do not match the plan: another stack's, or hand-made fields of the wrong shape.
+    let mut wrong_stack = other.clone();
+    let mut other_slots = Slots::new(&other, &adagrad);
+    let e = apply_gradients(&plan, so, out.num_minibatches, &[dact.view()], &adagrad, &mut wrong_stack, &mut other_slots).unwrap_err();
+    assert!(e.to_string().contains("ta") && e.to_string().contains("tb"), "{e}");
+    let mut short = table.clone();
+    short.data = Array2::zeros((8, 8));
+    let e = sparsecore_kernel::sparse_dense_matmul(&plan, so, out.num_minibatches, &short).unwrap_err();
+    assert!(stack_named(&e, "ta") && e.to_string().contains("rows per shard"), "{e}");
+    let mut short_slots = Slots::new(&short, &adagrad);
+    let e = apply_gradients(&plan, so, out.num_minibatches, &[dact.view()], &adagrad, &mut short, &mut short_slots).unwrap_err();
+    assert!(stack_named(&e, "ta"), "{e}");
+    let mut lying = table.clone();
+    lying.rows_per_shard += 1;
+    let e = sparsecore_kernel::sparse_dense_matmul(&plan, so, out.num_minibatches, &lying).unwrap_err();
+    assert!(stack_named(&e, "ta"), "{e}");
+
+    // Nothing changed, and the right call still works.
+    assert_eq!((&table, &slots), (&table0, &slots0));
+    apply_gradients(&plan, so, out.num_minibatches, &[dact.view()], &adagrad, &mut table, &mut slots).unwrap();
+    assert_ne!(table, table0);
+}
