@@ -99,8 +99,27 @@ impl PartitionedTable {
     }
 
     /// One optimizer step on every row with a gradient, each replica updating its own part.
+    ///
+    /// Errors, before any row changes: non-finite hyper-parameters, slots that are not the
+    /// optimizer's (the table was split with another optimizer's slots), a row outside the
+    /// table or a gradient of another length.
     pub fn apply_gradients(&mut self, grads: &BTreeMap<usize, Array1<f32>>, optimizer: &Optimizer) -> Result<()> {
         optimizer.validate()?;
+        let names = optimizer.slot_names();
+        let have = self.replicas.first().map_or(0, |r| r.len() - 1);
+        if have != names.len() {
+            return Err(Error::input(
+                "host table",
+                format!(
+                    "split with {have} slot variables, but the optimizer needs {} ({})",
+                    names.len(),
+                    if names.is_empty() { "none".to_string() } else { names.join(", ") }
+                ),
+            ));
+        }
+        if let Some((&r, g)) = grads.iter().find(|(&r, g)| r >= self.rows || g.len() != self.dim) {
+            return Err(Error::input("host table", format!("gradient for row {r} of length {} does not fit {}x{}", g.len(), self.rows, self.dim)));
+        }
         let n = self.replicas.len();
         let c = self.dim.div_ceil(n);
         for (&r, g) in grads {

@@ -88,3 +88,31 @@ fn device_operands_are_their_shards_sparsecore_major() {
     assert_eq!(dev1.row(0), t.shard(2).row(0));
     assert_eq!(dev1.row(5), t.shard(3).row(2));
 }
+
+#[test]
+fn missing_slots_and_bad_gradients_are_errors_that_change_nothing() {
+    let dense = values(5, 4, 2);
+    let stacked = StackedTable { stack: "s".into(), num_shards: 1, rows_per_shard: 5, dim: 4, data: dense.clone() };
+    // Split with SGD's slots (none), then stepped with Adagrad (needs its accumulator): an
+    // error, not an index panic.
+    let sgd_slots = Slots::new(&stacked, &Optimizer::Sgd { lr: 0.1 });
+    for partition in [Partition::Token, Partition::Encoding] {
+        let mut t = PartitionedTable::new(dense.view(), &sgd_slots, partition, 2).unwrap();
+        let before = t.clone();
+        let grads: BTreeMap<usize, Array1<f32>> = [(1, Array1::ones(4))].into();
+        let e = t.apply_gradients(&grads, &Optimizer::Adagrad { lr: 0.1 }).unwrap_err();
+        assert!(e.to_string().contains("host table") && e.to_string().contains("accumulator"), "{e}");
+        let e = t.apply_gradients(&grads, &Optimizer::Sgd { lr: f32::NAN }).unwrap_err();
+        assert!(e.to_string().contains("lr = NaN"), "{e}");
+        // A bad row after a good one: nothing is applied, not even the good row.
+        let bad: BTreeMap<usize, Array1<f32>> = [(1, Array1::ones(4)), (7, Array1::ones(4))].into();
+        let e = t.apply_gradients(&bad, &Optimizer::Sgd { lr: 0.1 }).unwrap_err();
+        assert!(e.to_string().contains("row 7"), "{e}");
+        let short: BTreeMap<usize, Array1<f32>> = [(0, Array1::ones(4)), (2, Array1::ones(3))].into();
+        let e = t.apply_gradients(&short, &Optimizer::Sgd { lr: 0.1 }).unwrap_err();
+        assert!(e.to_string().contains("length 3"), "{e}");
+        assert_eq!(t, before);
+        t.apply_gradients(&grads, &Optimizer::Sgd { lr: 0.5 }).unwrap();
+        assert_eq!(t.row(1).unwrap(), &dense.row(1) - 0.5);
+    }
+}
