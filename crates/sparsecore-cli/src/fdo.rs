@@ -7,6 +7,7 @@ use sparsecore_prep::fdo::{csv, npz, tune, FdoStats, LayoutKey};
 use sparsecore_prep::{Config, Error, Result};
 
 use super::stdio::{outln, warning};
+use super::outdir::clean_stale;
 use super::{parse_layout, write_config};
 
 #[derive(Subcommand)]
@@ -76,6 +77,7 @@ pub fn run(c: Command) -> Result<()> {
                 }
             }
             let merged = merged.expect("clap requires at least one input");
+            clean_stale(&out, false);
             merged.write(&out)?;
             outln!("merged {} files, {} batches, {} stacks -> {}", inputs.len(), merged.batches, merged.stacks.len(), out.display());
             Ok(())
@@ -117,6 +119,7 @@ pub fn run(c: Command) -> Result<()> {
                 }
             };
             let stats = npz::stats_from_arrays(key, &arrays, &name)?;
+            clean_stale(&out, false);
             stats.write(&out)?;
             // Warnings first: a closed stdout ends the process at the summary.
             for w in import_losses(&arrays) {
@@ -135,6 +138,7 @@ pub fn run(c: Command) -> Result<()> {
         Command::Export { input, out } => {
             let format = Format::of(&out, "out")?;
             let stats = FdoStats::from_path(&input)?;
+            clean_stale(&out, false);
             match format {
                 Format::Npz => npz::export(&out, &stats)?,
                 Format::Csv => csv::export(&out, &stats)?,

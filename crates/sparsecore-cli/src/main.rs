@@ -136,6 +136,7 @@ fn parse_shard(s: &str) -> std::result::Result<(usize, usize), String> {
 
 /// Writes a config JSON atomically.
 fn write_config(path: &Path, config: &sparsecore_prep::Config) -> Result<()> {
+    outdir::clean_stale(path, false);
     sparsecore_prep::fdo::write_atomic(path, config.to_json().as_bytes())
 }
 

@@ -8,7 +8,9 @@
 //!   exactly its share: with `--negatives 0`, and with negatives, Random and Rigid);
 //! - the load table and Rigid's padding line;
 //! - a sharding written by `bess shard create` reads back (CLI and library) and gives the same
-//!   batches as the sharding created from the same seed; Parquet triples give what IPC gives;
+//!   batches as the sharding created from the same seed, and so does a file laid out as
+//!   besskge's `Sharding.save` writes it (int32 members, pickled `None` type tables); Parquet
+//!   triples give what IPC gives;
 //! - bad input exits 1 with one line naming what is wrong (entity id out of range with its
 //!   column, row and value; missing column; wrong type; an empty shard pair; a sharding of the
 //!   wrong shard count), and writes nothing;
@@ -389,4 +391,71 @@ fn progress_on_a_terminal_only_and_quiet_on_a_closed_stdout() {
     assert!(shown.contains("steps written to "), "no progress bar in {shown:?}");
     assert!(shown.contains("per-partition load over 50 steps"), "no summary in {shown:?}");
     assert_eq!(std::fs::read(dir.join("tty.arrow")).unwrap(), std::fs::read(dir.join("piped.arrow")).unwrap());
+}
+
+/// One `.npy` member: little-endian `descr` data of `shape`, header padded as numpy pads it.
+fn npy(descr: &str, shape: &[usize], data: &[u8]) -> Vec<u8> {
+    let dims: Vec<String> = shape.iter().map(usize::to_string).collect();
+    let shape = match dims.len() {
+        1 => format!("({},)", dims[0]),
+        _ => format!("({})", dims.join(", ")),
+    };
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(data);
+    out
+}
+
+fn i32_bytes(v: impl IntoIterator<Item = i64>) -> Vec<u8> {
+    v.into_iter().flat_map(|x| (x as i32).to_le_bytes()).collect()
+}
+
+/// besskge's `Sharding.save` of an untyped sharding: `np.savez` of the dataclass fields, the
+/// arrays int32 as torch/numpy leave them, and the two type tables as pickled `None`.
+#[test]
+fn a_besskge_sharding_file_reads_back() {
+    use std::io::Write;
+    let dir = TempDir::new("besskge");
+    let tr = triples_file(&dir);
+    let sh = sparsecore_bess::Sharding::create(64, 4, &sparsecore_bess::seed_words(11), None).unwrap();
+    let path = dir.join("besskge.npz");
+    let mut zip = zip::ZipWriter::new(File::create(&path).unwrap());
+    let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    let m = sh.max_entity_per_shard();
+    let members: Vec<(&str, Vec<u8>)> = vec![
+        ("n_shard", npy("<i8", &[], &4i64.to_le_bytes())),
+        ("entity_to_shard", npy("<i4", &[64], &i32_bytes(sh.entity_to_shard.iter().copied()))),
+        ("entity_to_idx", npy("<i4", &[64], &i32_bytes(sh.entity_to_idx.iter().copied()))),
+        ("shard_and_idx_to_entity", npy("<i4", &[4, m], &i32_bytes(sh.shard_and_idx_to_entity.iter().copied()))),
+        ("shard_counts", npy("<i4", &[4], &i32_bytes(sh.shard_counts.iter().copied()))),
+        ("entity_type_counts", npy("|O", &[], b"\x80\x02N.")),
+        ("entity_type_offsets", npy("|O", &[], b"\x80\x02N.")),
+    ];
+    for (name, bytes) in members {
+        zip.start_file(format!("{name}.npy"), opts).unwrap();
+        zip.write_all(&bytes).unwrap();
+    }
+    zip.finish().unwrap();
+
+    let shown = ok(&["bess", "shard", "show", s(&path)]);
+    assert!(shown.contains("shards 4, entities 64, slots per shard 16"), "{shown}");
+    let counts: Vec<String> = sh.shard_counts.iter().map(i64::to_string).collect();
+    assert!(shown.contains(&format!("entities per shard: {}", counts.join(" "))), "{shown}");
+    assert!(!shown.contains("per type"), "{shown}");
+
+    // Batches over it equal batches over the sharding of seed 11.
+    let run_with = |tag: &str, extra: &[&str]| {
+        let (out, cfg) = (dir.join(&format!("{tag}.arrow")), dir.join(&format!("{tag}.json")));
+        let mut args = vec!["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--negatives", "2", "--seed", "11", "--steps", "2", "--out", s(&out), "--config-out", s(&cfg)];
+        args.extend_from_slice(extra);
+        ok(&args);
+        std::fs::read(out).unwrap()
+    };
+    assert_eq!(run_with("file", &["--sharding", s(&path)]), run_with("seed", &[]));
 }

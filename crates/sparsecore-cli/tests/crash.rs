@@ -165,6 +165,14 @@ fn stale_temporaries_of_dead_runs_are_removed_and_live_ones_kept() {
     ok(&["stats", "--config", s(&config), "--input", s(&input), "--out", s(&st)]);
     assert!(!t.join(&format!("stats.json.tmp-{dead}")).exists());
     assert_eq!(std::fs::read(&st).unwrap(), want["stats.json"]);
+
+    // fdo merge -o: the same for the merged file.
+    let merged = t.join("merged.json");
+    std::fs::write(t.join(&format!("merged.json.tmp-{dead}")), b"{").unwrap();
+    std::fs::write(t.join(&format!("merged.json.tmp-{live}")), b"{").unwrap();
+    ok(&["fdo", "merge", s(&st), "-o", s(&merged)]);
+    assert!(!t.join(&format!("merged.json.tmp-{dead}")).exists());
+    assert!(t.join(&format!("merged.json.tmp-{live}")).exists(), "a live process's temporary is left alone");
 }
 
 #[test]
