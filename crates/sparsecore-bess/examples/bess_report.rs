@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use arrow_array::{ArrayRef, Int64Array, ListArray, RecordBatch};
+use arrow_array::{ArrayRef, Int32Array, ListArray, RecordBatch};
 use arrow_buffer::{OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema};
 use sparsecore_bess::{cell_loads, synth, BatchOptions, BatchSampler, BessStream, Corruption, NumpyRng, PartitionMode, PartitionedTriples, SamplerKind, Triples};
@@ -65,14 +65,14 @@ fn preprocess(config: &Config, batches: &[RecordBatch]) -> (Loads, u64, u64, f64
     (loads, t.max_ids_per_partition, t.suggested_coo_buffer_size_per_device.unwrap_or(0), secs)
 }
 
-fn one_id_lists(ids: &[Option<i64>]) -> ArrayRef {
+fn one_id_lists(ids: &[Option<i32>]) -> ArrayRef {
     let mut offsets = vec![0i32];
     let mut values = Vec::new();
     for id in ids {
         values.extend(id.iter().copied());
         offsets.push(values.len() as i32);
     }
-    Arc::new(ListArray::new(Arc::new(Field::new_list_field(DataType::Int64, false)), OffsetBuffer::new(ScalarBuffer::from(offsets)), Arc::new(Int64Array::from(values)), None))
+    Arc::new(ListArray::new(Arc::new(Field::new_list_field(DataType::Int32, false)), OffsetBuffer::new(ScalarBuffer::from(offsets)), Arc::new(Int32Array::from(values)), None))
 }
 
 /// Random batching of the same shape: every SparseCore slice gets `t` triples drawn uniformly
@@ -88,7 +88,7 @@ struct Shape {
 fn random_batches(triples: &Triples, n_entity: usize, shape: &Shape, steps: usize, seed: u64) -> Vec<RecordBatch> {
     let Shape { slices, rows, t, neg } = *shape;
     let mut rng = NumpyRng::new(u128::from(seed));
-    let list = DataType::List(Arc::new(Field::new_list_field(DataType::Int64, false)));
+    let list = DataType::List(Arc::new(Field::new_list_field(DataType::Int32, false)));
     let schema = Arc::new(Schema::new(vec![Field::new("head", list.clone(), false), Field::new("tail", list.clone(), false), Field::new("negative", list, false)]));
     (0..steps)
         .map(|_| {
@@ -97,18 +97,33 @@ fn random_batches(triples: &Triples, n_entity: usize, shape: &Shape, steps: usiz
                 for r in 0..rows {
                     if r < t {
                         let i = (rng.integers_63() % triples.len() as u64) as usize;
-                        h.push(Some(triples.head[i]));
-                        tl.push(Some(triples.tail[i]));
+                        h.push(Some(triples.head[i] as i32));
+                        tl.push(Some(triples.tail[i] as i32));
                     } else {
                         h.push(None);
                         tl.push(None);
                     }
-                    ng.push((r < neg).then(|| (rng.integers_63() % n_entity as u64) as i64));
+                    ng.push((r < neg).then(|| (rng.integers_63() % n_entity as u64) as i32));
                 }
             }
             RecordBatch::try_new(schema.clone(), vec![one_id_lists(&h), one_id_lists(&tl), one_id_lists(&ng)]).expect("batch")
         })
         .collect()
+}
+
+/// The measured stream: flat tail negatives, `k` per shard.
+fn builder(triples: &Triples, n_entity: usize, (l, g, s): (usize, usize, usize), shard_bs: usize, k: usize, steps: usize) -> BessStream {
+    BessStream::builder()
+        .triples(triples.clone())
+        .n_entity(n_entity)
+        .devices(l, g, s)
+        .shard_batch_size(shard_bs)
+        .negatives(k)
+        .corruption(Corruption::T)
+        .seed(7)
+        .steps(steps)
+        .build()
+        .expect("stream")
 }
 
 fn main() {
@@ -117,8 +132,8 @@ fn main() {
     let shard_bs = 256;
     let graphs = [("uniform", synth::uniform(n_entity, 50, n_triples, 1)), ("power law a=1.0", synth::power_law(n_entity, 50, n_triples, 1.0, 1))];
     println!("E = {n_entity} entities, {n_triples} triples, 50 relations; shard batch size {shard_bs} triples per SparseCore; {steps} batches per row; flat tail negatives, k = ppp per shard.\n");
-    println!("| graph | n (L,G,S) | batching | ids per cell max / mean / min | max/mean | dropped | tuned max_ids | tuned buffer per device | Rigid padding |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| graph | n (L,G,S) | batching | ids per cell max / mean / min | max/mean | dropped | tuned max_ids | buffer from tuned limits | tuned buffer per device | Rigid padding |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut timing = Vec::new();
     for (name, triples) in &graphs {
         for n in [4usize, 16, 64] {
@@ -130,23 +145,39 @@ fn main() {
             let (pl, ..) = preprocess(pos.config(), &pos_batches);
             let exact = pl.max == pl.min && pl.max as usize == pos.counts().max_ids_per_partition;
             // With negatives.
-            let mut stream = BessStream::builder()
-                .triples(triples.clone())
-                .n_entity(n_entity)
-                .devices(l, g, s)
-                .shard_batch_size(shard_bs)
-                .negatives(ppp)
-                .corruption(Corruption::T)
-                .seed(7)
-                .steps(steps)
-                .build()
-                .expect("stream");
+            let mut stream = builder(triples, n_entity, (l, g, s), shard_bs, ppp, steps);
             let c = *stream.counts();
-            let t0 = Instant::now();
             let batches: Vec<RecordBatch> = (0..steps).map(|k| stream.draw(k).expect("draw").record_batch).collect();
-            let make = t0.elapsed().as_secs_f64();
-            let (bl, b_ids, b_buf, prep_secs) = preprocess(stream.config(), &batches);
-            timing.push((name.to_string(), n, make, prep_secs));
+            let (bl, b_ids, b_buf, _) = preprocess(stream.config(), &batches);
+            // Cost: the same steps made and preprocessed again, batch by batch in one loop,
+            // three times; the fastest round of each counts (the machine is shared). Once on one
+            // thread each (CPU cost), once on all threads (wall time).
+            let cost = |threads: usize| -> (f64, f64) {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+                pool.install(|| {
+                    let (mut make, mut prep_secs) = (f64::INFINITY, f64::INFINITY);
+                    for _ in 0..3 {
+                        let mut again = builder(triples, n_entity, (l, g, s), shard_bs, ppp, steps);
+                        let mut prep = Preprocessor::builder(again.config().clone()).threads(threads).build().expect("config");
+                        let mut out = Output::new();
+                        let (mut m, mut p) = (0.0, 0.0);
+                        for k in 0..steps {
+                            let t0 = Instant::now();
+                            let b = again.draw(k).expect("draw");
+                            m += t0.elapsed().as_secs_f64();
+                            let t0 = Instant::now();
+                            prep.run_record_batch(&b.record_batch, &mut out).expect("no batch fails");
+                            p += t0.elapsed().as_secs_f64();
+                        }
+                        make = make.min(m);
+                        prep_secs = prep_secs.min(p);
+                    }
+                    (make / steps as f64, prep_secs / steps as f64)
+                })
+            };
+            let (make1, prep1) = cost(1);
+            let (make, prep_secs) = cost(2);
+            timing.push((name.to_string(), n, l * s * c.rows_per_sparsecore, (make1, prep1), (make, prep_secs)));
             // Rigid's padding on the same graph and geometry.
             let part = stream.partitioned().clone();
             let rigid = BatchSampler::positives_only(
@@ -168,7 +199,7 @@ fn main() {
             let rb = random_batches(triples, n_entity, &shape, steps, 99);
             let (rl, r_ids, r_buf, _) = preprocess(&rc, &rb);
             println!(
-                "| {name} | {n} ({l},{g},{s}) | BESS (positives only: max = min = {}: {}) | {} / {:.1} / {} | {:.2} | {} | {b_ids} | {b_buf} | {:.1}% |",
+                "| {name} | {n} ({l},{g},{s}) | BESS (positives only: max = min = {}: {}) | {} / {:.1} / {} | {:.2} | {} | {b_ids} | {} | {b_buf} | {:.1}% |",
                 pos.counts().max_ids_per_partition,
                 if exact { "yes" } else { "NO" },
                 bl.max,
@@ -176,15 +207,33 @@ fn main() {
                 bl.min,
                 f64::from(bl.max) / bl.mean(),
                 bl.dropped,
+                b_ids.div_ceil(8) * 8 * (s * n) as u64,
                 100.0 * pad
             );
-            println!("| {name} | {n} ({l},{g},{s}) | random | {} / {:.1} / {} | {:.2} | {} | {r_ids} | {r_buf} | |", rl.max, rl.mean(), rl.min, f64::from(rl.max) / rl.mean(), rl.dropped);
+            println!(
+                "| {name} | {n} ({l},{g},{s}) | random | {} / {:.1} / {} | {:.2} | {} | {r_ids} | {} | {r_buf} | |",
+                rl.max,
+                rl.mean(),
+                rl.min,
+                f64::from(rl.max) / rl.mean(),
+                rl.dropped,
+                r_ids.div_ceil(8) * 8 * (s * n) as u64
+            );
             eprintln!("  precomputed limit {} (2*ppp {} + negatives {}), buffer {}", c.max_ids_per_partition, c.positive_ids_per_partition, c.negative_ids_per_partition, c.coo_buffer_size_per_device);
         }
     }
-    println!("\n| graph | n | make the stream (s) | preprocess it (s) | ratio |");
-    println!("|---|---|---|---|---|");
-    for (name, n, make, prep) in timing {
-        println!("| {name} | {n} | {make:.4} | {prep:.4} | {:.1}% |", 100.0 * make / prep);
+    println!("\nCost per batch: one thread each (CPU cost), then two threads each (wall time; the stream draws positives and uniform negatives side by side):");
+    println!("\n| graph | n | rows per batch | stream, 1 thread (µs) | preprocess, 1 thread (µs) | ratio | stream, 2 threads (µs) | preprocess, 2 threads (µs) | ratio |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for (name, n, rows, (m1, p1), (m2, p2)) in timing {
+        println!(
+            "| {name} | {n} | {rows} | {:.0} | {:.0} | {:.1}% | {:.0} | {:.0} | {:.1}% |",
+            m1 * 1e6,
+            p1 * 1e6,
+            100.0 * m1 / p1,
+            m2 * 1e6,
+            p2 * 1e6,
+            100.0 * m2 / p2
+        );
     }
 }

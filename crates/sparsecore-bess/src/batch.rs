@@ -4,11 +4,15 @@
 use std::sync::Arc;
 
 use ndarray::{ArrayD, IxDyn};
+use rayon::prelude::*;
+
+/// Steps of at least this many draws reduce them on all threads.
+const PARALLEL_MIN: usize = 1 << 15;
 
 use crate::error::{BessError, Result};
 use crate::negative::{Corruption, NegativeSampler};
 use crate::partition::{PartitionMode, PartitionedTriples};
-use crate::rng::NumpyRng;
+use crate::rng::{FastMod, NumpyRng};
 
 /// Batch geometry (SPEC 4.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -239,34 +243,48 @@ impl BatchSampler {
     /// Step `step`'s sample indices, row-major over `(bps, P, ppp)` (before duplication), and
     /// Rigid's mask: the draws of [`Self::sample`] without building its output arrays.
     pub fn sample_indices(&mut self, step: usize) -> Result<(Vec<i64>, Option<Vec<bool>>)> {
-        self.sample_triples(step)
+        let (mut idx, mut mask) = (Vec::new(), Vec::new());
+        let rigid = self.sample_indices_into(step, &mut idx, &mut mask)?;
+        Ok((idx, rigid.then_some(mask)))
     }
 
-    fn sample_triples(&mut self, step: usize) -> Result<(Vec<i64>, Option<Vec<bool>>)> {
+    /// [`Self::sample_indices`] into reused buffers (cleared first). Returns whether `mask` was
+    /// written (Rigid); Random leaves it empty.
+    pub fn sample_indices_into(&mut self, step: usize, idx: &mut Vec<i64>, mask: &mut Vec<bool>) -> Result<bool> {
         let g = self.geometry;
         let p_count = g.partitions();
         let (counts, offsets) = (&self.part.triple_counts, &self.part.triple_offsets);
         let total = g.batches_per_step * p_count * g.ppp;
-        let mut idx = Vec::with_capacity(total);
+        idx.clear();
+        mask.clear();
+        idx.reserve(total);
         let len = self.len();
         let steps = self.steps_per_epoch();
         match &mut self.state {
             State::Random(rng) => {
-                for _ in 0..g.batches_per_step {
-                    for (&off, &c) in offsets.iter().zip(counts.iter()) {
-                        let c = c as u64;
-                        for _ in 0..g.ppp {
-                            idx.push(off + (rng.integers_63() % c) as i64);
-                        }
+                // The draws are one sequential stream; the divisions after them are not, and
+                // cost more than the draws, so large steps take them on every thread.
+                idx.extend((0..total).map(|_| rng.integers_63() as i64));
+                let reduce = |(block, x): (usize, &mut [i64])| {
+                    let p = block % p_count;
+                    let (off, c) = (offsets[p], FastMod::new(counts[p] as u64));
+                    for v in x {
+                        *v = off + c.reduce(*v as u64) as i64;
                     }
+                };
+                if total >= PARALLEL_MIN {
+                    idx.par_chunks_mut(g.ppp).enumerate().for_each(reduce);
+                } else {
+                    idx.chunks_mut(g.ppp).enumerate().for_each(reduce);
                 }
-                Ok((idx, None))
+                Ok(false)
             }
             State::Rigid { shuffle } => {
                 let n_rows = self.part.len() as i64;
                 let epoch_step = step % steps.max(1);
-                let positions: Vec<usize> = match shuffle {
-                    None => (epoch_step * g.pss..(epoch_step + 1) * g.pss).collect(),
+                let window = epoch_step * g.pss..(epoch_step + 1) * g.pss;
+                let shuffled: Option<&[usize]> = match shuffle {
+                    None => None,
                     Some((words, rng, epoch, perm)) => {
                         let want = step / steps.max(1);
                         if *epoch != usize::MAX && want < *epoch {
@@ -277,14 +295,14 @@ impl BatchSampler {
                             *perm = rng.permutation(len);
                             *epoch = if *epoch == usize::MAX { 0 } else { *epoch + 1 };
                         }
-                        perm[epoch_step * g.pss..(epoch_step + 1) * g.pss].to_vec()
+                        Some(&perm[window.clone()])
                     }
                 };
-                let mut mask = Vec::with_capacity(total);
+                mask.reserve(total);
                 for s in 0..g.batches_per_step {
                     for p in 0..p_count {
                         for j in 0..g.ppp {
-                            let gpos = positions[s * g.ppp + j] as i64;
+                            let gpos = shuffled.map_or(window.start + s * g.ppp + j, |w| w[s * g.ppp + j]) as i64;
                             let c = counts[p];
                             let r = if c == 0 { 0 } else { gpos % c };
                             idx.push((offsets[p] + r).min(n_rows - 1));
@@ -292,7 +310,7 @@ impl BatchSampler {
                         }
                     }
                 }
-                Ok((idx, Some(mask)))
+                Ok(true)
             }
         }
     }
@@ -302,7 +320,7 @@ impl BatchSampler {
     /// (`step mod steps_per_epoch` within the epoch `step / steps_per_epoch`).
     pub fn sample(&mut self, step: usize) -> Result<Batch> {
         let g = self.geometry;
-        let (idx, mask) = self.sample_triples(step)?;
+        let (idx, mask) = self.sample_indices(step)?;
         let mut shape = vec![g.batches_per_step];
         shape.extend(g.blk());
         let dup = |v: Vec<i64>| -> Vec<i64> {

@@ -8,7 +8,7 @@ use ndarray::{Array2, ArrayD, IxDyn};
 
 use crate::error::{BessError, Result};
 use crate::partition::PartitionedTriples;
-use crate::rng::NumpyRng;
+use crate::rng::{FastMod, NumpyRng};
 
 /// Which side of a triple negatives replace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -138,6 +138,36 @@ impl RandomNegative {
             return Err(BessError::param("n_negative", 0, "must be at least 1"));
         }
         Ok(RandomNegative { n_negative, corruption, local_sampling, flat_negative_format, rng: seed_rng(seed_words) })
+    }
+}
+
+impl RandomNegative {
+    /// Lists per (drawn-from shard, using shard): `B = 2` (flat "ht"), 1 (flat) or `f`.
+    #[must_use]
+    pub fn lists(&self, f: usize) -> usize {
+        match (self.flat_negative_format, self.corruption) {
+            (true, Corruption::Ht) => 2,
+            (true, _) => 1,
+            (false, _) => f,
+        }
+    }
+
+    /// The negatives of one call for `bps` batches whose blocks hold `f` triples per shard:
+    /// what [`NegativeSampler::sample`] returns, without needing the sampled triples (uniform
+    /// negatives do not depend on them), so a caller may draw them alongside the positives.
+    pub fn draw(&mut self, part: &PartitionedTriples, bps: usize, f: usize) -> Result<NegativeOutput> {
+        let n = part.n_shard();
+        let b = self.lists(f);
+        let mut v = Vec::new();
+        self.draw_into(part, bps, f, &mut v)?;
+        let negative = ArrayD::from_shape_vec(IxDyn(&[bps, n, n, b, self.n_negative]), v).expect("shape matches the draws");
+        Ok(NegativeOutput { negative, mask: None, sort_idx: None })
+    }
+
+    /// [`Self::draw`]'s values, row-major over `(bps, n, n, B, k)`, into a reused buffer.
+    pub fn draw_into(&mut self, part: &PartitionedTriples, bps: usize, f: usize, out: &mut Vec<i32>) -> Result<()> {
+        let b = self.lists(f);
+        draw_mod_shard(&mut self.rng, part, bps, part.n_shard(), b, self.n_negative, "random negative sampler", out)
     }
 }
 
@@ -274,22 +304,24 @@ fn dims(sample_idx: &ArrayD<i64>) -> Dims {
     Dims { bps, n, f, q }
 }
 
-fn draw_mod_shard(rng: &mut NumpyRng, part: &PartitionedTriples, bps: usize, n: usize, b: usize, k: usize, sampler: &'static str) -> Result<Vec<i64>> {
+#[allow(clippy::too_many_arguments)]
+fn draw_mod_shard(rng: &mut NumpyRng, part: &PartitionedTriples, bps: usize, n: usize, b: usize, k: usize, sampler: &'static str, out: &mut Vec<i32>) -> Result<()> {
     let counts = &part.sharding.shard_counts;
     if let Some(a) = counts.iter().position(|&c| c == 0) {
         return Err(BessError::EmptyPartition { sampler, partition: format!("shard {a} (it holds no entities to draw negatives from)") });
     }
-    let mut out = Vec::with_capacity(bps * n * n * b * k);
+    out.clear();
+    out.reserve(bps * n * n * b * k);
     for _ in 0..bps {
         for &c in counts.iter() {
-            // Shard counts fit in 32 bits (entity ids are int32): a 32-bit modulo is exact.
-            let c = c as u32;
+            // Shard counts fit in 32 bits (entity ids are int32).
+            let c = FastMod::new(c as u64);
             for _ in 0..n * b * k {
-                out.push(i64::from(rng.integers_31() % c));
+                out.push(c.reduce(u64::from(rng.integers_31())) as i32);
             }
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 impl NegativeSampler {
@@ -308,17 +340,7 @@ impl NegativeSampler {
     pub fn sample(&mut self, part: &PartitionedTriples, sample_idx: &ArrayD<i64>) -> Result<NegativeOutput> {
         let d = dims(sample_idx);
         match self {
-            NegativeSampler::Random(s) => {
-                let b = match (s.flat_negative_format, s.corruption) {
-                    (true, Corruption::Ht) => 2,
-                    (true, _) => 1,
-                    (false, _) => d.f,
-                };
-                let v = draw_mod_shard(&mut s.rng, part, d.bps, d.n, b, s.n_negative, "random negative sampler")?;
-                let negative = ArrayD::from_shape_vec(IxDyn(&[d.bps, d.n, d.n, b, s.n_negative]), v.into_iter().map(|x| x as i32).collect())
-                    .expect("shape matches the draws");
-                Ok(NegativeOutput { negative, mask: None, sort_idx: None })
-            }
+            NegativeSampler::Random(s) => s.draw(part, d.bps, d.f),
             NegativeSampler::TypeBased(s) => {
                 let types = part.types.as_ref().ok_or_else(|| BessError::param("types", "missing", "the TypeBased sampler needs a typed partition (type_offsets)"))?;
                 let sh = &part.sharding;
@@ -342,7 +364,8 @@ impl NegativeSampler {
                     })
                     .collect();
                 let k = s.n_negative;
-                let raw = draw_mod_shard(&mut s.rng, part, d.bps, d.n, d.f, k, "type-based negative sampler")?;
+                let mut raw = Vec::new();
+                draw_mod_shard(&mut s.rng, part, d.bps, d.n, d.f, k, "type-based negative sampler", &mut raw)?;
                 let mut out = Vec::with_capacity(raw.len());
                 for (idx, &v) in raw.iter().enumerate() {
                     let f = (idx / k) % d.f;
@@ -361,7 +384,7 @@ impl NegativeSampler {
                             partition: format!("shard {a}, type {t} (it holds no entities of that type)"),
                         });
                     }
-                    out.push((v % cnt + to[[a, t as usize]]) as i32);
+                    out.push((i64::from(v) % cnt + to[[a, t as usize]]) as i32);
                 }
                 let negative = ArrayD::from_shape_vec(IxDyn(&[d.bps, d.n, d.n, d.f, k]), out).expect("shape matches the draws");
                 Ok(NegativeOutput { negative, mask: None, sort_idx: None })

@@ -215,6 +215,39 @@ impl NumpyRng {
     }
 }
 
+/// Exact `x mod d` by multiplication (Lemire, Kaser and Kurz, "Faster remainder by direct
+/// computation", 2019) for a divisor fixed across many draws: besskge reduces every draw modulo
+/// a partition's or shard's size, and a hardware division costs more than the draw itself.
+/// Exact for every 64-bit `x` and every `d` in `1 ..= 2^32` (the multiplier has 128 ≥ 64 + 32
+/// bits); larger divisors fall back to a division.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FastMod {
+    d: u64,
+    m: u128,
+}
+
+impl FastMod {
+    /// The reducer for divisor `d` (0 gives 0, numpy's `x % 0`).
+    #[must_use]
+    pub fn new(d: u64) -> Self {
+        let m = if d <= 1 || d > 1 << 32 { 0 } else { u128::MAX / u128::from(d) + 1 };
+        FastMod { d, m }
+    }
+
+    /// `x mod d`.
+    #[inline]
+    #[must_use]
+    pub fn reduce(&self, x: u64) -> u64 {
+        if self.m == 0 {
+            return if self.d > 1 { x % self.d } else { 0 };
+        }
+        let low = self.m.wrapping_mul(u128::from(x));
+        let d = u128::from(self.d);
+        // (low * d) >> 128, with low = hi * 2^64 + lo.
+        (((low >> 64) * d + (((low as u64) as u128 * d) >> 64)) >> 64) as u64
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,6 +285,23 @@ mod tests {
         let mut g = NumpyRng::new(7);
         let v: Vec<u32> = (0..4).map(|_| g.integers_31()).collect();
         assert_eq!(v, [2029167941, 1342382292, 1469265226, 1926751966]);
+    }
+
+    #[test]
+    fn fast_mod_is_exact() {
+        let mut g = NumpyRng::new(99);
+        let mut divisors: Vec<u64> = (0..=70).chain([255, 256, 257, 1000, 65535, 65536, 65537, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 32) + 1, u64::MAX]).collect();
+        divisors.extend((0..200).map(|_| g.next_u64() >> (g.next_u64() % 40 + 24)));
+        for d in divisors {
+            let f = FastMod::new(d);
+            let mut xs = vec![0, 1, d.wrapping_sub(1), d, d.wrapping_add(1), u64::MAX, u64::MAX - 1, (1 << 63) - 1, 1 << 63];
+            xs.extend((0..2000).map(|_| g.next_u64()));
+            xs.extend((0..2000).map(|_| g.next_u64() >> 1));
+            xs.extend((0..2000).map(|_| u64::from(g.next_u32())));
+            for x in xs {
+                assert_eq!(f.reduce(x), if d == 0 { 0 } else { x % d }, "{x} mod {d}");
+            }
+        }
     }
 
     #[test]

@@ -11,15 +11,18 @@
 //! Rows are laid out per local SparseCore, device-major, `R` rows each (the pipeline gives
 //! SparseCore `k` rows `k·R .. (k+1)·R` of every feature). In SparseCore `g`'s slice:
 //! - rows `0 .. T` (`T = n·ppp`) are its triples, block by block (head shard `i`, then position
-//!   `j`): `head` and `tail` (`List<Int64>` of one physical id), `relation` (`Int32`),
-//!   `triple_mask` (`Boolean`, Rigid's padding is false), `triple_idx` (`Int64`, the row of
-//!   [`PartitionedTriples::triples`]);
-//! - rows `0 .. NEG` (`NEG = n·B·K`) carry one negative each: `negative` (`List<Int64>` of one
-//!   physical id), `negative_shard` (`Int32`, the shard it was drawn from), `negative_triple`
-//!   (`Int32`: the slice row of the triple it belongs to, or −1 when shared by the slice),
-//!   `negative_side` (`Int8`: 0 replaces the head, 1 the tail), `negative_mask` (`Boolean`:
-//!   false for TripleBased's padding);
-//! - `R = max(T, NEG)`; past `T` (or `NEG`) the id lists are empty and the plain columns null.
+//!   `j`): `head` and `tail` (`List<Int32>` of one physical id), `relation` (`Int32`) and
+//!   `triple_mask` (`Boolean`; Rigid's cyclic padding is false);
+//! - rows `0 .. NEG` (`NEG = n·B·K`) carry one negative each: `negative` (`List<Int32>` of one
+//!   physical id), drawn from shard `row / (B·K)`, list `(row / K) mod B`; with TripleBased
+//!   negatives, `negative_mask` (`Boolean`, false for its padding);
+//! - `R = max(T, NEG)`; past `T` (or `NEG`) the id lists are empty and the plain columns null
+//!   (`triple_mask` false).
+//!
+//! With [`BessStreamBuilder::annotations`], also `triple_idx` (`Int64`, the row of
+//! [`PartitionedTriples::triples`]), `negative_shard` (`Int32`), `negative_triple` (`Int32`:
+//! the slice row of the triple a per-triple negative belongs to, −1 for flat lists shared by
+//! the slice) and `negative_side` (`Int8`: 0 replaces the head, 1 the tail).
 //!
 //! One negative per row, so that each negative's embedding comes back as its own activation
 //! row. The features `head`, `tail` and `negative` all index the table `entities`, so they form
@@ -31,6 +34,7 @@ use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, Lis
 use arrow_buffer::{NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use ndarray::{Array2, ArrayD, IxDyn};
+use rayon::prelude::*;
 use sparsecore_prep::Config;
 
 use crate::batch::{BatchOptions, BatchSampler, SamplerKind};
@@ -109,13 +113,14 @@ pub struct StreamBatch {
     pub step: usize,
     /// The record batch to preprocess.
     pub record_batch: RecordBatch,
-    /// `[n, n, ppp]`, SparseCore-major: `[g][i][j]` is the `j`-th triple SparseCore `g` takes
-    /// from head shard `i` (a row of [`PartitionedTriples::triples`]).
-    pub sample_idx: ArrayD<i64>,
-    /// Rigid only: `[n·n·ppp]` in `sample_idx`'s order, false for cyclic padding.
+    /// With annotations: `[n, n, ppp]`, SparseCore-major: `[g][i][j]` is the `j`-th triple
+    /// SparseCore `g` takes from head shard `i` (a row of [`PartitionedTriples::triples`]).
+    pub sample_idx: Option<ArrayD<i64>>,
+    /// With annotations, Rigid only: `[n·n·ppp]` in `sample_idx`'s order, false for cyclic
+    /// padding.
     pub triple_mask: Option<Vec<bool>>,
-    /// The negative sampler's output for `sample_idx` (axis 1: the shard drawn from; axis 2:
-    /// the SparseCore that uses them).
+    /// With annotations: the negative sampler's output for `sample_idx` (axis 1: the shard
+    /// drawn from; axis 2: the SparseCore that uses them).
     pub negative: Option<NegativeOutput>,
 }
 
@@ -140,6 +145,7 @@ pub struct BessStreamBuilder {
     seeds: (u64, u64, u64),
     steps: Option<usize>,
     inverse_triples: bool,
+    annotations: bool,
 }
 
 impl Default for BessStreamBuilder {
@@ -162,6 +168,7 @@ impl Default for BessStreamBuilder {
             seeds: (0, 0, 0),
             steps: None,
             inverse_triples: false,
+            annotations: false,
         }
     }
 }
@@ -253,6 +260,13 @@ impl BessStreamBuilder {
     /// `len / pss` for Rigid).
     pub fn steps(mut self, steps: usize) -> Self {
         self.steps = Some(steps);
+        self
+    }
+    /// Add the annotation columns `triple_idx`, `negative_shard`, `negative_triple` and
+    /// `negative_side`, and keep the samplers' arrays in [`StreamBatch`] (default off: the
+    /// pipeline reads none of them, and building them costs as much as a feature column).
+    pub fn annotations(mut self, on: bool) -> Self {
+        self.annotations = on;
         self
     }
     /// Append inverse triples `(t, r + R, h)`.
@@ -391,7 +405,12 @@ impl BessStreamBuilder {
             "features": features,
         }))?;
         let steps = self.steps.unwrap_or_else(|| sampler.steps_per_epoch());
-        let schema = schema(negative.is_some());
+        let columns = Columns {
+            negatives: negative.is_some(),
+            negative_mask: matches!(negative, Some(NegativeSampler::TripleBased(_))),
+            annotations: self.annotations,
+        };
+        let schema = schema(columns);
         // Physical (head, relation, tail) of every sorted triple: partition (i, j) holds heads
         // of shard i and tails of shard j, as local ids.
         if vocab > i32::MAX as usize {
@@ -405,38 +424,80 @@ impl BessStreamBuilder {
                 phys.push([layout.physical_id(i, tr[0]) as i32, tr[1] as i32, layout.physical_id(j, tr[2]) as i32]);
             }
         }
-        Ok(BessStream { config, layout, part, phys, sampler, negative, counts, neg_b: b, neg_k: k, flat, step: 0, steps, schema, corruption: self.corruption })
+        let local = layout.local_sparsecores();
+        let full_mask: ArrayRef = Arc::new(BooleanArray::from_iter((0..local).flat_map(|_| (0..rows).map(|row| Some(row < t)))));
+        let shared = Shared {
+            pos_offsets: one_id_offsets(local, t, rows)?,
+            neg_offsets: one_id_offsets(local, neg_rows, rows)?,
+            pos_valid: validity(local, t, rows),
+            neg_valid: validity(local, neg_rows, rows),
+            full_mask,
+        };
+        Ok(BessStream {
+            config,
+            layout,
+            part,
+            phys,
+            sampler,
+            negative,
+            counts,
+            neg_b: b,
+            neg_k: k,
+            flat,
+            step: 0,
+            steps,
+            schema,
+            columns,
+            corruption: self.corruption,
+            shared,
+            scratch: Scratch::default(),
+        })
     }
 }
 
 fn list_field() -> Arc<Field> {
-    Arc::new(Field::new_list_field(DataType::Int64, false))
+    Arc::new(Field::new_list_field(DataType::Int32, false))
 }
 
-fn schema(negatives: bool) -> SchemaRef {
+/// Which optional columns a stream's record batches carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Columns {
+    negatives: bool,
+    negative_mask: bool,
+    annotations: bool,
+}
+
+fn schema(c: Columns) -> SchemaRef {
     let list = DataType::List(list_field());
     let mut fields = vec![
         Field::new(HEAD, list.clone(), false),
         Field::new(TAIL, list.clone(), false),
         Field::new("relation", DataType::Int32, true),
         Field::new("triple_mask", DataType::Boolean, false),
-        Field::new("triple_idx", DataType::Int64, true),
     ];
-    if negatives {
-        fields.extend([
-            Field::new(NEGATIVE, list, false),
-            Field::new("negative_shard", DataType::Int32, true),
-            Field::new("negative_triple", DataType::Int32, true),
-            Field::new("negative_side", DataType::Int8, true),
-            Field::new("negative_mask", DataType::Boolean, true),
-        ]);
+    if c.annotations {
+        fields.push(Field::new("triple_idx", DataType::Int64, true));
+    }
+    if c.negatives {
+        fields.push(Field::new(NEGATIVE, list, false));
+        if c.negative_mask {
+            fields.push(Field::new("negative_mask", DataType::Boolean, true));
+        }
+        if c.annotations {
+            fields.extend([
+                Field::new("negative_shard", DataType::Int32, true),
+                Field::new("negative_triple", DataType::Int32, true),
+                Field::new("negative_side", DataType::Int8, true),
+            ]);
+        }
     }
     Arc::new(Schema::new(fields))
 }
 
-/// A list column over `slices` slices of `r` rows each, whose first `used` rows hold one id
-/// each (`ids`, slice after slice) and the rest none.
-fn one_id_lists(ids: Vec<i64>, slices: usize, used: usize, r: usize) -> Result<ArrayRef> {
+/// Offsets of a list column over `slices` slices of `r` rows each, whose first `used` rows hold
+/// one id each and the rest none. They depend only on the stream's shape, so they are built
+/// once and shared by every batch (Arrow buffers are reference-counted).
+fn one_id_offsets(slices: usize, used: usize, r: usize) -> Result<OffsetBuffer<i32>> {
     let total = slices * r;
     if total >= i32::MAX as usize {
         return Err(BessError::param("rows", total, "too many for a List column"));
@@ -447,8 +508,35 @@ fn one_id_lists(ids: Vec<i64>, slices: usize, used: usize, r: usize) -> Result<A
         let base = (slice * used) as i32;
         offsets.extend((1..=r).map(|row| base + row.min(used) as i32));
     }
-    let arr = ListArray::try_new(list_field(), OffsetBuffer::new(ScalarBuffer::from(offsets)), Arc::new(Int64Array::from(ids)), None)?;
-    Ok(Arc::new(arr))
+    Ok(OffsetBuffer::new(ScalarBuffer::from(offsets)))
+}
+
+/// `Some(validity)` of `slices` slices of `r` rows whose first `len` rows are valid, when some
+/// are not.
+fn validity(slices: usize, len: usize, r: usize) -> Option<NullBuffer> {
+    (len < r).then(|| NullBuffer::from_iter((0..slices).flat_map(|_| (0..r).map(move |row| row < len))))
+}
+
+/// What every batch of a stream shares: list offsets, validity, Random's constant mask.
+#[derive(Debug, Clone)]
+struct Shared {
+    pos_offsets: OffsetBuffer<i32>,
+    neg_offsets: OffsetBuffer<i32>,
+    pos_valid: Option<NullBuffer>,
+    neg_valid: Option<NullBuffer>,
+    /// `triple_mask` when there is no Rigid mask: true for the triples' rows.
+    full_mask: ArrayRef,
+}
+
+/// Buffers reused from batch to batch (the pipeline reuses its own; a fresh megabyte per batch
+/// would cost more in page faults than the sampling itself).
+#[derive(Debug, Clone, Default)]
+struct Scratch {
+    bess_idx: Vec<i64>,
+    bess_mask: Vec<bool>,
+    sidx: Vec<i64>,
+    smask: Vec<bool>,
+    neg: Vec<i32>,
 }
 
 /// BESS batches, negatives and their SparseCore layout, as record batches for the pipeline.
@@ -467,7 +555,10 @@ pub struct BessStream {
     step: usize,
     steps: usize,
     schema: SchemaRef,
+    columns: Columns,
     corruption: Corruption,
+    shared: Shared,
+    scratch: Scratch,
 }
 
 impl BessStream {
@@ -532,129 +623,222 @@ impl BessStream {
     }
 
     /// Draws step `step` (Random continues its stream whatever `step` is; Rigid takes the
-    /// positions of `step`).
+    /// positions of `step`). Uniform negatives do not depend on the positives, so they are drawn
+    /// and laid out on a second thread while the positives are.
     pub fn draw(&mut self, step: usize) -> Result<StreamBatch> {
+        let parts = Parts {
+            layout: &self.layout,
+            counts: &self.counts,
+            phys: &self.phys,
+            neg_b: self.neg_b,
+            neg_k: self.neg_k,
+            flat: self.flat,
+            corruption: self.corruption,
+            columns: self.columns,
+            shared: &self.shared,
+        };
+        let (sampler, part) = (&mut self.sampler, &self.part);
+        let Scratch { bess_idx, bess_mask, sidx, smask, neg } = &mut self.scratch;
+        let keep = self.columns.annotations;
+        let f = self.counts.triples_per_sparsecore;
+        let (mut columns, rigid, negative) = match &mut self.negative {
+            Some(NegativeSampler::Random(rn)) => {
+                let (pos, negs) = rayon::join(
+                    || parts.positives(sampler, step, bess_idx, bess_mask, sidx, smask),
+                    || {
+                        rn.draw_into(part, 1, f, neg)?;
+                        parts.negative_columns(neg, None)
+                    },
+                );
+                let (mut columns, rigid) = pos?;
+                columns.extend(negs?);
+                let n = parts.layout.num_sparsecores();
+                let kept = keep.then(|| NegativeOutput {
+                    negative: ArrayD::from_shape_vec(IxDyn(&[1, n, n, parts.neg_b, parts.neg_k]), neg.clone()).expect("drawn shape"),
+                    mask: None,
+                    sort_idx: None,
+                });
+                (columns, rigid, kept)
+            }
+            Some(ns) => {
+                let (mut columns, rigid) = parts.positives(sampler, step, bess_idx, bess_mask, sidx, smask)?;
+                let n = parts.layout.num_sparsecores();
+                let si = ArrayD::from_shape_vec(IxDyn(&[1, n, n, parts.counts.ppp]), sidx.clone()).expect("n * n * ppp indices");
+                let no = ns.sample(part, &si)?;
+                let flat_neg = no.negative.as_slice().expect("standard layout");
+                let flat_mask = no.mask.as_ref().map(|m| m.as_slice().expect("standard layout"));
+                columns.extend(parts.negative_columns(flat_neg, flat_mask)?);
+                (columns, rigid, keep.then_some(no))
+            }
+            None => {
+                let (columns, rigid) = parts.positives(sampler, step, bess_idx, bess_mask, sidx, smask)?;
+                (columns, rigid, None)
+            }
+        };
+        let record_batch = RecordBatch::try_new(self.schema.clone(), std::mem::take(&mut columns))?;
         let n = self.layout.num_sparsecores();
         let ppp = self.counts.ppp;
-        // BESS indices, row-major over (head shard i, tail shard j, position).
-        let (bess_idx, bess_mask) = self.sampler.sample_indices(step)?;
-        let mut sample_idx = Vec::with_capacity(n * n * ppp);
-        let mut triple_mask = bess_mask.as_ref().map(|_| Vec::with_capacity(n * n * ppp));
-        for g in 0..n {
-            for i in 0..n {
-                let base = (i * n + self.layout.tail_shard(g, i, step)) * ppp;
-                sample_idx.extend_from_slice(&bess_idx[base..base + ppp]);
-                if let (Some(out), Some(m)) = (triple_mask.as_mut(), bess_mask.as_ref()) {
-                    out.extend_from_slice(&m[base..base + ppp]);
-                }
-            }
-        }
-        let sample_idx = ArrayD::from_shape_vec(IxDyn(&[n, n, ppp]), sample_idx).expect("n * n * ppp indices");
-        let negative = match &mut self.negative {
-            Some(ns) => Some(ns.sample(&self.part, &sample_idx.view().insert_axis(ndarray::Axis(0)).to_owned())?),
-            None => None,
-        };
-        let record_batch = self.record_batch(&sample_idx, triple_mask.as_deref(), negative.as_ref())?;
+        let sample_idx = keep.then(|| ArrayD::from_shape_vec(IxDyn(&[n, n, ppp]), sidx.clone()).expect("n * n * ppp indices"));
+        let triple_mask = (keep && rigid).then(|| smask.clone());
         Ok(StreamBatch { step, record_batch, sample_idx, triple_mask, negative })
     }
+}
 
-    fn record_batch(&self, sample_idx: &ArrayD<i64>, triple_mask: Option<&[bool]>, negative: Option<&NegativeOutput>) -> Result<RecordBatch> {
-        let lay = &self.layout;
+/// What building a record batch needs, borrowed apart from the samplers (so that positives and
+/// negatives can be built on two threads).
+struct Parts<'a> {
+    layout: &'a SparseCoreLayout,
+    counts: &'a CellCounts,
+    phys: &'a [[i32; 3]],
+    neg_b: usize,
+    neg_k: usize,
+    flat: bool,
+    corruption: Corruption,
+    columns: Columns,
+    shared: &'a Shared,
+}
+
+impl Parts<'_> {
+    /// Samples step `step`'s positives, lays them out SparseCore-major into `sidx` (and
+    /// `smask`) and builds their columns. Returns the columns and whether there is a Rigid mask.
+    fn positives(
+        &self,
+        sampler: &mut BatchSampler,
+        step: usize,
+        bess_idx: &mut Vec<i64>,
+        bess_mask: &mut Vec<bool>,
+        sidx: &mut Vec<i64>,
+        smask: &mut Vec<bool>,
+    ) -> Result<(Vec<ArrayRef>, bool)> {
+        let lay = self.layout;
         let n = lay.num_sparsecores();
-        let c = &self.counts;
-        let (ppp, t, r) = (c.ppp, c.triples_per_sparsecore, c.rows_per_sparsecore);
-        let local = lay.local_sparsecores();
-        let rows = local * r;
-        let sidx = sample_idx.as_slice().expect("standard layout");
-        // Physical id = local·N + hoff[shard].
-        let n64 = n as i64;
-        let hoff: Vec<i64> = (0..n).map(|s| lay.physical_id(s, 0)).collect();
-        let pad = t < r;
-        // This host's triples, gathered in one tight pass: the random reads of the triple table
-        // are what this stage waits on, and a loop that does nothing else keeps many in flight.
-        let first = lay.global_sparsecore(0) * t;
-        let mine = &sidx[first..first + local * t];
-        let gathered: Vec<[i32; 3]> = mine.iter().map(|&i| self.phys[i as usize]).collect();
-        let mut head = Vec::with_capacity(local * t);
-        let mut tail = Vec::with_capacity(local * t);
-        let mut relation = Vec::with_capacity(rows);
-        let mut mask = Vec::with_capacity(rows);
-        let mut tidx = Vec::with_capacity(rows);
-        for slot in 0..local {
-            let at = slot * t;
-            head.extend(gathered[at..at + t].iter().map(|tr| i64::from(tr[0])));
-            tail.extend(gathered[at..at + t].iter().map(|tr| i64::from(tr[2])));
-            relation.extend(gathered[at..at + t].iter().map(|tr| tr[1]));
-            tidx.extend_from_slice(&mine[at..at + t]);
-            match triple_mask {
-                Some(m) => mask.extend_from_slice(&m[first + at..first + at + t]),
-                None => mask.resize(mask.len() + t, true),
-            }
-            if pad {
-                relation.resize(relation.len() + r - t, 0);
-                mask.resize(mask.len() + r - t, false);
-                tidx.resize(tidx.len() + r - t, 0);
+        let (ppp, t, r) = (self.counts.ppp, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        // BESS indices, row-major over (head shard i, tail shard j, position).
+        let rigid = sampler.sample_indices_into(step, bess_idx, bess_mask)?;
+        sidx.clear();
+        smask.clear();
+        for g in 0..n {
+            for i in 0..n {
+                let base = (i * n + lay.tail_shard(g, i, step)) * ppp;
+                sidx.extend_from_slice(&bess_idx[base..base + ppp]);
+                if rigid {
+                    smask.extend_from_slice(&bess_mask[base..base + ppp]);
+                }
             }
         }
-        let valid = |len: usize| -> Option<NullBuffer> { pad.then(|| NullBuffer::from_iter((0..local).flat_map(|_| (0..r).map(move |row| row < len)))) };
-        let tvalid = valid(t);
-        let mut columns: Vec<ArrayRef> = vec![
-            one_id_lists(head, local, t, r)?,
-            one_id_lists(tail, local, t, r)?,
-            Arc::new(Int32Array::new(relation.into(), tvalid.clone())),
-            Arc::new(BooleanArray::from(mask)),
-            Arc::new(Int64Array::new(tidx.into(), tvalid)),
-        ];
-        if let Some(no) = negative {
-            let (b, k) = (self.neg_b, self.neg_k);
-            let nrows = n * b * k;
-            let negs = no.negative.as_slice().expect("standard layout");
-            let nmask = no.mask.as_ref().map(|m| m.as_slice().expect("standard layout"));
-            let mut ids = Vec::with_capacity(local * nrows);
-            let mut shard = Vec::with_capacity(rows);
-            let mut trip = Vec::with_capacity(rows);
-            let mut side = Vec::with_capacity(rows);
-            let mut nm = Vec::with_capacity(rows);
-            let side_of = |bb: usize| -> i8 {
-                match (self.corruption, self.flat) {
-                    (Corruption::H, _) => 0,
-                    (Corruption::T, _) => 1,
-                    (Corruption::Ht, true) => bb as i8,
-                    (Corruption::Ht, false) => i8::from(bb % ppp >= ppp / 2),
+        let local = lay.local_sparsecores();
+        let rows = local * r;
+        let pad = r - t;
+        let first = lay.global_sparsecore(0) * t;
+        let _ = rows;
+        let mine = &sidx[first..first + local * t];
+        // The random reads of the triple table are what this stage waits on; the loop does
+        // little else, so many are in flight.
+        // Slices are gathered in parallel.
+        let mut head = vec![0i32; local * t];
+        let mut tail = vec![0i32; local * t];
+        let mut relation = vec![0i32; rows];
+        head.par_chunks_mut(t).zip(tail.par_chunks_mut(t)).zip(relation.par_chunks_mut(r)).zip(mine.par_chunks(t)).for_each(|(((h, tl), rel), slice)| {
+            for (k, &i) in slice.iter().enumerate() {
+                let tr = self.phys[i as usize];
+                h[k] = tr[0];
+                tl[k] = tr[2];
+                rel[k] = tr[1];
+            }
+        });
+        let sh = self.shared;
+        let lists = |ids: Vec<i32>| -> Result<ArrayRef> {
+            Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int32Array::from(ids)), None)?))
+        };
+        let mask: ArrayRef = if rigid {
+            let m = &smask[first..first + local * t];
+            Arc::new(BooleanArray::from_iter((0..local).flat_map(|s| (0..r).map(move |row| Some(row < t && m[s * t + row])))))
+        } else {
+            sh.full_mask.clone()
+        };
+        let mut columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation.into(), sh.pos_valid.clone())), mask];
+        if self.columns.annotations {
+            let mut tidx = Vec::with_capacity(rows);
+            for slice in mine.chunks(t) {
+                tidx.extend_from_slice(slice);
+                tidx.resize(tidx.len() + pad, 0);
+            }
+            columns.push(Arc::new(Int64Array::new(tidx.into(), sh.pos_valid.clone())));
+        }
+        Ok((columns, rigid))
+    }
+
+    /// The negative columns from the sampler's values `negs`, row-major over
+    /// `(1, n, n, B, K)` (and its mask): SparseCore `g`'s slice takes `negs[0][x][g]` from every
+    /// shard `x`, one per row.
+    fn negative_columns(&self, negs: &[i32], nmask: Option<&[bool]>) -> Result<Vec<ArrayRef>> {
+        let lay = self.layout;
+        let n = lay.num_sparsecores();
+        let (ppp, r) = (self.counts.ppp, self.counts.rows_per_sparsecore);
+        let local = lay.local_sparsecores();
+        let rows = local * r;
+        let (b, k) = (self.neg_b, self.neg_k);
+        let bk = b * k;
+        let nrows = n * bk;
+        let n32 = n as i32;
+        let hoff: Vec<i32> = (0..n).map(|s| lay.physical_id(s, 0) as i32).collect();
+        let ann = self.columns.annotations;
+        let cap = |on: bool| if on { rows } else { 0 };
+        let mut ids = Vec::with_capacity(local * nrows);
+        let mut nm = Vec::with_capacity(cap(self.columns.negative_mask));
+        let (mut shard, mut trip, mut side) = (Vec::with_capacity(cap(ann)), Vec::with_capacity(cap(ann)), Vec::with_capacity(cap(ann)));
+        let side_of = |bb: usize| -> i8 {
+            match (self.corruption, self.flat) {
+                (Corruption::H, _) => 0,
+                (Corruption::T, _) => 1,
+                (Corruption::Ht, true) => bb as i8,
+                (Corruption::Ht, false) => i8::from(bb % ppp >= ppp / 2),
+            }
+        };
+        let fill = r - nrows;
+        for slot in 0..local {
+            let g = lay.global_sparsecore(slot);
+            for (x, &hx) in hoff.iter().enumerate() {
+                // negs[0][x][g][bb][ii], contiguous over (bb, ii).
+                let at = (x * n + g) * bk;
+                ids.extend(negs[at..at + bk].iter().map(|&v| v * n32 + hx));
+                if self.columns.negative_mask {
+                    match nmask {
+                        Some(m) => nm.extend_from_slice(&m[at..at + bk]),
+                        None => nm.resize(nm.len() + bk, true),
+                    }
                 }
-            };
-            for slot in 0..local {
-                let g = lay.global_sparsecore(slot);
-                for (x, &hx) in hoff.iter().enumerate() {
-                    // negative[0][x][g][bb][ii], contiguous over (bb, ii).
-                    let at = (x * n + g) * b * k;
-                    ids.extend(negs[at..at + b * k].iter().map(|&v| i64::from(v) * n64 + hx));
-                    shard.resize(shard.len() + b * k, x as i32);
+                if ann {
+                    shard.resize(shard.len() + bk, x as i32);
                     for bb in 0..b {
                         trip.resize(trip.len() + k, if self.flat { -1 } else { bb as i32 });
                         side.resize(side.len() + k, side_of(bb));
                     }
-                    match nmask {
-                        Some(m) => nm.extend_from_slice(&m[at..at + b * k]),
-                        None => nm.resize(nm.len() + b * k, true),
-                    }
                 }
-                let fill = r - nrows;
+            }
+            if self.columns.negative_mask {
+                nm.resize(nm.len() + fill, false);
+            }
+            if ann {
                 shard.resize(shard.len() + fill, 0);
                 trip.resize(trip.len() + fill, 0);
                 side.resize(side.len() + fill, 0);
-                nm.resize(nm.len() + fill, false);
             }
-            let nvalid = (nrows < r).then(|| NullBuffer::from_iter((0..local).flat_map(|_| (0..r).map(move |row| row < nrows))));
+        }
+        let sh = self.shared;
+        let valid = &sh.neg_valid;
+        let mut columns: Vec<ArrayRef> = vec![Arc::new(ListArray::try_new(list_field(), sh.neg_offsets.clone(), Arc::new(Int32Array::from(ids)), None)?)];
+        if self.columns.negative_mask {
+            columns.push(Arc::new(BooleanArray::new(nm.into(), valid.clone())));
+        }
+        if ann {
             columns.extend([
-                one_id_lists(ids, local, nrows, r)?,
-                Arc::new(Int32Array::new(shard.into(), nvalid.clone())) as ArrayRef,
-                Arc::new(Int32Array::new(trip.into(), nvalid.clone())),
-                Arc::new(Int8Array::new(side.into(), nvalid.clone())),
-                Arc::new(BooleanArray::new(nm.into(), nvalid)),
+                Arc::new(Int32Array::new(shard.into(), valid.clone())) as ArrayRef,
+                Arc::new(Int32Array::new(trip.into(), valid.clone())),
+                Arc::new(Int8Array::new(side.into(), valid.clone())),
             ]);
         }
-        Ok(RecordBatch::try_new(self.schema.clone(), columns)?)
+        Ok(columns)
     }
 }
 

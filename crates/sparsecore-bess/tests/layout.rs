@@ -114,7 +114,7 @@ fn type_and_triple_based_negatives_stay_within_the_limits() {
 #[test]
 fn record_batch_ids_are_the_sharded_entities() {
     let triples = synth::uniform(200, 3, 1500, 4);
-    let mut stream = BessStream::builder().triples(triples.clone()).n_entity(200).shard_batch_size(4).negatives(2).seed(3).steps(2).build().unwrap();
+    let mut stream = BessStream::builder().triples(triples.clone()).n_entity(200).shard_batch_size(4).negatives(2).annotations(true).seed(3).steps(2).build().unwrap();
     let b = stream.next().unwrap().unwrap();
     let rb = &b.record_batch;
     let lists = |name: &str| rb.column_by_name(name).unwrap().as_any().downcast_ref::<arrow_array::ListArray>().unwrap().clone();
@@ -131,8 +131,8 @@ fn record_batch_ids_are_the_sharded_entities() {
         }
         let idx = tidx.value(row) as usize;
         let orig = part.triple_sort_idx[idx] as usize;
-        let h = head.value(row).as_any().downcast_ref::<arrow_array::Int64Array>().unwrap().value(0);
-        let tl = tail.value(row).as_any().downcast_ref::<arrow_array::Int64Array>().unwrap().value(0);
+        let h = i64::from(head.value(row).as_any().downcast_ref::<arrow_array::Int32Array>().unwrap().value(0));
+        let tl = i64::from(tail.value(row).as_any().downcast_ref::<arrow_array::Int32Array>().unwrap().value(0));
         assert_eq!(h, stream.physical_id_of_entity(triples.head[orig]).unwrap());
         assert_eq!(tl, stream.physical_id_of_entity(triples.tail[orig]).unwrap());
         // Back from the physical id to the entity.
