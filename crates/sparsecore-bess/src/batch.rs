@@ -138,6 +138,8 @@ pub struct BatchSampler {
     negative: Option<NegativeSampler>,
     return_triple_idx: bool,
     state: State,
+    /// `x mod triple_counts[p]` for every partition (set up once: each costs a 128-bit division).
+    fast: Vec<FastMod>,
 }
 
 /// Options of a [`BatchSampler`].
@@ -186,7 +188,8 @@ impl BatchSampler {
                 }),
             },
         };
-        Ok(BatchSampler { part, geometry, negative, return_triple_idx: options.return_triple_idx, state })
+        let fast = part.triple_counts.iter().map(|&c| FastMod::new(c as u64)).collect();
+        Ok(BatchSampler { part, geometry, negative, return_triple_idx: options.return_triple_idx, state, fast })
     }
 
     /// The geometry.
@@ -265,9 +268,10 @@ impl BatchSampler {
                 // The draws are one sequential stream; the divisions after them are not, and
                 // cost more than the draws, so large steps take them on every thread.
                 idx.extend((0..total).map(|_| rng.integers_63() as i64));
+                let fast = &self.fast;
                 let reduce = |(block, x): (usize, &mut [i64])| {
                     let p = block % p_count;
-                    let (off, c) = (offsets[p], FastMod::new(counts[p] as u64));
+                    let (off, c) = (offsets[p], fast[p]);
                     for v in x {
                         *v = off + c.reduce(*v as u64) as i64;
                     }

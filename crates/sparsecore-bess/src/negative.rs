@@ -67,6 +67,7 @@ pub struct RandomNegative {
     /// One list per batch block (`B = 1`, or 2 for `ht`) instead of one per triple.
     pub flat_negative_format: bool,
     rng: NumpyRng,
+    fast: ShardMods,
 }
 
 /// Negatives of the same entity type as the corrupted side (`TypeBasedShardedNegativeSampler`).
@@ -80,6 +81,25 @@ pub struct TypeBasedNegative {
     /// shard that uses the negatives (false).
     pub local_sampling: bool,
     rng: NumpyRng,
+    fast: ShardMods,
+}
+
+/// `x mod shard_counts[a]` reducers, rebuilt only when the counts change (each costs a 128-bit
+/// division).
+#[derive(Debug, Clone, Default)]
+struct ShardMods {
+    counts: Vec<i64>,
+    mods: Vec<FastMod>,
+}
+
+impl ShardMods {
+    fn for_counts(&mut self, counts: &[i64]) -> &[FastMod] {
+        if self.counts != counts {
+            self.counts = counts.to_vec();
+            self.mods = counts.iter().map(|&c| FastMod::new(c as u64)).collect();
+        }
+        &self.mods
+    }
 }
 
 /// One list's padded tables (SPEC 5.3).
@@ -137,7 +157,7 @@ impl RandomNegative {
         if n_negative == 0 {
             return Err(BessError::param("n_negative", 0, "must be at least 1"));
         }
-        Ok(RandomNegative { n_negative, corruption, local_sampling, flat_negative_format, rng: seed_rng(seed_words) })
+        Ok(RandomNegative { n_negative, corruption, local_sampling, flat_negative_format, rng: seed_rng(seed_words), fast: ShardMods::default() })
     }
 }
 
@@ -167,7 +187,7 @@ impl RandomNegative {
     /// [`Self::draw`]'s values, row-major over `(bps, n, n, B, k)`, into a reused buffer.
     pub fn draw_into(&mut self, part: &PartitionedTriples, bps: usize, f: usize, out: &mut Vec<i32>) -> Result<()> {
         let b = self.lists(f);
-        draw_mod_shard(&mut self.rng, part, bps, part.n_shard(), b, self.n_negative, "random negative sampler", out)
+        draw_mod_shard(&mut self.rng, &mut self.fast, part, bps, b, self.n_negative, "random negative sampler", out)
     }
 }
 
@@ -178,7 +198,7 @@ impl TypeBasedNegative {
         if n_negative == 0 {
             return Err(BessError::param("n_negative", 0, "must be at least 1"));
         }
-        Ok(TypeBasedNegative { n_negative, corruption, local_sampling, rng: seed_rng(seed_words) })
+        Ok(TypeBasedNegative { n_negative, corruption, local_sampling, rng: seed_rng(seed_words), fast: ShardMods::default() })
     }
 }
 
@@ -305,17 +325,26 @@ fn dims(sample_idx: &ArrayD<i64>) -> Dims {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn draw_mod_shard(rng: &mut NumpyRng, part: &PartitionedTriples, bps: usize, n: usize, b: usize, k: usize, sampler: &'static str, out: &mut Vec<i32>) -> Result<()> {
+fn draw_mod_shard(
+    rng: &mut NumpyRng,
+    fast: &mut ShardMods,
+    part: &PartitionedTriples,
+    bps: usize,
+    b: usize,
+    k: usize,
+    sampler: &'static str,
+    out: &mut Vec<i32>,
+) -> Result<()> {
     let counts = &part.sharding.shard_counts;
     if let Some(a) = counts.iter().position(|&c| c == 0) {
         return Err(BessError::EmptyPartition { sampler, partition: format!("shard {a} (it holds no entities to draw negatives from)") });
     }
+    let n = counts.len();
+    let mods = fast.for_counts(counts);
     out.clear();
     out.reserve(bps * n * n * b * k);
     for _ in 0..bps {
-        for &c in counts.iter() {
-            // Shard counts fit in 32 bits (entity ids are int32).
-            let c = FastMod::new(c as u64);
+        for c in mods {
             for _ in 0..n * b * k {
                 out.push(c.reduce(u64::from(rng.integers_31())) as i32);
             }
@@ -365,7 +394,7 @@ impl NegativeSampler {
                     .collect();
                 let k = s.n_negative;
                 let mut raw = Vec::new();
-                draw_mod_shard(&mut s.rng, part, d.bps, d.n, d.f, k, "type-based negative sampler", &mut raw)?;
+                draw_mod_shard(&mut s.rng, &mut s.fast, part, d.bps, d.f, k, "type-based negative sampler", &mut raw)?;
                 let mut out = Vec::with_capacity(raw.len());
                 for (idx, &v) in raw.iter().enumerate() {
                     let f = (idx / k) % d.f;
