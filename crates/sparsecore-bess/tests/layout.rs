@@ -140,3 +140,21 @@ fn record_batch_ids_are_the_sharded_entities() {
         assert_eq!(sh.shard_and_idx_to_entity[[s, i as usize]], triples.head[orig]);
     }
 }
+
+#[test]
+fn hosts_feed_their_own_sparsecores() {
+    // G = 2 devices of S = 2 SparseCores: one host feeding both equals two hosts of one device
+    // each, concatenated (host 0's rows first).
+    let triples = synth::power_law(300, 4, 2500, 0.8, 6);
+    let make = |l: usize, host: usize| {
+        BessStream::builder().triples(triples.clone()).n_entity(300).devices(l, 2, 2).host(host).shard_batch_size(6).negatives(2).seed(8).steps(3).build().unwrap()
+    };
+    let (mut both, mut h0, mut h1) = (make(2, 0), make(1, 0), make(1, 1));
+    assert!(matches!(BessStream::builder().triples(triples.clone()).n_entity(300).devices(1, 2, 2).host(2).shard_batch_size(6).build(), Err(sparsecore_bess::BessError::InvalidParameter { name: "host", .. })));
+    for step in 0..3 {
+        let all = both.draw(step).unwrap().record_batch;
+        let parts = [h0.draw(step).unwrap().record_batch, h1.draw(step).unwrap().record_batch];
+        let joined = arrow_select::concat::concat_batches(&all.schema(), &parts).unwrap();
+        assert_eq!(all, joined);
+    }
+}

@@ -135,3 +135,45 @@ fn sharding_npz_round_trip() {
     assert!(e.contains("entity_to_shard") && e.contains("entity 5"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn besskge_untyped_sharding_files_hold_pickled_nones() {
+    // besskge's `Sharding.save` of an untyped sharding writes the two type fields as pickled
+    // `None` object arrays; they are read as "untyped".
+    use std::io::Write;
+    use sparsecore_prep::fdo::npz::{encode_npy, NpyArray};
+    let s = Sharding::create(50, 4, &[9], None).unwrap();
+    let dir = std::env::temp_dir().join(format!("bess-npz-none-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("besskge.npz");
+    let mut zip = zip::ZipWriter::new(std::fs::File::create(&path).unwrap());
+    let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    let int = |shape: Vec<usize>, data: Vec<i64>| encode_npy(&NpyArray { shape, data });
+    let members = [
+        ("n_shard.npy", int(vec![], vec![4])),
+        ("entity_to_shard.npy", int(vec![50], s.entity_to_shard.clone())),
+        ("entity_to_idx.npy", int(vec![50], s.entity_to_idx.clone())),
+        ("shard_and_idx_to_entity.npy", int(vec![4, 13], s.shard_and_idx_to_entity.iter().copied().collect())),
+        ("shard_counts.npy", int(vec![4], s.shard_counts.clone())),
+    ];
+    for (name, bytes) in members {
+        zip.start_file(name, opts).unwrap();
+        zip.write_all(&bytes).unwrap();
+    }
+    let mut header = b"{'descr': '|O', 'fortran_order': False, 'shape': (), }".to_vec();
+    while !(10 + header.len() + 1).is_multiple_of(64) {
+        header.push(b' ');
+    }
+    header.push(b'\n');
+    let mut object = b"\x93NUMPY\x01\x00".to_vec();
+    object.extend((header.len() as u16).to_le_bytes());
+    object.extend(header);
+    object.extend(b"\x80\x03N.");
+    for name in ["entity_type_counts.npy", "entity_type_offsets.npy"] {
+        zip.start_file(name, opts).unwrap();
+        zip.write_all(&object).unwrap();
+    }
+    zip.finish().unwrap();
+    assert_eq!(Sharding::load_npz(&path).unwrap(), s);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
