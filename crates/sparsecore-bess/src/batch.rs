@@ -53,6 +53,9 @@ impl Geometry {
             }
             p
         };
+        if shard_bs > i32::MAX as usize {
+            return Err(BessError::param("shard_bs", shard_bs, "must fit in int32"));
+        }
         let ppp = ppp_of(shard_bs);
         if ppp == 0 {
             let mut minimum = shard_bs.max(1);

@@ -154,8 +154,8 @@ impl RandomNegative {
     /// `RandomShardedNegativeSampler(n_negative, seed, corruption_scheme, local_sampling,
     /// flat_negative_format)`, with the seed's 32-bit words.
     pub fn new(n_negative: usize, seed_words: &[u32], corruption: Corruption, local_sampling: bool, flat_negative_format: bool) -> Result<Self> {
-        if n_negative == 0 {
-            return Err(BessError::param("n_negative", 0, "must be at least 1"));
+        if n_negative == 0 || n_negative > i32::MAX as usize {
+            return Err(BessError::param("n_negative", n_negative, "must be in 1 ..= 2^31 - 1"));
         }
         Ok(RandomNegative { n_negative, corruption, local_sampling, flat_negative_format, rng: seed_rng(seed_words), fast: ShardMods::default() })
     }
@@ -195,8 +195,8 @@ impl TypeBasedNegative {
     /// `TypeBasedShardedNegativeSampler(triple_types, n_negative, seed, corruption_scheme,
     /// local_sampling)`; the types come from the partitioned set at sampling time.
     pub fn new(n_negative: usize, seed_words: &[u32], corruption: Corruption, local_sampling: bool) -> Result<Self> {
-        if n_negative == 0 {
-            return Err(BessError::param("n_negative", 0, "must be at least 1"));
+        if n_negative == 0 || n_negative > i32::MAX as usize {
+            return Err(BessError::param("n_negative", n_negative, "must be in 1 ..= 2^31 - 1"));
         }
         Ok(TypeBasedNegative { n_negative, corruption, local_sampling, rng: seed_rng(seed_words), fast: ShardMods::default() })
     }

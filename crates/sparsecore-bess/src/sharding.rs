@@ -37,6 +37,9 @@ pub struct Sharding {
     pub entity_type_offsets: Option<Array2<i64>>,
 }
 
+/// Most shards a sharding may have (far above any SparseCore count; a bound on memory).
+pub const MAX_SHARDS: usize = 1 << 24;
+
 /// `type(x)` = number of offsets `<= x`, minus one (numpy's `digitize(x, offsets) - 1`).
 pub(crate) fn type_of(offsets: &[i64], x: i64) -> i64 {
     offsets.partition_point(|&o| o <= x) as i64 - 1
@@ -62,6 +65,9 @@ impl Sharding {
     pub fn create(n_entity: usize, n_shard: usize, seed_words: &[u32], type_offsets: Option<&[i64]>) -> Result<Self> {
         if n_shard == 0 {
             return Err(BessError::param("n_shard", 0, "must be at least 1"));
+        }
+        if n_shard > MAX_SHARDS {
+            return Err(BessError::param("n_shard", n_shard, format!("must be at most {MAX_SHARDS}")));
         }
         if n_entity == 0 {
             return Err(BessError::param("n_entity", 0, "must be at least 1"));

@@ -374,13 +374,24 @@ impl BessStreamBuilder {
             Some(NegativeSampler::Random(r)) => r.flat_negative_format,
             _ => false,
         };
+        // Every count below must fit the pipeline's 32-bit buffers, and a batch's rows an Arrow
+        // List column: checked, never wrapped.
+        let limit = i32::MAX as u128;
+        let (n_, b_, k_, ppp_) = (n as u128, b as u128, k as u128, ppp as u128);
+        let max_ids_ = 2 * ppp_ + b_ * k_;
+        let rows_ = (n_ * ppp_).max(n_ * b_ * k_);
+        let coo_ = s as u128 * n_ * max_ids_.div_ceil(8) * 8;
+        if max_ids_ > limit || coo_ >= limit || rows_ * layout.local_sparsecores() as u128 >= limit {
+            return Err(BessError::param(
+                "shard_batch_size / negatives",
+                format!("{shard_bs} / {}", self.negatives),
+                "give per-partition counts, buffers or rows beyond the pipeline's 32-bit buffers",
+            ));
+        }
         let neg_rows = n * b * k;
         let rows = t.max(neg_rows);
         let max_ids = 2 * ppp + b * k;
         let coo = s * n * max_ids.div_ceil(8) * 8;
-        if max_ids > i32::MAX as usize || coo >= i32::MAX as usize {
-            return Err(BessError::param("shard_batch_size", shard_bs, "gives per-partition counts beyond the 32-bit buffers"));
-        }
         let counts = CellCounts {
             ppp,
             triples_per_sparsecore: t,

@@ -130,3 +130,13 @@ fn sharding_parameters() {
     let e = Sharding::load_npz("/nonexistent/sharding.npz").unwrap_err();
     assert!(matches!(e, BessError::Io { .. }), "{e:?}");
 }
+
+#[test]
+fn sizes_beyond_the_buffers_are_errors_not_overflows() {
+    let t = synth::uniform(100, 3, 500, 1);
+    for (bs, k) in [(usize::MAX, 0), (1 << 30, 0), (8, usize::MAX), (8, 1 << 40)] {
+        let e = BessStream::builder().triples(t.clone()).n_entity(100).shard_batch_size(bs).negatives(k).build().unwrap_err();
+        assert!(matches!(e, BessError::InvalidParameter { .. }), "{bs} {k}: {e:?}");
+    }
+    assert!(matches!(Sharding::create(10, usize::MAX, &[0], None).unwrap_err(), BessError::InvalidParameter { name: "n_shard", .. }));
+}
