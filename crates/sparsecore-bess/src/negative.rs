@@ -159,9 +159,7 @@ impl RandomNegative {
         }
         Ok(RandomNegative { n_negative, corruption, local_sampling, flat_negative_format, rng: seed_rng(seed_words), fast: ShardMods::default() })
     }
-}
 
-impl RandomNegative {
     /// Lists per (drawn-from shard, using shard): `B = 2` (flat "ht"), 1 (flat) or `f`.
     #[must_use]
     pub fn lists(&self, f: usize) -> usize {

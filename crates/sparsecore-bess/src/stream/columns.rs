@@ -1,0 +1,259 @@
+//! Building a step's Arrow columns: the schema, what every batch shares (list offsets,
+//! validity, Random's constant mask), the buffers reused between batches, and the positives'
+//! and negatives' columns (built on two threads when the negatives are uniform).
+
+use std::sync::Arc;
+
+use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, ListArray};
+use arrow_buffer::{NullBuffer, OffsetBuffer, ScalarBuffer};
+use arrow_schema::{DataType, Field, Schema, SchemaRef};
+use rayon::prelude::*;
+
+use super::{CellCounts, HEAD, NEGATIVE, TAIL};
+use crate::batch::BatchSampler;
+use crate::error::{BessError, Result};
+use crate::layout::SparseCoreLayout;
+use crate::negative::Corruption;
+
+pub(super) fn list_field() -> Arc<Field> {
+    Arc::new(Field::new_list_field(DataType::Int32, false))
+}
+
+/// Which optional columns a stream's record batches carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Columns {
+    pub(super) negatives: bool,
+    pub(super) negative_mask: bool,
+    pub(super) annotations: bool,
+}
+
+pub(super) fn schema(c: Columns) -> SchemaRef {
+    let list = DataType::List(list_field());
+    let mut fields = vec![
+        Field::new(HEAD, list.clone(), false),
+        Field::new(TAIL, list.clone(), false),
+        Field::new("relation", DataType::Int32, true),
+        Field::new("triple_mask", DataType::Boolean, false),
+    ];
+    if c.annotations {
+        fields.push(Field::new("triple_idx", DataType::Int64, true));
+    }
+    if c.negatives {
+        fields.push(Field::new(NEGATIVE, list, false));
+        if c.negative_mask {
+            fields.push(Field::new("negative_mask", DataType::Boolean, true));
+        }
+        if c.annotations {
+            fields.extend([
+                Field::new("negative_shard", DataType::Int32, true),
+                Field::new("negative_triple", DataType::Int32, true),
+                Field::new("negative_side", DataType::Int8, true),
+            ]);
+        }
+    }
+    Arc::new(Schema::new(fields))
+}
+
+/// Offsets of a list column over `slices` slices of `r` rows each, whose first `used` rows hold
+/// one id each and the rest none. They depend only on the stream's shape, so they are built
+/// once and shared by every batch (Arrow buffers are reference-counted).
+pub(super) fn one_id_offsets(slices: usize, used: usize, r: usize) -> Result<OffsetBuffer<i32>> {
+    let total = slices * r;
+    if total >= i32::MAX as usize {
+        return Err(BessError::param("rows", total, "too many for a List column"));
+    }
+    let mut offsets = Vec::with_capacity(total + 1);
+    offsets.push(0i32);
+    for slice in 0..slices {
+        let base = (slice * used) as i32;
+        offsets.extend((1..=r).map(|row| base + row.min(used) as i32));
+    }
+    Ok(OffsetBuffer::new(ScalarBuffer::from(offsets)))
+}
+
+/// `Some(validity)` of `slices` slices of `r` rows whose first `len` rows are valid, when some
+/// are not.
+pub(super) fn validity(slices: usize, len: usize, r: usize) -> Option<NullBuffer> {
+    (len < r).then(|| NullBuffer::from_iter((0..slices).flat_map(|_| (0..r).map(move |row| row < len))))
+}
+
+/// What every batch of a stream shares: list offsets, validity, Random's constant mask.
+#[derive(Debug, Clone)]
+pub(super) struct Shared {
+    pub(super) pos_offsets: OffsetBuffer<i32>,
+    pub(super) neg_offsets: OffsetBuffer<i32>,
+    pub(super) pos_valid: Option<NullBuffer>,
+    pub(super) neg_valid: Option<NullBuffer>,
+    /// `triple_mask` when there is no Rigid mask: true for the triples' rows.
+    pub(super) full_mask: ArrayRef,
+}
+
+/// Buffers reused from batch to batch (the pipeline reuses its own; a fresh megabyte per batch
+/// would cost more in page faults than the sampling itself).
+#[derive(Debug, Clone, Default)]
+pub(super) struct Scratch {
+    pub(super) bess_idx: Vec<i64>,
+    pub(super) bess_mask: Vec<bool>,
+    pub(super) sidx: Vec<i64>,
+    pub(super) smask: Vec<bool>,
+    pub(super) neg: Vec<i32>,
+}
+
+/// What building a record batch needs, borrowed apart from the samplers (so that positives and
+/// negatives can be built on two threads).
+pub(super) struct Parts<'a> {
+    pub(super) layout: &'a SparseCoreLayout,
+    pub(super) counts: &'a CellCounts,
+    pub(super) phys: &'a [[i32; 3]],
+    pub(super) neg_b: usize,
+    pub(super) neg_k: usize,
+    pub(super) flat: bool,
+    pub(super) corruption: Corruption,
+    pub(super) columns: Columns,
+    pub(super) shared: &'a Shared,
+}
+
+impl Parts<'_> {
+    /// Samples step `step`'s positives, lays them out SparseCore-major into `sidx` (and
+    /// `smask`) and builds their columns. Returns the columns and whether there is a Rigid mask.
+    pub(super) fn positives(
+        &self,
+        sampler: &mut BatchSampler,
+        step: usize,
+        bess_idx: &mut Vec<i64>,
+        bess_mask: &mut Vec<bool>,
+        sidx: &mut Vec<i64>,
+        smask: &mut Vec<bool>,
+    ) -> Result<(Vec<ArrayRef>, bool)> {
+        let lay = self.layout;
+        let n = lay.num_sparsecores();
+        let (ppp, t, r) = (self.counts.ppp, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        // BESS indices, row-major over (head shard i, tail shard j, position).
+        let rigid = sampler.sample_indices_into(step, bess_idx, bess_mask)?;
+        sidx.clear();
+        smask.clear();
+        for g in 0..n {
+            for i in 0..n {
+                let base = (i * n + lay.tail_shard(g, i, step)) * ppp;
+                sidx.extend_from_slice(&bess_idx[base..base + ppp]);
+                if rigid {
+                    smask.extend_from_slice(&bess_mask[base..base + ppp]);
+                }
+            }
+        }
+        let local = lay.local_sparsecores();
+        let rows = local * r;
+        let pad = r - t;
+        let first = lay.global_sparsecore(0) * t;
+        let _ = rows;
+        let mine = &sidx[first..first + local * t];
+        // The random reads of the triple table are what this stage waits on; the loop does
+        // little else, so many are in flight.
+        // Slices are gathered in parallel.
+        let mut head = vec![0i32; local * t];
+        let mut tail = vec![0i32; local * t];
+        let mut relation = vec![0i32; rows];
+        head.par_chunks_mut(t).zip(tail.par_chunks_mut(t)).zip(relation.par_chunks_mut(r)).zip(mine.par_chunks(t)).for_each(|(((h, tl), rel), slice)| {
+            for (k, &i) in slice.iter().enumerate() {
+                let tr = self.phys[i as usize];
+                h[k] = tr[0];
+                tl[k] = tr[2];
+                rel[k] = tr[1];
+            }
+        });
+        let sh = self.shared;
+        let lists = |ids: Vec<i32>| -> Result<ArrayRef> {
+            Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int32Array::from(ids)), None)?))
+        };
+        let mask: ArrayRef = if rigid {
+            let m = &smask[first..first + local * t];
+            Arc::new(BooleanArray::from_iter((0..local).flat_map(|s| (0..r).map(move |row| Some(row < t && m[s * t + row])))))
+        } else {
+            sh.full_mask.clone()
+        };
+        let mut columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation.into(), sh.pos_valid.clone())), mask];
+        if self.columns.annotations {
+            let mut tidx = Vec::with_capacity(rows);
+            for slice in mine.chunks(t) {
+                tidx.extend_from_slice(slice);
+                tidx.resize(tidx.len() + pad, 0);
+            }
+            columns.push(Arc::new(Int64Array::new(tidx.into(), sh.pos_valid.clone())));
+        }
+        Ok((columns, rigid))
+    }
+
+    /// The negative columns from the sampler's values `negs`, row-major over
+    /// `(1, n, n, B, K)` (and its mask): SparseCore `g`'s slice takes `negs[0][x][g]` from every
+    /// shard `x`, one per row.
+    pub(super) fn negative_columns(&self, negs: &[i32], nmask: Option<&[bool]>) -> Result<Vec<ArrayRef>> {
+        let lay = self.layout;
+        let n = lay.num_sparsecores();
+        let (ppp, r) = (self.counts.ppp, self.counts.rows_per_sparsecore);
+        let local = lay.local_sparsecores();
+        let rows = local * r;
+        let (b, k) = (self.neg_b, self.neg_k);
+        let bk = b * k;
+        let nrows = n * bk;
+        let n32 = n as i32;
+        let hoff: Vec<i32> = (0..n).map(|s| lay.physical_id(s, 0) as i32).collect();
+        let ann = self.columns.annotations;
+        let cap = |on: bool| if on { rows } else { 0 };
+        let mut ids = Vec::with_capacity(local * nrows);
+        let mut nm = Vec::with_capacity(cap(self.columns.negative_mask));
+        let (mut shard, mut trip, mut side) = (Vec::with_capacity(cap(ann)), Vec::with_capacity(cap(ann)), Vec::with_capacity(cap(ann)));
+        let side_of = |bb: usize| -> i8 {
+            match (self.corruption, self.flat) {
+                (Corruption::H, _) => 0,
+                (Corruption::T, _) => 1,
+                (Corruption::Ht, true) => bb as i8,
+                (Corruption::Ht, false) => i8::from(bb % ppp >= ppp / 2),
+            }
+        };
+        let fill = r - nrows;
+        for slot in 0..local {
+            let g = lay.global_sparsecore(slot);
+            for (x, &hx) in hoff.iter().enumerate() {
+                // negs[0][x][g][bb][ii], contiguous over (bb, ii).
+                let at = (x * n + g) * bk;
+                ids.extend(negs[at..at + bk].iter().map(|&v| v * n32 + hx));
+                if self.columns.negative_mask {
+                    match nmask {
+                        Some(m) => nm.extend_from_slice(&m[at..at + bk]),
+                        None => nm.resize(nm.len() + bk, true),
+                    }
+                }
+                if ann {
+                    shard.resize(shard.len() + bk, x as i32);
+                    for bb in 0..b {
+                        trip.resize(trip.len() + k, if self.flat { -1 } else { bb as i32 });
+                        side.resize(side.len() + k, side_of(bb));
+                    }
+                }
+            }
+            if self.columns.negative_mask {
+                nm.resize(nm.len() + fill, false);
+            }
+            if ann {
+                shard.resize(shard.len() + fill, 0);
+                trip.resize(trip.len() + fill, 0);
+                side.resize(side.len() + fill, 0);
+            }
+        }
+        let sh = self.shared;
+        let valid = &sh.neg_valid;
+        let mut columns: Vec<ArrayRef> = vec![Arc::new(ListArray::try_new(list_field(), sh.neg_offsets.clone(), Arc::new(Int32Array::from(ids)), None)?)];
+        if self.columns.negative_mask {
+            columns.push(Arc::new(BooleanArray::new(nm.into(), valid.clone())));
+        }
+        if ann {
+            columns.extend([
+                Arc::new(Int32Array::new(shard.into(), valid.clone())) as ArrayRef,
+                Arc::new(Int32Array::new(trip.into(), valid.clone())),
+                Arc::new(Int8Array::new(side.into(), valid.clone())),
+            ]);
+        }
+        Ok(columns)
+    }
+}
+
