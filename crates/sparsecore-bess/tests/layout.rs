@@ -131,8 +131,8 @@ fn record_batch_ids_are_the_sharded_entities() {
         }
         let idx = tidx.value(row) as usize;
         let orig = part.triple_sort_idx[idx] as usize;
-        let h = i64::from(head.value(row).as_any().downcast_ref::<arrow_array::Int32Array>().unwrap().value(0));
-        let tl = i64::from(tail.value(row).as_any().downcast_ref::<arrow_array::Int32Array>().unwrap().value(0));
+        let h = head.value(row).as_any().downcast_ref::<arrow_array::Int64Array>().unwrap().value(0);
+        let tl = tail.value(row).as_any().downcast_ref::<arrow_array::Int64Array>().unwrap().value(0);
         assert_eq!(h, stream.physical_id_of_entity(triples.head[orig]).unwrap());
         assert_eq!(tl, stream.physical_id_of_entity(triples.tail[orig]).unwrap());
         // Back from the physical id to the entity.

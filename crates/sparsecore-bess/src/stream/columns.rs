@@ -16,7 +16,7 @@ use crate::layout::SparseCoreLayout;
 use crate::negative::Corruption;
 
 pub(super) fn list_field() -> Arc<Field> {
-    Arc::new(Field::new_list_field(DataType::Int32, false))
+    Arc::new(Field::new_list_field(DataType::Int64, false))
 }
 
 /// Which optional columns a stream's record batches carry.
@@ -150,20 +150,20 @@ impl Parts<'_> {
         // The random reads of the triple table are what this stage waits on; the loop does
         // little else, so many are in flight.
         // Slices are gathered in parallel.
-        let mut head = vec![0i32; local * t];
-        let mut tail = vec![0i32; local * t];
+        let mut head = vec![0i64; local * t];
+        let mut tail = vec![0i64; local * t];
         let mut relation = vec![0i32; rows];
         head.par_chunks_mut(t).zip(tail.par_chunks_mut(t)).zip(relation.par_chunks_mut(r)).zip(mine.par_chunks(t)).for_each(|(((h, tl), rel), slice)| {
             for (k, &i) in slice.iter().enumerate() {
                 let tr = self.phys[i as usize];
-                h[k] = tr[0];
-                tl[k] = tr[2];
+                h[k] = i64::from(tr[0]);
+                tl[k] = i64::from(tr[2]);
                 rel[k] = tr[1];
             }
         });
         let sh = self.shared;
-        let lists = |ids: Vec<i32>| -> Result<ArrayRef> {
-            Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int32Array::from(ids)), None)?))
+        let lists = |ids: Vec<i64>| -> Result<ArrayRef> {
+            Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int64Array::from(ids)), None)?))
         };
         let mask: ArrayRef = if rigid {
             let m = &smask[first..first + local * t];
@@ -195,8 +195,8 @@ impl Parts<'_> {
         let (b, k) = (self.neg_b, self.neg_k);
         let bk = b * k;
         let nrows = n * bk;
-        let n32 = n as i32;
-        let hoff: Vec<i32> = (0..n).map(|s| lay.physical_id(s, 0) as i32).collect();
+        let n64 = n as i64;
+        let hoff: Vec<i64> = (0..n).map(|s| lay.physical_id(s, 0)).collect();
         let ann = self.columns.annotations;
         let cap = |on: bool| if on { rows } else { 0 };
         let mut ids = Vec::with_capacity(local * nrows);
@@ -216,7 +216,7 @@ impl Parts<'_> {
             for (x, &hx) in hoff.iter().enumerate() {
                 // negs[0][x][g][bb][ii], contiguous over (bb, ii).
                 let at = (x * n + g) * bk;
-                ids.extend(negs[at..at + bk].iter().map(|&v| v * n32 + hx));
+                ids.extend(negs[at..at + bk].iter().map(|&v| i64::from(v) * n64 + hx));
                 if self.columns.negative_mask {
                     match nmask {
                         Some(m) => nm.extend_from_slice(&m[at..at + bk]),
@@ -242,7 +242,7 @@ impl Parts<'_> {
         }
         let sh = self.shared;
         let valid = &sh.neg_valid;
-        let mut columns: Vec<ArrayRef> = vec![Arc::new(ListArray::try_new(list_field(), sh.neg_offsets.clone(), Arc::new(Int32Array::from(ids)), None)?)];
+        let mut columns: Vec<ArrayRef> = vec![Arc::new(ListArray::try_new(list_field(), sh.neg_offsets.clone(), Arc::new(Int64Array::from(ids)), None)?)];
         if self.columns.negative_mask {
             columns.push(Arc::new(BooleanArray::new(nm.into(), valid.clone())));
         }

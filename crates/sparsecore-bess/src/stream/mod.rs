@@ -11,9 +11,9 @@
 //! Rows are laid out per local SparseCore, device-major, `R` rows each (the pipeline gives
 //! SparseCore `k` rows `k·R .. (k+1)·R` of every feature). In SparseCore `g`'s slice:
 //! - rows `0 .. T` (`T = n·ppp`) are its triples, block by block (head shard `i`, then position
-//!   `j`): `head` and `tail` (`List<Int32>` of one physical id), `relation` (`Int32`) and
+//!   `j`): `head` and `tail` (`List<Int64>` of one physical id), `relation` (`Int32`) and
 //!   `triple_mask` (`Boolean`; Rigid's cyclic padding is false);
-//! - rows `0 .. NEG` (`NEG = n·B·K`) carry one negative each: `negative` (`List<Int32>` of one
+//! - rows `0 .. NEG` (`NEG = n·B·K`) carry one negative each: `negative` (`List<Int64>` of one
 //!   physical id), drawn from shard `row / (B·K)`, list `(row / K) mod B`; with TripleBased
 //!   negatives, `negative_mask` (`Boolean`, false for its padding);
 //! - `R = max(T, NEG)`; past `T` (or `NEG`) the id lists are empty and the plain columns null
