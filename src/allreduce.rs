@@ -40,6 +40,90 @@ impl AllReduce for LocalAllReduce {
     }
 }
 
+impl LocalAllReduce {
+    /// `hosts` in-process hosts (e.g. one thread each) of one job: member `r` of the returned
+    /// vector is host `r`. Each exchange waits at most `timeout` for the other members, then
+    /// fails with [`Error::AllReduce`] naming the members it did not hear from.
+    pub fn group(hosts: usize, timeout: Duration) -> Vec<InProcessAllReduce> {
+        let shared = Arc::new(GroupState { hosts, slots: Mutex::new(HashMap::new()), cv: Condvar::new() });
+        (0..hosts).map(|rank| InProcessAllReduce { rank, timeout, shared: shared.clone() }).collect()
+    }
+}
+
+/// Contributions of one key inside an [`InProcessAllReduce`] group.
+#[derive(Debug)]
+struct GroupSlot {
+    values: Vec<Option<u64>>,
+    read: usize,
+}
+
+#[derive(Debug)]
+struct GroupState {
+    hosts: usize,
+    slots: Mutex<HashMap<u64, GroupSlot>>,
+    cv: Condvar,
+}
+
+/// One member of an in-process group of hosts made by [`LocalAllReduce::group`].
+#[derive(Debug, Clone)]
+pub struct InProcessAllReduce {
+    rank: usize,
+    timeout: Duration,
+    shared: Arc<GroupState>,
+}
+
+impl InProcessAllReduce {
+    /// This member's rank in its group.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn exchange(&self, key: u64, value: u64) -> Result<u64> {
+        let deadline = Instant::now() + self.timeout;
+        let g = &*self.shared;
+        let poisoned = || Error::AllReduce { key, reason: "group lock poisoned".into() };
+        let mut slots = g.slots.lock().map_err(|_| poisoned())?;
+        {
+            let slot = slots.entry(key).or_insert_with(|| GroupSlot { values: vec![None; g.hosts], read: 0 });
+            if slot.values[self.rank].is_some() {
+                return Err(Error::AllReduce { key, reason: format!("host {} contributed twice", self.rank) });
+            }
+            slot.values[self.rank] = Some(value);
+        }
+        g.cv.notify_all();
+        loop {
+            let slot = slots.get_mut(&key).expect("a slot stays until every member read it");
+            if slot.values.iter().all(Option::is_some) {
+                let or = slot.values.iter().fold(0u64, |a, v| a | v.unwrap_or(0));
+                slot.read += 1;
+                if slot.read == g.hosts {
+                    slots.remove(&key);
+                }
+                return Ok(or);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let missing: Vec<String> =
+                    slot.values.iter().enumerate().filter(|(_, v)| v.is_none()).map(|(r, _)| r.to_string()).collect();
+                return Err(Error::AllReduce {
+                    key,
+                    reason: format!("timed out after {:?} waiting for hosts {}", self.timeout, missing.join(", ")),
+                });
+            }
+            slots = g.cv.wait_timeout(slots, deadline - now).map_err(|_| poisoned())?.0;
+        }
+    }
+}
+
+impl AllReduce for InProcessAllReduce {
+    fn all_reduce_or_bool(&self, key: u64, value: bool) -> Result<bool> {
+        Ok(self.exchange(key, value as u64)? != 0)
+    }
+    fn all_reduce_or_u64(&self, key: u64, value: u64) -> Result<u64> {
+        self.exchange(key, value)
+    }
+}
+
 /// Wire message: key (8 bytes LE), source rank (4), value (8).
 const MESSAGE: usize = 20;
 
