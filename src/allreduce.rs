@@ -1,17 +1,22 @@
 //! Cross-host agreement for minibatching (SPEC 5.8): every host contributes a value under a
 //! sync key and receives the OR over all hosts, so that all hosts split a step identically.
 //!
-//! [`LocalAllReduce`] serves a single host. [`TcpAllReduce`] connects the hosts of a job over
-//! TCP, one listener per host, with a deadline on every exchange: a missing or killed peer gives
-//! [`Error::AllReduce`] naming it, never a hang.
+//! [`LocalAllReduce`] serves a single host; [`LocalAllReduce::group`] joins hosts that are
+//! threads of one process. [`TcpAllReduce`] connects the hosts of a job over TCP, one listener
+//! per host, with a deadline on every exchange: a missing or killed peer gives
+//! [`Error::AllReduce`] naming it, never a hang. Its messages carry an HMAC under the job's
+//! shared secret; what it drops is counted and never changes a result, and its inbox is
+//! bounded (RELIABILITY.md, "Multi-host fault model").
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use hmac::{Hmac, KeyInit, Mac};
 
 use crate::error::{Error, Result};
 
@@ -124,64 +129,405 @@ impl AllReduce for InProcessAllReduce {
     }
 }
 
-/// Wire message: key (8 bytes LE), source rank (4), value (8).
-const MESSAGE: usize = 20;
+/// The environment variable a job's shared all-reduce secret is read from when none is given to
+/// [`TcpAllReduceBuilder::token`].
+pub const TOKEN_ENV: &str = "SPARSECORE_PREP_ALLREDUCE_TOKEN";
+/// Most keys a host keeps pending (received from peers before it asked for them). A peer is at
+/// most one exchange ahead, so a job needs 2; more are refused (the sender retries).
+pub const INBOX_KEYS: usize = 64;
+/// Pending keys older than this many completed exchanges of this host expire.
+pub const STEP_WINDOW: u64 = 4;
+/// Most connections served at once; more are closed at once (counted).
+pub const MAX_CONNECTIONS: usize = 64;
+/// A served connection that sends nothing for this long is closed.
+const IDLE: Duration = Duration::from_secs(5);
+/// Completed keys remembered, so that a late duplicate cannot start a new pending key.
+const DONE_KEYS: usize = 256;
 
-/// Contributions received so far, by key then source rank.
-type Inbox = Mutex<HashMap<u64, HashMap<u32, u64>>>;
+const HELLO_MAGIC: &[u8; 4] = b"SCAH";
+const FRAME_MAGIC: &[u8; 4] = b"SCAF";
+/// Hello (receiver to sender): magic, version (u32), receiver rank (u32), challenge (16).
+const HELLO: usize = 28;
+/// Frame (sender to receiver): magic, src (u32), dst (u32), seq, key, value (u64), HMAC (32).
+const FRAME: usize = 68;
+const VERSION: u32 = 1;
+const DOMAIN: &[u8] = b"sparsecore-prep/allreduce/v1";
+const ACK_OK: u8 = 0;
+const ACK_REJECTED: u8 = 1;
+const ACK_BUSY: u8 = 2;
 
-/// All-reduce over TCP between `peers.len()` hosts; this host is `rank`.
-///
-/// Each exchange sends this host's value to every peer (retrying until the deadline while a peer
-/// is not listening yet) and waits for every peer's value under the same key.
-pub struct TcpAllReduce {
+type HmacSha256 = Hmac<sha2::Sha256>;
+
+/// Counts of what a [`TcpAllReduce`] host dropped; none of these ever changes a result.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AllReduceCounters {
+    /// Frames without the magic, cut short, or connections that sent no whole frame.
+    pub malformed: u64,
+    /// Frames from a rank outside the job (or this host's own), or addressed to another rank.
+    pub unknown_rank: u64,
+    /// Frames whose HMAC does not verify under the job's secret (wrong token, tampering, or a
+    /// frame replayed on another connection, whose challenge differs).
+    pub bad_mac: u64,
+    /// Frames replayed on their connection (sequence number not increasing).
+    pub replayed: u64,
+    /// Authentic frames for a (key, rank) already received or completed: never override.
+    pub duplicate: u64,
+    /// Authentic frames for a new key refused because [`INBOX_KEYS`] keys were pending.
+    pub inbox_full: u64,
+    /// Pending keys dropped because they were older than the step window.
+    pub expired: u64,
+    /// Connections closed at once because [`MAX_CONNECTIONS`] were being served.
+    pub connections_refused: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    malformed: AtomicU64,
+    unknown_rank: AtomicU64,
+    bad_mac: AtomicU64,
+    replayed: AtomicU64,
+    duplicate: AtomicU64,
+    inbox_full: AtomicU64,
+    expired: AtomicU64,
+    connections_refused: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Values received for one key, by source rank, and when (in completed exchanges) it arrived.
+struct Pending {
+    values: HashMap<u32, u64>,
+    born: u64,
+}
+
+#[derive(Default)]
+struct InboxState {
+    pending: HashMap<u64, Pending>,
+    done: VecDeque<u64>,
+    completed: u64,
+}
+
+impl InboxState {
+    /// Ends `key` (completed or failed): forgets it, remembers it as done, expires old keys.
+    fn finish(&mut self, key: u64, counters: &Counters) {
+        self.pending.remove(&key);
+        if !self.done.contains(&key) {
+            if self.done.len() == DONE_KEYS {
+                self.done.pop_front();
+            }
+            self.done.push_back(key);
+        }
+        self.completed += 1;
+        let completed = self.completed;
+        let before = self.pending.len();
+        self.pending.retain(|_, p| p.born + STEP_WINDOW > completed);
+        for _ in self.pending.len()..before {
+            bump(&counters.expired);
+        }
+    }
+}
+
+struct Shared {
     rank: u32,
+    hosts: u32,
+    token: Vec<u8>,
+    inbox: Mutex<InboxState>,
+    cv: Condvar,
+    counters: Counters,
+    stop: AtomicBool,
+    conns: Mutex<HashMap<u64, TcpStream>>,
+}
+
+fn mac(token: &[u8], challenge: &[u8], src: u32, dst: u32, seq: u64, key: u64, value: u64) -> HmacSha256 {
+    let mut m = <HmacSha256 as KeyInit>::new_from_slice(token).expect("HMAC takes keys of any length");
+    m.update(DOMAIN);
+    m.update(challenge);
+    m.update(&src.to_le_bytes());
+    m.update(&dst.to_le_bytes());
+    m.update(&seq.to_le_bytes());
+    m.update(&key.to_le_bytes());
+    m.update(&value.to_le_bytes());
+    m
+}
+
+/// 16 unpredictable bytes: /dev/urandom, else std's randomly keyed hasher over time and a counter.
+fn challenge() -> [u8; 16] {
+    let mut c = [0u8; 16];
+    if std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut c)).is_ok() {
+        return c;
+    }
+    use std::hash::{BuildHasher, Hasher};
+    static N: AtomicU64 = AtomicU64::new(0);
+    for half in c.chunks_mut(8) {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(N.fetch_add(1, Ordering::Relaxed));
+        h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+        half.copy_from_slice(&h.finish().to_le_bytes());
+    }
+    c
+}
+
+/// Encodes one authenticated frame.
+fn frame(token: &[u8], challenge: &[u8], src: u32, dst: u32, seq: u64, key: u64, value: u64) -> [u8; FRAME] {
+    let mut f = [0u8; FRAME];
+    f[..4].copy_from_slice(FRAME_MAGIC);
+    f[4..8].copy_from_slice(&src.to_le_bytes());
+    f[8..12].copy_from_slice(&dst.to_le_bytes());
+    f[12..20].copy_from_slice(&seq.to_le_bytes());
+    f[20..28].copy_from_slice(&key.to_le_bytes());
+    f[28..36].copy_from_slice(&value.to_le_bytes());
+    f[36..].copy_from_slice(&mac(token, challenge, src, dst, seq, key, value).finalize().into_bytes());
+    f
+}
+
+/// Serves one connection: hello, then frames until EOF, idle, malformed or stop.
+fn serve_conn(shared: &Shared, stream: &mut TcpStream) {
+    let ch = challenge();
+    let mut hello = [0u8; HELLO];
+    hello[..4].copy_from_slice(HELLO_MAGIC);
+    hello[4..8].copy_from_slice(&VERSION.to_le_bytes());
+    hello[8..12].copy_from_slice(&shared.rank.to_le_bytes());
+    hello[12..].copy_from_slice(&ch);
+    let _ = stream.set_read_timeout(Some(IDLE));
+    let _ = stream.set_write_timeout(Some(IDLE));
+    if stream.write_all(&hello).is_err() {
+        return;
+    }
+    let mut last_seq = 0u64;
+    let mut buf = [0u8; FRAME];
+    loop {
+        let mut got = 0;
+        while got < FRAME {
+            match stream.read(&mut buf[got..]) {
+                Ok(0) | Err(_) => {
+                    if got > 0 && !shared.stop.load(Ordering::SeqCst) {
+                        bump(&shared.counters.malformed); // cut short, or silent mid-frame
+                    }
+                    return;
+                }
+                Ok(n) => got += n,
+            }
+        }
+        if &buf[..4] != FRAME_MAGIC {
+            bump(&shared.counters.malformed);
+            return; // cannot resynchronise a byte stream
+        }
+        let u32_at = |i: usize| u32::from_le_bytes(buf[i..i + 4].try_into().expect("4 bytes"));
+        let u64_at = |i: usize| u64::from_le_bytes(buf[i..i + 8].try_into().expect("8 bytes"));
+        let (src, dst, seq, key, value) = (u32_at(4), u32_at(8), u64_at(12), u64_at(20), u64_at(28));
+        let ack = if src >= shared.hosts || src == shared.rank || dst != shared.rank {
+            bump(&shared.counters.unknown_rank);
+            ACK_REJECTED
+        } else if mac(&shared.token, &ch, src, dst, seq, key, value).verify_slice(&buf[36..]).is_err() {
+            bump(&shared.counters.bad_mac);
+            ACK_REJECTED
+        } else if seq <= last_seq {
+            bump(&shared.counters.replayed);
+            ACK_REJECTED
+        } else {
+            last_seq = seq;
+            file(shared, src, key, value)
+        };
+        if stream.write_all(&[ack]).is_err() {
+            return;
+        }
+    }
+}
+
+/// Files an authentic value: never overrides, never grows past [`INBOX_KEYS`] keys.
+fn file(shared: &Shared, src: u32, key: u64, value: u64) -> u8 {
+    let Ok(mut inbox) = shared.inbox.lock() else { return ACK_BUSY };
+    if inbox.done.contains(&key) {
+        bump(&shared.counters.duplicate);
+        return ACK_OK; // already used: a resend after a lost ack
+    }
+    let born = inbox.completed;
+    let full = inbox.pending.len() >= INBOX_KEYS;
+    match inbox.pending.get_mut(&key) {
+        Some(p) => {
+            if p.values.contains_key(&src) {
+                bump(&shared.counters.duplicate);
+            } else {
+                p.values.insert(src, value);
+            }
+        }
+        None if full => {
+            bump(&shared.counters.inbox_full);
+            return ACK_BUSY;
+        }
+        None => {
+            inbox.pending.insert(key, Pending { values: HashMap::from([(src, value)]), born });
+        }
+    }
+    shared.cv.notify_all();
+    ACK_OK
+}
+
+/// Accepts connections until stopped, each served by its own thread (at most
+/// [`MAX_CONNECTIONS`] at once).
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    let mut next_id = 0u64;
+    for stream in listener.incoming() {
+        if shared.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let Ok(mut stream) = stream else { continue };
+        let id = next_id;
+        next_id += 1;
+        {
+            let Ok(mut conns) = shared.conns.lock() else { break };
+            if conns.len() >= MAX_CONNECTIONS {
+                bump(&shared.counters.connections_refused);
+                continue; // dropped: closed
+            }
+            match stream.try_clone() {
+                Ok(c) => conns.insert(id, c),
+                Err(_) => continue,
+            };
+        }
+        let sh = shared.clone();
+        let spawned = std::thread::Builder::new().name(format!("sparsecore-allreduce-{}-conn", shared.rank)).spawn(move || {
+            serve_conn(&sh, &mut stream);
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+            if let Ok(mut conns) = sh.conns.lock() {
+                conns.remove(&id);
+            }
+        });
+        if spawned.is_err() {
+            if let Ok(mut conns) = shared.conns.lock() {
+                conns.remove(&id);
+            }
+        }
+    }
+}
+
+/// All-reduce over TCP between `peers.len()` hosts of one job; this host is `rank`.
+///
+/// Each exchange delivers this host's value to every peer (retrying until the deadline while a
+/// peer is not listening yet) and waits for every peer's value under the same key, all within
+/// one deadline. Every value travels in a frame authenticated with the job's shared secret
+/// (HMAC-SHA256 over a per-connection challenge, source and destination rank, sequence number,
+/// key and value): frames that are malformed, from unknown ranks, badly authenticated, replayed
+/// or duplicated are dropped and counted ([`TcpAllReduce::counters`]) and never change a result.
+/// At most [`INBOX_KEYS`] keys wait in the inbox, and those older than [`STEP_WINDOW`] exchanges
+/// expire. A peer that is missing, dies or is too slow is an [`Error::AllReduce`] naming it.
+pub struct TcpAllReduce {
     peers: Vec<SocketAddr>,
     timeout: Duration,
-    inbox: Arc<(Inbox, Condvar)>,
-    stop: Arc<AtomicBool>,
+    shared: Arc<Shared>,
     listener: Option<JoinHandle<()>>,
     local: SocketAddr,
 }
 
 impl std::fmt::Debug for TcpAllReduce {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TcpAllReduce").field("rank", &self.rank).field("peers", &self.peers).finish()
+        f.debug_struct("TcpAllReduce").field("rank", &self.shared.rank).field("peers", &self.peers).finish()
     }
 }
 
-impl TcpAllReduce {
-    /// Listens on `peers[rank]` and talks to the others, waiting at most `timeout` per exchange.
-    pub fn new(rank: usize, peers: Vec<SocketAddr>, timeout: Duration) -> Result<Self> {
-        let addr = *peers.get(rank).ok_or_else(|| {
-            Error::option("rank", rank, format!("must index the {} peer addresses", peers.len()))
-        })?;
-        let listener = TcpListener::bind(addr)
-            .map_err(|source| Error::Io { context: format!("all-reduce: listening on {addr}"), source })?;
-        Self::with_listener(rank, listener, peers, timeout)
+/// Builds a [`TcpAllReduce`]: [`TcpAllReduce::builder`].
+#[derive(Debug)]
+pub struct TcpAllReduceBuilder {
+    rank: usize,
+    peers: Vec<SocketAddr>,
+    timeout: Duration,
+    token: Option<Vec<u8>>,
+    listener: Option<TcpListener>,
+}
+
+impl TcpAllReduceBuilder {
+    /// The deadline of one exchange (default 60 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
     }
 
-    /// Like [`TcpAllReduce::new`] with an already bound listener (e.g. bound to port 0 first, so
-    /// that tests can learn every peer's address before starting).
-    pub fn with_listener(rank: usize, listener: TcpListener, mut peers: Vec<SocketAddr>, timeout: Duration) -> Result<Self> {
+    /// The job's shared secret; every host of the job must use the same one. Without it, the
+    /// secret is read from [`TOKEN_ENV`]; without that either, frames are only checked for
+    /// integrity, not authenticity, and a warning is printed once per process.
+    pub fn token(mut self, token: impl AsRef<[u8]>) -> Self {
+        self.token = Some(token.as_ref().to_vec());
+        self
+    }
+
+    /// Serves on an already bound listener instead of binding `peers[rank]` (e.g. bound to port
+    /// 0 first, so that every peer's address is known before starting).
+    pub fn listener(mut self, listener: TcpListener) -> Self {
+        self.listener = Some(listener);
+        self
+    }
+
+    /// Binds (unless a listener was given) and starts serving.
+    pub fn build(self) -> Result<TcpAllReduce> {
+        let TcpAllReduceBuilder { rank, mut peers, timeout, token, listener } = self;
         if rank >= peers.len() {
             return Err(Error::option("rank", rank, format!("must index the {} peer addresses", peers.len())));
         }
+        if peers.len() > u32::MAX as usize {
+            return Err(Error::option("peers", peers.len(), "at most 2^32 - 1 hosts"));
+        }
+        let listener = match listener {
+            Some(l) => l,
+            None => {
+                let addr = peers[rank];
+                TcpListener::bind(addr)
+                    .map_err(|source| Error::Io { context: format!("all-reduce: listening on {addr}"), source })?
+            }
+        };
         let local = listener
             .local_addr()
             .map_err(|source| Error::Io { context: "all-reduce: reading the listener address".into(), source })?;
         peers[rank] = local;
-        let inbox: Arc<(Inbox, Condvar)> = Arc::new((Mutex::new(HashMap::new()), Condvar::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (inbox2, stop2) = (inbox.clone(), stop.clone());
+        let token = token
+            .filter(|t| !t.is_empty())
+            .or_else(|| std::env::var_os(TOKEN_ENV).filter(|t| !t.is_empty()).map(|t| t.into_encoded_bytes()));
+        let token = token.unwrap_or_else(|| {
+            static WARN: std::sync::Once = std::sync::Once::new();
+            WARN.call_once(|| {
+                eprintln!(
+                    "sparsecore-prep: warning: the TCP all-reduce has no shared secret (TcpAllReduce::builder().token() or \
+                     {TOKEN_ENV}); anyone who can reach its port can take part in minibatching decisions"
+                )
+            });
+            Vec::new()
+        });
+        let shared = Arc::new(Shared {
+            rank: rank as u32,
+            hosts: peers.len() as u32,
+            token,
+            inbox: Mutex::new(InboxState::default()),
+            cv: Condvar::new(),
+            counters: Counters::default(),
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+        });
+        let sh = shared.clone();
         let handle = std::thread::Builder::new()
             .name(format!("sparsecore-allreduce-{rank}"))
-            .spawn({
-                let hosts = peers.len() as u32;
-                move || serve(listener, inbox2, stop2, rank as u32, hosts)
-            })
+            .spawn(move || accept_loop(listener, sh))
             .map_err(|source| Error::Io { context: "all-reduce: starting the listener thread".into(), source })?;
-        Ok(TcpAllReduce { rank: rank as u32, peers, timeout, inbox, stop, listener: Some(handle), local })
+        Ok(TcpAllReduce { peers, timeout, shared, listener: Some(handle), local })
+    }
+}
+
+impl TcpAllReduce {
+    /// A builder for host `rank` of the job whose hosts listen on `peers`.
+    pub fn builder(rank: usize, peers: Vec<SocketAddr>) -> TcpAllReduceBuilder {
+        TcpAllReduceBuilder { rank, peers, timeout: Duration::from_secs(60), token: None, listener: None }
+    }
+
+    /// Listens on `peers[rank]` and talks to the others, waiting at most `timeout` per exchange;
+    /// the secret comes from [`TOKEN_ENV`].
+    pub fn new(rank: usize, peers: Vec<SocketAddr>, timeout: Duration) -> Result<Self> {
+        Self::builder(rank, peers).timeout(timeout).build()
+    }
+
+    /// Like [`TcpAllReduce::new`] with an already bound listener (e.g. bound to port 0 first, so
+    /// that tests can learn every peer's address before starting).
+    pub fn with_listener(rank: usize, listener: TcpListener, peers: Vec<SocketAddr>, timeout: Duration) -> Result<Self> {
+        Self::builder(rank, peers).timeout(timeout).listener(listener).build()
     }
 
     /// This host's listening address.
@@ -189,91 +535,109 @@ impl TcpAllReduce {
         self.local
     }
 
+    /// What this host has dropped so far.
+    pub fn counters(&self) -> AllReduceCounters {
+        let c = &self.shared.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        AllReduceCounters {
+            malformed: g(&c.malformed),
+            unknown_rank: g(&c.unknown_rank),
+            bad_mac: g(&c.bad_mac),
+            replayed: g(&c.replayed),
+            duplicate: g(&c.duplicate),
+            inbox_full: g(&c.inbox_full),
+            expired: g(&c.expired),
+            connections_refused: g(&c.connections_refused),
+        }
+    }
+
+    /// Keys waiting in the inbox now (at most [`INBOX_KEYS`]).
+    pub fn inbox_keys(&self) -> usize {
+        self.shared.inbox.lock().map_or(0, |i| i.pending.len())
+    }
+
+    /// Delivers one value to peer `r`: connect, read its hello, send a frame, read the ack.
+    fn deliver(&self, r: usize, key: u64, value: u64, deadline: Instant) -> std::result::Result<(), String> {
+        let addr = self.peers[r];
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err("deadline passed".into());
+        }
+        let step = left.min(Duration::from_secs(2));
+        let mut s = TcpStream::connect_timeout(&addr, step).map_err(|e| format!("connecting: {e}"))?;
+        let io = |e: std::io::Error| format!("talking to it: {e}");
+        s.set_read_timeout(Some(step)).map_err(io)?;
+        s.set_write_timeout(Some(step)).map_err(io)?;
+        let _ = s.set_nodelay(true);
+        let mut hello = [0u8; HELLO];
+        s.read_exact(&mut hello).map_err(|e| format!("reading its hello: {e}"))?;
+        if &hello[..4] != HELLO_MAGIC || hello[4..8] != VERSION.to_le_bytes() {
+            return Err("it does not speak this all-reduce protocol".into());
+        }
+        let their_rank = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes"));
+        if their_rank as usize != r {
+            return Err(format!("it is rank {their_rank} of its job, not rank {r}"));
+        }
+        let f = frame(&self.shared.token, &hello[12..], self.shared.rank, r as u32, 1, key, value);
+        s.write_all(&f).map_err(io)?;
+        let mut ack = [0u8; 1];
+        s.read_exact(&mut ack).map_err(|e| format!("reading its acknowledgement: {e}"))?;
+        match ack[0] {
+            ACK_OK => Ok(()),
+            ACK_BUSY => Err("its inbox was full".into()),
+            _ => Err("it rejected our message (do all hosts use the same token?)".into()),
+        }
+    }
+
     fn exchange(&self, key: u64, value: u64) -> Result<u64> {
         let deadline = Instant::now() + self.timeout;
-        let mut msg = [0u8; MESSAGE];
-        msg[..8].copy_from_slice(&key.to_le_bytes());
-        msg[8..12].copy_from_slice(&self.rank.to_le_bytes());
-        msg[12..].copy_from_slice(&value.to_le_bytes());
-        for (r, addr) in self.peers.iter().enumerate() {
-            if r as u32 == self.rank {
-                continue;
-            }
-            send(addr, &msg, deadline).map_err(|e| Error::AllReduce {
-                key,
-                reason: format!("cannot reach peer {r} at {addr} within {:?}: {e}", self.timeout),
-            })?;
+        let me = self.shared.rank as usize;
+        let mut undelivered: Vec<usize> = (0..self.peers.len()).filter(|&r| r != me).collect();
+        let mut why: HashMap<usize, String> = HashMap::new();
+        let poisoned = || Error::AllReduce { key, reason: "inbox lock poisoned".into() };
+        {
+            // Reserve the key so that the flood cap never refuses the key being waited for.
+            let mut inbox = self.shared.inbox.lock().map_err(|_| poisoned())?;
+            let born = inbox.completed;
+            inbox.done.retain(|&k| k != key);
+            inbox.pending.entry(key).or_insert_with(|| Pending { values: HashMap::new(), born });
         }
-        let (lock, cv) = &*self.inbox;
-        let mut inbox = lock.lock().map_err(|_| Error::AllReduce { key, reason: "inbox lock poisoned".into() })?;
-        let others = self.peers.len() - 1;
         loop {
-            let got = inbox.get(&key).map_or(0, |m| m.len());
-            if got >= others {
-                let values = inbox.remove(&key).unwrap_or_default();
-                return Ok(values.values().fold(value, |a, &b| a | b));
+            undelivered.retain(|&r| match self.deliver(r, key, value, deadline) {
+                Ok(()) => false,
+                Err(e) => {
+                    // Keep the last real failure rather than "deadline passed".
+                    if e != "deadline passed" || !why.contains_key(&r) {
+                        why.insert(r, e);
+                    }
+                    true
+                }
+            });
+            let mut inbox = self.shared.inbox.lock().map_err(|_| poisoned())?;
+            let heard: Vec<u32> = inbox.pending.get(&key).map(|p| p.values.keys().copied().collect()).unwrap_or_default();
+            if heard.len() == self.peers.len() - 1 && undelivered.is_empty() {
+                let or = inbox.pending.get(&key).map_or(value, |p| p.values.values().fold(value, |a, &b| a | b));
+                inbox.finish(key, &self.shared.counters);
+                return Ok(or);
             }
             let now = Instant::now();
             if now >= deadline {
-                // Forget this key: late messages for it must not satisfy a later exchange.
-                let heard_map = inbox.remove(&key);
-                let heard: Vec<u32> = heard_map.map(|m| m.keys().copied().collect()).unwrap_or_default();
-                let missing: Vec<String> = (0..self.peers.len() as u32)
-                    .filter(|r| *r != self.rank && !heard.contains(r))
-                    .map(|r| format!("{r} ({})", self.peers[r as usize]))
+                inbox.finish(key, &self.shared.counters);
+                let silent: Vec<String> = (0..self.peers.len())
+                    .filter(|&r| r != me && !heard.contains(&(r as u32)))
+                    .map(|r| format!("{r} ({})", self.peers[r]))
                     .collect();
-                return Err(Error::AllReduce {
-                    key,
-                    reason: format!("timed out after {:?} waiting for peers {}", self.timeout, missing.join(", ")),
-                });
+                let mut reason = format!("timed out after {:?}", self.timeout);
+                if !silent.is_empty() {
+                    reason += &format!(" waiting for peers {}", silent.join(", "));
+                }
+                for r in &undelivered {
+                    reason += &format!("; cannot reach peer {r} at {}: {}", self.peers[*r], why.get(r).map_or("", |s| s));
+                }
+                return Err(Error::AllReduce { key, reason });
             }
-            inbox = cv
-                .wait_timeout(inbox, deadline - now)
-                .map_err(|_| Error::AllReduce { key, reason: "inbox lock poisoned".into() })?
-                .0;
-        }
-    }
-}
-
-/// Sends one message, retrying until `deadline` while the peer is not accepting yet.
-fn send(addr: &SocketAddr, msg: &[u8], deadline: Instant) -> std::io::Result<()> {
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "deadline passed"));
-        }
-        match TcpStream::connect_timeout(addr, left) {
-            Ok(mut s) => {
-                s.set_write_timeout(Some(left.max(Duration::from_millis(1))))?;
-                return s.write_all(msg);
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(10).min(left)),
-        }
-    }
-}
-
-/// Accepts messages until stopped, filing them in the inbox.
-fn serve(listener: TcpListener, inbox: Arc<(Inbox, Condvar)>, stop: Arc<AtomicBool>, rank: u32, hosts: u32) {
-    for stream in listener.incoming() {
-        if stop.load(Ordering::SeqCst) {
-            break;
-        }
-        let Ok(mut stream) = stream else { continue };
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-        let mut buf = [0u8; MESSAGE];
-        if stream.read_exact(&mut buf).is_err() {
-            continue; // a probe or a broken peer: ignore
-        }
-        let key = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
-        let src = u32::from_le_bytes(buf[8..12].try_into().expect("4 bytes"));
-        let value = u64::from_le_bytes(buf[12..].try_into().expect("8 bytes"));
-        if src >= hosts || src == rank {
-            continue; // not a peer of this job: never let it complete an exchange
-        }
-        let (lock, cv) = &*inbox;
-        if let Ok(mut m) = lock.lock() {
-            m.entry(key).or_default().insert(src, value);
-            cv.notify_all();
+            let wait = if undelivered.is_empty() { deadline - now } else { Duration::from_millis(10).min(deadline - now) };
+            drop(self.shared.cv.wait_timeout(inbox, wait).map_err(|_| poisoned())?);
         }
     }
 }
@@ -289,9 +653,14 @@ impl AllReduce for TcpAllReduce {
 
 impl Drop for TcpAllReduce {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        // Wake the accept loop so that it sees the flag.
+        self.shared.stop.store(true, Ordering::SeqCst);
+        // Wake the accept loop so that it sees the flag, and end every served connection.
         let _ = TcpStream::connect_timeout(&self.local, Duration::from_millis(200));
+        if let Ok(conns) = self.shared.conns.lock() {
+            for c in conns.values() {
+                let _ = c.shutdown(std::net::Shutdown::Both);
+            }
+        }
         if let Some(h) = self.listener.take() {
             let _ = h.join();
         }

@@ -30,6 +30,12 @@ use sparsecore_testkit::case::Case;
 const HOST_ENV: &str = "GOLDEN_MH_HOST";
 /// Prefix of the line a child prints with its listening address.
 const ADDR_LINE: &str = "GOLDEN_MH_ADDR ";
+/// Overrides a child's exchange deadline (milliseconds).
+const TIMEOUT_ENV: &str = "GOLDEN_MH_TIMEOUT_MS";
+/// Names the host that stops after its first step (the kill test).
+const VICTIM_ENV: &str = "GOLDEN_MH_VICTIM";
+const PAUSED_LINE: &str = "GOLDEN_MH_PAUSED";
+const FAILED_LINE: &str = "GOLDEN_MH_FAILED ";
 /// The all-reduce deadline of every exchange in these tests.
 const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a whole multi-process case may take before its processes are killed.
@@ -252,10 +258,46 @@ fn host_process() {
     std::io::stdin().read_line(&mut line).unwrap();
     let peers: Vec<SocketAddr> = line.trim().split(',').map(|a| a.parse().expect("peer address")).collect();
     assert_eq!(peers.len(), case.hosts, "peer list");
-    let ar = TcpAllReduce::with_listener(rank, listener, peers, EXCHANGE_TIMEOUT).unwrap();
-    if let Err(e) = run_host(&case.host_dir(rank), case.batch_number, Arc::new(ar)) {
+    let timeout = std::env::var(TIMEOUT_ENV).ok().map_or(EXCHANGE_TIMEOUT, |ms| Duration::from_millis(ms.parse().unwrap()));
+    let ar: Arc<dyn AllReduce> = Arc::new(TcpAllReduce::with_listener(rank, listener, peers.clone(), timeout).unwrap());
+    if let Err(e) = run_host(&case.host_dir(rank), case.batch_number, ar.clone()) {
         panic!("host {rank} of {}: {e}", case.dir.display());
     }
+    // The kill test: the victim stops after the first step and waits to be killed; every other
+    // host's next step must fail with Error::AllReduce naming the victim.
+    if let Ok(victim) = std::env::var(VICTIM_ENV) {
+        let victim: usize = victim.parse().unwrap();
+        let mut out = std::io::stdout().lock();
+        if rank == victim {
+            writeln!(out, "{PAUSED_LINE}").unwrap();
+            out.flush().unwrap();
+            drop(out);
+            std::thread::sleep(Duration::from_secs(600));
+            panic!("the victim was not killed");
+        }
+        drop(out);
+        let err = run_step(&case.host_dir(rank), case.batch_number + 1, ar).expect_err("a step without the victim");
+        assert!(matches!(err, sparsecore_prep::Error::AllReduce { .. }), "host {rank}: {err:?}");
+        let named = format!("{victim} ({})", peers[victim]);
+        assert!(err.to_string().contains(&named), "host {rank}: {err} does not name {named}");
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{FAILED_LINE}{err}").unwrap();
+        out.flush().unwrap();
+    }
+}
+
+/// Runs host `host_dir`'s batch under another batch number, without comparing.
+fn run_step(host_dir: &Path, batch_number: u64, all_reduce: Arc<dyn AllReduce>) -> Result<Output, sparsecore_prep::Error> {
+    let case = Case::from_path(host_dir)?;
+    let mut prep = Preprocessor::builder(case.config.clone())
+        .global_batch_sizes(case.global_batch_sizes())
+        .threads(1)
+        .all_reduce(all_reduce)
+        .build()?;
+    prep.set_batch_number(batch_number);
+    let sources = case.sources()?;
+    let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
+    prep.run_new(&inputs)
 }
 
 /// Case directories (holding case.json) under `root`, sorted; a missing or empty root panics.
@@ -305,4 +347,53 @@ fn golden_mh_dir_from_env() {
     if let Some(dir) = std::env::var_os("GOLDEN_MH_DIR") {
         run_mh_dir(Path::new(&dir), "golden_mh (GOLDEN_MH_DIR)");
     }
+}
+
+/// A 4-host case whose hosts split differently alone (README: every host's split differs).
+fn four_host_case() -> MhCase {
+    MhCase::load(&shared_root().join("case_mh_08_criteo_h4_w_thin_host2")).unwrap()
+}
+
+/// Killing one host mid-run (after its first step, before its second) makes every other host's
+/// second step fail within the deadline with `Error::AllReduce` naming the killed host.
+#[test]
+fn a_killed_host_is_named_by_every_other_host() {
+    let case = four_host_case();
+    let victim = 2usize;
+    let deadline = Instant::now() + CASE_DEADLINE;
+    let v = victim.to_string();
+    let env = [(VICTIM_ENV, v.as_str()), (TIMEOUT_ENV, "3000"), ("SPARSECORE_PREP_ALLREDUCE_TOKEN", "kill-test-secret")];
+    let mut procs: Vec<HostProcess> = (0..case.hosts).map(|h| spawn_host(&case.dir, h, &env)).collect();
+    let addrs: Vec<SocketAddr> = procs.iter().map(|p| read_addr(p, deadline).unwrap()).collect();
+    send_peers(&mut procs, &addrs);
+    // Wait until the victim finished its first step, then kill it.
+    loop {
+        let line = procs[victim].lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("victim paused");
+        if line.contains(PAUSED_LINE) {
+            break;
+        }
+    }
+    procs[victim].child.kill().unwrap();
+    let mut errors = Vec::new();
+    for (h, p) in procs.into_iter().enumerate() {
+        if h == victim {
+            let HostProcess { mut child, .. } = p;
+            assert!(!child.wait().unwrap().success(), "the victim was killed");
+            continue;
+        }
+        let mut said = None;
+        while let Ok(line) = p.lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            if let Some((_, e)) = line.split_once(FAILED_LINE) {
+                said = Some(e.to_string());
+                break;
+            }
+        }
+        // The child itself asserts that its error is an Error::AllReduce naming the victim.
+        wait_host(p, deadline).unwrap_or_else(|e| panic!("host {h}: {e}"));
+        let said = said.unwrap_or_else(|| panic!("host {h} reported no error"));
+        assert!(said.contains(&format!("{victim} ({})", addrs[victim])), "host {h}: {said}");
+        errors.push(format!("host {h}: {said}"));
+    }
+    assert_eq!(errors.len(), case.hosts - 1);
+    let _ = writeln!(std::io::stderr(), "killed host {victim}:\n{}", errors.join("\n"));
 }
