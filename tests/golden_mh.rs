@@ -397,3 +397,109 @@ fn a_killed_host_is_named_by_every_other_host() {
     assert_eq!(errors.len(), case.hosts - 1);
     let _ = writeln!(std::io::stderr(), "killed host {victim}:\n{}", errors.join("\n"));
 }
+
+/// The TCP all-reduce's wire format, as a stranger (or a test) would write it.
+mod wire {
+    use hmac::{Hmac, KeyInit, Mac};
+    use std::io::{Read, Write};
+    use std::net::{SocketAddr, TcpStream};
+    use std::time::Duration;
+
+    /// Connects and reads the receiver's hello; returns the stream and its challenge.
+    pub fn open(addr: SocketAddr) -> Option<(TcpStream, [u8; 16])> {
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        let mut hello = [0u8; 28];
+        s.read_exact(&mut hello).ok()?;
+        assert_eq!(&hello[..4], b"SCAH");
+        Some((s, hello[12..].try_into().unwrap()))
+    }
+
+    /// One frame: magic, src, dst, seq, key, value, HMAC-SHA256 under `token`.
+    pub fn frame(token: &[u8], challenge: &[u8], src: u32, dst: u32, seq: u64, key: u64, value: u64) -> [u8; 68] {
+        let mut m = <Hmac<sha2::Sha256> as KeyInit>::new_from_slice(token).unwrap();
+        m.update(b"sparsecore-prep/allreduce/v1");
+        m.update(challenge);
+        let mut f = [0u8; 68];
+        f[..4].copy_from_slice(b"SCAF");
+        f[4..8].copy_from_slice(&src.to_le_bytes());
+        f[8..12].copy_from_slice(&dst.to_le_bytes());
+        f[12..20].copy_from_slice(&seq.to_le_bytes());
+        f[20..28].copy_from_slice(&key.to_le_bytes());
+        f[28..36].copy_from_slice(&value.to_le_bytes());
+        m.update(&f[4..36]);
+        f[36..].copy_from_slice(&m.finalize().into_bytes());
+        f
+    }
+
+    /// Sends `bytes` and reads the one-byte acknowledgement (None if the connection closed).
+    pub fn send(s: &mut TcpStream, bytes: &[u8]) -> Option<u8> {
+        s.write_all(bytes).ok()?;
+        let mut ack = [0u8; 1];
+        s.read_exact(&mut ack).ok()?;
+        Some(ack[0])
+    }
+}
+
+/// A stranger sends garbage, frames under a wrong token, replayed frames (authentic under an
+/// earlier connection's challenge) and frames from ranks outside the job to every host of a
+/// 4-host run, before and during it: every host's output still equals its expected.json, and
+/// every kind of message was dropped and counted.
+#[test]
+fn a_stranger_cannot_change_a_four_host_run() {
+    const TOKEN: &[u8] = b"the job's secret";
+    let case = four_host_case();
+    let listeners: Vec<TcpListener> = (0..case.hosts).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let hosts: Vec<Arc<TcpAllReduce>> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(r, l)| {
+            Arc::new(TcpAllReduce::builder(r, addrs.clone()).token(TOKEN).listener(l).timeout(EXCHANGE_TIMEOUT).build().unwrap())
+        })
+        .collect();
+    let keys = [2 * case.batch_number, 2 * case.batch_number + 1];
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (round_tx, round_rx) = mpsc::channel::<()>();
+    let result = std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut rounds = 0u64;
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                for (r, &addr) in addrs.iter().enumerate() {
+                    let peer = ((r + 1) % addrs.len()) as u32;
+                    // Garbage: closes the connection (malformed).
+                    if let Some((mut c, _)) = wire::open(addr) {
+                        let _ = wire::send(&mut c, &[0xA5u8; 68]);
+                    }
+                    if let Some((mut c, ch)) = wire::open(addr) {
+                        for (i, &key) in keys.iter().enumerate() {
+                            let seq = 1 + i as u64;
+                            // A wrong token (bad MAC), then a frame from outside the job.
+                            let f = wire::frame(b"a guessed token", &ch, peer, r as u32, seq, key, u64::MAX);
+                            assert_eq!(wire::send(&mut c, &f), Some(1), "a wrong token is rejected");
+                            let f = wire::frame(TOKEN, &ch, 9, r as u32, seq, key, u64::MAX);
+                            assert_eq!(wire::send(&mut c, &f), Some(1), "an unknown rank is rejected");
+                            // A frame recorded on an earlier connection, replayed here.
+                            let f = wire::frame(TOKEN, &[rounds as u8; 16], peer, r as u32, seq, key, u64::MAX);
+                            assert_eq!(wire::send(&mut c, &f), Some(1), "a replayed frame is rejected");
+                        }
+                    }
+                }
+                rounds += 1;
+                let _ = round_tx.send(());
+            }
+        });
+        round_rx.recv().unwrap(); // one whole round before the hosts start
+        let r = run_threads(&case, hosts.iter().map(|h| h.clone() as Arc<dyn AllReduce>).collect());
+        round_rx.recv().unwrap(); // and at least one more while or after they ran
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        r
+    });
+    result.unwrap();
+    for (r, h) in hosts.iter().enumerate() {
+        let c = h.counters();
+        assert!(c.malformed >= 2 && c.bad_mac >= 8 && c.unknown_rank >= 4, "host {r}: {c:?}");
+        assert_eq!((c.duplicate, c.inbox_full), (0, 0), "host {r}: {c:?}");
+        let _ = writeln!(std::io::stderr(), "stranger: host {r} dropped {c:?}");
+    }
+}
