@@ -95,3 +95,46 @@ fn bad_windows_are_typed_errors() {
     // An empty window is nothing to do.
     assert!(balance(&config, &[]).unwrap().batches.is_empty());
 }
+
+#[test]
+fn per_sample_activations_unpermuted_equal_the_original_batch() {
+    use ndarray::Array2;
+    use sparsecore_kernel::{feature_activations, sparse_dense_matmul, StackedTable};
+    let (config, window) = workload(Profile::ModerateMultivalency, 256, 1, (1, 1, 4));
+    let balanced = balance(&config, &window).unwrap();
+    assert!(balanced.report.reordered, "the test needs a batch that balancing reorders");
+    // Deterministic tables: row r of table t holds small exact values.
+    let tables: Vec<Array2<f32>> = config
+        .tables
+        .iter()
+        .enumerate()
+        .map(|(t, tc)| {
+            Array2::from_shape_fn((tc.vocabulary_size as usize, tc.embedding_dim as usize), |(r, c)| ((r * 7 + c * 3 + t) % 17) as f32 / 8.0)
+        })
+        .collect();
+    let activations = |batch: &RecordBatch| {
+        let mut prep = Preprocessor::new(config.clone()).unwrap();
+        let mut out = Output::new();
+        prep.run_record_batch(batch, &mut out).unwrap();
+        let plan = prep.plan().unwrap().clone();
+        let mut per_feature = Vec::new();
+        for (stack, so) in plan.stacks.iter().zip(&out.stacks) {
+            let views: Vec<_> = stack.tables.iter().map(|&t| tables[t].view()).collect();
+            let stacked = StackedTable::from_tables(&plan, &stack.name, &views).unwrap();
+            let acts = sparse_dense_matmul(&plan, so, out.num_minibatches, &stacked).unwrap();
+            for &f in &stack.features {
+                per_feature.push((f, feature_activations(&plan, f, acts[0].view()).unwrap()));
+            }
+        }
+        per_feature.sort_by_key(|(f, _)| *f);
+        per_feature
+    };
+    let original = activations(&window[0]);
+    let moved = activations(&balanced.batches[0]);
+    for ((f, a), (_, b)) in original.iter().zip(&moved) {
+        for (i, from) in balanced.permutation[0].iter().enumerate() {
+            let (x, y) = (b.row(i), a.row(from.row));
+            assert!(x.iter().zip(y.iter()).all(|(p, q)| p.to_bits() == q.to_bits()), "feature {f}: output row {i} (input row {})", from.row);
+        }
+    }
+}
