@@ -97,3 +97,133 @@ fn a_missing_host_is_an_error_not_a_hang() {
     assert!(matches!(e, Error::AllReduce { key: 14, .. }), "{e:?}"); // 2 * batch number 7
     assert!(e.to_string().contains(&nobody.to_string()), "{e}");
 }
+
+/// The TCP all-reduce's wire format, written by hand (a peer holding the token, or a stranger).
+mod wire {
+    use hmac::{Hmac, KeyInit, Mac};
+    use std::io::{Read, Write};
+    use std::net::{SocketAddr, TcpStream};
+    use std::time::Duration;
+
+    pub fn open(addr: SocketAddr) -> (TcpStream, [u8; 16]) {
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut hello = [0u8; 28];
+        s.read_exact(&mut hello).unwrap();
+        (s, hello[12..].try_into().unwrap())
+    }
+
+    pub fn frame(token: &[u8], challenge: &[u8], src: u32, dst: u32, seq: u64, key: u64, value: u64) -> [u8; 68] {
+        let mut m = <Hmac<sha2::Sha256> as KeyInit>::new_from_slice(token).unwrap();
+        m.update(b"sparsecore-prep/allreduce/v1");
+        m.update(challenge);
+        let mut f = [0u8; 68];
+        f[..4].copy_from_slice(b"SCAF");
+        f[4..8].copy_from_slice(&src.to_le_bytes());
+        f[8..12].copy_from_slice(&dst.to_le_bytes());
+        f[12..20].copy_from_slice(&seq.to_le_bytes());
+        f[20..28].copy_from_slice(&key.to_le_bytes());
+        f[28..36].copy_from_slice(&value.to_le_bytes());
+        m.update(&f[4..36]);
+        f[36..].copy_from_slice(&m.finalize().into_bytes());
+        f
+    }
+
+    pub fn send(s: &mut TcpStream, bytes: &[u8]) -> u8 {
+        s.write_all(bytes).unwrap();
+        let mut ack = [0u8; 1];
+        s.read_exact(&mut ack).unwrap();
+        ack[0]
+    }
+}
+
+const TOKEN: &[u8] = b"flood-test-secret";
+
+fn two_hosts(timeout: Duration) -> Vec<Arc<TcpAllReduce>> {
+    let listeners: Vec<TcpListener> = (0..2).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    listeners
+        .into_iter()
+        .enumerate()
+        .map(|(r, l)| Arc::new(TcpAllReduce::builder(r, addrs.clone()).token(TOKEN).listener(l).timeout(timeout).build().unwrap()))
+        .collect()
+}
+
+fn exchange_both(hosts: &[Arc<TcpAllReduce>], key: u64) -> Vec<u64> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = hosts.iter().enumerate().map(|(r, h)| s.spawn(move || h.all_reduce_or_u64(key, 1 << (3 * r)).unwrap())).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// 100,000 authentic frames with random fresh keys (a peer gone wrong, holding the token) leave
+/// at most 64 keys (`INBOX_KEYS`) in the host's inbox; the rest are refused and counted, and the
+/// job's next exchange still gets the right OR. 1,000 frames under a wrong token never reach it.
+#[test]
+fn a_flood_of_fresh_keys_cannot_grow_the_inbox() {
+    const CAP: usize = 64;
+    let hosts = two_hosts(Duration::from_secs(30));
+    let (mut c, ch) = wire::open(hosts[0].local_addr());
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut acks = [0usize; 3];
+    for seq in 1..=100_000u64 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let key = x | (1 << 63); // never the job's keys below
+        acks[wire::send(&mut c, &wire::frame(TOKEN, &ch, 1, 0, seq, key, u64::MAX)) as usize] += 1;
+        if seq % 10_000 == 0 {
+            assert!(hosts[0].inbox_keys() <= CAP, "{} keys after {seq} frames", hosts[0].inbox_keys());
+        }
+    }
+    assert_eq!(hosts[0].inbox_keys(), CAP);
+    assert_eq!(acks, [CAP, 0, 100_000 - CAP], "accepted, rejected, refused as full");
+    let (mut c2, ch2) = wire::open(hosts[0].local_addr());
+    for seq in 1..=1_000u64 {
+        assert_eq!(wire::send(&mut c2, &wire::frame(b"wrong", &ch2, 1, 0, seq, seq, u64::MAX)), 1);
+    }
+    let counters = hosts[0].counters();
+    assert_eq!((counters.inbox_full, counters.bad_mac), (100_000 - CAP as u64, 1_000), "{counters:?}");
+    // The job goes on: the flood's values never reach its keys, and they expire with its steps.
+    for step in 0..5u64 {
+        assert_eq!(exchange_both(&hosts, 2 * step), vec![1 | 8, 1 | 8]);
+    }
+    assert_eq!(hosts[0].inbox_keys(), 0, "the flood's keys expired");
+    assert_eq!(hosts[0].counters().expired, CAP as u64);
+}
+
+/// A frame sent again on its own connection (a replay by whoever relays it) is dropped and
+/// counted; a second authentic value for a (key, rank) never overrides the first.
+#[test]
+fn replayed_and_duplicate_frames_never_override() {
+    let hosts = two_hosts(Duration::from_secs(30));
+    let (mut c, ch) = wire::open(hosts[0].local_addr());
+    // Host 1's value for key 100, as a peer holding the token would send it...
+    let f = wire::frame(TOKEN, &ch, 1, 0, 1, 100, 2);
+    assert_eq!(wire::send(&mut c, &f), 0);
+    // ...replayed on the same connection, then a later frame with another value for that key.
+    assert_eq!(wire::send(&mut c, &f), 1);
+    assert_eq!(wire::send(&mut c, &wire::frame(TOKEN, &ch, 1, 0, 2, 100, 1 << 40)), 0);
+    let c0 = hosts[0].counters();
+    assert_eq!((c0.replayed, c0.duplicate), (1, 1), "{c0:?}");
+    // Host 0's exchange uses the first value (host 1 itself never runs key 100 here).
+    assert_eq!(hosts[0].all_reduce_or_u64(100, 1).unwrap(), 1 | 2);
+}
+
+/// A peer that starts listening only after this host's exchange began is retried until the
+/// deadline (the reference's all-reduce dies with SIGSEGV on "Connection refused").
+#[test]
+fn a_peer_not_listening_yet_is_retried() {
+    let l0 = TcpListener::bind("127.0.0.1:0").unwrap();
+    let late = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap(); // closed: refused for now
+    let addrs = vec![l0.local_addr().unwrap(), late];
+    let h0 = TcpAllReduce::builder(0, addrs.clone()).token(TOKEN).listener(l0).timeout(Duration::from_secs(30)).build().unwrap();
+    let got = std::thread::scope(|s| {
+        let first = s.spawn(|| h0.all_reduce_or_u64(6, 1).unwrap());
+        std::thread::sleep(Duration::from_millis(300)); // host 0 is being refused meanwhile
+        let h1 = TcpAllReduce::builder(1, addrs.clone()).token(TOKEN).timeout(Duration::from_secs(30)).build().unwrap();
+        let second = h1.all_reduce_or_u64(6, 4).unwrap();
+        (first.join().unwrap(), second)
+    });
+    assert_eq!(got, (5, 5));
+}
