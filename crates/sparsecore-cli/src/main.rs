@@ -1,6 +1,7 @@
 //! The `sparsecore-prep` command-line tool: argument parsing and dispatch. Each subcommand lives
 //! in its own file.
 
+mod balance;
 mod bench;
 mod bess;
 mod demo;
@@ -43,6 +44,9 @@ enum Command {
     Preprocess(preprocess::Args),
     /// Compute FDO stats of a file without writing buffers.
     Stats(preprocess::StatsArgs),
+    /// Reorder the rows of a file, window by window, so that every (SparseCore slice,
+    /// partition) cell gets an even share; writes the same rows in the input's schema.
+    Balance(balance::Args),
     /// Merge, tune, import and export FDO stats.
     Fdo {
         #[command(subcommand)]
@@ -83,6 +87,7 @@ fn run() -> i32 {
         Command::Generate(a) => generate::run(a),
         Command::Preprocess(a) => preprocess::run(a),
         Command::Stats(a) => preprocess::run_stats(a),
+        Command::Balance(a) => balance::run(a),
         Command::Fdo { command } => fdo::run(command),
         Command::Bench(a) => bench::run(a),
         Command::Soak(a) => match soak::run(a) {

@@ -42,6 +42,9 @@ pub struct Args {
     /// Worker threads (default: one per CPU).
     #[arg(long)]
     threads: Option<usize>,
+    /// Balance each window of W input batches (as `balance --window W`) before preprocessing it.
+    #[arg(long, value_name = "W", value_parser = super::balance::parse_window)]
+    balance: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -156,9 +159,11 @@ fn stream(
     input: &Path,
     shard: Option<(usize, usize)>,
     threads: Option<usize>,
+    balance_window: Option<usize>,
     stats_only: bool,
     mut each: impl FnMut(u64, &Preprocessor, &Output) -> Result<()>,
 ) -> Result<(FdoStats, Option<PlanAndIds>)> {
+    let balance_config = balance_window.map(|_| config.clone());
     let mut builder = Preprocessor::builder(config);
     if let Some(t) = threads {
         builder = builder.threads(t);
@@ -174,10 +179,12 @@ fn stream(
     let mut stats: Option<FdoStats> = None;
     let mut ids_per_stack: Vec<u64> = Vec::new();
     let mut all_ids = 0u64;
-    for (index, batch) in reader.enumerate() {
-        if index % n != i0 {
-            continue;
-        }
+    let selected = reader.enumerate().filter(|(index, _)| index % n == i0);
+    let batches: Box<dyn Iterator<Item = (usize, Result<RecordBatch>)>> = match (balance_window, balance_config) {
+        (Some(w), Some(c)) => Box::new(super::balance::Balancing::new(selected, c, w, input)),
+        _ => Box::new(selected),
+    };
+    for (index, batch) in batches {
         let batch = batch?;
         let features = features_from_record_batch(prep.config(), &batch).map_err(|e| e.context(at(index)))?;
         let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
@@ -225,7 +232,7 @@ pub fn run(a: Args) -> Result<()> {
     let stale: Vec<String> = staged.stale_removed().iter().map(|p| p.display().to_string()).collect();
 
     let mut files: BTreeMap<String, StackFile> = BTreeMap::new();
-    let (stats, plan) = stream(config, &a.config, &a.input, a.shard, a.threads, false, |index, _prep, out| {
+    let (stats, plan) = stream(config, &a.config, &a.input, a.shard, a.threads, a.balance, false, |index, _prep, out| {
         for so in &out.stacks {
             if !files.contains_key(&so.name) {
                 let f = StackFile::create(staged.dir(), &a.out, so)?;
@@ -271,7 +278,7 @@ pub fn run(a: Args) -> Result<()> {
 
 pub fn run_stats(a: StatsArgs) -> Result<()> {
     let config = Config::from_path(&a.config)?;
-    let (stats, plan) = stream(config, &a.config, &a.input, a.shard, a.threads, true, |_, _, _| Ok(()))?;
+    let (stats, plan) = stream(config, &a.config, &a.input, a.shard, a.threads, None, true, |_, _, _| Ok(()))?;
     match &a.out {
         Some(path) => {
             clean_stale(path, false);

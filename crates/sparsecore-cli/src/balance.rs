@@ -1,0 +1,207 @@
+//! `balance`: reorder the rows of a file so that every (SparseCore slice, partition) cell of
+//! each batch gets an even share (`sparsecore_prep::balance`), window by window; and the
+//! `Balancing` iterator `preprocess --balance W` runs its input through.
+//!
+//! The output is an Arrow IPC file in the input's schema, one record batch per input batch
+//! (same sizes), written to a temporary name and renamed when complete: a bad window (batches of
+//! different schemas, a missing column) writes nothing.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::BufWriter;
+use std::path::{Path, PathBuf};
+
+use arrow_array::RecordBatch;
+use arrow_ipc::writer::FileWriter;
+use sparsecore_prep::balance::{balance, BalanceReport, StackLoad};
+use sparsecore_prep::io::BatchReader;
+use sparsecore_prep::{Config, Error, Result};
+
+use super::outdir::clean_stale;
+use super::stdio::outln;
+use super::io_err;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Config JSON.
+    #[arg(long)]
+    config: PathBuf,
+    /// Arrow IPC (file or stream) or Parquet input.
+    #[arg(long)]
+    input: PathBuf,
+    /// Output Arrow IPC file: the same rows, reordered, one record batch per input batch.
+    #[arg(long)]
+    out: PathBuf,
+    /// Balance windows of W consecutive batches (samples move between the window's batches).
+    #[arg(long, default_value_t = 1, value_parser = parse_window)]
+    window: usize,
+    /// Print one JSON object (the last line) instead of the summary.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Parses a window size (at least 1).
+pub fn parse_window(s: &str) -> std::result::Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(w) if w >= 1 => Ok(w),
+        _ => Err(format!("expected a window of at least 1 batch, got {s:?}")),
+    }
+}
+
+/// Input batches, balanced window by window: yields `(input index, balanced batch)`. Each window
+/// holds `window` consecutive items of `inner` (the last may be shorter).
+pub struct Balancing<I> {
+    inner: I,
+    config: Config,
+    window: usize,
+    input: PathBuf,
+    ready: VecDeque<(usize, RecordBatch)>,
+    failed: bool,
+    /// Per-window reports, in order.
+    pub reports: Vec<BalanceReport>,
+}
+
+impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Balancing<I> {
+    pub fn new(inner: I, config: Config, window: usize, input: &Path) -> Self {
+        Balancing { inner, config, window: window.max(1), input: input.to_path_buf(), ready: VecDeque::new(), failed: false, reports: Vec::new() }
+    }
+
+    fn fill(&mut self) -> Result<()> {
+        let mut indices = Vec::with_capacity(self.window);
+        let mut batches = Vec::with_capacity(self.window);
+        while batches.len() < self.window {
+            let Some((index, batch)) = self.inner.next() else { break };
+            indices.push(index);
+            batches.push(batch?);
+        }
+        let (Some(&a), Some(&b)) = (indices.first(), indices.last()) else { return Ok(()) };
+        let balanced = balance(&self.config, &batches)
+            .map_err(|e| e.context(format!("input {}, balancing record batches {a}..={b}", self.input.display())))?;
+        self.reports.push(balanced.report);
+        self.ready.extend(indices.into_iter().zip(balanced.batches));
+        Ok(())
+    }
+}
+
+impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Iterator for Balancing<I> {
+    type Item = (usize, Result<RecordBatch>);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.failed {
+            return None;
+        }
+        if self.ready.is_empty() {
+            if let Err(e) = self.fill() {
+                self.failed = true;
+                return Some((0, Err(e)));
+            }
+        }
+        self.ready.pop_front().map(|(i, b)| (i, Ok(b)))
+    }
+}
+
+/// Per stack (in plan order), the worst before and after over all windows.
+pub fn aggregate(reports: &[BalanceReport]) -> Vec<(String, StackLoad, StackLoad)> {
+    let mut out: Vec<(String, StackLoad, StackLoad)> = Vec::new();
+    let worse = |w: &mut StackLoad, l: &StackLoad| {
+        w.max_ids_per_partition = w.max_ids_per_partition.max(l.max_ids_per_partition);
+        w.max_unique_ids_per_partition = w.max_unique_ids_per_partition.max(l.max_unique_ids_per_partition);
+        w.required_buffer = w.required_buffer.max(l.required_buffer);
+    };
+    for r in reports {
+        for (k, name) in r.stacks.iter().enumerate() {
+            let i = match out.iter().position(|(n, _, _)| n == name) {
+                Some(i) => i,
+                None => {
+                    out.push((name.clone(), StackLoad::default(), StackLoad::default()));
+                    out.len() - 1
+                }
+            };
+            if let Some(b) = r.before.get(k) {
+                worse(&mut out[i].1, b);
+            }
+            if let Some(a) = r.after.get(k) {
+                worse(&mut out[i].2, a);
+            }
+        }
+    }
+    out
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let config = Config::from_path(&a.config).map_err(|e| e.context(format!("config {}", a.config.display())))?;
+    let reader = BatchReader::open(&a.input)?;
+    let schema = reader.schema();
+    clean_stale(&a.out, false);
+    let tmp = sparsecore_prep::fdo::tmp_path(&a.out);
+    let arrow = |source| Error::Arrow { context: format!("writing {}", a.out.display()), source };
+    let mut batches = 0usize;
+    let mut rows = 0usize;
+    let mut reordered = 0usize;
+    let mut reports = Vec::new();
+    let write = || -> Result<()> {
+        let file = File::create(&tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
+        let mut writer = FileWriter::try_new(BufWriter::new(file), &schema).map_err(arrow)?;
+        let mut it = Balancing::new(reader.enumerate(), config, a.window, &a.input);
+        for (index, batch) in it.by_ref() {
+            let batch = batch?;
+            if batch.schema() != schema {
+                return Err(Error::input(
+                    "balance",
+                    format!("input {}, record batch {index}: another schema than the file's", a.input.display()),
+                ));
+            }
+            writer.write(&batch).map_err(arrow)?;
+            batches += 1;
+            rows += batch.num_rows();
+        }
+        writer.finish().map_err(arrow)?;
+        drop(writer);
+        reordered = it.reports.iter().filter(|r| r.reordered).count();
+        reports = std::mem::take(&mut it.reports);
+        std::fs::rename(&tmp, &a.out).map_err(io_err(format!("renaming {} to {}", tmp.display(), a.out.display())))
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    let stacks = aggregate(&reports);
+    if a.json {
+        let load = |l: &StackLoad| {
+            serde_json::json!({
+                "max_ids_per_partition": l.max_ids_per_partition,
+                "max_unique_ids_per_partition": l.max_unique_ids_per_partition,
+                "required_buffer": l.required_buffer,
+            })
+        };
+        let json = serde_json::json!({
+            "window": a.window,
+            "batches": batches,
+            "rows": rows,
+            "windows": reports.len(),
+            "reordered_windows": reordered,
+            "out": a.out.display().to_string(),
+            "stacks": stacks.iter().map(|(name, b, af)| serde_json::json!({"name": name, "before": load(b), "after": load(af)})).collect::<Vec<_>>(),
+        });
+        outln!("{json}");
+    } else {
+        outln!(
+            "balanced {batches} batches ({rows} rows) in {} windows of {} ({reordered} reordered) into {}",
+            reports.len(),
+            a.window,
+            a.out.display()
+        );
+        for (name, b, af) in &stacks {
+            outln!(
+                "{name}: max_ids_per_partition {} -> {}, max_unique_ids_per_partition {} -> {}, required buffer {} -> {}",
+                b.max_ids_per_partition,
+                af.max_ids_per_partition,
+                b.max_unique_ids_per_partition,
+                af.max_unique_ids_per_partition,
+                b.required_buffer,
+                af.required_buffer
+            );
+        }
+    }
+    Ok(())
+}
