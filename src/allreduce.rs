@@ -346,13 +346,12 @@ fn file(shared: &Shared, src: u32, key: u64, value: u64) -> u8 {
     let born = inbox.completed;
     let full = inbox.pending.len() >= INBOX_KEYS;
     match inbox.pending.get_mut(&key) {
-        Some(p) => {
-            if p.values.contains_key(&src) {
-                bump(&shared.counters.duplicate);
-            } else {
-                p.values.insert(src, value);
+        Some(p) => match p.values.entry(src) {
+            std::collections::hash_map::Entry::Occupied(_) => bump(&shared.counters.duplicate),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(value);
             }
-        }
+        },
         None if full => {
             bump(&shared.counters.inbox_full);
             return ACK_BUSY;
@@ -712,5 +711,19 @@ mod tests {
         assert!(t.elapsed() < Duration::from_secs(5));
         assert!(matches!(&e, Error::AllReduce { key: 4, .. }), "{e:?}");
         assert!(e.to_string().contains(&dead.to_string()), "{e}");
+    }
+
+    #[test]
+    fn an_in_process_group_ors_and_names_a_missing_member() {
+        let group = LocalAllReduce::group(3, Duration::from_secs(10));
+        let ors: Vec<u64> = std::thread::scope(|s| {
+            let hs: Vec<_> = group.iter().map(|g| s.spawn(move || g.all_reduce_or_u64(5, 1 << g.rank()).unwrap())).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(ors, vec![7, 7, 7]);
+        let group = LocalAllReduce::group(2, Duration::from_millis(200));
+        let e = group[0].all_reduce_or_bool(8, true).unwrap_err();
+        assert!(matches!(&e, Error::AllReduce { key: 8, .. }), "{e:?}");
+        assert!(e.to_string().contains("waiting for hosts 1"), "{e}");
     }
 }
