@@ -152,7 +152,9 @@ fn file_name(stack: &str) -> String {
 /// The last plan, and the ids each of its stacks received over the whole file.
 type PlanAndIds = (sparsecore_prep::Plan, Vec<u64>);
 
-/// Streams the file: calls `each(batch_index, prep, out, ids)` after every processed batch.
+/// Streams the file (with `balance_window`, each window of that many selected batches balanced
+/// first, as `balance --window` does): calls `each(batch_index, prep, out, ids)` after every processed batch.
+#[allow(clippy::too_many_arguments)] // one private helper behind `preprocess` and `stats`
 fn stream(
     config: Config,
     config_path: &Path,
