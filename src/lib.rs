@@ -75,13 +75,13 @@ mod output;
 mod stats;
 
 // The driver and what sits on top of it.
-mod allreduce;
+pub mod allreduce;
 mod preprocess;
 pub mod balance;
 pub mod fdo;
 pub mod io;
 
-pub use allreduce::{AllReduce, LocalAllReduce, TcpAllReduce};
+pub use allreduce::{AllReduce, AllReduceCounters, InProcessAllReduce, LocalAllReduce, TcpAllReduce, TcpAllReduceBuilder};
 pub use group::bucket::BucketFn;
 pub use error::{Error, LimitKind, Result, StoreErrorKind};
 pub use fdo::FdoStats;

@@ -21,7 +21,7 @@
 //! XXH3 is a published, frozen algorithm (xxHash 0.8), so the id of a key never changes between
 //! versions of this crate; `tests/hash.rs` pins it with vectors computed by the reference
 //! implementation (Python's `xxhash.xxh3_64_intdigest`). The full 64-bit `key` is what dynamic
-//! tables ([`crate::kernel::dynamic`]) are keyed by; static tables use `key mod vocabulary_size`.
+//! tables (`sparsecore_kernel::dynamic`) are keyed by; static tables use `key mod vocabulary_size`.
 //!
 //! Hashed ids are necessarily materialised: they are written into a buffer owned by the input
 //! view ([`super::ArrowListInput`]) instead of being borrowed from Arrow. [`HashBuffers`] lets a
