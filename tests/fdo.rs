@@ -4,10 +4,10 @@
 //!
 //! Tests marked `// Regression:` reproduce defects that were found and fixed; they keep them fixed.
 
+use sparsecore_testkit::TempDir;
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::path::Path;
 
 use sparsecore_prep::fdo::csv;
 use sparsecore_prep::fdo::npz::{self, NpyArray};
@@ -17,29 +17,6 @@ use sparsecore_prep::{Config, Error, Preprocessor, StackStats};
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-static COUNTER: AtomicUsize = AtomicUsize::new(0);
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-        let p = std::env::temp_dir().join(format!("sparsecore-prep-fdo-{}-{name}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-    fn join(&self, rel: &str) -> PathBuf {
-        self.0.join(rel)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn layout(l: usize, g: usize, s: usize) -> LayoutKey {
     LayoutKey { local_device_count: l, global_device_count: g, num_sc_per_device: s }

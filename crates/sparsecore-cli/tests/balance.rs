@@ -12,9 +12,9 @@
 //! - bad input (a missing column, a column of the wrong type, a window of 0) fails with one
 //!   line and writes nothing: no OUT, no temporaries.
 
+use sparsecore_testkit::TempDir;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output as ProcOutput};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use arrow_array::{Array, ArrayRef, Int64Array, RecordBatch};
@@ -23,29 +23,6 @@ use serde_json::Value;
 use sparsecore_prep::io::BatchReader;
 
 const BIN: &str = env!("CARGO_BIN_EXE_sparsecore-prep");
-
-static COUNTER: AtomicUsize = AtomicUsize::new(0);
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-        let p = std::env::temp_dir().join(format!("sparsecore-prep-balance-{}-{name}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-    fn join(&self, rel: &str) -> PathBuf {
-        self.0.join(rel)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()

@@ -16,10 +16,10 @@
 //!   wrong shard count), and writes nothing;
 //! - progress on a terminal only, and a closed stdout ends quietly.
 
+use sparsecore_testkit::TempDir;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output as ProcOutput};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use arrow_array::{ArrayRef, Int32Array, Int64Array, RecordBatch, StringArray};
@@ -29,29 +29,6 @@ use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_sparsecore-prep");
 const E: i64 = 64;
-
-static COUNTER: AtomicUsize = AtomicUsize::new(0);
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-        let p = std::env::temp_dir().join(format!("sparsecore-prep-bess-{}-{name}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-    fn join(&self, rel: &str) -> PathBuf {
-        self.0.join(rel)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()

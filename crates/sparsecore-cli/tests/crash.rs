@@ -7,39 +7,16 @@
 //! Dead pids come from spawning and reaping a short-lived child (its pid is free afterwards);
 //! the live pid is the test process's own.
 
+use sparsecore_testkit::TempDir;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use arrow_ipc::reader::FileReader;
 use arrow_ipc::writer::FileWriter;
 
 const BIN: &str = env!("CARGO_BIN_EXE_sparsecore-prep");
-
-static COUNTER: AtomicUsize = AtomicUsize::new(0);
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-        let p = std::env::temp_dir().join(format!("sparsecore-prep-crash-{}-{name}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-    fn join(&self, rel: &str) -> PathBuf {
-        self.0.join(rel)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()

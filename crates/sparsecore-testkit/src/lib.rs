@@ -8,9 +8,13 @@
 //! - [`model`]: the oracle, a slow re-implementation of the pipeline written from the spec text.
 //! - [`redis_server`] and [`fault_proxy`]: a private `redis-server` per test and a TCP proxy
 //!   that injects faults, for the dynamic-table tests and benches.
+//! - [`TempDir`]: scratch directories removed on drop.
 
 pub mod case;
 pub mod fault_proxy;
 pub mod model;
 pub mod redis_server;
+mod tempdir;
 pub mod workload;
+
+pub use tempdir::TempDir;
