@@ -299,8 +299,9 @@ fn sample_load(plan: &Plan, inputs: &[&dyn SampleSource], row: usize) -> Result<
 fn window_loads(prep: &mut Preprocessor, batches: &[RecordBatch]) -> Result<Vec<Vec<StackLoad>>> {
     let mut out = Output::new();
     let mut loads = Vec::with_capacity(batches.len());
+    // (A copy: the batch's views borrow the config while `prep` runs mutably.)
+    let config = prep.config().clone();
     for rb in batches {
-        let config = prep.config().clone();
         let features = features_from_record_batch(&config, rb)?;
         let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
         prep.run_stats(&inputs, &mut out)?;
