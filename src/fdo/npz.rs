@@ -4,17 +4,17 @@
 //!
 //! The `.npy` format itself (header dictionary, versions 1.0-3.0, byte orders, Fortran order) is
 //! ndarray-npy's; this module only chooses the element type, checks a declared shape against the
-//! bytes that are there before anything is allocated for it, and reads the zip members itself so
-//! that the same check covers them (ndarray-npy's `NpzReader` allocates what a member's header
-//! declares before reading its data).
+//! bytes that are there before anything is allocated for it, and reads and writes the zip
+//! container itself (with `zip`) so that the same check covers its members (ndarray-npy's
+//! `NpzReader` allocates what a member's header declares before reading its data).
 
 use std::collections::BTreeMap;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::path::Path;
 
 use ndarray::{ArrayViewD, IxDyn, ShapeBuilder};
 use ndarray_npy::npy::header::{Header, ReadHeaderError};
-use ndarray_npy::{NpzWriter, ReadableElement, WriteNpyExt};
+use ndarray_npy::{ReadableElement, WriteNpyExt};
 use py_literal::Value as PyValue;
 
 use crate::error::{Error, Result};
@@ -180,8 +180,9 @@ pub fn read_npz(path: &Path) -> Result<BTreeMap<String, NpyArray>> {
     let mut out = BTreeMap::new();
     for i in 0..zip.len() {
         let mut f = zip.by_index(i).map_err(|e| bad(&name, format!("member {i}: {}", zip_problem(e))))?;
+        let member = f.name().map_err(|e| bad(&name, format!("member {i}: {}", zip_problem(e))))?.into_owned();
         // np.load's names: a single `.npy` suffix is dropped.
-        let key = f.name().strip_suffix(".npy").unwrap_or(f.name()).to_string();
+        let key = member.strip_suffix(".npy").unwrap_or(&member).to_string();
         let mut bytes = Vec::new();
         f.read_to_end(&mut bytes).map_err(|source| Error::Io { context: format!("reading {name}/{key}"), source })?;
         out.insert(key.clone(), decode_npy(&bytes, &format!("{name}/{key}"))?);
@@ -192,11 +193,15 @@ pub fn read_npz(path: &Path) -> Result<BTreeMap<String, NpyArray>> {
 /// Writes arrays as an uncompressed `.npz` (what `np.savez` writes).
 pub fn write_npz(path: &Path, arrays: &BTreeMap<String, NpyArray>) -> Result<()> {
     let name = path.display().to_string();
-    let mut npz = NpzWriter::new(std::io::Cursor::new(Vec::new()));
+    let mut zip = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+    // np.savez stores its members uncompressed, as `<key>.npy`.
+    let options = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
     for (k, a) in arrays {
-        npz.add_array(k.as_str(), &a.view()).map_err(|e| bad(&name, format!("writing {k}: {e}")))?;
+        let problem = |what: String| bad(&name, format!("writing {k}: {what}"));
+        zip.start_file(format!("{k}.npy"), options).map_err(|e| problem(zip_problem(e)))?;
+        zip.write_all(&encode_npy(a)).map_err(|e| problem(e.to_string()))?;
     }
-    let buf = npz.finish().map_err(|e| bad(&name, e.to_string()))?;
+    let buf = zip.finish().map_err(|e| bad(&name, zip_problem(e)))?;
     super::write_atomic(path, &buf.into_inner())
 }
 

@@ -183,7 +183,8 @@ impl Sharding {
         let mut arrays: BTreeMap<String, NpyArray> = BTreeMap::new();
         for i in 0..zip.len() {
             let mut f = zip.by_index(i).map_err(|e| bad(format!("member {i}: {e}")))?;
-            let key = f.name().strip_suffix(".npy").unwrap_or(f.name()).to_string();
+            let member = f.name().map_err(|e| bad(format!("member {i}: {e}")))?.into_owned();
+            let key = member.strip_suffix(".npy").unwrap_or(&member).to_string();
             let mut bytes = Vec::new();
             f.read_to_end(&mut bytes).map_err(|source| BessError::Io { context: format!("reading {name}/{key}"), source })?;
             // besskge saves absent type tables as a pickled `None` (an object array).
