@@ -9,22 +9,31 @@
 //!
 //! The balancer counts each sample's ids per (stack, partition) after the per-sample merge of
 //! duplicate ids, exactly as the pipeline counts them (a sample's repeated id in one feature is
-//! one id; the same id in two features of a stack is two, since their stacked rows differ). It
-//! then places samples greedily: in decreasing order of their largest count relative to the
-//! stack's `max_ids_per_partition`, each into the slice (with room left) where the new peak is
-//! lowest. Finally it runs the real pipeline's statistics on both orders and keeps the input
-//! order unless every output batch is at least as good, by its worst `max_ids` relative to the
-//! limit, then `max_unique_ids`, then required buffer, as its input batch (W = 1) or as the
-//! window's worst input batch (W > 1, where batches trade samples): balancing never makes a
-//! batch worse than what it was, or was pooled from.
+//! one id; the same id in two features of a stack is two, since their stacked rows differ). Those
+//! counts, summed over a slice's samples, are the pipeline's per-(SparseCore, partition) id
+//! counts, so the worst `max_ids_per_partition` and the required buffer of any order follow from
+//! them without running the pipeline. It then places samples greedily: in decreasing order of
+//! their largest count relative to the stack's `max_ids_per_partition`, each into the slice (with
+//! room left) where the new peak is lowest. The new order is kept only if every output batch's
+//! worst `max_ids` relative to its limit is strictly lower than its input batch's (W = 1) or
+//! than the window's worst input batch's (W > 1, where batches trade samples), and no stack's
+//! `max_ids`, required buffer or `max_unique_ids` rises above both that reference and its
+//! configured limit; otherwise the input order is returned. So balancing never makes a batch
+//! worse than what it was, or was pooled from, and a window that fit its limits still fits them.
+//! Unique ids are the one number the counts cannot give (they need the pipeline's sort), so the
+//! pipeline's statistics run on both orders only when some cell's ids exceed the stack's
+//! `max_unique_ids_per_partition`, the one case in which unique ids could pass it.
+//! [`measure`] runs the same statistics when a report wants `max_unique_ids`.
 //!
 //! Everything runs on one thread in a fixed order, so the result does not depend on the thread
 //! count.
 
-use arrow_array::{RecordBatch, UInt32Array};
+use std::collections::BTreeSet;
+
+use arrow_array::RecordBatch;
 
 use crate::error::{Error, Result};
-use crate::input::{features_from_record_batch, FeatureView, Ids, SampleSource};
+use crate::input::{features_from_record_batch, features_from_record_batch_reusing, FeatureView, HashBuffers, Ids, Offsets, SampleSource};
 use crate::output::Output;
 use crate::preprocess::Preprocessor;
 use crate::spec::{Config, Plan};
@@ -38,7 +47,7 @@ pub struct SampleRef {
     pub row: usize,
 }
 
-/// The worst cells of one stack over a window's batches.
+/// The pipeline's worst cells of one stack over a run of batches (see [`measure`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub struct StackLoad {
     /// Largest `max_ids_per_partition` of any batch.
@@ -46,6 +55,18 @@ pub struct StackLoad {
     /// Largest `max_unique_ids_per_partition` of any batch.
     pub max_unique_ids_per_partition: i32,
     /// Largest per-device required buffer of any batch.
+    pub required_buffer: u64,
+}
+
+/// The worst cells of one stack over a window, counted from its samples. Both numbers equal
+/// the pipeline's statistics for the same batches (`max_unique_ids` needs the pipeline's sort:
+/// [`measure`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct IdLoad {
+    /// Largest `max_ids_per_partition` of any batch.
+    pub max_ids_per_partition: i32,
+    /// Largest per-device required buffer of any batch: S × the largest Σ over partitions of
+    /// a SparseCore's ids rounded up to 8.
     pub required_buffer: u64,
 }
 
@@ -57,11 +78,14 @@ pub struct BalanceReport {
     /// Stack names.
     pub stacks: Vec<String>,
     /// Worst cells in the input order.
-    pub before: Vec<StackLoad>,
+    pub before: Vec<IdLoad>,
     /// Worst cells in the returned order (equal to `before` when the input order was kept).
-    pub after: Vec<StackLoad>,
-    /// Whether the balanced order was kept (false: it would have made some batch worse, or
-    /// there was nothing to move).
+    pub after: Vec<IdLoad>,
+    /// No order of the window's samples can do better than this `max_ids_per_partition`
+    /// (see [`lower_bound`]).
+    pub lower_bound: Vec<u32>,
+    /// Whether the balanced order was kept (false: it would not have made every batch better,
+    /// or there was nothing to move).
     pub reordered: bool,
 }
 
@@ -76,223 +100,531 @@ pub struct Balanced {
     pub report: BalanceReport,
 }
 
-/// One sample's ids per (stack, partition) cell, after the per-sample, per-feature merge.
-struct SampleLoad {
-    /// (cell, ids) pairs, cells ascending.
-    cells: Vec<(u32, u32)>,
-    /// Largest ids / limit over the cells.
-    peak: f64,
-}
-
 /// Balances a window of record batches for `config` (see the module docs). The batches must
 /// share one schema; each output batch keeps the size of the input batch at its position.
+/// A stream of windows should reuse one [`Balancer`] instead.
 pub fn balance(config: &Config, window: &[RecordBatch]) -> Result<Balanced> {
-    let Some(first) = window.first() else {
-        return Ok(Balanced { batches: Vec::new(), permutation: Vec::new(), report: BalanceReport::default() });
-    };
-    for (k, b) in window.iter().enumerate().skip(1) {
-        if b.schema() != first.schema() {
-            return Err(Error::input(
-                "balance",
-                format!("batch {k} of the window has another schema than batch 0 ({} vs {} columns, or other types)", b.num_columns(), first.num_columns()),
-            ));
-        }
+    Balancer::new(config.clone())?.balance(window)
+}
+
+/// Balances window after window, keeping its plan and scratch memory between them.
+#[derive(Debug)]
+pub struct Balancer {
+    /// Plans the layout (the pipeline's own planner and plan cache).
+    prep: Preprocessor,
+    hash_buffers: HashBuffers,
+    counts: SampleCounts,
+    /// Per (slice, cell) id counts while placing.
+    load: Vec<u32>,
+    /// Per cell: ids of one sample (`acc`) and the cells it touched (`touched`).
+    acc: Vec<u32>,
+    touched: Vec<u32>,
+    seen: SeenSet,
+}
+
+/// Every sample's (cell, ids) pairs, stored flat: sample i owns `cells[start[i]..start[i + 1]]`.
+#[derive(Debug, Default)]
+struct SampleCounts {
+    refs: Vec<SampleRef>,
+    start: Vec<usize>,
+    cells: Vec<(u32, u32)>,
+    /// Largest ids / limit over the sample's cells.
+    peak: Vec<f64>,
+}
+
+/// The shape the counts are laid out in.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    /// Slices (local SparseCores) per batch.
+    slices: usize,
+    sc_per_device: usize,
+    partitions: usize,
+    stacks: usize,
+}
+
+impl Shape {
+    fn cells(&self) -> usize {
+        self.stacks * self.partitions
     }
-    let mut prep = Preprocessor::builder(config.clone()).threads(1).build()?;
-    let identity: Vec<Vec<SampleRef>> =
-        window.iter().enumerate().map(|(b, rb)| (0..rb.num_rows()).map(|row| SampleRef { batch: b, row }).collect()).collect();
-    let before = window_loads(&mut prep, window)?;
-    let stacks: Vec<String> = prep.plan().map(|p| p.stacks.iter().map(|s| s.name.clone()).collect()).unwrap_or_default();
-    let keep = |before: Vec<Vec<StackLoad>>| -> Result<Balanced> {
-        let worst = worst_per_stack(&before);
-        Ok(Balanced {
+}
+
+impl Balancer {
+    /// A balancer for `config`.
+    pub fn new(config: Config) -> Result<Self> {
+        Ok(Balancer {
+            prep: Preprocessor::builder(config).threads(1).build()?,
+            hash_buffers: HashBuffers::new(),
+            counts: SampleCounts::default(),
+            load: Vec::new(),
+            acc: Vec::new(),
+            touched: Vec::new(),
+            seen: SeenSet::default(),
+        })
+    }
+
+    /// Balances one window (see the module docs).
+    pub fn balance(&mut self, window: &[RecordBatch]) -> Result<Balanced> {
+        let Some(shape) = self.count(window)? else {
+            return Ok(Balanced {
+                batches: window.to_vec(),
+                permutation: identity(window),
+                report: BalanceReport { batches: window.len(), ..BalanceReport::default() },
+            });
+        };
+        let plan = self.prep.plan().expect("count() planned").clone();
+        let stacks: Vec<String> = plan.stacks.iter().map(|s| s.name.clone()).collect();
+        let inv_limit: Vec<f64> = plan
+            .stacks
+            .iter()
+            .flat_map(|s| std::iter::repeat_n(1.0 / s.max_ids_per_partition.max(1) as f64, shape.partitions))
+            .collect();
+        let slice_rows: Vec<usize> = window.iter().map(|rb| rb.num_rows() / shape.slices).collect();
+        let nslices = window.len() * shape.slices;
+        let cells = shape.cells();
+
+        // The input order's loads: slice j of batch b holds rows j·r..(j+1)·r.
+        self.load.clear();
+        self.load.resize(nslices * cells, 0);
+        for (i, r) in self.counts.refs.iter().enumerate() {
+            let s = r.batch * shape.slices + r.row / slice_rows[r.batch];
+            for &(c, n) in &self.counts.cells[self.counts.start[i]..self.counts.start[i + 1]] {
+                self.load[s * cells + c as usize] += n;
+            }
+        }
+        let before_batches = batch_loads(&self.load, shape, window.len());
+        let bound = bound_from(&self.load, shape, nslices);
+
+        // Greedy placement: heaviest samples first, each where the new peak is lowest (ties:
+        // the slice with the fewest ids so far, then the lowest index), so the order is
+        // deterministic. Slices are visited in (peak, ids, index) order, so the search stops at
+        // the first slice whose current peak exceeds the best new peak found.
+        let counts = &self.counts;
+        let mut order: Vec<usize> = (0..counts.refs.len()).collect();
+        order.sort_by(|&a, &b| counts.peak[b].total_cmp(&counts.peak[a]).then(a.cmp(&b)));
+        self.load.clear();
+        self.load.resize(nslices * cells, 0);
+        let capacity: Vec<usize> = (0..nslices).map(|s| slice_rows[s / shape.slices]).collect();
+        let mut peak = vec![0f64; nslices];
+        let mut total = vec![0u64; nslices];
+        let mut members: Vec<Vec<SampleRef>> = capacity.iter().map(|&c| Vec::with_capacity(c)).collect();
+        // Peaks are non-negative, so their bit patterns sort as the values do.
+        let mut open: BTreeSet<(u64, u64, usize)> = (0..nslices).filter(|&s| capacity[s] > 0).map(|s| (0, 0, s)).collect();
+        for &i in &order {
+            let sample = &counts.cells[counts.start[i]..counts.start[i + 1]];
+            let mut best: Option<(f64, u64, usize)> = None;
+            for &(peak_bits, ids, s) in &open {
+                let current = f64::from_bits(peak_bits);
+                // Every later slice's new peak is at least its current one, and among equal
+                // peaks the set's order is the tie-break's.
+                if best.is_some_and(|b| current >= b.0) {
+                    break;
+                }
+                let row = &self.load[s * cells..(s + 1) * cells];
+                let new_peak = sample.iter().fold(current, |m, &(c, n)| m.max((row[c as usize] + n) as f64 * inv_limit[c as usize]));
+                if best.is_none_or(|b| new_peak < b.0 || (new_peak == b.0 && (ids, s) < (b.1, b.2))) {
+                    best = Some((new_peak, ids, s));
+                }
+            }
+            let (new_peak, _, s) = best.ok_or_else(|| Error::input("balance", "the window's slices have no room for its samples"))?;
+            open.remove(&(peak[s].to_bits(), total[s], s));
+            for &(c, n) in sample {
+                self.load[s * cells + c as usize] += n;
+                total[s] += n as u64;
+            }
+            peak[s] = new_peak;
+            members[s].push(counts.refs[i]);
+            if members[s].len() < capacity[s] {
+                open.insert((new_peak.to_bits(), total[s], s));
+            }
+        }
+        let after_batches = batch_loads(&self.load, shape, window.len());
+        let permutation: Vec<Vec<SampleRef>> = (0..window.len())
+            .map(|b| {
+                (0..shape.slices)
+                    .flat_map(|j| {
+                        let mut m = std::mem::take(&mut members[b * shape.slices + j]);
+                        m.sort();
+                        m
+                    })
+                    .collect()
+            })
+            .collect();
+        let identity = identity(window);
+        let before = worst_per_stack(&before_batches);
+        let keep = |before: Vec<IdLoad>, bound: Vec<u32>| Balanced {
             batches: window.to_vec(),
             permutation: identity.clone(),
-            report: BalanceReport { batches: window.len(), stacks: stacks.clone(), before: worst.clone(), after: worst, reordered: false },
-        })
-    };
-
-    // Per-sample loads, and the slices each batch is cut into.
-    let mut samples: Vec<(SampleRef, SampleLoad)> = Vec::new();
-    let mut slice_rows: Vec<usize> = Vec::new(); // rows per slice, per batch (0: not balanceable)
-    for (b, rb) in window.iter().enumerate() {
-        let features = features_from_record_batch(config, rb)?;
-        let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
-        let sizes: Vec<usize> = inputs.iter().map(|i| i.num_samples()).collect();
-        let plan = prep.plan_for(&sizes)?.clone();
-        let slices = plan.layout.local_scs();
-        let rows = rb.num_rows();
-        // Every feature of a record batch has its rows; a batch that does not split evenly
-        // over the slices is left alone (the pipeline would reject it anyway).
-        if rows == 0 || !rows.is_multiple_of(slices) || sizes.iter().any(|&s| s != rows) {
-            return keep(before);
+            report: BalanceReport { batches: window.len(), stacks: stacks.clone(), after: before.clone(), before, lower_bound: bound, reordered: false },
+        };
+        if permutation == identity {
+            return Ok(keep(before, bound));
         }
-        slice_rows.push(rows / slices);
-        for row in 0..rows {
-            samples.push((SampleRef { batch: b, row }, sample_load(&plan, &inputs, row)?));
-        }
-    }
-    let slices_per_batch = prep.plan().map(|p| p.layout.local_scs()).unwrap_or(1);
-    let cells = prep.plan().map(|p| p.stacks.len() * p.layout.num_partitions()).unwrap_or(0);
-    let limits: Vec<f64> = prep
-        .plan()
-        .map(|p| {
-            p.stacks
-                .iter()
-                .flat_map(|s| std::iter::repeat_n(s.max_ids_per_partition.max(1) as f64, p.layout.num_partitions()))
-                .collect()
-        })
-        .unwrap_or_default();
 
-    // Greedy placement: heaviest samples first, each where the new peak is lowest (ties: the
-    // slice with the least load so far, then the lowest index), so the order is deterministic.
-    let mut order: Vec<usize> = (0..samples.len()).collect();
-    order.sort_by(|&a, &b| samples[b].1.peak.total_cmp(&samples[a].1.peak).then(a.cmp(&b)));
-    let nslices = window.len() * slices_per_batch;
-    let capacity: Vec<usize> = (0..nslices).map(|s| slice_rows[s / slices_per_batch]).collect();
-    let mut load = vec![0u32; nslices * cells];
-    let mut peak = vec![0f64; nslices];
-    let mut total = vec![0u64; nslices];
-    let mut members: Vec<Vec<SampleRef>> = vec![Vec::new(); nslices];
-    for &i in &order {
-        let (sample, sl) = &samples[i];
-        let mut best: Option<(f64, u64, usize)> = None;
-        for s in 0..nslices {
-            if members[s].len() >= capacity[s] {
-                continue;
-            }
-            let row = &load[s * cells..(s + 1) * cells];
-            let new_peak = sl.cells.iter().fold(peak[s], |m, &(c, n)| m.max((row[c as usize] + n) as f64 / limits[c as usize]));
-            let candidate = (new_peak, total[s], s);
-            if best.is_none_or(|b| candidate.0 < b.0 || (candidate.0 == b.0 && (candidate.1, candidate.2) < (b.1, b.2))) {
-                best = Some(candidate);
+        // Keep the new order only if every batch is strictly better by its worst max_ids
+        // relative to the limit: W = 1 against itself, W > 1 against the window's worst input.
+        let score = |loads: &[IdLoad]| -> f64 {
+            loads.iter().zip(&plan.stacks).map(|(l, st)| l.max_ids_per_partition as f64 / st.max_ids_per_partition.max(1) as f64).fold(0.0, f64::max)
+        };
+        let pooled = window.len() > 1;
+        let window_worst = before_batches.iter().map(|b| score(b)).fold(0.0, f64::max);
+        let better =
+            before_batches.iter().zip(&after_batches).all(|(b, a)| score(a) < if pooled { window_worst } else { score(b) });
+        // And no stack of any batch may pass what it is held to: its input batch (W = 1) or
+        // the window's worst input batch (W > 1), or the configured limit where that is
+        // higher. A window that fit its limits still fits them.
+        let held_to = |b: usize| if pooled { &before } else { &before_batches[b] };
+        let within = |b: usize| {
+            after_batches[b].iter().zip(held_to(b)).zip(&plan.stacks).all(|((a, r), st)| {
+                a.max_ids_per_partition <= r.max_ids_per_partition.max(limit(st.max_ids_per_partition))
+                    && a.required_buffer <= r.required_buffer.max(st.coo_buffer_size_per_device as u64)
+            })
+        };
+        if !better || !(0..window.len()).all(within) {
+            return Ok(keep(before, bound));
+        }
+        let batches = apply(window, &permutation)?;
+        // Unique ids need the pipeline's sort. A stack whose ids stay within its unique limit in
+        // every cell keeps its unique ids within it too; otherwise measure both orders.
+        let unique_at_risk = after_batches
+            .iter()
+            .any(|a| a.iter().zip(&plan.stacks).any(|(l, st)| l.max_ids_per_partition > limit(st.max_unique_ids_per_partition)));
+        if unique_at_risk {
+            let before_unique = window_loads(&mut self.prep, window)?;
+            let after_unique = window_loads(&mut self.prep, &batches)?;
+            let window_unique = worst_per_stack(&before_unique);
+            let unique_ok = after_unique.iter().enumerate().all(|(b, a)| {
+                let r = if pooled { &window_unique } else { &before_unique[b] };
+                a.iter().zip(r).zip(&plan.stacks).all(|((a, r), st)| {
+                    a.max_unique_ids_per_partition <= r.max_unique_ids_per_partition.max(limit(st.max_unique_ids_per_partition))
+                })
+            });
+            if !unique_ok {
+                return Ok(keep(before, bound));
             }
         }
-        let (new_peak, _, s) = best.expect("the slices hold exactly the window's rows");
-        for &(c, n) in &sl.cells {
-            load[s * cells + c as usize] += n;
-            total[s] += n as u64;
-        }
-        peak[s] = new_peak;
-        members[s].push(*sample);
+        Ok(Balanced {
+            batches,
+            permutation,
+            report: BalanceReport {
+                batches: window.len(),
+                stacks,
+                before,
+                after: worst_per_stack(&after_batches),
+                lower_bound: bound,
+                reordered: true,
+            },
+        })
     }
-    let permutation: Vec<Vec<SampleRef>> = (0..window.len())
+
+    /// Counts every sample of the window into `self.counts`; `None` when the window cannot be
+    /// balanced (empty, or a batch that does not split evenly over the slices, which the
+    /// pipeline would reject anyway).
+    fn count(&mut self, window: &[RecordBatch]) -> Result<Option<Shape>> {
+        let Some(first) = window.first() else { return Ok(None) };
+        for (k, b) in window.iter().enumerate().skip(1) {
+            if b.schema() != first.schema() {
+                return Err(Error::input(
+                    "balance",
+                    format!("batch {k} of the window has another schema than batch 0 ({} vs {} columns, or other types)", b.num_columns(), first.num_columns()),
+                ));
+            }
+        }
+        let counts = &mut self.counts;
+        counts.refs.clear();
+        counts.cells.clear();
+        counts.peak.clear();
+        counts.start.clear();
+        counts.start.push(0);
+        let config = self.prep.config().clone();
+        let mut shape = None;
+        for (b, rb) in window.iter().enumerate() {
+            let features = features_from_record_batch_reusing(&config, rb, &mut self.hash_buffers)?;
+            let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
+            let sizes: Vec<usize> = inputs.iter().map(|i| i.num_samples()).collect();
+            let plan = self.prep.plan_for(&sizes)?;
+            let this = Shape {
+                slices: plan.layout.local_scs(),
+                sc_per_device: plan.layout.sc_per_device,
+                partitions: plan.layout.num_partitions(),
+                stacks: plan.stacks.len(),
+            };
+            let rows = rb.num_rows();
+            if rows == 0 || !rows.is_multiple_of(this.slices) || sizes.iter().any(|&s| s != rows) {
+                drop(inputs);
+                self.hash_buffers.recycle(features);
+                return Ok(None);
+            }
+            self.acc.clear();
+            self.acc.resize(this.cells(), 0);
+            let features_of_batch = ragged_views(plan, &inputs)?;
+            for row in 0..rows {
+                count_sample(&features_of_batch, row, &mut self.seen, &mut self.acc, &mut self.touched);
+                let mut peak = 0f64;
+                for &c in &self.touched {
+                    let n = std::mem::take(&mut self.acc[c as usize]);
+                    peak = peak.max(n as f64 * features_of_batch.inv_limit[c as usize]);
+                    counts.cells.push((c, n));
+                }
+                counts.refs.push(SampleRef { batch: b, row });
+                counts.start.push(counts.cells.len());
+                counts.peak.push(peak);
+            }
+            shape = Some(this);
+            drop(inputs);
+            self.hash_buffers.recycle(features);
+        }
+        Ok(shape)
+    }
+}
+
+/// A configured limit as the statistics' type.
+fn limit(value: u32) -> i32 {
+    value.min(i32::MAX as u32) as i32
+}
+
+fn identity(window: &[RecordBatch]) -> Vec<Vec<SampleRef>> {
+    window.iter().enumerate().map(|(b, rb)| (0..rb.num_rows()).map(|row| SampleRef { batch: b, row }).collect()).collect()
+}
+
+/// Each batch's per-stack worst cells, from per-(slice, cell) id counts.
+fn batch_loads(load: &[u32], shape: Shape, batches: usize) -> Vec<Vec<IdLoad>> {
+    let cells = shape.cells();
+    let n = shape.partitions;
+    (0..batches)
         .map(|b| {
-            (0..slices_per_batch)
-                .flat_map(|j| {
-                    let mut m = std::mem::take(&mut members[b * slices_per_batch + j]);
-                    m.sort();
-                    m
+            (0..shape.stacks)
+                .map(|st| {
+                    let mut worst = IdLoad::default();
+                    for j in 0..shape.slices {
+                        let row = &load[(b * shape.slices + j) * cells + st * n..][..n];
+                        let max = row.iter().copied().max().unwrap_or(0);
+                        let buffer: u64 = row.iter().map(|&k| (k as u64).div_ceil(8) * 8).sum();
+                        worst.max_ids_per_partition = worst.max_ids_per_partition.max(max.min(i32::MAX as u32) as i32);
+                        worst.required_buffer = worst.required_buffer.max(buffer * shape.sc_per_device as u64);
+                    }
+                    worst
                 })
                 .collect()
         })
-        .collect();
-    let batches = apply(window, &permutation)?;
-    let after = window_loads(&mut prep, &batches)?;
-    // Never worse: every output batch must be at least as good as its input batch, compared by
-    // (worst max_ids relative to its limit, then max_unique, then buffer) over the stacks.
-    let plan = prep.plan().cloned();
-    let score = |loads: &[StackLoad]| -> (f64, f64, u64) {
-        let Some(plan) = &plan else { return (0.0, 0.0, 0) };
-        let mut s = (0.0f64, 0.0f64, 0u64);
-        for (l, st) in loads.iter().zip(&plan.stacks) {
-            s.0 = s.0.max(l.max_ids_per_partition as f64 / st.max_ids_per_partition.max(1) as f64);
-            s.1 = s.1.max(l.max_unique_ids_per_partition as f64 / st.max_unique_ids_per_partition.max(1) as f64);
-            s.2 += l.required_buffer;
-        }
-        s
-    };
-    let worse_than = |a: (f64, f64, u64), b: (f64, f64, u64)| a.0 > b.0 || (a.0 == b.0 && (a.1 > b.1 || (a.1 == b.1 && a.2 > b.2)));
-    // With one batch, the output is that batch reordered, compared with itself. With a pooled
-    // window the batches trade samples, so each output batch is held to the window's worst
-    // input batch, the bound its samples came from.
-    let window_bound = before.iter().map(|b| score(b)).fold((0.0, 0.0, 0), |m, s| if worse_than(s, m) { s } else { m });
-    let worse = before.iter().zip(&after).any(|(b, a)| worse_than(score(a), if window.len() == 1 { score(b) } else { window_bound }));
-    if worse || permutation == identity {
-        return keep(before);
-    }
-    Ok(Balanced {
-        batches,
-        permutation,
-        report: BalanceReport {
-            batches: window.len(),
-            stacks,
-            before: worst_per_stack(&before),
-            after: worst_per_stack(&after),
-            reordered: true,
-        },
-    })
+        .collect()
+}
+
+/// Per stack, max over partitions of ⌈ids to the partition / slices⌉ (see [`lower_bound`]).
+fn bound_from(load: &[u32], shape: Shape, nslices: usize) -> Vec<u32> {
+    let cells = shape.cells();
+    let n = shape.partitions;
+    (0..shape.stacks)
+        .map(|st| {
+            (0..n)
+                .map(|p| {
+                    let total: u64 = (0..nslices).map(|s| load[s * cells + st * n + p] as u64).sum();
+                    total.div_ceil(nslices.max(1) as u64) as u32
+                })
+                .max()
+                .unwrap_or(0)
+        })
+        .collect()
 }
 
 /// Applies a permutation to a window: output batch k takes `permutation[k]`'s rows, every
 /// column moving together (Arrow `take`).
 pub fn apply(window: &[RecordBatch], permutation: &[Vec<SampleRef>]) -> Result<Vec<RecordBatch>> {
     let arrow = |source| Error::Arrow { context: "reordering a window of batches".into(), source };
-    let Some(first) = window.first() else { return Ok(Vec::new()) };
-    let pooled = arrow_select::concat::concat_batches(&first.schema(), window).map_err(arrow)?;
-    let mut starts = vec![0usize; window.len() + 1];
-    for (b, rb) in window.iter().enumerate() {
-        starts[b + 1] = starts[b] + rb.num_rows();
-    }
+    let sources: Vec<&RecordBatch> = window.iter().collect();
+    let mut index = Vec::new();
     permutation
         .iter()
         .map(|rows| {
-            let mut index = Vec::with_capacity(rows.len());
+            index.clear();
             for r in rows {
                 if r.batch >= window.len() || r.row >= window[r.batch].num_rows() {
                     return Err(Error::input("balance", format!("permutation names row {} of batch {}, which does not exist", r.row, r.batch)));
                 }
-                index.push(u32::try_from(starts[r.batch] + r.row).map_err(|_| Error::input("balance", "window of more than 2^32 rows"))?);
+                index.push((r.batch, r.row));
             }
-            arrow_select::take::take_record_batch(&pooled, &UInt32Array::from(index)).map_err(arrow)
+            arrow_select::interleave::interleave_record_batch(&sources, &index).map_err(arrow)
         })
         .collect()
 }
 
-/// One sample's ids per (stack, partition), merged per feature as the pipeline merges them.
-fn sample_load(plan: &Plan, inputs: &[&dyn SampleSource], row: usize) -> Result<SampleLoad> {
+/// One feature of a batch as counting reads it.
+struct RaggedFeature<'a> {
+    ids: Ids<'a>,
+    offsets: Offsets<'a>,
+    /// First cell of the feature's stack.
+    base: u32,
+    col_shift: u32,
+    col_offset: u32,
+    /// Repeated ids are found by direct indexing (see [`DENSE_SEEN_MAX`]).
+    dense: bool,
+}
+
+/// A batch's features, read once per batch rather than once per sample.
+struct BatchFeatures<'a> {
+    features: Vec<RaggedFeature<'a>>,
+    /// Partitions minus one.
+    mask: u32,
+    /// Per cell, 1 / the stack's `max_ids_per_partition`.
+    inv_limit: Vec<f64>,
+}
+
+fn ragged_views<'a>(plan: &Plan, inputs: &'a [&'a (dyn SampleSource + 'a)]) -> Result<BatchFeatures<'a>> {
     let n = plan.layout.num_partitions();
-    let mask = (n - 1) as u32;
-    let mut cells: Vec<(u32, u32)> = Vec::new();
-    let mut cols: Vec<u32> = Vec::new();
-    for (f, fp) in plan.features.iter().enumerate() {
-        cols.clear();
-        match inputs[f].view() {
-            FeatureView::Ragged { ids, offsets, .. } => {
-                if row >= offsets.rows() {
-                    return Err(Error::input(&fp.name, format!("row {row} is outside the batch of {}", offsets.rows())));
-                }
-                let (a, b) = offsets.range(row);
-                let col = |id: i64| {
-                    let id = id as u32;
-                    ((id.wrapping_add(fp.col_shift) & mask) | (id & !mask)).wrapping_add(fp.col_offset)
-                };
-                match ids {
-                    Ids::I32(v) => cols.extend(v.get(a..b).unwrap_or_default().iter().map(|&i| col(i as i64))),
-                    Ids::I64(v) => cols.extend(v.get(a..b).unwrap_or_default().iter().map(|&i| col(i))),
+    let features = plan
+        .features
+        .iter()
+        .zip(inputs)
+        .map(|(fp, input)| match input.view() {
+            FeatureView::Ragged { ids, offsets, .. } => Ok(RaggedFeature {
+                ids,
+                offsets,
+                base: (fp.stack * n) as u32,
+                col_shift: fp.col_shift,
+                col_offset: fp.col_offset,
+                dense: plan.stacks[fp.stack].stack_vocab_size <= DENSE_SEEN_MAX,
+            }),
+            _ => Err(Error::input(&fp.name, "balancing reads record batches, whose features are ragged lists")),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let inv_limit = plan.stacks.iter().flat_map(|s| std::iter::repeat_n(1.0 / s.max_ids_per_partition.max(1) as f64, n)).collect();
+    Ok(BatchFeatures { features, mask: (n - 1) as u32, inv_limit })
+}
+
+/// Adds one sample's ids per (stack, partition) cell to `acc` (listing first-touched cells in
+/// `touched`), merged per feature as the pipeline merges them. Every feature has the batch's
+/// rows (checked by the caller).
+fn count_sample(batch: &BatchFeatures<'_>, row: usize, seen: &mut SeenSet, acc: &mut [u32], touched: &mut Vec<u32>) {
+    let mask = batch.mask;
+    touched.clear();
+    for f in &batch.features {
+        let (a, b) = f.offsets.range(row);
+        let mut add = |c: u32| {
+            let cell = f.base + (c & mask);
+            let slot = &mut acc[cell as usize];
+            if *slot == 0 {
+                touched.push(cell);
+            }
+            *slot += 1;
+        };
+        // The column is a bijection of the id (per feature), so distinct columns are distinct
+        // ids, as the pipeline merges them.
+        let col = |id: i64| {
+            let id = id as u32;
+            ((id.wrapping_add(f.col_shift) & mask) | (id & !mask)).wrapping_add(f.col_offset)
+        };
+        match f.ids {
+            Ids::I32(v) => {
+                let v = v.get(a..b).unwrap_or_default();
+                if v.len() == 1 {
+                    add(col(v[0] as i64));
+                } else {
+                    seen.start(v.len(), f.dense);
+                    v.iter().map(|&i| col(i as i64)).filter(|&c| seen.insert(c)).for_each(&mut add);
                 }
             }
-            _ => return Err(Error::input(&fp.name, "balancing reads record batches, whose features are ragged lists")),
-        }
-        cols.sort_unstable();
-        cols.dedup();
-        for &c in &cols {
-            cells.push(((fp.stack * n) as u32 + (c & mask), 1));
-        }
-    }
-    cells.sort_unstable();
-    let mut merged: Vec<(u32, u32)> = Vec::with_capacity(cells.len());
-    for (c, k) in cells {
-        match merged.last_mut() {
-            Some(last) if last.0 == c => last.1 += k,
-            _ => merged.push((c, k)),
+            Ids::I64(v) => {
+                let v = v.get(a..b).unwrap_or_default();
+                if v.len() == 1 {
+                    add(col(v[0]));
+                } else {
+                    seen.start(v.len(), f.dense);
+                    v.iter().map(|&i| col(i)).filter(|&c| seen.insert(c)).for_each(&mut add);
+                }
+            }
         }
     }
-    let peak = merged
-        .iter()
-        .map(|&(c, k)| k as f64 / plan.stacks[c as usize / n].max_ids_per_partition.max(1) as f64)
-        .fold(0.0, f64::max);
-    Ok(SampleLoad { cells: merged, peak })
+}
+
+/// Stacks of at most this many columns find repeated ids by direct indexing (a 64 KiB array,
+/// which stays in cache; a 4 MiB one made criteo's balancing 4× slower than hashing).
+const DENSE_SEEN_MAX: u64 = 1 << 14;
+
+/// The distinct columns of one (sample, feature). Both forms stamp what they hold with the
+/// generation that put it there, so starting the next list clears nothing. Sorting each list to
+/// merge it cost more than the rest of balancing together.
+#[derive(Debug, Default)]
+struct SeenSet {
+    /// Per column of a small stack: the generation that last saw it.
+    dense: Vec<u32>,
+    /// (column, generation) per slot, open addressing; a power-of-two count at least twice the
+    /// longest list.
+    slots: Vec<(u32, u32)>,
+    generation: u32,
+    /// The current list's slots, minus one, and the hash shift that addresses them.
+    used: usize,
+    shift: u32,
+    mode: SeenMode,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum SeenMode {
+    /// A list of at most one id.
+    #[default]
+    Single,
+    Dense,
+    Hashed,
+}
+
+impl SeenSet {
+    fn start(&mut self, len: usize, dense: bool) {
+        if len <= 1 {
+            self.mode = SeenMode::Single;
+            return;
+        }
+        self.generation = self.generation.wrapping_add(1);
+        if self.generation == 0 {
+            self.dense.fill(0);
+            self.slots.fill((0, 0));
+            self.generation = 1;
+        }
+        if dense {
+            if self.dense.is_empty() {
+                self.dense = vec![0; DENSE_SEEN_MAX as usize];
+            }
+            self.mode = SeenMode::Dense;
+            return;
+        }
+        self.mode = SeenMode::Hashed;
+        // Each list uses only the first 2·len (rounded up) slots, so a short list after a long
+        // one stays within a few cache lines.
+        let want = (2 * len).next_power_of_two().max(16);
+        if self.slots.len() < want {
+            self.slots.resize(want, (0, 0));
+        }
+        self.used = want - 1;
+        self.shift = 64 - want.trailing_zeros();
+    }
+
+    /// Whether `c` is new in the current list.
+    #[inline]
+    fn insert(&mut self, c: u32) -> bool {
+        match self.mode {
+            SeenMode::Single => true,
+            SeenMode::Dense => {
+                // Columns of a small stack are below its vocabulary; an id beyond it is one the
+                // pipeline rejects, counted here as it comes.
+                let Some(stamp) = self.dense.get_mut(c as usize) else { return true };
+                let new = *stamp != self.generation;
+                *stamp = self.generation;
+                new
+            }
+            SeenMode::Hashed => {
+                let mask = self.used;
+                let mut i = ((c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize;
+                loop {
+                    let slot = &mut self.slots[i];
+                    if slot.1 != self.generation {
+                        *slot = (c, self.generation);
+                        return true;
+                    }
+                    if slot.0 == c {
+                        return false;
+                    }
+                    i = (i + 1) & mask;
+                }
+            }
+        }
+    }
 }
 
 /// Each batch's per-stack worst cells, from the pipeline's own statistics.
@@ -320,17 +652,43 @@ fn window_loads(prep: &mut Preprocessor, batches: &[RecordBatch]) -> Result<Vec<
     Ok(loads)
 }
 
-fn worst_per_stack(loads: &[Vec<StackLoad>]) -> Vec<StackLoad> {
-    let mut worst: Vec<StackLoad> = Vec::new();
+/// The pipeline's worst cells per stack (in plan order) over `batches`: its statistics, with
+/// `max_unique_ids`, which balancing itself does not count. Costs a statistics pass of the
+/// pipeline over every batch.
+pub fn measure(config: &Config, batches: &[RecordBatch]) -> Result<Vec<StackLoad>> {
+    let mut prep = Preprocessor::builder(config.clone()).threads(1).build()?;
+    Ok(worst_per_stack(&window_loads(&mut prep, batches)?))
+}
+
+fn worst_per_stack<L: Worst>(loads: &[Vec<L>]) -> Vec<L> {
+    let mut worst: Vec<L> = Vec::new();
     for batch in loads {
-        worst.resize(worst.len().max(batch.len()), StackLoad::default());
+        worst.resize(worst.len().max(batch.len()), L::default());
         for (w, l) in worst.iter_mut().zip(batch) {
-            w.max_ids_per_partition = w.max_ids_per_partition.max(l.max_ids_per_partition);
-            w.max_unique_ids_per_partition = w.max_unique_ids_per_partition.max(l.max_unique_ids_per_partition);
-            w.required_buffer = w.required_buffer.max(l.required_buffer);
+            w.worst_of(l);
         }
     }
     worst
+}
+
+/// Loads that combine into the worst of both, field by field.
+trait Worst: Default + Clone {
+    fn worst_of(&mut self, other: &Self);
+}
+
+impl Worst for StackLoad {
+    fn worst_of(&mut self, l: &Self) {
+        self.max_ids_per_partition = self.max_ids_per_partition.max(l.max_ids_per_partition);
+        self.max_unique_ids_per_partition = self.max_unique_ids_per_partition.max(l.max_unique_ids_per_partition);
+        self.required_buffer = self.required_buffer.max(l.required_buffer);
+    }
+}
+
+impl Worst for IdLoad {
+    fn worst_of(&mut self, l: &Self) {
+        self.max_ids_per_partition = self.max_ids_per_partition.max(l.max_ids_per_partition);
+        self.required_buffer = self.required_buffer.max(l.required_buffer);
+    }
 }
 
 /// A lower bound on any order's worst `max_ids_per_partition`, per stack: the ids a window sends
@@ -338,27 +696,12 @@ fn worst_per_stack(loads: &[Vec<StackLoad>]) -> Vec<StackLoad> {
 /// ⌈ids to p / (W·L·S)⌉ of them. (Per device the pipeline reports the largest over its S
 /// SparseCores, so the bound holds for every device's statistic too.)
 pub fn lower_bound(config: &Config, window: &[RecordBatch]) -> Result<Vec<u32>> {
-    let mut prep = Preprocessor::builder(config.clone()).threads(1).build()?;
-    let mut totals: Vec<u64> = Vec::new();
-    let mut slices = 0usize;
-    let mut plan_shape = (0usize, 1usize);
-    for rb in window {
-        let features = features_from_record_batch(config, rb)?;
-        let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
-        let sizes: Vec<usize> = inputs.iter().map(|i| i.num_samples()).collect();
-        let plan = prep.plan_for(&sizes)?.clone();
-        let n = plan.layout.num_partitions();
-        plan_shape = (plan.stacks.len(), n);
-        totals.resize(plan.stacks.len() * n, 0);
-        slices += plan.layout.local_scs();
-        for row in 0..rb.num_rows() {
-            for (cell, k) in sample_load(&plan, &inputs, row)?.cells {
-                totals[cell as usize] += k as u64;
-            }
-        }
+    let mut balancer = Balancer::new(config.clone())?;
+    let Some(shape) = balancer.count(window)? else { return Ok(Vec::new()) };
+    let cells = shape.cells();
+    let mut totals = vec![0u32; cells];
+    for &(c, n) in &balancer.counts.cells {
+        totals[c as usize] += n;
     }
-    let (stacks, n) = plan_shape;
-    Ok((0..stacks)
-        .map(|s| totals[s * n..(s + 1) * n].iter().map(|&t| t.div_ceil(slices.max(1) as u64) as u32).max().unwrap_or(0))
-        .collect())
+    Ok(bound_from(&totals, shape, 1).into_iter().map(|t| t.div_ceil((window.len() * shape.slices).max(1) as u32)).collect())
 }

@@ -138,3 +138,62 @@ fn per_sample_activations_unpermuted_equal_the_original_batch() {
         }
     }
 }
+
+/// The report's loads are counted from the samples, not by the pipeline; they must equal the
+/// pipeline's statistics for the same batches, before and after, on every profile, and no
+/// order may beat the reported lower bound.
+#[test]
+fn counted_loads_equal_the_pipeline_statistics() {
+    use sparsecore_prep::balance::{lower_bound, measure};
+    for profile in [Profile::Criteo, Profile::Long, Profile::LargeVocab, Profile::HighMultivalency, Profile::ModerateMultivalency] {
+        for layout in [(1, 1, 4), (1, 4, 4), (2, 2, 2)] {
+            let batch = 32 * layout.0 * layout.2;
+            let (config, window) = workload(profile, batch, 4, layout);
+            for w in [1usize, 4] {
+                for chunk in window.chunks(w) {
+                    let balanced = balance(&config, chunk).unwrap();
+                    let report = &balanced.report;
+                    let (before, after) = (measure(&config, chunk).unwrap(), measure(&config, &balanced.batches).unwrap());
+                    assert_eq!(report.before.len(), before.len());
+                    for (k, name) in report.stacks.iter().enumerate() {
+                        let what = format!("{} {layout:?} W = {w} stack {name}", profile.name());
+                        assert_eq!(report.before[k].max_ids_per_partition, before[k].max_ids_per_partition, "{what}: before");
+                        assert_eq!(report.before[k].required_buffer, before[k].required_buffer, "{what}: before");
+                        assert_eq!(report.after[k].max_ids_per_partition, after[k].max_ids_per_partition, "{what}: after");
+                        assert_eq!(report.after[k].required_buffer, after[k].required_buffer, "{what}: after");
+                        assert!(report.lower_bound[k] as i32 <= after[k].max_ids_per_partition, "{what}: bound above the result");
+                        assert!(report.lower_bound[k] > 0, "{what}: a bound of 0 on a stack with ids");
+                    }
+                    assert_eq!(lower_bound(&config, chunk).unwrap(), report.lower_bound);
+                }
+            }
+        }
+    }
+}
+
+/// The test kit's configs carry limits equal to the largest counts its batches produce, so every
+/// input batch fits them exactly. Balanced batches must still fit: before the unique-id guard,
+/// `long` at W = 4 raised a stack's max unique ids from 671 to 681 and preprocessing failed.
+#[test]
+fn balanced_batches_fit_limits_their_inputs_fit() {
+    for profile in [Profile::Criteo, Profile::Long, Profile::LargeVocab, Profile::ModerateMultivalency] {
+        for layout in [(1, 1, 4), (1, 4, 4)] {
+            let (config, window) = workload(profile, 128 * layout.0 * layout.2, 4, layout);
+            let mut prep = Preprocessor::new(config.clone()).unwrap();
+            let mut out = Output::new();
+            for b in &window {
+                prep.run_record_batch(b, &mut out).unwrap();
+            }
+            for w in [1usize, 4] {
+                for chunk in window.chunks(w) {
+                    let balanced = balance(&config, chunk).unwrap();
+                    for (k, b) in balanced.batches.iter().enumerate() {
+                        prep.run_record_batch(b, &mut out).unwrap_or_else(|e| {
+                            panic!("{} {layout:?} W = {w}: balanced batch {k} no longer fits: {e}", profile.name())
+                        });
+                    }
+                }
+            }
+        }
+    }
+}

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use arrow_array::RecordBatch;
 use arrow_ipc::writer::FileWriter;
-use sparsecore_prep::balance::{balance, BalanceReport, StackLoad};
+use sparsecore_prep::balance::{measure, BalanceReport, Balancer, StackLoad};
 use sparsecore_prep::io::BatchReader;
 use sparsecore_prep::{Config, Error, Result};
 
@@ -53,17 +53,41 @@ pub fn parse_window(s: &str) -> std::result::Result<usize, String> {
 pub struct Balancing<I> {
     inner: I,
     config: Config,
+    /// Made at the first window, so that a bad config is an item's error like any other.
+    balancer: Option<Balancer>,
     window: usize,
     input: PathBuf,
     ready: VecDeque<(usize, RecordBatch)>,
     failed: bool,
     /// Per-window reports, in order.
     pub reports: Vec<BalanceReport>,
+    /// With [`Balancing::measuring`]: per window, the pipeline's worst cells before and after.
+    pub measured: Vec<(Vec<StackLoad>, Vec<StackLoad>)>,
+    measuring: bool,
 }
 
 impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Balancing<I> {
     pub fn new(inner: I, config: Config, window: usize, input: &Path) -> Self {
-        Balancing { inner, config, window: window.max(1), input: input.to_path_buf(), ready: VecDeque::new(), failed: false, reports: Vec::new() }
+        Balancing {
+            inner,
+            config,
+            balancer: None,
+            window: window.max(1),
+            input: input.to_path_buf(),
+            ready: VecDeque::new(),
+            failed: false,
+            reports: Vec::new(),
+            measured: Vec::new(),
+            measuring: false,
+        }
+    }
+
+    /// Also runs the pipeline's statistics on every window before and after (for the
+    /// `balance` command's report, which shows `max_unique_ids`; balancing itself does not
+    /// count them).
+    pub fn measuring(mut self) -> Self {
+        self.measuring = true;
+        self
     }
 
     fn fill(&mut self) -> Result<()> {
@@ -75,8 +99,17 @@ impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Balancing<I> {
             batches.push(batch?);
         }
         let (Some(&a), Some(&b)) = (indices.first(), indices.last()) else { return Ok(()) };
-        let balanced = balance(&self.config, &batches)
-            .map_err(|e| e.context(format!("input {}, balancing record batches {a}..={b}", self.input.display())))?;
+        let context = |e: Error| e.context(format!("input {}, balancing record batches {a}..={b}", self.input.display()));
+        let balancer = match &mut self.balancer {
+            Some(balancer) => balancer,
+            None => self.balancer.insert(Balancer::new(self.config.clone()).map_err(context)?),
+        };
+        let balanced = balancer.balance(&batches).map_err(context)?;
+        if self.measuring {
+            let before = measure(&self.config, &batches).map_err(context)?;
+            let after = if balanced.report.reordered { measure(&self.config, &balanced.batches).map_err(context)? } else { before.clone() };
+            self.measured.push((before, after));
+        }
         self.reports.push(balanced.report);
         self.ready.extend(indices.into_iter().zip(balanced.batches));
         Ok(())
@@ -101,14 +134,14 @@ impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Iterator for Balancing<I>
 }
 
 /// Per stack (in plan order), the worst before and after over all windows.
-pub fn aggregate(reports: &[BalanceReport]) -> Vec<(String, StackLoad, StackLoad)> {
+pub fn aggregate(reports: &[BalanceReport], measured: &[(Vec<StackLoad>, Vec<StackLoad>)]) -> Vec<(String, StackLoad, StackLoad)> {
     let mut out: Vec<(String, StackLoad, StackLoad)> = Vec::new();
     let worse = |w: &mut StackLoad, l: &StackLoad| {
         w.max_ids_per_partition = w.max_ids_per_partition.max(l.max_ids_per_partition);
         w.max_unique_ids_per_partition = w.max_unique_ids_per_partition.max(l.max_unique_ids_per_partition);
         w.required_buffer = w.required_buffer.max(l.required_buffer);
     };
-    for r in reports {
+    for (r, (before, after)) in reports.iter().zip(measured) {
         for (k, name) in r.stacks.iter().enumerate() {
             let i = match out.iter().position(|(n, _, _)| n == name) {
                 Some(i) => i,
@@ -117,10 +150,10 @@ pub fn aggregate(reports: &[BalanceReport]) -> Vec<(String, StackLoad, StackLoad
                     out.len() - 1
                 }
             };
-            if let Some(b) = r.before.get(k) {
+            if let Some(b) = before.get(k) {
                 worse(&mut out[i].1, b);
             }
-            if let Some(a) = r.after.get(k) {
+            if let Some(a) = after.get(k) {
                 worse(&mut out[i].2, a);
             }
         }
@@ -139,10 +172,11 @@ pub fn run(a: Args) -> Result<()> {
     let mut rows = 0usize;
     let mut reordered = 0usize;
     let mut reports = Vec::new();
+    let mut measured = Vec::new();
     let write = || -> Result<()> {
         let file = File::create(&tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
         let mut writer = FileWriter::try_new(BufWriter::new(file), &schema).map_err(arrow)?;
-        let mut it = Balancing::new(reader.enumerate(), config, a.window, &a.input);
+        let mut it = Balancing::new(reader.enumerate(), config, a.window, &a.input).measuring();
         for (index, batch) in it.by_ref() {
             let batch = batch?;
             if batch.schema() != schema {
@@ -159,13 +193,14 @@ pub fn run(a: Args) -> Result<()> {
         drop(writer);
         reordered = it.reports.iter().filter(|r| r.reordered).count();
         reports = std::mem::take(&mut it.reports);
+        measured = std::mem::take(&mut it.measured);
         std::fs::rename(&tmp, &a.out).map_err(io_err(format!("renaming {} to {}", tmp.display(), a.out.display())))
     };
     if let Err(e) = write() {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
-    let stacks = aggregate(&reports);
+    let stacks = aggregate(&reports, &measured);
     if a.json {
         let load = |l: &StackLoad| {
             serde_json::json!({
