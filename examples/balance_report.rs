@@ -3,7 +3,8 @@
 //! `max_ids_per_partition` over 8 batches before and after, its lower bound, and the time to
 //! balance as a share of the time to preprocess the same batches.
 //!
-//! `cargo run --release --example balance_report [-- SAMPLES_PER_SPARSECORE]` (default 128).
+//! The limits are the test kit's doubled (headroom 2). `cargo run --release --example
+//! balance_report [-- SAMPLES_PER_SPARSECORE]` (default 128).
 
 use std::time::Instant;
 
@@ -43,7 +44,15 @@ fn main() -> sparsecore_prep::Result<()> {
             spec.layout = layout;
             spec.batch_size = per_sc * layout.0 * layout.2;
             spec.num_batches = 8;
-            let w = generate(&spec)?;
+            let mut w = generate(&spec)?;
+            // The test kit's limits equal its batches' largest counts; a tuned config has
+            // headroom (`fdo tune --headroom`), without which no reordered batch could keep
+            // every stack within its limits and balancing would keep the input order.
+            for t in &mut w.config.tables {
+                t.max_ids_per_partition *= 2;
+                t.max_unique_ids_per_partition *= 2;
+                t.suggested_coo_buffer_size_per_device = t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
+            }
             let mut prep = Preprocessor::builder(w.config.clone()).threads(1).build()?;
             let mut out = Output::new();
             let worst = |prep: &mut Preprocessor, out: &mut Output, batches: &[arrow_array::RecordBatch]| -> sparsecore_prep::Result<i32> {
