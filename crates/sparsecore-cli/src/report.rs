@@ -193,9 +193,12 @@ fn config_limits(path: &Path, batch_size: Option<usize>, runs: &[Run], stacks: &
             ))
         }
     };
-    let plan = Plan::for_local_batches(&config, &vec![batch; config.features.len()])
-        .map_err(|e| e.context(format!("planning config {} for batches of {batch} samples", path.display())))?;
-    let key: LayoutKey = plan.layout.into();
+    // The layout first: a config of another layout may not even plan with these stats' sizes.
+    let key = LayoutKey {
+        local_device_count: o.local_device_count,
+        global_device_count: o.global_device_count,
+        num_sc_per_device: o.num_sc_per_device,
+    };
     for r in runs {
         if r.stats.layout != key {
             return Err(Error::option(
@@ -205,6 +208,8 @@ fn config_limits(path: &Path, batch_size: Option<usize>, runs: &[Run], stacks: &
             ));
         }
     }
+    let plan = Plan::for_local_batches(&config, &vec![batch; config.features.len()])
+        .map_err(|e| e.context(format!("planning config {} for batches of {batch} samples", path.display())))?;
     let mut limits = BTreeMap::new();
     for name in stacks {
         let Some(s) = plan.stack(name) else {
