@@ -18,8 +18,8 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use plotters::coord::Shift;
-use plotters::style::text_anchor::{HPos, Pos, VPos};
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use sparsecore_prep::fdo::{write_atomic, FdoStats, LayoutKey};
 use sparsecore_prep::spec::Stacking;
 use sparsecore_prep::{Config, Error, Plan, Result, StackStats};
@@ -237,8 +237,10 @@ fn config_limits(path: &Path, batch_size: Option<usize>, runs: &[Run], stacks: &
 const PANEL_W: u32 = 620;
 const IDS_H: u32 = 300;
 const BUF_H: u32 = 190;
-const HEADER_H: u32 = 70;
-/// Bars carry their value as text up to this many cells per chart; more would overlap.
+const HEADER_H: u32 = 100;
+/// Where the legend's limit column starts.
+const LEGEND_LIMITS_X: i32 = 320;
+/// Bars carry their value as text up to this many bars per chart; more would overlap.
 const MAX_VALUE_LABELS: usize = 8;
 
 // Colours: one per quantity, a darker shade of it for its limit.
@@ -294,31 +296,23 @@ fn draw_header(area: &DrawingArea<SVGBackend<'_>, Shift>, runs: &[Run], with_lim
     let names: Vec<String> = runs.iter().map(|r| format!("{} ({} batches, {})", r.label, r.stats.batches, r.stats.layout)).collect();
     let title = format!("Per-partition load per stack: {}", names.join(" | "));
     area.draw(&Text::new(title, (10, 8), ("sans-serif", 22).into_font().color(&BLACK))).map_err(plot_err)?;
-    let mut entries = vec![
-        (IDS, false, "max ids per partition"),
-        (UNIQUE, false, "max unique ids per partition"),
-        (BUFFER, false, "required COO buffer per SparseCore"),
+    // One row per quantity: its bar colour, then the line of its limit in the config.
+    let rows = [
+        (IDS, "max ids per partition", IDS_LIMIT, "max_ids_per_partition limit"),
+        (UNIQUE, "max unique ids per partition", UNIQUE_LIMIT, "max_unique_ids_per_partition limit"),
+        (BUFFER, "required COO buffer per SparseCore", BUFFER_LIMIT, "COO buffer per SparseCore"),
     ];
-    if with_limits {
-        entries.extend([(IDS_LIMIT, true, "max_ids limit"), (UNIQUE_LIMIT, true, "max_unique limit"), (BUFFER_LIMIT, true, "buffer per SparseCore")]);
-    } else {
-        entries.push((BLACK, true, "(no --config: limits not drawn)"));
-    }
     let font = ("sans-serif", 17).into_font().color(&BLACK);
-    let mut x = 10;
-    for (i, (colour, line, text)) in entries.iter().enumerate() {
-        // Quantities on the first line, limits on the second.
-        let y = if i < 3 { 38 } else { 56 };
-        if i == 3 {
-            x = 10;
+    for (i, (bar, name, line, limit)) in rows.into_iter().enumerate() {
+        let y = 44 + 20 * i as i32;
+        area.draw(&Rectangle::new([(10, y - 6), (28, y + 6)], bar.filled())).map_err(plot_err)?;
+        area.draw(&Text::new(name, (34, y - 7), font.clone())).map_err(plot_err)?;
+        if with_limits {
+            area.draw(&PathElement::new(vec![(LEGEND_LIMITS_X, y), (LEGEND_LIMITS_X + 18, y)], line.stroke_width(3))).map_err(plot_err)?;
+            area.draw(&Text::new(limit, (LEGEND_LIMITS_X + 24, y - 7), font.clone())).map_err(plot_err)?;
+        } else if i == 0 {
+            area.draw(&Text::new("(no --config: limits not drawn)", (LEGEND_LIMITS_X, y - 7), font.clone())).map_err(plot_err)?;
         }
-        if *line {
-            area.draw(&PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(3))).map_err(plot_err)?;
-        } else {
-            area.draw(&Rectangle::new([(x, y - 6), (x + 18, y + 6)], colour.filled())).map_err(plot_err)?;
-        }
-        area.draw(&Text::new(text.to_string(), (x + 24, y - 7), font.clone())).map_err(plot_err)?;
-        x += 24 + 8 * text.len() as i32 + 28;
     }
     Ok(())
 }
@@ -334,7 +328,7 @@ fn y_ranges(runs: &[Run], stack: &str, limits: Option<&Limits>) -> (f64, f64) {
     (ids.max(1) as f64 * 1.12, buf.max(1) as f64 * 1.12)
 }
 
-/// Tick labels for cell `i` of `per_device` cells per local device: the index, or `device.index`
+/// Tick labels for cell `i` of `per_device` cells per local device: the index, or `device:index`
 /// with more than one local device.
 fn cell_label(v: f64, per_device: usize, devices: usize) -> String {
     let i = v.round();
@@ -343,7 +337,7 @@ fn cell_label(v: f64, per_device: usize, devices: usize) -> String {
     }
     let i = i as usize;
     if devices > 1 {
-        format!("{}.{}", i / per_device.max(1), i % per_device.max(1))
+        format!("{}:{}", i / per_device.max(1), i % per_device.max(1))
     } else {
         i.to_string()
     }
@@ -388,7 +382,7 @@ fn draw_panel(
         .disable_x_mesh()
         .x_labels(cells.clamp(1, 16))
         .x_label_formatter(&label)
-        .x_desc(if devices > 1 { "destination partition (local device.partition)" } else { "destination partition" })
+        .x_desc(if devices > 1 { "local device:destination partition" } else { "destination partition" })
         .y_desc("ids")
         .y_labels(6)
         .y_max_light_lines(1)
@@ -415,7 +409,7 @@ fn draw_panel(
     };
     chart.draw_series(bars(&st.max_ids_per_partition, -0.4, IDS)).map_err(plot_err)?;
     chart.draw_series(bars(&st.max_unique_ids_per_partition, 0.0, UNIQUE)).map_err(plot_err)?;
-    if cells <= MAX_VALUE_LABELS {
+    if 2 * cells <= MAX_VALUE_LABELS {
         chart.draw_series(values(&st.max_ids_per_partition, -0.2)).map_err(plot_err)?;
         chart.draw_series(values(&st.max_unique_ids_per_partition, 0.2)).map_err(plot_err)?;
     }
@@ -446,7 +440,7 @@ fn draw_panel(
         .disable_x_mesh()
         .x_labels(scs.clamp(1, 16))
         .x_label_formatter(&label)
-        .x_desc(if devices > 1 { "SparseCore (local device.SparseCore)" } else { "SparseCore" })
+        .x_desc(if devices > 1 { "local device:SparseCore" } else { "SparseCore" })
         .y_desc("slots")
         .y_labels(4)
         .y_max_light_lines(1)

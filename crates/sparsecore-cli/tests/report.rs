@@ -10,8 +10,9 @@
 //! - the HTML page holds the picture and a summary row per (stack, run) with the stats' peaks
 //!   and the config's limits; default run names are parent/stem when the stems repeat;
 //! - bad invocations (no --stats, an unknown extension, an unreadable or invalid stats file, a
-//!   --label count that does not match, a config of another layout) fail with one line and
-//!   write nothing.
+//!   --label count that does not match, a config of another layout, an auto-stacked config
+//!   without --batch-size or whose stacks are not the stats') fail with one line and write
+//!   nothing.
 
 use sparsecore_testkit::TempDir;
 use std::path::{Path, PathBuf};
@@ -161,7 +162,7 @@ fn svg_renders_and_names_every_stack_of_every_run() {
 
     // Rendered, the picture is not blank.
     let size = tree.size().to_int_size();
-    assert_eq!((size.width(), size.height()), (2 * 620, 70 + 3 * (300 + 190)));
+    assert_eq!((size.width(), size.height()), (2 * 620, 100 + 3 * (300 + 190)));
     let mut pixmap = Pixmap::new(size.width(), size.height()).unwrap();
     resvg::render(&tree, Transform::default(), &mut pixmap.as_mut());
     let pixels: Vec<[u8; 4]> = pixmap.pixels().iter().map(|p| [p.red(), p.green(), p.blue(), p.alpha()]).collect();
@@ -218,7 +219,7 @@ fn html_has_the_picture_and_the_numbers() {
         let peak = st.required_buffer_size_per_sc.iter().max().unwrap();
         assert!(svg.contains(&format!("\nCOO buffer per local SparseCore: peak {peak} slots\n")), "{peak}");
     }
-    assert!(!svg.contains("max_ids limit"), "a limit in the legend without a config");
+    assert!(!svg.contains("max_ids_per_partition limit"), "a limit in the legend without a config");
 }
 
 #[test]
@@ -236,6 +237,12 @@ fn bad_invocations_fail_with_one_line_and_write_nothing() {
     let other_cfg = dir.join("other.json");
     std::fs::write(&other_cfg, other.to_string()).unwrap();
     let missing = dir.join("missing.json");
+    // The config under auto stacking: its stacks depend on the batch size, and they are not
+    // the stacks the stats were measured with.
+    let mut auto: Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    auto["config"]["stacking"] = Value::from("auto");
+    let auto_cfg = dir.join("auto.json");
+    std::fs::write(&auto_cfg, auto.to_string()).unwrap();
     let png = outdir.join("r.png");
 
     let cases: Vec<(Vec<&str>, String)> = vec![
@@ -253,6 +260,21 @@ fn bad_invocations_fail_with_one_line_and_write_nothing() {
         (
             vec!["report", "--stats", s(&before), "--config", s(&other_cfg), "--out", s(&svg)],
             format!("invalid option `config` = {}: its layout L/G/S is 1/1/2 but stats {} were measured on 1/1/4", other_cfg.display(), before.display()),
+        ),
+        (
+            vec!["report", "--stats", s(&before), "--config", s(&auto_cfg), "--out", s(&svg)],
+            format!(
+                "invalid option `batch-size` = none: config {} uses auto stacking, whose stacks depend on the batch size: give --batch-size",
+                auto_cfg.display()
+            ),
+        ),
+        (
+            vec!["report", "--stats", s(&before), "--config", s(&auto_cfg), "--batch-size", "128", "--out", s(&svg)],
+            format!(
+                "invalid config: stack `cats`: in stats {} but not a stack of config {} (its stacks: items_cats_queries)",
+                before.display(),
+                auto_cfg.display()
+            ),
         ),
     ];
     for (args, want) in cases {
