@@ -10,6 +10,7 @@ mod fdo;
 mod generate;
 mod outdir;
 mod preprocess;
+mod report;
 mod soak;
 mod stdio;
 mod table;
@@ -47,6 +48,9 @@ enum Command {
     /// Reorder the rows of a file, window by window, so that every (SparseCore slice,
     /// partition) cell gets an even share; writes the same rows in the input's schema.
     Balance(balance::Args),
+    /// Draw stats files as per-partition load charts (SVG, or HTML with tables), one panel per
+    /// (stack, run), runs side by side; with --config, against its limits and buffers.
+    Report(report::Args),
     /// Merge, tune, import and export FDO stats.
     Fdo {
         #[command(subcommand)]
@@ -88,6 +92,7 @@ fn run() -> i32 {
         Command::Preprocess(a) => preprocess::run(a),
         Command::Stats(a) => preprocess::run_stats(a),
         Command::Balance(a) => balance::run(a),
+        Command::Report(a) => report::run(a),
         Command::Fdo { command } => fdo::run(command),
         Command::Bench(a) => bench::run(a),
         Command::Soak(a) => match soak::run(a) {
