@@ -22,7 +22,7 @@ import sparsecore_prep
 from sparsecore_prep import bess
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CASES = ROOT.parent / "shared" / "bess" / "cases"
+CASES = pathlib.Path(os.environ.get("SPARSECORE_SHARED", ROOT.parent / "shared")) / "bess" / "cases"
 
 
 def _case_dirs():
@@ -275,6 +275,38 @@ def test_stream_round_trip_through_preprocessor():
   batches = list(again)
   assert len(batches) == 2 == len(again)
   assert all(b.schema.names == ["head", "tail", "relation", "triple_mask", "negative"] for b in batches)
+
+
+def _cell_loads(row_pointers, local_devices, sc_per_device, n):
+  """Ids per (local SparseCore, partition) cell from a stack's row pointers: partition p of a
+  SparseCore's segment starts at roundup(rp[p - 1], 8) and ends at rp[p]."""
+  rp = np.asarray(row_pointers).reshape(local_devices, -1)
+  per_sc = rp.shape[1] // sc_per_device
+  cells = []
+  for d in range(local_devices):
+    for sc in range(sc_per_device):
+      seg = rp[d, sc * per_sc:sc * per_sc + n]
+      starts = np.concatenate([[0], (seg[:-1] + 7) // 8 * 8])
+      cells.append(seg - starts)
+  return np.array(cells)
+
+
+@pytest.mark.parametrize("devices", [(1, 1, 4), (2, 2, 4)])
+def test_positives_only_stream_loads_every_cell_exactly(devices):
+  # --negatives 0: every (SparseCore, partition) cell of every batch holds exactly 2 * ppp ids.
+  l, g, s = devices
+  h, r, t = _graph(n_entity=2000, n=40_000, seed=4)
+  stream = bess.BessStream((h, r, t), n_entity=2000, shard_batch_size=16, devices=devices, seed=5, steps=3)
+  n = g * s
+  ppp = stream.counts["positive_per_partition"]
+  assert ppp == -(-16 // n) and stream.counts["max_ids_per_partition"] == 2 * ppp
+  prep = sparsecore_prep.Preprocessor(stream.config_json)
+  for rb in stream:
+    res, stats = prep(rb)
+    cells = _cell_loads(res.lhs_row_pointers["entities"], l, s, n)
+    assert cells.shape == (l * s, n)
+    assert cells.min() == cells.max() == 2 * ppp
+    assert stats.id_drop_counters["entities"] == 0
 
 
 def test_stream_positions_are_physical_ids_of_the_sharding():
