@@ -139,9 +139,13 @@ fn seed_words_of(py: Python<'_>, seed: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> 
         }
         return Ok(if words.is_empty() { vec![0] } else { words.into_iter().map(|w| w as u32).collect() });
     }
-    if seed.is_instance_of::<pyo3::types::PyBool>() || !seed.is_instance_of::<pyo3::types::PyInt>() {
-        return Err(param(py, "seed", seed.repr()?, "must be a non-negative int or a list of 32-bit words"));
-    }
+    // Any integer (numpy's too) through `operator.index`; not bools, floats or strings.
+    let index = py.import("operator")?.getattr("index")?;
+    let seed = match index.call1((seed,)) {
+        Ok(i) if !seed.is_instance_of::<pyo3::types::PyBool>() => i,
+        _ => return Err(param(py, "seed", seed.repr()?, "must be a non-negative int or a list of 32-bit words")),
+    };
+    let seed = &seed;
     if seed.lt(0)? {
         return Err(param(py, "seed", seed.repr()?, "must be non-negative"));
     }
@@ -166,7 +170,7 @@ fn int_values(py: Python<'_>, obj: &Bound<'_, PyAny>, column: &str) -> PyResult<
     if kind != "i" && kind != "u" {
         return Err(to_py(py, BessError::ColumnType { column: column.to_string(), found: format!("numpy {}", dtype.str()?) }));
     }
-    if kind == "u" && a.call_method0("size")?.extract::<usize>().unwrap_or(0) > 0 {
+    if kind == "u" && a.getattr("size")?.extract::<usize>()? > 0 {
         // uint64 values above i64::MAX would wrap to negative ids: refuse them by value.
         let max: u128 = a.call_method0("max")?.extract()?;
         if max > i64::MAX as u128 {

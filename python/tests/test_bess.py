@@ -188,6 +188,11 @@ def test_seed_words():
   assert bess.seed_words(2**32 + 1) == [1, 1]
   assert bess.seed_words(2**64 - 1) == [2**32 - 1, 2**32 - 1]
   assert bess.NumpyRng([1, 1]).permutation(50).tolist() == bess.NumpyRng(2**32 + 1).permutation(50).tolist()
+  assert bess.seed_words(np.uint64(2**63)) == [0, 2**31]
+  with pytest.raises(bess.InvalidParameterError):
+    bess.NumpyRng(1.5)
+  with pytest.raises(bess.InvalidParameterError):
+    bess.NumpyRng([2**32])
 
 
 # --- Sharding files -----------------------------------------------------------------------------
@@ -228,6 +233,9 @@ def test_partition_from_arrow_equals_from_numpy():
   np.testing.assert_array_equal(a.triples, b.triples)
   np.testing.assert_array_equal(a.triple_sort_idx, b.triple_sort_idx)
   assert a.triple_counts.shape == (4, 4) and int(a.triple_counts.sum()) == 500 == len(a)
+  # Unsigned and narrow ids are the same ids.
+  c = bess.PartitionedTriples(s, h.astype(np.uint16), r.astype(np.int8), t.astype(np.uint64), mode="ht")
+  np.testing.assert_array_equal(a.triples, c.triples)
 
 
 # --- BessStream -> Preprocessor -----------------------------------------------------------------
