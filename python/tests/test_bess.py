@@ -449,3 +449,19 @@ def test_pipeline_errors_keep_their_classes():
   # A stream whose config the pipeline refuses (S not a power of two) is the pipeline's ConfigError.
   with pytest.raises(sparsecore_prep.ConfigError):
     bess.BessStream(_graph(100, 3, 2000), n_entity=100, shard_batch_size=8, devices=(1, 1, 3))
+
+
+def test_stub_declares_the_public_api():
+  """bess.pyi declares every name of bess.__all__, and every public method and property of the
+  native classes."""
+  import ast
+
+  tree = ast.parse((ROOT / "python" / "sparsecore_prep" / "bess.pyi").read_text())
+  declared = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+  assert set(bess.__all__) <= set(declared), set(bess.__all__) - set(declared)
+  for name in bess.__all__:
+    obj = getattr(bess, name)
+    if isinstance(obj, type) and not issubclass(obj, BaseException):
+      runtime = {a for a in dir(obj) if not a.startswith("_")}
+      stub = {n.name for n in declared[name].body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+      assert runtime == stub, (name, runtime ^ stub)
