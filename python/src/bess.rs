@@ -1105,6 +1105,12 @@ impl PyBessStream {
         &self.config_json
     }
 
+    /// The config as a dict (`json.loads(config_json)`); `Preprocessor` takes either.
+    #[getter]
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        py.import("json")?.call_method1("loads", (self.config_json.as_str(),))
+    }
+
     /// The per-cell counts the config's limits are made of.
     #[getter]
     fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
