@@ -721,6 +721,33 @@ class Preprocessor:
     """
     return FdoStats(self._native.fdo_stats(batch))
 
+  def balance(self, batches, *, window: int = 1, with_report: bool = False):
+    """Reorders the samples of record batches so that every (SparseCore slice,
+    partition) cell of each batch gets an even share of ids.
+
+    ``batches`` (pyarrow RecordBatches or Tables, or any Arrow PyCapsule
+    producer, all of one schema) are taken in windows of ``window`` consecutive
+    batches (the last may be shorter); the samples of a window are dealt back
+    out as batches of the input sizes, every column of a row moving together.
+    No output batch is worse than its input (W = 1) or than the window's worst
+    input batch (W > 1); where balancing cannot help, the input order is kept.
+    The same as ``sparsecore-prep balance --window W`` (``sparsecore_prep::balance``).
+
+    Returns ``(batches, permutation)``: the reordered ``pyarrow.RecordBatch``es,
+    one per input batch, and an int64 array over all rows in order: output row
+    ``j`` is input row ``permutation[j]``. With ``with_report=True``, also a
+    list of per-window dicts (``batches``, ``reordered``, and per stack the
+    worst ``max_ids_per_partition``, ``max_unique_ids_per_partition`` and
+    ``required_buffer`` before and after).
+
+    Raises :class:`InvalidInputError` for batches of different schemas or a
+    missing column (and returns nothing).
+    """
+    out, permutation, reports = _native._balance(self._native.config_json, list(batches), int(window))
+    if with_report:
+      return out, permutation, reports
+    return out, permutation
+
   def __reduce__(self):
     return (_rebuild_preprocessor, (type(self), self._native.config_json, self._threads, self._leading))
 

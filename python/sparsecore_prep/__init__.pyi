@@ -105,6 +105,8 @@ class Preprocessor:
     """Sets the step number that keys minibatching's cross-host agreement."""
   def fdo_stats(self, batch: Any) -> FdoStats:
     """The FDO statistics of one record batch, without writing buffers."""
+  def balance(self, batches: Iterable[Any], *, window: int = 1, with_report: bool = False) -> Any:
+    """Balanced record batches and the permutation (and per-window reports)."""
 
 class FdoStats:
   """FDO statistics merged over batches, workers and hosts."""

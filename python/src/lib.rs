@@ -13,6 +13,9 @@
 //! be reused by the next call). The library crate itself keeps `#![deny(unsafe_code)]`.
 
 mod arrow_input;
+mod arrow_output;
+mod balance;
+mod bess;
 mod errors;
 mod numpy_input;
 mod pool;
@@ -28,6 +31,14 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<prep::NativeDropIn>()?;
     m.add_class::<pool::PooledBuffer>()?;
     m.add_function(wrap_pyfunction!(prep::preprocess_resolved, m)?)?;
+    // `Preprocessor.balance` (private: the public names of `_native` are the ones
+    // `_native.pyi` declares).
+    m.add_function(wrap_pyfunction!(balance::balance_batches, m)?)?;
+    // `sparsecore_prep.bess` re-exports these (a private submodule: the public names of
+    // `_native` are the ones `_native.pyi` declares).
+    let bess_module = PyModule::new(m.py(), "_bess")?;
+    bess::register(&bess_module)?;
+    m.add_submodule(&bess_module)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
