@@ -730,15 +730,18 @@ class Preprocessor:
     batches (the last may be shorter); the samples of a window are dealt back
     out as batches of the input sizes, every column of a row moving together.
     No output batch is worse than its input (W = 1) or than the window's worst
-    input batch (W > 1); where balancing cannot help, the input order is kept.
+    input batch (W > 1), and batches that fit the config's limits still fit
+    them; where balancing cannot help, the input order is kept.
     The same as ``sparsecore-prep balance --window W`` (``sparsecore_prep::balance``).
 
     Returns ``(batches, permutation)``: the reordered ``pyarrow.RecordBatch``es,
     one per input batch, and an int64 array over all rows in order: output row
     ``j`` is input row ``permutation[j]``. With ``with_report=True``, also a
     list of per-window dicts (``batches``, ``reordered``, and per stack the
-    worst ``max_ids_per_partition``, ``max_unique_ids_per_partition`` and
-    ``required_buffer`` before and after).
+    worst ``max_ids_per_partition`` and ``required_buffer`` before and after,
+    counted exactly as the pipeline counts them, and the ``lower_bound`` no
+    order can beat). Unique ids need the pipeline's sort: preprocess the
+    batches (or ``fdo_stats``) for ``max_unique_ids_per_partition``.
 
     Raises :class:`InvalidInputError` for batches of different schemas or a
     missing column (and returns nothing).

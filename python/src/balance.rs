@@ -8,17 +8,16 @@
 use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
-use sparsecore_prep::balance::{balance, StackLoad};
+use sparsecore_prep::balance::{Balancer, IdLoad};
 use sparsecore_prep::Config;
 
 use crate::arrow_input;
 use crate::arrow_output::to_pyarrow;
 use crate::errors::{field, raise, to_py, Class};
 
-fn load<'py>(py: Python<'py>, l: &StackLoad) -> PyResult<Bound<'py, PyDict>> {
+fn load<'py>(py: Python<'py>, l: &IdLoad) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("max_ids_per_partition", l.max_ids_per_partition)?;
-    d.set_item("max_unique_ids_per_partition", l.max_unique_ids_per_partition)?;
     d.set_item("required_buffer", l.required_buffer)?;
     Ok(d)
 }
@@ -27,7 +26,8 @@ fn load<'py>(py: Python<'py>, l: &StackLoad) -> PyResult<Bound<'py, PyDict>> {
 /// consecutive batches (the last may be shorter). Returns the reordered batches (pyarrow, one
 /// per input batch, same sizes and schema), the permutation (int64: output row `j`, counting
 /// rows over all batches in order, is input row `permutation[j]`) and one report dict per
-/// window (`batches`, `reordered`, `stacks`: name, before, after).
+/// window (`batches`, `reordered`, `stacks`: name, before and after (`max_ids_per_partition`,
+/// `required_buffer`), `lower_bound`).
 #[pyfunction]
 #[pyo3(name = "_balance")]
 pub fn balance_batches<'py>(
@@ -47,7 +47,10 @@ pub fn balance_batches<'py>(
     // Every window is balanced before anything is returned: a bad window raises and hands back
     // nothing, as the CLI writes nothing.
     let balanced = py
-        .detach(|| input.chunks(window).map(|w| balance(&config, w)).collect::<Result<Vec<_>, _>>())
+        .detach(|| {
+            let mut balancer = Balancer::new(config)?;
+            input.chunks(window).map(|w| balancer.balance(w)).collect::<Result<Vec<_>, _>>()
+        })
         .map_err(|e| to_py(py, e))?;
     let mut starts = Vec::with_capacity(input.len() + 1);
     starts.push(0usize);
@@ -72,6 +75,7 @@ pub fn balance_batches<'py>(
             s.set_item("name", name)?;
             s.set_item("before", load(py, &r.before.get(k).copied().unwrap_or_default())?)?;
             s.set_item("after", load(py, &r.after.get(k).copied().unwrap_or_default())?)?;
+            s.set_item("lower_bound", r.lower_bound.get(k).copied().unwrap_or_default())?;
             stacks.append(s)?;
         }
         let d = PyDict::new(py);
