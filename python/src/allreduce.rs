@@ -262,6 +262,7 @@ impl NativeTcpAllReduce {
     /// may take before it fails naming the silent peers.
     #[new]
     #[pyo3(signature = (host_id, host_count, peer_addresses, minibatching_port, token=None, timeout=60.0, bind_address=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         host_id: usize,

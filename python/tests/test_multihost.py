@@ -463,3 +463,67 @@ def test_jax_distributed_all_reduce_needs_initialize():
                        text=True, timeout=120)
   assert run.stdout.startswith("ConfigError all_reduce_interface") and "jax.distributed.initialize" in run.stdout, (
       run.stdout + run.stderr)
+
+
+def test_the_sparse_coo_call_takes_the_interface():
+  (path,) = glob.glob(os.path.join(SHARED, "golden_mb", "case_206*"))
+  with open(os.path.join(path, "input.json")) as fh:
+    case = json.load(fh)
+  with open(os.path.join(path, "expected.json")) as fh:
+    expected = json.load(fh)
+  cfg = case["config"]
+  assert cfg["enable_minibatching"] and expected["num_minibatches"] > 1
+  alone = ThreadOr(1)
+  out = scp.preprocess_sparse_dense_matmul_input_from_sparse_tensor(
+      [np.asarray(f["indices"], dtype=np.int64).reshape(-1, 2) for f in case["features"]],
+      [np.asarray(f["values"], dtype=np.int32) for f in case["features"]],
+      [np.asarray(f["dense_shape"], dtype=np.int64) for f in case["features"]], specs_from_resolved(case),
+      cfg["local_device_count"], cfg["global_device_count"], num_sc_per_device=cfg["num_sc_per_device"],
+      allow_id_dropping=cfg["allow_id_dropping"], batch_number=21, enable_minibatching=True,
+      all_reduce_interface=alone.member(0))
+  check_host(expected, as_dict(*out), os.path.basename(path))
+  assert [k for _, k, _ in alone.calls] == [42, 43]
+
+
+JAX_PROBE = r"""
+import sys, time
+import jax
+import sparsecore_prep as scp
+host, coordinator = int(sys.argv[1]), sys.argv[2]
+jax.distributed.initialize(coordinator_address=coordinator, num_processes=2, process_id=host,
+                           initialization_timeout=60)
+ari = scp.JaxDistributedAllReduce(timeout=20.0)
+# Repeated sync keys (a loop that leaves batch_number at 0) still pair up exchange by exchange.
+got = [ari.all_reduce_or(0, 1 << host), ari.all_reduce_or(0, 4 << host), ari.all_reduce_or(5, 2**63 * host)]
+print("ors", got, flush=True)
+if host == 0:
+  ari_short = scp.JaxDistributedAllReduce("probe/short", timeout=1.0)
+  try:
+    ari_short.all_reduce_or(9, 1)  # host 1 never contributes under this name
+  except scp.AllReduceError as e:
+    print("error", e.sync_key, type(e.__cause__).__name__, e, flush=True)
+jax.distributed.shutdown()
+"""
+
+
+def test_jax_distributed_all_reduce_ors_and_times_out_naming_the_key():
+  for attempt in range(3):
+    coordinator = f"127.0.0.1:{free_ports(1)[0]}"
+    procs = [subprocess.Popen([sys.executable, "-c", JAX_PROBE, str(h), coordinator], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+             for h in range(2)]
+    outs = []
+    for p in procs:
+      try:
+        outs.append(p.communicate(timeout=180))
+      except subprocess.TimeoutExpired:
+        for q in procs:
+          q.kill()
+        outs.append(p.communicate())
+    if all(p.returncode == 0 for p in procs) or attempt == 2:
+      break
+  assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+  for out, _ in outs:
+    assert "ors [3, 12, 9223372036854775808]" in out, out
+  error = [line for line in outs[0][0].splitlines() if line.startswith("error")]
+  assert error and error[0].startswith("error 9 ") and "no value from process 1 of 2" in error[0], outs[0][0]
