@@ -111,8 +111,9 @@ def get_all_reduce_interface(
   Args:
     peer_addresses: the other hosts' ``"host:port"`` addresses (also
       ``"ipv4:a.b.c.d:port"``, ``"[ipv6]:port"``, ``"dns:///host:port"``),
-      in host order with this host left out, as the reference is given them;
-      or all ``host_count`` addresses, this host's entry unused.
+      in any order, as the reference is given them (each peer's rank is
+      learned from its reply); or all ``host_count`` addresses in host order,
+      this host's entry unused.
     minibatching_port: the port this host listens on (0: any free port, see
       ``.port``).
     host_id: this host's index (default ``jax.process_index()``).

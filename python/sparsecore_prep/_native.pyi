@@ -132,7 +132,7 @@ class TcpAllReduce:
     """The port this host listens on."""
   @property
   def peers(self) -> list[str]:
-    """The other hosts' resolved addresses, in host order."""
+    """The other hosts' resolved addresses, as given."""
   def counters(self) -> dict[str, int]:
     """Messages dropped so far, by reason (none ever changed a result)."""
   def close(self) -> None:

@@ -256,8 +256,9 @@ impl NativeTcpAllReduce {
 #[pymethods]
 impl NativeTcpAllReduce {
     /// Host `host_id` of `host_count`: listens on `minibatching_port` (0: any free port) and
-    /// talks to `peer_addresses`, the other hosts in host order (or all `host_count` hosts, this
-    /// one's entry unused). `token`: the job's shared secret (str or bytes; default: the
+    /// talks to `peer_addresses`: the other hosts in any order (their ranks are learned from
+    /// their hellos, since the reference's list carries none), or all `host_count` hosts in host
+    /// order, this one's entry unused. `token`: the job's shared secret (str or bytes; default: the
     /// environment variable `SPARSECORE_PREP_ALLREDUCE_TOKEN`). `timeout`: seconds one exchange
     /// may take before it fails naming the silent peers.
     #[new]
@@ -278,16 +279,17 @@ impl NativeTcpAllReduce {
             return Err(config("host_id", format!("host_id {host_id} must be in [0, host_count {host_count})")));
         }
         let others: Vec<usize> = (0..host_count).filter(|&h| h != host_id).collect();
+        let any_order = peer_addresses.len() + 1 == host_count;
         let given: Vec<&String> = if peer_addresses.len() == host_count && host_count > 1 {
             others.iter().map(|&h| &peer_addresses[h]).collect()
-        } else if peer_addresses.len() + 1 == host_count {
+        } else if any_order {
             peer_addresses.iter().collect()
         } else {
             return Err(config(
                 "peer_addresses",
                 format!(
-                    "{} peer addresses for host_count {host_count}: give the other {} hosts' addresses in host order \
-                     (or all {host_count}, this host's entry unused)",
+                    "{} peer addresses for host_count {host_count}: give the other {} hosts' addresses (in any order), \
+                     or all {host_count} in host order (this host's entry unused)",
                     peer_addresses.len(),
                     host_count - 1
                 ),
@@ -333,6 +335,9 @@ impl NativeTcpAllReduce {
         if let Some(t) = token {
             builder = builder.token(t);
         }
+        if any_order {
+            builder = builder.peers_in_any_order();
+        }
         let inner = builder.build().map_err(|e| to_py(py, e))?;
         peers.remove(host_id);
         Ok(NativeTcpAllReduce { inner: Mutex::new(Some(Arc::new(inner))), host_id, host_count, port, peers })
@@ -363,7 +368,7 @@ impl NativeTcpAllReduce {
         self.port
     }
 
-    /// The other hosts' resolved addresses, in host order.
+    /// The other hosts' resolved addresses, as given.
     #[getter]
     fn peers(&self) -> Vec<String> {
         self.peers.iter().map(|a| a.to_string()).collect()

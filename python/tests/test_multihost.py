@@ -368,6 +368,25 @@ def test_tcp_all_reduce_ors_and_reports_itself():
     a.all_reduce_or(8, 1)
 
 
+def test_tcp_peer_lists_in_any_order_or_all_in_host_order():
+  ports = free_ports(3)
+  addrs = [f"127.0.0.1:{p}" for p in ports]
+  # The reference's form: the other hosts, here out of host order.
+  hosts = [scp.get_all_reduce_interface([a for i, a in enumerate(addrs) if i != h][::-1], ports[h], host_id=h,
+                                        host_count=3, token="x", timeout=20) for h in range(3)]
+  assert run_threads(3, lambda h: hosts[h].all_reduce_or(1, 1 << h)) == [7, 7, 7]
+  for ari in hosts:
+    ari.close()
+  # All hosts in host order, this host's entry unused.
+  ports = free_ports(3)
+  addrs = [f"127.0.0.1:{p}" for p in ports]
+  hosts = [scp.get_all_reduce_interface(addrs, ports[h], host_id=h, host_count=3, token="x", timeout=20)
+           for h in range(3)]
+  assert run_threads(3, lambda h: hosts[h].all_reduce_or(2, 8 << h)) == [56, 56, 56]
+  for ari in hosts:
+    ari.close()
+
+
 def test_tcp_all_reduce_with_a_wrong_token_fails_naming_the_key():
   a, b = tcp_pair(token_of=lambda h: f"token-{h}", timeout=1.5)
   with a, b:
