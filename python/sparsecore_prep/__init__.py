@@ -719,13 +719,16 @@ class Preprocessor:
     has_leading_dimension: shape arrays ``[L, ...]`` instead of flat.
     all_reduce_interface: the hosts' all-reduce for multi-host minibatching,
       as in :func:`preprocess_sparse_dense_matmul_input` (see
-      :meth:`set_all_reduce_interface`). It is not pickled: a worker that
-      receives a pickled preprocessor sets its own.
+      :meth:`set_all_reduce_interface`). It is not pickled (it holds a socket
+      or a connection): a preprocessor unpickled in a worker raises
+      :class:`AllReduceError` at its first split until the worker sets its own.
   """
 
   def __init__(self, config, *, threads: int | None = None, has_leading_dimension: bool = False,
                all_reduce_interface=None):
-    self._native = _native.NativePreprocessor(_config_json(config), threads, all_reduce_interface)
+    later = all_reduce_interface is _SET_LATER
+    self._native = _native.NativePreprocessor(_config_json(config), threads, None if later else all_reduce_interface,
+                                              later)
     self._threads = threads
     self._leading = bool(has_leading_dimension)
     self._local_devices = int(self.config["config"]["local_device_count"])
@@ -767,7 +770,8 @@ class Preprocessor:
     return FdoStats(self._native.fdo_stats(batch))
 
   def __reduce__(self):
-    return (_rebuild_preprocessor, (type(self), self._native.config_json, self._threads, self._leading))
+    return (_rebuild_preprocessor, (type(self), self._native.config_json, self._threads, self._leading,
+                                    self._native.multi_host))
 
   def __repr__(self) -> str:
     cfg = self.config
@@ -776,7 +780,14 @@ class Preprocessor:
             f"{cfg['config']['num_sc_per_device']})")
 
 
-def _rebuild_preprocessor(cls, config_json, threads, leading):
+# The all_reduce_interface of an unpickled multi-host Preprocessor: its interface stayed behind, and
+# the worker sets its own (set_all_reduce_interface) before the first split.
+_SET_LATER = object()
+
+
+def _rebuild_preprocessor(cls, config_json, threads, leading, multi_host=False):
+  if multi_host:
+    return cls(config_json, threads=threads, has_leading_dimension=leading, all_reduce_interface=_SET_LATER)
   return cls(config_json, threads=threads, has_leading_dimension=leading)
 
 

@@ -18,10 +18,15 @@ _SpecTuple = tuple[tuple[str, str, int, int, int], tuple[str, int, int, int], tu
 class NativePreprocessor:
   """A config-driven preprocessor over Arrow record batches."""
 
-  def __init__(self, config_json: str, threads: int | None = None, all_reduce_interface: Any = None) -> None: ...
+  def __init__(
+      self, config_json: str, threads: int | None = None, all_reduce_interface: Any = None, multi_host: bool = False
+  ) -> None: ...
   @property
   def config_json(self) -> str:
     """The config as normalised JSON."""
+  @property
+  def multi_host(self) -> bool:
+    """Whether it agrees across hosts through an all-reduce interface (set now or to be set)."""
   def set_batch_number(self, batch_number: int) -> None:
     """Sets the minibatching batch number."""
   def set_all_reduce_interface(self, all_reduce_interface: Any) -> None:

@@ -144,20 +144,25 @@ impl NativePreprocessor {
 impl NativePreprocessor {
     /// `config_json`: the config file's text. `threads`: a dedicated pool of that many threads
     /// (default: the process-wide pool, one thread per CPU).
-    /// `all_reduce_interface`: see `set_all_reduce_interface`.
+    /// `all_reduce_interface`: see `set_all_reduce_interface`. `multi_host`: agree across
+    /// hosts through an interface set later (an unpickled preprocessor, whose interface stayed
+    /// behind), failing at a split until then.
     #[new]
-    #[pyo3(signature = (config_json, threads=None, all_reduce_interface=None))]
-    fn new(py: Python<'_>, config_json: &str, threads: Option<usize>, all_reduce_interface: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+    #[pyo3(signature = (config_json, threads=None, all_reduce_interface=None, multi_host=false))]
+    fn new(
+        py: Python<'_>,
+        config_json: &str,
+        threads: Option<usize>,
+        all_reduce_interface: Option<&Bound<'_, PyAny>>,
+        multi_host: bool,
+    ) -> PyResult<Self> {
         let config = Config::from_json(config_json).map_err(|e| to_py(py, e))?;
         let config_json = config.to_json();
-        let slot = match all_reduce_interface.filter(|a| !a.is_none()) {
-            Some(a) => {
-                let slot = Arc::new(AllReduceSlot::default());
-                slot.set(Some(a))?;
-                Some(slot)
-            }
-            None => None,
-        };
+        let given = all_reduce_interface.filter(|a| !a.is_none());
+        let slot = (given.is_some() || multi_host).then(|| Arc::new(AllReduceSlot::default()));
+        if let Some(slot) = &slot {
+            slot.set(given)?;
+        }
         let prep = Self::build(py, config, threads, &slot)?;
         Ok(NativePreprocessor {
             prep,
@@ -196,6 +201,12 @@ impl NativePreprocessor {
     #[getter]
     fn config_json(&self) -> &str {
         &self.config_json
+    }
+
+    /// Whether it agrees across hosts through an all-reduce interface (set now or to be set).
+    #[getter]
+    fn multi_host(&self) -> bool {
+        self.slot.is_some()
     }
 
     /// Sets the batch number that keys minibatching's cross-host agreement.

@@ -323,6 +323,11 @@ def test_preprocessor_takes_the_interface_later_and_refuses_none():
 
   def work(h):
     prep = scp.Preprocessor(arrow_config(hosts[h][0]), threads=1, all_reduce_interface=Broken())
+    if h == 1:  # shipped to a worker: the interface stays behind, and the worker sets its own
+      prep = pickle.loads(pickle.dumps(prep))
+      with pytest.raises(scp.AllReduceError, match="no all_reduce_interface was given") as e:
+        prep(record_batch(hosts[h][0]))
+      assert e.value.sync_key == 0
     prep.set_all_reduce_interface(group.member(h))
     prep.set_batch_number(meta["batch_number"])
     return as_dict(*prep(record_batch(hosts[h][0])))
