@@ -517,6 +517,9 @@ host, coordinator = int(sys.argv[1]), sys.argv[2]
 jax.distributed.initialize(coordinator_address=coordinator, num_processes=2, process_id=host,
                            initialization_timeout=60)
 ari = scp.JaxDistributedAllReduce(timeout=20.0)
+# get_all_reduce_interface's host_id and host_count default to jax's process index and count.
+with scp.get_all_reduce_interface(["127.0.0.1:1"], 0, token="t") as tcp:
+  print("defaults", tcp.host_id, tcp.host_count, flush=True)
 # Repeated sync keys (a loop that leaves batch_number at 0) still pair up exchange by exchange.
 got = [ari.all_reduce_or(0, 1 << host), ari.all_reduce_or(0, 4 << host), ari.all_reduce_or(5, 2**63 * host)]
 print("ors", got, flush=True)
@@ -547,7 +550,8 @@ def test_jax_distributed_all_reduce_ors_and_times_out_naming_the_key():
     if all(p.returncode == 0 for p in procs) or attempt == 2:
       break
   assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
-  for out, _ in outs:
+  for h, (out, _) in enumerate(outs):
     assert "ors [3, 12, 9223372036854775808]" in out, out
+    assert f"defaults {h} 2" in out, out
   error = [line for line in outs[0][0].splitlines() if line.startswith("error")]
   assert error and error[0].startswith("error 9 ") and "no value from process 1 of 2" in error[0], outs[0][0]
