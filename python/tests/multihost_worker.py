@@ -7,7 +7,7 @@ its outputs for the parent to compare.
 
 `tcp`: `sparsecore_prep.get_all_reduce_interface` on 127.0.0.1 (this host listens on port P_H);
 `jax`: `jax.distributed.initialize` on CPU and `sparsecore_prep.JaxDistributedAllReduce`.
-Host H of case C writes DIR/C/host_H.npz (arrays, stats, num_minibatches), or
+`--die-after K`: exits abruptly before its K-th case. Host H of case C writes DIR/C/host_H.npz (arrays, stats, num_minibatches), or
 DIR/C/host_H.error (the exception) and goes on with the next case. Exit status 75: the port
 could not be listened on (the parent retries with other ports).
 """
@@ -34,6 +34,7 @@ def main() -> int:
   ap.add_argument("--ports")
   ap.add_argument("--coordinator")
   ap.add_argument("--timeout", type=float, default=60.0)
+  ap.add_argument("--die-after", type=int, help="exit abruptly after this many cases (a host that dies)")
   ap.add_argument("cases", nargs="+")
   args = ap.parse_args()
 
@@ -62,7 +63,9 @@ def main() -> int:
     ari = scp.JaxDistributedAllReduce(timeout=args.timeout)
     assert (ari.host_id, ari.host_count) == (args.host, args.hosts)
 
-  for case_dir in args.cases:
+  for n, case_dir in enumerate(args.cases):
+    if args.die_after is not None and n == args.die_after:
+      os._exit(0)  # no goodbye: the listener just vanishes
     name = os.path.basename(case_dir.rstrip("/"))
     out_dir = os.path.join(args.out, name)
     os.makedirs(out_dir, exist_ok=True)

@@ -140,7 +140,7 @@ def free_ports(n):
       s.close()
 
 
-def run_group(mode, hosts, case_dirs, out_dir):
+def run_group(mode, hosts, case_dirs, out_dir, extra=lambda h: []):
   """Runs `hosts` worker processes over `case_dirs`; returns {host: (returncode, stderr)}."""
   for attempt in range(4):
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -152,7 +152,7 @@ def run_group(mode, hosts, case_dirs, out_dir):
     env = dict(os.environ, JAX_PLATFORMS="cpu", MH_TEST_TOKEN=secrets.token_hex(16))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
     procs = [subprocess.Popen([sys.executable, WORKER, "--mode", mode, "--host", str(h), "--hosts", str(hosts),
-                               "--out", out_dir, *where, *case_dirs], env=env, stdout=subprocess.PIPE,
+                               "--out", out_dir, *where, *extra(h), *case_dirs], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for h in range(hosts)]
     deadline = time.monotonic() + GROUP_DEADLINE
     results = {}
@@ -206,6 +206,21 @@ def check_processes(path, status):
   for h, ((case, expected), g) in enumerate(zip(hosts, got)):
     check_host(expected, g, f"{name} host {h}")
   assert len({int(np.ravel(g["num_minibatches"])[0]) for g in got}) == 1
+
+
+def test_a_host_that_dies_mid_run_is_an_error_naming_it_on_the_other(tmp_path):
+  dirs = [os.path.join(MH, "case_mh_00_criteo_h2_l1"), os.path.join(MH, "case_mh_07_criteo_h2_thin_host1")]
+  res = run_group("tcp", 2, dirs, str(tmp_path / "out"),
+                  extra=lambda h: ["--timeout", "3"] + (["--die-after", "1"] if h == 1 else []))
+  assert [rc for rc, _ in res.values()] == [0, 0], res
+  first = os.path.join(tmp_path, "out", os.path.basename(dirs[0]))
+  assert sorted(os.listdir(first)) == ["host_0.npz", "host_1.npz"]
+  second = os.path.join(tmp_path, "out", os.path.basename(dirs[1]))
+  assert os.listdir(second) == ["host_0.error"]
+  with open(os.path.join(second, "host_0.error")) as fh:
+    text = fh.read()
+  # Batch 4 of case 07: host 0 waits under sync key 8 for peer 1, which is gone.
+  assert "AllReduceError: all-reduce under sync key 8" in text and "peer 1 at 127.0.0.1:" in text, text
 
 
 @pytest.fixture(scope="module")
