@@ -123,7 +123,7 @@ def get_all_reduce_interface(
       either, messages are not authenticated and a warning is printed once).
     timeout: seconds one exchange may take before :class:`AllReduceError`.
     bind_address: the interface to listen on (default: all, as the
-      reference does).
+      reference does: ``0.0.0.0``, or ``[::]`` when a peer address is IPv6).
 
   Returns:
     A :class:`TcpAllReduce`, listening until it is closed (``.close()``,

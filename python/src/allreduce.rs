@@ -212,9 +212,11 @@ fn peer_address(py: Python<'_>, text: &str) -> PyResult<SocketAddr> {
     addrs.into_iter().next().ok_or_else(|| bad("resolves to no address".into()))
 }
 
-/// Listens on `bind` (default: every interface, as the reference's gRPC server does on
-/// `[::]:port`, falling back to IPv4 where IPv6 is off).
-fn listen(py: Python<'_>, bind: Option<&str>, port: u16) -> PyResult<TcpListener> {
+/// Listens on `bind`, by default on every interface as the reference's gRPC server does: of
+/// IPv4 (`0.0.0.0`) when every peer address is IPv4, else of IPv6 (`[::]`, which also takes IPv4
+/// where the system makes IPv6 sockets dual-stack). A `[::]` socket alone would miss IPv4 peers
+/// on systems with `bindv6only` set.
+fn listen(py: Python<'_>, bind: Option<&str>, port: u16, ipv6: bool) -> PyResult<TcpListener> {
     let io = |addr: &str, e: std::io::Error| {
         to_py(py, Error::Io { context: format!("all-reduce: listening on {addr} (minibatching_port)"), source: e })
     };
@@ -222,10 +224,10 @@ fn listen(py: Python<'_>, bind: Option<&str>, port: u16) -> PyResult<TcpListener
         let addr = if host.contains(':') && !host.starts_with('[') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
         return TcpListener::bind(&addr).map_err(|e| io(&addr, e));
     }
-    match TcpListener::bind(("::", port)) {
-        Ok(l) => Ok(l),
-        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(io(&format!("[::]:{port}"), e)),
-        Err(_) => TcpListener::bind(("0.0.0.0", port)).map_err(|e| io(&format!("0.0.0.0:{port}"), e)),
+    if ipv6 {
+        TcpListener::bind(("::", port)).map_err(|e| io(&format!("[::]:{port}"), e))
+    } else {
+        TcpListener::bind(("0.0.0.0", port)).map_err(|e| io(&format!("0.0.0.0:{port}"), e))
     }
 }
 
@@ -329,7 +331,8 @@ impl NativeTcpAllReduce {
                 peer_address(py, it.next().expect("one address per other host"))?
             });
         }
-        let listener = listen(py, bind_address, minibatching_port)?;
+        let ipv6 = peers.iter().enumerate().any(|(h, a)| h != host_id && a.is_ipv6());
+        let listener = listen(py, bind_address, minibatching_port, ipv6)?;
         let port = listener.local_addr().map(|a| a.port()).unwrap_or(minibatching_port);
         let mut builder = TcpAllReduce::builder(host_id, peers.clone()).timeout(timeout).listener(listener);
         if let Some(t) = token {
