@@ -414,6 +414,9 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 /// expire. A peer that is missing, dies or is too slow is an [`Error::AllReduce`] naming it.
 pub struct TcpAllReduce {
     peers: Vec<SocketAddr>,
+    /// [`TcpAllReduceBuilder::peers_in_any_order`]: the rank each peer address announced in its
+    /// hello, once learned (None otherwise, and for this host's own entry).
+    learned: Option<Mutex<Vec<Option<usize>>>>,
     timeout: Duration,
     shared: Arc<Shared>,
     listener: Option<JoinHandle<()>>,
@@ -434,6 +437,7 @@ pub struct TcpAllReduceBuilder {
     timeout: Duration,
     token: Option<Vec<u8>>,
     listener: Option<TcpListener>,
+    any_order: bool,
 }
 
 impl TcpAllReduceBuilder {
@@ -458,9 +462,18 @@ impl TcpAllReduceBuilder {
         self
     }
 
+    /// The addresses other than `peers[rank]` may be in any order: each peer's rank is learned
+    /// from the hello it answers a connection with. The reference's peer list carries no ranks,
+    /// so a job that passes it as is works unchanged. Which peer is which does not matter to the
+    /// result: values are authenticated by the sender's rank, and every rank must be heard from.
+    pub fn peers_in_any_order(mut self) -> Self {
+        self.any_order = true;
+        self
+    }
+
     /// Binds (unless a listener was given) and starts serving.
     pub fn build(self) -> Result<TcpAllReduce> {
-        let TcpAllReduceBuilder { rank, mut peers, timeout, token, listener } = self;
+        let TcpAllReduceBuilder { rank, mut peers, timeout, token, listener, any_order } = self;
         if rank >= peers.len() {
             return Err(Error::option("rank", rank, format!("must index the {} peer addresses", peers.len())));
         }
@@ -507,14 +520,15 @@ impl TcpAllReduceBuilder {
             .name(format!("sparsecore-allreduce-{rank}"))
             .spawn(move || accept_loop(listener, sh))
             .map_err(|source| Error::Io { context: "all-reduce: starting the listener thread".into(), source })?;
-        Ok(TcpAllReduce { peers, timeout, shared, listener: Some(handle), local })
+        let learned = any_order.then(|| Mutex::new(vec![None; peers.len()]));
+        Ok(TcpAllReduce { peers, learned, timeout, shared, listener: Some(handle), local })
     }
 }
 
 impl TcpAllReduce {
     /// A builder for host `rank` of the job whose hosts listen on `peers`.
     pub fn builder(rank: usize, peers: Vec<SocketAddr>) -> TcpAllReduceBuilder {
-        TcpAllReduceBuilder { rank, peers, timeout: Duration::from_secs(60), token: None, listener: None }
+        TcpAllReduceBuilder { rank, peers, timeout: Duration::from_secs(60), token: None, listener: None, any_order: false }
     }
 
     /// Listens on `peers[rank]` and talks to the others, waiting at most `timeout` per exchange;
@@ -555,7 +569,50 @@ impl TcpAllReduce {
         self.shared.inbox.lock().map_or(0, |i| i.pending.len())
     }
 
-    /// Delivers one value to peer `r`: connect, read its hello, send a frame, read the ack.
+    /// The rank the peer at `peers[slot]` is known to be: `slot`, unless the peers are in any
+    /// order, where it is what its hello said (None before that).
+    fn rank_at(&self, slot: usize) -> Option<usize> {
+        match &self.learned {
+            None => Some(slot),
+            Some(l) => l.lock().ok().and_then(|l| l[slot]),
+        }
+    }
+
+    /// "peer 2 at 10.0.0.3:7777" (or "the peer at ..." while its rank is unknown).
+    fn describe_slot(&self, slot: usize) -> String {
+        match self.rank_at(slot) {
+            Some(r) => format!("peer {r} at {}", self.peers[slot]),
+            None => format!("the peer at {}", self.peers[slot]),
+        }
+    }
+
+    /// "2 (10.0.0.3:7777)": rank `r` and its address, where known.
+    fn describe_rank(&self, r: usize) -> String {
+        match (0..self.peers.len()).find(|&slot| slot != self.shared.rank as usize && self.rank_at(slot) == Some(r)) {
+            Some(slot) => format!("{r} ({})", self.peers[slot]),
+            None => format!("{r} (address not known yet)"),
+        }
+    }
+
+    /// The rank to address at `peers[slot]`, given the rank its hello announced.
+    fn check_rank(&self, slot: usize, theirs: usize) -> std::result::Result<usize, String> {
+        let Some(learned) = &self.learned else {
+            return if theirs == slot { Ok(slot) } else { Err(format!("it is rank {theirs} of its job, not rank {slot}")) };
+        };
+        let me = self.shared.rank as usize;
+        if theirs >= self.peers.len() || theirs == me {
+            return Err(format!("it says it is rank {theirs}, not one of this {}-host job's other ranks", self.peers.len()));
+        }
+        let mut l = learned.lock().map_err(|_| "rank table lock poisoned".to_string())?;
+        if let Some(other) = (0..l.len()).find(|&o| o != slot && l[o] == Some(theirs)) {
+            return Err(format!("it says it is rank {theirs}, as the peer at {} did", self.peers[other]));
+        }
+        l[slot] = Some(theirs);
+        Ok(theirs)
+    }
+
+    /// Delivers one value to the peer at `peers[r]`: connect, read its hello, send a frame, read
+    /// the ack.
     fn deliver(&self, r: usize, key: u64, value: u64, deadline: Instant) -> std::result::Result<(), String> {
         let addr = self.peers[r];
         let left = deadline.saturating_duration_since(Instant::now());
@@ -574,10 +631,8 @@ impl TcpAllReduce {
             return Err("it does not speak this all-reduce protocol".into());
         }
         let their_rank = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes"));
-        if their_rank as usize != r {
-            return Err(format!("it is rank {their_rank} of its job, not rank {r}"));
-        }
-        let f = frame(&self.shared.token, &hello[12..], self.shared.rank, r as u32, 1, key, value);
+        let dst = self.check_rank(r, their_rank as usize)?;
+        let f = frame(&self.shared.token, &hello[12..], self.shared.rank, dst as u32, 1, key, value);
         s.write_all(&f).map_err(io)?;
         let mut ack = [0u8; 1];
         s.read_exact(&mut ack).map_err(|e| format!("reading its acknowledgement: {e}"))?;
@@ -624,14 +679,14 @@ impl TcpAllReduce {
                 inbox.finish(key, &self.shared.counters);
                 let silent: Vec<String> = (0..self.peers.len())
                     .filter(|&r| r != me && !heard.contains(&(r as u32)))
-                    .map(|r| format!("{r} ({})", self.peers[r]))
+                    .map(|r| self.describe_rank(r))
                     .collect();
                 let mut reason = format!("timed out after {:?}", self.timeout);
                 if !silent.is_empty() {
                     reason += &format!(" waiting for peers {}", silent.join(", "));
                 }
                 for r in &undelivered {
-                    reason += &format!("; cannot reach peer {r} at {}: {}", self.peers[*r], why.get(r).map_or("", |s| s));
+                    reason += &format!("; cannot reach {}: {}", self.describe_slot(*r), why.get(r).map_or("", |s| s));
                 }
                 return Err(Error::AllReduce { key, reason });
             }
@@ -697,6 +752,40 @@ mod tests {
             assert!(b);
             assert_eq!(u, 1 | (1 << 7) | (1 << 14));
         }
+    }
+
+    #[test]
+    fn peers_in_any_order_learn_their_ranks() {
+        let listeners: Vec<TcpListener> = (0..4).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+        let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        let hs: Vec<TcpAllReduce> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(r, l)| {
+                // This host's entry stays at `r`; the others are rotated out of rank order.
+                let mut others: Vec<SocketAddr> = (0..4).filter(|&o| o != r).map(|o| addrs[o]).collect();
+                others.rotate_left(1 + r % 2);
+                let mut peers = others;
+                peers.insert(r, addrs[r]);
+                TcpAllReduce::builder(r, peers).timeout(Duration::from_secs(10)).token("t").listener(l).peers_in_any_order().build().unwrap()
+            })
+            .collect();
+        let ors: Vec<u64> = std::thread::scope(|s| {
+            let handles: Vec<_> = hs.iter().enumerate().map(|(r, h)| s.spawn(move || h.all_reduce_or_u64(3, 1 << r).unwrap())).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(ors, vec![15; 4]);
+        // The same lists without the flag: a peer at another rank's position is refused.
+        let listeners: Vec<TcpListener> = (0..3).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+        let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        let swapped = vec![addrs[0], addrs[2], addrs[1]];
+        let hs: Vec<TcpAllReduce> = listeners
+            .into_iter()
+            .enumerate()
+            .map(|(r, l)| TcpAllReduce::builder(r, swapped.clone()).timeout(Duration::from_millis(800)).token("t").listener(l).build().unwrap())
+            .collect();
+        let e = hs[0].all_reduce_or_bool(1, true).unwrap_err();
+        assert!(e.to_string().contains("it is rank 2 of its job, not rank 1"), "{e}");
     }
 
     #[test]

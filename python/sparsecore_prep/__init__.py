@@ -17,6 +17,11 @@ Three entry points:
 * :class:`FdoStats` merges per-batch FDO statistics from any number of
   workers and tunes a config from them; :class:`FdoStatsMapper` is the
   :class:`Preprocessor` shaped for ``ray.data.Dataset.map_batches``.
+* Multi-host minibatching: both take an ``all_reduce_interface`` from
+  :func:`get_all_reduce_interface` (the reference's signature; our
+  authenticated TCP all-reduce), :class:`JaxDistributedAllReduce` (over the
+  ``jax.distributed`` coordination service), or any object with
+  ``all_reduce_or(sync_key, value) -> int`` (:class:`AllReduceInterface`).
 
 The heavy lifting runs in the Rust crate ``sparsecore-prep`` with the GIL
 released. Errors are the picklable exceptions of :mod:`sparsecore_prep._errors`
@@ -46,20 +51,32 @@ from ._errors import (
     SparseCorePrepError,
 )
 from . import _native
+from ._allreduce import (
+    AllReduceError,
+    AllReduceInterface,
+    JaxDistributedAllReduce,
+    TcpAllReduce,
+    get_all_reduce_interface,
+)
 
 __all__ = [
+    "AllReduceError",
+    "AllReduceInterface",
     "ConfigError",
     "FdoStats",
     "FdoStatsMapper",
     "FeatureSpecError",
     "InputTypeError",
     "InvalidInputError",
+    "JaxDistributedAllReduce",
     "LimitExceededError",
     "PreprocessedInput",
     "Preprocessor",
     "SparseCorePrepError",
     "SparseDenseMatmulInput",
     "SparseDenseMatmulInputStats",
+    "TcpAllReduce",
+    "get_all_reduce_interface",
     "preprocess_sparse_dense_matmul_input",
     "preprocess_sparse_dense_matmul_input_from_sparse_tensor",
 ]
@@ -423,10 +440,7 @@ def _weights_leaf(leaf):
   return leaf
 
 
-def _check_options(sharding_strategy, num_sc_per_device, all_reduce_interface) -> None:
-  if all_reduce_interface is not None:
-    raise ConfigError("all_reduce_interface is not supported by sparsecore_prep yet; "
-                      "multi-host minibatching needs the Rust API (TcpAllReduce)", field="all_reduce_interface")
+def _check_options(sharding_strategy, num_sc_per_device) -> None:
   if not isinstance(sharding_strategy, str) or sharding_strategy.upper() != "MOD":
     raise ConfigError(f"Unsupported sharding strategy: {sharding_strategy}. Only MOD is supported.",
                       field="sharding_strategy")
@@ -435,10 +449,11 @@ def _check_options(sharding_strategy, num_sc_per_device, all_reduce_interface) -
 
 
 def _run_native(specs, local_device_count, global_device_count, num_sc_per_device, sharding_strategy,
-                allow_id_dropping, enable_minibatching, validate_ids, run):
-  """`run(native)` on the cached native state for these specs and options."""
+                allow_id_dropping, enable_minibatching, validate_ids, run, multi_host=False):
+  """`run(native)` on the cached native state for these specs and options (`multi_host`: the
+  call passes an all_reduce_interface, which the native state takes per call)."""
   key = (tuple(specs), int(local_device_count), int(global_device_count), int(num_sc_per_device), sharding_strategy,
-         bool(allow_id_dropping), bool(enable_minibatching), bool(validate_ids))
+         bool(allow_id_dropping), bool(enable_minibatching), bool(validate_ids), bool(multi_host))
   # Taken out of the cache for the call, so that concurrent calls never share one.
   native = _DROP_IN_CACHE.pop(key, None)
   if native is None:
@@ -493,8 +508,12 @@ def preprocess_sparse_dense_matmul_input(
       of raising :class:`LimitExceededError`.
     batch_number: keys minibatching's cross-host agreement.
     enable_minibatching: split batches that exceed a limit into minibatches.
-    all_reduce_interface: must be None (single host); multi-host minibatching
-      from Python is not supported yet.
+    all_reduce_interface: the hosts' all-reduce for multi-host minibatching
+      (required with ``enable_minibatching`` when ``global_device_count >
+      local_device_count``): :func:`get_all_reduce_interface` (as the
+      reference's), :class:`JaxDistributedAllReduce`, or any object with
+      ``all_reduce_or(sync_key, value) -> int`` (:class:`AllReduceInterface`).
+      Every host must call with the same ``batch_number`` for one step.
     validate_ids: reject ids outside ``[0, vocabulary_size)`` (the reference
       silently misplaces them). Turn off only for inputs known to be valid.
 
@@ -511,8 +530,11 @@ def preprocess_sparse_dense_matmul_input(
     InvalidInputError: bad ids, weights or batch sizes, a pytree mismatch (a
       ``ValueError``).
     InputTypeError: leaves of an unusable type or dtype (a ``TypeError``).
+    AllReduceError: the hosts could not agree on a minibatching split (a
+      peer missing, dead or too slow, or the interface raised; a
+      ``RuntimeError``).
   """
-  _check_options(sharding_strategy, num_sc_per_device, all_reduce_interface)
+  _check_options(sharding_strategy, num_sc_per_device)
   if not features_weights:
     features_weights = None
   f_leaves, f_struct = _leaves_and_structure(features)
@@ -528,7 +550,9 @@ def preprocess_sparse_dense_matmul_input(
     w_leaves = [_weights_leaf(w) for w in w_leaves]
   raw = _run_native(specs, local_device_count, global_device_count, num_sc_per_device, sharding_strategy,
                     allow_id_dropping, enable_minibatching, validate_ids,
-                    lambda native: native.run(f_leaves, w_leaves, bool(has_leading_dimension), int(batch_number)))
+                    lambda native: native.run(f_leaves, w_leaves, bool(has_leading_dimension), int(batch_number),
+                                              all_reduce_interface),
+                    all_reduce_interface is not None)
   return _wrap(raw, int(local_device_count), has_leading_dimension)
 
 
@@ -615,7 +639,7 @@ def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
     :class:`InvalidInputError` for indices that are not sorted by row or lie
     outside ``dense_shape[0]`` (the reference misreads them).
   """
-  _check_options(sharding_strategy, num_sc_per_device, all_reduce_interface)
+  _check_options(sharding_strategy, num_sc_per_device)
   s_leaves, s_struct = _leaves_and_structure(feature_specs)
   if values is None and dense_shapes is None:
     tensors, t_struct = _leaves_and_structure(indices)
@@ -642,7 +666,9 @@ def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
   idx, ids, batches = [c[0] for c in coo], [c[1] for c in coo], [c[2] for c in coo]
   raw = _run_native(specs, local_device_count, global_device_count, num_sc_per_device, sharding_strategy,
                     allow_id_dropping, enable_minibatching, validate_ids,
-                    lambda native: native.run_coo(idx, ids, batches, bool(has_leading_dimension), int(batch_number)))
+                    lambda native: native.run_coo(idx, ids, batches, bool(has_leading_dimension), int(batch_number),
+                                                  all_reduce_interface),
+                    all_reduce_interface is not None)
   return _wrap(raw, int(local_device_count), has_leading_dimension, np.int32)
 
 
@@ -691,10 +717,18 @@ class Preprocessor:
     threads: a dedicated pool of this many threads (default: one shared pool
       with one thread per CPU).
     has_leading_dimension: shape arrays ``[L, ...]`` instead of flat.
+    all_reduce_interface: the hosts' all-reduce for multi-host minibatching,
+      as in :func:`preprocess_sparse_dense_matmul_input` (see
+      :meth:`set_all_reduce_interface`). It is not pickled (it holds a socket
+      or a connection): a preprocessor unpickled in a worker raises
+      :class:`AllReduceError` at its first split until the worker sets its own.
   """
 
-  def __init__(self, config, *, threads: int | None = None, has_leading_dimension: bool = False):
-    self._native = _native.NativePreprocessor(_config_json(config), threads)
+  def __init__(self, config, *, threads: int | None = None, has_leading_dimension: bool = False,
+               all_reduce_interface=None):
+    later = all_reduce_interface is _SET_LATER
+    self._native = _native.NativePreprocessor(_config_json(config), threads, None if later else all_reduce_interface,
+                                              later)
     self._threads = threads
     self._leading = bool(has_leading_dimension)
     self._local_devices = int(self.config["config"]["local_device_count"])
@@ -712,6 +746,20 @@ class Preprocessor:
   def set_batch_number(self, batch_number: int) -> None:
     """Sets the step number that keys minibatching's cross-host agreement."""
     self._native.set_batch_number(int(batch_number))
+
+  def set_all_reduce_interface(self, all_reduce_interface) -> None:
+    """Agrees on minibatching splits with the other hosts through ``all_reduce_interface``.
+
+    :func:`get_all_reduce_interface`, :class:`JaxDistributedAllReduce`, or any
+    object with ``all_reduce_or(sync_key, value) -> int``
+    (:class:`AllReduceInterface`); None removes it (a multi-host config then
+    fails at its next split with :class:`AllReduceError`). Every host must
+    process its batch of a step under the same :meth:`set_batch_number`.
+
+    Raises:
+      ConfigError: an object without ``all_reduce_or``.
+    """
+    self._native.set_all_reduce_interface(all_reduce_interface)
 
   def fdo_stats(self, batch) -> "FdoStats":
     """The FDO statistics of one record batch, without writing buffers.
@@ -752,7 +800,8 @@ class Preprocessor:
     return out, permutation
 
   def __reduce__(self):
-    return (_rebuild_preprocessor, (type(self), self._native.config_json, self._threads, self._leading))
+    return (_rebuild_preprocessor, (type(self), self._native.config_json, self._threads, self._leading,
+                                    self._native.multi_host))
 
   def __repr__(self) -> str:
     cfg = self.config
@@ -761,7 +810,14 @@ class Preprocessor:
             f"{cfg['config']['num_sc_per_device']})")
 
 
-def _rebuild_preprocessor(cls, config_json, threads, leading):
+# The all_reduce_interface of an unpickled multi-host Preprocessor: its interface stayed behind, and
+# the worker sets its own (set_all_reduce_interface) before the first split.
+_SET_LATER = object()
+
+
+def _rebuild_preprocessor(cls, config_json, threads, leading, multi_host=False):
+  if multi_host:
+    return cls(config_json, threads=threads, has_leading_dimension=leading, all_reduce_interface=_SET_LATER)
   return cls(config_json, threads=threads, has_leading_dimension=leading)
 
 

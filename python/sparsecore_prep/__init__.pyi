@@ -2,7 +2,7 @@
 
 import dataclasses
 import os
-from typing import Any, Iterable, Mapping, NamedTuple
+from typing import Any, Iterable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -12,6 +12,7 @@ from ._errors import InputTypeError as InputTypeError
 from ._errors import InvalidInputError as InvalidInputError
 from ._errors import LimitExceededError as LimitExceededError
 from ._errors import SparseCorePrepError as SparseCorePrepError
+from ._native import TcpAllReduce as TcpAllReduce
 
 __version__: str
 
@@ -51,6 +52,40 @@ class PreprocessedInput:
 
 Nested = Any  # dicts, lists and tuples of leaves
 
+class AllReduceError(SparseCorePrepError, RuntimeError):
+  """The hosts could not agree on a minibatching split; `sync_key` names the exchange."""
+
+  sync_key: int | None
+
+@runtime_checkable
+class AllReduceInterface(Protocol):
+  """What an all_reduce_interface provides: the OR of `value` over all hosts under `sync_key`."""
+
+  def all_reduce_or(self, sync_key: int, value: int) -> int: ...
+
+def get_all_reduce_interface(
+    peer_addresses: Sequence[str],
+    minibatching_port: int,
+    host_id: int | None = None,
+    host_count: int | None = None,
+    *,
+    token: str | bytes | None = None,
+    timeout: float = 60.0,
+    bind_address: str | None = None,
+) -> TcpAllReduce:
+  """This host's authenticated TCP all-reduce (the reference's signature)."""
+
+class JaxDistributedAllReduce:
+  """An all-reduce over the jax.distributed coordination service's key-value store."""
+
+  def __init__(self, name: str = "sparsecore_prep/all_reduce", *, timeout: float = 60.0) -> None: ...
+  @property
+  def host_id(self) -> int: ...
+  @property
+  def host_count(self) -> int: ...
+  def all_reduce_or(self, sync_key: int, value: int) -> int:
+    """The OR of `value` over all processes under `sync_key`."""
+
 def preprocess_sparse_dense_matmul_input(
     features: Nested,
     features_weights: Nested | None,
@@ -64,7 +99,7 @@ def preprocess_sparse_dense_matmul_input(
     batch_number: int = 0,
     enable_minibatching: bool = False,
     *,
-    all_reduce_interface: None = None,
+    all_reduce_interface: AllReduceInterface | TcpAllReduce | None = None,
     validate_ids: bool = True,
 ) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
   """Drop-in replacement for the reference's preprocess_sparse_dense_matmul_input."""
@@ -83,7 +118,7 @@ def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
     batch_number: int = 0,
     enable_minibatching: bool = False,
     *,
-    all_reduce_interface: None = None,
+    all_reduce_interface: AllReduceInterface | TcpAllReduce | None = None,
     validate_ids: bool = True,
 ) -> tuple[PreprocessedInput, SparseDenseMatmulInputStats]:
   """Drop-in replacement for the reference's preprocess_sparse_dense_matmul_input_from_sparse_tensor:
@@ -95,7 +130,14 @@ ConfigLike = Mapping[str, Any] | str | os.PathLike[str]
 class Preprocessor:
   """A reusable, picklable preprocessor for one config, over Arrow record batches."""
 
-  def __init__(self, config: ConfigLike, *, threads: int | None = None, has_leading_dimension: bool = False) -> None: ...
+  def __init__(
+      self,
+      config: ConfigLike,
+      *,
+      threads: int | None = None,
+      has_leading_dimension: bool = False,
+      all_reduce_interface: AllReduceInterface | TcpAllReduce | None = None,
+  ) -> None: ...
   @property
   def config(self) -> dict[str, Any]:
     """The config, with defaults filled in."""
@@ -103,6 +145,8 @@ class Preprocessor:
     """Preprocesses one record batch (any __arrow_c_array__ / __arrow_c_stream__ object)."""
   def set_batch_number(self, batch_number: int) -> None:
     """Sets the step number that keys minibatching's cross-host agreement."""
+  def set_all_reduce_interface(self, all_reduce_interface: AllReduceInterface | TcpAllReduce | None) -> None:
+    """Agrees on minibatching splits with the other hosts through `all_reduce_interface`."""
   def fdo_stats(self, batch: Any) -> FdoStats:
     """The FDO statistics of one record batch, without writing buffers."""
   def balance(self, batches: Iterable[Any], *, window: int = 1, with_report: bool = False) -> Any:

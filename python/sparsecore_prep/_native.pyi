@@ -18,12 +18,19 @@ _SpecTuple = tuple[tuple[str, str, int, int, int], tuple[str, int, int, int], tu
 class NativePreprocessor:
   """A config-driven preprocessor over Arrow record batches."""
 
-  def __init__(self, config_json: str, threads: int | None = None) -> None: ...
+  def __init__(
+      self, config_json: str, threads: int | None = None, all_reduce_interface: Any = None, multi_host: bool = False
+  ) -> None: ...
   @property
   def config_json(self) -> str:
     """The config as normalised JSON."""
+  @property
+  def multi_host(self) -> bool:
+    """Whether it agrees across hosts through an all-reduce interface (set now or to be set)."""
   def set_batch_number(self, batch_number: int) -> None:
     """Sets the minibatching batch number."""
+  def set_all_reduce_interface(self, all_reduce_interface: Any) -> None:
+    """The multi-host all-reduce (TcpAllReduce or an object with all_reduce_or), or None."""
   def run(self, batch: Any, has_leading_dimension: bool = False) -> _Results:
     """Preprocesses one record batch: the reference's 6-tuple."""
   def fdo_stats(self, batch: Any) -> NativeFdoStats:
@@ -75,9 +82,18 @@ class NativeDropIn:
       allow_id_dropping: bool,
       enable_minibatching: bool,
       validate_ids: bool,
+      multi_host: bool = False,
   ) -> None: ...
-  def run(self, features: list[Any], weights: list[Any] | None, has_leading_dimension: bool, batch_number: int) -> _Results:
-    """One batch of flattened leaves, in spec order; one call at a time."""
+  def run(
+      self,
+      features: list[Any],
+      weights: list[Any] | None,
+      has_leading_dimension: bool,
+      batch_number: int,
+      all_reduce_interface: Any = None,
+  ) -> _Results:
+    """One batch of flattened leaves, in spec order; one call at a time. `all_reduce_interface`:
+    this call's (an instance made with multi_host takes one)."""
   def run_coo(
       self,
       indices: list[np.ndarray],
@@ -85,6 +101,7 @@ class NativeDropIn:
       batch_sizes: list[int],
       has_leading_dimension: bool,
       batch_number: int,
+      all_reduce_interface: Any = None,
   ) -> _Results:
     """One batch of sparse COO features, in spec order: C-contiguous int64 [nnz, 2] indices,
     C-contiguous int32/int64 [nnz] ids, local batch sizes. Unit weights."""
@@ -93,3 +110,37 @@ class PooledBuffer:
     """The base object of every output array: owns its memory, which goes back to the call
     state that made it when numpy frees the last view, so that the next call reuses the pages
     instead of faulting in fresh ones. Not constructible from Python."""
+
+class TcpAllReduce:
+  """This host's authenticated TCP all-reduce (made by sparsecore_prep.get_all_reduce_interface)."""
+
+  def __init__(
+      self,
+      host_id: int,
+      host_count: int,
+      peer_addresses: list[str],
+      minibatching_port: int,
+      token: str | bytes | None = None,
+      timeout: float = 60.0,
+      bind_address: str | None = None,
+  ) -> None: ...
+  def all_reduce_or(self, sync_key: int, value: int) -> int:
+    """The OR of `value` over all hosts under `sync_key`."""
+  @property
+  def host_id(self) -> int:
+    """This host's index."""
+  @property
+  def host_count(self) -> int:
+    """The number of hosts."""
+  @property
+  def port(self) -> int:
+    """The port this host listens on."""
+  @property
+  def peers(self) -> list[str]:
+    """The other hosts' resolved addresses, as given."""
+  def counters(self) -> dict[str, int]:
+    """Messages dropped so far, by reason (none ever changed a result)."""
+  def close(self) -> None:
+    """Stops listening."""
+  def __enter__(self) -> TcpAllReduce: ...
+  def __exit__(self, *exc: object) -> bool: ...

@@ -6,12 +6,17 @@
 //! buffer), runs the crate's pipeline with the GIL released, and hands the output buffers to
 //! numpy without copying them.
 //!
+//! [`allreduce`] connects hosts for multi-host minibatching: our TCP all-reduce as a class, and
+//! any Python object with `all_reduce_or` as the pipeline's `AllReduce` (called with the GIL
+//! re-acquired).
+//!
 //! Unsafe code is confined to [`numpy_input`] (reading the rows of ragged object arrays through
 //! numpy's C structs, which is what makes a 400,000-row batch cost microseconds rather than
 //! tens of milliseconds), [`arrow_input`] (importing Arrow C data interface capsules) and
 //! [`pool`] (numpy arrays that view a buffer owned by their base object, so that the memory can
 //! be reused by the next call). The library crate itself keeps `#![deny(unsafe_code)]`.
 
+mod allreduce;
 mod arrow_input;
 mod arrow_output;
 mod balance;
@@ -30,6 +35,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<prep::NativeFdoStats>()?;
     m.add_class::<prep::NativeDropIn>()?;
     m.add_class::<pool::PooledBuffer>()?;
+    m.add_class::<allreduce::NativeTcpAllReduce>()?;
     m.add_function(wrap_pyfunction!(prep::preprocess_resolved, m)?)?;
     // `Preprocessor.balance` (private: the public names of `_native` are the ones
     // `_native.pyi` declares).

@@ -14,6 +14,9 @@ use sparsecore_prep::input::{CooInput, Ids, SampleSource};
 use sparsecore_prep::spec::{FeatureConfig, Options, Placement, ResolvedStack, Stacking, TableConfig};
 use sparsecore_prep::{Config, Output, Plan, Preprocessor, PreprocessorBuilder};
 
+use std::sync::Arc;
+
+use crate::allreduce::{to_py_error, AllReduceSlot};
 use crate::errors::{self, to_py};
 use crate::pool::BufferPool;
 use crate::{arrow_input, numpy_input, threads};
@@ -66,16 +69,26 @@ fn stats_into(
     Ok(())
 }
 
-/// Runs `prep` on `sources` with the GIL released, on `pool`.
+/// Runs `prep` on `sources` with the GIL released, on `pool`; `slot` is the all-reduce it was
+/// built with (its failures become `AllReduceError`s).
 fn run_detached(
     py: Python<'_>,
     pool: &ThreadPool,
     prep: &mut Preprocessor,
     sources: &[Box<dyn SampleSource + '_>],
     out: &mut Output,
+    slot: Option<&AllReduceSlot>,
 ) -> PyResult<()> {
     let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
-    py.detach(|| pool.install(|| prep.run(&inputs, out))).map_err(|e| to_py(py, e))
+    py.detach(|| pool.install(|| prep.run(&inputs, out))).map_err(|e| to_py_error(py, e, slot))
+}
+
+/// `builder` agreeing across hosts through `slot`, if any.
+fn with_slot(builder: PreprocessorBuilder, slot: &Option<Arc<AllReduceSlot>>) -> PreprocessorBuilder {
+    match slot {
+        Some(s) => builder.all_reduce(s.clone()),
+        None => builder,
+    }
 }
 
 /// Builds a preprocessor on the package's pool (see `threads`), unless it has a pool of its own:
@@ -98,11 +111,13 @@ pub struct NativePreprocessor {
     threads: Option<usize>,
     batch_number: u64,
     pid: u32,
+    /// The multi-host all-reduce, once one was given (`set_all_reduce_interface`).
+    slot: Option<Arc<AllReduceSlot>>,
 }
 
 impl NativePreprocessor {
-    fn build(py: Python<'_>, config: Config, threads: Option<usize>) -> PyResult<Preprocessor> {
-        let mut builder = Preprocessor::builder(config);
+    fn build(py: Python<'_>, config: Config, threads: Option<usize>, slot: &Option<Arc<AllReduceSlot>>) -> PyResult<Preprocessor> {
+        let mut builder = with_slot(Preprocessor::builder(config), slot);
         if let Some(n) = threads {
             builder = builder.threads(n);
         }
@@ -115,7 +130,7 @@ impl NativePreprocessor {
         let pid = std::process::id();
         if self.pid != pid && self.threads.is_some() {
             let config = Config::from_json(&self.config_json).map_err(|e| to_py(py, e))?;
-            let mut fresh = Self::build(py, config, self.threads)?;
+            let mut fresh = Self::build(py, config, self.threads, &self.slot)?;
             fresh.set_batch_number(self.batch_number);
             // The old one's pool has no threads here: nothing to join, so nothing is dropped.
             std::mem::forget(std::mem::replace(&mut self.prep, fresh));
@@ -129,12 +144,26 @@ impl NativePreprocessor {
 impl NativePreprocessor {
     /// `config_json`: the config file's text. `threads`: a dedicated pool of that many threads
     /// (default: the process-wide pool, one thread per CPU).
+    /// `all_reduce_interface`: see `set_all_reduce_interface`. `multi_host`: agree across
+    /// hosts through an interface set later (an unpickled preprocessor, whose interface stayed
+    /// behind), failing at a split until then.
     #[new]
-    #[pyo3(signature = (config_json, threads=None))]
-    fn new(py: Python<'_>, config_json: &str, threads: Option<usize>) -> PyResult<Self> {
+    #[pyo3(signature = (config_json, threads=None, all_reduce_interface=None, multi_host=false))]
+    fn new(
+        py: Python<'_>,
+        config_json: &str,
+        threads: Option<usize>,
+        all_reduce_interface: Option<&Bound<'_, PyAny>>,
+        multi_host: bool,
+    ) -> PyResult<Self> {
         let config = Config::from_json(config_json).map_err(|e| to_py(py, e))?;
         let config_json = config.to_json();
-        let prep = Self::build(py, config, threads)?;
+        let given = all_reduce_interface.filter(|a| !a.is_none());
+        let slot = (given.is_some() || multi_host).then(|| Arc::new(AllReduceSlot::default()));
+        if let Some(slot) = &slot {
+            slot.set(given)?;
+        }
+        let prep = Self::build(py, config, threads, &slot)?;
         Ok(NativePreprocessor {
             prep,
             out: Output::new(),
@@ -143,13 +172,41 @@ impl NativePreprocessor {
             threads,
             batch_number: 0,
             pid: std::process::id(),
+            slot,
         })
+    }
+
+    /// Agrees on minibatching splits with the other hosts through `all_reduce_interface` (our
+    /// TCP all-reduce or any object with `all_reduce_or(sync_key, value) -> int`; None: no more
+    /// cross-host agreement, which a multi-host config then reports at its next split).
+    fn set_all_reduce_interface(&mut self, py: Python<'_>, all_reduce_interface: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        match (&self.slot, all_reduce_interface.filter(|a| !a.is_none())) {
+            (Some(slot), a) => slot.set(a)?,
+            (None, None) => {}
+            (None, Some(a)) => {
+                let slot = Arc::new(AllReduceSlot::default());
+                slot.set(Some(a))?;
+                let config = Config::from_json(&self.config_json).map_err(|e| to_py(py, e))?;
+                let mut fresh = Self::build(py, config, self.threads, &Some(slot.clone()))?;
+                fresh.set_batch_number(self.batch_number);
+                self.prep = fresh;
+                self.pid = std::process::id();
+                self.slot = Some(slot);
+            }
+        }
+        Ok(())
     }
 
     /// The config as normalised JSON (defaults filled in).
     #[getter]
     fn config_json(&self) -> &str {
         &self.config_json
+    }
+
+    /// Whether it agrees across hosts through an all-reduce interface (set now or to be set).
+    #[getter]
+    fn multi_host(&self) -> bool {
+        self.slot.is_some()
     }
 
     /// Sets the batch number that keys minibatching's cross-host agreement.
@@ -170,7 +227,7 @@ impl NativePreprocessor {
             Some(pool) => pool.install(run),
             None => run(),
         })
-        .map_err(|e| to_py(py, e))?;
+        .map_err(|e| to_py_error(py, e, self.slot.as_deref()))?;
         results(py, &mut self.out, &self.pool, has_leading_dimension)
     }
 
@@ -345,15 +402,18 @@ pub struct NativeDropIn {
     /// memory returns to (see `pool`).
     out: Output,
     pool: BufferPool,
+    /// With `multi_host`: the all-reduce each call's `all_reduce_interface` is put into.
+    slot: Option<Arc<AllReduceSlot>>,
 }
 
 #[pymethods]
 impl NativeDropIn {
     /// Plans the specs (resolved `(feature, placement, stack)` tuples, see `SpecTuple`) under
-    /// the options; errors are the ones a call with these specs would raise.
+    /// the options; errors are the ones a call with these specs would raise. `multi_host`: the
+    /// calls will pass an `all_reduce_interface`.
     #[new]
     #[pyo3(signature = (specs, local_device_count, global_device_count, num_sc_per_device,
-                        sharding_strategy, allow_id_dropping, enable_minibatching, validate_ids))]
+                        sharding_strategy, allow_id_dropping, enable_minibatching, validate_ids, multi_host=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -365,6 +425,7 @@ impl NativeDropIn {
         allow_id_dropping: bool,
         enable_minibatching: bool,
         validate_ids: bool,
+        multi_host: bool,
     ) -> PyResult<Self> {
         let (config, plan) = resolved_plan(
             &specs,
@@ -377,15 +438,61 @@ impl NativeDropIn {
             validate_ids,
         )
         .map_err(|e| to_py(py, e))?;
-        let prep = build(py, Preprocessor::builder(config).plan(plan), false)?;
+        let slot = multi_host.then(|| Arc::new(AllReduceSlot::default()));
+        let prep = build(py, with_slot(Preprocessor::builder(config).plan(plan), &slot), false)?;
         let names = specs.into_iter().map(|s| s.0 .0).collect();
-        Ok(NativeDropIn { prep, names, scratch: Vec::new(), out: Output::new(), pool: BufferPool::default() })
+        Ok(NativeDropIn { prep, names, scratch: Vec::new(), out: Output::new(), pool: BufferPool::default(), slot })
     }
 
     /// Preprocesses one batch: numpy leaves (already flattened, in spec order), the
-    /// reference's 6-tuple out.
-    #[pyo3(signature = (features, weights, has_leading_dimension, batch_number))]
+    /// reference's 6-tuple out. `all_reduce_interface`: this call's (built `multi_host`).
+    #[pyo3(signature = (features, weights, has_leading_dimension, batch_number, all_reduce_interface=None))]
     fn run(
+        &mut self,
+        py: Python<'_>,
+        features: Vec<Bound<'_, PyAny>>,
+        weights: Option<Vec<Bound<'_, PyAny>>>,
+        has_leading_dimension: bool,
+        batch_number: u64,
+        all_reduce_interface: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Results> {
+        self.set_all_reduce(all_reduce_interface)?;
+        let ran = self.run_inner(py, features, weights, has_leading_dimension, batch_number);
+        if let Some(slot) = &self.slot {
+            slot.clear();
+        }
+        ran
+    }
+
+    /// Preprocesses one batch of sparse COO features (the reference's
+    /// `preprocess_sparse_dense_matmul_sparse_coo_input`), in spec order: per feature, `[nnz, 2]`
+    /// C-contiguous int64 indices (column 0 the sample row, column 1 ignored), `[nnz]`
+    /// C-contiguous int32 or int64 ids, and the local batch size (`dense_shape[0]`). Unit
+    /// weights. The reference's 6-tuple out.
+    #[pyo3(signature = (indices, values, batch_sizes, has_leading_dimension, batch_number, all_reduce_interface=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn run_coo(
+        &mut self,
+        py: Python<'_>,
+        indices: Vec<PyReadonlyArray2<'_, i64>>,
+        values: Vec<Bound<'_, PyAny>>,
+        batch_sizes: Vec<usize>,
+        has_leading_dimension: bool,
+        batch_number: u64,
+        all_reduce_interface: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Results> {
+        self.set_all_reduce(all_reduce_interface)?;
+        let ran = self.run_coo_inner(py, indices, values, batch_sizes, has_leading_dimension, batch_number);
+        if let Some(slot) = &self.slot {
+            slot.clear();
+        }
+        ran
+    }
+}
+
+impl NativeDropIn {
+    /// [`NativeDropIn::run`] once the call's all-reduce is set.
+    fn run_inner(
         &mut self,
         py: Python<'_>,
         features: Vec<Bound<'_, PyAny>>,
@@ -433,7 +540,7 @@ impl NativeDropIn {
                 .map_err(|e| to_py(py, e));
             sources.and_then(|sources| {
                 self.prep.set_batch_number(batch_number);
-                run_detached(py, &pool, &mut self.prep, &sources, out)
+                run_detached(py, &pool, &mut self.prep, &sources, out, self.slot.as_deref())
             })
         };
         numpy_input::recycle(data, &mut self.scratch);
@@ -441,13 +548,8 @@ impl NativeDropIn {
         results(py, out, &self.pool, has_leading_dimension)
     }
 
-    /// Preprocesses one batch of sparse COO features (the reference's
-    /// `preprocess_sparse_dense_matmul_sparse_coo_input`), in spec order: per feature, `[nnz, 2]`
-    /// C-contiguous int64 indices (column 0 the sample row, column 1 ignored), `[nnz]`
-    /// C-contiguous int32 or int64 ids, and the local batch size (`dense_shape[0]`). Unit
-    /// weights. The reference's 6-tuple out.
-    #[pyo3(signature = (indices, values, batch_sizes, has_leading_dimension, batch_number))]
-    fn run_coo(
+    /// [`NativeDropIn::run_coo`] once the call's all-reduce is set.
+    fn run_coo_inner(
         &mut self,
         py: Python<'_>,
         indices: Vec<PyReadonlyArray2<'_, i64>>,
@@ -484,12 +586,21 @@ impl NativeDropIn {
         }
         self.pool.refill(&mut self.out);
         self.prep.set_batch_number(batch_number);
-        run_detached(py, &pool, &mut self.prep, &sources, &mut self.out)?;
+        run_detached(py, &pool, &mut self.prep, &sources, &mut self.out, self.slot.as_deref())?;
         results(py, &mut self.out, &self.pool, has_leading_dimension)
     }
 }
 
 impl NativeDropIn {
+    /// Puts this call's `all_reduce_interface` into the slot (a multi-host instance needs one;
+    /// others take none).
+    fn set_all_reduce(&self, all_reduce_interface: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        match &self.slot {
+            Some(slot) => slot.set(all_reduce_interface),
+            None => Ok(()),
+        }
+    }
+
     /// One `what` per feature spec, or an error.
     fn check_count(&self, py: Python<'_>, got: usize, what: &str) -> PyResult<()> {
         if got == self.names.len() {
@@ -548,6 +659,7 @@ pub fn preprocess_resolved(
         allow_id_dropping,
         enable_minibatching,
         validate_ids,
+        false,
     )?;
-    call.run(py, features, weights, has_leading_dimension, batch_number)
+    call.run(py, features, weights, has_leading_dimension, batch_number, None)
 }
