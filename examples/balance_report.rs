@@ -34,6 +34,17 @@ fn tuned(config: &Config, batches: &[RecordBatch]) -> sparsecore_prep::Result<(u
 }
 use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 
+/// The test kit's limits equal its batches' largest counts; a tuned config has headroom (`fdo
+/// tune --headroom`), without which no reordered batch could keep every stack within its limits
+/// and balancing would keep the input order. Doubles them.
+fn with_headroom(config: &mut Config) {
+    for t in &mut config.tables {
+        t.max_ids_per_partition *= 2;
+        t.max_unique_ids_per_partition *= 2;
+        t.suggested_coo_buffer_size_per_device = t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
+    }
+}
+
 fn main() -> sparsecore_prep::Result<()> {
     let per_sc: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(128);
     println!("| profile | L/G/S | W | worst max_ids before | after | change | lower bound | gap to bound | balance time / preprocess time |");
@@ -45,14 +56,7 @@ fn main() -> sparsecore_prep::Result<()> {
             spec.batch_size = per_sc * layout.0 * layout.2;
             spec.num_batches = 8;
             let mut w = generate(&spec)?;
-            // The test kit's limits equal its batches' largest counts; a tuned config has
-            // headroom (`fdo tune --headroom`), without which no reordered batch could keep
-            // every stack within its limits and balancing would keep the input order.
-            for t in &mut w.config.tables {
-                t.max_ids_per_partition *= 2;
-                t.max_unique_ids_per_partition *= 2;
-                t.suggested_coo_buffer_size_per_device = t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
-            }
+            with_headroom(&mut w.config);
             let mut prep = Preprocessor::builder(w.config.clone()).threads(1).build()?;
             let mut out = Output::new();
             let worst = |prep: &mut Preprocessor, out: &mut Output, batches: &[arrow_array::RecordBatch]| -> sparsecore_prep::Result<i32> {
@@ -126,7 +130,8 @@ fn main() -> sparsecore_prep::Result<()> {
             spec.layout = layout;
             spec.batch_size = per_sc * layout.0 * layout.2;
             spec.num_batches = 8;
-            let w = generate(&spec)?;
+            let mut w = generate(&spec)?;
+            with_headroom(&mut w.config);
             let before = tuned(&w.config, &w.batches)?;
             for window in [1usize, 4, 8] {
                 let mut balanced = Vec::new();
