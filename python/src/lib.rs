@@ -14,6 +14,7 @@
 
 mod arrow_input;
 mod errors;
+mod kernels;
 mod numpy_input;
 mod pool;
 mod prep;
@@ -27,6 +28,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<prep::NativeFdoStats>()?;
     m.add_class::<prep::NativeDropIn>()?;
     m.add_class::<pool::PooledBuffer>()?;
+    m.add_class::<kernels::NativeKernels>()?;
     m.add_function(wrap_pyfunction!(prep::preprocess_resolved, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
