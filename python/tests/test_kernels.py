@@ -29,6 +29,7 @@ from sparsecore_prep import kernels  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # name, vocabulary, dim, combiner
+LIMIT_SPLIT = 16  # splits the minibatching case's batch (hot ids need more than 8)
 TABLES = [("ta", 50, 8, "sum"), ("tb", 70, 8, "sum"), ("tc", 40, 8, "mean"), ("td", 30, 8, "sqrtn")]
 # name, table
 FEATURES = [("f0", "ta"), ("f1", "tb"), ("f2", "ta"), ("f3", "tc"), ("f4", "td")]
@@ -52,11 +53,11 @@ def optimizer(kind: str):
   raise ValueError(kind)
 
 
-def make_specs(g: int, s: int, batch: int, opt):
+def make_specs(g: int, s: int, batch: int, opt, limit: int = 256):
   tables = {
       n: embedding_spec.TableSpec(name=n, vocabulary_size=v, embedding_dim=d, initializer=jax.nn.initializers.zeros,
-                                  optimizer=opt, combiner=c, max_ids_per_partition=256,
-                                  max_unique_ids_per_partition=256)
+                                  optimizer=opt, combiner=c, max_ids_per_partition=limit,
+                                  max_unique_ids_per_partition=limit)
       for n, v, d, c in TABLES
   }
   specs = {
@@ -65,8 +66,8 @@ def make_specs(g: int, s: int, batch: int, opt):
       for f, t in FEATURES
   }
   embedding.auto_stack_tables(specs, global_device_count=g, num_sc_per_device=s,
-                              stack_to_max_ids_per_partition=lambda n, b: 256,
-                              stack_to_max_unique_ids_per_partition=lambda n, b: 256)
+                              stack_to_max_ids_per_partition=lambda n, b: limit,
+                              stack_to_max_unique_ids_per_partition=lambda n, b: limit)
   embedding.prepare_feature_specs_for_training(specs, global_device_count=g, num_sc_per_device=s)
   return specs
 
@@ -182,9 +183,9 @@ def close(got, want, what):
 # ---------------------------------------------------------------------------
 
 
-def run_case(kind, g, s, batch, seed, jit, step=None, minibatching=False):
+def run_case(kind, g, s, batch, seed, jit, step=None, minibatching=False, limit=256):
   opt = optimizer(kind)
-  specs = make_specs(g, s, batch, opt)
+  specs = make_specs(g, s, batch, opt, limit)
   stacks = {sp.table_spec.stacked_table_spec.stack_name for sp in specs.values()}
   ids, weights = make_batch(batch, seed)
   rng = np.random.default_rng(seed + 1)
@@ -244,7 +245,9 @@ def test_layouts_match_numpy(g, s):
 
 
 def test_minibatching_matches_numpy():
-  run_case("adagrad", g=2, s=2, batch=32, seed=5, jit=True, minibatching=True)
+  # Limits below what the batch needs: preprocessing splits it into minibatches.
+  pre = run_case("adagrad", g=2, s=2, batch=64, seed=5, jit=True, minibatching=True, limit=LIMIT_SPLIT)
+  assert int(np.ravel(pre.num_minibatches)[0]) > 1
 
 
 def test_stacks_hold_several_tables():
