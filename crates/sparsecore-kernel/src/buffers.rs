@@ -180,14 +180,16 @@ pub fn sparse_dense_matmul_into(
     }
     let t = contiguous("the table", &geo.sp.name, &table)?;
     let out = activations.as_slice_mut().ok_or_else(|| Error::input(&geo.sp.name, "activations must be C-contiguous"))?;
-    out.fill(0.0);
     if dim == 0 || bsps == 0 {
+        out.fill(0.0);
         return Ok(());
     }
     let rows = geo.rows;
     // One chunk per (device, SparseCore): `bsps` activation rows that no other chunk writes.
     out.par_chunks_mut(bsps * dim).enumerate().try_for_each(|(unit, chunk)| {
         let (d, sc) = (unit / s_count, unit % s_count);
+        // Zeroed here, by the thread that accumulates into it next.
+        chunk.fill(0.0);
         for s in geo.segments.iter().filter(|s| s.device == d && s.sc == sc) {
             let shard = &t[s.partition * rows * dim..(s.partition + 1) * rows * dim];
             for i in s.lo..s.hi {
@@ -318,9 +320,18 @@ pub fn apply_gradients_into(
                 k += 1;
             }
             let range = row * dim..(row + 1) * dim;
-            let mut slot_rows: Vec<&mut [f32]> = slot_shard.iter_mut().map(|s| &mut s[range.clone()]).collect();
             let w_row = &mut w[range.clone()];
-            optimizer.apply(&g, w_row, &mut slot_rows);
+            // No optimizer has more than two slots (checked against `slot_names` above); a
+            // match instead of a Vec spares an allocation per row.
+            match slot_shard.as_mut_slice() {
+                [] => optimizer.apply(&g, w_row, &mut []),
+                [a] => optimizer.apply(&g, w_row, &mut [&mut a[range]]),
+                [a, b] => optimizer.apply(&g, w_row, &mut [&mut a[range.clone()], &mut b[range]]),
+                more => {
+                    let mut rows: Vec<&mut [f32]> = more.iter_mut().map(|s| &mut s[range.clone()]).collect();
+                    optimizer.apply(&g, w_row, &mut rows)
+                }
+            }
             if lo > f32::NEG_INFINITY || hi < f32::INFINITY {
                 for x in w_row.iter_mut() {
                     *x = x.clamp(lo, hi);
