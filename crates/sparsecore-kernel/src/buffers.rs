@@ -154,7 +154,7 @@ impl Geometry<'_> {
 }
 
 /// How many slots ahead the forward pass prefetches table rows.
-const PREFETCH_SLOTS: usize = 8;
+const PREFETCH_SLOTS: usize = 16;
 
 /// Hints the CPU to bring row `e` of `shard` (`dim` wide) into the cache. Only a hint: an id
 /// outside the shard (caught when its slot is reached) prefetches nothing useful, and is never
