@@ -48,6 +48,8 @@ LR = 0.05
 
 
 def cli() -> str:
+  if os.environ.get("SPARSECORE_PREP_CLI"):
+    return os.environ["SPARSECORE_PREP_CLI"]
   for profile in ("release", "debug"):
     p = os.path.join(ROOT, "target", profile, "sparsecore-prep")
     if os.path.exists(p):
