@@ -144,3 +144,40 @@ class TcpAllReduce:
     """Stops listening."""
   def __enter__(self) -> TcpAllReduce: ...
   def __exit__(self, *exc: object) -> bool: ...
+_Buffers = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+_OptimizerTuple = tuple[str, list[float], int | None, bool]
+
+class NativeKernels:
+  """The CPU backend behind `sparsecore_prep.kernels`: the plan of one set of resolved specs and
+  the forward / backward passes over numpy buffers and tables (see python/src/kernels.rs)."""
+
+  def __init__(
+      self,
+      specs: list[_SpecTuple],
+      local_device_count: int,
+      global_device_count: int,
+      num_sc_per_device: int,
+      enable_minibatching: bool,
+      threads: int | None = None,
+  ) -> None: ...
+  @staticmethod
+  def from_config(config_json: str, global_batch_sizes: list[int], threads: int | None = None) -> NativeKernels:
+    """Plans our JSON config for the given global batch size of every feature."""
+  def layout(self) -> dict[str, Any]:
+    """Stacks (name, vocab, dim, shards, rows_per_shard, batch_per_device, features, tables) and
+    features (name, stack, rows, dim) of the plan, and the local device count."""
+  def forward(self, buffers: list[_Buffers], num_minibatches: int, tables: list[np.ndarray],
+              unstack: bool = True) -> list[np.ndarray]:
+    """Per-feature activations (spec order), or per-stack stacked activations."""
+  def backward(self, buffers: list[_Buffers], num_minibatches: int, grads: list[np.ndarray],
+               variables: list[list[np.ndarray]], optimizers: list[_OptimizerTuple],
+               limits: list[tuple[float, float]], stacked: bool = False) -> list[list[np.ndarray]]:
+    """Every stack's updated [table, *slots], as new arrays."""
+  def backward_in_place(self, buffers: list[_Buffers], num_minibatches: int, grads: list[np.ndarray],
+                        variables: list[list[np.ndarray]], optimizers: list[_OptimizerTuple],
+                        limits: list[tuple[float, float]], stacked: bool = True) -> None:
+    """The same update, in place on writable arrays."""
+  def stack_table(self, stack: int, tables: list[np.ndarray]) -> np.ndarray:
+    """Member tables of stack `stack` (plan index) in the stacked [N * R, D] layout."""
+  def unstack_table(self, stack: int, table: np.ndarray) -> list[np.ndarray]:
+    """The member tables of stack `stack` read back."""

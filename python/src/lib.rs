@@ -22,6 +22,7 @@ mod arrow_output;
 mod balance;
 mod bess;
 mod errors;
+mod kernels;
 mod numpy_input;
 mod pool;
 mod prep;
@@ -36,6 +37,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<prep::NativeDropIn>()?;
     m.add_class::<pool::PooledBuffer>()?;
     m.add_class::<allreduce::NativeTcpAllReduce>()?;
+    m.add_class::<kernels::NativeKernels>()?;
     m.add_function(wrap_pyfunction!(prep::preprocess_resolved, m)?)?;
     // `Preprocessor.balance` (private: the public names of `_native` are the ones
     // `_native.pyi` declares).

@@ -301,11 +301,11 @@ impl NativeFdoStats {
 /// `(name, table, vocabulary_size, embedding_dim, global_batch)`,
 /// `(stack, row_offset, col_offset, col_shift)`,
 /// `(combiner, max_ids_per_partition, max_unique_ids_per_partition, suggested_coo_buffer_size_per_device)`.
-type SpecTuple = ((String, String, u64, u64, usize), (String, u64, u64, u64), (String, u64, u64, Option<u64>));
+pub(crate) type SpecTuple = ((String, String, u64, u64, usize), (String, u64, u64, u64), (String, u64, u64, Option<u64>));
 
 /// Config and plan for features whose stacking was already resolved by the reference's specs.
 #[allow(clippy::too_many_arguments)]
-fn resolved_plan(
+pub(crate) fn resolved_plan(
     specs: &[SpecTuple],
     l: usize,
     g: usize,

@@ -9,17 +9,22 @@
 //! - [`apply_gradients`]: the backward pass (row gradients accumulated over every slot that
 //!   references a row) and one step of SGD, Adagrad, Adagrad-momentum, Adam, FTRL or LaProp
 //!   (SPEC 6.3), with the optimizer's [`Slots`] stored beside the table rows.
+//! - [`sparse_dense_matmul_into`] and [`apply_gradients_into`]: the same two passes over
+//!   borrowed buffers ([`StackBuffers`]) and tables, in parallel, writing into the caller's
+//!   arrays (the Python bindings' path), with the reference's `embedding_var_limits`.
 //! - [`PartitionedTable`]: a host table split across replicas by rows (`Token`) or columns
 //!   (`Encoding`), whose lookups and updates equal the unsplit table's exactly.
 //! - [`dynamic`]: tables keyed by raw keys, created lazily, with slots beside each row, in memory
 //!   or in a Redis server shared by workers, and the forward/backward path over them.
 
+mod buffers;
 pub mod dynamic;
 mod forward;
 mod host;
 mod optimizer;
 mod table;
 
+pub use buffers::{apply_gradients_into, sparse_dense_matmul_into, StackBuffers};
 pub use host::{Partition, PartitionedTable};
 pub use forward::{feature_activations, sparse_dense_matmul, stack_feature_gradients};
 pub use optimizer::{apply_gradients, row_gradients, Optimizer, Slots};

@@ -147,10 +147,11 @@ impl Optimizer {
                 }
             }
             Optimizer::Adagrad { lr } => {
-                let a = &mut slots[0];
-                for i in 0..w.len() {
-                    a[i] += g[i] * g[i];
-                    w[i] -= lr * g[i] / a[i].sqrt();
+                // Zipped iterators, not indices: no bounds checks, so the loop vectorises (the
+                // same operations in the same order, so the same bits).
+                for ((w, a), &g) in w.iter_mut().zip(slots[0].iter_mut()).zip(g) {
+                    *a += g * g;
+                    *w -= lr * g / a.sqrt();
                 }
             }
             Optimizer::AdagradMomentum { lr, momentum, beta2, epsilon, exponent, use_nesterov } => {
