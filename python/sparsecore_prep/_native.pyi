@@ -144,6 +144,7 @@ class TcpAllReduce:
     """Stops listening."""
   def __enter__(self) -> TcpAllReduce: ...
   def __exit__(self, *exc: object) -> bool: ...
+
 _Buffers = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 _OptimizerTuple = tuple[str, list[float], int | None, bool]
 
