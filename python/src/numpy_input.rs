@@ -177,7 +177,7 @@ fn row_of(obj: &Bound<'_, PyAny>) -> Option<Result<Row, String>> {
 /// its holder blocks until the gather is done).
 fn copy_row<T: Copy, U>(span: &Span, out: &mut Vec<U>, mut conv: impl FnMut(T) -> Option<U>) -> Result<(), T> {
     out.reserve(span.len);
-    let contiguous = span.stride == std::mem::size_of::<T>() as isize && span.addr % std::mem::align_of::<T>() == 0;
+    let contiguous = span.stride == std::mem::size_of::<T>() as isize && span.addr.is_multiple_of(std::mem::align_of::<T>());
     if contiguous && span.len > 0 {
         // Element by element: most rows of sparse features hold an id or two, for which a call
         // to memcpy per row costs more than the copy.
