@@ -289,17 +289,23 @@ impl Balancer {
             .iter()
             .any(|a| a.iter().zip(&plan.stacks).any(|(l, st)| l.max_ids_per_partition > limit(st.max_unique_ids_per_partition)));
         if unique_at_risk {
-            let before_unique = window_loads(&mut self.prep, window)?;
+            // The input order's unique ids are needed only where the new order passes a limit.
             let after_unique = window_loads(&mut self.prep, &batches)?;
-            let window_unique = worst_per_stack(&before_unique);
-            let unique_ok = after_unique.iter().enumerate().all(|(b, a)| {
-                let r = if pooled { &window_unique } else { &before_unique[b] };
-                a.iter().zip(r).zip(&plan.stacks).all(|((a, r), st)| {
-                    a.max_unique_ids_per_partition <= r.max_unique_ids_per_partition.max(limit(st.max_unique_ids_per_partition))
-                })
+            let within_limits = after_unique.iter().all(|a| {
+                a.iter().zip(&plan.stacks).all(|(a, st)| a.max_unique_ids_per_partition <= limit(st.max_unique_ids_per_partition))
             });
-            if !unique_ok {
-                return Ok(keep(before, bound));
+            if !within_limits {
+                let before_unique = window_loads(&mut self.prep, window)?;
+                let window_unique = worst_per_stack(&before_unique);
+                let unique_ok = after_unique.iter().enumerate().all(|(b, a)| {
+                    let r = if pooled { &window_unique } else { &before_unique[b] };
+                    a.iter().zip(r).zip(&plan.stacks).all(|((a, r), st)| {
+                        a.max_unique_ids_per_partition <= r.max_unique_ids_per_partition.max(limit(st.max_unique_ids_per_partition))
+                    })
+                });
+                if !unique_ok {
+                    return Ok(keep(before, bound));
+                }
             }
         }
         Ok(Balanced {
