@@ -31,33 +31,6 @@ impl fmt::Display for LimitKind {
     }
 }
 
-/// Why a dynamic table's backing store failed ([`Error::DynamicStore`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum StoreErrorKind {
-    /// The server refused the connection, or dropped it (killed, restarted, network down).
-    Connection,
-    /// The server did not answer within the configured timeout.
-    Timeout,
-    /// A batch update kept conflicting with concurrent writers past the retry limit.
-    Conflict,
-    /// A stored value has the wrong size or a slot is missing (written by another table shape).
-    Corrupt,
-    /// The server answered with an error (out of memory, wrong type, read-only replica, ...).
-    Server,
-}
-
-impl fmt::Display for StoreErrorKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            StoreErrorKind::Connection => "connection error",
-            StoreErrorKind::Timeout => "timed out",
-            StoreErrorKind::Conflict => "too many conflicts",
-            StoreErrorKind::Corrupt => "corrupt value",
-            StoreErrorKind::Server => "server error",
-        })
-    }
-}
-
 /// Everything that can go wrong between a config, a batch and its buffers.
 ///
 /// Variants are grouped by the stage that detects them: the config and planner (`spec`), the
@@ -375,22 +348,6 @@ pub enum Error {
         /// The underlying error.
         #[source]
         source: Box<Error>,
-    },
-
-    /// A dynamic table's store failed. After a `Connection` or `Timeout` error the batch may or
-    /// may not have been applied; retrying it under the same update id applies it exactly once.
-    #[error("dynamic table `{table}` at {store}: {op}: {kind}: {reason}")]
-    DynamicStore {
-        /// Table name.
-        table: String,
-        /// The store (`memory`, or the server's address).
-        store: String,
-        /// The operation, with its size (e.g. "MGET of 512 keys").
-        op: String,
-        /// What kind of failure.
-        kind: StoreErrorKind,
-        /// The underlying message, with the limit that was hit (timeout, retries).
-        reason: String,
     },
 
     /// Arrow rejected a buffer or file.

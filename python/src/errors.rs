@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::BoundObject;
 use pyo3::types::{PyDict, PyType};
+use sparsecore_kernel::KernelError;
 use sparsecore_prep::{Error, LimitKind};
 
 /// The package's exception classes, with the standard exception each derives from (raised
@@ -143,7 +144,29 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::Json { context, .. } => config(None, Some(context.clone())),
         // Not the data's or the config's fault (and not reachable from Python today).
         Error::Io { .. } => PyOSError::new_err(message),
-        Error::AllReduce { .. } | Error::DynamicStore { .. } => PyRuntimeError::new_err(message),
+        Error::AllReduce { .. } => PyRuntimeError::new_err(message),
         _ => PyValueError::new_err(message),
+    }
+}
+
+/// The kernel crate's error as the pipeline error it corresponds to (the same exception classes
+/// and fields as before the kernel had an error type of its own), or itself when there is none.
+fn kernel_as_pipeline(e: KernelError) -> std::result::Result<Error, KernelError> {
+    Ok(match e {
+        KernelError::InvalidInput { what, reason } => Error::InvalidInput { feature: what, reason },
+        KernelError::Plan { kind, name, reason } => Error::InvalidConfig { what: kind, name, reason },
+        KernelError::Parameter { name, value, reason } => Error::InvalidOption { option: name, value, reason },
+        KernelError::InvalidWeight { feature, row, value } => Error::InvalidWeight { feature, row, value },
+        KernelError::Context { context, source } => kernel_as_pipeline(*source)?.context(context),
+        KernelError::Pipeline(e) => e,
+        other => return Err(other),
+    })
+}
+
+/// Maps a kernel error to the package's exception for it (see [`to_py`]).
+pub fn kernel_to_py(py: Python<'_>, e: KernelError) -> PyErr {
+    match kernel_as_pipeline(e) {
+        Ok(e) => to_py(py, e),
+        Err(e) => PyRuntimeError::new_err(e.to_string()),
     }
 }

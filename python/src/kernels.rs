@@ -21,10 +21,10 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use rayon::prelude::*;
 use rayon::ThreadPool;
-use sparsecore_kernel::{apply_gradients_into, feature_activations, sparse_dense_matmul_into, stack_feature_gradients, Optimizer, StackBuffers, StackedTable};
-use sparsecore_prep::{Config, Error, Plan};
+use sparsecore_kernel::{apply_gradients_into, feature_activations, sparse_dense_matmul_into, stack_feature_gradients, Optimizer, KernelError, StackBuffers, StackedTable};
+use sparsecore_prep::{Config, Plan};
 
-use crate::errors::{self, field, to_py, Class};
+use crate::errors::{self, field, kernel_to_py, to_py, Class};
 use crate::prep::{resolved_plan, SpecTuple};
 use crate::threads;
 
@@ -85,7 +85,7 @@ fn optimizer(py: Python<'_>, stack: &str, (kind, h, step, flag): &OptimizerTuple
     };
     opt.validate().map_err(|e| {
         let hyper = match e.root() {
-            Error::InvalidOption { value, .. } => value.split(' ').next().unwrap_or("optimizer").to_string(),
+            KernelError::Parameter { value, .. } => value.split(' ').next().unwrap_or("optimizer").to_string(),
             _ => "optimizer".to_string(),
         };
         config_error(py, stack, &hyper, format!("stack `{stack}`, {kind}: {e}"))
@@ -159,7 +159,7 @@ impl NativeKernels {
 
     /// Per-feature gradients (`[L · S · rows, dim]`, the per-feature activations' shape) of
     /// every stack stacked into its `[L · bsd, D]` activation layout.
-    fn stack_gradients(&self, grads: &[ArrayView2<'_, f32>]) -> sparsecore_prep::Result<Vec<Array2<f32>>> {
+    fn stack_gradients(&self, grads: &[ArrayView2<'_, f32>]) -> sparsecore_kernel::Result<Vec<Array2<f32>>> {
         let l = self.plan.layout.local_devices;
         self.plan
             .stacks
@@ -299,7 +299,7 @@ impl NativeKernels {
         let l = plan.layout.local_devices;
         let this = self;
         let result = py.detach(|| {
-            pool.install(|| -> sparsecore_prep::Result<Vec<Array2<f32>>> {
+            pool.install(|| -> sparsecore_kernel::Result<Vec<Array2<f32>>> {
                 let stacked: Vec<Array2<f32>> = b
                     .par_iter()
                     .zip(&views)
@@ -309,7 +309,7 @@ impl NativeKernels {
                         sparse_dense_matmul_into(plan, buf, num_minibatches, table.view(), act.view_mut())?;
                         Ok(act)
                     })
-                    .collect::<sparsecore_prep::Result<_>>()?;
+                    .collect::<sparsecore_kernel::Result<_>>()?;
                 if !unstack {
                     return Ok(stacked);
                 }
@@ -320,14 +320,14 @@ impl NativeKernels {
                         let bsd = st.nrows() / l;
                         let per_device: Vec<Array2<f32>> = (0..l)
                             .map(|d| feature_activations(plan, f, st.slice(s![d * bsd..(d + 1) * bsd, ..])))
-                            .collect::<sparsecore_prep::Result<_>>()?;
+                            .collect::<sparsecore_kernel::Result<_>>()?;
                         let views: Vec<_> = per_device.iter().map(|a| a.view()).collect();
                         Ok(ndarray::concatenate(Axis(0), &views).expect("equal widths"))
                     })
                     .collect()
             })
         });
-        Ok(result.map_err(|e| to_py(py, e))?.into_iter().map(|a| a.into_pyarray(py)).collect())
+        Ok(result.map_err(|e| kernel_to_py(py, e))?.into_iter().map(|a| a.into_pyarray(py)).collect())
     }
 
     /// The backward pass with each stack's optimizer, on copies: returns every stack's updated
@@ -377,7 +377,7 @@ impl NativeKernels {
     fn stack_table<'py>(&self, py: Python<'py>, stack: usize, tables: Vec<PyReadonlyArray2<'py, f32>>) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let sp = self.stack_plan(py, stack)?;
         let views: Vec<ArrayView2<'_, f32>> = tables.iter().map(|t| t.as_array()).collect();
-        let t = StackedTable::from_tables(&self.plan, &sp.name, &views).map_err(|e| to_py(py, e))?;
+        let t = StackedTable::from_tables(&self.plan, &sp.name, &views).map_err(|e| kernel_to_py(py, e))?;
         Ok(t.data.into_pyarray(py))
     }
 
@@ -395,7 +395,7 @@ impl NativeKernels {
             ));
         }
         let st = StackedTable { stack: sp.name.clone(), num_shards: n, rows_per_shard: v / n, dim: d, data: table.as_array().to_owned() };
-        sp.tables.iter().map(|&t| Ok(st.table(&self.plan, t).map_err(|e| to_py(py, e))?.into_pyarray(py))).collect()
+        sp.tables.iter().map(|&t| Ok(st.table(&self.plan, t).map_err(|e| kernel_to_py(py, e))?.into_pyarray(py))).collect()
     }
 }
 
@@ -471,7 +471,7 @@ impl NativeKernels {
         }
         let this = self;
         let result = py.detach(|| {
-            pool.install(|| -> sparsecore_prep::Result<()> {
+            pool.install(|| -> sparsecore_kernel::Result<()> {
                 let stacked_owned;
                 let stacked_grads: Vec<ArrayView2<'_, f32>> = if stacked {
                     grad_views.clone()
@@ -490,6 +490,6 @@ impl NativeKernels {
                     })
             })
         });
-        result.map_err(|e| to_py(py, e))
+        result.map_err(|e| kernel_to_py(py, e))
     }
 }

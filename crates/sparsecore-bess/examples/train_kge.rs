@@ -131,7 +131,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut rel_acc = Array2::<f32>::from_elem((R, D), 0.1);
 
     let phys: Vec<usize> = (0..E as i64).map(|e| stream.physical_id_of_entity(e).map(|p| p as usize)).collect::<Result<_, _>>()?;
-    let entity_matrix = |table: &StackedTable| -> Result<Array2<f32>, sparsecore_prep::Error> {
+    let entity_matrix = |table: &StackedTable| -> Result<Array2<f32>, sparsecore_kernel::KernelError> {
         let t = table.table(&plan, 0)?;
         Ok(Array2::from_shape_fn((E, D), |(e, d)| t[[phys[e], d]]))
     };

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use sparsecore_kernel::dynamic::{DynamicTable, DynamicTableSpec, Initializer, LoadStream, MemoryTable};
 use sparsecore_kernel::Optimizer;
-use sparsecore_prep::{Error, Result};
+use sparsecore_kernel::{KernelError, Result};
 
 use super::stdio::outln;
 
@@ -73,7 +73,7 @@ pub fn optimizer(name: &str, lr: f32) -> Result<Optimizer> {
         "sgd" => Ok(Optimizer::Sgd { lr }),
         "adagrad" => Ok(Optimizer::Adagrad { lr }),
         "adam" => Ok(Optimizer::Adam { lr, beta1: 0.9, beta2: 0.999, epsilon: 1e-8, step: 0 }),
-        _ => Err(Error::option("optimizer", name, "expected sgd, adagrad or adam")),
+        _ => Err(KernelError::parameter("optimizer", name, "expected sgd, adagrad or adam")),
     }
 }
 
@@ -103,7 +103,7 @@ fn load(a: LoadArgs) -> Result<()> {
             config.io_timeout = Duration::from_millis(a.timeout_ms);
             Box::new(sparsecore_kernel::dynamic::RedisTable::open(spec, config)?)
         }
-        other => return Err(Error::option("backend", other, "expected memory or redis")),
+        other => return Err(KernelError::parameter("backend", other, "expected memory or redis")),
     };
     let (mut lookup_time, mut update_time) = (Duration::ZERO, Duration::ZERO);
     let (mut looked_up, mut updated, mut applied, mut already) = (0u64, 0u64, 0u64, 0u64);

@@ -21,7 +21,7 @@ use sparsecore_kernel::dynamic::{
     Applied, DynamicTable, DynamicTableSpec, Initializer, LoadStream, MemoryTable, RedisConfig, RedisTable, Snapshot,
 };
 use sparsecore_kernel::Optimizer;
-use sparsecore_prep::{Error, StoreErrorKind};
+use sparsecore_kernel::{KernelError, StoreErrorKind};
 
 const BIN: &str = env!("CARGO_BIN_EXE_sparsecore-prep");
 static NS: AtomicUsize = AtomicUsize::new(0);
@@ -45,15 +45,15 @@ fn open(url: &str, ns: &str, spec: DynamicTableSpec, timeout: Duration) -> Redis
     RedisTable::open(spec, c).unwrap()
 }
 
-fn store_kind(e: &Error) -> Option<StoreErrorKind> {
+fn store_kind(e: &KernelError) -> Option<StoreErrorKind> {
     match e.root() {
-        Error::DynamicStore { kind, .. } => Some(*kind),
+        KernelError::DynamicStore { kind, .. } => Some(*kind),
         _ => None,
     }
 }
 
 /// One batch of the stream on any table: the lookups a training step does, then its update.
-fn step(t: &dyn DynamicTable, s: &LoadStream, opt: &Optimizer, id: u64) -> Result<(Vec<f32>, Applied), Error> {
+fn step(t: &dyn DynamicTable, s: &LoadStream, opt: &Optimizer, id: u64) -> Result<(Vec<f32>, Applied), KernelError> {
     let (keys, grads) = s.update(id);
     let all: Vec<u64> = keys.iter().chain(&s.lookups(id)).copied().collect();
     let mut rows = vec![0.0; all.len() * s.dim];

@@ -32,9 +32,9 @@ use std::time::Instant;
 
 use arrow_array::{Array, ArrayRef, Float32Array, Int64Array, ListArray, RecordBatch};
 use ndarray::{Array1, Array2, ArrayView2, Axis};
-use sparsecore_kernel::{apply_gradients, feature_activations, sparse_dense_matmul, stack_feature_gradients, Optimizer, Slots, StackedTable};
+use sparsecore_kernel::{apply_gradients, feature_activations, sparse_dense_matmul, stack_feature_gradients, KernelError, Optimizer, Result, Slots, StackedTable};
 use sparsecore_prep::spec::Plan;
-use sparsecore_prep::{Config, Error, Output, Preprocessor, Result};
+use sparsecore_prep::{Config, Error, Output, Preprocessor};
 use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 
 /// What to generate and how to train.
@@ -146,7 +146,7 @@ pub fn dataset(settings: &Settings) -> Result<Dataset> {
     let workload = generate(&spec)?;
     let mut config = workload.config.clone();
     if settings.features == 0 || settings.features > config.features.len() {
-        return Err(Error::option("features", settings.features, format!("between 1 and {}", config.features.len())));
+        return Err(KernelError::parameter("features", settings.features, format!("between 1 and {}", config.features.len())));
     }
     // Criteo's feature i reads table i: keep the first `features` of both.
     config.features.truncate(settings.features);
@@ -279,7 +279,7 @@ fn labels(batch: &RecordBatch) -> Result<Array1<f32>> {
     let col = batch
         .column_by_name("label")
         .and_then(|c| c.as_any().downcast_ref::<Float32Array>())
-        .ok_or_else(|| Error::input("label", "no Float32 `label` column"))?;
+        .ok_or_else(|| KernelError::input("label", "no Float32 `label` column"))?;
     Ok(Array1::from(col.values().to_vec()))
 }
 
@@ -329,7 +329,7 @@ pub fn train(settings: &Settings, data: &Dataset, mut on_epoch: impl FnMut(&Epoc
     let mut prep = Preprocessor::new(data.config.clone())?;
     let plan = prep.plan_for(&vec![settings.batch_size; data.config.features.len()])?.clone();
     if plan.layout.local_devices != 1 || plan.layout.global_devices != 1 {
-        return Err(Error::option("layout", "L/G", "this example trains on one device"));
+        return Err(KernelError::parameter("layout", "L/G", "this example trains on one device"));
     }
     let emb_opt = Optimizer::Adagrad { lr: settings.embedding_lr };
     let head_opt = Optimizer::Adagrad { lr: settings.head_lr };

@@ -19,7 +19,9 @@ use rayon::prelude::*;
 
 use super::Optimizer;
 use sparsecore_prep::spec::{Plan, StackPlan, ALIGNMENT};
-use sparsecore_prep::{Error, Result, StackOutput};
+use sparsecore_prep::StackOutput;
+
+use crate::error::{KernelError, Result};
 
 /// One stack's four buffers, borrowed: each `[L · RP]` or `[L · C]`, device-major, exactly as
 /// [`StackOutput`] holds them (and the Python drop-in returns them).
@@ -77,13 +79,13 @@ struct Geometry<'p> {
 /// order (device, SparseCore, minibatch, partition), as [`crate::sparse_dense_matmul`] reads
 /// them; padding slots belong to no segment.
 fn geometry<'p>(plan: &'p Plan, b: &StackBuffers<'_>, num_minibatches: usize, table_dim: (usize, usize)) -> Result<Geometry<'p>> {
-    let sp = plan.stack(b.stack).ok_or_else(|| Error::config("stack", b.stack, "not in the plan"))?;
+    let sp = plan.stack(b.stack).ok_or_else(|| KernelError::plan("stack", b.stack, "not in the plan"))?;
     let layout = plan.layout;
     let (n, s_count, l, rpb) = (layout.num_partitions(), layout.sc_per_device, layout.local_devices, layout.row_pointers_per_segment());
     let rows = sp.stack_vocab_size as usize / n;
     let dim = sp.stack_embedding_dim as usize;
     if table_dim != (n * rows, dim) {
-        return Err(Error::config(
+        return Err(KernelError::plan(
             "stack",
             &sp.name,
             format!("table of shape {table_dim:?}, expected [N · R, D] = [{}, {dim}] ({n} shards of {rows} rows)", n * rows),
@@ -92,7 +94,7 @@ fn geometry<'p>(plan: &'p Plan, b: &StackBuffers<'_>, num_minibatches: usize, ta
     let (rp_len, c) = (sp.row_pointers_per_device, sp.coo_buffer_size_per_device);
     if c == 0 || b.row_pointers.len() != l * rp_len || [b.embedding_ids.len(), b.sample_ids.len(), b.gains.len()].iter().any(|&x| x != l * c)
     {
-        return Err(Error::input(
+        return Err(KernelError::input(
             &sp.name,
             format!(
                 "buffers of {} row pointers and {}/{}/{} ids/samples/gains, expected {} and {} ({l} devices)",
@@ -136,16 +138,16 @@ fn geometry<'p>(plan: &'p Plan, b: &StackBuffers<'_>, num_minibatches: usize, ta
 
 impl Geometry<'_> {
     /// The error for slot `i` of a segment whose id or sample is out of range.
-    fn bad_slot(&self, b: &StackBuffers<'_>, s: &Segment, i: usize) -> Error {
+    fn bad_slot(&self, b: &StackBuffers<'_>, s: &Segment, i: usize) -> KernelError {
         let c = self.sp.coo_buffer_size_per_device;
         let (e, smp) = (b.embedding_ids[i], b.sample_ids[i]);
         if e < 0 || e as usize >= self.rows {
-            Error::input(
+            KernelError::input(
                 &self.sp.name,
                 format!("embedding id {e} at device {} slot {} is outside the shard of {} rows", s.device, i - s.device * c, self.rows),
             )
         } else {
-            Error::input(
+            KernelError::input(
                 &self.sp.name,
                 format!("sample id {smp} at device {} slot {} is outside the {} samples", s.device, i - s.device * c, self.bsps),
             )
@@ -212,7 +214,7 @@ fn axpy_any(y: &mut [f32], x: &[f32], a: f32) {
 }
 
 fn contiguous<'a>(what: &str, stack: &str, a: &'a ArrayView2<'_, f32>) -> Result<&'a [f32]> {
-    a.as_slice().ok_or_else(|| Error::input(stack, format!("{what} must be a C-contiguous (row-major) array")))
+    a.as_slice().ok_or_else(|| KernelError::input(stack, format!("{what} must be a C-contiguous (row-major) array")))
 }
 
 /// The forward pass of one stack into `activations` (`[L · bsd, D]`, device-major, overwritten):
@@ -231,13 +233,13 @@ pub fn sparse_dense_matmul_into(
     let geo = geometry(plan, buffers, num_minibatches, table.dim())?;
     let (l, s_count, dim, bsps) = (plan.layout.local_devices, plan.layout.sc_per_device, geo.dim, geo.bsps);
     if activations.dim() != (l * geo.bsd, dim) {
-        return Err(Error::input(
+        return Err(KernelError::input(
             &geo.sp.name,
             format!("activations of shape {:?}, expected [L · bsd, D] = [{}, {dim}]", activations.dim(), l * geo.bsd),
         ));
     }
     let t = contiguous("the table", &geo.sp.name, &table)?;
-    let out = activations.as_slice_mut().ok_or_else(|| Error::input(&geo.sp.name, "activations must be C-contiguous"))?;
+    let out = activations.as_slice_mut().ok_or_else(|| KernelError::input(&geo.sp.name, "activations must be C-contiguous"))?;
     if dim == 0 || bsps == 0 {
         out.fill(0.0);
         return Ok(());
@@ -303,12 +305,12 @@ pub fn apply_gradients_into(
     let stack = geo.sp.name.as_str();
     let (lo, hi) = limits;
     if lo.is_nan() || hi.is_nan() || lo > hi {
-        return Err(Error::option("embedding_var_limits", format!("({lo}, {hi})"), format!("stack `{stack}`: need min <= max, not NaN")));
+        return Err(KernelError::parameter("embedding_var_limits", format!("({lo}, {hi})"), format!("stack `{stack}`: need min <= max, not NaN")));
     }
     let names = optimizer.slot_names();
     if slots.len() != names.len() || slots.iter().any(|s| s.dim() != table.dim()) {
         let got: Vec<_> = slots.iter().map(|s| s.dim()).collect();
-        return Err(Error::config(
+        return Err(KernelError::plan(
             "stack",
             stack,
             format!(
@@ -322,7 +324,7 @@ pub fn apply_gradients_into(
     }
     let (l, dim, rows) = (plan.layout.local_devices, geo.dim, geo.rows);
     if activation_grads.dim() != (l * geo.bsd, dim) {
-        return Err(Error::input(
+        return Err(KernelError::input(
             stack,
             format!("activation gradients of shape {:?}, expected the activations' [L · bsd, D] = [{}, {dim}]", activation_grads.dim(), l * geo.bsd),
         ));
@@ -355,10 +357,10 @@ pub fn apply_gradients_into(
         })
         .collect::<Result<_>>()?;
     // Phase 2: per shard, each touched row's gradient, then the optimizer step.
-    let w = table.as_slice_mut().ok_or_else(|| Error::input(stack, "the table must be C-contiguous"))?;
+    let w = table.as_slice_mut().ok_or_else(|| KernelError::input(stack, "the table must be C-contiguous"))?;
     let mut slot_slices = Vec::with_capacity(slots.len());
     for s in slots.iter_mut() {
-        slot_slices.push(s.as_slice_mut().ok_or_else(|| Error::input(stack, "slot variables must be C-contiguous"))?);
+        slot_slices.push(s.as_slice_mut().ok_or_else(|| KernelError::input(stack, "slot variables must be C-contiguous"))?);
     }
     let shard_len = rows * dim;
     let mut slot_shards: Vec<Vec<&mut [f32]>> = (0..n).map(|_| Vec::with_capacity(slot_slices.len())).collect();

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use ndarray::{s, Array1, Array2, ArrayView2};
 
 use super::optimizer::{Optimizer, Slots};
-use sparsecore_prep::{Error, Result};
+use crate::error::{KernelError, Result};
 
 /// How a table is split across replicas.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,10 +34,10 @@ impl PartitionedTable {
     /// Splits `table` and `slots` (same shape as `table`) over `replicas` replicas.
     pub fn new<'a>(table: ArrayView2<'a, f32>, slots: &'a Slots, partition: Partition, replicas: usize) -> Result<Self> {
         if replicas == 0 {
-            return Err(Error::option("replicas", 0, "must be at least 1"));
+            return Err(KernelError::parameter("replicas", 0, "must be at least 1"));
         }
         if slots.values.iter().any(|s| s.dim() != table.dim()) {
-            return Err(Error::option("slots", slots.values.len(), "slots must have the table's shape"));
+            return Err(KernelError::parameter("slots", slots.values.len(), "slots must have the table's shape"));
         }
         let (rows, dim) = table.dim();
         let arrays: Vec<ArrayView2<'a, f32>> = std::iter::once(table).chain(slots.values.iter().map(|s| s.view())).collect();
@@ -93,7 +93,7 @@ impl PartitionedTable {
     /// The table's row `r` (a lookup).
     pub fn row(&self, r: usize) -> Result<Array1<f32>> {
         if r >= self.rows {
-            return Err(Error::input("host table", format!("row {r} is outside the table of {} rows", self.rows)));
+            return Err(KernelError::input("host table", format!("row {r} is outside the table of {} rows", self.rows)));
         }
         Ok(self.gather(0, r))
     }
@@ -108,7 +108,7 @@ impl PartitionedTable {
         let names = optimizer.slot_names();
         let have = self.replicas.first().map_or(0, |r| r.len() - 1);
         if have != names.len() {
-            return Err(Error::input(
+            return Err(KernelError::input(
                 "host table",
                 format!(
                     "split with {have} slot variables, but the optimizer needs {} ({})",
@@ -118,13 +118,13 @@ impl PartitionedTable {
             ));
         }
         if let Some((&r, g)) = grads.iter().find(|(&r, g)| r >= self.rows || g.len() != self.dim) {
-            return Err(Error::input("host table", format!("gradient for row {r} of length {} does not fit {}x{}", g.len(), self.rows, self.dim)));
+            return Err(KernelError::input("host table", format!("gradient for row {r} of length {} does not fit {}x{}", g.len(), self.rows, self.dim)));
         }
         let n = self.replicas.len();
         let c = self.dim.div_ceil(n);
         for (&r, g) in grads {
             if r >= self.rows || g.len() != self.dim {
-                return Err(Error::input("host table", format!("gradient for row {r} of length {} does not fit {}x{}", g.len(), self.rows, self.dim)));
+                return Err(KernelError::input("host table", format!("gradient for row {r} of length {} does not fit {}x{}", g.len(), self.rows, self.dim)));
             }
             match self.partition {
                 Partition::Token => step(&mut self.replicas[r % n], r / n, g.as_slice().expect("contiguous"), optimizer),

@@ -16,15 +16,20 @@
 //!   (`Encoding`), whose lookups and updates equal the unsplit table's exactly.
 //! - [`dynamic`]: tables keyed by raw keys, created lazily, with slots beside each row, in memory
 //!   or in a Redis server shared by workers, and the forward/backward path over them.
+//!
+//! Every call returns [`KernelError`], the crate's one error type; the pipeline's errors pass
+//! through it (`From<sparsecore_prep::Error>`), so `?` works across both crates.
 
 mod buffers;
 pub mod dynamic;
+pub mod error;
 mod forward;
 mod host;
 mod optimizer;
 mod table;
 
 pub use buffers::{apply_gradients_into, sparse_dense_matmul_into, StackBuffers};
+pub use error::{KernelError, Result, StoreErrorKind};
 pub use host::{Partition, PartitionedTable};
 pub use forward::{feature_activations, sparse_dense_matmul, stack_feature_gradients};
 pub use optimizer::{apply_gradients, row_gradients, Optimizer, Slots};

@@ -8,7 +8,7 @@ use ndarray::{Array1, Array2, ArrayView2};
 
 use super::forward::for_each_slot;
 use super::StackedTable;
-use sparsecore_prep::{Error, Result};
+use crate::error::{KernelError, Result};
 use sparsecore_prep::StackOutput;
 use sparsecore_prep::spec::Plan;
 
@@ -127,12 +127,12 @@ impl Optimizer {
     pub fn validate(&self) -> Result<()> {
         for (name, v) in self.hyper() {
             if !v.is_finite() {
-                return Err(Error::option("optimizer", format!("{name} = {v}"), "hyper-parameters must be finite"));
+                return Err(KernelError::parameter("optimizer", format!("{name} = {v}"), "hyper-parameters must be finite"));
             }
         }
         if let Optimizer::Ftrl { lr, .. } = self {
             if *lr == 0.0 {
-                return Err(Error::option("optimizer", "lr = 0", "FTRL divides by its learning rate"));
+                return Err(KernelError::parameter("optimizer", "lr = 0", "FTRL divides by its learning rate"));
             }
         }
         Ok(())
@@ -237,10 +237,10 @@ pub fn row_gradients(
     activation_grads: &[ArrayView2<'_, f32>],
 ) -> Result<BTreeMap<usize, Array1<f32>>> {
     if table.stack != out.name {
-        return Err(Error::config("stack", &out.name, format!("the table given is stack `{}`'s, not this stack's", table.stack)));
+        return Err(KernelError::plan("stack", &out.name, format!("the table given is stack `{}`'s, not this stack's", table.stack)));
     }
     if activation_grads.len() != plan.layout.local_devices {
-        return Err(Error::input(
+        return Err(KernelError::input(
             &table.stack,
             format!("{} activation gradients for {} local devices (one per device)", activation_grads.len(), plan.layout.local_devices),
         ));
@@ -249,7 +249,7 @@ pub fn row_gradients(
     if let Some(sp) = plan.stack(&table.stack) {
         let bsd = (sp.total_sample_count / plan.layout.global_devices as u64) as usize;
         if let Some((d, g)) = activation_grads.iter().enumerate().find(|(_, g)| g.dim() != (bsd, table.dim)) {
-            return Err(Error::input(
+            return Err(KernelError::input(
                 &table.stack,
                 format!("activation gradient of device {d} has shape {:?}, expected the activations' [{bsd}, {}]", g.dim(), table.dim),
             ));
@@ -259,7 +259,7 @@ pub fn row_gradients(
     for_each_slot(plan, out, num_minibatches, table, |d, act_row, p, e, gain| {
         let dact = &activation_grads[d];
         if act_row >= dact.nrows() || dact.ncols() != table.dim {
-            return Err(Error::input(
+            return Err(KernelError::input(
                 &table.stack,
                 format!("activation gradient of device {d} is {:?}, expected [>{act_row}, {}]", dact.dim(), table.dim),
             ));
@@ -293,7 +293,7 @@ pub fn apply_gradients(
     let names = optimizer.slot_names();
     if slots.values.len() != names.len() || slots.values.iter().any(|s| s.dim() != table.data.dim()) {
         let got: Vec<_> = slots.values.iter().map(|s| s.dim()).collect();
-        return Err(Error::config(
+        return Err(KernelError::plan(
             "stack",
             &table.stack,
             format!(

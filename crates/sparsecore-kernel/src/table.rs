@@ -8,7 +8,7 @@
 
 use ndarray::{Array2, ArrayView2};
 
-use sparsecore_prep::{Error, Result};
+use crate::error::{KernelError, Result};
 use sparsecore_prep::spec::{Plan, StackPlan};
 
 /// One stack's table in the kernels' layout: `[N · R, D]`, shard-major.
@@ -27,7 +27,7 @@ pub struct StackedTable {
 }
 
 fn stack_of<'p>(plan: &'p Plan, stack: &str) -> Result<&'p StackPlan> {
-    plan.stack(stack).ok_or_else(|| Error::config("stack", stack, "not in the plan"))
+    plan.stack(stack).ok_or_else(|| KernelError::plan("stack", stack, "not in the plan"))
 }
 
 impl StackedTable {
@@ -36,7 +36,7 @@ impl StackedTable {
     pub fn from_tables(plan: &Plan, stack: &str, tables: &[ArrayView2<'_, f32>]) -> Result<Self> {
         let sp = stack_of(plan, stack)?;
         if tables.len() != sp.tables.len() {
-            return Err(Error::config("stack", stack, format!("{} tables given for {} member tables", tables.len(), sp.tables.len())));
+            return Err(KernelError::plan("stack", stack, format!("{} tables given for {} member tables", tables.len(), sp.tables.len())));
         }
         let n = plan.layout.num_partitions();
         let v = sp.stack_vocab_size as usize;
@@ -47,7 +47,7 @@ impl StackedTable {
             let f = member(plan, sp, t)?;
             let (vocab, dim) = (f.vocabulary_size as usize, table_dim(plan, t));
             if table.dim() != (vocab, dim) {
-                return Err(Error::config(
+                return Err(KernelError::plan(
                     "table",
                     &f.table,
                     format!("array of shape {:?}, expected [vocabulary_size, embedding_dim] = [{vocab}, {dim}]", table.dim()),
@@ -101,7 +101,7 @@ fn member<'p>(plan: &'p Plan, sp: &StackPlan, t: usize) -> Result<&'p sparsecore
         .iter()
         .map(|&f| &plan.features[f])
         .find(|f| f.table_index == t)
-        .ok_or_else(|| Error::config("stack", &sp.name, format!("table index {t} is not a member")))
+        .ok_or_else(|| KernelError::plan("stack", &sp.name, format!("table index {t} is not a member")))
 }
 
 fn table_dim(plan: &Plan, t: usize) -> usize {

@@ -16,7 +16,8 @@ use sparsecore_kernel::dynamic::{
 };
 use sparsecore_kernel::{feature_activations, sparse_dense_matmul, Optimizer, StackedTable};
 use sparsecore_prep::spec::Combiner;
-use sparsecore_prep::{Config, Error, Output, Preprocessor};
+use sparsecore_kernel::KernelError;
+use sparsecore_prep::{Config, Output, Preprocessor};
 
 const ADAGRAD: Optimizer = Optimizer::Adagrad { lr: 0.05 };
 const UNIFORM: Initializer = Initializer::Uniform { scale: 0.5, seed: 42 };
@@ -140,7 +141,7 @@ fn tagged_updates_apply_exactly_once_in_journal_order() {
 fn bad_updates_are_errors_that_name_the_table() {
     let t = table(2, &ADAGRAD);
     let e = t.apply_gradients(&[1, 1], &[0.0; 4], &ADAGRAD).unwrap_err();
-    assert!(matches!(e, Error::InvalidInput { .. }) && e.to_string().contains("emb") && e.to_string().contains("twice"), "{e}");
+    assert!(matches!(e, KernelError::InvalidInput { .. }) && e.to_string().contains("emb") && e.to_string().contains("twice"), "{e}");
     let e = t.apply_gradients(&[1, 2], &[0.0; 3], &ADAGRAD).unwrap_err();
     assert!(e.to_string().contains("3 gradient values for 2 keys of dim 2"), "{e}");
     let e = t.apply_gradients(&[1], &[0.0; 2], &Optimizer::Sgd { lr: 0.1 }).unwrap_err();

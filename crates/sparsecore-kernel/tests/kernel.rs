@@ -5,7 +5,7 @@
 
 use ndarray::Array2;
 use sparsecore_prep::input::{FeatureView, Ids, Offsets, RaggedInput, SampleSource};
-use sparsecore_kernel::{feature_activations, sparse_dense_matmul, StackedTable};
+use sparsecore_kernel::{feature_activations, sparse_dense_matmul, KernelError, StackedTable};
 use sparsecore_prep::spec::Combiner;
 use sparsecore_prep::{Config, Output, Preprocessor};
 
@@ -333,7 +333,6 @@ fn stack_feature_gradients_is_the_exact_adjoint_of_feature_activations() {
 #[test]
 fn stack_feature_gradients_errors_name_the_stack_or_feature() {
     use sparsecore_kernel::stack_feature_gradients;
-    use sparsecore_prep::Error;
     let w = workload((1, 1, 4), 16, false, "feature", 3, true);
     let inputs: Vec<RaggedInput<'_>> =
         w.feats.iter().zip(&w.config.features).map(|((v, s, _), f)| RaggedInput::from_i64(&f.name, v, s).unwrap()).collect();
@@ -344,15 +343,15 @@ fn stack_feature_gradients_errors_name_the_stack_or_feature() {
     // Feature stacking: stack `ta` holds f0 and f2 (dim 16), `tb` holds f1 (dim 4).
     let g16 = Array2::<f32>::ones((16, 16));
     let e = stack_feature_gradients(&plan, "nope", &[(0, g16.view())]).unwrap_err();
-    assert!(matches!(&e, Error::InvalidConfig { what: "stack", name, .. } if name == "nope"), "{e:?}");
+    assert!(matches!(&e, KernelError::Plan { kind: "stack", name, .. } if name == "nope"), "{e:?}");
     let e = stack_feature_gradients(&plan, "ta", &[(9, g16.view())]).unwrap_err();
-    assert!(matches!(&e, Error::InvalidConfig { what: "feature", name, .. } if name == "9"), "{e:?}");
+    assert!(matches!(&e, KernelError::Plan { kind: "feature", name, .. } if name == "9"), "{e:?}");
     let e = stack_feature_gradients(&plan, "ta", &[(1, g16.view())]).unwrap_err();
-    assert!(matches!(&e, Error::InvalidConfig { what: "feature", name, .. } if name == "f1"), "{e:?}");
+    assert!(matches!(&e, KernelError::Plan { kind: "feature", name, .. } if name == "f1"), "{e:?}");
     assert!(e.to_string().contains("tb"), "{e}");
     let wrong = Array2::<f32>::ones((16, 4));
     let e = stack_feature_gradients(&plan, "ta", &[(2, wrong.view())]).unwrap_err();
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f2"), "{e:?}");
+    assert!(matches!(&e, KernelError::InvalidInput { what, .. } if what == "f2"), "{e:?}");
     assert!(e.to_string().contains("[16, 16]"), "{e}");
     // The right shape is accepted.
     assert_eq!(stack_feature_gradients(&plan, "ta", &[(2, g16.view())]).unwrap().sum(), 256.0);

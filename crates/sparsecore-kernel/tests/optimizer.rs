@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use ndarray::Array2;
 use sparsecore_prep::input::{RaggedInput, SampleSource};
 use sparsecore_kernel::{apply_gradients, Optimizer, Slots, StackedTable};
+use sparsecore_kernel::KernelError;
 use sparsecore_prep::{Config, Error, Output, Preprocessor};
 
 fn lcg(seed: u64) -> impl FnMut(u64) -> u64 {
@@ -234,7 +235,7 @@ fn sgd_formula() {
 fn nan_hyper_parameters_are_errors() {
     for bad in [Optimizer::Sgd { lr: f32::NAN }, Optimizer::Adam { lr: 0.1, beta1: f32::INFINITY, beta2: 0.9, epsilon: 1e-8, step: 0 }] {
         let e = bad.validate().unwrap_err();
-        assert!(matches!(e, Error::InvalidOption { option: "optimizer", .. }), "{e:?}");
+        assert!(matches!(e, KernelError::Parameter { name: "optimizer", .. }), "{e:?}");
         assert!(e.to_string().contains("finite"), "{e}");
     }
     let e = Optimizer::Ftrl { lr: 0.0, lr_power: -0.5, l1: 0.0, l2: 0.0, beta: 0.0, multiply_linear_by_lr: false }.validate().unwrap_err();
@@ -267,9 +268,9 @@ fn backward_errors_name_the_stack_and_change_nothing() {
     let adagrad = Optimizer::Adagrad { lr: 0.1 };
     let mut slots = Slots::new(&table, &adagrad);
     let (table0, slots0) = (table.clone(), slots.clone());
-    let stack_named = |e: &Error, name: &str| match e {
-        Error::InvalidConfig { what: "stack", name: n, .. } => n == name,
-        Error::InvalidInput { feature, .. } => feature == name,
+    let stack_named = |e: &KernelError, name: &str| match e {
+        KernelError::Plan { kind: "stack", name: n, .. } => n == name,
+        KernelError::InvalidInput { what, .. } => what == name,
         _ => false,
     };
 
@@ -293,7 +294,7 @@ fn backward_errors_name_the_stack_and_change_nothing() {
     ] {
         let mut s = Slots::new(&table, &bad);
         let e = apply_gradients(&plan, so, out.num_minibatches, &[dact.view()], &bad, &mut table, &mut s).unwrap_err();
-        assert!(matches!(e, Error::InvalidOption { option: "optimizer", .. }) && e.to_string().contains(what), "{e}");
+        assert!(matches!(e, KernelError::Parameter { name: "optimizer", .. }) && e.to_string().contains(what), "{e}");
     }
 
     // Activation gradients: one per local device, each exactly the activations' [bsd, D].

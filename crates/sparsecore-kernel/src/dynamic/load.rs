@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 
 use super::splitmix64;
-use sparsecore_prep::{Error, Result};
+use crate::error::{KernelError, Result};
 use sparsecore_prep::input::hash::hash_i64;
 
 /// Batch `id` of a synthetic key stream: `keys_per_batch` distinct update keys drawn uniformly
@@ -29,7 +29,7 @@ impl LoadStream {
     /// Checks that a batch can hold `keys_per_batch` distinct keys.
     pub fn validate(&self) -> Result<()> {
         if self.keys_per_batch as u64 > self.key_space || self.key_space > 1 << 62 || self.dim == 0 {
-            return Err(Error::option(
+            return Err(KernelError::parameter(
                 "keys-per-batch",
                 self.keys_per_batch,
                 format!("needs 0 < dim (got {}) and keys per batch <= key space (got {}) <= 2^62", self.dim, self.key_space),

@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::{check_entry, Applied, DynamicTable, DynamicTableSpec, Entry, Snapshot};
-use sparsecore_prep::Result;
+use crate::error::Result;
 use crate::Optimizer;
 
 const SHARD_BITS: u32 = 6;

@@ -37,7 +37,7 @@ use std::collections::BTreeMap;
 use ndarray::Array2;
 
 use super::Optimizer;
-use sparsecore_prep::{Error, Result};
+use crate::error::{KernelError, Result};
 
 /// How a key's row is initialised on first sight. Pure functions of the key: racing workers and
 /// different backends always create identical rows.
@@ -102,17 +102,17 @@ impl DynamicTableSpec {
     /// A table of `dim`-wide rows with the slots `optimizer` needs.
     pub fn new(name: &str, dim: usize, optimizer: &Optimizer, init: Initializer) -> Result<Self> {
         if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')) {
-            return Err(Error::config("dynamic table", name, "names use only ASCII letters, digits, `_`, `-` and `.`"));
+            return Err(KernelError::plan("dynamic table", name, "names use only ASCII letters, digits, `_`, `-` and `.`"));
         }
         if dim == 0 || dim > 1 << 20 {
-            return Err(Error::config("dynamic table", name, format!("dim = {dim}, must be in 1..=1048576")));
+            return Err(KernelError::plan("dynamic table", name, format!("dim = {dim}, must be in 1..=1048576")));
         }
         let finite = match init {
             Initializer::Constant(v) => v.is_finite(),
             Initializer::Uniform { scale, .. } => scale.is_finite(),
         };
         if !finite {
-            return Err(Error::config("dynamic table", name, format!("initializer {init:?} is not finite")));
+            return Err(KernelError::plan("dynamic table", name, format!("initializer {init:?} is not finite")));
         }
         Ok(DynamicTableSpec {
             name: name.to_string(),
@@ -141,7 +141,7 @@ impl DynamicTableSpec {
     pub fn check_optimizer(&self, optimizer: &Optimizer) -> Result<()> {
         optimizer.validate()?;
         if optimizer.slot_names() != self.slot_names.as_slice() {
-            return Err(Error::config(
+            return Err(KernelError::plan(
                 "dynamic table",
                 &self.name,
                 format!("has slots {:?}; the optimizer needs {:?}", self.slot_names, optimizer.slot_names()),
@@ -154,7 +154,7 @@ impl DynamicTableSpec {
     /// gradient is applied once per unique key; sum duplicates first, as [`KeyBatch`] does).
     pub fn check_update(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
         if grads.len() != keys.len() * self.dim {
-            return Err(Error::input(
+            return Err(KernelError::input(
                 &self.name,
                 format!("{} gradient values for {} keys of dim {} (expected {})", grads.len(), keys.len(), self.dim, keys.len() * self.dim),
             ));
@@ -162,7 +162,7 @@ impl DynamicTableSpec {
         let mut sorted = keys.to_vec();
         sorted.sort_unstable();
         if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-            return Err(Error::input(&self.name, format!("key {:#018x} appears twice in one update; sum its gradients first", w[0])));
+            return Err(KernelError::input(&self.name, format!("key {:#018x} appears twice in one update; sum its gradients first", w[0])));
         }
         Ok(())
     }
@@ -170,7 +170,7 @@ impl DynamicTableSpec {
     /// Checks a lookup's output size.
     pub fn check_rows(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
         if rows.len() != keys.len() * self.dim {
-            return Err(Error::input(&self.name, format!("row buffer of {} values for {} keys of dim {}", rows.len(), keys.len(), self.dim)));
+            return Err(KernelError::input(&self.name, format!("row buffer of {} values for {} keys of dim {}", rows.len(), keys.len(), self.dim)));
         }
         Ok(())
     }
@@ -282,7 +282,7 @@ pub trait DynamicTable: Send + Sync {
 /// Checks that an imported entry has the table's shape.
 pub(crate) fn check_entry(spec: &DynamicTableSpec, key: u64, e: &Entry) -> Result<()> {
     if e.row.len() != spec.dim || e.slots.len() != spec.slot_names.len() || e.slots.iter().any(|s| s.len() != spec.dim) {
-        return Err(Error::input(
+        return Err(KernelError::input(
             &spec.name,
             format!(
                 "entry {key:#018x} has a row of {} and {} slots, the table has dim {} and {} slots",

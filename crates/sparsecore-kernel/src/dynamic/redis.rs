@@ -35,7 +35,7 @@ use std::time::Duration;
 use redis::{Client, Connection, RedisError, Value};
 
 use super::{check_entry, Applied, DynamicTable, DynamicTableSpec, Entry, Snapshot};
-use sparsecore_prep::{Error, Result, StoreErrorKind};
+use crate::error::{KernelError, Result, StoreErrorKind};
 use crate::Optimizer;
 
 /// Where the table lives and how long to wait for it.
@@ -136,12 +136,12 @@ impl RedisTable {
     /// Opens the table (connecting once, so that a wrong URL or a down server is reported here).
     pub fn open(spec: DynamicTableSpec, config: RedisConfig) -> Result<Self> {
         if !ok_name(&config.namespace) {
-            return Err(Error::config("dynamic table", &spec.name, format!("namespace {:?}: use only ASCII letters, digits, `_`, `-` and `.`", config.namespace)));
+            return Err(KernelError::plan("dynamic table", &spec.name, format!("namespace {:?}: use only ASCII letters, digits, `_`, `-` and `.`", config.namespace)));
         }
         if config.connect_timeout.is_zero() || config.io_timeout.is_zero() || config.keys_per_command == 0 {
-            return Err(Error::config("dynamic table", &spec.name, "Redis timeouts and keys_per_command must be positive"));
+            return Err(KernelError::plan("dynamic table", &spec.name, "Redis timeouts and keys_per_command must be positive"));
         }
-        let client = Client::open(config.url.as_str()).map_err(|e| Error::DynamicStore {
+        let client = Client::open(config.url.as_str()).map_err(|e| KernelError::DynamicStore {
             table: spec.name.clone(),
             store: config.url.clone(),
             op: "parsing the URL".into(),
@@ -173,7 +173,7 @@ impl RedisTable {
         self.pool.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn err(&self, op: impl Into<String>, e: RedisError) -> Error {
+    fn err(&self, op: impl Into<String>, e: RedisError) -> KernelError {
         let kind = if e.is_timeout() {
             StoreErrorKind::Timeout
         } else if e.is_connection_refusal() || e.is_connection_dropped() || e.is_io_error() {
@@ -185,11 +185,11 @@ impl RedisTable {
             StoreErrorKind::Timeout => format!(" (connect timeout {:?}, I/O timeout {:?})", self.config.connect_timeout, self.config.io_timeout),
             _ => String::new(),
         };
-        Error::DynamicStore { table: self.spec.name.clone(), store: self.config.url.clone(), op: op.into(), kind, reason: format!("{e}{limit}") }
+        KernelError::DynamicStore { table: self.spec.name.clone(), store: self.config.url.clone(), op: op.into(), kind, reason: format!("{e}{limit}") }
     }
 
-    fn store_error(&self, op: impl Into<String>, kind: StoreErrorKind, reason: String) -> Error {
-        Error::DynamicStore { table: self.spec.name.clone(), store: self.config.url.clone(), op: op.into(), kind, reason }
+    fn store_error(&self, op: impl Into<String>, kind: StoreErrorKind, reason: String) -> KernelError {
+        KernelError::DynamicStore { table: self.spec.name.clone(), store: self.config.url.clone(), op: op.into(), kind, reason }
     }
 
     fn connect(&self) -> Result<Connection> {

@@ -7,7 +7,7 @@ use arrow_array::Array;
 use ndarray::{Array2, ArrayView2};
 
 use super::{Applied, DynamicTable};
-use sparsecore_prep::{Error, Result};
+use crate::error::{KernelError, Result};
 use sparsecore_prep::input::RawKeyRows;
 use crate::Optimizer;
 use sparsecore_prep::spec::Combiner;
@@ -33,14 +33,14 @@ impl KeyBatch {
     /// `keys.len()`) and optional per-key weights. `feature` labels errors.
     pub fn new(feature: &str, keys: &[u64], offsets: &[usize], weights: Option<&[f32]>, combiner: Combiner) -> Result<Self> {
         if offsets.first() != Some(&0) || offsets.last() != Some(&keys.len()) || offsets.windows(2).any(|w| w[0] > w[1]) {
-            return Err(Error::input(feature, format!("offsets must rise from 0 to the {} keys", keys.len())));
+            return Err(KernelError::input(feature, format!("offsets must rise from 0 to the {} keys", keys.len())));
         }
         if keys.len() > u32::MAX as usize {
-            return Err(Error::input(feature, format!("{} keys in one batch; at most {} are supported", keys.len(), u32::MAX)));
+            return Err(KernelError::input(feature, format!("{} keys in one batch; at most {} are supported", keys.len(), u32::MAX)));
         }
         if let Some(w) = weights {
             if w.len() != keys.len() {
-                return Err(Error::input(feature, format!("{} weights for {} keys", w.len(), keys.len())));
+                return Err(KernelError::input(feature, format!("{} weights for {} keys", w.len(), keys.len())));
             }
         }
         let mut positions: HashMap<u64, u32> = HashMap::with_capacity(keys.len());
@@ -69,7 +69,7 @@ impl KeyBatch {
                 Some(ws) => {
                     let ws = &ws[w[0]..w[1]];
                     if let Some(&v) = ws.iter().find(|v| !v.is_finite()) {
-                        return Err(Error::InvalidWeight { feature: feature.to_string(), row: r, value: v });
+                        return Err(KernelError::InvalidWeight { feature: feature.to_string(), row: r, value: v });
                     }
                     let divisor = match combiner {
                         Combiner::Sum => 1.0f32,
@@ -107,13 +107,13 @@ impl KeyBatch {
     pub fn validate(&self, table: &str) -> Result<()> {
         let n = self.index.len();
         if self.offsets.first() != Some(&0) || self.offsets.last() != Some(&n) || self.offsets.windows(2).any(|w| w[0] > w[1]) {
-            return Err(Error::input(table, format!("key batch offsets must rise from 0 to its {n} ids")));
+            return Err(KernelError::input(table, format!("key batch offsets must rise from 0 to its {n} ids")));
         }
         if self.gains.len() != n {
-            return Err(Error::input(table, format!("key batch has {} gains for {n} ids", self.gains.len())));
+            return Err(KernelError::input(table, format!("key batch has {} gains for {n} ids", self.gains.len())));
         }
         if let Some(&i) = self.index.iter().find(|&&i| i as usize >= self.unique.len()) {
-            return Err(Error::input(table, format!("key batch index {i} is outside its {} unique keys", self.unique.len())));
+            return Err(KernelError::input(table, format!("key batch index {i} is outside its {} unique keys", self.unique.len())));
         }
         Ok(())
     }
@@ -147,7 +147,7 @@ pub fn dynamic_backward(
     batch.validate(&table.spec().name)?;
     let dim = table.spec().dim;
     if activation_grads.dim() != (batch.num_samples(), dim) {
-        return Err(Error::input(
+        return Err(KernelError::input(
             &table.spec().name,
             format!("activation gradient is {:?}, expected [{}, {dim}]", activation_grads.dim(), batch.num_samples()),
         ));
