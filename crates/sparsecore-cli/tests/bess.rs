@@ -19,7 +19,7 @@
 use sparsecore_testkit::TempDir;
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output as ProcOutput};
+use std::process::Command;
 use std::sync::Arc;
 
 use arrow_array::{ArrayRef, Int32Array, Int64Array, RecordBatch, StringArray};
@@ -27,22 +27,10 @@ use arrow_ipc::writer::FileWriter;
 use arrow_schema::{DataType, Field, Schema};
 use serde_json::Value;
 
-const BIN: &str = env!("CARGO_BIN_EXE_sparsecore-prep");
+mod support;
+use support::{ok, run, s, BIN};
+
 const E: i64 = 64;
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-fn run(args: &[&str]) -> ProcOutput {
-    Command::new(BIN).args(args).output().expect("the binary runs")
-}
-
-fn ok(args: &[&str]) -> String {
-    let o = run(args);
-    assert!(o.status.success(), "`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&o.stderr));
-    String::from_utf8(o.stdout).unwrap()
-}
 
 /// Runs, requires failure with status 1 and one stderr line; returns it.
 fn fails(args: &[&str]) -> String {

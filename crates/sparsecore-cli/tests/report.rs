@@ -16,28 +16,15 @@
 
 use sparsecore_testkit::TempDir;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output as ProcOutput};
 
 use resvg::tiny_skia::{Pixmap, Transform};
 use resvg::usvg::{self, Node};
 use serde_json::Value;
 use sparsecore_prep::FdoStats;
 
-const BIN: &str = env!("CARGO_BIN_EXE_sparsecore-prep");
+mod support;
+use support::{ok, run, s};
 
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-fn run(args: &[&str]) -> ProcOutput {
-    Command::new(BIN).args(args).output().expect("the binary runs")
-}
-
-fn ok(args: &[&str]) -> String {
-    let o = run(args);
-    assert!(o.status.success(), "`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&o.stderr));
-    String::from_utf8(o.stdout).unwrap()
-}
 
 /// Runs, requires exit status 1 and one stderr line; returns it.
 fn fails(args: &[&str]) -> String {
