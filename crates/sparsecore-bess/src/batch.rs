@@ -268,21 +268,25 @@ impl BatchSampler {
         let steps = self.steps_per_epoch();
         match &mut self.state {
             State::Random(rng) => {
-                // The draws are one sequential stream; the divisions after them are not, and
-                // cost more than the draws, so large steps take them on every thread.
-                idx.extend((0..total).map(|_| rng.integers_63() as i64));
+                // Drawn block by block (one partition's reducer per block); large steps take
+                // the reductions on every thread.
+                idx.resize(total, 0);
                 let fast = &self.fast;
-                let reduce = |(block, x): (usize, &mut [i64])| {
-                    let p = block % p_count;
-                    let (off, c) = (offsets[p], fast[p]);
-                    for v in x {
-                        *v = off + c.reduce(*v as u64) as i64;
-                    }
-                };
                 if total >= PARALLEL_MIN {
-                    idx.par_chunks_mut(g.ppp).enumerate().for_each(reduce);
+                    rng.fill_integers_63(idx, |v| v as i64);
+                    idx.par_chunks_mut(g.ppp).enumerate().for_each(|(block, x)| {
+                        let p = block % p_count;
+                        let (off, c) = (offsets[p], fast[p]);
+                        for v in x {
+                            *v = off + c.reduce(*v as u64) as i64;
+                        }
+                    });
                 } else {
-                    idx.chunks_mut(g.ppp).enumerate().for_each(reduce);
+                    for (block, x) in idx.chunks_mut(g.ppp).enumerate() {
+                        let p = block % p_count;
+                        let (off, c) = (offsets[p], fast[p]);
+                        rng.fill_integers_63(x, |v| off + c.reduce(v) as i64);
+                    }
                 }
                 Ok(false)
             }
@@ -306,14 +310,37 @@ impl BatchSampler {
                     }
                 };
                 mask.reserve(total);
+                let last = n_rows - 1;
                 for s in 0..g.batches_per_step {
+                    let first = window.start + s * g.ppp;
+                    let positions = shuffled.map(|w| &w[s * g.ppp..(s + 1) * g.ppp]);
                     for p in 0..p_count {
-                        for j in 0..g.ppp {
-                            let gpos = shuffled.map_or(window.start + s * g.ppp + j, |w| w[s * g.ppp + j]) as i64;
-                            let c = counts[p];
-                            let r = if c == 0 { 0 } else { gpos % c };
-                            idx.push((offsets[p] + r).min(n_rows - 1));
-                            mask.push(gpos < c);
+                        let (c, off) = (counts[p], offsets[p]);
+                        if c == 0 {
+                            idx.extend(std::iter::repeat_n(off.min(last), g.ppp));
+                            mask.extend(std::iter::repeat_n(false, g.ppp));
+                            continue;
+                        }
+                        match positions {
+                            // Sequential positions: the remainder steps by one and wraps.
+                            None => {
+                                let mut r = self.fast[p].reduce(first as u64) as i64;
+                                for j in 0..g.ppp {
+                                    idx.push((off + r).min(last));
+                                    mask.push(((first + j) as i64) < c);
+                                    r += 1;
+                                    if r == c {
+                                        r = 0;
+                                    }
+                                }
+                            }
+                            Some(w) => {
+                                let f = self.fast[p];
+                                for &gpos in w {
+                                    idx.push((off + f.reduce(gpos as u64) as i64).min(last));
+                                    mask.push((gpos as i64) < c);
+                                }
+                            }
                         }
                     }
                 }

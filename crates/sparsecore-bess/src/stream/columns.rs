@@ -1,13 +1,12 @@
 //! Building a step's Arrow columns: the schema, what every batch shares (list offsets,
 //! validity, Random's constant mask), the buffers reused between batches, and the positives'
-//! and negatives' columns (built on two threads when the negatives are uniform).
+//! and negatives' columns.
 
 use std::sync::Arc;
 
 use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, ListArray};
-use arrow_buffer::{NullBuffer, OffsetBuffer, ScalarBuffer};
+use arrow_buffer::{BooleanBufferBuilder, NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
-use rayon::prelude::*;
 
 use super::{CellCounts, HEAD, NEGATIVE, TAIL};
 use crate::batch::BatchSampler;
@@ -114,8 +113,12 @@ pub(super) struct Parts<'a> {
 }
 
 impl Parts<'_> {
-    /// Samples step `step`'s positives, lays them out SparseCore-major into `sidx` (and
-    /// `smask`) and builds their columns. Returns the columns and whether there is a Rigid mask.
+    /// Samples step `step`'s positives and builds their columns, reading the triple table
+    /// straight in this host's SparseCore-major row order. With `keep_sidx`, also lays all
+    /// SparseCores' indices out SparseCore-major into `sidx` (and the Rigid mask into `smask`):
+    /// what annotations and the per-triple negative samplers read. Returns the columns and
+    /// whether there is a Rigid mask.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn positives(
         &self,
         sampler: &mut BatchSampler,
@@ -124,6 +127,7 @@ impl Parts<'_> {
         bess_mask: &mut Vec<bool>,
         sidx: &mut Vec<i64>,
         smask: &mut Vec<bool>,
+        keep_sidx: bool,
     ) -> Result<(Vec<ArrayRef>, bool)> {
         let lay = self.layout;
         let n = lay.num_sparsecores();
@@ -132,51 +136,62 @@ impl Parts<'_> {
         let rigid = sampler.sample_indices_into(step, bess_idx, bess_mask)?;
         sidx.clear();
         smask.clear();
-        for g in 0..n {
-            for i in 0..n {
-                let base = (i * n + lay.tail_shard(g, i, step)) * ppp;
-                sidx.extend_from_slice(&bess_idx[base..base + ppp]);
-                if rigid {
-                    smask.extend_from_slice(&bess_mask[base..base + ppp]);
+        if keep_sidx {
+            for g in 0..n {
+                for i in 0..n {
+                    let base = (i * n + lay.tail_shard(g, i, step)) * ppp;
+                    sidx.extend_from_slice(&bess_idx[base..base + ppp]);
+                    if rigid {
+                        smask.extend_from_slice(&bess_mask[base..base + ppp]);
+                    }
                 }
             }
         }
         let local = lay.local_sparsecores();
         let rows = local * r;
-        let pad = r - t;
-        let first = lay.global_sparsecore(0) * t;
-        let _ = rows;
-        let mine = &sidx[first..first + local * t];
-        // The random reads of the triple table are what this stage waits on; the loop does
-        // little else, so many are in flight.
-        // Slices are gathered in parallel.
-        let mut head = vec![0i64; local * t];
-        let mut tail = vec![0i64; local * t];
-        let mut relation = vec![0i32; rows];
-        head.par_chunks_mut(t).zip(tail.par_chunks_mut(t)).zip(relation.par_chunks_mut(r)).zip(mine.par_chunks(t)).for_each(|(((h, tl), rel), slice)| {
-            for (k, &i) in slice.iter().enumerate() {
-                let tr = self.phys[i as usize];
-                h[k] = i64::from(tr[0]);
-                tl[k] = i64::from(tr[2]);
-                rel[k] = tr[1];
+        // One pass over this host's blocks: the reads of the triple table are what it waits
+        // on (random for the Random sampler, sequential runs for Rigid), the writes are
+        // sequential, and nothing is zeroed or copied first.
+        let mut head: Vec<i64> = Vec::with_capacity(local * t);
+        let mut tail: Vec<i64> = Vec::with_capacity(local * t);
+        let mut relation: Vec<i32> = Vec::with_capacity(rows);
+        let mut mask = rigid.then(|| BooleanBufferBuilder::new(rows));
+        let phys = self.phys;
+        for slot in 0..local {
+            let g = lay.global_sparsecore(slot);
+            for i in 0..n {
+                let base = (i * n + lay.tail_shard(g, i, step)) * ppp;
+                for &k in &bess_idx[base..base + ppp] {
+                    let tr = phys[k as usize];
+                    head.push(i64::from(tr[0]));
+                    tail.push(i64::from(tr[2]));
+                    relation.push(tr[1]);
+                }
+                if let Some(m) = &mut mask {
+                    m.append_slice(&bess_mask[base..base + ppp]);
+                }
             }
-        });
+            relation.resize(relation.len() + (r - t), 0);
+            if let Some(m) = &mut mask {
+                m.append_n(r - t, false);
+            }
+        }
         let sh = self.shared;
         let lists = |ids: Vec<i64>| -> Result<ArrayRef> {
             Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int64Array::from(ids)), None)?))
         };
-        let mask: ArrayRef = if rigid {
-            let m = &smask[first..first + local * t];
-            Arc::new(BooleanArray::from_iter((0..local).flat_map(|s| (0..r).map(move |row| Some(row < t && m[s * t + row])))))
-        } else {
-            sh.full_mask.clone()
+        let mask: ArrayRef = match mask {
+            Some(mut m) => Arc::new(BooleanArray::new(m.finish(), None)),
+            None => sh.full_mask.clone(),
         };
         let mut columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation.into(), sh.pos_valid.clone())), mask];
         if self.columns.annotations {
+            let first = lay.global_sparsecore(0) * t;
+            let mine = &sidx[first..first + local * t];
             let mut tidx = Vec::with_capacity(rows);
             for slice in mine.chunks(t) {
                 tidx.extend_from_slice(slice);
-                tidx.resize(tidx.len() + pad, 0);
+                tidx.resize(tidx.len() + (r - t), 0);
             }
             columns.push(Arc::new(Int64Array::new(tidx.into(), sh.pos_valid.clone())));
         }
@@ -256,4 +271,3 @@ impl Parts<'_> {
         Ok(columns)
     }
 }
-

@@ -47,6 +47,10 @@ mod columns;
 
 use columns::{one_id_offsets, schema, validity, Columns, Parts, Scratch, Shared};
 
+/// Negatives per step (all SparseCores) from which uniform negatives are drawn on a second
+/// thread while the positives are drawn.
+const PARALLEL_NEGATIVES: usize = 1 << 16;
+
 /// The entity table's name in the config.
 pub const TABLE: &str = "entities";
 /// Feature (and column) names.
@@ -552,8 +556,8 @@ impl BessStream {
     }
 
     /// Draws step `step` (Random continues its stream whatever `step` is; Rigid takes the
-    /// positions of `step`). Uniform negatives do not depend on the positives, so they are drawn
-    /// and laid out on a second thread while the positives are.
+    /// positions of `step`). Uniform negatives do not depend on the positives, so in steps with
+    /// many of them they are drawn and laid out on a second thread while the positives are.
     pub fn draw(&mut self, step: usize) -> Result<StreamBatch> {
         let parts = Parts {
             layout: &self.layout,
@@ -572,13 +576,19 @@ impl BessStream {
         let f = self.counts.triples_per_sparsecore;
         let (mut columns, rigid, negative) = match &mut self.negative {
             Some(NegativeSampler::Random(rn)) => {
-                let (pos, negs) = rayon::join(
-                    || parts.positives(sampler, step, bess_idx, bess_mask, sidx, smask),
-                    || {
-                        rn.draw_into(part, 1, f, neg)?;
-                        parts.negative_columns(neg, None)
-                    },
-                );
+                let mut negatives = || -> Result<Vec<ArrayRef>> {
+                    rn.draw_into(part, 1, f, neg)?;
+                    parts.negative_columns(neg, None)
+                };
+                let mut positives = || parts.positives(sampler, step, bess_idx, bess_mask, sidx, smask, keep);
+                // Waking a second thread costs more than small steps take, so only steps with
+                // many negatives draw them on a second thread.
+                let (pos, negs) =
+                    if self.counts.negative_ids_per_partition * parts.layout.num_sparsecores() * parts.layout.num_sparsecores() >= PARALLEL_NEGATIVES {
+                        rayon::join(positives, negatives)
+                    } else {
+                        (positives(), negatives())
+                    };
                 let (mut columns, rigid) = pos?;
                 columns.extend(negs?);
                 let n = parts.layout.num_sparsecores();
@@ -590,7 +600,7 @@ impl BessStream {
                 (columns, rigid, kept)
             }
             Some(ns) => {
-                let (mut columns, rigid) = parts.positives(sampler, step, bess_idx, bess_mask, sidx, smask)?;
+                let (mut columns, rigid) = parts.positives(sampler, step, bess_idx, bess_mask, sidx, smask, true)?;
                 let n = parts.layout.num_sparsecores();
                 let si = ArrayD::from_shape_vec(IxDyn(&[1, n, n, parts.counts.ppp]), sidx.clone()).expect("n * n * ppp indices");
                 let no = ns.sample(part, &si)?;
@@ -600,7 +610,7 @@ impl BessStream {
                 (columns, rigid, keep.then_some(no))
             }
             None => {
-                let (columns, rigid) = parts.positives(sampler, step, bess_idx, bess_mask, sidx, smask)?;
+                let (columns, rigid) = parts.positives(sampler, step, bess_idx, bess_mask, sidx, smask, keep)?;
                 (columns, rigid, None)
             }
         };
