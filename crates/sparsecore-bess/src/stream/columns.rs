@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, ListArray};
-use arrow_buffer::{BooleanBufferBuilder, NullBuffer, OffsetBuffer, ScalarBuffer};
+use arrow_buffer::{ArrowNativeType, BooleanBuffer, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
 use super::{CellCounts, HEAD, NEGATIVE, TAIL};
@@ -91,11 +91,41 @@ pub(super) struct Shared {
 /// would cost more in page faults than the sampling itself).
 #[derive(Debug, Clone, Default)]
 pub(super) struct Scratch {
+    pub(super) pos: PosScratch,
+    pub(super) neg: Vec<i32>,
+    /// The previous batch's `negative` values (see [`PosScratch::values`]).
+    pub(super) neg_values: Option<Buffer>,
+}
+
+/// The positives' reused buffers.
+#[derive(Debug, Clone, Default)]
+pub(super) struct PosScratch {
     pub(super) bess_idx: Vec<i64>,
     pub(super) bess_mask: Vec<bool>,
     pub(super) sidx: Vec<i64>,
     pub(super) smask: Vec<bool>,
-    pub(super) neg: Vec<i32>,
+    /// The Rigid mask in row order, before it is packed into bits.
+    pub(super) row_mask: Vec<bool>,
+    /// The previous batch's column values (`head`, `tail`, `relation`): taken back when the
+    /// caller has dropped that batch, so steady-state batches write into warm memory.
+    pub(super) values: [Option<Buffer>; 3],
+}
+
+/// `len` values in the buffer `slot` held, if the caller has dropped the batch that shared it
+/// and it has that length (its contents are overwritten, except padding, which stays zero: the
+/// layout of every batch of a stream is the same), else `len` zeros.
+fn reuse<T: ArrowNativeType>(slot: &mut Option<Buffer>, len: usize) -> Vec<T> {
+    match slot.take().map(Buffer::into_vec::<T>) {
+        Some(Ok(v)) if v.len() == len => v,
+        _ => vec![T::default(); len],
+    }
+}
+
+/// The values as an Arrow buffer, keeping a reference in `slot` for [`reuse`].
+fn keep<T: ArrowNativeType>(slot: &mut Option<Buffer>, v: Vec<T>) -> ScalarBuffer<T> {
+    let b = ScalarBuffer::from(v);
+    *slot = Some(b.inner().clone());
+    b
 }
 
 /// What building a record batch needs, borrowed apart from the samplers (so that positives and
@@ -113,25 +143,15 @@ pub(super) struct Parts<'a> {
 }
 
 impl Parts<'_> {
-    /// Samples step `step`'s positives and builds their columns, reading the triple table
-    /// straight in this host's SparseCore-major row order. With `keep_sidx`, also lays all
-    /// SparseCores' indices out SparseCore-major into `sidx` (and the Rigid mask into `smask`):
-    /// what annotations and the per-triple negative samplers read. Returns the columns and
-    /// whether there is a Rigid mask.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn positives(
-        &self,
-        sampler: &mut BatchSampler,
-        step: usize,
-        bess_idx: &mut Vec<i64>,
-        bess_mask: &mut Vec<bool>,
-        sidx: &mut Vec<i64>,
-        smask: &mut Vec<bool>,
-        keep_sidx: bool,
-    ) -> Result<(Vec<ArrayRef>, bool)> {
+    /// Samples step `step`'s positives and builds their columns. With `keep_sidx`, also lays
+    /// all SparseCores' indices out SparseCore-major into `sidx` (and the Rigid mask into
+    /// `smask`): what annotations and the per-triple negative samplers read. Returns the
+    /// columns and whether there is a Rigid mask.
+    pub(super) fn positives(&self, sampler: &mut BatchSampler, step: usize, scratch: &mut PosScratch, keep_sidx: bool) -> Result<(Vec<ArrayRef>, bool)> {
         let lay = self.layout;
         let n = lay.num_sparsecores();
         let (ppp, t, r) = (self.counts.ppp, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        let PosScratch { bess_idx, bess_mask, sidx, smask, row_mask, values } = scratch;
         // BESS indices, row-major over (head shard i, tail shard j, position).
         let rigid = sampler.sample_indices_into(step, bess_idx, bess_mask)?;
         sidx.clear();
@@ -149,44 +169,52 @@ impl Parts<'_> {
         }
         let local = lay.local_sparsecores();
         let rows = local * r;
-        // One pass over this host's blocks: the reads of the triple table are what it waits
-        // on (random for the Random sampler, sequential runs for Rigid), the writes are
-        // sequential, and nothing is zeroed or copied first.
-        let mut head: Vec<i64> = Vec::with_capacity(local * t);
-        let mut tail: Vec<i64> = Vec::with_capacity(local * t);
-        let mut relation: Vec<i32> = Vec::with_capacity(rows);
-        let mut mask = rigid.then(|| BooleanBufferBuilder::new(rows));
+        let [vh, vt, vr] = values;
+        let mut head: Vec<i64> = reuse(vh, local * t);
+        let mut tail: Vec<i64> = reuse(vt, local * t);
+        let mut relation: Vec<i32> = reuse(vr, rows);
+        if rigid {
+            row_mask.clear();
+            row_mask.resize(rows, false);
+        }
+        // Block by block in the sampler's order, which is the triple table's (partitions are
+        // stored in order, and Rigid's positions are runs): the reads of the table are what
+        // this loop waits on, so they go forward through it, and each block's `ppp` rows are
+        // written where its SparseCore's slice takes them.
         let phys = self.phys;
-        for slot in 0..local {
-            let g = lay.global_sparsecore(slot);
-            for i in 0..n {
-                let base = (i * n + lay.tail_shard(g, i, step)) * ppp;
-                for &k in &bess_idx[base..base + ppp] {
+        let first = lay.global_sparsecore(0);
+        for i in 0..n {
+            for j in 0..n {
+                // tail_shard(g, i, step) = j.
+                let g = (j + 2 * n - i - step % n) & (n - 1);
+                let Some(slot) = g.checked_sub(first).filter(|&s| s < local) else { continue };
+                let src = (i * n + j) * ppp;
+                let dst = slot * t + i * ppp;
+                let (h, tl) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp]);
+                let rel = &mut relation[slot * r + i * ppp..][..ppp];
+                for (q, &k) in bess_idx[src..src + ppp].iter().enumerate() {
                     let tr = phys[k as usize];
-                    head.push(i64::from(tr[0]));
-                    tail.push(i64::from(tr[2]));
-                    relation.push(tr[1]);
+                    h[q] = i64::from(tr[0]);
+                    tl[q] = i64::from(tr[2]);
+                    rel[q] = tr[1];
                 }
-                if let Some(m) = &mut mask {
-                    m.append_slice(&bess_mask[base..base + ppp]);
+                if rigid {
+                    row_mask[slot * r + i * ppp..][..ppp].copy_from_slice(&bess_mask[src..src + ppp]);
                 }
-            }
-            relation.resize(relation.len() + (r - t), 0);
-            if let Some(m) = &mut mask {
-                m.append_n(r - t, false);
             }
         }
         let sh = self.shared;
-        let lists = |ids: Vec<i64>| -> Result<ArrayRef> {
-            Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int64Array::from(ids)), None)?))
+        let head = keep(vh, head);
+        let tail = keep(vt, tail);
+        let relation = keep(vr, relation);
+        let lists = |ids: ScalarBuffer<i64>| -> Result<ArrayRef> {
+            Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int64Array::new(ids, None)), None)?))
         };
-        let mask: ArrayRef = match mask {
-            Some(mut m) => Arc::new(BooleanArray::new(m.finish(), None)),
-            None => sh.full_mask.clone(),
-        };
-        let mut columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation.into(), sh.pos_valid.clone())), mask];
+        let mask: ArrayRef =
+            if rigid { Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None)) } else { sh.full_mask.clone() };
+        let mut columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation, sh.pos_valid.clone())), mask];
         if self.columns.annotations {
-            let first = lay.global_sparsecore(0) * t;
+            let first = first * t;
             let mine = &sidx[first..first + local * t];
             let mut tidx = Vec::with_capacity(rows);
             for slice in mine.chunks(t) {
@@ -201,7 +229,7 @@ impl Parts<'_> {
     /// The negative columns from the sampler's values `negs`, row-major over
     /// `(1, n, n, B, K)` (and its mask): SparseCore `g`'s slice takes `negs[0][x][g]` from every
     /// shard `x`, one per row.
-    pub(super) fn negative_columns(&self, negs: &[i32], nmask: Option<&[bool]>) -> Result<Vec<ArrayRef>> {
+    pub(super) fn negative_columns(&self, negs: &[i32], nmask: Option<&[bool]>, values: &mut Option<Buffer>) -> Result<Vec<ArrayRef>> {
         let lay = self.layout;
         let n = lay.num_sparsecores();
         let (ppp, r) = (self.counts.ppp, self.counts.rows_per_sparsecore);
@@ -214,7 +242,7 @@ impl Parts<'_> {
         let hoff: Vec<i64> = (0..n).map(|s| lay.physical_id(s, 0)).collect();
         let ann = self.columns.annotations;
         let cap = |on: bool| if on { rows } else { 0 };
-        let mut ids = Vec::with_capacity(local * nrows);
+        let mut ids: Vec<i64> = reuse(values, local * nrows);
         let mut nm = Vec::with_capacity(cap(self.columns.negative_mask));
         let (mut shard, mut trip, mut side) = (Vec::with_capacity(cap(ann)), Vec::with_capacity(cap(ann)), Vec::with_capacity(cap(ann)));
         let side_of = |bb: usize| -> i8 {
@@ -231,7 +259,10 @@ impl Parts<'_> {
             for (x, &hx) in hoff.iter().enumerate() {
                 // negs[0][x][g][bb][ii], contiguous over (bb, ii).
                 let at = (x * n + g) * bk;
-                ids.extend(negs[at..at + bk].iter().map(|&v| i64::from(v) * n64 + hx));
+                let to = &mut ids[(slot * n + x) * bk..][..bk];
+                for (o, &v) in to.iter_mut().zip(&negs[at..at + bk]) {
+                    *o = i64::from(v) * n64 + hx;
+                }
                 if self.columns.negative_mask {
                     match nmask {
                         Some(m) => nm.extend_from_slice(&m[at..at + bk]),
@@ -257,7 +288,7 @@ impl Parts<'_> {
         }
         let sh = self.shared;
         let valid = &sh.neg_valid;
-        let mut columns: Vec<ArrayRef> = vec![Arc::new(ListArray::try_new(list_field(), sh.neg_offsets.clone(), Arc::new(Int64Array::from(ids)), None)?)];
+        let mut columns: Vec<ArrayRef> = vec![Arc::new(ListArray::try_new(list_field(), sh.neg_offsets.clone(), Arc::new(Int64Array::new(keep(values, ids), None)), None)?)];
         if self.columns.negative_mask {
             columns.push(Arc::new(BooleanArray::new(nm.into(), valid.clone())));
         }

@@ -571,27 +571,26 @@ impl BessStream {
             shared: &self.shared,
         };
         let (sampler, part) = (&mut self.sampler, &self.part);
-        let Scratch { bess_idx, bess_mask, sidx, smask, neg } = &mut self.scratch;
+        let Scratch { pos, neg, neg_values } = &mut self.scratch;
         let keep = self.columns.annotations;
         let f = self.counts.triples_per_sparsecore;
+        let n = parts.layout.num_sparsecores();
         let (mut columns, rigid, negative) = match &mut self.negative {
             Some(NegativeSampler::Random(rn)) => {
+                let mut positives = || parts.positives(sampler, step, pos, keep);
                 let mut negatives = || -> Result<Vec<ArrayRef>> {
                     rn.draw_into(part, 1, f, neg)?;
-                    parts.negative_columns(neg, None)
+                    parts.negative_columns(neg, None, neg_values)
                 };
-                let mut positives = || parts.positives(sampler, step, bess_idx, bess_mask, sidx, smask, keep);
                 // Waking a second thread costs more than small steps take, so only steps with
                 // many negatives draw them on a second thread.
-                let (pos, negs) =
-                    if self.counts.negative_ids_per_partition * parts.layout.num_sparsecores() * parts.layout.num_sparsecores() >= PARALLEL_NEGATIVES {
-                        rayon::join(positives, negatives)
-                    } else {
-                        (positives(), negatives())
-                    };
-                let (mut columns, rigid) = pos?;
-                columns.extend(negs?);
-                let n = parts.layout.num_sparsecores();
+                let (p, ng) = if self.counts.negative_ids_per_partition * n * n >= PARALLEL_NEGATIVES {
+                    rayon::join(positives, negatives)
+                } else {
+                    (positives(), negatives())
+                };
+                let (mut columns, rigid) = p?;
+                columns.extend(ng?);
                 let kept = keep.then(|| NegativeOutput {
                     negative: ArrayD::from_shape_vec(IxDyn(&[1, n, n, parts.neg_b, parts.neg_k]), neg.clone()).expect("drawn shape"),
                     mask: None,
@@ -600,25 +599,24 @@ impl BessStream {
                 (columns, rigid, kept)
             }
             Some(ns) => {
-                let (mut columns, rigid) = parts.positives(sampler, step, bess_idx, bess_mask, sidx, smask, true)?;
-                let n = parts.layout.num_sparsecores();
-                let si = ArrayD::from_shape_vec(IxDyn(&[1, n, n, parts.counts.ppp]), sidx.clone()).expect("n * n * ppp indices");
+                let (mut columns, rigid) = parts.positives(sampler, step, pos, true)?;
+                let si = ArrayD::from_shape_vec(IxDyn(&[1, n, n, parts.counts.ppp]), pos.sidx.clone()).expect("n * n * ppp indices");
                 let no = ns.sample(part, &si)?;
                 let flat_neg = no.negative.as_slice().expect("standard layout");
                 let flat_mask = no.mask.as_ref().map(|m| m.as_slice().expect("standard layout"));
-                columns.extend(parts.negative_columns(flat_neg, flat_mask)?);
+                columns.extend(parts.negative_columns(flat_neg, flat_mask, neg_values)?);
                 (columns, rigid, keep.then_some(no))
             }
             None => {
-                let (columns, rigid) = parts.positives(sampler, step, bess_idx, bess_mask, sidx, smask, keep)?;
+                let (columns, rigid) = parts.positives(sampler, step, pos, keep)?;
                 (columns, rigid, None)
             }
         };
         let record_batch = RecordBatch::try_new(self.schema.clone(), std::mem::take(&mut columns))?;
         let n = self.layout.num_sparsecores();
         let ppp = self.counts.ppp;
-        let sample_idx = keep.then(|| ArrayD::from_shape_vec(IxDyn(&[n, n, ppp]), sidx.clone()).expect("n * n * ppp indices"));
-        let triple_mask = (keep && rigid).then(|| smask.clone());
+        let sample_idx = keep.then(|| ArrayD::from_shape_vec(IxDyn(&[n, n, ppp]), self.scratch.pos.sidx.clone()).expect("n * n * ppp indices"));
+        let triple_mask = (keep && rigid).then(|| self.scratch.pos.smask.clone());
         Ok(StreamBatch { step, record_batch, sample_idx, triple_mask, negative })
     }
 }
