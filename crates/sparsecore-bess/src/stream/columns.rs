@@ -87,6 +87,9 @@ pub(super) struct Shared {
     pub(super) full_mask: ArrayRef,
 }
 
+/// Triples per chunk that [`Parts::positives`] reads ahead before copying them.
+const READ_AHEAD: usize = 256;
+
 /// Buffers reused from batch to batch (the pipeline reuses its own; a fresh megabyte per batch
 /// would cost more in page faults than the sampling itself).
 #[derive(Debug, Clone, Default)]
@@ -178,17 +181,40 @@ impl Parts<'_> {
             row_mask.resize(rows, false);
         }
         // Block by block in the sampler's order, which is the triple table's (partitions are
-        // stored in order, and Rigid's positions are runs): the reads of the table are what
-        // this loop waits on, so they go forward through it, and each block's `ppp` rows are
-        // written where its SparseCore's slice takes them.
+        // stored in order, and Rigid's positions are runs), each block's `ppp` rows written
+        // where its SparseCore's slice takes them. The reads of the table miss the caches (it
+        // is megabytes, and preprocessing evicts it between batches), and a loop that also
+        // writes three columns keeps only a few misses in flight; so each chunk of blocks is
+        // first read ahead by a loop that only loads (many misses in flight), and then copied
+        // from the cache.
         let phys = self.phys;
         let first = lay.global_sparsecore(0);
-        for i in 0..n {
-            for j in 0..n {
-                // tail_shard(g, i, step) = j.
-                let g = (j + 2 * n - i - step % n) & (n - 1);
-                let Some(slot) = g.checked_sub(first).filter(|&s| s < local) else { continue };
-                let src = (i * n + j) * ppp;
+        // The local slot of the SparseCore that takes block (i, j): tail_shard(g, i, step) = j.
+        let slot_of = |p: usize| -> Option<usize> {
+            let (i, j) = (p / n, p % n);
+            let g = (j + 2 * n - i - step % n) & (n - 1);
+            g.checked_sub(first).filter(|&s| s < local)
+        };
+        let blocks = n * n;
+        let per = (READ_AHEAD / ppp).max(1);
+        let read_ahead = |from: usize| -> i32 {
+            let mut acc = 0i32;
+            for p in from..(from + per).min(blocks) {
+                if slot_of(p).is_some() {
+                    for &k in &bess_idx[p * ppp..(p + 1) * ppp] {
+                        acc ^= phys[k as usize][0];
+                    }
+                }
+            }
+            acc
+        };
+        let mut acc = read_ahead(0);
+        for from in (0..blocks).step_by(per) {
+            acc ^= read_ahead(from + per);
+            for p in from..(from + per).min(blocks) {
+                let Some(slot) = slot_of(p) else { continue };
+                let i = p / n;
+                let src = p * ppp;
                 let dst = slot * t + i * ppp;
                 let (h, tl) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp]);
                 let rel = &mut relation[slot * r + i * ppp..][..ppp];
@@ -203,6 +229,7 @@ impl Parts<'_> {
                 }
             }
         }
+        std::hint::black_box(acc);
         let sh = self.shared;
         let head = keep(vh, head);
         let tail = keep(vt, tail);
