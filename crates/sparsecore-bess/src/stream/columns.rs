@@ -87,6 +87,51 @@ pub(super) struct Shared {
     pub(super) full_mask: ArrayRef,
 }
 
+/// Rigid's positives without shuffle, every window of an epoch laid out in the order a step
+/// reads them (window, partition, position), so that a step copies contiguous runs instead of
+/// gathering `ppp` triples from each of `n²` places in the triple table. The positions of a
+/// window are fixed (besskge's `shuffle=False`), so this is computed once per stream. It holds
+/// every padded position (21 bytes each), so it is built only when padding at most doubles the
+/// triples (see [`RigidTable::build`]).
+#[derive(Debug, Clone)]
+pub(super) struct RigidTable {
+    head: Vec<i64>,
+    tail: Vec<i64>,
+    relation: Vec<i32>,
+    mask: Vec<bool>,
+    /// Positions per window and partition (`ppp`), partitions `P`, windows per epoch.
+    ppp: usize,
+    partitions: usize,
+    windows: usize,
+}
+
+impl RigidTable {
+    /// The table of `sampler`'s epoch (a Rigid sampler without shuffle, one batch per step),
+    /// or `None` if its padded positions exceed twice the triples.
+    pub(super) fn build(sampler: &mut BatchSampler, phys: &[[i32; 3]]) -> Result<Option<Self>> {
+        let (ppp, partitions) = (sampler.geometry().ppp, sampler.geometry().partitions());
+        let windows = sampler.steps_per_epoch();
+        let positions = windows * partitions * ppp;
+        if positions > 2 * phys.len().max(1) {
+            return Ok(None);
+        }
+        let (mut head, mut tail, mut relation, mut mask) =
+            (Vec::with_capacity(positions), Vec::with_capacity(positions), Vec::with_capacity(positions), Vec::with_capacity(positions));
+        let (mut idx, mut m) = (Vec::new(), Vec::new());
+        for w in 0..windows {
+            sampler.sample_indices_into(w, &mut idx, &mut m)?;
+            for (&k, &valid) in idx.iter().zip(&m) {
+                let tr = phys[k as usize];
+                head.push(i64::from(tr[0]));
+                tail.push(i64::from(tr[2]));
+                relation.push(tr[1]);
+                mask.push(valid);
+            }
+        }
+        Ok(Some(RigidTable { head, tail, relation, mask, ppp, partitions, windows }))
+    }
+}
+
 /// Triples per chunk that [`Parts::positives`] reads ahead before copying them.
 const READ_AHEAD: usize = 256;
 
@@ -137,6 +182,7 @@ pub(super) struct Parts<'a> {
     pub(super) layout: &'a SparseCoreLayout,
     pub(super) counts: &'a CellCounts,
     pub(super) phys: &'a [[i32; 3]],
+    pub(super) rigid: Option<&'a RigidTable>,
     pub(super) neg_b: usize,
     pub(super) neg_k: usize,
     pub(super) flat: bool,
@@ -154,6 +200,9 @@ impl Parts<'_> {
         let lay = self.layout;
         let n = lay.num_sparsecores();
         let (ppp, t, r) = (self.counts.ppp, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        if let (Some(rt), false) = (self.rigid, keep_sidx) {
+            return self.rigid_positives(rt, step, scratch);
+        }
         let PosScratch { bess_idx, bess_mask, sidx, smask, row_mask, values } = scratch;
         // BESS indices, row-major over (head shard i, tail shard j, position).
         let rigid = sampler.sample_indices_into(step, bess_idx, bess_mask)?;
@@ -251,6 +300,47 @@ impl Parts<'_> {
             columns.push(Arc::new(Int64Array::new(tidx.into(), sh.pos_valid.clone())));
         }
         Ok((columns, rigid))
+    }
+
+    /// [`Self::positives`] from a [`RigidTable`]: each block is a contiguous run of the step's
+    /// window, copied to its SparseCore's rows.
+    fn rigid_positives(&self, rt: &RigidTable, step: usize, scratch: &mut PosScratch) -> Result<(Vec<ArrayRef>, bool)> {
+        let lay = self.layout;
+        let n = lay.num_sparsecores();
+        let (ppp, t, r) = (self.counts.ppp, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        debug_assert_eq!((rt.ppp, rt.partitions), (ppp, n * n));
+        let local = lay.local_sparsecores();
+        let rows = local * r;
+        let PosScratch { row_mask, values, .. } = scratch;
+        let [vh, vt, vr] = values;
+        let mut head: Vec<i64> = reuse(vh, local * t);
+        let mut tail: Vec<i64> = reuse(vt, local * t);
+        let mut relation: Vec<i32> = reuse(vr, rows);
+        row_mask.clear();
+        row_mask.resize(rows, false);
+        let base = (step % rt.windows.max(1)) * rt.partitions * ppp;
+        let first = lay.global_sparsecore(0);
+        for i in 0..n {
+            for j in 0..n {
+                let g = (j + 2 * n - i - step % n) & (n - 1);
+                let Some(slot) = g.checked_sub(first).filter(|&s| s < local) else { continue };
+                let src = base + (i * n + j) * ppp;
+                let dst = slot * t + i * ppp;
+                let row = slot * r + i * ppp;
+                head[dst..dst + ppp].copy_from_slice(&rt.head[src..src + ppp]);
+                tail[dst..dst + ppp].copy_from_slice(&rt.tail[src..src + ppp]);
+                relation[row..row + ppp].copy_from_slice(&rt.relation[src..src + ppp]);
+                row_mask[row..row + ppp].copy_from_slice(&rt.mask[src..src + ppp]);
+            }
+        }
+        let sh = self.shared;
+        let lists = |ids: ScalarBuffer<i64>| -> Result<ArrayRef> {
+            Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int64Array::new(ids, None)), None)?))
+        };
+        let mask: ArrayRef = Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None));
+        let columns: Vec<ArrayRef> =
+            vec![lists(keep(vh, head))?, lists(keep(vt, tail))?, Arc::new(Int32Array::new(keep(vr, relation), sh.pos_valid.clone())), mask];
+        Ok((columns, true))
     }
 
     /// The negative columns from the sampler's values `negs`, row-major over

@@ -45,7 +45,7 @@ use crate::sharding::Sharding;
 
 mod columns;
 
-use columns::{one_id_offsets, schema, validity, Columns, Parts, Scratch, Shared};
+use columns::{one_id_offsets, schema, validity, Columns, Parts, RigidTable, Scratch, Shared};
 
 /// Negatives per step (all SparseCores) from which uniform negatives are drawn on a second
 /// thread while the positives are drawn.
@@ -441,6 +441,10 @@ impl BessStreamBuilder {
                 phys.push([layout.physical_id(i, tr[0]) as i32, tr[1] as i32, layout.physical_id(j, tr[2]) as i32]);
             }
         }
+        let rigid = match self.sampler {
+            StreamSampler::Rigid { shuffle: false } => RigidTable::build(&mut sampler.clone(), &phys)?.map(Arc::new),
+            _ => None,
+        };
         let local = layout.local_sparsecores();
         let full_mask: ArrayRef = Arc::new(BooleanArray::from_iter((0..local).flat_map(|_| (0..rows).map(|row| Some(row < t)))));
         let shared = Shared {
@@ -455,6 +459,7 @@ impl BessStreamBuilder {
             layout,
             part,
             phys,
+            rigid,
             sampler,
             negative,
             counts,
@@ -479,6 +484,8 @@ pub struct BessStream {
     layout: SparseCoreLayout,
     part: Arc<PartitionedTriples>,
     phys: Vec<[i32; 3]>,
+    /// Rigid without shuffle: the epoch's positives in step order, when small enough.
+    rigid: Option<Arc<RigidTable>>,
     sampler: BatchSampler,
     negative: Option<NegativeSampler>,
     counts: CellCounts,
@@ -563,6 +570,7 @@ impl BessStream {
             layout: &self.layout,
             counts: &self.counts,
             phys: &self.phys,
+            rigid: self.rigid.as_deref(),
             neg_b: self.neg_b,
             neg_k: self.neg_k,
             flat: self.flat,
