@@ -91,14 +91,14 @@ pub(super) struct Shared {
 /// reads them (window, partition, position), so that a step copies contiguous runs instead of
 /// gathering `ppp` triples from each of `n²` places in the triple table. The positions of a
 /// window are fixed (besskge's `shuffle=False`), so this is computed once per stream. It holds
-/// every padded position (21 bytes each), so it is built only when padding at most doubles the
+/// every padded position (12 bytes each), so it is built only when padding at most doubles the
 /// triples (see [`RigidTable::build`]).
 #[derive(Debug, Clone)]
 pub(super) struct RigidTable {
-    head: Vec<i64>,
-    tail: Vec<i64>,
-    relation: Vec<i32>,
-    mask: Vec<bool>,
+    /// Physical head, physical tail and relation per position, the relation's sign bit set
+    /// where the mask is false (relations are non-negative): 12 bytes a row, so a step streams
+    /// as few bytes as its triples hold.
+    rows: Vec<[i32; 3]>,
     /// Positions per window and partition (`ppp`), partitions `P`, windows per epoch.
     ppp: usize,
     partitions: usize,
@@ -112,23 +112,20 @@ impl RigidTable {
         let (ppp, partitions) = (sampler.geometry().ppp, sampler.geometry().partitions());
         let windows = sampler.steps_per_epoch();
         let positions = windows * partitions * ppp;
-        if positions > 2 * phys.len().max(1) {
+        // The mask is stored in the relation's sign bit.
+        if positions > 2 * phys.len().max(1) || phys.iter().any(|t| t[1] < 0) {
             return Ok(None);
         }
-        let (mut head, mut tail, mut relation, mut mask) =
-            (Vec::with_capacity(positions), Vec::with_capacity(positions), Vec::with_capacity(positions), Vec::with_capacity(positions));
+        let mut rows = Vec::with_capacity(positions);
         let (mut idx, mut m) = (Vec::new(), Vec::new());
         for w in 0..windows {
             sampler.sample_indices_into(w, &mut idx, &mut m)?;
             for (&k, &valid) in idx.iter().zip(&m) {
                 let tr = phys[k as usize];
-                head.push(i64::from(tr[0]));
-                tail.push(i64::from(tr[2]));
-                relation.push(tr[1]);
-                mask.push(valid);
+                rows.push([tr[0], tr[2], if valid { tr[1] } else { tr[1] | i32::MIN }]);
             }
         }
-        Ok(Some(RigidTable { head, tail, relation, mask, ppp, partitions, windows }))
+        Ok(Some(RigidTable { rows, ppp, partitions, windows }))
     }
 }
 
@@ -286,8 +283,7 @@ impl Parts<'_> {
         let lists = |ids: ScalarBuffer<i64>| -> Result<ArrayRef> {
             Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int64Array::new(ids, None)), None)?))
         };
-        let mask: ArrayRef =
-            if rigid { Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None)) } else { sh.full_mask.clone() };
+        let mask: ArrayRef = if rigid { Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None)) } else { sh.full_mask.clone() };
         let mut columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation, sh.pos_valid.clone())), mask];
         if self.columns.annotations {
             let first = first * t;
@@ -327,10 +323,14 @@ impl Parts<'_> {
                 let src = base + (i * n + j) * ppp;
                 let dst = slot * t + i * ppp;
                 let row = slot * r + i * ppp;
-                head[dst..dst + ppp].copy_from_slice(&rt.head[src..src + ppp]);
-                tail[dst..dst + ppp].copy_from_slice(&rt.tail[src..src + ppp]);
-                relation[row..row + ppp].copy_from_slice(&rt.relation[src..src + ppp]);
-                row_mask[row..row + ppp].copy_from_slice(&rt.mask[src..src + ppp]);
+                let (h, tl) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp]);
+                let (rel, m) = (&mut relation[row..row + ppp], &mut row_mask[row..row + ppp]);
+                for (q, &[hv, tv, rv]) in rt.rows[src..src + ppp].iter().enumerate() {
+                    h[q] = i64::from(hv);
+                    tl[q] = i64::from(tv);
+                    rel[q] = rv & i32::MAX;
+                    m[q] = rv >= 0;
+                }
             }
         }
         let sh = self.shared;
@@ -405,7 +405,8 @@ impl Parts<'_> {
         }
         let sh = self.shared;
         let valid = &sh.neg_valid;
-        let mut columns: Vec<ArrayRef> = vec![Arc::new(ListArray::try_new(list_field(), sh.neg_offsets.clone(), Arc::new(Int64Array::new(keep(values, ids), None)), None)?)];
+        let mut columns: Vec<ArrayRef> =
+            vec![Arc::new(ListArray::try_new(list_field(), sh.neg_offsets.clone(), Arc::new(Int64Array::new(keep(values, ids), None)), None)?)];
         if self.columns.negative_mask {
             columns.push(Arc::new(BooleanArray::new(nm.into(), valid.clone())));
         }
