@@ -99,6 +99,9 @@ pub(super) struct RigidTable {
     /// where the mask is false (relations are non-negative): 12 bytes a row, so a step streams
     /// as few bytes as its triples hold.
     rows: Vec<[i32; 3]>,
+    /// Per window: whether every position is a real triple (then the mask is the shared
+    /// all-true column, and nothing is packed).
+    all_valid: Vec<bool>,
     /// Positions per window and partition (`ppp`), partitions `P`, windows per epoch.
     ppp: usize,
     partitions: usize,
@@ -118,14 +121,16 @@ impl RigidTable {
         }
         let mut rows = Vec::with_capacity(positions);
         let (mut idx, mut m) = (Vec::new(), Vec::new());
+        let mut all_valid = Vec::with_capacity(windows);
         for w in 0..windows {
             sampler.sample_indices_into(w, &mut idx, &mut m)?;
+            all_valid.push(m.iter().all(|&v| v));
             for (&k, &valid) in idx.iter().zip(&m) {
                 let tr = phys[k as usize];
                 rows.push([tr[0], tr[2], if valid { tr[1] } else { tr[1] | i32::MIN }]);
             }
         }
-        Ok(Some(RigidTable { rows, ppp, partitions, windows }))
+        Ok(Some(RigidTable { rows, all_valid, ppp, partitions, windows }))
     }
 }
 
@@ -312,9 +317,13 @@ impl Parts<'_> {
         let mut head: Vec<i64> = reuse(vh, local * t);
         let mut tail: Vec<i64> = reuse(vt, local * t);
         let mut relation: Vec<i32> = reuse(vr, rows);
-        row_mask.clear();
-        row_mask.resize(rows, false);
-        let base = (step % rt.windows.max(1)) * rt.partitions * ppp;
+        let window = step % rt.windows.max(1);
+        let all_valid = rt.all_valid[window];
+        if !all_valid {
+            row_mask.clear();
+            row_mask.resize(rows, false);
+        }
+        let base = window * rt.partitions * ppp;
         let first = lay.global_sparsecore(0);
         for i in 0..n {
             for j in 0..n {
@@ -323,13 +332,16 @@ impl Parts<'_> {
                 let src = base + (i * n + j) * ppp;
                 let dst = slot * t + i * ppp;
                 let row = slot * r + i * ppp;
-                let (h, tl) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp]);
-                let (rel, m) = (&mut relation[row..row + ppp], &mut row_mask[row..row + ppp]);
+                let (h, tl, rel) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[row..row + ppp]);
                 for (q, &[hv, tv, rv]) in rt.rows[src..src + ppp].iter().enumerate() {
                     h[q] = i64::from(hv);
                     tl[q] = i64::from(tv);
                     rel[q] = rv & i32::MAX;
-                    m[q] = rv >= 0;
+                }
+                if !all_valid {
+                    for (m, &[.., rv]) in row_mask[row..row + ppp].iter_mut().zip(&rt.rows[src..src + ppp]) {
+                        *m = rv >= 0;
+                    }
                 }
             }
         }
@@ -337,7 +349,8 @@ impl Parts<'_> {
         let lists = |ids: ScalarBuffer<i64>| -> Result<ArrayRef> {
             Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int64Array::new(ids, None)), None)?))
         };
-        let mask: ArrayRef = Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None));
+        let mask: ArrayRef =
+            if all_valid { sh.full_mask.clone() } else { Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None)) };
         let columns: Vec<ArrayRef> =
             vec![lists(keep(vh, head))?, lists(keep(vt, tail))?, Arc::new(Int32Array::new(keep(vr, relation), sh.pos_valid.clone())), mask];
         Ok((columns, true))
