@@ -91,8 +91,8 @@ pub(super) struct Shared {
 /// reads them (window, partition, position), so that a step copies contiguous runs instead of
 /// gathering `ppp` triples from each of `n²` places in the triple table. The positions of a
 /// window are fixed (besskge's `shuffle=False`), so this is computed once per stream. It holds
-/// every padded position (12 bytes each), so it is built only when padding at most doubles the
-/// triples (see [`RigidTable::build`]).
+/// every padded position (12 bytes each, as the triple table holds every triple), so it is built
+/// only when there are at most [`RIGID_TABLE_MAX_PADDING`] times as many positions as triples.
 #[derive(Debug, Clone)]
 pub(super) struct RigidTable {
     /// Physical head, physical tail and relation per position, the relation's sign bit set
@@ -110,13 +110,13 @@ pub(super) struct RigidTable {
 
 impl RigidTable {
     /// The table of `sampler`'s epoch (a Rigid sampler without shuffle, one batch per step),
-    /// or `None` if its padded positions exceed twice the triples.
+    /// or `None` if its padded positions exceed [`RIGID_TABLE_MAX_PADDING`] times the triples.
     pub(super) fn build(sampler: &mut BatchSampler, phys: &[[i32; 3]]) -> Result<Option<Self>> {
         let (ppp, partitions) = (sampler.geometry().ppp, sampler.geometry().partitions());
         let windows = sampler.steps_per_epoch();
         let positions = windows * partitions * ppp;
         // The mask is stored in the relation's sign bit.
-        if positions > 2 * phys.len().max(1) || phys.iter().any(|t| t[1] < 0) {
+        if positions > RIGID_TABLE_MAX_PADDING * phys.len().max(1) || phys.iter().any(|t| t[1] < 0) {
             return Ok(None);
         }
         let mut rows = Vec::with_capacity(positions);
@@ -133,6 +133,13 @@ impl RigidTable {
         Ok(Some(RigidTable { rows, all_valid, ppp, partitions, windows }))
     }
 }
+
+/// The most padded positions per triple for which a [`RigidTable`] is built: it then takes at
+/// most this many times the triple table's memory. Uniform graphs pad little at any `n`; a
+/// skewed graph at large `n` pads every block to its hub pair's size (98% padding for the
+/// power-law graph at n = 64 in MEASUREMENTS.md: 55 times the triples), and reads the triple
+/// table instead.
+const RIGID_TABLE_MAX_PADDING: usize = 8;
 
 /// Triples per chunk that [`Parts::positives`] reads ahead before copying them.
 const READ_AHEAD: usize = 256;
