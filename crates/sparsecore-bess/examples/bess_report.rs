@@ -174,6 +174,8 @@ struct Cost {
     ids: usize,
     one: (f64, f64),
     two: (f64, f64),
+    /// Seconds building the stream (partitioning, the physical triple table, Rigid's table).
+    build: f64,
 }
 
 /// Makes and preprocesses `steps` batches (after one untimed warm-up step), batch by batch in
@@ -237,7 +239,9 @@ fn cost_table(graphs: &[(&'static str, Triples)], n_entity: usize, shard_bs: usi
                 (StreamSampler::Rigid { shuffle: true }, "Rigid shuffle"),
             ] {
                 for neg in [Negatives::None, Negatives::Flat(ppp), Negatives::PerTriple(1)] {
+                    let t0 = Instant::now();
                     let probe = cost_builder(triples, n_entity, (l, g, s), shard_bs, sampler, neg, 1);
+                    let build = t0.elapsed().as_secs_f64();
                     let c = *probe.counts();
                     let slices = l * s;
                     let ids = slices * (2 * c.triples_per_sparsecore + n * c.negative_ids_per_partition);
@@ -248,21 +252,23 @@ fn cost_table(graphs: &[(&'static str, Triples)], n_entity: usize, shard_bs: usi
                     };
                     let one = cost(triples, n_entity, (l, g, s), shard_bs, sampler, neg, steps, rounds, 1);
                     let two = cost(triples, n_entity, (l, g, s), shard_bs, sampler, neg, steps, rounds, 2);
-                    let row = Cost { graph, sampler: sname, negatives, n, rows: slices * c.rows_per_sparsecore, ids, one, two };
+                    let row = Cost { graph, sampler: sname, negatives, n, rows: slices * c.rows_per_sparsecore, ids, one, two, build };
                     eprintln!("  {} {} {} n={}: {:.1}% / {:.1}%", row.graph, row.sampler, row.negatives, n, 100.0 * one.0 / one.1, 100.0 * two.0 / two.1);
                     rows.push(row);
                 }
             }
         }
     }
-    println!("\nCost per batch: one thread each (CPU cost), then two threads each (wall time). ns/id: per id of the batch, one thread.");
-    println!("\n| graph | sampler | negatives | n | rows | ids | stream 1t (µs) | prep 1t (µs) | ratio 1t | stream 2t (µs) | prep 2t (µs) | ratio 2t | stream ns/id | prep ns/id |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!(
+        "\nCost per batch: one thread each (CPU cost), then two threads each (wall time). ns/id: per id of the batch, one thread. build: once per stream."
+    );
+    println!("\n| graph | sampler | negatives | n | rows | ids | stream 1t (µs) | prep 1t (µs) | ratio 1t | stream 2t (µs) | prep 2t (µs) | ratio 2t | stream ns/id | prep ns/id | build (ms) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         let (m1, p1) = r.one;
         let (m2, p2) = r.two;
         println!(
-            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.1}% | {:.0} | {:.0} | {:.1}% | {:.2} | {:.2} |",
+            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.1}% | {:.0} | {:.0} | {:.1}% | {:.2} | {:.2} | {:.0} |",
             r.graph,
             r.sampler,
             r.negatives,
@@ -276,7 +282,8 @@ fn cost_table(graphs: &[(&'static str, Triples)], n_entity: usize, shard_bs: usi
             p2 * 1e6,
             100.0 * m2 / p2,
             m1 * 1e9 / r.ids as f64,
-            p1 * 1e9 / r.ids as f64
+            p1 * 1e9 / r.ids as f64,
+            r.build * 1e3
         );
     }
 }
