@@ -10,7 +10,9 @@ use std::time::Instant;
 use arrow_array::{ArrayRef, Int32Array, ListArray, RecordBatch};
 use arrow_buffer::{OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema};
-use sparsecore_bess::{cell_loads, synth, BatchOptions, BatchSampler, BessStream, Corruption, NumpyRng, PartitionMode, PartitionedTriples, SamplerKind, Triples};
+use sparsecore_bess::{
+    cell_loads, synth, BatchOptions, BatchSampler, BessStream, Corruption, NumpyRng, PartitionMode, PartitionedTriples, SamplerKind, StreamSampler, Triples,
+};
 use sparsecore_prep::fdo::{tune, FdoStats};
 use sparsecore_prep::{Config, Output, Preprocessor};
 
@@ -72,7 +74,12 @@ fn one_id_lists(ids: &[Option<i32>]) -> ArrayRef {
         values.extend(id.iter().copied());
         offsets.push(values.len() as i32);
     }
-    Arc::new(ListArray::new(Arc::new(Field::new_list_field(DataType::Int32, false)), OffsetBuffer::new(ScalarBuffer::from(offsets)), Arc::new(Int32Array::from(values)), None))
+    Arc::new(ListArray::new(
+        Arc::new(Field::new_list_field(DataType::Int32, false)),
+        OffsetBuffer::new(ScalarBuffer::from(offsets)),
+        Arc::new(Int32Array::from(values)),
+        None,
+    ))
 }
 
 /// Random batching of the same shape: every SparseCore slice gets `t` triples drawn uniformly
@@ -89,7 +96,8 @@ fn random_batches(triples: &Triples, n_entity: usize, shape: &Shape, steps: usiz
     let Shape { slices, rows, t, neg } = *shape;
     let mut rng = NumpyRng::new(u128::from(seed));
     let list = DataType::List(Arc::new(Field::new_list_field(DataType::Int32, false)));
-    let schema = Arc::new(Schema::new(vec![Field::new("head", list.clone(), false), Field::new("tail", list.clone(), false), Field::new("negative", list, false)]));
+    let schema =
+        Arc::new(Schema::new(vec![Field::new("head", list.clone(), false), Field::new("tail", list.clone(), false), Field::new("negative", list, false)]));
     (0..steps)
         .map(|_| {
             let (mut h, mut tl, mut ng) = (Vec::new(), Vec::new(), Vec::new());
@@ -113,34 +121,201 @@ fn random_batches(triples: &Triples, n_entity: usize, shape: &Shape, steps: usiz
 
 /// The measured stream: flat tail negatives, `k` per shard.
 fn builder(triples: &Triples, n_entity: usize, (l, g, s): (usize, usize, usize), shard_bs: usize, k: usize, steps: usize) -> BessStream {
+    cost_builder(triples, n_entity, (l, g, s), shard_bs, StreamSampler::Random, Negatives::Flat(k), steps)
+}
+
+/// The negatives of a cost configuration.
+#[derive(Debug, Clone, Copy)]
+enum Negatives {
+    None,
+    /// Flat tail negatives, `k` per shard, shared by the SparseCore slice.
+    Flat(usize),
+    /// Per-triple tail negatives, `k` per shard for every triple.
+    PerTriple(usize),
+}
+
+fn cost_builder(
+    triples: &Triples,
+    n_entity: usize,
+    (l, g, s): (usize, usize, usize),
+    shard_bs: usize,
+    sampler: StreamSampler,
+    neg: Negatives,
+    steps: usize,
+) -> BessStream {
+    let (k, flat) = match neg {
+        Negatives::None => (0, true),
+        Negatives::Flat(k) => (k, true),
+        Negatives::PerTriple(k) => (k, false),
+    };
     BessStream::builder()
         .triples(triples.clone())
         .n_entity(n_entity)
         .devices(l, g, s)
         .shard_batch_size(shard_bs)
         .negatives(k)
+        .flat_negatives(flat)
         .corruption(Corruption::T)
+        .sampler(sampler)
         .seed(7)
         .steps(steps)
         .build()
         .expect("stream")
 }
 
+/// One measured configuration: per batch, microseconds making the stream and preprocessing it
+/// on one thread and on two, ids per batch, and Rigid shuffle's per-epoch permutation.
+struct Cost {
+    graph: &'static str,
+    sampler: &'static str,
+    negatives: String,
+    n: usize,
+    rows: usize,
+    ids: usize,
+    one: (f64, f64),
+    two: (f64, f64),
+    /// Seconds building the stream (partitioning, the physical triple table, Rigid's table).
+    build: f64,
+}
+
+/// Makes and preprocesses `steps` batches (after one untimed warm-up step), batch by batch in
+/// one loop, `rounds` rounds, on `threads` threads; per batch the fastest round, averaged.
+/// Rigid shuffle's permutation of an epoch is drawn at the warm-up step; its cost, divided by
+/// the steps of an epoch, is added to the stream's time per batch.
+#[allow(clippy::too_many_arguments)]
+fn cost(
+    triples: &Triples,
+    n_entity: usize,
+    lgs: (usize, usize, usize),
+    shard_bs: usize,
+    sampler: StreamSampler,
+    neg: Negatives,
+    steps: usize,
+    rounds: usize,
+    threads: usize,
+) -> (f64, f64) {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+    pool.install(|| {
+        let (mut make, mut prep_secs) = (vec![f64::INFINITY; steps], vec![f64::INFINITY; steps]);
+        let mut perm = f64::INFINITY;
+        for _ in 0..rounds {
+            let mut again = cost_builder(triples, n_entity, lgs, shard_bs, sampler, neg, steps + 1);
+            let mut prep = Preprocessor::builder(again.config().clone()).threads(threads).build().expect("config");
+            let mut out = Output::new();
+            let b = again.draw(0).expect("draw");
+            prep.run_record_batch(&b.record_batch, &mut out).expect("no batch fails");
+            drop(b);
+            for k in 0..steps {
+                let t0 = Instant::now();
+                let b = again.draw(k + 1).expect("draw");
+                make[k] = make[k].min(t0.elapsed().as_secs_f64());
+                let t0 = Instant::now();
+                prep.run_record_batch(&b.record_batch, &mut out).expect("no batch fails");
+                prep_secs[k] = prep_secs[k].min(t0.elapsed().as_secs_f64());
+            }
+            if sampler == (StreamSampler::Rigid { shuffle: true }) {
+                let len = again.batch_sampler().len();
+                let t0 = Instant::now();
+                std::hint::black_box(NumpyRng::new(7).permutation(len));
+                perm = perm.min(t0.elapsed().as_secs_f64() / again.batch_sampler().steps_per_epoch() as f64);
+            }
+        }
+        let perm = if perm.is_finite() { perm } else { 0.0 };
+        (make.iter().sum::<f64>() / steps as f64 + perm, prep_secs.iter().sum::<f64>() / steps as f64)
+    })
+}
+
+/// The cost of making the stream against preprocessing it, for every sampler, negatives
+/// configuration, graph and n.
+fn cost_table(graphs: &[(&'static str, Triples)], n_entity: usize, shard_bs: usize, steps: usize, rounds: usize) {
+    let mut rows = Vec::new();
+    for (graph, triples) in graphs {
+        for n in [4usize, 16, 64] {
+            let (l, g, s) = (n / 4, n / 4, 4);
+            let ppp = shard_bs / n;
+            for (sampler, sname) in [
+                (StreamSampler::Random, "Random"),
+                (StreamSampler::Rigid { shuffle: false }, "Rigid"),
+                (StreamSampler::Rigid { shuffle: true }, "Rigid shuffle"),
+            ] {
+                for neg in [Negatives::None, Negatives::Flat(ppp), Negatives::PerTriple(1)] {
+                    let t0 = Instant::now();
+                    let probe = cost_builder(triples, n_entity, (l, g, s), shard_bs, sampler, neg, 1);
+                    let build = t0.elapsed().as_secs_f64();
+                    let c = *probe.counts();
+                    let slices = l * s;
+                    let ids = slices * (2 * c.triples_per_sparsecore + n * c.negative_ids_per_partition);
+                    let negatives = match neg {
+                        Negatives::None => "none".to_string(),
+                        Negatives::Flat(k) => format!("flat, k = {k}"),
+                        Negatives::PerTriple(k) => format!("per triple, k = {k}"),
+                    };
+                    let one = cost(triples, n_entity, (l, g, s), shard_bs, sampler, neg, steps, rounds, 1);
+                    let two = cost(triples, n_entity, (l, g, s), shard_bs, sampler, neg, steps, rounds, 2);
+                    let row = Cost { graph, sampler: sname, negatives, n, rows: slices * c.rows_per_sparsecore, ids, one, two, build };
+                    eprintln!("  {} {} {} n={}: {:.1}% / {:.1}%", row.graph, row.sampler, row.negatives, n, 100.0 * one.0 / one.1, 100.0 * two.0 / two.1);
+                    rows.push(row);
+                }
+            }
+        }
+    }
+    println!(
+        "\nCost per batch: one thread each (CPU cost), then two threads each (wall time). ns/id: per id of the batch, one thread. build: once per stream."
+    );
+    println!("\n| graph | sampler | negatives | n | rows | ids | stream 1t (µs) | prep 1t (µs) | ratio 1t | stream 2t (µs) | prep 2t (µs) | ratio 2t | stream ns/id | prep ns/id | build (ms) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let (m1, p1) = r.one;
+        let (m2, p2) = r.two;
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.1}% | {:.0} | {:.0} | {:.1}% | {:.2} | {:.2} | {:.0} |",
+            r.graph,
+            r.sampler,
+            r.negatives,
+            r.n,
+            r.rows,
+            r.ids,
+            m1 * 1e6,
+            p1 * 1e6,
+            100.0 * m1 / p1,
+            m2 * 1e6,
+            p2 * 1e6,
+            100.0 * m2 / p2,
+            m1 * 1e9 / r.ids as f64,
+            p1 * 1e9 / r.ids as f64,
+            r.build * 1e3
+        );
+    }
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    let cost_only = std::env::args().any(|a| a == "--cost-only");
     let (n_entity, n_triples, steps) = if quick { (4_000, 200_000, 4) } else { (20_000, 400_000, 20) };
     let shard_bs = 256;
     let graphs = [("uniform", synth::uniform(n_entity, 50, n_triples, 1)), ("power law a=1.0", synth::power_law(n_entity, 50, n_triples, 1.0, 1))];
+    let (cost_steps, rounds) = if quick { (4, 2) } else { (10, 5) };
+    if cost_only {
+        cost_table(&graphs, n_entity, shard_bs, cost_steps, rounds);
+        return;
+    }
     println!("E = {n_entity} entities, {n_triples} triples, 50 relations; shard batch size {shard_bs} triples per SparseCore; {steps} batches per row; flat tail negatives, k = ppp per shard.\n");
     println!("| graph | n (L,G,S) | batching | ids per cell max / mean / min | max/mean | dropped | tuned max_ids | buffer from tuned limits | tuned buffer per device | Rigid padding |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
-    let mut timing = Vec::new();
     for (name, triples) in &graphs {
         for n in [4usize, 16, 64] {
             let (l, g, s) = (n / 4, n / 4, 4);
             let ppp = shard_bs / n;
             // Positives only: every cell exactly 2·ppp.
-            let mut pos = BessStream::builder().triples(triples.clone()).n_entity(n_entity).devices(l, g, s).shard_batch_size(shard_bs).seed(7).steps(steps.min(5)).build().expect("stream");
+            let mut pos = BessStream::builder()
+                .triples(triples.clone())
+                .n_entity(n_entity)
+                .devices(l, g, s)
+                .shard_batch_size(shard_bs)
+                .seed(7)
+                .steps(steps.min(5))
+                .build()
+                .expect("stream");
             let pos_batches: Vec<RecordBatch> = (0..pos.steps()).map(|k| pos.draw(k).expect("draw").record_batch).collect();
             let (pl, ..) = preprocess(pos.config(), &pos_batches);
             let exact = pl.max == pl.min && pl.max as usize == pos.counts().max_ids_per_partition;
@@ -149,34 +324,6 @@ fn main() {
             let c = *stream.counts();
             let batches: Vec<RecordBatch> = (0..steps).map(|k| stream.draw(k).expect("draw").record_batch).collect();
             let (bl, b_ids, b_buf, _) = preprocess(stream.config(), &batches);
-            // Cost: the same steps made and preprocessed again, batch by batch in one loop, five
-            // rounds (the machine is shared). Once on one thread each (CPU cost), once on two
-            // (wall time).
-            let cost = |threads: usize| -> (f64, f64) {
-                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
-                pool.install(|| {
-                    // Per batch, the fastest of the rounds (a batch slowed by another process in
-                    // one round is not slowed in all of them).
-                    let (mut make, mut prep_secs) = (vec![f64::INFINITY; steps], vec![f64::INFINITY; steps]);
-                    for _ in 0..5 {
-                        let mut again = builder(triples, n_entity, (l, g, s), shard_bs, ppp, steps);
-                        let mut prep = Preprocessor::builder(again.config().clone()).threads(threads).build().expect("config");
-                        let mut out = Output::new();
-                        for k in 0..steps {
-                            let t0 = Instant::now();
-                            let b = again.draw(k).expect("draw");
-                            make[k] = make[k].min(t0.elapsed().as_secs_f64());
-                            let t0 = Instant::now();
-                            prep.run_record_batch(&b.record_batch, &mut out).expect("no batch fails");
-                            prep_secs[k] = prep_secs[k].min(t0.elapsed().as_secs_f64());
-                        }
-                    }
-                    (make.iter().sum::<f64>() / steps as f64, prep_secs.iter().sum::<f64>() / steps as f64)
-                })
-            };
-            let (make1, prep1) = cost(1);
-            let (make, prep_secs) = cost(2);
-            timing.push((name.to_string(), n, l * s * c.rows_per_sparsecore, (make1, prep1), (make, prep_secs)));
             // Rigid's padding on the same graph and geometry.
             let part = stream.partitioned().clone();
             let rigid = BatchSampler::positives_only(
@@ -218,21 +365,11 @@ fn main() {
                 rl.dropped,
                 r_ids.div_ceil(8) * 8 * (s * n) as u64
             );
-            eprintln!("  precomputed limit {} (2*ppp {} + negatives {}), buffer {}", c.max_ids_per_partition, c.positive_ids_per_partition, c.negative_ids_per_partition, c.coo_buffer_size_per_device);
+            eprintln!(
+                "  precomputed limit {} (2*ppp {} + negatives {}), buffer {}",
+                c.max_ids_per_partition, c.positive_ids_per_partition, c.negative_ids_per_partition, c.coo_buffer_size_per_device
+            );
         }
     }
-    println!("\nCost per batch: one thread each (CPU cost), then two threads each (wall time; the stream draws positives and uniform negatives side by side):");
-    println!("\n| graph | n | rows per batch | stream, 1 thread (µs) | preprocess, 1 thread (µs) | ratio | stream, 2 threads (µs) | preprocess, 2 threads (µs) | ratio |");
-    println!("|---|---|---|---|---|---|---|---|---|");
-    for (name, n, rows, (m1, p1), (m2, p2)) in timing {
-        println!(
-            "| {name} | {n} | {rows} | {:.0} | {:.0} | {:.1}% | {:.0} | {:.0} | {:.1}% |",
-            m1 * 1e6,
-            p1 * 1e6,
-            100.0 * m1 / p1,
-            m2 * 1e6,
-            p2 * 1e6,
-            100.0 * m2 / p2
-        );
-    }
+    cost_table(&graphs, n_entity, shard_bs, cost_steps, rounds);
 }

@@ -143,6 +143,8 @@ pub struct BatchSampler {
     state: State,
     /// `x mod triple_counts[p]` for every partition (set up once: each costs a 128-bit division).
     fast: Vec<FastMod>,
+    /// [`Self::len`], fixed at construction (every step reads it; it scans all partitions).
+    len: usize,
 }
 
 /// Options of a [`BatchSampler`].
@@ -192,7 +194,13 @@ impl BatchSampler {
             },
         };
         let fast = part.triple_counts.iter().map(|&c| FastMod::new(c as u64)).collect();
-        Ok(BatchSampler { part, geometry, negative, return_triple_idx: options.return_triple_idx, state, fast })
+        let max = part.triple_counts.iter().copied().max().unwrap_or(0).max(0) as usize;
+        let steps = max.div_ceil(geometry.pss);
+        let len = match state {
+            State::Random(_) => steps,
+            State::Rigid { .. } => steps * geometry.pss,
+        };
+        Ok(BatchSampler { part, geometry, negative, return_triple_idx: options.return_triple_idx, state, fast, len })
     }
 
     /// The geometry.
@@ -210,12 +218,7 @@ impl BatchSampler {
     /// besskge's `len`: steps per epoch (Random) or the padded partition length (Rigid).
     #[must_use]
     pub fn len(&self) -> usize {
-        let max = self.part.triple_counts.iter().copied().max().unwrap_or(0).max(0) as usize;
-        let steps = max.div_ceil(self.geometry.pss);
-        match self.state {
-            State::Random(_) => steps,
-            State::Rigid { .. } => steps * self.geometry.pss,
-        }
+        self.len
     }
 
     /// Whether `len` is 0 (never for a built set).
@@ -268,9 +271,10 @@ impl BatchSampler {
         let steps = self.steps_per_epoch();
         match &mut self.state {
             State::Random(rng) => {
-                // The draws are one sequential stream; the divisions after them are not, and
-                // cost more than the draws, so large steps take them on every thread.
-                idx.extend((0..total).map(|_| rng.integers_63() as i64));
+                // All draws first (one bulk run of the generator), then each block reduced by
+                // its partition's size; large steps take the reductions on every thread.
+                idx.resize(total, 0);
+                rng.fill_integers_63(idx, |v| v as i64);
                 let fast = &self.fast;
                 let reduce = |(block, x): (usize, &mut [i64])| {
                     let p = block % p_count;
@@ -305,15 +309,40 @@ impl BatchSampler {
                         Some(&perm[window.clone()])
                     }
                 };
-                mask.reserve(total);
-                for s in 0..g.batches_per_step {
-                    for p in 0..p_count {
-                        for j in 0..g.ppp {
-                            let gpos = shuffled.map_or(window.start + s * g.ppp + j, |w| w[s * g.ppp + j]) as i64;
-                            let c = counts[p];
-                            let r = if c == 0 { 0 } else { gpos % c };
-                            idx.push((offsets[p] + r).min(n_rows - 1));
-                            mask.push(gpos < c);
+                // Written into slices (no capacity check per value): block by block, the
+                // `ppp` positions of one partition.
+                idx.resize(total, 0);
+                mask.resize(total, false);
+                let last = n_rows - 1;
+                let blocks = idx.chunks_exact_mut(g.ppp).zip(mask.chunks_exact_mut(g.ppp));
+                for (b, (ix, mk)) in blocks.enumerate() {
+                    let (s, p) = (b / p_count, b % p_count);
+                    let (c, off) = (counts[p], offsets[p]);
+                    if c == 0 {
+                        ix.fill(off.min(last));
+                        mk.fill(false);
+                        continue;
+                    }
+                    match shuffled {
+                        // Sequential positions: the remainder steps by one and wraps.
+                        None => {
+                            let first = window.start + s * g.ppp;
+                            let mut r = self.fast[p].reduce(first as u64) as i64;
+                            for (j, (o, m)) in ix.iter_mut().zip(mk.iter_mut()).enumerate() {
+                                *o = (off + r).min(last);
+                                *m = ((first + j) as i64) < c;
+                                r += 1;
+                                if r == c {
+                                    r = 0;
+                                }
+                            }
+                        }
+                        Some(w) => {
+                            let f = self.fast[p];
+                            for ((o, m), &gpos) in ix.iter_mut().zip(mk.iter_mut()).zip(&w[s * g.ppp..(s + 1) * g.ppp]) {
+                                *o = (off + f.reduce(gpos as u64) as i64).min(last);
+                                *m = (gpos as i64) < c;
+                            }
                         }
                     }
                 }

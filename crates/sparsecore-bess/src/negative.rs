@@ -339,14 +339,11 @@ fn draw_mod_shard(
     }
     let n = counts.len();
     let mods = fast.for_counts(counts);
+    let chunk = n * b * k;
     out.clear();
-    out.reserve(bps * n * n * b * k);
-    for _ in 0..bps {
-        for c in mods {
-            for _ in 0..n * b * k {
-                out.push(c.reduce(u64::from(rng.integers_31())) as i32);
-            }
-        }
+    out.resize(bps * n * chunk, 0);
+    for (run, c) in out.chunks_mut(chunk.max(1)).zip(mods.iter().cycle()) {
+        rng.fill_integers_31(run, |v| c.reduce_u32(v) as i32);
     }
     Ok(())
 }

@@ -1,13 +1,12 @@
 //! Building a step's Arrow columns: the schema, what every batch shares (list offsets,
 //! validity, Random's constant mask), the buffers reused between batches, and the positives'
-//! and negatives' columns (built on two threads when the negatives are uniform).
+//! and negatives' columns.
 
 use std::sync::Arc;
 
 use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, ListArray};
-use arrow_buffer::{NullBuffer, OffsetBuffer, ScalarBuffer};
+use arrow_buffer::{ArrowNativeType, BooleanBuffer, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
-use rayon::prelude::*;
 
 use super::{CellCounts, HEAD, NEGATIVE, TAIL};
 use crate::batch::BatchSampler;
@@ -88,15 +87,102 @@ pub(super) struct Shared {
     pub(super) full_mask: ArrayRef,
 }
 
+/// Rigid's positives without shuffle, every window of an epoch laid out in the order a step
+/// reads them (window, partition, position), so that a step copies contiguous runs instead of
+/// gathering `ppp` triples from each of `n²` places in the triple table. The positions of a
+/// window are fixed (besskge's `shuffle=False`), so this is computed once per stream. It holds
+/// every padded position (12 bytes each, as the triple table holds every triple), so it is built
+/// only when there are at most [`RIGID_TABLE_MAX_PADDING`] times as many positions as triples.
+#[derive(Debug, Clone)]
+pub(super) struct RigidTable {
+    /// Physical head, physical tail and relation per position, the relation's sign bit set
+    /// where the mask is false (relations are non-negative): 12 bytes a row, so a step streams
+    /// as few bytes as its triples hold.
+    rows: Vec<[i32; 3]>,
+    /// Per window: whether every position is a real triple (then the mask is the shared
+    /// all-true column, and nothing is packed).
+    all_valid: Vec<bool>,
+    /// Positions per window and partition (`ppp`), partitions `P`, windows per epoch.
+    ppp: usize,
+    partitions: usize,
+    windows: usize,
+}
+
+impl RigidTable {
+    /// The table of `sampler`'s epoch (a Rigid sampler without shuffle, one batch per step),
+    /// or `None` if its padded positions exceed [`RIGID_TABLE_MAX_PADDING`] times the triples.
+    pub(super) fn build(sampler: &mut BatchSampler, phys: &[[i32; 3]]) -> Result<Option<Self>> {
+        let (ppp, partitions) = (sampler.geometry().ppp, sampler.geometry().partitions());
+        let windows = sampler.steps_per_epoch();
+        let positions = windows * partitions * ppp;
+        // The mask is stored in the relation's sign bit.
+        if positions > RIGID_TABLE_MAX_PADDING * phys.len().max(1) || phys.iter().any(|t| t[1] < 0) {
+            return Ok(None);
+        }
+        let mut rows = Vec::with_capacity(positions);
+        let (mut idx, mut m) = (Vec::new(), Vec::new());
+        let mut all_valid = Vec::with_capacity(windows);
+        for w in 0..windows {
+            sampler.sample_indices_into(w, &mut idx, &mut m)?;
+            all_valid.push(m.iter().all(|&v| v));
+            for (&k, &valid) in idx.iter().zip(&m) {
+                let tr = phys[k as usize];
+                rows.push([tr[0], tr[2], if valid { tr[1] } else { tr[1] | i32::MIN }]);
+            }
+        }
+        Ok(Some(RigidTable { rows, all_valid, ppp, partitions, windows }))
+    }
+}
+
+/// The most padded positions per triple for which a [`RigidTable`] is built: it then takes at
+/// most this many times the triple table's memory. Uniform graphs pad little at any `n`; a
+/// skewed graph at large `n` pads every block to its hub pair's size (98% padding for the
+/// power-law graph at n = 64 in MEASUREMENTS.md: 55 times the triples), and reads the triple
+/// table instead.
+const RIGID_TABLE_MAX_PADDING: usize = 8;
+
+/// Triples per chunk that [`Parts::positives`] reads ahead before copying them.
+const READ_AHEAD: usize = 256;
+
 /// Buffers reused from batch to batch (the pipeline reuses its own; a fresh megabyte per batch
 /// would cost more in page faults than the sampling itself).
 #[derive(Debug, Clone, Default)]
 pub(super) struct Scratch {
+    pub(super) pos: PosScratch,
+    pub(super) neg: Vec<i32>,
+    /// The previous batch's `negative` values (see [`PosScratch::values`]).
+    pub(super) neg_values: Option<Buffer>,
+}
+
+/// The positives' reused buffers.
+#[derive(Debug, Clone, Default)]
+pub(super) struct PosScratch {
     pub(super) bess_idx: Vec<i64>,
     pub(super) bess_mask: Vec<bool>,
     pub(super) sidx: Vec<i64>,
     pub(super) smask: Vec<bool>,
-    pub(super) neg: Vec<i32>,
+    /// The Rigid mask in row order, before it is packed into bits.
+    pub(super) row_mask: Vec<bool>,
+    /// The previous batch's column values (`head`, `tail`, `relation`): taken back when the
+    /// caller has dropped that batch, so steady-state batches write into warm memory.
+    pub(super) values: [Option<Buffer>; 3],
+}
+
+/// `len` values in the buffer `slot` held, if the caller has dropped the batch that shared it
+/// and it has that length (its contents are overwritten, except padding, which stays zero: the
+/// layout of every batch of a stream is the same), else `len` zeros.
+fn reuse<T: ArrowNativeType>(slot: &mut Option<Buffer>, len: usize) -> Vec<T> {
+    match slot.take().map(Buffer::into_vec::<T>) {
+        Some(Ok(v)) if v.len() == len => v,
+        _ => vec![T::default(); len],
+    }
+}
+
+/// The values as an Arrow buffer, keeping a reference in `slot` for [`reuse`].
+fn keep<T: ArrowNativeType>(slot: &mut Option<Buffer>, v: Vec<T>) -> ScalarBuffer<T> {
+    let b = ScalarBuffer::from(v);
+    *slot = Some(b.inner().clone());
+    b
 }
 
 /// What building a record batch needs, borrowed apart from the samplers (so that positives and
@@ -105,6 +191,7 @@ pub(super) struct Parts<'a> {
     pub(super) layout: &'a SparseCoreLayout,
     pub(super) counts: &'a CellCounts,
     pub(super) phys: &'a [[i32; 3]],
+    pub(super) rigid: Option<&'a RigidTable>,
     pub(super) neg_b: usize,
     pub(super) neg_k: usize,
     pub(super) flat: bool,
@@ -114,79 +201,172 @@ pub(super) struct Parts<'a> {
 }
 
 impl Parts<'_> {
-    /// Samples step `step`'s positives, lays them out SparseCore-major into `sidx` (and
-    /// `smask`) and builds their columns. Returns the columns and whether there is a Rigid mask.
-    pub(super) fn positives(
-        &self,
-        sampler: &mut BatchSampler,
-        step: usize,
-        bess_idx: &mut Vec<i64>,
-        bess_mask: &mut Vec<bool>,
-        sidx: &mut Vec<i64>,
-        smask: &mut Vec<bool>,
-    ) -> Result<(Vec<ArrayRef>, bool)> {
+    /// Samples step `step`'s positives and builds their columns. With `keep_sidx`, also lays
+    /// all SparseCores' indices out SparseCore-major into `sidx` (and the Rigid mask into
+    /// `smask`): what annotations and the per-triple negative samplers read. Returns the
+    /// columns and whether there is a Rigid mask.
+    pub(super) fn positives(&self, sampler: &mut BatchSampler, step: usize, scratch: &mut PosScratch, keep_sidx: bool) -> Result<(Vec<ArrayRef>, bool)> {
         let lay = self.layout;
         let n = lay.num_sparsecores();
         let (ppp, t, r) = (self.counts.ppp, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        if let (Some(rt), false) = (self.rigid, keep_sidx) {
+            return self.rigid_positives(rt, step, scratch);
+        }
+        let PosScratch { bess_idx, bess_mask, sidx, smask, row_mask, values } = scratch;
         // BESS indices, row-major over (head shard i, tail shard j, position).
         let rigid = sampler.sample_indices_into(step, bess_idx, bess_mask)?;
         sidx.clear();
         smask.clear();
-        for g in 0..n {
-            for i in 0..n {
-                let base = (i * n + lay.tail_shard(g, i, step)) * ppp;
-                sidx.extend_from_slice(&bess_idx[base..base + ppp]);
-                if rigid {
-                    smask.extend_from_slice(&bess_mask[base..base + ppp]);
+        if keep_sidx {
+            for g in 0..n {
+                for i in 0..n {
+                    let base = (i * n + lay.tail_shard(g, i, step)) * ppp;
+                    sidx.extend_from_slice(&bess_idx[base..base + ppp]);
+                    if rigid {
+                        smask.extend_from_slice(&bess_mask[base..base + ppp]);
+                    }
                 }
             }
         }
         let local = lay.local_sparsecores();
         let rows = local * r;
-        let pad = r - t;
-        let first = lay.global_sparsecore(0) * t;
-        let _ = rows;
-        let mine = &sidx[first..first + local * t];
-        // The random reads of the triple table are what this stage waits on; the loop does
-        // little else, so many are in flight.
-        // Slices are gathered in parallel.
-        let mut head = vec![0i64; local * t];
-        let mut tail = vec![0i64; local * t];
-        let mut relation = vec![0i32; rows];
-        head.par_chunks_mut(t).zip(tail.par_chunks_mut(t)).zip(relation.par_chunks_mut(r)).zip(mine.par_chunks(t)).for_each(|(((h, tl), rel), slice)| {
-            for (k, &i) in slice.iter().enumerate() {
-                let tr = self.phys[i as usize];
-                h[k] = i64::from(tr[0]);
-                tl[k] = i64::from(tr[2]);
-                rel[k] = tr[1];
+        let [vh, vt, vr] = values;
+        let mut head: Vec<i64> = reuse(vh, local * t);
+        let mut tail: Vec<i64> = reuse(vt, local * t);
+        let mut relation: Vec<i32> = reuse(vr, rows);
+        if rigid {
+            row_mask.clear();
+            row_mask.resize(rows, false);
+        }
+        // Block by block in the sampler's order, which is the triple table's (partitions are
+        // stored in order, and Rigid's positions are runs), each block's `ppp` rows written
+        // where its SparseCore's slice takes them. The reads of the table miss the caches (it
+        // is megabytes, and preprocessing evicts it between batches), and a loop that also
+        // writes three columns keeps only a few misses in flight; so each chunk of blocks is
+        // first read ahead by a loop that only loads (many misses in flight), and then copied
+        // from the cache.
+        let phys = self.phys;
+        let first = lay.global_sparsecore(0);
+        // The local slot of the SparseCore that takes block (i, j): tail_shard(g, i, step) = j.
+        let slot_of = |p: usize| -> Option<usize> {
+            let (i, j) = (p / n, p % n);
+            let g = (j + 2 * n - i - step % n) & (n - 1);
+            g.checked_sub(first).filter(|&s| s < local)
+        };
+        let blocks = n * n;
+        let per = (READ_AHEAD / ppp).max(1);
+        let read_ahead = |from: usize| -> i32 {
+            let mut acc = 0i32;
+            for p in from..(from + per).min(blocks) {
+                if slot_of(p).is_some() {
+                    for &k in &bess_idx[p * ppp..(p + 1) * ppp] {
+                        acc ^= phys[k as usize][0];
+                    }
+                }
             }
-        });
+            acc
+        };
+        let mut acc = read_ahead(0);
+        for from in (0..blocks).step_by(per) {
+            acc ^= read_ahead(from + per);
+            for p in from..(from + per).min(blocks) {
+                let Some(slot) = slot_of(p) else { continue };
+                let i = p / n;
+                let src = p * ppp;
+                let dst = slot * t + i * ppp;
+                let (h, tl) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp]);
+                let rel = &mut relation[slot * r + i * ppp..][..ppp];
+                for (q, &k) in bess_idx[src..src + ppp].iter().enumerate() {
+                    let tr = phys[k as usize];
+                    h[q] = i64::from(tr[0]);
+                    tl[q] = i64::from(tr[2]);
+                    rel[q] = tr[1];
+                }
+                if rigid {
+                    row_mask[slot * r + i * ppp..][..ppp].copy_from_slice(&bess_mask[src..src + ppp]);
+                }
+            }
+        }
+        std::hint::black_box(acc);
         let sh = self.shared;
-        let lists = |ids: Vec<i64>| -> Result<ArrayRef> {
-            Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int64Array::from(ids)), None)?))
+        let head = keep(vh, head);
+        let tail = keep(vt, tail);
+        let relation = keep(vr, relation);
+        let lists = |ids: ScalarBuffer<i64>| -> Result<ArrayRef> {
+            Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int64Array::new(ids, None)), None)?))
         };
-        let mask: ArrayRef = if rigid {
-            let m = &smask[first..first + local * t];
-            Arc::new(BooleanArray::from_iter((0..local).flat_map(|s| (0..r).map(move |row| Some(row < t && m[s * t + row])))))
-        } else {
-            sh.full_mask.clone()
-        };
-        let mut columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation.into(), sh.pos_valid.clone())), mask];
+        let mask: ArrayRef = if rigid { Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None)) } else { sh.full_mask.clone() };
+        let mut columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation, sh.pos_valid.clone())), mask];
         if self.columns.annotations {
+            let first = first * t;
+            let mine = &sidx[first..first + local * t];
             let mut tidx = Vec::with_capacity(rows);
             for slice in mine.chunks(t) {
                 tidx.extend_from_slice(slice);
-                tidx.resize(tidx.len() + pad, 0);
+                tidx.resize(tidx.len() + (r - t), 0);
             }
             columns.push(Arc::new(Int64Array::new(tidx.into(), sh.pos_valid.clone())));
         }
         Ok((columns, rigid))
     }
 
+    /// [`Self::positives`] from a [`RigidTable`]: each block is a contiguous run of the step's
+    /// window, copied to its SparseCore's rows.
+    fn rigid_positives(&self, rt: &RigidTable, step: usize, scratch: &mut PosScratch) -> Result<(Vec<ArrayRef>, bool)> {
+        let lay = self.layout;
+        let n = lay.num_sparsecores();
+        let (ppp, t, r) = (self.counts.ppp, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        debug_assert_eq!((rt.ppp, rt.partitions), (ppp, n * n));
+        let local = lay.local_sparsecores();
+        let rows = local * r;
+        let PosScratch { row_mask, values, .. } = scratch;
+        let [vh, vt, vr] = values;
+        let mut head: Vec<i64> = reuse(vh, local * t);
+        let mut tail: Vec<i64> = reuse(vt, local * t);
+        let mut relation: Vec<i32> = reuse(vr, rows);
+        let window = step % rt.windows.max(1);
+        let all_valid = rt.all_valid[window];
+        if !all_valid {
+            row_mask.clear();
+            row_mask.resize(rows, false);
+        }
+        let base = window * rt.partitions * ppp;
+        let first = lay.global_sparsecore(0);
+        for i in 0..n {
+            for j in 0..n {
+                let g = (j + 2 * n - i - step % n) & (n - 1);
+                let Some(slot) = g.checked_sub(first).filter(|&s| s < local) else { continue };
+                let src = base + (i * n + j) * ppp;
+                let dst = slot * t + i * ppp;
+                let row = slot * r + i * ppp;
+                let (h, tl, rel) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[row..row + ppp]);
+                for (q, &[hv, tv, rv]) in rt.rows[src..src + ppp].iter().enumerate() {
+                    h[q] = i64::from(hv);
+                    tl[q] = i64::from(tv);
+                    rel[q] = rv & i32::MAX;
+                }
+                if !all_valid {
+                    for (m, &[.., rv]) in row_mask[row..row + ppp].iter_mut().zip(&rt.rows[src..src + ppp]) {
+                        *m = rv >= 0;
+                    }
+                }
+            }
+        }
+        let sh = self.shared;
+        let lists = |ids: ScalarBuffer<i64>| -> Result<ArrayRef> {
+            Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int64Array::new(ids, None)), None)?))
+        };
+        let mask: ArrayRef =
+            if all_valid { sh.full_mask.clone() } else { Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None)) };
+        let columns: Vec<ArrayRef> =
+            vec![lists(keep(vh, head))?, lists(keep(vt, tail))?, Arc::new(Int32Array::new(keep(vr, relation), sh.pos_valid.clone())), mask];
+        Ok((columns, true))
+    }
+
     /// The negative columns from the sampler's values `negs`, row-major over
     /// `(1, n, n, B, K)` (and its mask): SparseCore `g`'s slice takes `negs[0][x][g]` from every
     /// shard `x`, one per row.
-    pub(super) fn negative_columns(&self, negs: &[i32], nmask: Option<&[bool]>) -> Result<Vec<ArrayRef>> {
+    pub(super) fn negative_columns(&self, negs: &[i32], nmask: Option<&[bool]>, values: &mut Option<Buffer>) -> Result<Vec<ArrayRef>> {
         let lay = self.layout;
         let n = lay.num_sparsecores();
         let (ppp, r) = (self.counts.ppp, self.counts.rows_per_sparsecore);
@@ -199,7 +379,7 @@ impl Parts<'_> {
         let hoff: Vec<i64> = (0..n).map(|s| lay.physical_id(s, 0)).collect();
         let ann = self.columns.annotations;
         let cap = |on: bool| if on { rows } else { 0 };
-        let mut ids = Vec::with_capacity(local * nrows);
+        let mut ids: Vec<i64> = reuse(values, local * nrows);
         let mut nm = Vec::with_capacity(cap(self.columns.negative_mask));
         let (mut shard, mut trip, mut side) = (Vec::with_capacity(cap(ann)), Vec::with_capacity(cap(ann)), Vec::with_capacity(cap(ann)));
         let side_of = |bb: usize| -> i8 {
@@ -216,7 +396,10 @@ impl Parts<'_> {
             for (x, &hx) in hoff.iter().enumerate() {
                 // negs[0][x][g][bb][ii], contiguous over (bb, ii).
                 let at = (x * n + g) * bk;
-                ids.extend(negs[at..at + bk].iter().map(|&v| i64::from(v) * n64 + hx));
+                let to = &mut ids[(slot * n + x) * bk..][..bk];
+                for (o, &v) in to.iter_mut().zip(&negs[at..at + bk]) {
+                    *o = i64::from(v) * n64 + hx;
+                }
                 if self.columns.negative_mask {
                     match nmask {
                         Some(m) => nm.extend_from_slice(&m[at..at + bk]),
@@ -242,7 +425,8 @@ impl Parts<'_> {
         }
         let sh = self.shared;
         let valid = &sh.neg_valid;
-        let mut columns: Vec<ArrayRef> = vec![Arc::new(ListArray::try_new(list_field(), sh.neg_offsets.clone(), Arc::new(Int64Array::from(ids)), None)?)];
+        let mut columns: Vec<ArrayRef> =
+            vec![Arc::new(ListArray::try_new(list_field(), sh.neg_offsets.clone(), Arc::new(Int64Array::new(keep(values, ids), None)), None)?)];
         if self.columns.negative_mask {
             columns.push(Arc::new(BooleanArray::new(nm.into(), valid.clone())));
         }
@@ -256,4 +440,3 @@ impl Parts<'_> {
         Ok(columns)
     }
 }
-

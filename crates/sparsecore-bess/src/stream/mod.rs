@@ -45,7 +45,11 @@ use crate::sharding::Sharding;
 
 mod columns;
 
-use columns::{one_id_offsets, schema, validity, Columns, Parts, Scratch, Shared};
+use columns::{one_id_offsets, schema, validity, Columns, Parts, RigidTable, Scratch, Shared};
+
+/// Negatives per step (all SparseCores) from which uniform negatives are drawn on a second
+/// thread while the positives are drawn.
+const PARALLEL_NEGATIVES: usize = 1 << 16;
 
 /// The entity table's name in the config.
 pub const TABLE: &str = "entities";
@@ -437,6 +441,10 @@ impl BessStreamBuilder {
                 phys.push([layout.physical_id(i, tr[0]) as i32, tr[1] as i32, layout.physical_id(j, tr[2]) as i32]);
             }
         }
+        let rigid = match self.sampler {
+            StreamSampler::Rigid { shuffle: false } => RigidTable::build(&mut sampler.clone(), &phys)?.map(Arc::new),
+            _ => None,
+        };
         let local = layout.local_sparsecores();
         let full_mask: ArrayRef = Arc::new(BooleanArray::from_iter((0..local).flat_map(|_| (0..rows).map(|row| Some(row < t)))));
         let shared = Shared {
@@ -451,6 +459,7 @@ impl BessStreamBuilder {
             layout,
             part,
             phys,
+            rigid,
             sampler,
             negative,
             counts,
@@ -475,6 +484,8 @@ pub struct BessStream {
     layout: SparseCoreLayout,
     part: Arc<PartitionedTriples>,
     phys: Vec<[i32; 3]>,
+    /// Rigid without shuffle: the epoch's positives in step order, when small enough.
+    rigid: Option<Arc<RigidTable>>,
     sampler: BatchSampler,
     negative: Option<NegativeSampler>,
     counts: CellCounts,
@@ -552,13 +563,14 @@ impl BessStream {
     }
 
     /// Draws step `step` (Random continues its stream whatever `step` is; Rigid takes the
-    /// positions of `step`). Uniform negatives do not depend on the positives, so they are drawn
-    /// and laid out on a second thread while the positives are.
+    /// positions of `step`). Uniform negatives do not depend on the positives, so in steps with
+    /// many of them they are drawn and laid out on a second thread while the positives are.
     pub fn draw(&mut self, step: usize) -> Result<StreamBatch> {
         let parts = Parts {
             layout: &self.layout,
             counts: &self.counts,
             phys: &self.phys,
+            rigid: self.rigid.as_deref(),
             neg_b: self.neg_b,
             neg_k: self.neg_k,
             flat: self.flat,
@@ -567,21 +579,26 @@ impl BessStream {
             shared: &self.shared,
         };
         let (sampler, part) = (&mut self.sampler, &self.part);
-        let Scratch { bess_idx, bess_mask, sidx, smask, neg } = &mut self.scratch;
+        let Scratch { pos, neg, neg_values } = &mut self.scratch;
         let keep = self.columns.annotations;
         let f = self.counts.triples_per_sparsecore;
+        let n = parts.layout.num_sparsecores();
         let (mut columns, rigid, negative) = match &mut self.negative {
             Some(NegativeSampler::Random(rn)) => {
-                let (pos, negs) = rayon::join(
-                    || parts.positives(sampler, step, bess_idx, bess_mask, sidx, smask),
-                    || {
-                        rn.draw_into(part, 1, f, neg)?;
-                        parts.negative_columns(neg, None)
-                    },
-                );
-                let (mut columns, rigid) = pos?;
-                columns.extend(negs?);
-                let n = parts.layout.num_sparsecores();
+                let mut positives = || parts.positives(sampler, step, pos, keep);
+                let mut negatives = || -> Result<Vec<ArrayRef>> {
+                    rn.draw_into(part, 1, f, neg)?;
+                    parts.negative_columns(neg, None, neg_values)
+                };
+                // Waking a second thread costs more than small steps take, so only steps with
+                // many negatives draw them on a second thread.
+                let (p, ng) = if self.counts.negative_ids_per_partition * n * n >= PARALLEL_NEGATIVES {
+                    rayon::join(positives, negatives)
+                } else {
+                    (positives(), negatives())
+                };
+                let (mut columns, rigid) = p?;
+                columns.extend(ng?);
                 let kept = keep.then(|| NegativeOutput {
                     negative: ArrayD::from_shape_vec(IxDyn(&[1, n, n, parts.neg_b, parts.neg_k]), neg.clone()).expect("drawn shape"),
                     mask: None,
@@ -590,25 +607,24 @@ impl BessStream {
                 (columns, rigid, kept)
             }
             Some(ns) => {
-                let (mut columns, rigid) = parts.positives(sampler, step, bess_idx, bess_mask, sidx, smask)?;
-                let n = parts.layout.num_sparsecores();
-                let si = ArrayD::from_shape_vec(IxDyn(&[1, n, n, parts.counts.ppp]), sidx.clone()).expect("n * n * ppp indices");
+                let (mut columns, rigid) = parts.positives(sampler, step, pos, true)?;
+                let si = ArrayD::from_shape_vec(IxDyn(&[1, n, n, parts.counts.ppp]), pos.sidx.clone()).expect("n * n * ppp indices");
                 let no = ns.sample(part, &si)?;
                 let flat_neg = no.negative.as_slice().expect("standard layout");
                 let flat_mask = no.mask.as_ref().map(|m| m.as_slice().expect("standard layout"));
-                columns.extend(parts.negative_columns(flat_neg, flat_mask)?);
+                columns.extend(parts.negative_columns(flat_neg, flat_mask, neg_values)?);
                 (columns, rigid, keep.then_some(no))
             }
             None => {
-                let (columns, rigid) = parts.positives(sampler, step, bess_idx, bess_mask, sidx, smask)?;
+                let (columns, rigid) = parts.positives(sampler, step, pos, keep)?;
                 (columns, rigid, None)
             }
         };
         let record_batch = RecordBatch::try_new(self.schema.clone(), std::mem::take(&mut columns))?;
         let n = self.layout.num_sparsecores();
         let ppp = self.counts.ppp;
-        let sample_idx = keep.then(|| ArrayD::from_shape_vec(IxDyn(&[n, n, ppp]), sidx.clone()).expect("n * n * ppp indices"));
-        let triple_mask = (keep && rigid).then(|| smask.clone());
+        let sample_idx = keep.then(|| ArrayD::from_shape_vec(IxDyn(&[n, n, ppp]), self.scratch.pos.sidx.clone()).expect("n * n * ppp indices"));
+        let triple_mask = (keep && rigid).then(|| self.scratch.pos.smask.clone());
         Ok(StreamBatch { step, record_batch, sample_idx, triple_mask, negative })
     }
 }
