@@ -367,30 +367,8 @@ fn draw_panel(
         st.max_unique_ids(),
         st.dropped_id_count
     );
-    let x_range = -0.5f64..(cells.max(1) as f64 - 0.5);
-    let whole = |v: &f64| format!("{v:.0}");
-    let mut chart = ChartBuilder::on(&top)
-        .caption(caption, ("sans-serif", 19))
-        .margin(8)
-        .x_label_area_size(34)
-        .y_label_area_size(74)
-        .build_cartesian_2d(x_range.clone(), 0f64..ids_max)
-        .map_err(plot_err)?;
-    let label = |v: &f64| cell_label(*v, n, devices);
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .x_labels(cells.clamp(1, 16))
-        .x_label_formatter(&label)
-        .x_desc(if devices > 1 { "local device:destination partition" } else { "destination partition" })
-        .y_desc("ids")
-        .y_labels(6)
-        .y_max_light_lines(1)
-        .y_label_formatter(&whole)
-        .label_style(("sans-serif", 15))
-        .axis_desc_style(("sans-serif", 15))
-        .draw()
-        .map_err(plot_err)?;
+    let x_desc = if devices > 1 { "local device:destination partition" } else { "destination partition" };
+    let mut chart = axes(&top, Axes { caption, caption_size: 19, columns: cells, per: n, devices, x_desc, y_desc: "ids", y_labels: 6, y_max: ids_max })?;
     let bars = |values: &[i32], left: f64, colour: RGBColor| {
         values
             .iter()
@@ -414,50 +392,77 @@ fn draw_panel(
         chart.draw_series(values(&st.max_unique_ids_per_partition, 0.2)).map_err(plot_err)?;
     }
     if let Some(l) = limits {
-        for (v, colour) in [(l.max_ids, IDS_LIMIT), (l.max_unique, UNIQUE_LIMIT)] {
-            let line = PathElement::new(vec![(x_range.start, v as f64), (x_range.end, v as f64)], colour.stroke_width(2));
-            chart.draw_series(std::iter::once(line)).map_err(plot_err)?;
-        }
+        limit_line(&mut chart, cells, l.max_ids as f64, IDS_LIMIT)?;
+        limit_line(&mut chart, cells, l.max_unique as f64, UNIQUE_LIMIT)?;
     }
 
     let scs = st.required_buffer_size_per_sc.len();
-    let x_range = -0.5f64..(scs.max(1) as f64 - 0.5);
     let peak = st.required_buffer_size_per_sc.iter().copied().max().unwrap_or(0);
     let caption = match limits {
         Some(l) => format!("COO buffer per local SparseCore: peak {peak} of {} slots", l.buffer_per_sc),
         None => format!("COO buffer per local SparseCore: peak {peak} slots"),
     };
-    let mut chart = ChartBuilder::on(&bottom)
-        .caption(caption, ("sans-serif", 17))
+    let x_desc = if devices > 1 { "local device:SparseCore" } else { "SparseCore" };
+    let mut chart = axes(&bottom, Axes { caption, caption_size: 17, columns: scs, per: s, devices, x_desc, y_desc: "slots", y_labels: 4, y_max: buf_max })?;
+    chart.draw_series(bars(&st.required_buffer_size_per_sc, -0.2, BUFFER)).map_err(plot_err)?;
+    if scs <= MAX_VALUE_LABELS {
+        chart.draw_series(values(&st.required_buffer_size_per_sc, 0.0)).map_err(plot_err)?;
+    }
+    if let Some(l) = limits {
+        limit_line(&mut chart, scs, l.buffer_per_sc as f64, BUFFER_LIMIT)?;
+    }
+    Ok(())
+}
+
+/// What one bar chart of a panel shows: `columns` bars labelled by [`cell_label`] with `per`
+/// columns per local device.
+struct Axes<'a> {
+    caption: String,
+    caption_size: u32,
+    columns: usize,
+    per: usize,
+    devices: usize,
+    x_desc: &'a str,
+    y_desc: &'a str,
+    y_labels: usize,
+    y_max: f64,
+}
+
+type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>>;
+
+/// A chart on `area` with its caption, axes and mesh drawn: columns centred on 0, 1, …
+fn axes<'a, 'b>(area: &'a DrawingArea<SVGBackend<'b>, Shift>, a: Axes<'_>) -> Result<Chart<'a, 'b>> {
+    let whole = |v: &f64| format!("{v:.0}");
+    let label = |v: &f64| cell_label(*v, a.per, a.devices);
+    let mut chart = ChartBuilder::on(area)
+        .caption(a.caption, ("sans-serif", a.caption_size))
         .margin(8)
         .x_label_area_size(34)
         .y_label_area_size(74)
-        .build_cartesian_2d(x_range.clone(), 0f64..buf_max)
+        .build_cartesian_2d(-0.5f64..(a.columns.max(1) as f64 - 0.5), 0f64..a.y_max)
         .map_err(plot_err)?;
-    let label = |v: &f64| cell_label(*v, s, devices);
     chart
         .configure_mesh()
         .disable_x_mesh()
-        .x_labels(scs.clamp(1, 16))
+        .x_labels(a.columns.clamp(1, 16))
         .x_label_formatter(&label)
-        .x_desc(if devices > 1 { "local device:SparseCore" } else { "SparseCore" })
-        .y_desc("slots")
-        .y_labels(4)
+        .x_desc(a.x_desc)
+        .y_desc(a.y_desc)
+        .y_labels(a.y_labels)
         .y_max_light_lines(1)
         .y_label_formatter(&whole)
         .label_style(("sans-serif", 15))
         .axis_desc_style(("sans-serif", 15))
         .draw()
         .map_err(plot_err)?;
-    chart.draw_series(bars(&st.required_buffer_size_per_sc, -0.2, BUFFER)).map_err(plot_err)?;
-    if scs <= MAX_VALUE_LABELS {
-        chart.draw_series(values(&st.required_buffer_size_per_sc, 0.0)).map_err(plot_err)?;
-    }
-    if let Some(l) = limits {
-        let v = l.buffer_per_sc as f64;
-        let line = PathElement::new(vec![(x_range.start, v), (x_range.end, v)], BUFFER_LIMIT.stroke_width(2));
-        chart.draw_series(std::iter::once(line)).map_err(plot_err)?;
-    }
+    Ok(chart)
+}
+
+/// A horizontal line at `value` across a chart of `columns` bars.
+fn limit_line(chart: &mut Chart<'_, '_>, columns: usize, value: f64, colour: RGBColor) -> Result<()> {
+    let (left, right) = (-0.5, columns.max(1) as f64 - 0.5);
+    let line = PathElement::new(vec![(left, value), (right, value)], colour.stroke_width(2));
+    chart.draw_series(std::iter::once(line)).map_err(plot_err)?;
     Ok(())
 }
 
