@@ -134,9 +134,6 @@ struct SampleCounts {
     cells: Vec<(u32, u32)>,
     /// Largest ids / limit over the sample's cells.
     peak: Vec<f64>,
-    /// Per cell, the most ids any one sample sends it: a sample cannot be split, so no order
-    /// puts less than that into the cell of the slice holding it.
-    heaviest: Vec<u32>,
 }
 
 /// The shape the counts are laid out in.
@@ -195,7 +192,8 @@ impl Balancer {
             }
         }
         let before_batches = batch_loads(&self.load, shape, window.len());
-        let bound = with_heaviest(bound_from(&self.load, shape, nslices), &self.counts.heaviest, shape);
+        let rows = slice_rows.iter().copied().min().unwrap_or(0);
+        let bound = with_unsplit(bound_from(&self.load, shape, nslices), &self.counts, shape, rows);
 
         // Greedy placement: heaviest samples first, each where the new peak is lowest (ties:
         // the slice with the fewest ids so far, then the lowest index), so the order is
@@ -341,7 +339,6 @@ impl Balancer {
         counts.peak.clear();
         counts.start.clear();
         counts.start.push(0);
-        counts.heaviest.clear();
         let config = self.prep.config().clone();
         let mut shape = None;
         for (b, rb) in window.iter().enumerate() {
@@ -363,7 +360,6 @@ impl Balancer {
             }
             self.acc.clear();
             self.acc.resize(this.cells(), 0);
-            counts.heaviest.resize(this.cells(), 0);
             let features_of_batch = ragged_views(plan, &inputs)?;
             for row in 0..rows {
                 count_sample(&features_of_batch, row, &mut self.seen, &mut self.acc, &mut self.touched);
@@ -371,8 +367,6 @@ impl Balancer {
                 for &c in &self.touched {
                     let n = std::mem::take(&mut self.acc[c as usize]);
                     peak = peak.max(n as f64 * features_of_batch.inv_limit[c as usize]);
-                    let heaviest = &mut counts.heaviest[c as usize];
-                    *heaviest = (*heaviest).max(n);
                     counts.cells.push((c, n));
                 }
                 counts.refs.push(SampleRef { batch: b, row });
@@ -697,11 +691,29 @@ fn bound_from(load: &[u32], shape: Shape, nslices: usize) -> Vec<u32> {
         .collect()
 }
 
-/// Raises each stack's bound to the most ids one sample sends to one of its cells.
-fn with_heaviest(mut bound: Vec<u32>, heaviest: &[u32], shape: Shape) -> Vec<u32> {
-    for (st, b) in bound.iter_mut().enumerate() {
-        let cells = heaviest.get(st * shape.partitions..(st + 1) * shape.partitions).unwrap_or_default();
-        *b = cells.iter().copied().fold(*b, u32::max);
+/// Raises each stack's bound to what the slice holding a cell's heaviest sample must get: that
+/// sample's ids (a sample is never split) plus the fewest ids any `rows - 1` other samples send
+/// to the cell (the slice holds `rows` samples; `rows` is the smallest slice of the window).
+fn with_unsplit(mut bound: Vec<u32>, counts: &SampleCounts, shape: Shape, rows: usize) -> Vec<u32> {
+    let mut per_cell: Vec<Vec<u32>> = vec![Vec::new(); shape.cells()];
+    for &(c, n) in &counts.cells {
+        per_cell[c as usize].push(n);
+    }
+    let samples = counts.refs.len();
+    for (c, shares) in per_cell.iter_mut().enumerate() {
+        let Some(k) = (0..shares.len()).max_by_key(|&k| shares[k]) else { continue };
+        let heaviest = shares.swap_remove(k);
+        // Samples sending nothing to the cell are the cheapest company.
+        let zeros = samples - 1 - shares.len();
+        let need = rows.saturating_sub(1).saturating_sub(zeros).min(shares.len());
+        let company: u64 = if need == 0 {
+            0
+        } else {
+            shares.select_nth_unstable(need - 1);
+            shares[..need].iter().map(|&n| n as u64).sum()
+        };
+        let b = &mut bound[c / shape.partitions];
+        *b = (*b).max((heaviest as u64 + company).min(u32::MAX as u64) as u32);
     }
     bound
 }
@@ -998,7 +1010,7 @@ impl Worst for IdLoad {
 /// A lower bound on any order's worst `max_ids_per_partition`, per stack: the ids a window sends
 /// to partition p must land in one of its W·L·S slices, so some slice gets at least
 /// ⌈ids to p / (W·L·S)⌉ of them; and a sample is never split, so the slice holding it gets at
-/// least the ids it sends to p. (Per device the pipeline reports the largest over its S
+/// least the ids it sends to p, plus the fewest its other samples can add. (Per device the pipeline reports the largest over its S
 /// SparseCores, so the bound holds for every device's statistic too.)
 pub fn lower_bound(config: &Config, window: &[RecordBatch]) -> Result<Vec<u32>> {
     let mut balancer = Balancer::new(config.clone())?;
@@ -1011,7 +1023,8 @@ pub fn lower_bound(config: &Config, window: &[RecordBatch]) -> Result<Vec<u32>> 
         totals[c as usize] += n;
     }
     let spread = bound_from(&totals, shape, 1).into_iter().map(|t| t.div_ceil((window.len() * shape.slices).max(1) as u32)).collect();
-    Ok(with_heaviest(spread, &balancer.counts.heaviest, shape))
+    let rows = window.iter().map(|b| b.num_rows() / shape.slices).min().unwrap_or(0);
+    Ok(with_unsplit(spread, &balancer.counts, shape, rows))
 }
 
 #[cfg(test)]
