@@ -49,63 +49,38 @@ fn f<'py, T: IntoPyObject<'py>>(py: Python<'py>, v: T) -> Option<Bound<'py, PyAn
     errors::field(py, v)
 }
 
+/// The keyword fields of an error class from the variant's bindings of the same names:
+/// `fields!(py; column, row)` is `&[("column", f(py, column)), ("row", f(py, row))]`.
+macro_rules! fields {
+    ($py:ident; $($name:ident),*) => {
+        &[$((stringify!($name), f($py, $name))),*]
+    };
+}
+
 /// Maps the crate's error to its Python class, keeping the message and the facts as fields.
 /// Pipeline errors (`BessError::Prep`) become the pipeline's own classes.
 pub fn to_py(py: Python<'_>, e: BessError) -> PyErr {
     let message = e.to_string();
     match e {
-        BessError::EntityOutOfRange { column, row, value, n_entity } => raise(
-            py,
-            "EntityOutOfRangeError",
-            message,
-            &[("column", f(py, column)), ("row", f(py, row)), ("value", f(py, value)), ("n_entity", f(py, n_entity))],
-        ),
-        BessError::RelationOutOfRange { column, row, value, n_relation } => raise(
-            py,
-            "RelationOutOfRangeError",
-            message,
-            &[("column", f(py, column)), ("row", f(py, row)), ("value", f(py, value)), ("n_relation", f(py, n_relation))],
-        ),
-        BessError::LengthMismatch { column, got, other, expected } => raise(
-            py,
-            "LengthMismatchError",
-            message,
-            &[("column", f(py, column)), ("got", f(py, got)), ("other", f(py, other)), ("expected", f(py, expected))],
-        ),
-        BessError::MissingColumn { column } => raise(py, "MissingColumnError", message, &[("column", f(py, column))]),
-        BessError::ColumnType { column, found } => raise(py, "ColumnTypeError", message, &[("column", f(py, column)), ("found", f(py, found))]),
-        BessError::NullValue { column, row } => raise(py, "NullValueError", message, &[("column", f(py, column)), ("row", f(py, row))]),
-        BessError::EmptyPartition { sampler, partition } => {
-            raise(py, "EmptyPartitionError", message, &[("sampler", f(py, sampler)), ("partition", f(py, partition))])
+        BessError::EntityOutOfRange { column, row, value, n_entity } => {
+            raise(py, "EntityOutOfRangeError", message, fields!(py; column, row, value, n_entity))
         }
-        BessError::ZeroTriplesPerBlock { shard_bs, ppp, n_shard, duplicate_batch, corruption, minimum } => raise(
-            py,
-            "ZeroTriplesPerBlockError",
-            message,
-            &[
-                ("shard_bs", f(py, shard_bs)),
-                ("ppp", f(py, ppp)),
-                ("n_shard", f(py, n_shard)),
-                ("duplicate_batch", f(py, duplicate_batch)),
-                ("corruption", f(py, corruption)),
-                ("minimum", f(py, minimum)),
-            ],
-        ),
-        BessError::ShardCountMismatch { n_shard, num_sparsecores, global_devices, sc_per_device } => raise(
-            py,
-            "ShardCountMismatchError",
-            message,
-            &[
-                ("n_shard", f(py, n_shard)),
-                ("num_sparsecores", f(py, num_sparsecores)),
-                ("global_devices", f(py, global_devices)),
-                ("sc_per_device", f(py, sc_per_device)),
-            ],
-        ),
-        BessError::InvalidParameter { name, value, reason } => {
-            raise(py, "InvalidParameterError", message, &[("name", f(py, name)), ("value", f(py, value)), ("reason", f(py, reason))])
+        BessError::RelationOutOfRange { column, row, value, n_relation } => {
+            raise(py, "RelationOutOfRangeError", message, fields!(py; column, row, value, n_relation))
         }
-        BessError::ShardingFile { path, reason } => raise(py, "ShardingFileError", message, &[("path", f(py, path)), ("reason", f(py, reason))]),
+        BessError::LengthMismatch { column, got, other, expected } => raise(py, "LengthMismatchError", message, fields!(py; column, got, other, expected)),
+        BessError::MissingColumn { column } => raise(py, "MissingColumnError", message, fields!(py; column)),
+        BessError::ColumnType { column, found } => raise(py, "ColumnTypeError", message, fields!(py; column, found)),
+        BessError::NullValue { column, row } => raise(py, "NullValueError", message, fields!(py; column, row)),
+        BessError::EmptyPartition { sampler, partition } => raise(py, "EmptyPartitionError", message, fields!(py; sampler, partition)),
+        BessError::ZeroTriplesPerBlock { shard_bs, ppp, n_shard, duplicate_batch, corruption, minimum } => {
+            raise(py, "ZeroTriplesPerBlockError", message, fields!(py; shard_bs, ppp, n_shard, duplicate_batch, corruption, minimum))
+        }
+        BessError::ShardCountMismatch { n_shard, num_sparsecores, global_devices, sc_per_device } => {
+            raise(py, "ShardCountMismatchError", message, fields!(py; n_shard, num_sparsecores, global_devices, sc_per_device))
+        }
+        BessError::InvalidParameter { name, value, reason } => raise(py, "InvalidParameterError", message, fields!(py; name, value, reason)),
+        BessError::ShardingFile { path, reason } => raise(py, "ShardingFileError", message, fields!(py; path, reason)),
         BessError::Io { .. } => PyOSError::new_err(message),
         BessError::Prep(e) => errors::to_py(py, e),
         _ => raise(py, "BessError", message, &[]),
@@ -218,6 +193,20 @@ fn np_nd<'py, T: numpy::Element + Copy, D: ndarray::Dimension>(py: Python<'py>, 
     a.to_pyarray(py).into_any()
 }
 
+fn np_opt<'py, T: numpy::Element + Copy, D: ndarray::Dimension>(py: Python<'py>, a: &Option<ndarray::Array<T, D>>) -> Option<Bound<'py, PyAny>> {
+    a.as_ref().map(|a| np_nd(py, a))
+}
+
+/// Puts the arrays that are there into `d` under their names, in order.
+fn set_arrays<'py, const N: usize>(d: &Bound<'py, PyDict>, arrays: [(&str, Option<Bound<'py, PyAny>>); N]) -> PyResult<()> {
+    for (name, a) in arrays {
+        if let Some(a) = a {
+            d.set_item(name, a)?;
+        }
+    }
+    Ok(())
+}
+
 fn corruption(py: Python<'_>, s: &str) -> PyResult<Corruption> {
     Corruption::parse(s).py(py)
 }
@@ -306,8 +295,49 @@ pub struct PySharding {
     pub(crate) inner: Arc<Sharding>,
 }
 
-#[pymethods]
-impl PySharding {
+/// A class's `#[pymethods]`, its read-only properties written one a line first:
+/// `name: Type = expr;` is `#[getter] fn name<'py>(&self, py: Python<'py>) -> Type`, where
+/// `expr` reads `self.inner` as `$inner` (and the GIL token as `$py`). The other methods follow
+/// as they are. (`#[pymethods]` expands no macro inside its block, so this one writes the block.)
+macro_rules! pymethods_with_getters {
+    ($class:ty, |$inner:ident, $py:ident| { $($(#[doc = $doc:tt])* $name:ident: $ret:ty = $value:expr;)* } $($methods:tt)*) => {
+        #[pymethods]
+        impl $class {
+            $(
+                $(#[doc = $doc])*
+                #[getter]
+                #[allow(unused_variables)] // not every getter needs `py`
+                fn $name<'py>(&self, $py: Python<'py>) -> $ret {
+                    let $inner = &self.inner;
+                    $value
+                }
+            )*
+
+            $($methods)*
+        }
+    };
+}
+
+pymethods_with_getters! { PySharding, |s, py| {
+    /// Number of shards `n`.
+    n_shard: usize = s.n_shard;
+    /// Number of entities `E`.
+    n_entity: usize = s.n_entity();
+    /// Slots per shard `M = ceil(E / n)`.
+    max_entity_per_shard: usize = s.max_entity_per_shard();
+    /// `[E]` int64: the shard of each entity.
+    entity_to_shard: Bound<'py, PyAny> = np_vec(py, &s.entity_to_shard);
+    /// `[E]` int64: the local id of each entity on its shard.
+    entity_to_idx: Bound<'py, PyAny> = np_vec(py, &s.entity_to_idx);
+    /// `[n, M]` int64: the global id at (shard, local id); ids `>= E` are padding.
+    shard_and_idx_to_entity: Bound<'py, PyAny> = np_nd(py, &s.shard_and_idx_to_entity);
+    /// `[n]` int64: real entities per shard.
+    shard_counts: Bound<'py, PyAny> = np_vec(py, &s.shard_counts);
+    /// `[n, T]` int64 entities of each type per shard, or None (untyped).
+    entity_type_counts: Option<Bound<'py, PyAny>> = np_opt(py, &s.entity_type_counts);
+    /// `[n, T]` int64 first local id of each type per shard, or None (untyped).
+    entity_type_offsets: Option<Bound<'py, PyAny>> = np_opt(py, &s.entity_type_offsets);
+}
     /// `Sharding.create(n_entity, n_shard, seed, type_offsets)`, bit for bit.
     #[staticmethod]
     #[pyo3(signature = (n_entity, n_shard, seed, type_offsets=None))]
@@ -357,52 +387,6 @@ impl PySharding {
         Ok(PySharding { inner: Arc::new(s) })
     }
 
-    /// Number of shards `n`.
-    #[getter]
-    fn n_shard(&self) -> usize {
-        self.inner.n_shard
-    }
-    /// Number of entities `E`.
-    #[getter]
-    fn n_entity(&self) -> usize {
-        self.inner.n_entity()
-    }
-    /// Slots per shard `M = ceil(E / n)`.
-    #[getter]
-    fn max_entity_per_shard(&self) -> usize {
-        self.inner.max_entity_per_shard()
-    }
-    /// `[E]` int64: the shard of each entity.
-    #[getter]
-    fn entity_to_shard<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
-        np_vec(py, &self.inner.entity_to_shard)
-    }
-    /// `[E]` int64: the local id of each entity on its shard.
-    #[getter]
-    fn entity_to_idx<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
-        np_vec(py, &self.inner.entity_to_idx)
-    }
-    /// `[n, M]` int64: the global id at (shard, local id); ids `>= E` are padding.
-    #[getter]
-    fn shard_and_idx_to_entity<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
-        np_nd(py, &self.inner.shard_and_idx_to_entity)
-    }
-    /// `[n]` int64: real entities per shard.
-    #[getter]
-    fn shard_counts<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
-        np_vec(py, &self.inner.shard_counts)
-    }
-    /// `[n, T]` int64 entities of each type per shard, or None (untyped).
-    #[getter]
-    fn entity_type_counts<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyAny>> {
-        self.inner.entity_type_counts.as_ref().map(|a| np_nd(py, a))
-    }
-    /// `[n, T]` int64 first local id of each type per shard, or None (untyped).
-    #[getter]
-    fn entity_type_offsets<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyAny>> {
-        self.inner.entity_type_offsets.as_ref().map(|a| np_nd(py, a))
-    }
-
     /// `(shard, local id)` of entity `entity`.
     fn locate(&self, py: Python<'_>, entity: i64) -> PyResult<(usize, usize)> {
         self.inner.locate(entity, "entity", 0).py(py)
@@ -433,38 +417,59 @@ pub struct PyPartitioned {
     inner: Arc<PartitionedTriples>,
 }
 
-#[allow(clippy::too_many_arguments)]
-fn partition(
-    py: Python<'_>,
-    sharding: &PySharding,
-    triples: Triples,
-    mode: &str,
-    n_relation: Option<usize>,
-    inverse_triples: bool,
-    type_offsets: Option<&Bound<'_, PyAny>>,
-    neg_heads: Option<&Bound<'_, PyAny>>,
-    neg_tails: Option<&Bound<'_, PyAny>>,
-) -> PyResult<PyPartitioned> {
-    let mode = PartitionMode::parse(mode).py(py)?;
-    let mut b = PartitionedTriples::builder(sharding.inner.clone(), mode).inverse_triples(inverse_triples);
-    if let Some(r) = n_relation {
-        b = b.n_relation(r);
-    }
-    if let Some(o) = opt_offsets(py, type_offsets)? {
-        b = b.type_offsets(o);
-    }
-    if let Some(a) = opt_2d(py, neg_heads, "neg_heads")? {
-        b = b.neg_heads(a);
-    }
-    if let Some(a) = opt_2d(py, neg_tails, "neg_tails")? {
-        b = b.neg_tails(a);
-    }
-    let part = py.detach(|| b.build(&triples)).py(py)?;
-    Ok(PyPartitioned { inner: Arc::new(part) })
+/// `PartitionedTriples`'s methods, as `pymethods_with_getters!` with the constructors first.
+/// They differ only in the arguments the triples are read from and share the partitioning
+/// options (`mode`, `n_relation`, `inverse_triples`, `type_offsets`, `neg_heads`, `neg_tails`),
+/// written here once: a constructor is given as its attributes, its name, its own arguments
+/// (after `py` and `sharding`) and a block that makes the `Triples` from them.
+macro_rules! partitioned_pymethods {
+    (
+        $($(#[$($attr:tt)*])* fn $ctor:ident($py:ident, $sharding:ident, $($arg:ident),+) $triples:tt)+
+        getters |$inner:ident, $gpy:ident| $getters:tt
+        $($methods:tt)*
+    ) => {
+        pymethods_with_getters! { PyPartitioned, |$inner, $gpy| $getters
+            $(
+                $(#[$($attr)*])*
+                #[pyo3(signature = ($sharding, $($arg),+, *, mode="ht_shardpair", n_relation=None, inverse_triples=false, type_offsets=None, neg_heads=None, neg_tails=None))]
+                #[allow(clippy::too_many_arguments)]
+                fn $ctor(
+                    $py: Python<'_>,
+                    $sharding: PyRef<'_, PySharding>,
+                    $($arg: &Bound<'_, PyAny>,)+
+                    mode: &str,
+                    n_relation: Option<usize>,
+                    inverse_triples: bool,
+                    type_offsets: Option<&Bound<'_, PyAny>>,
+                    neg_heads: Option<&Bound<'_, PyAny>>,
+                    neg_tails: Option<&Bound<'_, PyAny>>,
+                ) -> PyResult<Self> {
+                    let triples: Triples = $triples;
+                    let mode = PartitionMode::parse(mode).py($py)?;
+                    let mut b = PartitionedTriples::builder($sharding.inner.clone(), mode).inverse_triples(inverse_triples);
+                    if let Some(r) = n_relation {
+                        b = b.n_relation(r);
+                    }
+                    if let Some(o) = opt_offsets($py, type_offsets)? {
+                        b = b.type_offsets(o);
+                    }
+                    if let Some(a) = opt_2d($py, neg_heads, "neg_heads")? {
+                        b = b.neg_heads(a);
+                    }
+                    if let Some(a) = opt_2d($py, neg_tails, "neg_tails")? {
+                        b = b.neg_tails(a);
+                    }
+                    let part = $py.detach(|| b.build(&triples)).py($py)?;
+                    Ok(PyPartitioned { inner: Arc::new(part) })
+                }
+            )+
+
+            $($methods)*
+        }
+    };
 }
 
-#[pymethods]
-impl PyPartitioned {
+partitioned_pymethods! {
     /// Partitions triples `(head[i], relation[i], tail[i])` (global ids).
     ///
     /// `mode`: `ht_shardpair` (or `ht`), `h_shard` (`h`), `t_shard` (`t`). `n_relation`: ids are
@@ -472,105 +477,42 @@ impl PyPartitioned {
     /// entity types by global id ranges `[0, o1, ...]` (for TypeBased negatives).
     /// `neg_heads` / `neg_tails`: `(N0 or 1, k)` global ids in input order (for TripleBased).
     #[new]
-    #[pyo3(signature = (sharding, head, relation, tail, *, mode="ht_shardpair", n_relation=None, inverse_triples=false, type_offsets=None, neg_heads=None, neg_tails=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        sharding: PyRef<'_, PySharding>,
-        head: &Bound<'_, PyAny>,
-        relation: &Bound<'_, PyAny>,
-        tail: &Bound<'_, PyAny>,
-        mode: &str,
-        n_relation: Option<usize>,
-        inverse_triples: bool,
-        type_offsets: Option<&Bound<'_, PyAny>>,
-        neg_heads: Option<&Bound<'_, PyAny>>,
-        neg_tails: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
-        let t = Triples::new(int_vec(py, head, "head")?, int_vec(py, relation, "relation")?, int_vec(py, tail, "tail")?).py(py)?;
-        partition(py, &sharding, t, mode, n_relation, inverse_triples, type_offsets, neg_heads, neg_tails)
+    fn new(py, sharding, head, relation, tail) {
+        Triples::new(int_vec(py, head, "head")?, int_vec(py, relation, "relation")?, int_vec(py, tail, "tail")?).py(py)?
     }
 
     /// From an Arrow record batch or table (any `__arrow_c_array__` / `__arrow_c_stream__`
     /// object) with Int32/Int64 columns `head`, `relation`, `tail`.
     #[staticmethod]
-    #[pyo3(signature = (sharding, batch, *, mode="ht_shardpair", n_relation=None, inverse_triples=false, type_offsets=None, neg_heads=None, neg_tails=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn from_arrow(
-        py: Python<'_>,
-        sharding: PyRef<'_, PySharding>,
-        batch: &Bound<'_, PyAny>,
-        mode: &str,
-        n_relation: Option<usize>,
-        inverse_triples: bool,
-        type_offsets: Option<&Bound<'_, PyAny>>,
-        neg_heads: Option<&Bound<'_, PyAny>>,
-        neg_tails: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
-        let rb = arrow_input::record_batch(batch)?;
-        let t = Triples::from_record_batch(&rb).py(py)?;
-        partition(py, &sharding, t, mode, n_relation, inverse_triples, type_offsets, neg_heads, neg_tails)
+    fn from_arrow(py, sharding, batch) {
+        Triples::from_record_batch(&arrow_input::record_batch(batch)?).py(py)?
     }
 
-    /// The sharding used.
-    #[getter]
-    fn sharding(&self) -> PySharding {
-        PySharding { inner: self.inner.sharding.clone() }
-    }
-    /// `ht_shardpair`, `h_shard` or `t_shard`.
-    #[getter]
-    fn mode(&self) -> &'static str {
-        self.inner.mode.as_str()
-    }
-    /// Whether inverse triples were appended.
-    #[getter]
-    fn inverse_triples(&self) -> bool {
-        self.inner.inverse_triples
-    }
-    /// Number of shards.
-    #[getter]
-    fn n_shard(&self) -> usize {
-        self.inner.n_shard()
-    }
-    /// Number of partitions (`n²` or `n`).
-    #[getter]
-    fn n_partitions(&self) -> usize {
-        self.inner.n_partitions()
-    }
-    /// `[N, 3]` int64 sorted triples; entity columns are local ids where the mode says so.
-    #[getter]
-    fn triples<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
-        np_nd(py, &self.inner.triples)
-    }
-    /// Triples per partition: `[n, n]` for shard pairs, `[n]` otherwise (int64).
-    #[getter]
-    fn triple_counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        self.partition_shaped(py, &self.inner.triple_counts)
-    }
-    /// Exclusive prefix sum of `triple_counts`, same shape.
-    #[getter]
-    fn triple_offsets<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        self.partition_shaped(py, &self.inner.triple_offsets)
-    }
-    /// `[N]` int64: sorted row `i` is input row `triple_sort_idx[i]`.
-    #[getter]
-    fn triple_sort_idx<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
-        np_vec(py, &self.inner.triple_sort_idx)
-    }
-    /// `[N, 2]` head and tail entity types, or None (untyped).
-    #[getter]
-    fn types<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyAny>> {
-        self.inner.types.as_ref().map(|a| np_nd(py, a))
-    }
-    /// `[1 or N, k]` negative heads in sorted order, or None.
-    #[getter]
-    fn neg_heads<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyAny>> {
-        self.inner.neg_heads.as_ref().map(|a| np_nd(py, a))
-    }
-    /// `[1 or N, k]` negative tails in sorted order, or None.
-    #[getter]
-    fn neg_tails<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyAny>> {
-        self.inner.neg_tails.as_ref().map(|a| np_nd(py, a))
+    getters |p, py| {
+        /// The sharding used.
+        sharding: PySharding = PySharding { inner: p.sharding.clone() };
+        /// `ht_shardpair`, `h_shard` or `t_shard`.
+        mode: &'static str = p.mode.as_str();
+        /// Whether inverse triples were appended.
+        inverse_triples: bool = p.inverse_triples;
+        /// Number of shards.
+        n_shard: usize = p.n_shard();
+        /// Number of partitions (`n²` or `n`).
+        n_partitions: usize = p.n_partitions();
+        /// `[N, 3]` int64 sorted triples; entity columns are local ids where the mode says so.
+        triples: Bound<'py, PyAny> = np_nd(py, &p.triples);
+        /// Triples per partition: `[n, n]` for shard pairs, `[n]` otherwise (int64).
+        triple_counts: PyResult<Bound<'py, PyAny>> = partition_shaped(py, p, &p.triple_counts);
+        /// Exclusive prefix sum of `triple_counts`, same shape.
+        triple_offsets: PyResult<Bound<'py, PyAny>> = partition_shaped(py, p, &p.triple_offsets);
+        /// `[N]` int64: sorted row `i` is input row `triple_sort_idx[i]`.
+        triple_sort_idx: Bound<'py, PyAny> = np_vec(py, &p.triple_sort_idx);
+        /// `[N, 2]` head and tail entity types, or None (untyped).
+        types: Option<Bound<'py, PyAny>> = np_opt(py, &p.types);
+        /// `[1 or N, k]` negative heads in sorted order, or None.
+        neg_heads: Option<Bound<'py, PyAny>> = np_opt(py, &p.neg_heads);
+        /// `[1 or N, k]` negative tails in sorted order, or None.
+        neg_tails: Option<Bound<'py, PyAny>> = np_opt(py, &p.neg_tails);
     }
 
     fn __len__(&self) -> usize {
@@ -588,15 +530,14 @@ impl PyPartitioned {
     }
 }
 
-impl PyPartitioned {
-    fn partition_shaped<'py>(&self, py: Python<'py>, v: &[i64]) -> PyResult<Bound<'py, PyAny>> {
-        let n = self.inner.n_shard();
-        let a = np_vec(py, v);
-        if self.inner.mode == PartitionMode::HtShardPair {
-            a.call_method1("reshape", ((n, n),))
-        } else {
-            Ok(a)
-        }
+/// Per-partition counts as numpy: `[n, n]` for shard pairs, `[n]` otherwise.
+fn partition_shaped<'py>(py: Python<'py>, part: &PartitionedTriples, v: &[i64]) -> PyResult<Bound<'py, PyAny>> {
+    let n = part.n_shard();
+    let a = np_vec(py, v);
+    if part.mode == PartitionMode::HtShardPair {
+        a.call_method1("reshape", ((n, n),))
+    } else {
+        Ok(a)
     }
 }
 
@@ -622,19 +563,8 @@ fn check_sample_idx(py: Python<'_>, part: &PartitionedTriples, shape: &[usize], 
 /// A negative sampler's output as a dict of numpy arrays (besskge's keys).
 fn negative_dict<'py>(py: Python<'py>, o: &sparsecore_bess::NegativeOutput) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item("negative", np_nd(py, &o.negative))?;
-    if let Some(m) = &o.mask {
-        d.set_item("negative_mask", np_nd(py, m))?;
-    }
-    if let Some(s) = &o.sort_idx {
-        d.set_item("negative_sort_idx", np_nd(py, s))?;
-    }
+    set_arrays(&d, [("negative", Some(np_nd(py, &o.negative))), ("negative_mask", np_opt(py, &o.mask)), ("negative_sort_idx", np_opt(py, &o.sort_idx))])?;
     Ok(d)
-}
-
-/// The Python side of a negative sampler: a copy of its state goes into a `BatchSampler`.
-trait NegativeLike {
-    fn sampler(&self) -> NegativeSampler;
 }
 
 fn sample_with(py: Python<'_>, ns: &mut NegativeSampler, part: &PartitionedTriples, sample_idx: &Bound<'_, PyAny>) -> PyResult<Py<PyDict>> {
@@ -657,14 +587,47 @@ fn check_triple_based(py: Python<'_>, tb: &TripleBasedNegative, part: &Partition
     Ok(())
 }
 
-/// Uniform negatives from every shard (besskge's `RandomShardedNegativeSampler`), bit for bit.
-#[pyclass(module = "sparsecore_prep.bess", name = "RandomNegativeSampler")]
-pub struct PyRandomNegative {
-    inner: NegativeSampler,
+/// A negative sampler's class (a `NegativeSampler` inside, which a `BatchSampler` copies):
+/// its doc and Python name, the doc of its `sample`, and its own methods (constructor, getters),
+/// to which this adds the two all three share, `sample` and `corruption_scheme`.
+macro_rules! negative_sampler_class {
+    (
+        $(#[doc = $doc:tt])* #[pyclass(name = $name:tt)] pub struct $class:ident;
+        $(#[doc = $sample_doc:tt])* fn sample;
+        $($methods:tt)*
+    ) => {
+        $(#[doc = $doc])*
+        #[pyclass(module = "sparsecore_prep.bess", name = $name)]
+        pub struct $class {
+            inner: NegativeSampler,
+        }
+
+        #[pymethods]
+        impl $class {
+            $($methods)*
+
+            $(#[doc = $sample_doc])*
+            fn sample(&mut self, py: Python<'_>, partitioned: PyRef<'_, PyPartitioned>, sample_idx: &Bound<'_, PyAny>) -> PyResult<Py<PyDict>> {
+                sample_with(py, &mut self.inner, &partitioned.inner, sample_idx)
+            }
+
+            #[getter]
+            fn corruption_scheme(&self) -> &'static str {
+                self.inner.corruption().as_str()
+            }
+        }
+    };
 }
 
-#[pymethods]
-impl PyRandomNegative {
+negative_sampler_class! {
+    /// Uniform negatives from every shard (besskge's `RandomShardedNegativeSampler`), bit for bit.
+    #[pyclass(name = "RandomNegativeSampler")]
+    pub struct PyRandomNegative;
+
+    /// Negatives for `sample_idx` (`(bps, *blk, q)` indices into `partitioned.triples`):
+    /// `{"negative": int32 array}` (shapes as besskge's). Advances the generator.
+    fn sample;
+
     /// `n_negative` per shard block; `seed` (int or words); `corruption_scheme` `h`, `t` or
     /// `ht`; `local_sampling` (changes no value, only how a model reads the axes);
     /// `flat_negative_format`: one list per block (two for `ht`) instead of one per triple.
@@ -676,12 +639,6 @@ impl PyRandomNegative {
         Ok(PyRandomNegative { inner: NegativeSampler::Random(r) })
     }
 
-    /// Negatives for `sample_idx` (`(bps, *blk, q)` indices into `partitioned.triples`):
-    /// `{"negative": int32 array}` (shapes as besskge's). Advances the generator.
-    fn sample(&mut self, py: Python<'_>, partitioned: PyRef<'_, PyPartitioned>, sample_idx: &Bound<'_, PyAny>) -> PyResult<Py<PyDict>> {
-        sample_with(py, &mut self.inner, &partitioned.inner, sample_idx)
-    }
-
     #[getter]
     fn n_negative(&self) -> usize {
         match &self.inner {
@@ -689,28 +646,17 @@ impl PyRandomNegative {
             _ => 0,
         }
     }
-
-    #[getter]
-    fn corruption_scheme(&self) -> &'static str {
-        self.inner.corruption().as_str()
-    }
 }
 
-impl NegativeLike for PyRandomNegative {
-    fn sampler(&self) -> NegativeSampler {
-        self.inner.clone()
-    }
-}
+negative_sampler_class! {
+    /// Negatives of the corrupted side's entity type (besskge's `TypeBasedShardedNegativeSampler`).
+    /// Needs a typed sharding and partition (`type_offsets`).
+    #[pyclass(name = "TypeBasedNegativeSampler")]
+    pub struct PyTypeBasedNegative;
 
-/// Negatives of the corrupted side's entity type (besskge's `TypeBasedShardedNegativeSampler`).
-/// Needs a typed sharding and partition (`type_offsets`).
-#[pyclass(module = "sparsecore_prep.bess", name = "TypeBasedNegativeSampler")]
-pub struct PyTypeBasedNegative {
-    inner: NegativeSampler,
-}
+    /// Negatives for `sample_idx`; see `RandomNegativeSampler.sample`.
+    fn sample;
 
-#[pymethods]
-impl PyTypeBasedNegative {
     /// `local_sampling`: the type comes from the triples processed on the sampling shard (True)
     /// or on the shard that uses the negatives (False).
     #[new]
@@ -720,54 +666,18 @@ impl PyTypeBasedNegative {
         let r = TypeBasedNegative::new(n_negative, &words, corruption(py, corruption_scheme)?, local_sampling).py(py)?;
         Ok(PyTypeBasedNegative { inner: NegativeSampler::TypeBased(r) })
     }
-
-    /// Negatives for `sample_idx`; see `RandomNegativeSampler.sample`.
-    fn sample(&mut self, py: Python<'_>, partitioned: PyRef<'_, PyPartitioned>, sample_idx: &Bound<'_, PyAny>) -> PyResult<Py<PyDict>> {
-        sample_with(py, &mut self.inner, &partitioned.inner, sample_idx)
-    }
-
-    #[getter]
-    fn corruption_scheme(&self) -> &'static str {
-        self.inner.corruption().as_str()
-    }
 }
 
-impl NegativeLike for PyTypeBasedNegative {
-    fn sampler(&self) -> NegativeSampler {
-        self.inner.clone()
-    }
-}
+negative_sampler_class! {
+    /// Given negatives per triple or shared (besskge's `TripleBasedShardedNegativeSampler`),
+    /// regrouped by shard and cyclically padded to one length, with a mask. Reads the partitioned
+    /// set's `neg_heads` / `neg_tails`.
+    #[pyclass(name = "TripleBasedNegativeSampler")]
+    pub struct PyTripleBasedNegative;
 
-/// Given negatives per triple or shared (besskge's `TripleBasedShardedNegativeSampler`),
-/// regrouped by shard and cyclically padded to one length, with a mask. Reads the partitioned
-/// set's `neg_heads` / `neg_tails`.
-#[pyclass(module = "sparsecore_prep.bess", name = "TripleBasedNegativeSampler")]
-pub struct PyTripleBasedNegative {
-    inner: NegativeSampler,
-}
+    /// Negatives (and mask, sort index) for `sample_idx`; see `RandomNegativeSampler.sample`.
+    fn sample;
 
-fn padded_dict<'py>(py: Python<'py>, p: Option<&PaddedNegatives>) -> PyResult<Option<Bound<'py, PyDict>>> {
-    p.map(|p| {
-        let d = PyDict::new(py);
-        d.set_item("sort_idx", np_nd(py, &p.sort_idx))?;
-        d.set_item("padded", np_nd(py, &p.padded))?;
-        d.set_item("mask", np_nd(py, &p.mask))?;
-        Ok(d)
-    })
-    .transpose()
-}
-
-impl PyTripleBasedNegative {
-    fn tb(&self) -> &TripleBasedNegative {
-        match &self.inner {
-            NegativeSampler::TripleBased(tb) => tb,
-            _ => unreachable!("constructed as TripleBased"),
-        }
-    }
-}
-
-#[pymethods]
-impl PyTripleBasedNegative {
     /// `mask_on_gather`: the mask in the layout of `negative` (True) or
     /// `(bps, n_a, F, n_sn, L)` (False); `return_sort_idx` adds `negative_sort_idx`.
     #[new]
@@ -777,11 +687,6 @@ impl PyTripleBasedNegative {
         let part = partitioned.inner.clone();
         let tb = py.detach(|| TripleBasedNegative::new(&part, c, mask_on_gather, return_sort_idx)).py(py)?;
         Ok(PyTripleBasedNegative { inner: NegativeSampler::TripleBased(Box::new(tb)) })
-    }
-
-    /// Negatives (and mask, sort index) for `sample_idx`; see `RandomNegativeSampler.sample`.
-    fn sample(&mut self, py: Python<'_>, partitioned: PyRef<'_, PyPartitioned>, sample_idx: &Bound<'_, PyAny>) -> PyResult<Py<PyDict>> {
-        sample_with(py, &mut self.inner, &partitioned.inner, sample_idx)
     }
 
     /// Whether one shared list is used for every triple.
@@ -816,28 +721,39 @@ impl PyTripleBasedNegative {
     fn tails<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         padded_dict(py, self.tb().tails.as_ref())
     }
-    #[getter]
-    fn corruption_scheme(&self) -> &'static str {
-        self.inner.corruption().as_str()
-    }
 }
 
-impl NegativeLike for PyTripleBasedNegative {
-    fn sampler(&self) -> NegativeSampler {
-        self.inner.clone()
+fn padded_dict<'py>(py: Python<'py>, p: Option<&PaddedNegatives>) -> PyResult<Option<Bound<'py, PyDict>>> {
+    p.map(|p| {
+        let d = PyDict::new(py);
+        d.set_item("sort_idx", np_nd(py, &p.sort_idx))?;
+        d.set_item("padded", np_nd(py, &p.padded))?;
+        d.set_item("mask", np_nd(py, &p.mask))?;
+        Ok(d)
+    })
+    .transpose()
+}
+
+impl PyTripleBasedNegative {
+    fn tb(&self) -> &TripleBasedNegative {
+        match &self.inner {
+            NegativeSampler::TripleBased(tb) => tb,
+            _ => unreachable!("constructed as TripleBased"),
+        }
     }
 }
 
 fn negative_of(py: Python<'_>, obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<NegativeSampler>> {
     let Some(obj) = obj.filter(|o| !o.is_none()) else { return Ok(None) };
+    // A copy of the sampler's current state.
     if let Ok(s) = obj.cast::<PyRandomNegative>() {
-        return Ok(Some(s.borrow().sampler()));
+        return Ok(Some(s.borrow().inner.clone()));
     }
     if let Ok(s) = obj.cast::<PyTypeBasedNegative>() {
-        return Ok(Some(s.borrow().sampler()));
+        return Ok(Some(s.borrow().inner.clone()));
     }
     if let Ok(s) = obj.cast::<PyTripleBasedNegative>() {
-        return Ok(Some(s.borrow().sampler()));
+        return Ok(Some(s.borrow().inner.clone()));
     }
     Err(param(py, "negative_sampler", obj.get_type().name()?, "must be a RandomNegativeSampler, TypeBasedNegativeSampler or TripleBasedNegativeSampler"))
 }
@@ -853,8 +769,17 @@ pub struct PyBatchSampler {
     inner: BatchSampler,
 }
 
-#[pymethods]
-impl PyBatchSampler {
+pymethods_with_getters! { PyBatchSampler, |b, py| {
+    /// Triples per partition block per batch.
+    positive_per_partition: usize = b.geometry().ppp;
+    /// `batches_per_step * positive_per_partition`.
+    partition_sample_size: usize = b.geometry().pss;
+    /// Steps in one epoch.
+    steps_per_epoch: usize = b.steps_per_epoch();
+    /// Fraction of Rigid's positions over one epoch that are padding.
+    rigid_padding_fraction: f64 = b.rigid_padding_fraction();
+}
+
     /// `sampler`: `random` (uniform with replacement in every partition, from
     /// `default_rng(seed)`) or `rigid` (every partition read cyclically at the same positions,
     /// padded, with `triple_mask`). `shuffle` (rigid): shuffle each epoch's positions with
@@ -905,24 +830,19 @@ impl PyBatchSampler {
     fn sample(&mut self, py: Python<'_>, step: usize) -> PyResult<Py<PyDict>> {
         let b = py.detach(|| self.inner.sample(step)).py(py)?;
         let d = PyDict::new(py);
-        d.set_item("head", np_nd(py, &b.head))?;
-        d.set_item("relation", np_nd(py, &b.relation))?;
-        d.set_item("tail", np_nd(py, &b.tail))?;
-        if let Some(m) = &b.triple_mask {
-            d.set_item("triple_mask", np_nd(py, m))?;
-        }
-        if let Some(a) = &b.negative {
-            d.set_item("negative", np_nd(py, a))?;
-        }
-        if let Some(a) = &b.negative_mask {
-            d.set_item("negative_mask", np_nd(py, a))?;
-        }
-        if let Some(a) = &b.negative_sort_idx {
-            d.set_item("negative_sort_idx", np_nd(py, a))?;
-        }
-        if let Some(a) = &b.triple_idx {
-            d.set_item("triple_idx", np_nd(py, a))?;
-        }
+        set_arrays(
+            &d,
+            [
+                ("head", Some(np_nd(py, &b.head))),
+                ("relation", Some(np_nd(py, &b.relation))),
+                ("tail", Some(np_nd(py, &b.tail))),
+                ("triple_mask", np_opt(py, &b.triple_mask)),
+                ("negative", np_opt(py, &b.negative)),
+                ("negative_mask", np_opt(py, &b.negative_mask)),
+                ("negative_sort_idx", np_opt(py, &b.negative_sort_idx)),
+                ("triple_idx", np_opt(py, &b.triple_idx)),
+            ],
+        )?;
         Ok(d.unbind())
     }
 
@@ -935,26 +855,6 @@ impl PyBatchSampler {
         self.inner.len()
     }
 
-    /// Triples per partition block per batch.
-    #[getter]
-    fn positive_per_partition(&self) -> usize {
-        self.inner.geometry().ppp
-    }
-    /// `batches_per_step * positive_per_partition`.
-    #[getter]
-    fn partition_sample_size(&self) -> usize {
-        self.inner.geometry().pss
-    }
-    /// Steps in one epoch.
-    #[getter]
-    fn steps_per_epoch(&self) -> usize {
-        self.inner.steps_per_epoch()
-    }
-    /// Fraction of Rigid's positions over one epoch that are padding.
-    #[getter]
-    fn rigid_padding_fraction(&self) -> f64 {
-        self.inner.rigid_padding_fraction()
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1188,12 +1088,8 @@ impl PyBessStream {
         let inner = &mut self.inner;
         let b = py.detach(|| inner.draw(step)).py(py)?;
         let d = PyDict::new(py);
-        if let Some(s) = &b.sample_idx {
-            d.set_item("sample_idx", np_nd(py, s))?;
-        }
-        if let Some(m) = &b.triple_mask {
-            d.set_item("triple_mask", PyArray1::from_slice(py, m))?;
-        }
+        let triple_mask = b.triple_mask.as_ref().map(|m| PyArray1::from_slice(py, m).into_any());
+        set_arrays(&d, [("sample_idx", np_opt(py, &b.sample_idx)), ("triple_mask", triple_mask)])?;
         if let Some(o) = &b.negative {
             for (k, v) in negative_dict(py, o)?.iter() {
                 d.set_item(k, v)?;
