@@ -2,6 +2,8 @@
 //! on minibatching: the host whose batch fits its limits still splits like the one whose batch
 //! does not, under the sync keys of the same batch number.
 
+mod allreduce_wire;
+
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::Duration;
@@ -100,7 +102,7 @@ fn a_missing_host_is_an_error_not_a_hang() {
 
 /// The TCP all-reduce's wire format, written by hand (a peer holding the token, or a stranger).
 mod wire {
-    use hmac::{Hmac, KeyInit, Mac};
+    pub use crate::allreduce_wire::frame;
     use std::io::{Read, Write};
     use std::net::{SocketAddr, TcpStream};
     use std::time::Duration;
@@ -111,22 +113,6 @@ mod wire {
         let mut hello = [0u8; 28];
         s.read_exact(&mut hello).unwrap();
         (s, hello[12..].try_into().unwrap())
-    }
-
-    pub fn frame(token: &[u8], challenge: &[u8], src: u32, dst: u32, seq: u64, key: u64, value: u64) -> [u8; 68] {
-        let mut m = <Hmac<sha2::Sha256> as KeyInit>::new_from_slice(token).unwrap();
-        m.update(b"sparsecore-prep/allreduce/v1");
-        m.update(challenge);
-        let mut f = [0u8; 68];
-        f[..4].copy_from_slice(b"SCAF");
-        f[4..8].copy_from_slice(&src.to_le_bytes());
-        f[8..12].copy_from_slice(&dst.to_le_bytes());
-        f[12..20].copy_from_slice(&seq.to_le_bytes());
-        f[20..28].copy_from_slice(&key.to_le_bytes());
-        f[28..36].copy_from_slice(&value.to_le_bytes());
-        m.update(&f[4..36]);
-        f[36..].copy_from_slice(&m.finalize().into_bytes());
-        f
     }
 
     pub fn send(s: &mut TcpStream, bytes: &[u8]) -> u8 {

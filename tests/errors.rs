@@ -9,93 +9,36 @@
 //! Tests marked `// Regression:` reproduce defects that were found and fixed (panics on user
 //! input, a misleading message); they keep them fixed.
 
+mod one_table;
+
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use arrow_array::builder::{Float32Builder, Float64Builder, Int32Builder, ListBuilder, StringBuilder};
 use arrow_array::types::{Float32Type, Float64Type, Int32Type, Int64Type};
-use arrow_array::{ArrayRef, Int32Array, LargeListArray, ListArray, RecordBatch};
+use arrow_array::{ArrayRef, Int32Array, LargeListArray, ListArray};
 use ndarray::{Array2, ArrayView2};
 use serde_json::{json, Value};
 
 use sparsecore_testkit::case::Case;
 use sparsecore_prep::input::{
     features_from_record_batch, ArrowListInput, CooInput, DenseIds, DenseInput, FeatureView, Ids, Offsets, RaggedInput,
-    SampleSource,
 };
 use sparsecore_prep::spec::{DeviceLayout, Plan};
 use sparsecore_prep::{Config, Error, LimitKind, Output, Preprocessor};
+
+use one_table::{
+    assert_msg, assert_same_output, base, config, config_with, err, good_rows, prep, ragged, record_batch, some_rows,
+    Custom,
+};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
 
-/// The brief's config: L = 1, G = 1, S = 4 (N = 4), one table `t0` (vocab 1000, limits 16) and
-/// one feature `f0`.
-fn base() -> Value {
-    json!({
-        "config": {"local_device_count": 1, "global_device_count": 1, "num_sc_per_device": 4,
-                   "allow_id_dropping": false, "stacking": "feature"},
-        "tables": [{"name": "t0", "vocabulary_size": 1000, "embedding_dim": 16, "combiner": "sum",
-                    "max_ids_per_partition": 16, "max_unique_ids_per_partition": 16,
-                    "suggested_coo_buffer_size_per_device": null}],
-        "features": [{"name": "f0", "table": "t0"}]
-    })
-}
-
-/// The base config, patched by `f`.
-fn config_with(f: impl FnOnce(&mut Value)) -> Config {
-    let mut v = base();
-    f(&mut v);
-    Config::from_json(&v.to_string()).expect("test config parses")
-}
-
-fn config() -> Config {
-    config_with(|_| {})
-}
-
-fn prep(cfg: Config) -> Preprocessor {
-    match Preprocessor::new(cfg) {
-        Ok(p) => p,
-        Err(e) => panic!("building the preprocessor failed: {e}"),
-    }
-}
-
-/// The error of a `Result` whose `Ok` type need not be `Debug`.
-#[track_caller]
-fn err<T>(r: Result<T, Error>) -> Error {
-    match r {
-        Ok(_) => panic!("expected an error, got Ok"),
-        Err(e) => e,
-    }
-}
-
-/// Asserts that `e`'s Display message contains every part.
-#[track_caller]
-fn assert_msg(e: &Error, parts: &[&str]) {
-    let msg = e.to_string();
-    for p in parts {
-        assert!(msg.contains(p), "message {msg:?} does not contain {p:?}");
-    }
-}
-
 /// Config error at `Preprocessor::new`.
 fn build_err(f: impl FnOnce(&mut Value)) -> Error {
     err(Preprocessor::new(config_with(f)))
-}
-
-/// Flat values and row splits of ragged rows.
-fn ragged(rows: &[Vec<i32>]) -> (Vec<i32>, Vec<i32>) {
-    let mut splits = vec![0i32];
-    for r in rows {
-        splits.push(splits.last().unwrap() + r.len() as i32);
-    }
-    (rows.concat(), splits)
-}
-
-/// The brief's valid batch: 8 samples, sample r holds ids [r, r + 100].
-fn good_rows() -> Vec<Vec<i32>> {
-    (0..8).map(|r| vec![r, r + 100]).collect()
 }
 
 /// Runs one ragged i32 feature through a fresh preprocessor of `cfg`.
@@ -118,71 +61,12 @@ fn no_panic<T>(f: impl FnOnce() -> T) -> Result<T, String> {
     })
 }
 
-/// Asserts two outputs are identical, comparing gains by bits (padding gains are NaN, so
-/// `Output: PartialEq` never holds for a filled output).
-#[track_caller]
-fn assert_same_output(a: &Output, b: &Output) {
-    assert_eq!(a.num_minibatches, b.num_minibatches);
-    assert_eq!(a.stacks.len(), b.stacks.len());
-    for (x, y) in a.stacks.iter().zip(&b.stacks) {
-        assert_eq!(x.name, y.name);
-        assert_eq!(x.row_pointers, y.row_pointers, "{}: row_pointers", x.name);
-        assert_eq!(x.embedding_ids, y.embedding_ids, "{}: embedding_ids", x.name);
-        assert_eq!(x.sample_ids, y.sample_ids, "{}: sample_ids", x.name);
-        let bits = |g: &[f32]| g.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&x.gains), bits(&y.gains), "{}: gains", x.name);
-        assert_eq!(x.stats, y.stats, "{}: stats", x.name);
-        assert_eq!(x.coo_buffer_size_per_device(), y.coo_buffer_size_per_device());
-        assert_eq!(x.row_pointers_per_device(), y.row_pointers_per_device());
-    }
-}
-
-/// A user-written `SampleSource` that hands out whatever view it was given.
-struct Custom<'a> {
-    samples: usize,
-    weighted: bool,
-    view: FeatureView<'a>,
-}
-
-impl SampleSource for Custom<'_> {
-    fn num_samples(&self) -> usize {
-        self.samples
-    }
-    fn has_weights(&self) -> bool {
-        self.weighted
-    }
-    fn view(&self) -> FeatureView<'_> {
-        // `FeatureView` is invariant in its lifetime: rebuild it from its covariant parts.
-        match &self.view {
-            FeatureView::Ragged { ids, offsets, weights } => {
-                FeatureView::Ragged { ids: *ids, offsets: *offsets, weights: *weights }
-            }
-            FeatureView::Dense { ids, weights } => FeatureView::Dense {
-                ids: match ids {
-                    DenseIds::I32(a) => DenseIds::I32(a.view()),
-                    DenseIds::I64(a) => DenseIds::I64(a.view()),
-                },
-                weights: weights.as_ref().map(|w| w.view()),
-            },
-            FeatureView::Coo { indices, ids } => FeatureView::Coo { indices, ids: *ids },
-        }
-    }
-}
-
 fn list_i32(rows: Vec<Option<Vec<Option<i32>>>>) -> ArrayRef {
     Arc::new(ListArray::from_iter_primitive::<Int32Type, _, _>(rows))
 }
 
 fn list_f32(rows: Vec<Option<Vec<Option<f32>>>>) -> ArrayRef {
     Arc::new(ListArray::from_iter_primitive::<Float32Type, _, _>(rows))
-}
-
-fn some_rows<T: Copy>(rows: &[Vec<T>]) -> Vec<Option<Vec<Option<T>>>> {
-    rows.iter().map(|r| Some(r.iter().map(|&v| Some(v)).collect())).collect()
-}
-
-fn record_batch(columns: Vec<(&str, ArrayRef)>) -> RecordBatch {
-    RecordBatch::try_from_iter(columns).expect("record batch")
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -895,11 +779,7 @@ fn custom_dense_source_with_narrower_weights() {
     // A user-written source whose weights have fewer columns than its ids.
     let ids = Array2::<i32>::from_shape_fn((8, 2), |(r, c)| r as i32 + 100 * c as i32);
     let w = Array2::<f32>::ones((8, 1));
-    let input = Custom {
-        samples: 8,
-        weighted: true,
-        view: FeatureView::Dense { ids: DenseIds::I32(ids.view()), weights: Some(w.view()) },
-    };
+    let input = Custom::new(8, true, FeatureView::Dense { ids: DenseIds::I32(ids.view()), weights: Some(w.view()) });
     let e = err(prep(config()).run(&[&input], &mut Output::new()));
     assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
     assert_msg(&e, &["feature `f0`", "(8, 1)", "(8, 2)"]);
@@ -1014,11 +894,7 @@ fn coo_indices_length_mismatch() {
 #[test]
 fn custom_source_with_inconsistent_sample_count_is_an_error_not_a_panic() {
     let (values, splits) = ragged(&good_rows()); // 8 rows
-    let input = Custom {
-        samples: 16,
-        weighted: false,
-        view: FeatureView::Ragged { ids: Ids::I32(&values), offsets: Offsets::I32(&splits), weights: None },
-    };
+    let input = Custom::new(16, false, FeatureView::Ragged { ids: Ids::I32(&values), offsets: Offsets::I32(&splits), weights: None });
     let mut p = prep(config());
     let mut out = Output::new();
     let r = no_panic(|| p.run(&[&input], &mut out));
@@ -1038,11 +914,7 @@ fn custom_source_with_inconsistent_sample_count_is_an_error_not_a_panic() {
 fn custom_source_with_unvalidated_offsets_is_an_error_not_a_panic() {
     let values: Vec<i32> = (0..16).collect();
     let bad_splits: Vec<i32> = vec![0, 2, 1, 6, 8, 10, 12, 14, 40];
-    let input = Custom {
-        samples: 8,
-        weighted: false,
-        view: FeatureView::Ragged { ids: Ids::I32(&values), offsets: Offsets::I32(&bad_splits), weights: None },
-    };
+    let input = Custom::new(8, false, FeatureView::Ragged { ids: Ids::I32(&values), offsets: Offsets::I32(&bad_splits), weights: None });
     let mut p = prep(config());
     let mut out = Output::new();
     let r = no_panic(|| p.run(&[&input], &mut out));

@@ -12,6 +12,7 @@
 //! Every host's output is compared with its own `expected.json` exactly as a `golden_mb` case
 //! (tests/common).
 
+mod allreduce_wire;
 mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -400,7 +401,7 @@ fn a_killed_host_is_named_by_every_other_host() {
 
 /// The TCP all-reduce's wire format, as a stranger (or a test) would write it.
 mod wire {
-    use hmac::{Hmac, KeyInit, Mac};
+    pub use crate::allreduce_wire::frame;
     use std::io::{Read, Write};
     use std::net::{SocketAddr, TcpStream};
     use std::time::Duration;
@@ -413,23 +414,6 @@ mod wire {
         s.read_exact(&mut hello).ok()?;
         assert_eq!(&hello[..4], b"SCAH");
         Some((s, hello[12..].try_into().unwrap()))
-    }
-
-    /// One frame: magic, src, dst, seq, key, value, HMAC-SHA256 under `token`.
-    pub fn frame(token: &[u8], challenge: &[u8], src: u32, dst: u32, seq: u64, key: u64, value: u64) -> [u8; 68] {
-        let mut m = <Hmac<sha2::Sha256> as KeyInit>::new_from_slice(token).unwrap();
-        m.update(b"sparsecore-prep/allreduce/v1");
-        m.update(challenge);
-        let mut f = [0u8; 68];
-        f[..4].copy_from_slice(b"SCAF");
-        f[4..8].copy_from_slice(&src.to_le_bytes());
-        f[8..12].copy_from_slice(&dst.to_le_bytes());
-        f[12..20].copy_from_slice(&seq.to_le_bytes());
-        f[20..28].copy_from_slice(&key.to_le_bytes());
-        f[28..36].copy_from_slice(&value.to_le_bytes());
-        m.update(&f[4..36]);
-        f[36..].copy_from_slice(&m.finalize().into_bytes());
-        f
     }
 
     /// Sends `bytes` and reads the one-byte acknowledgement (None if the connection closed).

@@ -22,11 +22,12 @@
 //! `../shared/peer/run_peer.py --dump`).
 
 mod common;
+mod one_table;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use arrow_array::types::{Float32Type, Int32Type, Int64Type};
@@ -40,6 +41,11 @@ use sparsecore_prep::input::{
 };
 use sparsecore_prep::spec::{Plan, PAD_GAIN_BITS, PAD_ID};
 use sparsecore_prep::{AllReduce, Config, Error, Output, Preprocessor};
+
+use one_table::{
+    assert_msg, assert_same_output, base, config, config_with, err, good_rows, prep, ragged, record_batch, some_rows,
+    Custom,
+};
 
 // ---------------------------------------------------------------------------------------------
 // Allocation tracking (per thread, so that tests running in parallel do not see each other)
@@ -101,63 +107,8 @@ fn track<T>(f: impl FnOnce() -> T) -> (T, usize, usize) {
 const MIB: usize = 1 << 20;
 
 // ---------------------------------------------------------------------------------------------
-// Helpers (the pattern of tests/errors.rs)
+// Helpers (the ones shared with tests/errors.rs are in tests/one_table)
 // ---------------------------------------------------------------------------------------------
-
-/// L = 1, G = 1, S = 4 (N = 4), one table `t0` (vocab 1000, limits 16), one feature `f0`.
-fn base() -> Value {
-    json!({
-        "config": {"local_device_count": 1, "global_device_count": 1, "num_sc_per_device": 4,
-                   "allow_id_dropping": false, "stacking": "feature"},
-        "tables": [{"name": "t0", "vocabulary_size": 1000, "embedding_dim": 16, "combiner": "sum",
-                    "max_ids_per_partition": 16, "max_unique_ids_per_partition": 16,
-                    "suggested_coo_buffer_size_per_device": null}],
-        "features": [{"name": "f0", "table": "t0"}]
-    })
-}
-
-fn config_with(f: impl FnOnce(&mut Value)) -> Config {
-    let mut v = base();
-    f(&mut v);
-    Config::from_json(&v.to_string()).expect("test config parses")
-}
-
-fn config() -> Config {
-    config_with(|_| {})
-}
-
-fn prep(cfg: Config) -> Preprocessor {
-    Preprocessor::new(cfg).unwrap_or_else(|e| panic!("building the preprocessor failed: {e}"))
-}
-
-#[track_caller]
-fn err<T>(r: Result<T, Error>) -> Error {
-    match r {
-        Ok(_) => panic!("expected an error, got Ok"),
-        Err(e) => e,
-    }
-}
-
-#[track_caller]
-fn assert_msg(e: &Error, parts: &[&str]) {
-    let msg = e.to_string();
-    for p in parts {
-        assert!(msg.contains(p), "message {msg:?} does not contain {p:?}");
-    }
-}
-
-fn ragged(rows: &[Vec<i32>]) -> (Vec<i32>, Vec<i32>) {
-    let mut splits = vec![0i32];
-    for r in rows {
-        splits.push(splits.last().unwrap() + r.len() as i32);
-    }
-    (rows.concat(), splits)
-}
-
-/// 8 samples, sample r holds ids [r, r + 100].
-fn good_rows() -> Vec<Vec<i32>> {
-    (0..8).map(|r| vec![r, r + 100]).collect()
-}
 
 /// "No output": what every failed call must leave in the caller's `Output`.
 #[track_caller]
@@ -168,129 +119,60 @@ fn assert_no_output(out: &Output) {
     assert_eq!(*out, Output::new());
 }
 
-/// Byte equality of two outputs (gains by bits: padding is NaN).
-#[track_caller]
-fn assert_same_output(a: &Output, b: &Output) {
-    assert_eq!(a.num_minibatches, b.num_minibatches);
-    assert_eq!(a.stacks.len(), b.stacks.len());
-    for (x, y) in a.stacks.iter().zip(&b.stacks) {
-        assert_eq!(x.name, y.name);
-        assert_eq!(x.row_pointers, y.row_pointers, "{}: row_pointers", x.name);
-        assert_eq!(x.embedding_ids, y.embedding_ids, "{}: embedding_ids", x.name);
-        assert_eq!(x.sample_ids, y.sample_ids, "{}: sample_ids", x.name);
-        let bits = |g: &[f32]| g.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&x.gains), bits(&y.gains), "{}: gains", x.name);
-        assert_eq!(x.stats, y.stats, "{}: stats", x.name);
-        assert_eq!(x.coo_buffer_size_per_device(), y.coo_buffer_size_per_device());
-        assert_eq!(x.row_pointers_per_device(), y.row_pointers_per_device());
-    }
-}
-
 /// The error-state contract for one hostile batch. With one and with two worker threads:
 /// the bad batch fails on a fresh `Output` and leaves no output; a good batch then succeeds;
 /// the bad batch fails again on that `Output` and leaves no output; and the good batch after
 /// it is byte-identical to the good batch on a fresh preprocessor. `check` asserts the error
-/// (it sees all four errors, which must therefore agree).
-fn expect_run_error(cfg: &Config, good: &[&dyn SampleSource], bad: &[&dyn SampleSource], check: impl Fn(&Error)) {
-    let expected = prep(cfg.clone()).run_new(good).expect("the good batch runs");
+/// (it sees all four errors, which must therefore agree). `run` runs one batch into an `Output`.
+fn expect_error_state<B: ?Sized>(
+    cfg: &Config,
+    good: &B,
+    bad: &B,
+    run: impl Fn(&mut Preprocessor, &B, &mut Output) -> Result<(), Error>,
+    check: impl Fn(&Error),
+) {
+    let mut expected = Output::new();
+    run(&mut prep(cfg.clone()), good, &mut expected).expect("the good batch runs");
     for threads in [1, 2] {
         let mut p = Preprocessor::builder(cfg.clone()).threads(threads).build().unwrap();
         let mut out = Output::new();
-        check(&err(p.run(bad, &mut out)));
-        assert_no_output(&out);
-        p.run(good, &mut out).unwrap();
-        assert_same_output(&out, &expected);
-        check(&err(p.run(bad, &mut out)));
-        assert_no_output(&out);
-        p.run(good, &mut out).unwrap();
-        assert_same_output(&out, &expected);
-    }
-}
-
-/// `expect_run_error` for Arrow record batches.
-fn expect_record_batch_error(cfg: &Config, good: &RecordBatch, bad: &RecordBatch, check: impl Fn(&Error)) {
-    let mut fresh = Output::new();
-    prep(cfg.clone()).run_record_batch(good, &mut fresh).expect("the good batch runs");
-    for threads in [1, 2] {
-        let mut p = Preprocessor::builder(cfg.clone()).threads(threads).build().unwrap();
-        let mut out = Output::new();
-        check(&err(p.run_record_batch(bad, &mut out)));
-        assert_no_output(&out);
-        p.run_record_batch(good, &mut out).unwrap();
-        assert_same_output(&out, &fresh);
-        check(&err(p.run_record_batch(bad, &mut out)));
-        assert_no_output(&out);
-        p.run_record_batch(good, &mut out).unwrap();
-        assert_same_output(&out, &fresh);
-    }
-}
-
-/// A hand-written `SampleSource` that hands out whatever view it was given, bypassing the
-/// constructors' checks, and counts how often its view was asked for.
-struct Custom<'a> {
-    samples: usize,
-    weighted: bool,
-    view: FeatureView<'a>,
-    views: AtomicUsize,
-}
-
-impl<'a> Custom<'a> {
-    fn new(samples: usize, weighted: bool, view: FeatureView<'a>) -> Self {
-        Custom { samples, weighted, view, views: AtomicUsize::new(0) }
-    }
-}
-
-impl SampleSource for Custom<'_> {
-    fn num_samples(&self) -> usize {
-        self.samples
-    }
-    fn has_weights(&self) -> bool {
-        self.weighted
-    }
-    fn view(&self) -> FeatureView<'_> {
-        self.views.fetch_add(1, Ordering::Relaxed);
-        match &self.view {
-            FeatureView::Ragged { ids, offsets, weights } => {
-                FeatureView::Ragged { ids: *ids, offsets: *offsets, weights: *weights }
-            }
-            FeatureView::Dense { ids, weights } => FeatureView::Dense {
-                ids: match ids {
-                    DenseIds::I32(a) => DenseIds::I32(a.view()),
-                    DenseIds::I64(a) => DenseIds::I64(a.view()),
-                },
-                weights: weights.as_ref().map(|w| w.view()),
-            },
-            FeatureView::Coo { indices, ids } => FeatureView::Coo { indices, ids: *ids },
+        for _ in 0..2 {
+            check(&err(run(&mut p, bad, &mut out)));
+            assert_no_output(&out);
+            run(&mut p, good, &mut out).unwrap();
+            assert_same_output(&out, &expected);
         }
     }
 }
 
-fn record_batch(columns: Vec<(&str, ArrayRef)>) -> RecordBatch {
-    RecordBatch::try_from_iter(columns).expect("record batch")
+/// `expect_error_state` for `Preprocessor::run`.
+fn expect_run_error(cfg: &Config, good: &[&dyn SampleSource], bad: &[&dyn SampleSource], check: impl Fn(&Error)) {
+    expect_error_state(cfg, good, bad, |p, batch, out| p.run(batch, out), check)
 }
 
-fn opt_rows<T: Copy>(rows: &[Vec<T>]) -> Vec<Option<Vec<Option<T>>>> {
-    rows.iter().map(|r| Some(r.iter().map(|&v| Some(v)).collect())).collect()
+/// `expect_error_state` for Arrow record batches.
+fn expect_record_batch_error(cfg: &Config, good: &RecordBatch, bad: &RecordBatch, check: impl Fn(&Error)) {
+    expect_error_state(cfg, good, bad, |p, batch, out| p.run_record_batch(batch, out), check)
 }
 
 fn list_i32(rows: &[Vec<i32>]) -> ArrayRef {
-    Arc::new(ListArray::from_iter_primitive::<Int32Type, _, _>(opt_rows(rows)))
+    Arc::new(ListArray::from_iter_primitive::<Int32Type, _, _>(some_rows(rows)))
 }
 
 fn large_list_i32(rows: &[Vec<i32>]) -> ArrayRef {
-    Arc::new(LargeListArray::from_iter_primitive::<Int32Type, _, _>(opt_rows(rows)))
+    Arc::new(LargeListArray::from_iter_primitive::<Int32Type, _, _>(some_rows(rows)))
 }
 
 fn list_i64(rows: &[Vec<i64>]) -> ArrayRef {
-    Arc::new(ListArray::from_iter_primitive::<Int64Type, _, _>(opt_rows(rows)))
+    Arc::new(ListArray::from_iter_primitive::<Int64Type, _, _>(some_rows(rows)))
 }
 
 fn large_list_i64(rows: &[Vec<i64>]) -> ArrayRef {
-    Arc::new(LargeListArray::from_iter_primitive::<Int64Type, _, _>(opt_rows(rows)))
+    Arc::new(LargeListArray::from_iter_primitive::<Int64Type, _, _>(some_rows(rows)))
 }
 
 fn list_f32(rows: &[Vec<f32>]) -> ArrayRef {
-    Arc::new(ListArray::from_iter_primitive::<Float32Type, _, _>(opt_rows(rows)))
+    Arc::new(ListArray::from_iter_primitive::<Float32Type, _, _>(some_rows(rows)))
 }
 
 // ---------------------------------------------------------------------------------------------
