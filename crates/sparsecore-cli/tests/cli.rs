@@ -37,33 +37,12 @@ use serde_json::{json, Value};
 use sparsecore_prep::io::BatchReader;
 use sparsecore_prep::{Config, Output, Preprocessor};
 
-const BIN: &str = env!("CARGO_BIN_EXE_sparsecore-prep");
+mod support;
+use support::{ok, run, s, BIN};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 temp path")
-}
-
-fn run(args: &[&str]) -> ProcOutput {
-    Command::new(BIN).args(args).output().expect("the binary runs")
-}
-
-/// Runs and requires success; returns stdout.
-fn ok(args: &[&str]) -> String {
-    let o = run(args);
-    assert!(
-        o.status.success(),
-        "`sparsecore-prep {}` failed ({}):\nstdout: {}\nstderr: {}",
-        args.join(" "),
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8(o.stdout).expect("utf-8 stdout")
-}
 
 /// Runs and requires a failure with exactly one line on stderr, `sparsecore-prep: error: ...`;
 /// returns that line.

@@ -16,21 +16,8 @@ use std::process::{Command, Stdio};
 use arrow_ipc::reader::FileReader;
 use arrow_ipc::writer::FileWriter;
 
-const BIN: &str = env!("CARGO_BIN_EXE_sparsecore-prep");
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-fn run(args: &[&str]) -> std::process::Output {
-    Command::new(BIN).args(args).output().expect("the binary runs")
-}
-
-fn ok(args: &[&str]) -> String {
-    let o = run(args);
-    assert!(o.status.success(), "{args:?} failed: {}", String::from_utf8_lossy(&o.stderr));
-    String::from_utf8(o.stdout).unwrap()
-}
+mod support;
+use support::{ok, run, s, BIN};
 
 /// A pid that belongs to no process: a reaped child's, checked against `/proc`.
 fn dead_pid() -> u32 {
