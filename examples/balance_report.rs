@@ -1,4 +1,4 @@
-//! Measures balancing (src/balance.rs) side by side with the input order, for BENCHMARKS.md:
+//! Measures balancing (src/balance/) side by side with the input order, for BENCHMARKS.md:
 //! for every workload profile at layouts 1/1/4 and 1/4/4 and windows W = 1, 4 and 8, the worst
 //! `max_ids_per_partition` over 8 batches before and after, its lower bound, and the time to
 //! balance as a share of the time to preprocess the same batches.

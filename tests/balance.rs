@@ -1,4 +1,4 @@
-//! Balancing a window of record batches (src/balance.rs): the permutation is a bijection, every
+//! Balancing a window of record batches (src/balance/): the permutation is a bijection, every
 //! column moves with its row, no batch gets worse, the result is deterministic, and bad windows
 //! are typed errors.
 
