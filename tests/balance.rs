@@ -141,7 +141,7 @@ fn per_sample_activations_unpermuted_equal_the_original_batch() {
 /// order may beat the reported lower bound.
 #[test]
 fn counted_loads_equal_the_pipeline_statistics() {
-    use sparsecore_prep::balance::{lower_bound, measure};
+    use sparsecore_prep::balance::{count_loads, lower_bound, measure};
     for profile in [Profile::Criteo, Profile::Long, Profile::LargeVocab, Profile::HighMultivalency, Profile::ModerateMultivalency] {
         for layout in [(1, 1, 4), (1, 4, 4), (2, 2, 2)] {
             let batch = 32 * layout.0 * layout.2;
@@ -162,6 +162,14 @@ fn counted_loads_equal_the_pipeline_statistics() {
                         assert!(report.lower_bound[k] > 0, "{what}: a bound of 0 on a stack with ids");
                     }
                     assert_eq!(lower_bound(&config, chunk).unwrap(), report.lower_bound);
+                    // The balancer's own counts, unique ids included (its guard's), in both orders.
+                    let what = format!("{} {layout:?} W = {w}", profile.name());
+                    assert_eq!(count_loads(&config, chunk).unwrap(), before, "{what}: counted before");
+                    assert_eq!(count_loads(&config, &balanced.batches).unwrap(), after, "{what}: counted after");
+                    // Distinct from ids wherever samples share ids, so the test can tell them apart.
+                    if matches!(profile, Profile::Long | Profile::HighMultivalency) {
+                        assert!(before.iter().any(|l| l.max_unique_ids_per_partition < l.max_ids_per_partition), "{what}");
+                    }
                 }
             }
         }

@@ -1,9 +1,12 @@
 //! Counting each sample's ids per (stack, partition) after the per-sample merge, as the
 //! pipeline counts them.
 
+use arrow_array::RecordBatch;
+
+use super::{SampleCounts, SampleRef};
 use crate::error::{Error, Result};
-use crate::input::{FeatureView, Ids, Offsets, SampleSource};
-use crate::spec::Plan;
+use crate::input::{features_from_record_batch, FeatureView, Ids, Offsets, SampleSource};
+use crate::spec::{Config, Plan};
 
 /// One feature of a batch as counting reads it.
 struct RaggedFeature<'a> {
@@ -17,19 +20,9 @@ struct RaggedFeature<'a> {
     dense: bool,
 }
 
-/// A batch's features, read once per batch rather than once per sample.
-pub(super) struct BatchFeatures<'a> {
-    features: Vec<RaggedFeature<'a>>,
-    /// Partitions minus one.
-    mask: u32,
-    /// Per cell, 1 / the stack's `max_ids_per_partition`.
-    pub(super) inv_limit: Vec<f64>,
-}
-
-pub(super) fn ragged_views<'a>(plan: &Plan, inputs: &'a [&'a (dyn SampleSource + 'a)]) -> Result<BatchFeatures<'a>> {
+fn ragged_views<'a>(plan: &Plan, inputs: &'a [&'a (dyn SampleSource + 'a)]) -> Result<Vec<RaggedFeature<'a>>> {
     let n = plan.layout.num_partitions();
-    let features = plan
-        .features
+    plan.features
         .iter()
         .zip(inputs)
         .map(|(fp, input)| match input.view() {
@@ -43,65 +36,326 @@ pub(super) fn ragged_views<'a>(plan: &Plan, inputs: &'a [&'a (dyn SampleSource +
             }),
             _ => Err(Error::input(&fp.name, "balancing reads record batches, whose features are ragged lists")),
         })
-        .collect::<Result<Vec<_>>>()?;
-    let inv_limit = plan.stacks.iter().flat_map(|s| std::iter::repeat_n(1.0 / s.max_ids_per_partition.max(1) as f64, n)).collect();
-    Ok(BatchFeatures { features, mask: (n - 1) as u32, inv_limit })
+        .collect()
 }
 
-/// Adds one sample's ids per (stack, partition) cell to `acc` (listing first-touched cells in
-/// `touched`), merged per feature as the pipeline merges them. Every feature has the batch's
-/// rows (checked by the caller).
-pub(super) fn count_sample(batch: &BatchFeatures<'_>, row: usize, seen: &mut SeenSet, acc: &mut [u32], touched: &mut Vec<u32>) {
-    let mask = batch.mask;
-    touched.clear();
-    for f in &batch.features {
-        let (a, b) = f.offsets.range(row);
-        // The column is a bijection of the id (per feature), so distinct columns are distinct
-        // ids, as the pipeline merges them.
-        let col = |id: i64| {
-            let id = id as u32;
-            ((id.wrapping_add(f.col_shift) & mask) | (id & !mask)).wrapping_add(f.col_offset)
-        };
-        let mut cols = std::mem::take(&mut seen.cols);
-        cols.clear();
-        match f.ids {
-            Ids::I32(v) => cols.extend(v.get(a..b).unwrap_or_default().iter().map(|&i| col(i as i64))),
-            Ids::I64(v) => cols.extend(v.get(a..b).unwrap_or_default().iter().map(|&i| col(i))),
-        }
-        let mut add = |c: u32, n: i32| {
-            let cell = f.base + (c & mask);
-            let slot = &mut acc[cell as usize];
-            if *slot == 0 {
-                touched.push(cell);
+/// Counts a batch's samples, reusing its scratch from batch to batch.
+///
+/// Two passes, because a sample's features are stored column by column: first feature by
+/// feature, every row's merged ids per partition (one tight loop per feature, where a
+/// sample-by-sample walk paid a feature's setup for every sample and id); then sample by
+/// sample, its entries of every feature, summed where two features share a stack.
+#[derive(Debug, Default)]
+pub(super) struct Counter {
+    seen: SeenSet,
+    /// Per feature: every row's `(cell, ids)` entries, row `r` owning `entries[f][starts[f][r]..starts[f][r + 1]]`.
+    entries: Vec<Vec<(u32, u32)>>,
+    starts: Vec<Vec<u32>>,
+    /// Per partition: one list's distinct ids (four interleaved copies for long lists, so that
+    /// consecutive ids of one partition do not wait on each other's increments).
+    hist: Vec<u32>,
+    /// Per cell: one sample's ids in stacks of several features, and the cells it touched.
+    acc: Vec<u32>,
+    touched: Vec<u32>,
+}
+
+impl Counter {
+    /// Appends every row of a batch (index `batch` in the window) to `counts`. Every input has
+    /// `rows` samples (checked by the caller).
+    pub(super) fn count_batch<'a>(&mut self, plan: &Plan, inputs: &'a [&'a (dyn SampleSource + 'a)], batch: usize, rows: usize, counts: &mut SampleCounts) -> Result<()> {
+        let features = ragged_views(plan, inputs)?;
+        let n = plan.layout.num_partitions();
+        let mask = (n - 1) as u32;
+        self.entries.resize_with(features.len(), Vec::new);
+        self.starts.resize_with(features.len(), Vec::new);
+        self.hist.clear();
+        self.hist.resize(4 * n, 0);
+        for (f, feature) in features.iter().enumerate() {
+            let (entries, starts) = (&mut self.entries[f], &mut self.starts[f]);
+            entries.clear();
+            starts.clear();
+            starts.push(0);
+            match (feature.ids, feature.offsets) {
+                (Ids::I32(ids), Offsets::I32(o)) => count_feature(feature, ids, o, rows, mask, &mut self.seen, &mut self.hist, entries, starts),
+                (Ids::I32(ids), Offsets::I64(o)) => count_feature(feature, ids, o, rows, mask, &mut self.seen, &mut self.hist, entries, starts),
+                (Ids::I64(ids), Offsets::I32(o)) => count_feature(feature, ids, o, rows, mask, &mut self.seen, &mut self.hist, entries, starts),
+                (Ids::I64(ids), Offsets::I64(o)) => count_feature(feature, ids, o, rows, mask, &mut self.seen, &mut self.hist, entries, starts),
             }
-            *slot = slot.wrapping_add_signed(n);
+        }
+        // Stacks in plan order with their features; one feature's entries are already merged.
+        let mut stacks: Vec<Vec<usize>> = vec![Vec::new(); plan.stacks.len()];
+        for (f, fp) in plan.features.iter().enumerate() {
+            stacks[fp.stack].push(f);
+        }
+        let inv_limit: Vec<f64> = plan.stacks.iter().map(|s| 1.0 / s.max_ids_per_partition.max(1) as f64).collect();
+        self.acc.clear();
+        self.acc.resize(plan.stacks.len() * n, 0);
+        counts.cells.reserve(self.entries[..features.len()].iter().map(Vec::len).sum());
+        for row in 0..rows {
+            let mut peak = 0f64;
+            for (fs, &inv) in stacks.iter().zip(&inv_limit) {
+                if let [f] = fs[..] {
+                    let (a, b) = (self.starts[f][row] as usize, self.starts[f][row + 1] as usize);
+                    for &e in &self.entries[f][a..b] {
+                        counts.cells.push(e);
+                        peak = peak.max(e.1 as f64 * inv);
+                    }
+                } else {
+                    self.touched.clear();
+                    for &f in fs {
+                        for &(c, k) in &self.entries[f][self.starts[f][row] as usize..self.starts[f][row + 1] as usize] {
+                            let slot = &mut self.acc[c as usize];
+                            if *slot == 0 {
+                                self.touched.push(c);
+                            }
+                            *slot += k;
+                        }
+                    }
+                    for &c in &self.touched {
+                        let k = std::mem::take(&mut self.acc[c as usize]);
+                        counts.cells.push((c, k));
+                        peak = peak.max(k as f64 * inv);
+                    }
+                }
+            }
+            counts.refs.push(SampleRef { batch, row });
+            counts.start.push(counts.cells.len());
+            counts.peak.push(peak);
+        }
+        Ok(())
+    }
+}
+
+/// Distinct columns per (slice, cell): the pipeline's unique ids, which per-sample counts cannot
+/// give (two samples of a slice may share an id). Counted with a hash set per (slice, stack)
+/// instead of the pipeline's sort of every stack: only the stacks that could pass their unique
+/// limit are asked for.
+#[derive(Debug, Default)]
+pub(super) struct UniqueCounter {
+    /// Open addressing over columns; a slot is taken when its stamp is the current generation.
+    keys: Vec<u32>,
+    stamps: Vec<u32>,
+    generation: u32,
+    /// Per partition: distinct columns of the current (slice, stack).
+    per_partition: Vec<u32>,
+}
+
+impl UniqueCounter {
+    /// Per output batch (`order[k]`: its rows, `slices` equal runs of them) and stack, the
+    /// largest number of distinct columns of any (slice, partition) cell; 0 for stacks not in
+    /// `stacks`. All batches of the window share the plan's stack layout.
+    pub(super) fn worst_per_batch(
+        &mut self,
+        config: &Config,
+        plan: &Plan,
+        window: &[RecordBatch],
+        order: &[Vec<SampleRef>],
+        slices: usize,
+        stacks: &[bool],
+    ) -> Result<Vec<Vec<i32>>> {
+        let features = window.iter().map(|rb| features_from_record_batch(config, rb)).collect::<Result<Vec<_>>>()?;
+        let inputs: Vec<Vec<&dyn SampleSource>> = features.iter().map(|fs| fs.iter().map(|f| f as &dyn SampleSource).collect()).collect();
+        let views = inputs.iter().map(|i| ragged_views(plan, i)).collect::<Result<Vec<_>>>()?;
+        let n = plan.layout.num_partitions();
+        let mask = (n - 1) as u32;
+        let mut by_stack: Vec<Vec<usize>> = vec![Vec::new(); plan.stacks.len()];
+        for (f, fp) in plan.features.iter().enumerate() {
+            by_stack[fp.stack].push(f);
+        }
+        let mut worst = vec![vec![0i32; plan.stacks.len()]; order.len()];
+        for (k, rows) in order.iter().enumerate() {
+            let per_slice = rows.len() / slices.max(1);
+            for slice in rows.chunks(per_slice.max(1)) {
+                for (st, fs) in by_stack.iter().enumerate().filter(|&(st, _)| stacks.get(st).copied().unwrap_or(false)) {
+                    let length = |r: &SampleRef, f: usize| {
+                        let (a, b) = views[r.batch][f].offsets.range(r.row);
+                        b - a
+                    };
+                    let ids: usize = slice.iter().map(|r| fs.iter().map(|&f| length(r, f)).sum::<usize>()).sum();
+                    self.start(ids, n);
+                    for r in slice {
+                        for &f in fs {
+                            let v = &views[r.batch][f];
+                            let (a, b) = v.offsets.range(r.row);
+                            match v.ids {
+                                Ids::I32(x) => x.get(a..b).unwrap_or_default().iter().for_each(|&id| self.insert(column(v, id as u32, mask), mask)),
+                                Ids::I64(x) => x.get(a..b).unwrap_or_default().iter().for_each(|&id| self.insert(column(v, id as u32, mask), mask)),
+                            }
+                        }
+                    }
+                    let most = self.per_partition.iter().copied().max().unwrap_or(0);
+                    worst[k][st] = worst[k][st].max(most.min(i32::MAX as u32) as i32);
+                }
+            }
+        }
+        Ok(worst)
+    }
+
+    /// Empties the set for up to `ids` columns over `partitions` partitions.
+    fn start(&mut self, ids: usize, partitions: usize) {
+        let size = (2 * ids).next_power_of_two().max(16);
+        if self.keys.len() < size {
+            self.keys = vec![0; size];
+            self.stamps = vec![0; size];
+            self.generation = 0;
+        }
+        self.generation = self.generation.wrapping_add(1);
+        if self.generation == 0 {
+            self.stamps.fill(0);
+            self.generation = 1;
+        }
+        self.per_partition.clear();
+        self.per_partition.resize(partitions, 0);
+    }
+
+    #[inline]
+    fn insert(&mut self, c: u32, mask: u32) {
+        let size = self.keys.len();
+        let shift = 64 - size.trailing_zeros();
+        let mut i = ((c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> shift) as usize;
+        loop {
+            if self.stamps[i] != self.generation {
+                self.stamps[i] = self.generation;
+                self.keys[i] = c;
+                self.per_partition[(c & mask) as usize] += 1;
+                return;
+            }
+            if self.keys[i] == c {
+                return;
+            }
+            i = (i + 1) & (size - 1);
+        }
+    }
+}
+
+/// Column of an id within its stack, as the pipeline computes it. It is a bijection of the id
+/// (per feature), so distinct columns are distinct ids, as the pipeline merges them.
+#[inline(always)]
+fn column(f: &RaggedFeature<'_>, id: u32, mask: u32) -> u32 {
+    ((id.wrapping_add(f.col_shift) & mask) | (id & !mask)).wrapping_add(f.col_offset)
+}
+
+/// One feature's rows: per row, its distinct ids per partition as `(cell, ids)` entries.
+#[allow(clippy::too_many_arguments)]
+fn count_feature<I: IdValue, O: OffsetValue>(
+    f: &RaggedFeature<'_>,
+    ids: &[I],
+    offsets: &[O],
+    rows: usize,
+    mask: u32,
+    seen: &mut SeenSet,
+    hist: &mut [u32],
+    entries: &mut Vec<(u32, u32)>,
+    starts: &mut Vec<u32>,
+) {
+    let offsets = &offsets[..(rows + 1).min(offsets.len())];
+    let first = offsets.first().map_or(0, |o| o.index());
+    // Every row holding exactly one id (criteo's features): one entry per row, no merging.
+    if offsets.len() == rows + 1 && offsets.windows(2).all(|w| w[1].index() == w[0].index() + 1) {
+        if let Some(run) = ids.get(first..first + rows) {
+            entries.extend(run.iter().map(|&id| (f.base + (column(f, id.low32(), mask) & mask), 1)));
+            starts.extend(1..=rows as u32);
+            return;
+        }
+    }
+    let n = (mask + 1) as usize;
+    let mut cols = std::mem::take(&mut seen.cols);
+    for row in 0..rows {
+        let (a, b) = match (offsets.get(row), offsets.get(row + 1)) {
+            (Some(a), Some(b)) => (a.index(), b.index()),
+            _ => (0, 0),
         };
-        match cols.len() {
+        let list = ids.get(a..b).unwrap_or_default();
+        let from = entries.len();
+        match list.len() {
             0 => {}
-            1 => add(cols[0], 1),
-            n if n <= SHORT_LIST => {
-                for k in 0..n {
-                    if !cols[..k].contains(&cols[k]) {
-                        add(cols[k], 1);
+            1 => entries.push((f.base + (column(f, list[0].low32(), mask) & mask), 1)),
+            len if len <= SHORT_LIST => {
+                // Equal low 32 bits are equal columns (the column is a bijection of them).
+                for k in 0..len {
+                    let id = list[k].low32();
+                    if list[..k].iter().any(|p| p.low32() == id) {
+                        continue;
+                    }
+                    let cell = f.base + (column(f, id, mask) & mask);
+                    match entries[from..].iter_mut().find(|e| e.0 == cell) {
+                        Some(e) => e.1 += 1,
+                        None => entries.push((cell, 1)),
                     }
                 }
             }
-            _ if f.dense => {
-                seen.next_generation();
-                for &c in &cols {
-                    if seen.insert_dense(c) {
-                        add(c, 1);
+            _ => {
+                cols.clear();
+                cols.extend(list.iter().map(|&id| column(f, id.low32(), mask)));
+                if f.dense {
+                    seen.count_dense(&cols, mask, hist);
+                } else if cols.len() <= MEDIUM_LIST {
+                    seen.count_medium(&cols, mask, hist);
+                } else {
+                    seen.count_long(&cols, mask, hist);
+                }
+                // Fold the four copies into the first and emit the partitions hit.
+                for p in 0..n {
+                    let k = hist[p].wrapping_add(hist[n + p]).wrapping_add(hist[2 * n + p]).wrapping_add(hist[3 * n + p]);
+                    hist[p] = 0;
+                    hist[n + p] = 0;
+                    hist[2 * n + p] = 0;
+                    hist[3 * n + p] = 0;
+                    if k > 0 {
+                        entries.push((f.base + p as u32, k));
                     }
                 }
             }
-            _ => seen.count_long(&cols, &mut add),
         }
-        seen.cols = cols;
+        starts.push(entries.len() as u32);
+    }
+    seen.cols = cols;
+}
+
+/// An id as counting reads it: its low 32 bits, as the pipeline's column arithmetic does.
+trait IdValue: Copy {
+    fn low32(self) -> u32;
+}
+
+impl IdValue for i32 {
+    #[inline(always)]
+    fn low32(self) -> u32 {
+        self as u32
+    }
+}
+
+impl IdValue for i64 {
+    #[inline(always)]
+    fn low32(self) -> u32 {
+        self as u32
+    }
+}
+
+/// A list offset (validated non-negative by the input stage).
+trait OffsetValue: Copy {
+    fn index(self) -> usize;
+}
+
+impl OffsetValue for i32 {
+    #[inline(always)]
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl OffsetValue for i64 {
+    #[inline(always)]
+    fn index(self) -> usize {
+        self as usize
     }
 }
 
 /// Lists of at most this many ids find their repeats by comparing each id with those before it.
 const SHORT_LIST: usize = 16;
+
+/// Lists of at most this many ids (and more than [`SHORT_LIST`]) find their repeats in a hash
+/// set that stays in L1.
+const MEDIUM_LIST: usize = 512;
 
 /// Stacks of at most this many columns find repeated ids by direct indexing (a 64 KiB array,
 /// which stays in cache; a 4 MiB one made criteo's balancing 4× slower than hashing).
@@ -123,6 +377,10 @@ pub(super) struct SeenSet {
     collided: Vec<u64>,
     /// Long lists: (column, occurrences) of the columns whose bit was hit twice, open addressing.
     slots: Vec<(u32, u32)>,
+    /// Medium lists: a stamped hash set of columns.
+    medium_keys: Vec<u32>,
+    medium_stamps: Vec<u32>,
+    medium_generation: u32,
 }
 
 impl SeenSet {
@@ -137,24 +395,67 @@ impl SeenSet {
         }
     }
 
-    /// Whether `c` is new in the current list (small stacks).
-    #[inline]
-    fn insert_dense(&mut self, c: u32) -> bool {
-        // Columns of a small stack are below its vocabulary; an id beyond it is one the
-        // pipeline rejects, counted here as it comes.
-        let Some(stamp) = self.dense.get_mut(c as usize) else {
-            return true;
-        };
-        let new = *stamp != self.generation;
-        *stamp = self.generation;
-        new
+    /// Adds a long list's distinct columns to `hist` (four interleaved copies of the
+    /// partitions), for a small stack: a stamp per column says whether this list saw it.
+    fn count_dense(&mut self, cols: &[u32], mask: u32, hist: &mut [u32]) {
+        self.next_generation();
+        let n = (mask + 1) as usize;
+        let generation = self.generation;
+        for (k, &c) in cols.iter().enumerate() {
+            // Columns of a small stack are below its vocabulary; an id beyond it is one the
+            // pipeline rejects, counted here as it comes.
+            let new = match self.dense.get_mut(c as usize) {
+                Some(stamp) => {
+                    let new = *stamp != generation;
+                    *stamp = generation;
+                    new
+                }
+                None => true,
+            };
+            hist[(k & 3) * n + (c & mask) as usize] += u32::from(new);
+        }
     }
 
-    /// Counts a long list's distinct columns through `add(column, change)`. Every id is counted
-    /// first, branch-free, while a Bloom-style bitmap (16 bits per id) marks the bits hit twice;
-    /// only ids on those bits, a few percent, are then counted exactly, and each column seen k
-    /// times takes back k − 1.
-    fn count_long(&mut self, cols: &[u32], add: &mut impl FnMut(u32, i32)) {
+    /// Adds a list's distinct columns to `hist`: a hash set small enough to stay in L1, whose
+    /// slots are claimed by stamping them with the list's generation (nothing to clear).
+    fn count_medium(&mut self, cols: &[u32], mask: u32, hist: &mut [u32]) {
+        let n = (mask + 1) as usize;
+        let size = (4 * cols.len()).next_power_of_two();
+        if self.medium_keys.len() < size {
+            self.medium_keys = vec![0; 4 * MEDIUM_LIST];
+            self.medium_stamps = vec![0; 4 * MEDIUM_LIST];
+            self.medium_generation = 0;
+        }
+        self.medium_generation = self.medium_generation.wrapping_add(1);
+        if self.medium_generation == 0 {
+            self.medium_stamps.fill(0);
+            self.medium_generation = 1;
+        }
+        let generation = self.medium_generation;
+        let shift = 64 - size.trailing_zeros();
+        for (k, &c) in cols.iter().enumerate() {
+            let mut i = ((c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> shift) as usize;
+            let new = loop {
+                if self.medium_stamps[i] != generation {
+                    self.medium_stamps[i] = generation;
+                    self.medium_keys[i] = c;
+                    break true;
+                }
+                if self.medium_keys[i] == c {
+                    break false;
+                }
+                i = (i + 1) & (size - 1);
+            };
+            hist[(k & 3) * n + (c & mask) as usize] += u32::from(new);
+        }
+    }
+
+    /// Adds a long list's distinct columns to `hist` (four interleaved copies of the
+    /// partitions). Every id is counted first, branch-free, while a Bloom-style bitmap (16 bits
+    /// per id) marks the bits hit twice; only ids on those bits, a few percent, are then counted
+    /// exactly, and each column seen k times takes back k − 1.
+    fn count_long(&mut self, cols: &[u32], mask: u32, hist: &mut [u32]) {
+        let n = (mask + 1) as usize;
         let bits = (16 * cols.len()).next_power_of_two().max(1024);
         let words = bits / 64;
         let shift = 64 - bits.trailing_zeros();
@@ -164,14 +465,14 @@ impl SeenSet {
         self.collided.clear();
         self.collided.resize(words, 0);
         let mut any = 0u64;
-        for &c in cols {
+        for (k, &c) in cols.iter().enumerate() {
             let h = hash(c);
             let (w, m) = (h / 64, 1u64 << (h % 64));
             let hit = self.filter[w] & m;
             self.collided[w] |= hit;
             self.filter[w] |= m;
             any |= hit;
-            add(c, 1);
+            hist[(k & 3) * n + (c & mask) as usize] += 1;
         }
         if any == 0 {
             return;
@@ -181,8 +482,7 @@ impl SeenSet {
             let h = hash(c);
             self.collided[h / 64] & (1u64 << (h % 64)) != 0
         });
-        let n = candidates.clone().count();
-        let size = (2 * n).next_power_of_two().max(16);
+        let size = (2 * candidates.clone().count()).next_power_of_two().max(16);
         self.slots.clear();
         self.slots.resize(size, (0, 0));
         let slot_shift = 64 - size.trailing_zeros();
@@ -203,7 +503,9 @@ impl SeenSet {
         }
         for &(c, k) in &self.slots {
             if k > 1 {
-                add(c, -((k - 1) as i32));
+                // The copies are summed with wrapping arithmetic, so the first may go below zero.
+                let h = &mut hist[(c & mask) as usize];
+                *h = h.wrapping_sub(k - 1);
             }
         }
     }
@@ -215,13 +517,14 @@ mod tests {
 
     /// Distinct columns per partition (4), counted by `count_long`, against a sort.
     fn check(cols: &[u32]) {
-        let mut counts = [0i64; 4];
+        let mut hist = [0u32; 16];
         let mut seen = SeenSet::default();
-        seen.count_long(cols, &mut |c, n| counts[(c & 3) as usize] += n as i64);
+        seen.count_long(cols, 3, &mut hist);
+        let counts: Vec<i64> = (0..4).map(|p| (0..4).fold(0u32, |sum, k| sum.wrapping_add(hist[k * 4 + p])) as i64).collect();
         let mut sorted = cols.to_vec();
         sorted.sort_unstable();
         sorted.dedup();
-        let mut want = [0i64; 4];
+        let mut want = vec![0i64; 4];
         for c in sorted {
             want[(c & 3) as usize] += 1;
         }

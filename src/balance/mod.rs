@@ -18,16 +18,18 @@
 //! a swap lowers the worst cell without raising any cell it touches to that level (the greedy
 //! alone stopped up to 3.5% above the lower bound where the swaps reach it), and after that
 //! while a swap lowers the worst buffer without passing the peak reached. Unique ids are not
-//! minimised: they need the pipeline's sort of a whole slice. The new order is kept only if every output batch's
+//! minimised: they depend on which samples share a slice, not on per-sample counts. The new
+//! order is kept only if every output batch's
 //! worst `max_ids` relative to its limit is strictly lower than its input batch's (W = 1) or
 //! than the window's worst input batch's (W > 1, where batches trade samples), and no stack's
 //! `max_ids`, required buffer or `max_unique_ids` rises above both that reference and its
 //! configured limit; otherwise the input order is returned. So balancing never makes a batch
 //! worse than what it was, or was pooled from, and a window that fit its limits still fits them.
-//! Unique ids are the one number the counts cannot give (they need the pipeline's sort), so the
-//! pipeline's statistics run on both orders only when some cell's ids exceed the stack's
-//! `max_unique_ids_per_partition`, the one case in which unique ids could pass it.
-//! [`measure`] runs the same statistics when a report wants `max_unique_ids`.
+//! Unique ids are the one number per-sample counts cannot give, so distinct columns are counted
+//! per (slice, partition) with a hash set, only for the stacks where some cell's ids exceed
+//! `max_unique_ids_per_partition` (the one case in which unique ids could pass it), and before
+//! the permutation is applied, so a rejected order costs no copy. [`count_loads`] gives the
+//! same numbers for any batches; [`measure`] runs the pipeline's own statistics.
 //!
 //! Everything runs on one thread in a fixed order, so the result does not depend on the thread
 //! count.
@@ -47,7 +49,7 @@ mod count;
 mod swap;
 
 pub use apply::apply;
-use count::{count_sample, ragged_views, SeenSet};
+use count::{Counter, UniqueCounter};
 use swap::{improve, Weights};
 
 /// Where one output row comes from: input batch `batch`, row `row` (both within the window).
@@ -128,10 +130,8 @@ pub struct Balancer {
     counts: SampleCounts,
     /// Per (slice, cell) id counts while placing.
     load: Vec<u32>,
-    /// Per cell: ids of one sample (`acc`) and the cells it touched (`touched`).
-    acc: Vec<u32>,
-    touched: Vec<u32>,
-    seen: SeenSet,
+    counter: Counter,
+    unique: UniqueCounter,
 }
 
 /// Every sample's (cell, ids) pairs, stored flat: sample i owns `cells[start[i]..start[i + 1]]`.
@@ -168,9 +168,8 @@ impl Balancer {
             hash_buffers: HashBuffers::new(),
             counts: SampleCounts::default(),
             load: Vec::new(),
-            acc: Vec::new(),
-            touched: Vec::new(),
-            seen: SeenSet::default(),
+            counter: Counter::default(),
+            unique: UniqueCounter::default(),
         })
     }
 
@@ -190,15 +189,7 @@ impl Balancer {
         let nslices = window.len() * shape.slices;
         let cells = shape.cells();
 
-        // The input order's loads: slice j of batch b holds rows j·r..(j+1)·r.
-        self.load.clear();
-        self.load.resize(nslices * cells, 0);
-        for (i, r) in self.counts.refs.iter().enumerate() {
-            let s = r.batch * shape.slices + r.row / slice_rows[r.batch];
-            for &(c, n) in &self.counts.cells[self.counts.start[i]..self.counts.start[i + 1]] {
-                self.load[s * cells + c as usize] += n;
-            }
-        }
+        input_order_loads(&self.counts, shape, &slice_rows, &mut self.load);
         let before_batches = batch_loads(&self.load, shape, window.len());
         let rows = slice_rows.iter().copied().min().unwrap_or(0);
         let bound = with_unsplit(bound_from(&self.load, shape, nslices), &self.counts, shape, rows);
@@ -294,31 +285,30 @@ impl Balancer {
         if !better || !(0..window.len()).all(within) {
             return Ok(keep(before, bound));
         }
-        let batches = apply(window, &permutation)?;
-        // Unique ids need the pipeline's sort. A stack whose ids stay within its unique limit in
-        // every cell keeps its unique ids within it too; otherwise measure both orders.
-        let unique_at_risk =
-            after_batches.iter().any(|a| a.iter().zip(&plan.stacks).any(|(l, st)| l.max_ids_per_partition > limit(st.max_unique_ids_per_partition)));
-        if unique_at_risk {
-            // The input order's unique ids are needed only where the new order passes a limit.
-            let after_unique = window_loads(&mut self.prep, &batches)?;
-            let within_limits =
-                after_unique.iter().all(|a| a.iter().zip(&plan.stacks).all(|(a, st)| a.max_unique_ids_per_partition <= limit(st.max_unique_ids_per_partition)));
-            if !within_limits {
-                let before_unique = window_loads(&mut self.prep, window)?;
-                let window_unique = worst_per_stack(&before_unique);
+        // Unique ids need distinct columns per slice, which per-sample counts cannot give. A
+        // stack whose ids stay within its unique limit in every cell keeps its unique ids within
+        // it too; the others are counted, in the new order and, where that passes the limit, in
+        // the input order.
+        let risky: Vec<bool> = (0..plan.stacks.len())
+            .map(|st| after_batches.iter().any(|a| a[st].max_ids_per_partition > limit(plan.stacks[st].max_unique_ids_per_partition)))
+            .collect();
+        if risky.contains(&true) {
+            let config = self.prep.config().clone();
+            let after_unique = self.unique.worst_per_batch(&config, &plan, window, &permutation, shape.slices, &risky)?;
+            let over = |u: &[Vec<i32>]| u.iter().any(|a| a.iter().zip(&plan.stacks).any(|(&a, st)| a > limit(st.max_unique_ids_per_partition)));
+            if over(&after_unique) {
+                let before_unique = self.unique.worst_per_batch(&config, &plan, window, &identity, shape.slices, &risky)?;
+                let window_unique = (0..plan.stacks.len()).map(|st| before_unique.iter().map(|b| b[st]).max().unwrap_or(0)).collect::<Vec<_>>();
                 let unique_ok = after_unique.iter().enumerate().all(|(b, a)| {
                     let r = if pooled { &window_unique } else { &before_unique[b] };
-                    a.iter()
-                        .zip(r)
-                        .zip(&plan.stacks)
-                        .all(|((a, r), st)| a.max_unique_ids_per_partition <= r.max_unique_ids_per_partition.max(limit(st.max_unique_ids_per_partition)))
+                    a.iter().zip(r).zip(&plan.stacks).all(|((&a, &r), st)| a <= r.max(limit(st.max_unique_ids_per_partition)))
                 });
                 if !unique_ok {
                     return Ok(keep(before, bound));
                 }
             }
         }
+        let batches = apply(window, &permutation)?;
         Ok(Balanced {
             batches,
             permutation,
@@ -366,26 +356,25 @@ impl Balancer {
                 self.hash_buffers.recycle(features);
                 return Ok(None);
             }
-            self.acc.clear();
-            self.acc.resize(this.cells(), 0);
-            let features_of_batch = ragged_views(plan, &inputs)?;
-            for row in 0..rows {
-                count_sample(&features_of_batch, row, &mut self.seen, &mut self.acc, &mut self.touched);
-                let mut peak = 0f64;
-                for &c in &self.touched {
-                    let n = std::mem::take(&mut self.acc[c as usize]);
-                    peak = peak.max(n as f64 * features_of_batch.inv_limit[c as usize]);
-                    counts.cells.push((c, n));
-                }
-                counts.refs.push(SampleRef { batch: b, row });
-                counts.start.push(counts.cells.len());
-                counts.peak.push(peak);
-            }
+            self.counter.count_batch(plan, &inputs, b, rows, counts)?;
             shape = Some(this);
             drop(inputs);
             self.hash_buffers.recycle(features);
         }
         Ok(shape)
+    }
+}
+
+/// Per (slice, cell) ids of the input order: slice j of batch b holds rows j·r..(j+1)·r.
+fn input_order_loads(counts: &SampleCounts, shape: Shape, slice_rows: &[usize], load: &mut Vec<u32>) {
+    let cells = shape.cells();
+    load.clear();
+    load.resize(slice_rows.len() * shape.slices * cells, 0);
+    for (i, r) in counts.refs.iter().enumerate() {
+        let s = r.batch * shape.slices + r.row / slice_rows[r.batch];
+        for &(c, n) in &counts.cells[counts.start[i]..counts.start[i + 1]] {
+            load[s * cells + c as usize] += n;
+        }
     }
 }
 
@@ -442,14 +431,29 @@ fn bound_from(load: &[u32], shape: Shape, nslices: usize) -> Vec<u32> {
 /// sample's ids (a sample is never split) plus the fewest ids any `rows - 1` other samples send
 /// to the cell (the slice holds `rows` samples; `rows` is the smallest slice of the window).
 fn with_unsplit(mut bound: Vec<u32>, counts: &SampleCounts, shape: Shape, rows: usize) -> Vec<u32> {
-    let mut per_cell: Vec<Vec<u32>> = vec![Vec::new(); shape.cells()];
+    // Every sample's share of each cell, grouped by cell (a counting sort: one flat buffer).
+    let cells = shape.cells();
+    let mut start = vec![0usize; cells + 1];
+    for &(c, _) in &counts.cells {
+        start[c as usize + 1] += 1;
+    }
+    for c in 0..cells {
+        start[c + 1] += start[c];
+    }
+    let mut next = start.clone();
+    let mut shares = vec![0u32; counts.cells.len()];
     for &(c, n) in &counts.cells {
-        per_cell[c as usize].push(n);
+        shares[next[c as usize]] = n;
+        next[c as usize] += 1;
     }
     let samples = counts.refs.len();
-    for (c, shares) in per_cell.iter_mut().enumerate() {
+    for c in 0..cells {
+        let shares = &mut shares[start[c]..start[c + 1]];
         let Some(k) = (0..shares.len()).max_by_key(|&k| shares[k]) else { continue };
-        let heaviest = shares.swap_remove(k);
+        let heaviest = shares[k];
+        let last = shares.len() - 1;
+        shares.swap(k, last);
+        let shares = &mut shares[..last];
         // Samples sending nothing to the cell are the cheapest company.
         let zeros = samples - 1 - shares.len();
         let need = rows.saturating_sub(1).saturating_sub(zeros).min(shares.len());
@@ -527,6 +531,34 @@ impl Worst for IdLoad {
         self.max_ids_per_partition = self.max_ids_per_partition.max(l.max_ids_per_partition);
         self.required_buffer = self.required_buffer.max(l.required_buffer);
     }
+}
+
+/// [`measure`]'s numbers counted as the balancer counts them, without a pass of the pipeline:
+/// per-sample ids per cell, and distinct columns per cell for unique ids. They equal the
+/// pipeline's statistics (a test holds them to it on every workload profile); unlike
+/// [`measure`], ids are not checked against the vocabularies.
+pub fn count_loads(config: &Config, batches: &[RecordBatch]) -> Result<Vec<StackLoad>> {
+    let mut balancer = Balancer::new(config.clone())?;
+    let Some(shape) = balancer.count(batches)? else {
+        return Ok(Vec::new());
+    };
+    let plan = balancer.prep.plan().expect("count() planned").clone();
+    let slice_rows: Vec<usize> = batches.iter().map(|rb| rb.num_rows() / shape.slices).collect();
+    let mut load = Vec::new();
+    input_order_loads(&balancer.counts, shape, &slice_rows, &mut load);
+    let ids = batch_loads(&load, shape, batches.len());
+    let unique = balancer.unique.worst_per_batch(config, &plan, batches, &identity(batches), shape.slices, &vec![true; shape.stacks])?;
+    let loads: Vec<Vec<StackLoad>> = ids
+        .iter()
+        .zip(&unique)
+        .map(|(ids, unique)| {
+            ids.iter()
+                .zip(unique)
+                .map(|(l, &u)| StackLoad { max_ids_per_partition: l.max_ids_per_partition, max_unique_ids_per_partition: u, required_buffer: l.required_buffer })
+                .collect()
+        })
+        .collect();
+    Ok(worst_per_stack(&loads))
 }
 
 /// A lower bound on any order's worst `max_ids_per_partition`, per stack: the ids a window sends
