@@ -221,7 +221,18 @@ impl Balancer {
                     break;
                 }
                 let row = &self.load[s * cells..(s + 1) * cells];
-                let new_peak = sample.iter().fold(current, |m, &(c, n)| m.max((row[c as usize] + n) as f64 * inv_limit[c as usize]));
+                // A slice whose new peak passes the best found so far is out as soon as it does.
+                let bar = best.map_or(f64::INFINITY, |b| b.0);
+                let mut new_peak = current;
+                for &(c, n) in sample {
+                    new_peak = new_peak.max((row[c as usize] + n) as f64 * inv_limit[c as usize]);
+                    if new_peak > bar {
+                        break;
+                    }
+                }
+                if new_peak > bar {
+                    continue;
+                }
                 if best.is_none_or(|b| new_peak < b.0 || (new_peak == b.0 && (ids, s) < (b.1, b.2))) {
                     best = Some((new_peak, ids, s));
                 }
