@@ -8,6 +8,7 @@ use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, Lis
 use arrow_buffer::{ArrowNativeType, BooleanBuffer, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
+use super::rigid::Rigid;
 use super::{CellCounts, HEAD, NEGATIVE, TAIL};
 use crate::batch::BatchSampler;
 use crate::error::{BessError, Result};
@@ -87,60 +88,6 @@ pub(super) struct Shared {
     pub(super) full_mask: ArrayRef,
 }
 
-/// Rigid's positives without shuffle, every window of an epoch laid out in the order a step
-/// reads them (window, partition, position), so that a step copies contiguous runs instead of
-/// gathering `ppp` triples from each of `n²` places in the triple table. The positions of a
-/// window are fixed (besskge's `shuffle=False`), so this is computed once per stream. It holds
-/// every padded position (12 bytes each, as the triple table holds every triple), so it is built
-/// only when there are at most [`RIGID_TABLE_MAX_PADDING`] times as many positions as triples.
-#[derive(Debug, Clone)]
-pub(super) struct RigidTable {
-    /// Physical head, physical tail and relation per position, the relation's sign bit set
-    /// where the mask is false (relations are non-negative): 12 bytes a row, so a step streams
-    /// as few bytes as its triples hold.
-    rows: Vec<[i32; 3]>,
-    /// Per window: whether every position is a real triple (then the mask is the shared
-    /// all-true column, and nothing is packed).
-    all_valid: Vec<bool>,
-    /// Positions per window and partition (`ppp`), partitions `P`, windows per epoch.
-    ppp: usize,
-    partitions: usize,
-    windows: usize,
-}
-
-impl RigidTable {
-    /// The table of `sampler`'s epoch (a Rigid sampler without shuffle, one batch per step),
-    /// or `None` if its padded positions exceed [`RIGID_TABLE_MAX_PADDING`] times the triples.
-    pub(super) fn build(sampler: &mut BatchSampler, phys: &[[i32; 3]]) -> Result<Option<Self>> {
-        let (ppp, partitions) = (sampler.geometry().ppp, sampler.geometry().partitions());
-        let windows = sampler.steps_per_epoch();
-        let positions = windows * partitions * ppp;
-        // The mask is stored in the relation's sign bit.
-        if positions > RIGID_TABLE_MAX_PADDING * phys.len().max(1) || phys.iter().any(|t| t[1] < 0) {
-            return Ok(None);
-        }
-        let mut rows = Vec::with_capacity(positions);
-        let (mut idx, mut m) = (Vec::new(), Vec::new());
-        let mut all_valid = Vec::with_capacity(windows);
-        for w in 0..windows {
-            sampler.sample_indices_into(w, &mut idx, &mut m)?;
-            all_valid.push(m.iter().all(|&v| v));
-            for (&k, &valid) in idx.iter().zip(&m) {
-                let tr = phys[k as usize];
-                rows.push([tr[0], tr[2], if valid { tr[1] } else { tr[1] | i32::MIN }]);
-            }
-        }
-        Ok(Some(RigidTable { rows, all_valid, ppp, partitions, windows }))
-    }
-}
-
-/// The most padded positions per triple for which a [`RigidTable`] is built: it then takes at
-/// most this many times the triple table's memory. Uniform graphs pad little at any `n`; a
-/// skewed graph at large `n` pads every block to its hub pair's size (98% padding for the
-/// power-law graph at n = 64 in MEASUREMENTS.md: 55 times the triples), and reads the triple
-/// table instead.
-const RIGID_TABLE_MAX_PADDING: usize = 8;
-
 /// Triples per chunk that [`Parts::positives`] reads ahead before copying them.
 const READ_AHEAD: usize = 256;
 
@@ -191,7 +138,7 @@ pub(super) struct Parts<'a> {
     pub(super) layout: &'a SparseCoreLayout,
     pub(super) counts: &'a CellCounts,
     pub(super) phys: &'a [[i32; 3]],
-    pub(super) rigid: Option<&'a RigidTable>,
+    pub(super) rigid: Option<&'a Rigid>,
     pub(super) neg_b: usize,
     pub(super) neg_k: usize,
     pub(super) flat: bool,
@@ -310,56 +257,51 @@ impl Parts<'_> {
         Ok((columns, rigid))
     }
 
-    /// [`Self::positives`] from a [`RigidTable`]: each block is a contiguous run of the step's
-    /// window, copied to its SparseCore's rows.
-    fn rigid_positives(&self, rt: &RigidTable, step: usize, scratch: &mut PosScratch) -> Result<(Vec<ArrayRef>, bool)> {
+    /// [`Self::positives`] of Rigid without shuffle: slices of its step table, or each block
+    /// copied as contiguous runs of the triple table.
+    fn rigid_positives(&self, rg: &Rigid, step: usize, scratch: &mut PosScratch) -> Result<(Vec<ArrayRef>, bool)> {
         let lay = self.layout;
-        let n = lay.num_sparsecores();
-        let (ppp, t, r) = (self.counts.ppp, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
-        debug_assert_eq!((rt.ppp, rt.partitions), (ppp, n * n));
+        let (t, r) = (self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
         let local = lay.local_sparsecores();
         let rows = local * r;
+        let sh = self.shared;
         let PosScratch { row_mask, values, .. } = scratch;
         let [vh, vt, vr] = values;
-        let mut head: Vec<i64> = reuse(vh, local * t);
-        let mut tail: Vec<i64> = reuse(vt, local * t);
-        let mut relation: Vec<i32> = reuse(vr, rows);
-        let window = step % rt.windows.max(1);
-        let all_valid = rt.all_valid[window];
-        if !all_valid {
-            row_mask.clear();
-            row_mask.resize(rows, false);
-        }
-        let base = window * rt.partitions * ppp;
-        let first = lay.global_sparsecore(0);
-        for i in 0..n {
-            for j in 0..n {
-                let g = (j + 2 * n - i - step % n) & (n - 1);
-                let Some(slot) = g.checked_sub(first).filter(|&s| s < local) else { continue };
-                let src = base + (i * n + j) * ppp;
-                let dst = slot * t + i * ppp;
-                let row = slot * r + i * ppp;
-                let (h, tl, rel) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[row..row + ppp]);
-                for (q, &[hv, tv, rv]) in rt.rows[src..src + ppp].iter().enumerate() {
-                    h[q] = i64::from(hv);
-                    tl[q] = i64::from(tv);
-                    rel[q] = rv & i32::MAX;
+        let (head, tail, relation, mask) = if let Some(sl) = &rg.slices {
+            let (at, len) = (sl.start(step) * t, local * t);
+            let relation = if r == t {
+                sl.relation.slice(at, len)
+            } else {
+                let mut v: Vec<i32> = reuse(vr, rows);
+                for (to, from) in v.chunks_exact_mut(r).zip(sl.relation[at..at + len].chunks_exact(t)) {
+                    to[..t].copy_from_slice(from);
                 }
-                if !all_valid {
-                    for (m, &[.., rv]) in row_mask[row..row + ppp].iter_mut().zip(&rt.rows[src..src + ppp]) {
-                        *m = rv >= 0;
-                    }
-                }
+                keep(vr, v)
+            };
+            let mask: ArrayRef = match (sl.padded(step), r == t) {
+                (false, _) => sh.full_mask.clone(),
+                (true, true) => Arc::new(BooleanArray::new(sl.mask.slice(at, len), None)),
+                (true, false) => Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| x % r < t && sl.mask.value(at + x / r * t + x % r)), None)),
+            };
+            (sl.head.slice(at, len), sl.tail.slice(at, len), relation, mask)
+        } else {
+            let mut head: Vec<i64> = reuse(vh, local * t);
+            let mut tail: Vec<i64> = reuse(vt, local * t);
+            let mut relation: Vec<i32> = reuse(vr, rows);
+            let padded = rg.padded(step);
+            if padded {
+                row_mask.clear();
+                row_mask.resize(rows, false);
             }
-        }
-        let sh = self.shared;
+            rg.copy_step(self.phys, lay, step, (t, r), &mut head, &mut tail, &mut relation, padded.then_some(&mut row_mask[..]));
+            let mask: ArrayRef =
+                if padded { Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None)) } else { sh.full_mask.clone() };
+            (keep(vh, head), keep(vt, tail), keep(vr, relation), mask)
+        };
         let lists = |ids: ScalarBuffer<i64>| -> Result<ArrayRef> {
             Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int64Array::new(ids, None)), None)?))
         };
-        let mask: ArrayRef =
-            if all_valid { sh.full_mask.clone() } else { Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None)) };
-        let columns: Vec<ArrayRef> =
-            vec![lists(keep(vh, head))?, lists(keep(vt, tail))?, Arc::new(Int32Array::new(keep(vr, relation), sh.pos_valid.clone())), mask];
+        let columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation, sh.pos_valid.clone())), mask];
         Ok((columns, true))
     }
 

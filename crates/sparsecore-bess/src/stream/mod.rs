@@ -44,8 +44,10 @@ use crate::rng::seed_words;
 use crate::sharding::Sharding;
 
 mod columns;
+mod rigid;
 
-use columns::{one_id_offsets, schema, validity, Columns, Parts, RigidTable, Scratch, Shared};
+use columns::{one_id_offsets, schema, validity, Columns, Parts, Scratch, Shared};
+use rigid::Rigid;
 
 /// Negatives per step (all SparseCores) from which uniform negatives are drawn on a second
 /// thread while the positives are drawn.
@@ -442,7 +444,7 @@ impl BessStreamBuilder {
             }
         }
         let rigid = match self.sampler {
-            StreamSampler::Rigid { shuffle: false } => RigidTable::build(&mut sampler.clone(), &phys)?.map(Arc::new),
+            StreamSampler::Rigid { shuffle: false } => Some(Arc::new(Rigid::new(&part, &phys, &layout, ppp, sampler.steps_per_epoch()))),
             _ => None,
         };
         let local = layout.local_sparsecores();
@@ -484,8 +486,8 @@ pub struct BessStream {
     layout: SparseCoreLayout,
     part: Arc<PartitionedTriples>,
     phys: Vec<[i32; 3]>,
-    /// Rigid without shuffle: the epoch's positives in step order, when small enough.
-    rigid: Option<Arc<RigidTable>>,
+    /// Rigid without shuffle: how its steps are read without index arrays.
+    rigid: Option<Arc<Rigid>>,
     sampler: BatchSampler,
     negative: Option<NegativeSampler>,
     counts: CellCounts,
