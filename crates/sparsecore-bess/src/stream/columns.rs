@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, ListArray};
-use arrow_buffer::{ArrowNativeType, BooleanBuffer, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
+use arrow_buffer::{ArrowNativeType, BooleanBuffer, BooleanBufferBuilder, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
 use super::rigid::Rigid;
@@ -13,10 +13,28 @@ use super::{CellCounts, HEAD, NEGATIVE, TAIL};
 use crate::batch::BatchSampler;
 use crate::error::{BessError, Result};
 use crate::layout::SparseCoreLayout;
-use crate::negative::Corruption;
+use crate::negative::{Corruption, RandomNegative};
+use crate::partition::PartitionedTriples;
 
 pub(super) fn list_field() -> Arc<Field> {
     Arc::new(Field::new_list_field(DataType::Int64, false))
+}
+
+/// A `List<Int64>` column of one id per list (or none past a slice's used rows).
+fn id_list(offsets: &OffsetBuffer<i32>, ids: ScalarBuffer<i64>) -> Result<ArrayRef> {
+    Ok(Arc::new(ListArray::try_new(list_field(), offsets.clone(), Arc::new(Int64Array::new(ids, None)), None)?))
+}
+
+/// A `triple_mask` of `local` slices of `r` rows: the first `t` of each from `bits(slot)`
+/// (which appends them), the rest false. Whole runs of bits, not a bool per row: with
+/// per-triple negatives `r` is `n·t`.
+fn slice_mask(local: usize, (t, r): (usize, usize), bits: impl Fn(usize, &mut BooleanBufferBuilder)) -> ArrayRef {
+    let mut b = BooleanBufferBuilder::new(local * r);
+    for slot in 0..local {
+        bits(slot, &mut b);
+        b.append_n(r - t, false);
+    }
+    Arc::new(BooleanArray::new(b.finish(), None))
 }
 
 /// Which optional columns a stream's record batches carry.
@@ -86,6 +104,9 @@ pub(super) struct Shared {
     pub(super) neg_valid: Option<NullBuffer>,
     /// `triple_mask` when there is no Rigid mask: true for the triples' rows.
     pub(super) full_mask: ArrayRef,
+    /// The physical id of local id 0 of every shard: local id `v` of shard `x` is
+    /// `v·N + shard_ids[x]`.
+    pub(super) shard_ids: Vec<i64>,
 }
 
 /// Triples per chunk that [`Parts::positives`] reads ahead before copying them.
@@ -239,9 +260,7 @@ impl Parts<'_> {
         let head = keep(vh, head);
         let tail = keep(vt, tail);
         let relation = keep(vr, relation);
-        let lists = |ids: ScalarBuffer<i64>| -> Result<ArrayRef> {
-            Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int64Array::new(ids, None)), None)?))
-        };
+        let lists = |ids| id_list(&sh.pos_offsets, ids);
         let mask: ArrayRef = if rigid { Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None)) } else { sh.full_mask.clone() };
         let mut columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation, sh.pos_valid.clone())), mask];
         if self.columns.annotations {
@@ -281,7 +300,7 @@ impl Parts<'_> {
             let mask: ArrayRef = match (sl.padded(step), r == t) {
                 (false, _) => sh.full_mask.clone(),
                 (true, true) => Arc::new(BooleanArray::new(sl.mask.slice(at, len), None)),
-                (true, false) => Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| x % r < t && sl.mask.value(at + x / r * t + x % r)), None)),
+                (true, false) => slice_mask(local, (t, r), |slot, b| b.append_buffer(&sl.mask.slice(at + slot * t, t))),
             };
             (sl.head.slice(at, len), sl.tail.slice(at, len), relation, mask)
         } else {
@@ -291,18 +310,34 @@ impl Parts<'_> {
             let padded = rg.padded(step);
             if padded {
                 row_mask.clear();
-                row_mask.resize(rows, false);
+                row_mask.resize(local * t, false);
             }
             rg.copy_step(self.phys, lay, step, (t, r), &mut head, &mut tail, &mut relation, padded.then_some(&mut row_mask[..]));
-            let mask: ArrayRef =
-                if padded { Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None)) } else { sh.full_mask.clone() };
+            let mask = if padded { slice_mask(local, (t, r), |slot, b| b.append_slice(&row_mask[slot * t..(slot + 1) * t])) } else { sh.full_mask.clone() };
             (keep(vh, head), keep(vt, tail), keep(vr, relation), mask)
         };
-        let lists = |ids: ScalarBuffer<i64>| -> Result<ArrayRef> {
-            Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int64Array::new(ids, None)), None)?))
-        };
+        let lists = |ids| id_list(&sh.pos_offsets, ids);
         let columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation, sh.pos_valid.clone())), mask];
         Ok((columns, true))
+    }
+
+    /// The `negative` column of uniform negatives, drawn straight into place (the draws
+    /// of SparseCores of other hosts are drawn and dropped, to keep the generator's stream).
+    pub(super) fn random_negative_column(&self, rn: &mut RandomNegative, part: &PartitionedTriples, values: &mut Option<Buffer>) -> Result<ArrayRef> {
+        let lay = self.layout;
+        let n = lay.num_sparsecores();
+        let (local, first) = (lay.local_sparsecores(), lay.global_sparsecore(0));
+        let bk = self.neg_b * self.neg_k;
+        let mut ids: Vec<i64> = reuse(values, local * n * bk);
+        // N is a power of two (the pipeline's layout checks it): `v·N` is a shift.
+        let (shift, shard_ids) = (n.trailing_zeros(), &self.shared.shard_ids);
+        let place = |_, x: usize, g: usize| g.checked_sub(first).filter(|&s| s < local).map(|slot| (slot * n + x) * bk);
+        let map = |x: usize| {
+            let hx = shard_ids[x];
+            move |v: u32| (i64::from(v) << shift) + hx
+        };
+        rn.draw_placed(part, (1, self.counts.triples_per_sparsecore), &mut ids, place, map)?;
+        id_list(&self.shared.neg_offsets, keep(values, ids))
     }
 
     /// The negative columns from the sampler's values `negs`, row-major over
@@ -318,7 +353,7 @@ impl Parts<'_> {
         let bk = b * k;
         let nrows = n * bk;
         let n64 = n as i64;
-        let hoff: Vec<i64> = (0..n).map(|s| lay.physical_id(s, 0)).collect();
+        let hoff = &self.shared.shard_ids;
         let ann = self.columns.annotations;
         let cap = |on: bool| if on { rows } else { 0 };
         let mut ids: Vec<i64> = reuse(values, local * nrows);
@@ -367,8 +402,7 @@ impl Parts<'_> {
         }
         let sh = self.shared;
         let valid = &sh.neg_valid;
-        let mut columns: Vec<ArrayRef> =
-            vec![Arc::new(ListArray::try_new(list_field(), sh.neg_offsets.clone(), Arc::new(Int64Array::new(keep(values, ids), None)), None)?)];
+        let mut columns: Vec<ArrayRef> = vec![id_list(&sh.neg_offsets, keep(values, ids))?];
         if self.columns.negative_mask {
             columns.push(Arc::new(BooleanArray::new(nm.into(), valid.clone())));
         }

@@ -455,6 +455,7 @@ impl BessStreamBuilder {
             pos_valid: validity(local, t, rows),
             neg_valid: validity(local, neg_rows, rows),
             full_mask,
+            shard_ids: (0..n).map(|s| layout.physical_id(s, 0)).collect(),
         };
         Ok(BessStream {
             config,
@@ -589,8 +590,12 @@ impl BessStream {
             Some(NegativeSampler::Random(rn)) => {
                 let mut positives = || parts.positives(sampler, step, pos, keep);
                 let mut negatives = || -> Result<Vec<ArrayRef>> {
-                    rn.draw_into(part, 1, f, neg)?;
-                    parts.negative_columns(neg, None, neg_values)
+                    if keep {
+                        rn.draw_into(part, 1, f, neg)?;
+                        parts.negative_columns(neg, None, neg_values)
+                    } else {
+                        Ok(vec![parts.random_negative_column(rn, part, neg_values)?])
+                    }
                 };
                 // Waking a second thread costs more than small steps take, so only steps with
                 // many negatives draw them on a second thread.

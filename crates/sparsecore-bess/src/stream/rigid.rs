@@ -116,10 +116,9 @@ impl Rigid {
         self.first(step) + self.ppp > self.min_count
     }
 
-    /// Writes step `step`'s positives in the host's row order: `head` and `tail` (`T` per
-    /// local SparseCore), `relation` (`R` per local SparseCore, the rows past `T` untouched)
-    /// and, if `mask` is given, which rows are real triples (`R` per local SparseCore, the rows
-    /// past `T` untouched).
+    /// Writes step `step`'s positives in the host's row order: `head`, `tail` and, if `mask`
+    /// is given, which rows are real triples (`T` per local SparseCore), and `relation` (`R`
+    /// per local SparseCore, the rows past `T` untouched).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn copy_step(
         &self,
@@ -158,7 +157,7 @@ impl Rigid {
                 let row = slot * r + i * ppp;
                 let valid = self.parts[i * n + j].copy(phys, first, &mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[row..row + ppp]);
                 if let Some(m) = mask.as_deref_mut() {
-                    let m = &mut m[row..row + ppp];
+                    let m = &mut m[dst..dst + ppp];
                     m[..valid].fill(true);
                     m[valid..].fill(false);
                 }
