@@ -13,12 +13,13 @@ use crate::layout::SparseCoreLayout;
 use crate::partition::PartitionedTriples;
 use crate::rng::FastMod;
 
-/// The most rows a [`RigidSlices`] may hold per triple of the graph. Each row costs 20 bytes
-/// (two `Int64` ids and an `Int32` relation) against the triple table's 12, and a table
-/// holds every padded position about twice (see [`Order`]): uniform graphs, which pad little,
-/// stay well under this at any `n`; a skewed graph at large `n` pads its blocks to the hub
-/// pair's size and copies runs instead.
-const SLICES_MAX_ROWS_PER_TRIPLE: usize = 8;
+/// The most rows a [`RigidSlices`] may hold per triple of the graph (so at most 240 bytes per
+/// triple, against the triple table's 12). Each row costs 20 bytes (two `Int64` ids and an
+/// `Int32` relation), and a table holds every padded position about twice (see [`Order`]):
+/// uniform graphs, which pad little, need 2–3 rows per triple at any `n`, the power-law graph
+/// of MEASUREMENTS.md about 11 at n = 16 (5.5 positions per triple); at n = 64 its blocks are
+/// padded to the hub pair's size (55 positions per triple) and it copies runs instead.
+const SLICES_MAX_ROWS_PER_TRIPLE: usize = 12;
 
 /// The most bytes a [`RigidSlices`] may take, whatever the graph's size.
 const SLICES_MAX_BYTES: usize = 1 << 30;
