@@ -182,6 +182,21 @@ impl RandomNegative {
         Ok(NegativeOutput { negative, mask: None, sort_idx: None })
     }
 
+    /// [`Self::draw`]'s values laid out by the caller: block (call, drawn-from shard `x`,
+    /// using shard `g`) of `B·k` values goes to `out[place(call, x, g)..]` (dropped if
+    /// `None`: still drawn, so the generator's stream is unchanged) as `map(x)(local id)`.
+    pub fn draw_placed<T: Copy + Default, F: Fn(u32) -> T>(
+        &mut self,
+        part: &PartitionedTriples,
+        (bps, f): (usize, usize),
+        out: &mut [T],
+        place: impl Fn(usize, usize, usize) -> Option<usize>,
+        map: impl Fn(usize) -> F,
+    ) -> Result<()> {
+        let b = self.lists(f);
+        draw_mod_shard_into(&mut self.rng, &mut self.fast, part, (bps, b, self.n_negative), "random negative sampler", Placed { out, place, map })
+    }
+
     /// [`Self::draw`]'s values, row-major over `(bps, n, n, B, k)`, into a reused buffer.
     pub fn draw_into(&mut self, part: &PartitionedTriples, bps: usize, f: usize, out: &mut Vec<i32>) -> Result<()> {
         let b = self.lists(f);
@@ -322,6 +337,93 @@ fn dims(sample_idx: &ArrayD<i64>) -> Dims {
     Dims { bps, n, f, q }
 }
 
+/// The shortest block [`draw_mod_shard_into`] draws straight into place.
+const DIRECT_BLOCK: usize = 64;
+
+/// Values [`draw_mod_shard_into`] draws at a time for short blocks (32 KiB of `i64`).
+const GROUP_VALUES: usize = 4096;
+
+/// Where [`draw_mod_shard_into`] writes its draws, and as what.
+struct Placed<'a, T, P, M> {
+    out: &'a mut [T],
+    /// The start in `out` of block (call, drawn-from shard, using shard), `None` to drop it.
+    place: P,
+    /// Per drawn-from shard, the value stored for a local id drawn from it (a closure made
+    /// once per block, holding its constants by value, so the inner loop reloads nothing).
+    map: M,
+}
+
+/// `bps·n·n` blocks of `b·k` uniform local ids: block (call `c`, shard `x`, using shard `g`)
+/// holds draws modulo shard `x`'s size, all of one call's shard `x` drawn in a row
+/// (besskge's order; the draws are numpy-exact).
+///
+/// Why fused: the caller's layout and id mapping are applied as the values are drawn, into
+/// its output, so the draws are written once rather than stored and read again (the stream's
+/// largest steps draw millions of negatives).
+fn draw_mod_shard_into<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<usize>, F: Fn(u32) -> T, M: Fn(usize) -> F>(
+    rng: &mut NumpyRng,
+    fast: &mut ShardMods,
+    part: &PartitionedTriples,
+    (bps, b, k): (usize, usize, usize),
+    sampler: &'static str,
+    to: Placed<'_, T, P, M>,
+) -> Result<()> {
+    let counts = &part.sharding.shard_counts;
+    if let Some(a) = counts.iter().position(|&c| c == 0) {
+        return Err(BessError::EmptyPartition { sampler, partition: format!("shard {a} (it holds no entities to draw negatives from)") });
+    }
+    let n = counts.len();
+    let mods = fast.for_counts(counts);
+    let bk = b * k;
+    let row = n * bk;
+    // Short blocks are drawn a few shards' runs at a time into `run` (small enough to stay in
+    // the L1 cache) and then copied into place using shard by using shard, so that the copies
+    // of consecutive shards land next to each other in a layout that groups them (the
+    // stream's): each bulk draw sets up its generator lanes, which costs more than a few
+    // draws, and copies strided by a whole row would collide in the cache.
+    if bk < DIRECT_BLOCK {
+        let group = (GROUP_VALUES / row.max(1)).max(1);
+        let mut run = Vec::new();
+        for c in 0..bps {
+            for xs in (0..n).step_by(group) {
+                let xe = (xs + group).min(n);
+                run.resize((xe - xs) * row, T::default());
+                for (x, chunk) in (xs..xe).zip(run.chunks_exact_mut(row)) {
+                    let (map, m) = ((to.map)(x), mods[x]);
+                    rng.fill_integers_31(chunk, |v| map(m.reduce_u32(v) as u32));
+                }
+                for g in 0..n {
+                    for x in xs..xe {
+                        if let Some(at) = (to.place)(c, x, g) {
+                            let from = (x - xs) * row + g * bk;
+                            to.out[at..at + bk].copy_from_slice(&run[from..from + bk]);
+                        }
+                    }
+                }
+            }
+        }
+        return Ok(());
+    }
+    let mut dropped = Vec::new();
+    for c in 0..bps {
+        for (x, &m) in mods.iter().enumerate() {
+            let map = (to.map)(x);
+            for g in 0..n {
+                let block = match (to.place)(c, x, g) {
+                    Some(at) => &mut to.out[at..at + bk],
+                    None => {
+                        dropped.resize(bk, T::default());
+                        &mut dropped[..]
+                    }
+                };
+                rng.fill_integers_31(block, |v| map(m.reduce_u32(v) as u32));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// [`draw_mod_shard_into`] row-major over `(bps, n, n, b, k)`, as `i32`.
 #[allow(clippy::too_many_arguments)]
 fn draw_mod_shard(
     rng: &mut NumpyRng,
@@ -333,19 +435,12 @@ fn draw_mod_shard(
     sampler: &'static str,
     out: &mut Vec<i32>,
 ) -> Result<()> {
-    let counts = &part.sharding.shard_counts;
-    if let Some(a) = counts.iter().position(|&c| c == 0) {
-        return Err(BessError::EmptyPartition { sampler, partition: format!("shard {a} (it holds no entities to draw negatives from)") });
-    }
-    let n = counts.len();
-    let mods = fast.for_counts(counts);
-    let chunk = n * b * k;
+    let n = part.sharding.shard_counts.len();
+    let bk = b * k;
     out.clear();
-    out.resize(bps * n * chunk, 0);
-    for (run, c) in out.chunks_mut(chunk.max(1)).zip(mods.iter().cycle()) {
-        rng.fill_integers_31(run, |v| c.reduce_u32(v) as i32);
-    }
-    Ok(())
+    out.resize(bps * n * n * bk, 0);
+    let place = |c: usize, x: usize, g: usize| Some(((c * n + x) * n + g) * bk);
+    draw_mod_shard_into(rng, fast, part, (bps, b, k), sampler, Placed { out, place, map: |_| |v| v as i32 })
 }
 
 impl NegativeSampler {

@@ -93,7 +93,15 @@ impl SeedSequence {
 /// Outputs generated per [`Pcg64::fill_u64`] call by the bulk draws (a stack buffer).
 const FILL_BLOCK: usize = 256;
 
+/// The buffer of [`NumpyRng::fill_integers_31`]'s short runs.
+const SMALL_FILL_BLOCK: usize = 64;
+
 const PCG_MULT: u128 = 0x2360_ed05_1fc6_5da4_4385_df64_9fcc_f645;
+/// `PCG_MULT` squared, cubed and to the fourth (mod 2^128): the multipliers of 2, 3 and 4
+/// steps, constants so that a short [`Pcg64::fill_u64`] does not recompute them.
+const PCG_MULT_2: u128 = PCG_MULT.wrapping_mul(PCG_MULT);
+const PCG_MULT_3: u128 = PCG_MULT_2.wrapping_mul(PCG_MULT);
+const PCG_MULT_4: u128 = PCG_MULT_2.wrapping_mul(PCG_MULT_2);
 
 /// numpy's `PCG64` bit generator (XSL-RR 128/64), stepped before each output (SPEC 1.3).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -130,10 +138,7 @@ impl Pcg64 {
     /// jump four steps at a time (`s[i+4] = s[i]·M⁴ + inc·(M³+M²+M+1)`, the same LCG), so four
     /// independent chains are in flight and the same sequence comes out faster.
     pub fn fill_u64(&mut self, out: &mut [u64]) {
-        let m1 = PCG_MULT;
-        let m2 = m1.wrapping_mul(m1);
-        let m3 = m2.wrapping_mul(m1);
-        let m4 = m2.wrapping_mul(m2);
+        let (m1, m2, m3, m4) = (PCG_MULT, PCG_MULT_2, PCG_MULT_3, PCG_MULT_4);
         let c1 = self.inc;
         let c2 = c1.wrapping_mul(m1).wrapping_add(c1);
         let c3 = c2.wrapping_mul(m1).wrapping_add(c1);
@@ -244,21 +249,29 @@ impl NumpyRng {
             self.half = None;
             rest = &mut rest[1..];
         }
-        let mut buf = [0u64; FILL_BLOCK];
-        let mut pairs = rest.chunks_exact_mut(2 * FILL_BLOCK);
-        for chunk in &mut pairs {
-            self.bits.fill_u64(&mut buf);
-            for (o, &v) in chunk.chunks_exact_mut(2).zip(buf.iter()) {
+        // Two draws per 64-bit output, low half first. Large runs go through a block-sized
+        // buffer, the rest through a small one: callers fill many short runs (a few negatives
+        // per block), and zeroing the large buffer would cost more than drawing them.
+        let mut pairs = |run: &mut [T], buf: &mut [u64]| {
+            self.bits.fill_u64(&mut buf[..run.len() / 2]);
+            for (o, &v) in run.chunks_exact_mut(2).zip(buf.iter()) {
                 o[0] = f((v as u32) >> 1);
                 o[1] = f(((v >> 32) as u32) >> 1);
             }
+        };
+        let mut large = rest.chunks_exact_mut(2 * FILL_BLOCK);
+        if large.len() > 0 {
+            let mut buf = [0u64; FILL_BLOCK];
+            for chunk in &mut large {
+                pairs(chunk, &mut buf);
+            }
         }
-        let tail = pairs.into_remainder();
-        let whole = tail.len() / 2;
-        self.bits.fill_u64(&mut buf[..whole]);
-        for (o, &v) in tail.chunks_exact_mut(2).zip(buf.iter()) {
-            o[0] = f((v as u32) >> 1);
-            o[1] = f(((v >> 32) as u32) >> 1);
+        let mut small_buf = [0u64; SMALL_FILL_BLOCK];
+        let mut small = large.into_remainder().chunks_mut(2 * SMALL_FILL_BLOCK);
+        let mut tail: &mut [T] = &mut [];
+        for chunk in &mut small {
+            pairs(chunk, &mut small_buf);
+            tail = chunk;
         }
         if tail.len() % 2 == 1 {
             let v = self.next_u32();

@@ -5,17 +5,36 @@
 use std::sync::Arc;
 
 use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, ListArray};
-use arrow_buffer::{ArrowNativeType, BooleanBuffer, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
+use arrow_buffer::{ArrowNativeType, BooleanBuffer, BooleanBufferBuilder, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
+use super::rigid::Rigid;
 use super::{CellCounts, HEAD, NEGATIVE, TAIL};
 use crate::batch::BatchSampler;
 use crate::error::{BessError, Result};
 use crate::layout::SparseCoreLayout;
-use crate::negative::Corruption;
+use crate::negative::{Corruption, RandomNegative};
+use crate::partition::PartitionedTriples;
 
 pub(super) fn list_field() -> Arc<Field> {
     Arc::new(Field::new_list_field(DataType::Int64, false))
+}
+
+/// A `List<Int64>` column of one id per list (or none past a slice's used rows).
+fn id_list(offsets: &OffsetBuffer<i32>, ids: ScalarBuffer<i64>) -> Result<ArrayRef> {
+    Ok(Arc::new(ListArray::try_new(list_field(), offsets.clone(), Arc::new(Int64Array::new(ids, None)), None)?))
+}
+
+/// A `triple_mask` of `local` slices of `r` rows: the first `t` of each from `bits(slot)`
+/// (which appends them), the rest false. Whole runs of bits, not a bool per row: with
+/// per-triple negatives `r` is `n·t`.
+fn slice_mask(local: usize, (t, r): (usize, usize), bits: impl Fn(usize, &mut BooleanBufferBuilder)) -> ArrayRef {
+    let mut b = BooleanBufferBuilder::new(local * r);
+    for slot in 0..local {
+        bits(slot, &mut b);
+        b.append_n(r - t, false);
+    }
+    Arc::new(BooleanArray::new(b.finish(), None))
 }
 
 /// Which optional columns a stream's record batches carry.
@@ -85,61 +104,10 @@ pub(super) struct Shared {
     pub(super) neg_valid: Option<NullBuffer>,
     /// `triple_mask` when there is no Rigid mask: true for the triples' rows.
     pub(super) full_mask: ArrayRef,
+    /// The physical id of local id 0 of every shard: local id `v` of shard `x` is
+    /// `v·N + shard_ids[x]`.
+    pub(super) shard_ids: Vec<i64>,
 }
-
-/// Rigid's positives without shuffle, every window of an epoch laid out in the order a step
-/// reads them (window, partition, position), so that a step copies contiguous runs instead of
-/// gathering `ppp` triples from each of `n²` places in the triple table. The positions of a
-/// window are fixed (besskge's `shuffle=False`), so this is computed once per stream. It holds
-/// every padded position (12 bytes each, as the triple table holds every triple), so it is built
-/// only when there are at most [`RIGID_TABLE_MAX_PADDING`] times as many positions as triples.
-#[derive(Debug, Clone)]
-pub(super) struct RigidTable {
-    /// Physical head, physical tail and relation per position, the relation's sign bit set
-    /// where the mask is false (relations are non-negative): 12 bytes a row, so a step streams
-    /// as few bytes as its triples hold.
-    rows: Vec<[i32; 3]>,
-    /// Per window: whether every position is a real triple (then the mask is the shared
-    /// all-true column, and nothing is packed).
-    all_valid: Vec<bool>,
-    /// Positions per window and partition (`ppp`), partitions `P`, windows per epoch.
-    ppp: usize,
-    partitions: usize,
-    windows: usize,
-}
-
-impl RigidTable {
-    /// The table of `sampler`'s epoch (a Rigid sampler without shuffle, one batch per step),
-    /// or `None` if its padded positions exceed [`RIGID_TABLE_MAX_PADDING`] times the triples.
-    pub(super) fn build(sampler: &mut BatchSampler, phys: &[[i32; 3]]) -> Result<Option<Self>> {
-        let (ppp, partitions) = (sampler.geometry().ppp, sampler.geometry().partitions());
-        let windows = sampler.steps_per_epoch();
-        let positions = windows * partitions * ppp;
-        // The mask is stored in the relation's sign bit.
-        if positions > RIGID_TABLE_MAX_PADDING * phys.len().max(1) || phys.iter().any(|t| t[1] < 0) {
-            return Ok(None);
-        }
-        let mut rows = Vec::with_capacity(positions);
-        let (mut idx, mut m) = (Vec::new(), Vec::new());
-        let mut all_valid = Vec::with_capacity(windows);
-        for w in 0..windows {
-            sampler.sample_indices_into(w, &mut idx, &mut m)?;
-            all_valid.push(m.iter().all(|&v| v));
-            for (&k, &valid) in idx.iter().zip(&m) {
-                let tr = phys[k as usize];
-                rows.push([tr[0], tr[2], if valid { tr[1] } else { tr[1] | i32::MIN }]);
-            }
-        }
-        Ok(Some(RigidTable { rows, all_valid, ppp, partitions, windows }))
-    }
-}
-
-/// The most padded positions per triple for which a [`RigidTable`] is built: it then takes at
-/// most this many times the triple table's memory. Uniform graphs pad little at any `n`; a
-/// skewed graph at large `n` pads every block to its hub pair's size (98% padding for the
-/// power-law graph at n = 64 in MEASUREMENTS.md: 55 times the triples), and reads the triple
-/// table instead.
-const RIGID_TABLE_MAX_PADDING: usize = 8;
 
 /// Triples per chunk that [`Parts::positives`] reads ahead before copying them.
 const READ_AHEAD: usize = 256;
@@ -191,7 +159,7 @@ pub(super) struct Parts<'a> {
     pub(super) layout: &'a SparseCoreLayout,
     pub(super) counts: &'a CellCounts,
     pub(super) phys: &'a [[i32; 3]],
-    pub(super) rigid: Option<&'a RigidTable>,
+    pub(super) rigid: Option<&'a Rigid>,
     pub(super) neg_b: usize,
     pub(super) neg_k: usize,
     pub(super) flat: bool,
@@ -292,9 +260,7 @@ impl Parts<'_> {
         let head = keep(vh, head);
         let tail = keep(vt, tail);
         let relation = keep(vr, relation);
-        let lists = |ids: ScalarBuffer<i64>| -> Result<ArrayRef> {
-            Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int64Array::new(ids, None)), None)?))
-        };
+        let lists = |ids| id_list(&sh.pos_offsets, ids);
         let mask: ArrayRef = if rigid { Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None)) } else { sh.full_mask.clone() };
         let mut columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation, sh.pos_valid.clone())), mask];
         if self.columns.annotations {
@@ -310,57 +276,68 @@ impl Parts<'_> {
         Ok((columns, rigid))
     }
 
-    /// [`Self::positives`] from a [`RigidTable`]: each block is a contiguous run of the step's
-    /// window, copied to its SparseCore's rows.
-    fn rigid_positives(&self, rt: &RigidTable, step: usize, scratch: &mut PosScratch) -> Result<(Vec<ArrayRef>, bool)> {
+    /// [`Self::positives`] of Rigid without shuffle: slices of its step table, or each block
+    /// copied as contiguous runs of the triple table.
+    fn rigid_positives(&self, rg: &Rigid, step: usize, scratch: &mut PosScratch) -> Result<(Vec<ArrayRef>, bool)> {
         let lay = self.layout;
-        let n = lay.num_sparsecores();
-        let (ppp, t, r) = (self.counts.ppp, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
-        debug_assert_eq!((rt.ppp, rt.partitions), (ppp, n * n));
+        let (t, r) = (self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
         let local = lay.local_sparsecores();
         let rows = local * r;
+        let sh = self.shared;
         let PosScratch { row_mask, values, .. } = scratch;
         let [vh, vt, vr] = values;
-        let mut head: Vec<i64> = reuse(vh, local * t);
-        let mut tail: Vec<i64> = reuse(vt, local * t);
-        let mut relation: Vec<i32> = reuse(vr, rows);
-        let window = step % rt.windows.max(1);
-        let all_valid = rt.all_valid[window];
-        if !all_valid {
-            row_mask.clear();
-            row_mask.resize(rows, false);
-        }
-        let base = window * rt.partitions * ppp;
-        let first = lay.global_sparsecore(0);
-        for i in 0..n {
-            for j in 0..n {
-                let g = (j + 2 * n - i - step % n) & (n - 1);
-                let Some(slot) = g.checked_sub(first).filter(|&s| s < local) else { continue };
-                let src = base + (i * n + j) * ppp;
-                let dst = slot * t + i * ppp;
-                let row = slot * r + i * ppp;
-                let (h, tl, rel) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[row..row + ppp]);
-                for (q, &[hv, tv, rv]) in rt.rows[src..src + ppp].iter().enumerate() {
-                    h[q] = i64::from(hv);
-                    tl[q] = i64::from(tv);
-                    rel[q] = rv & i32::MAX;
+        let (head, tail, relation, mask) = if let Some(sl) = &rg.slices {
+            let (at, len) = (sl.start(step) * t, local * t);
+            let relation = if r == t {
+                sl.relation.slice(at, len)
+            } else {
+                let mut v: Vec<i32> = reuse(vr, rows);
+                for (to, from) in v.chunks_exact_mut(r).zip(sl.relation[at..at + len].chunks_exact(t)) {
+                    to[..t].copy_from_slice(from);
                 }
-                if !all_valid {
-                    for (m, &[.., rv]) in row_mask[row..row + ppp].iter_mut().zip(&rt.rows[src..src + ppp]) {
-                        *m = rv >= 0;
-                    }
-                }
+                keep(vr, v)
+            };
+            let mask: ArrayRef = match (sl.padded(step), r == t) {
+                (false, _) => sh.full_mask.clone(),
+                (true, true) => Arc::new(BooleanArray::new(sl.mask.slice(at, len), None)),
+                (true, false) => slice_mask(local, (t, r), |slot, b| b.append_buffer(&sl.mask.slice(at + slot * t, t))),
+            };
+            (sl.head.slice(at, len), sl.tail.slice(at, len), relation, mask)
+        } else {
+            let mut head: Vec<i64> = reuse(vh, local * t);
+            let mut tail: Vec<i64> = reuse(vt, local * t);
+            let mut relation: Vec<i32> = reuse(vr, rows);
+            let padded = rg.padded(step);
+            if padded {
+                row_mask.clear();
+                row_mask.resize(local * t, false);
             }
-        }
-        let sh = self.shared;
-        let lists = |ids: ScalarBuffer<i64>| -> Result<ArrayRef> {
-            Ok(Arc::new(ListArray::try_new(list_field(), sh.pos_offsets.clone(), Arc::new(Int64Array::new(ids, None)), None)?))
+            rg.copy_step(self.phys, lay, step, (t, r), &mut head, &mut tail, &mut relation, padded.then_some(&mut row_mask[..]));
+            let mask = if padded { slice_mask(local, (t, r), |slot, b| b.append_slice(&row_mask[slot * t..(slot + 1) * t])) } else { sh.full_mask.clone() };
+            (keep(vh, head), keep(vt, tail), keep(vr, relation), mask)
         };
-        let mask: ArrayRef =
-            if all_valid { sh.full_mask.clone() } else { Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None)) };
-        let columns: Vec<ArrayRef> =
-            vec![lists(keep(vh, head))?, lists(keep(vt, tail))?, Arc::new(Int32Array::new(keep(vr, relation), sh.pos_valid.clone())), mask];
+        let lists = |ids| id_list(&sh.pos_offsets, ids);
+        let columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation, sh.pos_valid.clone())), mask];
         Ok((columns, true))
+    }
+
+    /// The `negative` column of uniform negatives, drawn straight into place (the draws
+    /// of SparseCores of other hosts are drawn and dropped, to keep the generator's stream).
+    pub(super) fn random_negative_column(&self, rn: &mut RandomNegative, part: &PartitionedTriples, values: &mut Option<Buffer>) -> Result<ArrayRef> {
+        let lay = self.layout;
+        let n = lay.num_sparsecores();
+        let (local, first) = (lay.local_sparsecores(), lay.global_sparsecore(0));
+        let bk = self.neg_b * self.neg_k;
+        let mut ids: Vec<i64> = reuse(values, local * n * bk);
+        // N is a power of two (the pipeline's layout checks it): `v·N` is a shift.
+        let (shift, shard_ids) = (n.trailing_zeros(), &self.shared.shard_ids);
+        let place = |_, x: usize, g: usize| g.checked_sub(first).filter(|&s| s < local).map(|slot| (slot * n + x) * bk);
+        let map = |x: usize| {
+            let hx = shard_ids[x];
+            move |v: u32| (i64::from(v) << shift) + hx
+        };
+        rn.draw_placed(part, (1, self.counts.triples_per_sparsecore), &mut ids, place, map)?;
+        id_list(&self.shared.neg_offsets, keep(values, ids))
     }
 
     /// The negative columns from the sampler's values `negs`, row-major over
@@ -376,7 +353,7 @@ impl Parts<'_> {
         let bk = b * k;
         let nrows = n * bk;
         let n64 = n as i64;
-        let hoff: Vec<i64> = (0..n).map(|s| lay.physical_id(s, 0)).collect();
+        let hoff = &self.shared.shard_ids;
         let ann = self.columns.annotations;
         let cap = |on: bool| if on { rows } else { 0 };
         let mut ids: Vec<i64> = reuse(values, local * nrows);
@@ -425,8 +402,7 @@ impl Parts<'_> {
         }
         let sh = self.shared;
         let valid = &sh.neg_valid;
-        let mut columns: Vec<ArrayRef> =
-            vec![Arc::new(ListArray::try_new(list_field(), sh.neg_offsets.clone(), Arc::new(Int64Array::new(keep(values, ids), None)), None)?)];
+        let mut columns: Vec<ArrayRef> = vec![id_list(&sh.neg_offsets, keep(values, ids))?];
         if self.columns.negative_mask {
             columns.push(Arc::new(BooleanArray::new(nm.into(), valid.clone())));
         }

@@ -44,8 +44,10 @@ use crate::rng::seed_words;
 use crate::sharding::Sharding;
 
 mod columns;
+mod rigid;
 
-use columns::{one_id_offsets, schema, validity, Columns, Parts, RigidTable, Scratch, Shared};
+use columns::{one_id_offsets, schema, validity, Columns, Parts, Scratch, Shared};
+use rigid::Rigid;
 
 /// Negatives per step (all SparseCores) from which uniform negatives are drawn on a second
 /// thread while the positives are drawn.
@@ -442,7 +444,7 @@ impl BessStreamBuilder {
             }
         }
         let rigid = match self.sampler {
-            StreamSampler::Rigid { shuffle: false } => RigidTable::build(&mut sampler.clone(), &phys)?.map(Arc::new),
+            StreamSampler::Rigid { shuffle: false } => Some(Arc::new(Rigid::new(&part, &phys, &layout, ppp, sampler.steps_per_epoch()))),
             _ => None,
         };
         let local = layout.local_sparsecores();
@@ -453,6 +455,7 @@ impl BessStreamBuilder {
             pos_valid: validity(local, t, rows),
             neg_valid: validity(local, neg_rows, rows),
             full_mask,
+            shard_ids: (0..n).map(|s| layout.physical_id(s, 0)).collect(),
         };
         Ok(BessStream {
             config,
@@ -484,8 +487,8 @@ pub struct BessStream {
     layout: SparseCoreLayout,
     part: Arc<PartitionedTriples>,
     phys: Vec<[i32; 3]>,
-    /// Rigid without shuffle: the epoch's positives in step order, when small enough.
-    rigid: Option<Arc<RigidTable>>,
+    /// Rigid without shuffle: how its steps are read without index arrays.
+    rigid: Option<Arc<Rigid>>,
     sampler: BatchSampler,
     negative: Option<NegativeSampler>,
     counts: CellCounts,
@@ -587,8 +590,12 @@ impl BessStream {
             Some(NegativeSampler::Random(rn)) => {
                 let mut positives = || parts.positives(sampler, step, pos, keep);
                 let mut negatives = || -> Result<Vec<ArrayRef>> {
-                    rn.draw_into(part, 1, f, neg)?;
-                    parts.negative_columns(neg, None, neg_values)
+                    if keep {
+                        rn.draw_into(part, 1, f, neg)?;
+                        parts.negative_columns(neg, None, neg_values)
+                    } else {
+                        Ok(vec![parts.random_negative_column(rn, part, neg_values)?])
+                    }
                 };
                 // Waking a second thread costs more than small steps take, so only steps with
                 // many negatives draw them on a second thread.
