@@ -45,16 +45,16 @@ pub(super) struct Rigid {
 /// copying the block).
 #[derive(Debug, Clone, Copy)]
 struct Run {
-    off: usize,
-    c: usize,
-    fm: FastMod,
+    offset: usize,
+    count: usize,
+    count_mod: FastMod,
 }
 
 impl Run {
     /// The partition's rows and where position `first` falls in them (cyclically).
     fn at<'a>(&self, phys: &'a [[i32; 3]], first: usize) -> Option<(&'a [[i32; 3]], usize)> {
-        let rows = phys.get(self.off..self.off + self.c).filter(|r| !r.is_empty())?;
-        Some((rows, if first < self.c { first } else { self.fm.reduce(first as u64) as usize }))
+        let rows = phys.get(self.offset..self.offset + self.count).filter(|r| !r.is_empty())?;
+        Some((rows, if first < self.count { first } else { self.count_mod.reduce(first as u64) as usize }))
     }
 
     /// The rows of one block: the triples at positions `first .. first + ppp` (cyclically),
@@ -65,7 +65,7 @@ impl Run {
         let Some((rows, mut r)) = self.at(phys, first) else { return 0 };
         let mut done = 0;
         while done < ppp {
-            let len = (self.c - r).min(ppp - done);
+            let len = (self.count - r).min(ppp - done);
             let run = &rows[r..r + len];
             for (((hv, tv), rv), &[ph, pr, pt]) in h[done..done + len].iter_mut().zip(&mut t[done..done + len]).zip(&mut rel[done..done + len]).zip(run) {
                 *hv = i64::from(ph);
@@ -75,16 +75,16 @@ impl Run {
             done += len;
             r = 0;
         }
-        self.c.saturating_sub(first).min(ppp)
+        self.count.saturating_sub(first).min(ppp)
     }
 
     /// Loads one row per cache line of the block at `first` (the run copy reads the next head shard's blocks ahead this way: the triple table is cold, since preprocessing evicts it between steps, and a loop that also writes the columns keeps few misses in flight; the crate has no `unsafe`, so no prefetch hints).
     fn touch(&self, phys: &[[i32; 3]], first: usize, ppp: usize) -> i32 {
         let Some((rows, r0)) = self.at(phys, first) else { return 0 };
         let mut acc = 0;
-        for q in (0..ppp.min(self.c)).step_by(ROWS_PER_LINE) {
+        for q in (0..ppp.min(self.count)).step_by(ROWS_PER_LINE) {
             let x = r0 + q;
-            acc ^= rows[if x >= self.c { x - self.c } else { x }][0];
+            acc ^= rows[if x >= self.count { x - self.count } else { x }][0];
         }
         acc
     }
@@ -99,9 +99,9 @@ impl Rigid {
             .triple_offsets
             .iter()
             .zip(&part.triple_counts)
-            .map(|(&o, &c)| Run { off: o.max(0) as usize, c: c.max(0) as usize, fm: FastMod::new(c.max(0) as u64) })
+            .map(|(&o, &c)| Run { offset: o.max(0) as usize, count: c.max(0) as usize, count_mod: FastMod::new(c.max(0) as u64) })
             .collect();
-        let min_count = parts.iter().map(|p| p.c).min().unwrap_or(0);
+        let min_count = parts.iter().map(|p| p.count).min().unwrap_or(0);
         let mut rigid = Rigid { parts, min_count, ppp, windows: windows.max(1), slices: None };
         rigid.slices = RigidSlices::build(&rigid, phys, lay);
         rigid
