@@ -134,7 +134,8 @@ pub struct Balancer {
     unique: UniqueCounter,
 }
 
-/// Every sample's (cell, ids) pairs, stored flat: sample i owns `cells[start[i]..start[i + 1]]`.
+/// Every sample's (cell, ids) pairs, stored flat: sample i owns `cells[start[i]..start[i + 1]]`,
+/// stack by stack in stack order (the swap pass finds one stack's entries by bisection).
 #[derive(Debug, Default)]
 struct SampleCounts {
     refs: Vec<SampleRef>,

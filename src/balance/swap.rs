@@ -186,23 +186,29 @@ impl Swaps<'_> {
         false
     }
 
-    /// Adds sample `b` minus sample `a` to `delta` over the cells `which` selects, listing them
-    /// in `marked`.
-    fn mark_cells(&mut self, a: usize, b: usize, which: impl Fn(usize) -> bool) {
-        for (i, sign) in [(a, -1i64), (b, 1)] {
-            for k in self.counts.start[i]..self.counts.start[i + 1] {
-                let (x, n) = self.counts.cells[k];
-                let x = x as usize;
-                if !which(x) {
-                    continue;
-                }
-                if !self.mark[x] {
-                    self.mark[x] = true;
-                    self.marked.push(x);
-                }
-                self.delta[x] += sign * n as i64;
+    /// Entries `range` of `counts.cells` (one sample's) into `delta` with `sign`, listing their
+    /// cells in `marked`.
+    fn mark(&mut self, range: std::ops::Range<usize>, sign: i64) {
+        for k in range {
+            let (x, n) = self.counts.cells[k];
+            let x = x as usize;
+            if !self.mark[x] {
+                self.mark[x] = true;
+                self.marked.push(x);
             }
+            self.delta[x] += sign * n as i64;
         }
+    }
+
+    /// Where sample `i`'s entries of `stack` lie in `counts.cells` (a sample's entries come
+    /// stack by stack, in stack order).
+    fn stack_entries(&self, i: usize, stack: usize) -> std::ops::Range<usize> {
+        let (from, to) = (self.counts.start[i], self.counts.start[i + 1]);
+        let p = self.w.partitions;
+        let entries = &self.counts.cells[from..to];
+        let lo = entries.partition_point(|e| (e.0 as usize) / p < stack);
+        let hi = entries.partition_point(|e| (e.0 as usize) / p <= stack);
+        from + lo..from + hi
     }
 
     /// Swaps sample `ka` of A with `kb` of B if every cell (and, for the buffer, every stack)
@@ -214,10 +220,12 @@ impl Swaps<'_> {
         let p = self.w.partitions;
         self.marked.clear();
         let buffer_round = matches!(target, Target::Buffer { .. });
+        let (a_key, b_key) = if buffer_round { (self.stack_entries(a, key), self.stack_entries(b, key)) } else { (0..0, 0..0) };
         if buffer_round {
             // The key stack first: most candidates fail there, and a check that marks only its
             // cells costs a few of a sample's entries instead of all of both samples'.
-            self.mark_cells(a, b, |x| x / p == key);
+            self.mark(a_key.clone(), -1);
+            self.mark(b_key.clone(), 1);
             let (mut change_a, mut change_b) = (0i64, 0i64);
             for &x in &self.marked {
                 let d = self.delta[x];
@@ -233,7 +241,10 @@ impl Swaps<'_> {
                 return false;
             }
         }
-        self.mark_cells(a, b, |x| !(buffer_round && x / p == key));
+        for (i, sign, done) in [(a, -1, a_key), (b, 1, b_key)] {
+            self.mark(self.counts.start[i]..done.start.max(self.counts.start[i]), sign);
+            self.mark(done.end.max(self.counts.start[i])..self.counts.start[i + 1], sign);
+        }
         let cap = match target {
             Target::Peak => top,
             Target::Buffer { peak } => peak,
