@@ -4,9 +4,10 @@
 //! megabytes: fresh allocations that large are mapped and faulted in page by page on every
 //! window. The columns the pipeline reads (lists of Int32/Int64 ids and Float32/Float64 weights,
 //! and primitive columns beside them) are reordered here instead, into buffers taken back from
-//! the batches of the previous window once the caller has dropped them. Every other type, and a
-//! list whose values carry nulls, goes to `interleave`, whose output the specialised paths match
-//! exactly (schema, values, validity).
+//! the batches of the previous window once the caller has dropped them (`Buffer::into_mutable`
+//! hands a buffer back only when nothing else holds it). Every other type, and a list whose
+//! values carry nulls, goes to `interleave`, whose output the specialised paths match exactly
+//! (schema, values, validity).
 
 use std::sync::Arc;
 
@@ -32,10 +33,11 @@ pub fn apply(window: &[RecordBatch], permutation: &[Vec<SampleRef>]) -> Result<V
 pub struct Reorder {
     /// The buffers of the batches handed out last, in the order they were filled.
     lent: Vec<Buffer>,
-    /// Buffers taken back, in the order they are handed out again (the last one first), so a
-    /// column tends to get the buffer it had, of about the size it needs.
+    /// Buffers taken back, stacked so that they are handed out again in the order they were
+    /// filled: a column tends to get the buffer it had, of about the size it needs.
     spare: Vec<MutableBuffer>,
-    index: Vec<(usize, usize)>,
+    /// Per output batch, (input batch, row) of each row.
+    index: Vec<Vec<(usize, usize)>>,
 }
 
 fn arrow_error(source: ArrowError) -> Error {
@@ -46,24 +48,57 @@ impl Reorder {
     /// Applies a permutation to a window (see [`apply`]).
     pub fn apply(&mut self, window: &[RecordBatch], permutation: &[Vec<SampleRef>]) -> Result<Vec<RecordBatch>> {
         self.reclaim();
-        let mut lent = Vec::new();
-        let sources: Vec<&RecordBatch> = window.iter().collect();
-        let mut out = Vec::with_capacity(permutation.len());
-        for rows in permutation {
-            self.index.clear();
+        self.index.resize_with(permutation.len(), Vec::new);
+        for (index, rows) in self.index.iter_mut().zip(permutation) {
+            index.clear();
             for r in rows {
                 if r.batch >= window.len() || r.row >= window[r.batch].num_rows() {
                     return Err(Error::input("balance", format!("permutation names row {} of batch {}, which does not exist", r.row, r.batch)));
                 }
-                self.index.push((r.batch, r.row));
+                index.push((r.batch, r.row));
             }
-            let index = std::mem::take(&mut self.index);
-            let batch = self.reorder_batch(&sources, &index, &mut lent);
-            self.index = index;
-            out.push(batch?);
+        }
+        let index = std::mem::take(&mut self.index);
+        let out = self.reorder(window, &index[..permutation.len()]);
+        self.index = index;
+        // Buffers this window did not need are freed, so that a smaller window after a larger
+        // one leaves no more than its own batches' worth behind.
+        self.spare.clear();
+        out
+    }
+
+    fn reorder(&mut self, window: &[RecordBatch], index: &[Vec<(usize, usize)>]) -> Result<Vec<RecordBatch>> {
+        let Some(first) = window.first() else {
+            return if index.is_empty() { Ok(Vec::new()) } else { Err(Error::input("balance", "a permutation of an empty window has batches")) };
+        };
+        let sources: Vec<&RecordBatch> = window.iter().collect();
+        // A batch without columns is Arrow's to define.
+        if first.num_columns() == 0 {
+            return index.iter().map(|index| arrow_select::interleave::interleave_record_batch(&sources, index).map_err(arrow_error)).collect();
+        }
+        // Column by column, so that each column's inputs are looked at once per window.
+        let mut lent = Vec::new();
+        let mut columns: Vec<Vec<ArrayRef>> = index.iter().map(|_| Vec::with_capacity(first.num_columns())).collect();
+        let mut arrays: Vec<&dyn Array> = Vec::with_capacity(window.len());
+        for c in 0..first.num_columns() {
+            arrays.clear();
+            arrays.extend(window.iter().map(|b| b.column(c).as_ref()));
+            let mut reordered = Vec::with_capacity(index.len());
+            if !self.reorder_column(&arrays, index, &mut lent, &mut reordered) {
+                reordered.clear();
+                for index in index {
+                    reordered.push(arrow_select::interleave::interleave(&arrays, index).map_err(arrow_error)?);
+                }
+            }
+            for ((batch, column), index) in columns.iter_mut().zip(reordered).zip(index) {
+                // An empty output batch is Arrow's to define too (its empty arrays have no
+                // validity, with nulls in the inputs or not).
+                let column = if index.is_empty() { arrow_select::interleave::interleave(&arrays, index).map_err(arrow_error)? } else { column };
+                batch.push(column);
+            }
         }
         self.lent = lent;
-        Ok(out)
+        columns.into_iter().map(|columns| RecordBatch::try_new(first.schema(), columns).map_err(arrow_error)).collect()
     }
 
     /// Takes back the buffers of the previous window that nobody else holds any more.
@@ -83,119 +118,124 @@ impl Reorder {
                 m.reserve(bytes);
                 m
             }
-            None => MutableBuffer::with_capacity(bytes),
+            // Aligned to 8 bytes, which suits every type reordered here (a buffer may hold
+            // another type in the next window): Arrow's own 64-byte alignment takes the
+            // allocator's slower aligned path, and a fresh allocation is what a caller holding
+            // its batches pays for every window.
+            None => MutableBuffer::from(Vec::<u64>::with_capacity(bytes.div_ceil(8))),
         }
     }
 
-    fn reorder_batch(&mut self, sources: &[&RecordBatch], index: &[(usize, usize)], lent: &mut Vec<Buffer>) -> Result<RecordBatch> {
-        let Some(first) = sources.first() else {
-            return Err(Error::input("balance", "a permutation of an empty window names rows"));
-        };
-        // Arrow's own answers for the shapes it treats specially (an empty output, no columns).
-        if index.is_empty() || first.num_columns() == 0 {
-            return arrow_select::interleave::interleave_record_batch(sources, index).map_err(arrow_error);
-        }
-        let schema = first.schema();
-        let mut columns = Vec::with_capacity(first.num_columns());
-        let mut arrays: Vec<&dyn Array> = Vec::with_capacity(sources.len());
-        for c in 0..first.num_columns() {
-            arrays.clear();
-            arrays.extend(sources.iter().map(|b| b.column(c).as_ref()));
-            let column = match self.reorder_column(&arrays, index, lent) {
-                Some(column) => column,
-                None => arrow_select::interleave::interleave(&arrays, index).map_err(arrow_error)?,
-            };
-            columns.push(column);
-        }
-        RecordBatch::try_new(schema, columns).map_err(arrow_error)
-    }
-
-    /// The reordered column, or `None` for a type (or shape) left to Arrow's `interleave`.
-    fn reorder_column(&mut self, arrays: &[&dyn Array], index: &[(usize, usize)], lent: &mut Vec<Buffer>) -> Option<ArrayRef> {
+    /// Pushes the column of every output batch to `out`; false for a type (or shape) left to
+    /// Arrow's `interleave`.
+    fn reorder_column(&mut self, arrays: &[&dyn Array], index: &[Vec<(usize, usize)>], lent: &mut Vec<Buffer>, out: &mut Vec<ArrayRef>) -> bool {
         let data_type = arrays[0].data_type();
         if arrays.iter().any(|a| a.data_type() != data_type) {
-            return None;
+            return false;
         }
-        match data_type {
-            DataType::Int32 => self.primitive::<Int32Type>(arrays, index, lent),
-            DataType::Int64 => self.primitive::<Int64Type>(arrays, index, lent),
-            DataType::Float32 => self.primitive::<Float32Type>(arrays, index, lent),
-            DataType::Float64 => self.primitive::<Float64Type>(arrays, index, lent),
-            DataType::List(field) => self.list::<i32>(arrays, index, field, lent),
-            DataType::LargeList(field) => self.list::<i64>(arrays, index, field, lent),
+        let done = match data_type {
+            DataType::Int32 => self.primitive::<Int32Type>(arrays, index, lent, out),
+            DataType::Int64 => self.primitive::<Int64Type>(arrays, index, lent, out),
+            DataType::Float32 => self.primitive::<Float32Type>(arrays, index, lent, out),
+            DataType::Float64 => self.primitive::<Float64Type>(arrays, index, lent, out),
+            DataType::List(field) => self.list::<i32>(arrays, index, field, lent, out),
+            DataType::LargeList(field) => self.list::<i64>(arrays, index, field, lent, out),
             _ => None,
-        }
+        };
+        done.is_some()
     }
 
-    fn primitive<T: ArrowPrimitiveType>(&mut self, arrays: &[&dyn Array], index: &[(usize, usize)], lent: &mut Vec<Buffer>) -> Option<ArrayRef> {
+    fn primitive<T: ArrowPrimitiveType>(
+        &mut self,
+        arrays: &[&dyn Array],
+        index: &[Vec<(usize, usize)>],
+        lent: &mut Vec<Buffer>,
+        out: &mut Vec<ArrayRef>,
+    ) -> Option<()> {
         let typed: Vec<&PrimitiveArray<T>> = arrays.iter().map(|a| a.as_any().downcast_ref()).collect::<Option<_>>()?;
         let values: Vec<&[T::Native]> = typed.iter().map(|a| a.values().as_ref()).collect();
-        let mut out = self.buffer(index.len() * size_of::<T::Native>());
-        for &(b, r) in index {
-            out.push(values[b][r]);
+        let nulls = arrays.iter().any(|a| a.null_count() != 0);
+        for index in index {
+            let mut data = self.buffer(index.len() * size_of::<T::Native>());
+            for &(b, r) in index {
+                data.push(values[b][r]);
+            }
+            let data = lend::<T::Native>(data, lent);
+            out.push(Arc::new(PrimitiveArray::<T>::new(data, row_nulls(nulls, arrays, index))));
         }
-        let values = lend::<T::Native>(out, lent);
-        Some(Arc::new(PrimitiveArray::<T>::new(values, row_nulls(arrays, index))))
+        Some(())
     }
 
-    fn list<O: OffsetSizeTrait>(&mut self, arrays: &[&dyn Array], index: &[(usize, usize)], field: &FieldRef, lent: &mut Vec<Buffer>) -> Option<ArrayRef> {
+    fn list<O: OffsetSizeTrait>(
+        &mut self,
+        arrays: &[&dyn Array],
+        index: &[Vec<(usize, usize)>],
+        field: &FieldRef,
+        lent: &mut Vec<Buffer>,
+        out: &mut Vec<ArrayRef>,
+    ) -> Option<()> {
         let lists: Vec<&GenericListArray<O>> = arrays.iter().map(|a| a.as_any().downcast_ref()).collect::<Option<_>>()?;
         // Values with nulls of their own take Arrow's path, which carries their validity.
         if lists.iter().any(|l| l.values().null_count() != 0) {
             return None;
         }
-        let values = match field.data_type() {
-            DataType::Int32 => self.list_values::<O, Int32Type>(&lists, index, lent)?,
-            DataType::Int64 => self.list_values::<O, Int64Type>(&lists, index, lent)?,
-            DataType::Float32 => self.list_values::<O, Float32Type>(&lists, index, lent)?,
-            DataType::Float64 => self.list_values::<O, Float64Type>(&lists, index, lent)?,
-            _ => return None,
-        };
-        let (offsets, values) = values;
-        Some(Arc::new(GenericListArray::<O>::try_new(field.clone(), offsets, values, row_nulls(arrays, index)).ok()?))
+        match field.data_type() {
+            DataType::Int32 => self.list_of::<O, Int32Type>(arrays, &lists, index, field, lent, out),
+            DataType::Int64 => self.list_of::<O, Int64Type>(arrays, &lists, index, field, lent, out),
+            DataType::Float32 => self.list_of::<O, Float32Type>(arrays, &lists, index, field, lent, out),
+            DataType::Float64 => self.list_of::<O, Float64Type>(arrays, &lists, index, field, lent, out),
+            _ => None,
+        }
     }
 
-    /// The output offsets and values of a list column of `T`.
-    fn list_values<O: OffsetSizeTrait, T: ArrowPrimitiveType>(
+    /// A list column of `T` values for every output batch.
+    fn list_of<O: OffsetSizeTrait, T: ArrowPrimitiveType>(
         &mut self,
+        arrays: &[&dyn Array],
         lists: &[&GenericListArray<O>],
-        index: &[(usize, usize)],
+        index: &[Vec<(usize, usize)>],
+        field: &FieldRef,
         lent: &mut Vec<Buffer>,
-    ) -> Option<(OffsetBuffer<O>, ArrayRef)> {
+        out: &mut Vec<ArrayRef>,
+    ) -> Option<()> {
         let offsets: Vec<&[O]> = lists.iter().map(|l| l.value_offsets()).collect();
         let values: Vec<&[T::Native]> =
             lists.iter().map(|l| l.values().as_any().downcast_ref::<PrimitiveArray<T>>().map(|v| v.values().as_ref())).collect::<Option<_>>()?;
-        let mut out_offsets = self.buffer((index.len() + 1) * size_of::<O>());
-        let (data, offsets_out) = if offsets.iter().all(|o| o.windows(2).all(|w| w[1].as_usize() == w[0].as_usize() + 1)) {
-            // One value per row (single-id features): a gather, with no runs to measure.
-            let mut data = self.buffer(index.len() * size_of::<T::Native>());
-            for (i, &(b, r)) in index.iter().enumerate() {
-                out_offsets.push(O::usize_as(i));
-                data.push(values[b][offsets[b][0].as_usize() + r]);
-            }
-            out_offsets.push(O::usize_as(index.len()));
-            (data, out_offsets)
-        } else {
-            let mut total = 0usize;
-            out_offsets.push(O::usize_as(0));
-            for &(b, r) in index {
-                total += offsets[b][r + 1].as_usize() - offsets[b][r].as_usize();
-                out_offsets.push(O::from_usize(total)?);
-            }
-            let mut data = self.buffer(total * size_of::<T::Native>());
-            for &(b, r) in index {
-                let (start, end) = (offsets[b][r].as_usize(), offsets[b][r + 1].as_usize());
-                if end == start + 1 {
-                    data.push(values[b][start]);
-                } else {
-                    data.extend_from_slice(&values[b][start..end]);
+        let nulls = arrays.iter().any(|a| a.null_count() != 0);
+        // One value per row (single-id features): a gather, with no runs to measure.
+        let unit = offsets.iter().all(|o| o.windows(2).all(|w| w[1].as_usize() == w[0].as_usize() + 1));
+        for index in index {
+            let mut offsets_out = self.buffer((index.len() + 1) * size_of::<O>());
+            offsets_out.push(O::usize_as(0));
+            let data = if unit {
+                let mut data = self.buffer(index.len() * size_of::<T::Native>());
+                for (i, &(b, r)) in index.iter().enumerate() {
+                    data.push(values[b][offsets[b][0].as_usize() + r]);
+                    offsets_out.push(O::usize_as(i + 1));
                 }
-            }
-            (data, out_offsets)
-        };
-        let offsets = OffsetBuffer::new(lend::<O>(offsets_out, lent));
-        let values = lend::<T::Native>(data, lent);
-        Some((offsets, Arc::new(PrimitiveArray::<T>::new(values, None)) as ArrayRef))
+                data
+            } else {
+                // Offsets first: the exact size, as a buffer grown midway is copied and, when
+                // fresh, faulted in twice.
+                let mut total = 0usize;
+                for &(b, r) in index {
+                    total += offsets[b][r + 1].as_usize() - offsets[b][r].as_usize();
+                    offsets_out.push(O::from_usize(total)?);
+                }
+                let mut data = self.buffer(total * size_of::<T::Native>());
+                for &(b, r) in index {
+                    match &values[b][offsets[b][r].as_usize()..offsets[b][r + 1].as_usize()] {
+                        [one] => data.push(*one),
+                        run => data.extend_from_slice(run),
+                    }
+                }
+                data
+            };
+            let offsets_out = OffsetBuffer::new(lend::<O>(offsets_out, lent));
+            let data: ArrayRef = Arc::new(PrimitiveArray::<T>::new(lend::<T::Native>(data, lent), None));
+            out.push(Arc::new(GenericListArray::<O>::try_new(field.clone(), offsets_out, data, row_nulls(nulls, arrays, index)).ok()?));
+        }
+        Some(())
     }
 }
 
@@ -207,17 +247,14 @@ fn lend<T: ArrowNativeType>(buffer: MutableBuffer, lent: &mut Vec<Buffer>) -> Sc
     ScalarBuffer::new(buffer, 0, len)
 }
 
-/// The rows' validity as `interleave` builds it: present whenever any input has nulls, even if
-/// none of the chosen rows is null.
-fn row_nulls(arrays: &[&dyn Array], index: &[(usize, usize)]) -> Option<NullBuffer> {
-    if arrays.iter().all(|a| a.null_count() == 0) {
-        return None;
-    }
-    Some(
+/// The rows' validity as `interleave` builds it: present whenever any input has nulls
+/// (`nulls`), even if none of the chosen rows is null.
+fn row_nulls(nulls: bool, arrays: &[&dyn Array], index: &[(usize, usize)]) -> Option<NullBuffer> {
+    nulls.then(|| {
         BooleanBuffer::collect_bool(index.len(), |i| {
             let (b, r) = index[i];
             arrays[b].is_valid(r)
         })
-        .into(),
-    )
+        .into()
+    })
 }
