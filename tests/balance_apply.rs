@@ -30,6 +30,8 @@ struct Shape {
     nulls: bool,
     /// Every list row holds exactly one value.
     unit: bool,
+    /// List rows hold up to 40 values instead of up to 5 (runs longer than the short-run copy).
+    long: bool,
     /// Nulls among the list values (Arrow's path).
     value_nulls: bool,
 }
@@ -44,7 +46,7 @@ where
             b.append(false);
             continue;
         }
-        let len = if s.unit { 1 } else { rng.next(6) };
+        let len = if s.unit { 1 } else { rng.next(if s.long { 41 } else { 6 }) };
         for _ in 0..len {
             if s.value_nulls && rng.next(4) == 0 {
                 b.values().append_null();
@@ -86,10 +88,12 @@ impl<A: Array + 'static> IntoArrayRef for A {
 /// A column of every specialised type, and two that take Arrow's path (strings, and a list
 /// whose values have nulls).
 fn batch(rng: &mut Lcg, rows: usize, skip: usize, nulls: bool) -> RecordBatch {
-    let s = |unit, value_nulls| Shape { rows, skip, nulls, unit, value_nulls };
+    let s = |unit, value_nulls| Shape { rows, skip, nulls, unit, long: false, value_nulls };
     let columns: Vec<(&str, ArrayRef)> = vec![
         ("ids64", list::<i32, Int64Type>(rng, &s(false, false))),
         ("ids32", list::<i32, Int32Type>(rng, &s(false, false))),
+        ("long", list::<i32, Int64Type>(rng, &Shape { long: true, ..s(false, false) })),
+        ("large_long", list::<i64, Float32Type>(rng, &Shape { long: true, ..s(false, false) })),
         ("w32", list::<i32, Float32Type>(rng, &s(false, false))),
         ("w64", list::<i32, Float64Type>(rng, &s(false, false))),
         ("single", list::<i32, Int64Type>(rng, &s(true, false))),
@@ -235,7 +239,7 @@ fn dropped_batches_lend_their_buffers_to_the_next_window() {
     let permutation = shuffle(&mut rng, &window);
     let mut reorder = Reorder::default();
     let first = reorder.apply(&window, &permutation).unwrap();
-    let names = ["ids64", "ids32", "w32", "single", "large", "i64", "f64"];
+    let names = ["ids64", "ids32", "long", "w32", "single", "large", "large_long", "i64", "f64"];
     let before: Vec<*const u8> = names.iter().map(|n| values_ptr(first[1].column_by_name(n).unwrap())).collect();
     drop(first);
     let second = reorder.apply(&window, &permutation).unwrap();

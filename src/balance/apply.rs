@@ -222,11 +222,12 @@ impl Reorder {
                     total += offsets[b][r + 1].as_usize() - offsets[b][r].as_usize();
                     offsets_out.push(O::from_usize(total)?);
                 }
-                let mut data = self.buffer(total * size_of::<T::Native>());
-                for &(b, r) in index {
-                    match &values[b][offsets[b][r].as_usize()..offsets[b][r + 1].as_usize()] {
-                        [one] => data.push(*one),
-                        run => data.extend_from_slice(run),
+                let mut data = self.buffer((total + SHORT) * size_of::<T::Native>());
+                if total <= index.len() * SHORT {
+                    copy_short_runs(&mut data, &values, &offsets, index, total);
+                } else {
+                    for &(b, r) in index {
+                        data.extend_from_slice(&values[b][offsets[b][r].as_usize()..offsets[b][r + 1].as_usize()]);
                     }
                 }
                 data
@@ -237,6 +238,35 @@ impl Reorder {
         }
         Some(())
     }
+}
+
+/// Runs up to this long are copied as a whole block of this many values.
+const SHORT: usize = 8;
+
+/// Copies the rows' runs of a column whose rows hold few values each (criteo's one to five
+/// ids). A call to copy a handful of values costs more than the copy, so a run of up to
+/// [`SHORT`] values is copied as a block of [`SHORT`] (a few vector moves) where the input has
+/// that many values from its start, and the next run overwrites the excess.
+fn copy_short_runs<O: OffsetSizeTrait, T: ArrowNativeType>(
+    data: &mut MutableBuffer,
+    values: &[&[T]],
+    offsets: &[&[O]],
+    index: &[(usize, usize)],
+    total: usize,
+) {
+    data.resize((total + SHORT) * size_of::<T>(), 0);
+    let out = data.typed_data_mut::<T>();
+    let mut at = 0;
+    for &(b, r) in index {
+        let (start, end) = (offsets[b][r].as_usize(), offsets[b][r + 1].as_usize());
+        let len = end - start;
+        match values[b].get(start..start + SHORT) {
+            Some(block) if len <= SHORT => out[at..at + SHORT].copy_from_slice(block),
+            _ => out[at..at + len].copy_from_slice(&values[b][start..end]),
+        }
+        at += len;
+    }
+    data.truncate(total * size_of::<T>());
 }
 
 /// A filled buffer as the column's values, keeping a reference to take it back later.
