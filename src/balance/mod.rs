@@ -48,7 +48,7 @@ mod apply;
 mod count;
 mod swap;
 
-pub use apply::apply;
+pub use apply::{apply, Reorder};
 use count::{Counter, UniqueCounter};
 use swap::{improve, Weights};
 
@@ -132,6 +132,8 @@ pub struct Balancer {
     load: Vec<u32>,
     counter: Counter,
     unique: UniqueCounter,
+    /// Output buffers taken back from the previous window's batches.
+    reorder: Reorder,
 }
 
 /// Every sample's (cell, ids) pairs, stored flat: sample i owns `cells[start[i]..start[i + 1]]`,
@@ -171,6 +173,7 @@ impl Balancer {
             load: Vec::new(),
             counter: Counter::default(),
             unique: UniqueCounter::default(),
+            reorder: Reorder::default(),
         })
     }
 
@@ -320,7 +323,7 @@ impl Balancer {
                 }
             }
         }
-        let batches = apply(window, &permutation)?;
+        let batches = self.reorder.apply(window, &permutation)?;
         Ok(Balanced {
             batches,
             permutation,
