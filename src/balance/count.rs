@@ -237,7 +237,7 @@ fn column(f: &RaggedFeature<'_>, id: u32, mask: u32) -> u32 {
 
 /// One feature's rows: per row, its distinct ids per partition as `(cell, ids)` entries.
 #[allow(clippy::too_many_arguments)]
-fn count_feature<I: IdValue, O: OffsetValue>(
+fn count_feature<I: Value, O: Value>(
     f: &RaggedFeature<'_>,
     ids: &[I],
     offsets: &[O],
@@ -312,43 +312,29 @@ fn count_feature<I: IdValue, O: OffsetValue>(
     seen.cols = cols;
 }
 
-/// An id as counting reads it: its low 32 bits, as the pipeline's column arithmetic does.
-trait IdValue: Copy {
+/// An id or a list offset as counting reads it: an id by its low 32 bits, as the pipeline's
+/// column arithmetic does; an offset as an index (the input stage validated it non-negative).
+trait Value: Copy {
     fn low32(self) -> u32;
-}
-
-impl IdValue for i32 {
-    #[inline(always)]
-    fn low32(self) -> u32 {
-        self as u32
-    }
-}
-
-impl IdValue for i64 {
-    #[inline(always)]
-    fn low32(self) -> u32 {
-        self as u32
-    }
-}
-
-/// A list offset (validated non-negative by the input stage).
-trait OffsetValue: Copy {
     fn index(self) -> usize;
 }
 
-impl OffsetValue for i32 {
-    #[inline(always)]
-    fn index(self) -> usize {
-        self as usize
-    }
+macro_rules! value {
+    ($($t:ty),*) => {$(
+        impl Value for $t {
+            #[inline(always)]
+            fn low32(self) -> u32 {
+                self as u32
+            }
+            #[inline(always)]
+            fn index(self) -> usize {
+                self as usize
+            }
+        }
+    )*};
 }
 
-impl OffsetValue for i64 {
-    #[inline(always)]
-    fn index(self) -> usize {
-        self as usize
-    }
-}
+value!(i32, i64);
 
 /// Lists of at most this many ids find their repeats by comparing each id with those before it.
 const SHORT_LIST: usize = 16;
