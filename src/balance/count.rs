@@ -83,17 +83,14 @@ impl Counter {
             }
         }
         // Stacks in plan order with their features; one feature's entries are already merged.
-        let mut stacks: Vec<Vec<usize>> = vec![Vec::new(); plan.stacks.len()];
-        for (f, fp) in plan.features.iter().enumerate() {
-            stacks[fp.stack].push(f);
-        }
         let inv_limit: Vec<f64> = plan.stacks.iter().map(|s| 1.0 / s.max_ids_per_partition.max(1) as f64).collect();
         self.acc.clear();
         self.acc.resize(plan.stacks.len() * n, 0);
         counts.cells.reserve(self.entries[..features.len()].iter().map(Vec::len).sum());
         for row in 0..rows {
             let mut peak = 0f64;
-            for (fs, &inv) in stacks.iter().zip(&inv_limit) {
+            for (stack, &inv) in plan.stacks.iter().zip(&inv_limit) {
+                let fs = &stack.features;
                 if let [f] = fs[..] {
                     let (a, b) = (self.starts[f][row] as usize, self.starts[f][row + 1] as usize);
                     for &e in &self.entries[f][a..b] {
@@ -126,16 +123,61 @@ impl Counter {
     }
 }
 
+/// A set of columns by open addressing, emptied in O(1): a slot is taken when its stamp is the
+/// current generation, so starting over clears nothing. Counting a list's repeats and a slice's
+/// unique ids both use it.
+#[derive(Debug, Default)]
+struct StampedSet {
+    keys: Vec<u32>,
+    stamps: Vec<u32>,
+    generation: u32,
+    /// Slots in use (a power of two, at most the allocated ones).
+    size: usize,
+}
+
+impl StampedSet {
+    /// Empties the set, using `slots` slots (rounded up to a power of two, at least 16).
+    fn start(&mut self, slots: usize) {
+        let size = slots.next_power_of_two().max(16);
+        if self.keys.len() < size {
+            self.keys = vec![0; size];
+            self.stamps = vec![0; size];
+            self.generation = 0;
+        }
+        self.generation = self.generation.wrapping_add(1);
+        if self.generation == 0 {
+            self.stamps.fill(0);
+            self.generation = 1;
+        }
+        self.size = size;
+    }
+
+    /// Whether `c` is new to the set (it is in it afterwards).
+    #[inline]
+    fn insert(&mut self, c: u32) -> bool {
+        let shift = 64 - self.size.trailing_zeros();
+        let mut i = ((c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> shift) as usize;
+        loop {
+            if self.stamps[i] != self.generation {
+                self.stamps[i] = self.generation;
+                self.keys[i] = c;
+                return true;
+            }
+            if self.keys[i] == c {
+                return false;
+            }
+            i = (i + 1) & (self.size - 1);
+        }
+    }
+}
+
 /// Distinct columns per (slice, cell): the pipeline's unique ids, which per-sample counts cannot
 /// give (two samples of a slice may share an id). Counted with a hash set per (slice, stack)
 /// instead of the pipeline's sort of every stack: only the stacks that could pass their unique
 /// limit are asked for.
 #[derive(Debug, Default)]
 pub(super) struct UniqueCounter {
-    /// Open addressing over columns; a slot is taken when its stamp is the current generation.
-    keys: Vec<u32>,
-    stamps: Vec<u32>,
-    generation: u32,
+    set: StampedSet,
     /// Per partition: distinct columns of the current (slice, stack).
     per_partition: Vec<u32>,
 }
@@ -158,15 +200,12 @@ impl UniqueCounter {
         let views = inputs.iter().map(|i| ragged_views(plan, i)).collect::<Result<Vec<_>>>()?;
         let n = plan.layout.num_partitions();
         let mask = (n - 1) as u32;
-        let mut by_stack: Vec<Vec<usize>> = vec![Vec::new(); plan.stacks.len()];
-        for (f, fp) in plan.features.iter().enumerate() {
-            by_stack[fp.stack].push(f);
-        }
         let mut worst = vec![vec![0i32; plan.stacks.len()]; order.len()];
         for (k, rows) in order.iter().enumerate() {
             let per_slice = rows.len() / slices.max(1);
             for slice in rows.chunks(per_slice.max(1)) {
-                for (st, fs) in by_stack.iter().enumerate().filter(|&(st, _)| stacks.get(st).copied().unwrap_or(false)) {
+                for (st, stack) in plan.stacks.iter().enumerate().filter(|&(st, _)| stacks.get(st).copied().unwrap_or(false)) {
+                    let fs = &stack.features;
                     let length = |r: &SampleRef, f: usize| {
                         let (a, b) = views[r.batch][f].offsets.range(r.row);
                         b - a
@@ -193,37 +232,15 @@ impl UniqueCounter {
 
     /// Empties the set for up to `ids` columns over `partitions` partitions.
     fn start(&mut self, ids: usize, partitions: usize) {
-        let size = (2 * ids).next_power_of_two().max(16);
-        if self.keys.len() < size {
-            self.keys = vec![0; size];
-            self.stamps = vec![0; size];
-            self.generation = 0;
-        }
-        self.generation = self.generation.wrapping_add(1);
-        if self.generation == 0 {
-            self.stamps.fill(0);
-            self.generation = 1;
-        }
+        self.set.start(2 * ids);
         self.per_partition.clear();
         self.per_partition.resize(partitions, 0);
     }
 
     #[inline]
     fn insert(&mut self, c: u32, mask: u32) {
-        let size = self.keys.len();
-        let shift = 64 - size.trailing_zeros();
-        let mut i = ((c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> shift) as usize;
-        loop {
-            if self.stamps[i] != self.generation {
-                self.stamps[i] = self.generation;
-                self.keys[i] = c;
-                self.per_partition[(c & mask) as usize] += 1;
-                return;
-            }
-            if self.keys[i] == c {
-                return;
-            }
-            i = (i + 1) & (size - 1);
+        if self.set.insert(c) {
+            self.per_partition[(c & mask) as usize] += 1;
         }
     }
 }
@@ -363,10 +380,8 @@ pub(super) struct SeenSet {
     collided: Vec<u64>,
     /// Long lists: (column, occurrences) of the columns whose bit was hit twice, open addressing.
     slots: Vec<(u32, u32)>,
-    /// Medium lists: a stamped hash set of columns.
-    medium_keys: Vec<u32>,
-    medium_stamps: Vec<u32>,
-    medium_generation: u32,
+    /// Medium lists: their columns so far.
+    medium: StampedSet,
 }
 
 impl SeenSet {
@@ -406,33 +421,9 @@ impl SeenSet {
     /// slots are claimed by stamping them with the list's generation (nothing to clear).
     fn count_medium(&mut self, cols: &[u32], mask: u32, hist: &mut [u32]) {
         let n = (mask + 1) as usize;
-        let size = (4 * cols.len()).next_power_of_two();
-        if self.medium_keys.len() < size {
-            self.medium_keys = vec![0; 4 * MEDIUM_LIST];
-            self.medium_stamps = vec![0; 4 * MEDIUM_LIST];
-            self.medium_generation = 0;
-        }
-        self.medium_generation = self.medium_generation.wrapping_add(1);
-        if self.medium_generation == 0 {
-            self.medium_stamps.fill(0);
-            self.medium_generation = 1;
-        }
-        let generation = self.medium_generation;
-        let shift = 64 - size.trailing_zeros();
+        self.medium.start(4 * cols.len());
         for (k, &c) in cols.iter().enumerate() {
-            let mut i = ((c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> shift) as usize;
-            let new = loop {
-                if self.medium_stamps[i] != generation {
-                    self.medium_stamps[i] = generation;
-                    self.medium_keys[i] = c;
-                    break true;
-                }
-                if self.medium_keys[i] == c {
-                    break false;
-                }
-                i = (i + 1) & (size - 1);
-            };
-            hist[(k & 3) * n + (c & mask) as usize] += u32::from(new);
+            hist[(k & 3) * n + (c & mask) as usize] += u32::from(self.medium.insert(c));
         }
     }
 
