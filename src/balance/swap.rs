@@ -188,7 +188,7 @@ impl Swaps<'_> {
 
     /// Entries `range` of `counts.cells` (one sample's) into `delta` with `sign`, listing their
     /// cells in `marked`.
-    fn mark(&mut self, range: std::ops::Range<usize>, sign: i64) {
+    fn add_entries(&mut self, range: std::ops::Range<usize>, sign: i64) {
         for k in range {
             let (x, n) = self.counts.cells[k];
             let x = x as usize;
@@ -220,12 +220,15 @@ impl Swaps<'_> {
         let p = self.w.partitions;
         self.marked.clear();
         let buffer_round = matches!(target, Target::Buffer { .. });
-        let (a_key, b_key) = if buffer_round { (self.stack_entries(a, key), self.stack_entries(b, key)) } else { (0..0, 0..0) };
+        // The entries already added: the key stack's in a buffer round, none (an empty range at
+        // the sample's start) in a peak round.
+        let nothing = |i: usize| self.counts.start[i]..self.counts.start[i];
+        let (a_key, b_key) = if buffer_round { (self.stack_entries(a, key), self.stack_entries(b, key)) } else { (nothing(a), nothing(b)) };
         if buffer_round {
-            // The key stack first: most candidates fail there, and a check that marks only its
+            // The key stack first: most candidates fail there, and a check that adds only its
             // cells costs a few of a sample's entries instead of all of both samples'.
-            self.mark(a_key.clone(), -1);
-            self.mark(b_key.clone(), 1);
+            self.add_entries(a_key.clone(), -1);
+            self.add_entries(b_key.clone(), 1);
             let (mut change_a, mut change_b) = (0i64, 0i64);
             for &x in &self.marked {
                 let d = self.delta[x];
@@ -242,8 +245,8 @@ impl Swaps<'_> {
             }
         }
         for (i, sign, done) in [(a, -1, a_key), (b, 1, b_key)] {
-            self.mark(self.counts.start[i]..done.start.max(self.counts.start[i]), sign);
-            self.mark(done.end.max(self.counts.start[i])..self.counts.start[i + 1], sign);
+            self.add_entries(self.counts.start[i]..done.start, sign);
+            self.add_entries(done.end..self.counts.start[i + 1], sign);
         }
         let cap = match target {
             Target::Peak => top,
