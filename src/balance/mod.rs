@@ -302,10 +302,20 @@ impl Balancer {
         }
         // Unique ids need distinct columns per slice, which per-sample counts cannot give. A
         // stack whose ids stay within its unique limit in every cell keeps its unique ids within
-        // it too; the others are counted, in the new order and, where that passes the limit, in
-        // the input order.
-        let risky: Vec<bool> = (0..plan.stacks.len())
-            .map(|st| after_batches.iter().any(|a| a[st].max_ids_per_partition > limit(plan.stacks[st].max_unique_ids_per_partition)))
+        // it too, and so does one with fewer columns per partition than that limit (checked ids
+        // lie below the stack's vocabulary, a multiple of the partitions, split evenly over
+        // them: small vocabularies such as long's `cats` never need counting); the others are
+        // counted, in the new order and, where that passes the limit, in the input order.
+        let risky: Vec<bool> = plan
+            .stacks
+            .iter()
+            .enumerate()
+            .map(|(st, stack)| {
+                let unique_limit = limit(stack.max_unique_ids_per_partition);
+                let columns_per_partition = stack.stack_vocab_size.div_ceil(shape.partitions as u64);
+                (!plan.validate_ids || columns_per_partition > unique_limit as u64)
+                    && after_batches.iter().any(|a| a[st].max_ids_per_partition > unique_limit)
+            })
             .collect();
         if risky.contains(&true) {
             let config = self.prep.config();
