@@ -8,8 +8,8 @@
 # freely), sharing this checkout's target/ directory, so nothing is built twice. The one line CI
 # already runs verbatim as its main step, README's test command, is not run again here.
 #
-# Usage: bash scripts/check_readme.sh        (needs python3; the pyarrow check uses the
-#        reference's venv from ../shared/peer/setup.sh when it is installed)
+# Usage: bash scripts/check_readme.sh        (needs python3; the pyarrow check uses the venv
+#        scripts/ci_python.sh sets up, or the reference's from ../shared/peer/setup.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -45,14 +45,24 @@ for block in "$work"/block_*.sh; do
 done
 
 # docs/output.md's pyarrow snippet, on the out/ directory the CLI block wrote.
-py=$HOME/.cache/sparsecore-peer-venv/bin/python
-if [ -x "$py" ] && "$py" -c 'import pyarrow, numpy' 2>/dev/null; then
+# The Python stage's venv (as .ci/run leaves it), else the reference's own.
+py=""
+for venv in "${SPARSECORE_PY_VENV:-$HOME/.cache/sparsecore-python-venv}" "$HOME/.cache/sparsecore-peer-venv"; do
+  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import pyarrow, numpy' 2>/dev/null; then
+    py=$venv/bin/python
+    break
+  fi
+done
+if [ -n "$py" ]; then
   python3 - "$repo/docs/output.md" >"$work/output_snippet.py" <<'PY'
 import pathlib, re, sys
 print(re.findall(r"^```python\n(.*?)^```", pathlib.Path(sys.argv[1]).read_text(), flags=re.S | re.M)[0])
 PY
   (cd "$work/tree" && "$py" "$work/output_snippet.py")
   n=$((n + 1))
+elif [ -n "${SPARSECORE_README_REQUIRE_PY:-}" ]; then
+  echo "readme: no Python with pyarrow for docs/output.md's snippet (run scripts/ci_python.sh first)" >&2
+  exit 1
 else
   echo "readme: no Python with pyarrow (../shared/peer/setup.sh installs one); docs/output.md's snippet not run"
 fi

@@ -8,6 +8,7 @@
 #   scripts/ci_python.sh                 # from the repository root (or anywhere): debug build
 #   SPARSECORE_PY_RELEASE=1 scripts/ci_python.sh   # optimised, as CI runs it
 #   SPARSECORE_PY_VENV=DIR scripts/ci_python.sh
+#   SPARSECORE_PY_SETUP_ONLY=1 scripts/ci_python.sh   # step 1 only: the venv
 #   scripts/ci_python.sh -k coo          # extra arguments go to pytest: one file, -k, -x, ...
 #   scripts/ci_python.sh python/tests/test_errors.py::test_error_fields
 #
@@ -37,6 +38,12 @@ then
     -c "$shared/peer/constraints.txt" -c python/constraints-ci.txt -r python/requirements-ci.txt >&2
 fi
 t1=$(date +%s)
+# .ci/run does this step alone first, in the background while Rust compiles: a fresh venv is
+# mostly downloads (about 300 MB of wheels, 3 minutes).
+if [ -n "${SPARSECORE_PY_SETUP_ONLY:-}" ]; then
+  log "setup $((t1 - t0)) s"
+  exit 0
+fi
 
 # 2. The extension module, installed into the venv: the dev profile by default, which reuses
 # the dependencies `cargo test` just compiled (for quick local runs); SPARSECORE_PY_RELEASE=1
