@@ -5,9 +5,10 @@
 use std::sync::Arc;
 
 use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, ListArray};
-use arrow_buffer::{ArrowNativeType, BooleanBuffer, BooleanBufferBuilder, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
+use arrow_buffer::{ArrowNativeType, BooleanBufferBuilder, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
+use super::prefetch::prefetch;
 use super::rigid::Rigid;
 use super::{CellCounts, HEAD, NEGATIVE, TAIL};
 use crate::batch::BatchSampler;
@@ -109,8 +110,8 @@ pub(super) struct Shared {
     pub(super) shard_ids: Vec<i64>,
 }
 
-/// Triples per chunk that [`Parts::positives`] reads ahead before copying them.
-const READ_AHEAD: usize = 256;
+/// How many rows ahead [`Parts::positives`] prefetches the triple it will copy.
+const AHEAD: usize = 32;
 
 /// Buffers reused from batch to batch (the pipeline reuses its own; a fresh megabyte per batch
 /// would cost more in page faults than the sampling itself).
@@ -180,92 +181,63 @@ impl Parts<'_> {
         if let (Some(rt), false) = (self.rigid, keep_sidx) {
             return self.rigid_positives(rt, step, scratch);
         }
-        let PosScratch { bess_idx, bess_mask, sidx, smask, row_mask, values } = scratch;
+        let PosScratch { bess_idx, bess_mask, sidx, smask, values, .. } = scratch;
         // BESS indices, row-major over (head shard i, tail shard j, position).
         let rigid = sampler.sample_indices_into(step, bess_idx, bess_mask)?;
+        // The same indices SparseCore-major (SparseCore `g` takes block (i, tail_shard(g, i,
+        // step)) from every head shard i): all SparseCores with `keep_sidx`, else this host's.
+        let local = lay.local_sparsecores();
+        let first = lay.global_sparsecore(0);
+        let scs = if keep_sidx { 0..n } else { first..first + local };
         sidx.clear();
         smask.clear();
-        if keep_sidx {
-            for g in 0..n {
-                for i in 0..n {
-                    let base = (i * n + lay.tail_shard(g, i, step)) * ppp;
-                    sidx.extend_from_slice(&bess_idx[base..base + ppp]);
-                    if rigid {
-                        smask.extend_from_slice(&bess_mask[base..base + ppp]);
-                    }
+        for g in scs {
+            for i in 0..n {
+                let base = (i * n + lay.tail_shard(g, i, step)) * ppp;
+                sidx.extend_from_slice(&bess_idx[base..base + ppp]);
+                if rigid {
+                    smask.extend_from_slice(&bess_mask[base..base + ppp]);
                 }
             }
         }
-        let local = lay.local_sparsecores();
+        let base = if keep_sidx { first * t } else { 0 };
         let rows = local * r;
         let [vh, vt, vr] = values;
         let mut head: Vec<i64> = reuse(vh, local * t);
         let mut tail: Vec<i64> = reuse(vt, local * t);
         let mut relation: Vec<i32> = reuse(vr, rows);
-        if rigid {
-            row_mask.clear();
-            row_mask.resize(rows, false);
-        }
-        // Block by block in the sampler's order, which is the triple table's (partitions are
-        // stored in order, and Rigid's positions are runs), each block's `ppp` rows written
-        // where its SparseCore's slice takes them. The reads of the table miss the caches (it
-        // is megabytes, and preprocessing evicts it between batches), and a loop that also
-        // writes three columns keeps only a few misses in flight; so each chunk of blocks is
-        // first read ahead by a loop that only loads (many misses in flight), and then copied
-        // from the cache.
+        // In row order, so the columns are written front to back; the reads of the triple
+        // table are random and cold (it is megabytes, and preprocessing evicts it between
+        // batches), so each is prefetched `AHEAD` rows before it is copied.
+        let order = &sidx[base..base + local * t];
         let phys = self.phys;
-        let first = lay.global_sparsecore(0);
-        // The local slot of the SparseCore that takes block (i, j): tail_shard(g, i, step) = j.
-        let slot_of = |p: usize| -> Option<usize> {
-            let (i, j) = (p / n, p % n);
-            let g = (j + 2 * n - i - step % n) & (n - 1);
-            g.checked_sub(first).filter(|&s| s < local)
-        };
-        let blocks = n * n;
-        let per = (READ_AHEAD / ppp).max(1);
-        let read_ahead = |from: usize| -> i32 {
-            let mut acc = 0i32;
-            for p in from..(from + per).min(blocks) {
-                if slot_of(p).is_some() {
-                    for &k in &bess_idx[p * ppp..(p + 1) * ppp] {
-                        acc ^= phys[k as usize][0];
-                    }
-                }
+        let fetch = |k: i64| {
+            if let Some(row) = phys.get(k as usize) {
+                prefetch(row);
             }
-            acc
         };
-        let mut acc = read_ahead(0);
-        for from in (0..blocks).step_by(per) {
-            acc ^= read_ahead(from + per);
-            for p in from..(from + per).min(blocks) {
-                let Some(slot) = slot_of(p) else { continue };
-                let i = p / n;
-                let src = p * ppp;
-                let dst = slot * t + i * ppp;
-                let (h, tl) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp]);
-                let rel = &mut relation[slot * r + i * ppp..][..ppp];
-                for (q, &k) in bess_idx[src..src + ppp].iter().enumerate() {
-                    let tr = phys[k as usize];
-                    h[q] = i64::from(tr[0]);
-                    tl[q] = i64::from(tr[2]);
-                    rel[q] = tr[1];
+        order.iter().take(AHEAD).for_each(|&k| fetch(k));
+        for (slot, ((from, (h, tl)), rel)) in order.chunks_exact(t).zip(head.chunks_exact_mut(t).zip(tail.chunks_exact_mut(t))).zip(relation.chunks_exact_mut(r)).enumerate() {
+            let ahead = &order[(slot * t + AHEAD).min(order.len())..];
+            for (q, &k) in from.iter().enumerate() {
+                if let Some(&a) = ahead.get(q) {
+                    fetch(a);
                 }
-                if rigid {
-                    row_mask[slot * r + i * ppp..][..ppp].copy_from_slice(&bess_mask[src..src + ppp]);
-                }
+                let tr = phys[k as usize];
+                h[q] = i64::from(tr[0]);
+                tl[q] = i64::from(tr[2]);
+                rel[q] = tr[1];
             }
         }
-        std::hint::black_box(acc);
         let sh = self.shared;
         let head = keep(vh, head);
         let tail = keep(vt, tail);
         let relation = keep(vr, relation);
         let lists = |ids| id_list(&sh.pos_offsets, ids);
-        let mask: ArrayRef = if rigid { Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None)) } else { sh.full_mask.clone() };
+        let mask: ArrayRef = if rigid { slice_mask(local, (t, r), |slot, b| b.append_slice(&smask[base + slot * t..][..t])) } else { sh.full_mask.clone() };
         let mut columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation, sh.pos_valid.clone())), mask];
         if self.columns.annotations {
-            let first = first * t;
-            let mine = &sidx[first..first + local * t];
+            let mine = &sidx[base..base + local * t];
             let mut tidx = Vec::with_capacity(rows);
             for slice in mine.chunks(t) {
                 tidx.extend_from_slice(slice);

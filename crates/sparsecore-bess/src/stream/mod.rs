@@ -44,6 +44,7 @@ use crate::rng::seed_words;
 use crate::sharding::Sharding;
 
 mod columns;
+mod prefetch;
 mod rigid;
 
 use columns::{one_id_offsets, schema, validity, Columns, Parts, Scratch, Shared};
