@@ -9,6 +9,7 @@
 
 use arrow_buffer::{BooleanBuffer, ScalarBuffer};
 
+use super::prefetch::prefetch;
 use crate::layout::SparseCoreLayout;
 use crate::partition::PartitionedTriples;
 use crate::rng::FastMod;
@@ -24,8 +25,11 @@ const SLICES_MAX_ROWS_PER_TRIPLE: usize = 12;
 /// The most bytes a [`RigidSlices`] may take, whatever the graph's size.
 const SLICES_MAX_BYTES: usize = 1 << 30;
 
-/// Rows (12 bytes each) between two touches of a run: about one per cache line.
+/// Rows (12 bytes each) between two prefetches of a run: about one per cache line.
 const ROWS_PER_LINE: usize = 5;
+
+/// About how many rows ahead of the one it copies the run copy prefetches (whole blocks).
+const PREFETCH_ROWS: usize = 32;
 
 /// A Rigid sampler without shuffle, as the stream reads it.
 #[derive(Debug, Clone)]
@@ -78,15 +82,20 @@ impl Run {
         self.count.saturating_sub(first).min(ppp)
     }
 
-    /// Loads one row per cache line of the block at `first` (the run copy reads the next head shard's blocks ahead this way: the triple table is cold, since preprocessing evicts it between steps, and a loop that also writes the columns keeps few misses in flight; the crate has no `unsafe`, so no prefetch hints).
-    fn touch(&self, phys: &[[i32; 3]], first: usize, ppp: usize) -> i32 {
-        let Some((rows, r0)) = self.at(phys, first) else { return 0 };
-        let mut acc = 0;
-        for q in (0..ppp.min(self.count)).step_by(ROWS_PER_LINE) {
+    /// Prefetches the rows of the block at `first`, one per cache line and the last (the
+    /// run copy asks for the blocks a few ahead of the one it copies: the triple table is cold,
+    /// since preprocessing evicts it between steps).
+    fn prefetch(&self, phys: &[[i32; 3]], first: usize, ppp: usize) {
+        let Some((rows, r0)) = self.at(phys, first) else { return };
+        let len = ppp.min(self.count);
+        let row = |q: usize| {
             let x = r0 + q;
-            acc ^= rows[if x >= self.count { x - self.count } else { x }][0];
+            &rows[if x >= self.count { x - self.count } else { x }]
+        };
+        for q in (0..len).step_by(ROWS_PER_LINE) {
+            prefetch(row(q));
         }
-        acc
+        prefetch(row(len - 1));
     }
 }
 
@@ -136,35 +145,34 @@ impl Rigid {
         let first_sc = lay.global_sparsecore(0);
         let first = self.first(step);
         let local = lay.local_sparsecores();
-        // Head shard by head shard, in partition order, which is the triple table's (so the
-        // reads, most of them whole small partitions, go forward through memory), each block
-        // written where its SparseCore takes it: block (i, j) goes to the `g` with
-        // tail_shard(g, i, step) = j. N is a power of two: no divisions.
+        // In row order (SparseCore slot by slot, head shard by head shard: slot `s` takes block
+        // (i, (g + i + step) mod n) with g = first_sc + s), so the columns are written front to
+        // back, with the blocks `ahead` further on prefetched. N is a power of two: no
+        // divisions.
         let mask_n = n - 1;
-        let slot_of = |i: usize, j: usize| -> Option<usize> { ((j + 2 * n - i - (step & mask_n)) & mask_n).checked_sub(first_sc).filter(|&s| s < local) };
-        let touch = |i: usize| -> i32 {
-            if i >= n {
-                return 0;
-            }
-            let row = &self.parts[i * n..(i + 1) * n];
-            (0..n).filter(|&j| slot_of(i, j).is_some()).fold(0, |acc, j| acc ^ row[j].touch(phys, first, ppp))
+        let part_of = |b: usize| -> usize {
+            let (slot, i) = (b / n, b % n);
+            i * n + ((first_sc + slot + i + step) & mask_n)
         };
-        let mut acc = touch(0);
-        for i in 0..n {
-            acc ^= touch(i + 1);
-            for j in 0..n {
-                let Some(slot) = slot_of(i, j) else { continue };
-                let dst = slot * t + i * ppp;
-                let row = slot * r + i * ppp;
-                let valid = self.parts[i * n + j].copy(phys, first, &mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[row..row + ppp]);
-                if let Some(m) = mask.as_deref_mut() {
-                    let m = &mut m[dst..dst + ppp];
-                    m[..valid].fill(true);
-                    m[valid..].fill(false);
-                }
+        let blocks = local * n;
+        let ahead = (PREFETCH_ROWS / ppp).max(1);
+        for b in 0..ahead.min(blocks) {
+            self.parts[part_of(b)].prefetch(phys, first, ppp);
+        }
+        for b in 0..blocks {
+            if b + ahead < blocks {
+                self.parts[part_of(b + ahead)].prefetch(phys, first, ppp);
+            }
+            let (slot, i) = (b / n, b % n);
+            let dst = slot * t + i * ppp;
+            let row = slot * r + i * ppp;
+            let valid = self.parts[part_of(b)].copy(phys, first, &mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[row..row + ppp]);
+            if let Some(m) = mask.as_deref_mut() {
+                let m = &mut m[dst..dst + ppp];
+                m[..valid].fill(true);
+                m[valid..].fill(false);
             }
         }
-        std::hint::black_box(acc);
     }
 }
 
