@@ -280,7 +280,7 @@ impl BatchSampler {
                     let p = block % p_count;
                     let (off, c) = (offsets[p], fast[p]);
                     for v in x {
-                        *v = off + c.reduce(*v as u64) as i64;
+                        *v = off + c.reduce_u63(*v as u64) as i64;
                     }
                 };
                 if total >= PARALLEL_MIN {
@@ -327,7 +327,7 @@ impl BatchSampler {
                         // Sequential positions: the remainder steps by one and wraps.
                         None => {
                             let first = window.start + s * g.ppp;
-                            let mut r = self.fast[p].reduce(first as u64) as i64;
+                            let mut r = self.fast[p].reduce_u63(first as u64) as i64;
                             for (j, (o, m)) in ix.iter_mut().zip(mk.iter_mut()).enumerate() {
                                 *o = (off + r).min(last);
                                 *m = ((first + j) as i64) < c;
@@ -340,7 +340,7 @@ impl BatchSampler {
                         Some(w) => {
                             let f = self.fast[p];
                             for ((o, m), &gpos) in ix.iter_mut().zip(mk.iter_mut()).zip(&w[s * g.ppp..(s + 1) * g.ppp]) {
-                                *o = (off + f.reduce(gpos as u64) as i64).min(last);
+                                *o = (off + f.reduce_u63(gpos as u64) as i64).min(last);
                                 *m = (gpos as i64) < c;
                             }
                         }

@@ -337,6 +337,10 @@ pub struct FastMod {
     m31: u32,
     s31: u32,
     d31: u32,
+    /// [`Self::reduce_u63`]'s multiplier, shift and divisor.
+    m63: u64,
+    s63: u32,
+    d63: u64,
 }
 
 impl FastMod {
@@ -356,7 +360,15 @@ impl FastMod {
             }
             _ => (0, 0, 0),
         };
-        FastMod { d, m, m32, m31, s31, d31 }
+        // The same for 63-bit numerators, with 64-bit multipliers: every `d` fits (l ≤ 64).
+        let (m63, s63, d63) = if d == 0 {
+            (1 << 63, 63, 1)
+        } else {
+            let l = u64::BITS - (d - 1).leading_zeros();
+            let m = (1u128 << (63 + l)).div_ceil(u128::from(d));
+            (u64::try_from(m).unwrap_or(u64::MAX), 63 + l, d)
+        };
+        FastMod { d, m, m32, m31, s31, d31, m63, s63, d63 }
     }
 
     /// `x mod d`.
@@ -397,6 +409,18 @@ impl FastMod {
         debug_assert!(x < 1 << 31);
         let q = ((u64::from(x) * u64::from(self.m31)) >> self.s31) as u32;
         x.wrapping_sub(q.wrapping_mul(self.d31))
+    }
+
+    /// `x mod d` for `x < 2^63` (numpy's 63-bit draws, positions, counts): the same value as
+    /// [`Self::reduce`], for every `d`, with one 64×64→128 multiply and one 64-bit multiply
+    /// where [`Self::reduce`] needs four (the argument of [`Self::reduce_u31`], with
+    /// `m = ⌈2^(63+l) / d⌉ < 2^64`).
+    #[inline]
+    #[must_use]
+    pub fn reduce_u63(&self, x: u64) -> u64 {
+        debug_assert!(x < 1 << 63);
+        let q = ((u128::from(x) * u128::from(self.m63)) >> self.s63) as u64;
+        x.wrapping_sub(q.wrapping_mul(self.d63))
     }
 }
 
@@ -442,7 +466,10 @@ mod tests {
     #[test]
     fn fast_mod_is_exact() {
         let mut g = NumpyRng::new(99);
-        let mut divisors: Vec<u64> = (0..=70).chain([255, 256, 257, 1000, 65535, 65536, 65537, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 32) + 1, u64::MAX]).collect();
+        let mut divisors: Vec<u64> = (0..=70)
+            .chain([255, 256, 257, 1000, 65535, 65536, 65537, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 32) + 1, u64::MAX])
+            .chain([(1 << 62) + 1, (1 << 63) - 1, 1 << 63, (1 << 63) + 1, u64::MAX - 1])
+            .collect();
         divisors.extend((0..200).map(|_| g.next_u64() >> (g.next_u64() % 40 + 24)));
         for d in divisors {
             let f = FastMod::new(d);
@@ -451,7 +478,14 @@ mod tests {
             xs.extend((0..2000).map(|_| g.next_u64() >> 1));
             xs.extend((0..2000).map(|_| u64::from(g.next_u32())));
             for x in xs {
-                assert_eq!(f.reduce(x), if d == 0 { 0 } else { x % d }, "{x} mod {d}");
+                let want = if d == 0 { 0 } else { x % d };
+                assert_eq!(f.reduce(x), want, "{x} mod {d}");
+                if x < 1 << 63 {
+                    assert_eq!(f.reduce_u63(x), want, "{x} mod {d} (63 bits)");
+                }
+            }
+            for x in [(1 << 63) - 1, (1 << 63) - 2, (1 << 62) + 1] {
+                assert_eq!(f.reduce_u63(x), if d == 0 { 0 } else { x % d }, "{x} mod {d} (63 bits)");
             }
         }
     }

@@ -58,7 +58,7 @@ impl Run {
     /// The partition's rows and where position `first` falls in them (cyclically).
     fn at<'a>(&self, phys: &'a [[i32; 3]], first: usize) -> Option<(&'a [[i32; 3]], usize)> {
         let rows = phys.get(self.offset..self.offset + self.count).filter(|r| !r.is_empty())?;
-        Some((rows, if first < self.count { first } else { self.count_mod.reduce(first as u64) as usize }))
+        Some((rows, if first < self.count { first } else { self.count_mod.reduce_u63(first as u64) as usize }))
     }
 
     /// The rows of one block: the triples at positions `first .. first + ppp` (cyclically),
