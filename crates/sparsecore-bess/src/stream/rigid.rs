@@ -82,7 +82,7 @@ impl Run {
         self.count.saturating_sub(first).min(ppp)
     }
 
-    /// Prefetches the rows of the block at `first`, one per cache line and the last (the
+    /// Prefetches the rows of the block at `first`, one per cache line and the end of the last (the
     /// run copy asks for the blocks a few ahead of the one it copies: the triple table is cold,
     /// since preprocessing evicts it between steps).
     fn prefetch(&self, phys: &[[i32; 3]], first: usize, ppp: usize) {
@@ -95,7 +95,7 @@ impl Run {
         for q in (0..len).step_by(ROWS_PER_LINE) {
             prefetch(row(q));
         }
-        prefetch(row(len - 1));
+        prefetch(&row(len - 1)[2]);
     }
 }
 
