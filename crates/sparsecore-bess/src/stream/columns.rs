@@ -8,8 +8,8 @@ use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, Lis
 use arrow_buffer::{ArrowNativeType, BooleanBufferBuilder, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
-use super::prefetch::prefetch;
 use super::rigid::Rigid;
+use super::table::{with_rows, Decode, Row, Table};
 use super::{CellCounts, HEAD, NEGATIVE, TAIL};
 use crate::batch::BatchSampler;
 use crate::error::{BessError, Result};
@@ -137,6 +137,40 @@ pub(super) struct PosScratch {
     pub(super) values: [Option<Buffer>; 3],
 }
 
+/// Copies the rows `order` names (SparseCore slot by slot, `n` blocks of `ppp` each) into the
+/// columns: `T = n·ppp` per slot of `head` and `tail`, and of `relation` `R` per slot (the
+/// rows past `T` untouched); `offsets(slot, i)` are block i's shards' first physical ids. Each
+/// row is prefetched `AHEAD` rows before it is copied.
+fn gather<R: Row>(
+    rows: &[R],
+    decode: Decode,
+    order: &[i64],
+    (n, ppp, r): (usize, usize, usize),
+    offsets: impl Fn(usize, usize) -> (i64, i64),
+    (head, tail, relation): (&mut [i64], &mut [i64], &mut [i32]),
+) {
+    let t = n * ppp;
+    let fetch = |k: i64| {
+        if let Some(row) = rows.get(k as usize) {
+            row.prefetch();
+        }
+    };
+    order.iter().take(AHEAD).for_each(|&k| fetch(k));
+    for (slot, ((from, (h, tl)), rel)) in order.chunks_exact(t).zip(head.chunks_exact_mut(t).zip(tail.chunks_exact_mut(t))).zip(relation.chunks_exact_mut(r)).enumerate() {
+        for (i, ((from, (h, tl)), rel)) in from.chunks_exact(ppp).zip(h.chunks_exact_mut(ppp).zip(tl.chunks_exact_mut(ppp))).zip(rel[..t].chunks_exact_mut(ppp)).enumerate() {
+            let offs = offsets(slot, i);
+            let ahead = &order[(slot * t + i * ppp + AHEAD).min(order.len())..];
+            for (q, &k) in from.iter().enumerate() {
+                if let Some(&a) = ahead.get(q) {
+                    fetch(a);
+                }
+                let Some(&row) = rows.get(k as usize) else { continue };
+                (h[q], rel[q], tl[q]) = decode.row(row, offs);
+            }
+        }
+    }
+}
+
 /// `len` values in the buffer `slot` held, if the caller has dropped the batch that shared it
 /// and it has that length (its contents are overwritten, except padding, which stays zero: the
 /// layout of every batch of a stream is the same), else `len` zeros.
@@ -159,7 +193,7 @@ fn keep<T: ArrowNativeType>(slot: &mut Option<Buffer>, v: Vec<T>) -> ScalarBuffe
 pub(super) struct Parts<'a> {
     pub(super) layout: &'a SparseCoreLayout,
     pub(super) counts: &'a CellCounts,
-    pub(super) phys: &'a [[i32; 3]],
+    pub(super) table: &'a Table,
     pub(super) rigid: Option<&'a Rigid>,
     pub(super) neg_b: usize,
     pub(super) neg_k: usize,
@@ -208,29 +242,11 @@ impl Parts<'_> {
         let mut relation: Vec<i32> = reuse(vr, rows);
         // In row order, so the columns are written front to back; the reads of the triple
         // table are random and cold (it is megabytes, and preprocessing evicts it between
-        // batches), so each is prefetched `AHEAD` rows before it is copied: its first and last
-        // field, since one row in eight of 12 bytes straddles two cache lines.
+        // batches), so each is prefetched `AHEAD` rows before it is copied.
         let order = &sidx[base..base + local * t];
-        let phys = self.phys;
-        let fetch = |k: i64| {
-            if let Some(row) = phys.get(k as usize) {
-                prefetch(&row[0]);
-                prefetch(&row[2]);
-            }
-        };
-        order.iter().take(AHEAD).for_each(|&k| fetch(k));
-        for (slot, ((from, (h, tl)), rel)) in order.chunks_exact(t).zip(head.chunks_exact_mut(t).zip(tail.chunks_exact_mut(t))).zip(relation.chunks_exact_mut(r)).enumerate() {
-            let ahead = &order[(slot * t + AHEAD).min(order.len())..];
-            for (q, &k) in from.iter().enumerate() {
-                if let Some(&a) = ahead.get(q) {
-                    fetch(a);
-                }
-                let tr = phys[k as usize];
-                h[q] = i64::from(tr[0]);
-                tl[q] = i64::from(tr[2]);
-                rel[q] = tr[1];
-            }
-        }
+        let tb = self.table;
+        let offsets = |slot: usize, i: usize| (tb.shard_ids[i], tb.shard_ids[lay.tail_shard(first + slot, i, step)]);
+        with_rows!(tb, rows => gather(rows, tb.decode, order, (n, ppp, r), offsets, (&mut head, &mut tail, &mut relation)));
         let sh = self.shared;
         let head = keep(vh, head);
         let tail = keep(vt, tail);
@@ -286,7 +302,7 @@ impl Parts<'_> {
                 row_mask.clear();
                 row_mask.resize(local * t, false);
             }
-            rg.copy_step(self.phys, lay, step, (t, r), &mut head, &mut tail, &mut relation, padded.then_some(&mut row_mask[..]));
+            rg.copy_step(self.table, lay, step, (t, r), &mut head, &mut tail, &mut relation, padded.then_some(&mut row_mask[..]));
             let mask = if padded { slice_mask(local, (t, r), |slot, b| b.append_slice(&row_mask[slot * t..(slot + 1) * t])) } else { sh.full_mask.clone() };
             (keep(vh, head), keep(vt, tail), keep(vr, relation), mask)
         };

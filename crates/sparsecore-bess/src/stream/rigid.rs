@@ -9,13 +9,13 @@
 
 use arrow_buffer::{BooleanBuffer, ScalarBuffer};
 
-use super::prefetch::prefetch;
+use super::table::{with_rows, Decode, Row, Table};
 use crate::layout::SparseCoreLayout;
 use crate::partition::PartitionedTriples;
 use crate::rng::FastMod;
 
 /// The most rows a [`RigidSlices`] may hold per triple of the graph (so at most 240 bytes per
-/// triple, against the triple table's 12). Each row costs 20 bytes (two `Int64` ids and an
+/// triple, against the triple table's 4 to 12). Each row costs 20 bytes (two `Int64` ids and an
 /// `Int32` relation), and a table holds every padded position about twice (see [`Order`]):
 /// uniform graphs, which pad little, need 2–3 rows per triple at any `n`, the power-law graph
 /// of MEASUREMENTS.md about 11 at n = 16 (5.5 positions per triple); at n = 64 its blocks are
@@ -24,9 +24,6 @@ const SLICES_MAX_ROWS_PER_TRIPLE: usize = 12;
 
 /// The most bytes a [`RigidSlices`] may take, whatever the graph's size.
 const SLICES_MAX_BYTES: usize = 1 << 30;
-
-/// Rows (12 bytes each) between two prefetches of a run: about one per cache line.
-const ROWS_PER_LINE: usize = 5;
 
 /// About how many rows ahead of the one it copies the run copy prefetches (whole blocks).
 const PREFETCH_ROWS: usize = 32;
@@ -52,11 +49,13 @@ struct Run {
     offset: usize,
     count: usize,
     count_mod: FastMod,
+    /// The first physical ids of its head and tail shards.
+    offsets: (i64, i64),
 }
 
 impl Run {
     /// The partition's rows and where position `first` falls in them (cyclically).
-    fn at<'a>(&self, phys: &'a [[i32; 3]], first: usize) -> Option<(&'a [[i32; 3]], usize)> {
+    fn at<'a, R: Row>(&self, phys: &'a [R], first: usize) -> Option<(&'a [R], usize)> {
         let rows = phys.get(self.offset..self.offset + self.count).filter(|r| !r.is_empty())?;
         Some((rows, if first < self.count { first } else { self.count_mod.reduce_u63(first as u64) as usize }))
     }
@@ -64,17 +63,15 @@ impl Run {
     /// The rows of one block: the triples at positions `first .. first + ppp` (cyclically),
     /// written to `h`, `t` and `rel` (`ppp` each). Returns how many are real triples (the rest
     /// are cyclic padding): a prefix.
-    fn copy(&self, phys: &[[i32; 3]], first: usize, h: &mut [i64], t: &mut [i64], rel: &mut [i32]) -> usize {
+    fn copy<R: Row>(&self, phys: &[R], decode: Decode, first: usize, h: &mut [i64], t: &mut [i64], rel: &mut [i32]) -> usize {
         let ppp = h.len();
         let Some((rows, mut r)) = self.at(phys, first) else { return 0 };
         let mut done = 0;
         while done < ppp {
             let len = (self.count - r).min(ppp - done);
             let run = &rows[r..r + len];
-            for (((hv, tv), rv), &[ph, pr, pt]) in h[done..done + len].iter_mut().zip(&mut t[done..done + len]).zip(&mut rel[done..done + len]).zip(run) {
-                *hv = i64::from(ph);
-                *tv = i64::from(pt);
-                *rv = pr;
+            for (((hv, tv), rv), &row) in h[done..done + len].iter_mut().zip(&mut t[done..done + len]).zip(&mut rel[done..done + len]).zip(run) {
+                (*hv, *rv, *tv) = decode.row(row, self.offsets);
             }
             done += len;
             r = 0;
@@ -85,17 +82,18 @@ impl Run {
     /// Prefetches the rows of the block at `first`, one per cache line and the end of the last (the
     /// run copy asks for the blocks a few ahead of the one it copies: the triple table is cold,
     /// since preprocessing evicts it between steps).
-    fn prefetch(&self, phys: &[[i32; 3]], first: usize, ppp: usize) {
+    fn prefetch<R: Row>(&self, phys: &[R], first: usize, ppp: usize) {
         let Some((rows, r0)) = self.at(phys, first) else { return };
         let len = ppp.min(self.count);
         let row = |q: usize| {
             let x = r0 + q;
             &rows[if x >= self.count { x - self.count } else { x }]
         };
-        for q in (0..len).step_by(ROWS_PER_LINE) {
-            prefetch(row(q));
+        let per_line = (64 / std::mem::size_of::<R>()).max(1);
+        for q in (0..len).step_by(per_line) {
+            row(q).prefetch();
         }
-        prefetch(&row(len - 1)[2]);
+        row(len - 1).prefetch();
     }
 }
 
@@ -103,16 +101,17 @@ impl Rigid {
     /// The reader of a Rigid sampler without shuffle over `part` (one batch per step, `ppp`
     /// positions per block, `windows` steps per epoch), with its [`RigidSlices`] when they
     /// fit the bounds above.
-    pub(super) fn new(part: &PartitionedTriples, phys: &[[i32; 3]], lay: &SparseCoreLayout, ppp: usize, windows: usize) -> Self {
+    pub(super) fn new(part: &PartitionedTriples, table: &Table, lay: &SparseCoreLayout, ppp: usize, windows: usize) -> Self {
         let parts: Vec<Run> = part
             .triple_offsets
             .iter()
             .zip(&part.triple_counts)
-            .map(|(&o, &c)| Run { offset: o.max(0) as usize, count: c.max(0) as usize, count_mod: FastMod::new(c.max(0) as u64) })
+            .enumerate()
+            .map(|(p, (&o, &c))| Run { offset: o.max(0) as usize, count: c.max(0) as usize, count_mod: FastMod::new(c.max(0) as u64), offsets: table.offsets(p) })
             .collect();
         let min_count = parts.iter().map(|p| p.count).min().unwrap_or(0);
         let mut rigid = Rigid { parts, min_count, ppp, windows: windows.max(1), slices: None };
-        rigid.slices = RigidSlices::build(&rigid, phys, lay);
+        rigid.slices = with_rows!(table, rows => RigidSlices::build(&rigid, rows, table.decode, lay));
         rigid
     }
 
@@ -132,7 +131,7 @@ impl Rigid {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn copy_step(
         &self,
-        phys: &[[i32; 3]],
+        table: &Table,
         lay: &SparseCoreLayout,
         step: usize,
         (t, r): (usize, usize),
@@ -156,23 +155,26 @@ impl Rigid {
         };
         let blocks = local * n;
         let ahead = (PREFETCH_ROWS / ppp).max(1);
-        for b in 0..ahead.min(blocks) {
-            self.parts[part_of(b)].prefetch(phys, first, ppp);
-        }
-        for b in 0..blocks {
-            if b + ahead < blocks {
-                self.parts[part_of(b + ahead)].prefetch(phys, first, ppp);
+        let decode = table.decode;
+        with_rows!(table, phys => {
+            for b in 0..ahead.min(blocks) {
+                self.parts[part_of(b)].prefetch(phys, first, ppp);
             }
-            let (slot, i) = (b / n, b % n);
-            let dst = slot * t + i * ppp;
-            let row = slot * r + i * ppp;
-            let valid = self.parts[part_of(b)].copy(phys, first, &mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[row..row + ppp]);
-            if let Some(m) = mask.as_deref_mut() {
-                let m = &mut m[dst..dst + ppp];
-                m[..valid].fill(true);
-                m[valid..].fill(false);
+            for b in 0..blocks {
+                if b + ahead < blocks {
+                    self.parts[part_of(b + ahead)].prefetch(phys, first, ppp);
+                }
+                let (slot, i) = (b / n, b % n);
+                let dst = slot * t + i * ppp;
+                let row = slot * r + i * ppp;
+                let valid = self.parts[part_of(b)].copy(phys, decode, first, &mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[row..row + ppp]);
+                if let Some(m) = mask.as_deref_mut() {
+                    let m = &mut m[dst..dst + ppp];
+                    m[..valid].fill(true);
+                    m[valid..].fill(false);
+                }
             }
-        }
+        });
     }
 }
 
@@ -210,7 +212,7 @@ pub(super) struct RigidSlices {
 }
 
 impl RigidSlices {
-    fn build(rigid: &Rigid, phys: &[[i32; 3]], lay: &SparseCoreLayout) -> Option<Self> {
+    fn build<R: Row>(rigid: &Rigid, phys: &[R], decode: Decode, lay: &SparseCoreLayout) -> Option<Self> {
         let (n, local, first_sc, ppp) = (lay.num_sparsecores(), lay.local_sparsecores(), lay.global_sparsecore(0), rigid.ppp);
         let t = n * ppp;
         let windows = rigid.windows;
@@ -246,7 +248,7 @@ impl RigidSlices {
                 let p = i * n + ((i + h) & (n - 1));
                 let at = e * t + i * ppp;
                 let (hs, ts, rs) = (&mut head[at..at + ppp], &mut tail[at..at + ppp], &mut relation[at..at + ppp]);
-                let valid = rigid.parts[p].copy(phys, first, hs, ts, rs);
+                let valid = rigid.parts[p].copy(phys, decode, first, hs, ts, rs);
                 padded |= valid < ppp;
                 mask.extend((0..ppp).map(|q| q < valid));
             }
