@@ -110,7 +110,8 @@ pub(super) struct Shared {
     pub(super) shard_ids: Vec<i64>,
 }
 
-/// How many rows ahead [`Parts::positives`] prefetches the triple it will copy.
+/// About how many rows ahead of the one it copies [`Parts::positives`] prefetches (whole
+/// blocks).
 const AHEAD: usize = 32;
 
 /// Buffers reused from batch to batch (the pipeline reuses its own; a fresh megabyte per batch
@@ -137,36 +138,56 @@ pub(super) struct PosScratch {
     pub(super) values: [Option<Buffer>; 3],
 }
 
-/// Copies the rows `order` names (SparseCore slot by slot, `n` blocks of `ppp` each) into the
-/// columns: `T = n·ppp` per slot of `head` and `tail`, and of `relation` `R` per slot (the
-/// rows past `T` untouched); `offsets(slot, i)` are block i's shards' first physical ids. Each
-/// row is prefetched `AHEAD` rows before it is copied.
-fn gather<R: Row>(
+/// Where a host's positives come from: `local` SparseCore slots of `n` blocks of `ppp` rows,
+/// block `i` of slot `s` at `of(s, i) = (start in the sampler's indices, tail shard)`; `R` rows
+/// per slot in `relation`.
+struct Blocks<F> {
+    n: usize,
+    ppp: usize,
+    r: usize,
+    local: usize,
+    of: F,
+}
+
+/// Copies the positives' rows into the columns in row order (`T = n·ppp` per slot of `head`
+/// and `tail`, of `relation` the first `T` of each slot's `R`), decoding each block's ids
+/// from its shards' first physical ids. The blocks `AHEAD / ppp` ahead of the one copied are
+/// prefetched.
+fn gather<R: Row, F: Fn(usize, usize) -> (usize, usize)>(
     rows: &[R],
     decode: Decode,
-    order: &[i64],
-    (n, ppp, r): (usize, usize, usize),
-    offsets: impl Fn(usize, usize) -> (i64, i64),
+    shard_ids: &[i64],
+    idx: &[i64],
+    bl: &Blocks<F>,
     (head, tail, relation): (&mut [i64], &mut [i64], &mut [i32]),
 ) {
+    let (n, ppp) = (bl.n, bl.ppp);
     let t = n * ppp;
-    let fetch = |k: i64| {
-        if let Some(row) = rows.get(k as usize) {
-            row.prefetch();
+    let blocks = bl.local * n;
+    // N is a power of two: block `b` is (slot b >> log2 N, head shard b & (N − 1)).
+    let (shift, mask) = (n.trailing_zeros(), n - 1);
+    let fetch = |b: usize| {
+        let (at, _) = (bl.of)(b >> shift, b & mask);
+        for &k in idx.get(at..at + ppp).unwrap_or_default() {
+            if let Some(row) = rows.get(k as usize) {
+                row.prefetch();
+            }
         }
     };
-    order.iter().take(AHEAD).for_each(|&k| fetch(k));
-    for (slot, ((from, (h, tl)), rel)) in order.chunks_exact(t).zip(head.chunks_exact_mut(t).zip(tail.chunks_exact_mut(t))).zip(relation.chunks_exact_mut(r)).enumerate() {
-        for (i, ((from, (h, tl)), rel)) in from.chunks_exact(ppp).zip(h.chunks_exact_mut(ppp).zip(tl.chunks_exact_mut(ppp))).zip(rel[..t].chunks_exact_mut(ppp)).enumerate() {
-            let offs = offsets(slot, i);
-            let ahead = &order[(slot * t + i * ppp + AHEAD).min(order.len())..];
-            for (q, &k) in from.iter().enumerate() {
-                if let Some(&a) = ahead.get(q) {
-                    fetch(a);
-                }
-                let Some(&row) = rows.get(k as usize) else { continue };
-                (h[q], rel[q], tl[q]) = decode.row(row, offs);
-            }
+    let ahead = AHEAD.div_ceil(ppp);
+    (0..ahead.min(blocks)).for_each(fetch);
+    for b in 0..blocks {
+        if b + ahead < blocks {
+            fetch(b + ahead);
+        }
+        let (slot, i) = (b >> shift, b & mask);
+        let (at, j) = (bl.of)(slot, i);
+        let offs = (shard_ids[i], shard_ids[j]);
+        let dst = slot * t + i * ppp;
+        let (h, tl, rel) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[slot * bl.r + i * ppp..][..ppp]);
+        for (q, &k) in idx[at..at + ppp].iter().enumerate() {
+            let Some(&row) = rows.get(k as usize) else { continue };
+            (h[q], rel[q], tl[q]) = decode.row(row, offs);
         }
     }
 }
@@ -218,44 +239,49 @@ impl Parts<'_> {
         let PosScratch { bess_idx, bess_mask, sidx, smask, values, .. } = scratch;
         // BESS indices, row-major over (head shard i, tail shard j, position).
         let rigid = sampler.sample_indices_into(step, bess_idx, bess_mask)?;
-        // The same indices SparseCore-major (SparseCore `g` takes block (i, tail_shard(g, i,
-        // step)) from every head shard i): all SparseCores with `keep_sidx`, else this host's.
         let local = lay.local_sparsecores();
         let first = lay.global_sparsecore(0);
-        let scs = if keep_sidx { 0..n } else { first..first + local };
+        // SparseCore `g` takes block (i, tail_shard(g, i, step)) from every head shard i.
+        let block = |g: usize, i: usize| {
+            let j = lay.tail_shard(g, i, step);
+            ((i * n + j) * ppp, j)
+        };
         sidx.clear();
         smask.clear();
-        for g in scs {
-            for i in 0..n {
-                let base = (i * n + lay.tail_shard(g, i, step)) * ppp;
-                sidx.extend_from_slice(&bess_idx[base..base + ppp]);
-                if rigid {
-                    smask.extend_from_slice(&bess_mask[base..base + ppp]);
+        if keep_sidx {
+            for g in 0..n {
+                for i in 0..n {
+                    let (at, _) = block(g, i);
+                    sidx.extend_from_slice(&bess_idx[at..at + ppp]);
+                    if rigid {
+                        smask.extend_from_slice(&bess_mask[at..at + ppp]);
+                    }
                 }
             }
         }
-        let base = if keep_sidx { first * t } else { 0 };
         let rows = local * r;
         let [vh, vt, vr] = values;
         let mut head: Vec<i64> = reuse(vh, local * t);
         let mut tail: Vec<i64> = reuse(vt, local * t);
         let mut relation: Vec<i32> = reuse(vr, rows);
-        // In row order, so the columns are written front to back; the reads of the triple
-        // table are random and cold (it is megabytes, and preprocessing evicts it between
-        // batches), so each is prefetched `AHEAD` rows before it is copied.
-        let order = &sidx[base..base + local * t];
         let tb = self.table;
-        let offsets = |slot: usize, i: usize| (tb.shard_ids[i], tb.shard_ids[lay.tail_shard(first + slot, i, step)]);
-        with_rows!(tb, rows => gather(rows, tb.decode, order, (n, ppp, r), offsets, (&mut head, &mut tail, &mut relation)));
+        let blocks = Blocks { n, ppp, r, local, of: |slot, i| block(first + slot, i) };
+        with_rows!(tb, rows => gather(rows, tb.decode, &tb.shard_ids, bess_idx, &blocks, (&mut head, &mut tail, &mut relation)));
         let sh = self.shared;
         let head = keep(vh, head);
         let tail = keep(vt, tail);
         let relation = keep(vr, relation);
         let lists = |ids| id_list(&sh.pos_offsets, ids);
-        let mask: ArrayRef = if rigid { slice_mask(local, (t, r), |slot, b| b.append_slice(&smask[base + slot * t..][..t])) } else { sh.full_mask.clone() };
+        let row_bits = |slot: usize, b: &mut BooleanBufferBuilder| {
+            for i in 0..n {
+                let (at, _) = block(first + slot, i);
+                b.append_slice(&bess_mask[at..at + ppp]);
+            }
+        };
+        let mask: ArrayRef = if rigid { slice_mask(local, (t, r), row_bits) } else { sh.full_mask.clone() };
         let mut columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation, sh.pos_valid.clone())), mask];
         if self.columns.annotations {
-            let mine = &sidx[base..base + local * t];
+            let mine = &sidx[first * t..(first + local) * t];
             let mut tidx = Vec::with_capacity(rows);
             for slice in mine.chunks(t) {
                 tidx.extend_from_slice(slice);
