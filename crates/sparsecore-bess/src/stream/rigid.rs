@@ -107,7 +107,12 @@ impl Rigid {
             .iter()
             .zip(&part.triple_counts)
             .enumerate()
-            .map(|(p, (&o, &c))| Run { offset: o.max(0) as usize, count: c.max(0) as usize, count_mod: FastMod::new(c.max(0) as u64), offsets: table.offsets(p) })
+            .map(|(p, (&o, &c))| Run {
+                offset: o.max(0) as usize,
+                count: c.max(0) as usize,
+                count_mod: FastMod::new(c.max(0) as u64),
+                offsets: table.offsets(p),
+            })
             .collect();
         let min_count = parts.iter().map(|p| p.count).min().unwrap_or(0);
         let mut rigid = Rigid { parts, min_count, ppp, windows: windows.max(1), slices: None };
@@ -167,7 +172,8 @@ impl Rigid {
                 let (slot, i) = (b / n, b % n);
                 let dst = slot * t + i * ppp;
                 let row = slot * r + i * ppp;
-                let valid = self.parts[part_of(b)].copy(phys, decode, first, &mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[row..row + ppp]);
+                let (hs, ts, rs) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[row..row + ppp]);
+                let valid = self.parts[part_of(b)].copy(phys, decode, first, hs, ts, rs);
                 if let Some(m) = mask.as_deref_mut() {
                     let m = &mut m[dst..dst + ppp];
                     m[..valid].fill(true);

@@ -132,9 +132,7 @@ impl Table {
         let codec = Codec { hbits: bits(mh), rbits: bits(mr) };
         let total = (codec.hbits + codec.rbits + bits(mt)).max(min_bits);
         let pack = |row: usize| field(row, 0) | (field(row, 1) << codec.hbits) | (field(row, 2) << (codec.hbits + codec.rbits));
-        let order = || {
-            part.triple_offsets.iter().zip(&part.triple_counts).flat_map(|(&off, &cnt)| off.max(0) as usize..(off.max(0) + cnt.max(0)) as usize)
-        };
+        let order = || part.triple_offsets.iter().zip(&part.triple_counts).flat_map(|(&off, &cnt)| off.max(0) as usize..(off.max(0) + cnt.max(0)) as usize);
         let rows = if total <= 32 {
             Rows::U32(order().map(|row| pack(row) as u32).collect())
         } else if total <= 63 {
