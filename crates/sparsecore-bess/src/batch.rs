@@ -276,17 +276,20 @@ impl BatchSampler {
                 idx.resize(total, 0);
                 rng.fill_integers_63(idx, |v| v as i64);
                 let fast = &self.fast;
-                let reduce = |(block, x): (usize, &mut [i64])| {
-                    let p = block % p_count;
+                let reduce = |p: usize, x: &mut [i64]| {
                     let (off, c) = (offsets[p], fast[p]);
                     for v in x {
-                        *v = off + c.reduce(*v as u64) as i64;
+                        *v = off + c.reduce_u63(*v as u64) as i64;
                     }
                 };
                 if total >= PARALLEL_MIN {
-                    idx.par_chunks_mut(g.ppp).enumerate().for_each(reduce);
+                    idx.par_chunks_mut(g.ppp).enumerate().for_each(|(block, x)| reduce(block % p_count, x));
                 } else {
-                    idx.chunks_mut(g.ppp).enumerate().for_each(reduce);
+                    // Partitions in turn, counted rather than divided (a division per block
+                    // costs more than reducing a small block).
+                    for (x, p) in idx.chunks_mut(g.ppp).zip((0..p_count).cycle()) {
+                        reduce(p, x);
+                    }
                 }
                 Ok(false)
             }
@@ -315,8 +318,11 @@ impl BatchSampler {
                 mask.resize(total, false);
                 let last = n_rows - 1;
                 let blocks = idx.chunks_exact_mut(g.ppp).zip(mask.chunks_exact_mut(g.ppp));
-                for (b, (ix, mk)) in blocks.enumerate() {
-                    let (s, p) = (b / p_count, b % p_count);
+                // (batch, partition) of each block, counted rather than divided.
+                let mut at = (0, 0);
+                for (ix, mk) in blocks {
+                    let (s, p) = at;
+                    at = if p + 1 == p_count { (s + 1, 0) } else { (s, p + 1) };
                     let (c, off) = (counts[p], offsets[p]);
                     if c == 0 {
                         ix.fill(off.min(last));
@@ -327,7 +333,7 @@ impl BatchSampler {
                         // Sequential positions: the remainder steps by one and wraps.
                         None => {
                             let first = window.start + s * g.ppp;
-                            let mut r = self.fast[p].reduce(first as u64) as i64;
+                            let mut r = self.fast[p].reduce_u63(first as u64) as i64;
                             for (j, (o, m)) in ix.iter_mut().zip(mk.iter_mut()).enumerate() {
                                 *o = (off + r).min(last);
                                 *m = ((first + j) as i64) < c;
@@ -340,7 +346,7 @@ impl BatchSampler {
                         Some(w) => {
                             let f = self.fast[p];
                             for ((o, m), &gpos) in ix.iter_mut().zip(mk.iter_mut()).zip(&w[s * g.ppp..(s + 1) * g.ppp]) {
-                                *o = (off + f.reduce(gpos as u64) as i64).min(last);
+                                *o = (off + f.reduce_u63(gpos as u64) as i64).min(last);
                                 *m = (gpos as i64) < c;
                             }
                         }

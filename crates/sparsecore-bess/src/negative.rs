@@ -390,7 +390,7 @@ fn draw_mod_shard_into<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
                 run.resize((xe - xs) * row, T::default());
                 for (x, chunk) in (xs..xe).zip(run.chunks_exact_mut(row)) {
                     let (map, m) = ((to.map)(x), mods[x]);
-                    rng.fill_integers_31(chunk, |v| map(m.reduce_u32(v) as u32));
+                    rng.fill_integers_31(chunk, |v| map(m.reduce_u31(v)));
                 }
                 for g in 0..n {
                     for x in xs..xe {
@@ -416,7 +416,7 @@ fn draw_mod_shard_into<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
                         &mut dropped[..]
                     }
                 };
-                rng.fill_integers_31(block, |v| map(m.reduce_u32(v) as u32));
+                rng.fill_integers_31(block, |v| map(m.reduce_u31(v)));
             }
         }
     }

@@ -251,26 +251,32 @@ impl NumpyRng {
         }
         // Two draws per 64-bit output, low half first. Large runs go through a block-sized
         // buffer, the rest through a small one: callers fill many short runs (a few negatives
-        // per block), and zeroing the large buffer would cost more than drawing them.
-        let mut pairs = |run: &mut [T], buf: &mut [u64]| {
-            self.bits.fill_u64(&mut buf[..run.len() / 2]);
-            for (o, &v) in run.chunks_exact_mut(2).zip(buf.iter()) {
-                o[0] = f((v as u32) >> 1);
-                o[1] = f(((v >> 32) as u32) >> 1);
+        // per block), and zeroing the large buffer would cost more than drawing them. The
+        // draws are split into their 31-bit values first, so that `f` runs over a plain slice
+        // (a loop the compiler vectorizes when `f` is arithmetic).
+        let mut pairs = |run: &mut [T], buf: &mut [u64], draws: &mut [u32]| {
+            let k = run.len() / 2;
+            self.bits.fill_u64(&mut buf[..k]);
+            for (d, &v) in draws.chunks_exact_mut(2).zip(&buf[..k]) {
+                d[0] = (v as u32) >> 1;
+                d[1] = ((v >> 32) as u32) >> 1;
+            }
+            for (o, &x) in run.iter_mut().zip(&draws[..2 * k]) {
+                *o = f(x);
             }
         };
         let mut large = rest.chunks_exact_mut(2 * FILL_BLOCK);
         if large.len() > 0 {
-            let mut buf = [0u64; FILL_BLOCK];
+            let (mut buf, mut draws) = ([0u64; FILL_BLOCK], [0u32; 2 * FILL_BLOCK]);
             for chunk in &mut large {
-                pairs(chunk, &mut buf);
+                pairs(chunk, &mut buf, &mut draws);
             }
         }
-        let mut small_buf = [0u64; SMALL_FILL_BLOCK];
+        let (mut small_buf, mut small_draws) = ([0u64; SMALL_FILL_BLOCK], [0u32; 2 * SMALL_FILL_BLOCK]);
         let mut small = large.into_remainder().chunks_mut(2 * SMALL_FILL_BLOCK);
         let mut tail: &mut [T] = &mut [];
         for chunk in &mut small {
-            pairs(chunk, &mut small_buf);
+            pairs(chunk, &mut small_buf, &mut small_draws);
             tail = chunk;
         }
         if tail.len() % 2 == 1 {
@@ -327,6 +333,14 @@ pub struct FastMod {
     m: u128,
     /// Lemire's 64-bit multiplier for 32-bit numerators (exact for `d < 2^32`), 0 if unused.
     m32: u64,
+    /// [`Self::reduce_u31`]'s multiplier, shift and divisor.
+    m31: u32,
+    s31: u32,
+    d31: u32,
+    /// [`Self::reduce_u63`]'s multiplier, shift and divisor.
+    m63: u64,
+    s63: u32,
+    d63: u64,
 }
 
 impl FastMod {
@@ -335,7 +349,26 @@ impl FastMod {
     pub fn new(d: u64) -> Self {
         let m = if d <= 1 || d > 1 << 32 { 0 } else { u128::MAX / u128::from(d) + 1 };
         let m32 = if d <= 1 || d >= 1 << 32 { 0 } else { u64::MAX / d + 1 };
-        FastMod { d, m, m32 }
+        // `x − ⌊x·m31 / 2^s31⌋·d31`: for d = 0 the quotient is x and d31 = 1 (so 0), for d
+        // beyond 2^32 it is 0 (x < d).
+        let (m31, s31, d31) = match d {
+            0 => (1 << 31, 31, 1),
+            1..=0xffff_ffff => {
+                let l = u64::BITS - (d - 1).leading_zeros();
+                let m = (1u128 << (31 + l)).div_ceil(u128::from(d));
+                (u32::try_from(m).unwrap_or(u32::MAX), 31 + l, d as u32)
+            }
+            _ => (0, 0, 0),
+        };
+        // The same for 63-bit numerators, with 64-bit multipliers: every `d` fits (l ≤ 64).
+        let (m63, s63, d63) = if d == 0 {
+            (1 << 63, 63, 1)
+        } else {
+            let l = u64::BITS - (d - 1).leading_zeros();
+            let m = (1u128 << (63 + l)).div_ceil(u128::from(d));
+            (u64::try_from(m).unwrap_or(u64::MAX), 63 + l, d)
+        };
+        FastMod { d, m, m32, m31, s31, d31, m63, s63, d63 }
     }
 
     /// `x mod d`.
@@ -360,6 +393,34 @@ impl FastMod {
             return self.reduce(u64::from(x));
         }
         ((u128::from(self.m32.wrapping_mul(u64::from(x))) * u128::from(self.d)) >> 64) as u64
+    }
+
+    /// `x mod d` for `x < 2^31` (numpy's 31-bit draws), as `u32` (`d < 2^32`, else `x`):
+    /// the same value as [`Self::reduce`].
+    ///
+    /// Why: with `l = ⌈log2 d⌉` and `m = ⌈2^(31+l) / d⌉ < 2^32`, `⌊x·m / 2^(31+l)⌋ = ⌊x / d⌋` for
+    /// every `x < 2^31` (Granlund and Montgomery: the error `x·(m·d − 2^(31+l)) / (d·2^(31+l))`
+    /// stays below `1/d`). That is one 32×32→64 multiply, a shift and a 32-bit multiply with
+    /// no branch, which the compiler vectorizes over a run of draws, where
+    /// [`Self::reduce_u32`] needs a 64×64→128 multiply per value.
+    #[inline]
+    #[must_use]
+    pub fn reduce_u31(&self, x: u32) -> u32 {
+        debug_assert!(x < 1 << 31);
+        let q = ((u64::from(x) * u64::from(self.m31)) >> self.s31) as u32;
+        x.wrapping_sub(q.wrapping_mul(self.d31))
+    }
+
+    /// `x mod d` for `x < 2^63` (numpy's 63-bit draws, positions, counts): the same value as
+    /// [`Self::reduce`], for every `d`, with one 64×64→128 multiply and one 64-bit multiply
+    /// where [`Self::reduce`] needs four (the argument of [`Self::reduce_u31`], with
+    /// `m = ⌈2^(63+l) / d⌉ < 2^64`).
+    #[inline]
+    #[must_use]
+    pub fn reduce_u63(&self, x: u64) -> u64 {
+        debug_assert!(x < 1 << 63);
+        let q = ((u128::from(x) * u128::from(self.m63)) >> self.s63) as u64;
+        x.wrapping_sub(q.wrapping_mul(self.d63))
     }
 }
 
@@ -405,7 +466,10 @@ mod tests {
     #[test]
     fn fast_mod_is_exact() {
         let mut g = NumpyRng::new(99);
-        let mut divisors: Vec<u64> = (0..=70).chain([255, 256, 257, 1000, 65535, 65536, 65537, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 32) + 1, u64::MAX]).collect();
+        let mut divisors: Vec<u64> = (0..=70)
+            .chain([255, 256, 257, 1000, 65535, 65536, 65537, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 32) + 1, u64::MAX])
+            .chain([(1 << 62) + 1, (1 << 63) - 1, 1 << 63, (1 << 63) + 1, u64::MAX - 1])
+            .collect();
         divisors.extend((0..200).map(|_| g.next_u64() >> (g.next_u64() % 40 + 24)));
         for d in divisors {
             let f = FastMod::new(d);
@@ -414,7 +478,14 @@ mod tests {
             xs.extend((0..2000).map(|_| g.next_u64() >> 1));
             xs.extend((0..2000).map(|_| u64::from(g.next_u32())));
             for x in xs {
-                assert_eq!(f.reduce(x), if d == 0 { 0 } else { x % d }, "{x} mod {d}");
+                let want = if d == 0 { 0 } else { x % d };
+                assert_eq!(f.reduce(x), want, "{x} mod {d}");
+                if x < 1 << 63 {
+                    assert_eq!(f.reduce_u63(x), want, "{x} mod {d} (63 bits)");
+                }
+            }
+            for x in [(1 << 63) - 1, (1 << 63) - 2, (1 << 62) + 1] {
+                assert_eq!(f.reduce_u63(x), if d == 0 { 0 } else { x % d }, "{x} mod {d} (63 bits)");
             }
         }
     }
@@ -455,12 +526,16 @@ mod tests {
         let mut g = NumpyRng::new(5);
         let mut divisors: Vec<u64> = (0..=70).chain([255, 256, 257, 1000, 65535, 65536, 65537, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32]).collect();
         divisors.extend((0..200).map(|_| g.next_u64() >> (g.next_u64() % 32 + 32)));
+        divisors.extend([(1 << 30) + 1, (1 << 31) + 1, (1 << 32) - 2, 3 << 30, u64::MAX]);
         for d in divisors {
             let f = FastMod::new(d);
             let mut xs = vec![0, 1, u32::MAX, u32::MAX - 1, (1 << 31) - 1, 1 << 31, d as u32, (d as u32).wrapping_sub(1)];
             xs.extend((0..3000).map(|_| g.next_u32()));
-            for x in xs {
+            for &x in &xs {
                 assert_eq!(f.reduce_u32(x), if d == 0 { 0 } else { u64::from(x) % d }, "{x} mod {d}");
+            }
+            for x in xs.into_iter().map(|x| x >> 1).chain([(1 << 31) - 1, (1 << 31) - 2]) {
+                assert_eq!(u64::from(f.reduce_u31(x)), if d == 0 { 0 } else { u64::from(x) % d }, "{x} mod {d} (31 bits)");
             }
         }
     }

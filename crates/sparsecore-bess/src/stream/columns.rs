@@ -5,10 +5,11 @@
 use std::sync::Arc;
 
 use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, ListArray};
-use arrow_buffer::{ArrowNativeType, BooleanBuffer, BooleanBufferBuilder, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
+use arrow_buffer::{ArrowNativeType, BooleanBufferBuilder, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
 use super::rigid::Rigid;
+use super::table::{with_rows, Decode, Row, Table};
 use super::{CellCounts, HEAD, NEGATIVE, TAIL};
 use crate::batch::BatchSampler;
 use crate::error::{BessError, Result};
@@ -109,8 +110,9 @@ pub(super) struct Shared {
     pub(super) shard_ids: Vec<i64>,
 }
 
-/// Triples per chunk that [`Parts::positives`] reads ahead before copying them.
-const READ_AHEAD: usize = 256;
+/// About how many rows ahead of the one it copies [`Parts::positives`] prefetches (whole
+/// blocks).
+const AHEAD: usize = 32;
 
 /// Buffers reused from batch to batch (the pipeline reuses its own; a fresh megabyte per batch
 /// would cost more in page faults than the sampling itself).
@@ -136,6 +138,60 @@ pub(super) struct PosScratch {
     pub(super) values: [Option<Buffer>; 3],
 }
 
+/// Where a host's positives come from: `local` SparseCore slots of `n` blocks of `ppp` rows,
+/// block `i` of slot `s` at `of(s, i) = (start in the sampler's indices, tail shard)`; `R` rows
+/// per slot in `relation`.
+struct Blocks<F> {
+    n: usize,
+    ppp: usize,
+    r: usize,
+    local: usize,
+    of: F,
+}
+
+/// Copies the positives' rows into the columns in row order (`T = n·ppp` per slot of `head`
+/// and `tail`, of `relation` the first `T` of each slot's `R`), decoding each block's ids
+/// from its shards' first physical ids. The blocks `AHEAD / ppp` ahead of the one copied are
+/// prefetched.
+fn gather<R: Row, F: Fn(usize, usize) -> (usize, usize)>(
+    rows: &[R],
+    decode: Decode,
+    shard_ids: &[i64],
+    idx: &[i64],
+    bl: &Blocks<F>,
+    (head, tail, relation): (&mut [i64], &mut [i64], &mut [i32]),
+) {
+    let (n, ppp) = (bl.n, bl.ppp);
+    let t = n * ppp;
+    let blocks = bl.local * n;
+    // N is a power of two: block `b` is (slot b >> log2 N, head shard b & (N − 1)).
+    let (shift, mask) = (n.trailing_zeros(), n - 1);
+    let fetch = |b: usize| {
+        let (at, _) = (bl.of)(b >> shift, b & mask);
+        for &k in idx.get(at..at + ppp).unwrap_or_default() {
+            if let Some(row) = rows.get(k as usize) {
+                row.prefetch();
+            }
+        }
+    };
+    let ahead = AHEAD.div_ceil(ppp);
+    (0..ahead.min(blocks)).for_each(fetch);
+    for b in 0..blocks {
+        if b + ahead < blocks {
+            fetch(b + ahead);
+        }
+        let (slot, i) = (b >> shift, b & mask);
+        let (at, j) = (bl.of)(slot, i);
+        let offs = (shard_ids[i], shard_ids[j]);
+        let dst = slot * t + i * ppp;
+        let (h, tl, rel) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[slot * bl.r + i * ppp..][..ppp]);
+        for (q, &k) in idx[at..at + ppp].iter().enumerate() {
+            let Some(&row) = rows.get(k as usize) else { continue };
+            (h[q], rel[q], tl[q]) = decode.row(row, offs);
+        }
+    }
+}
+
 /// `len` values in the buffer `slot` held, if the caller has dropped the batch that shared it
 /// and it has that length (its contents are overwritten, except padding, which stays zero: the
 /// layout of every batch of a stream is the same), else `len` zeros.
@@ -158,7 +214,7 @@ fn keep<T: ArrowNativeType>(slot: &mut Option<Buffer>, v: Vec<T>) -> ScalarBuffe
 pub(super) struct Parts<'a> {
     pub(super) layout: &'a SparseCoreLayout,
     pub(super) counts: &'a CellCounts,
-    pub(super) phys: &'a [[i32; 3]],
+    pub(super) table: &'a Table,
     pub(super) rigid: Option<&'a Rigid>,
     pub(super) neg_b: usize,
     pub(super) neg_k: usize,
@@ -180,92 +236,52 @@ impl Parts<'_> {
         if let (Some(rt), false) = (self.rigid, keep_sidx) {
             return self.rigid_positives(rt, step, scratch);
         }
-        let PosScratch { bess_idx, bess_mask, sidx, smask, row_mask, values } = scratch;
+        let PosScratch { bess_idx, bess_mask, sidx, smask, values, .. } = scratch;
         // BESS indices, row-major over (head shard i, tail shard j, position).
         let rigid = sampler.sample_indices_into(step, bess_idx, bess_mask)?;
+        let local = lay.local_sparsecores();
+        let first = lay.global_sparsecore(0);
+        // SparseCore `g` takes block (i, tail_shard(g, i, step)) from every head shard i.
+        let block = |g: usize, i: usize| {
+            let j = lay.tail_shard(g, i, step);
+            ((i * n + j) * ppp, j)
+        };
         sidx.clear();
         smask.clear();
         if keep_sidx {
             for g in 0..n {
                 for i in 0..n {
-                    let base = (i * n + lay.tail_shard(g, i, step)) * ppp;
-                    sidx.extend_from_slice(&bess_idx[base..base + ppp]);
+                    let (at, _) = block(g, i);
+                    sidx.extend_from_slice(&bess_idx[at..at + ppp]);
                     if rigid {
-                        smask.extend_from_slice(&bess_mask[base..base + ppp]);
+                        smask.extend_from_slice(&bess_mask[at..at + ppp]);
                     }
                 }
             }
         }
-        let local = lay.local_sparsecores();
         let rows = local * r;
         let [vh, vt, vr] = values;
         let mut head: Vec<i64> = reuse(vh, local * t);
         let mut tail: Vec<i64> = reuse(vt, local * t);
         let mut relation: Vec<i32> = reuse(vr, rows);
-        if rigid {
-            row_mask.clear();
-            row_mask.resize(rows, false);
-        }
-        // Block by block in the sampler's order, which is the triple table's (partitions are
-        // stored in order, and Rigid's positions are runs), each block's `ppp` rows written
-        // where its SparseCore's slice takes them. The reads of the table miss the caches (it
-        // is megabytes, and preprocessing evicts it between batches), and a loop that also
-        // writes three columns keeps only a few misses in flight; so each chunk of blocks is
-        // first read ahead by a loop that only loads (many misses in flight), and then copied
-        // from the cache.
-        let phys = self.phys;
-        let first = lay.global_sparsecore(0);
-        // The local slot of the SparseCore that takes block (i, j): tail_shard(g, i, step) = j.
-        let slot_of = |p: usize| -> Option<usize> {
-            let (i, j) = (p / n, p % n);
-            let g = (j + 2 * n - i - step % n) & (n - 1);
-            g.checked_sub(first).filter(|&s| s < local)
-        };
-        let blocks = n * n;
-        let per = (READ_AHEAD / ppp).max(1);
-        let read_ahead = |from: usize| -> i32 {
-            let mut acc = 0i32;
-            for p in from..(from + per).min(blocks) {
-                if slot_of(p).is_some() {
-                    for &k in &bess_idx[p * ppp..(p + 1) * ppp] {
-                        acc ^= phys[k as usize][0];
-                    }
-                }
-            }
-            acc
-        };
-        let mut acc = read_ahead(0);
-        for from in (0..blocks).step_by(per) {
-            acc ^= read_ahead(from + per);
-            for p in from..(from + per).min(blocks) {
-                let Some(slot) = slot_of(p) else { continue };
-                let i = p / n;
-                let src = p * ppp;
-                let dst = slot * t + i * ppp;
-                let (h, tl) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp]);
-                let rel = &mut relation[slot * r + i * ppp..][..ppp];
-                for (q, &k) in bess_idx[src..src + ppp].iter().enumerate() {
-                    let tr = phys[k as usize];
-                    h[q] = i64::from(tr[0]);
-                    tl[q] = i64::from(tr[2]);
-                    rel[q] = tr[1];
-                }
-                if rigid {
-                    row_mask[slot * r + i * ppp..][..ppp].copy_from_slice(&bess_mask[src..src + ppp]);
-                }
-            }
-        }
-        std::hint::black_box(acc);
+        let tb = self.table;
+        let blocks = Blocks { n, ppp, r, local, of: |slot, i| block(first + slot, i) };
+        with_rows!(tb, rows => gather(rows, tb.decode, &tb.shard_ids, bess_idx, &blocks, (&mut head, &mut tail, &mut relation)));
         let sh = self.shared;
         let head = keep(vh, head);
         let tail = keep(vt, tail);
         let relation = keep(vr, relation);
         let lists = |ids| id_list(&sh.pos_offsets, ids);
-        let mask: ArrayRef = if rigid { Arc::new(BooleanArray::new(BooleanBuffer::collect_bool(rows, |x| row_mask[x]), None)) } else { sh.full_mask.clone() };
+        let row_bits = |slot: usize, b: &mut BooleanBufferBuilder| {
+            for i in 0..n {
+                let (at, _) = block(first + slot, i);
+                b.append_slice(&bess_mask[at..at + ppp]);
+            }
+        };
+        let mask: ArrayRef = if rigid { slice_mask(local, (t, r), row_bits) } else { sh.full_mask.clone() };
         let mut columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation, sh.pos_valid.clone())), mask];
         if self.columns.annotations {
-            let first = first * t;
-            let mine = &sidx[first..first + local * t];
+            let mine = &sidx[first * t..(first + local) * t];
             let mut tidx = Vec::with_capacity(rows);
             for slice in mine.chunks(t) {
                 tidx.extend_from_slice(slice);
@@ -312,7 +328,7 @@ impl Parts<'_> {
                 row_mask.clear();
                 row_mask.resize(local * t, false);
             }
-            rg.copy_step(self.phys, lay, step, (t, r), &mut head, &mut tail, &mut relation, padded.then_some(&mut row_mask[..]));
+            rg.copy_step(self.table, lay, step, (t, r), &mut head, &mut tail, &mut relation, padded.then_some(&mut row_mask[..]));
             let mask = if padded { slice_mask(local, (t, r), |slot, b| b.append_slice(&row_mask[slot * t..(slot + 1) * t])) } else { sh.full_mask.clone() };
             (keep(vh, head), keep(vt, tail), keep(vr, relation), mask)
         };

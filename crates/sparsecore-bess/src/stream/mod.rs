@@ -44,10 +44,13 @@ use crate::rng::seed_words;
 use crate::sharding::Sharding;
 
 mod columns;
+mod prefetch;
 mod rigid;
+mod table;
 
 use columns::{one_id_offsets, schema, validity, Columns, Parts, Scratch, Shared};
 use rigid::Rigid;
+use table::Table;
 
 /// Negatives per step (all SparseCores) from which uniform negatives are drawn on a second
 /// thread while the positives are drawn.
@@ -430,21 +433,12 @@ impl BessStreamBuilder {
             annotations: self.annotations,
         };
         let schema = schema(columns);
-        // Physical (head, relation, tail) of every sorted triple: partition (i, j) holds heads
-        // of shard i and tails of shard j, as local ids.
         if vocab > i32::MAX as usize {
             return Err(BessError::param("n_entity", n_entity, "N * ceil(E / N) physical ids must fit in int32"));
         }
-        let mut phys = Vec::with_capacity(part.len());
-        for (p, (&off, &cnt)) in part.triple_offsets.iter().zip(&part.triple_counts).enumerate() {
-            let (i, j) = (p / n, p % n);
-            for row in off as usize..(off + cnt) as usize {
-                let tr = part.triples.row(row);
-                phys.push([layout.physical_id(i, tr[0]) as i32, tr[1] as i32, layout.physical_id(j, tr[2]) as i32]);
-            }
-        }
+        let table = Table::new(&part, &layout);
         let rigid = match self.sampler {
-            StreamSampler::Rigid { shuffle: false } => Some(Arc::new(Rigid::new(&part, &phys, &layout, ppp, sampler.steps_per_epoch()))),
+            StreamSampler::Rigid { shuffle: false } => Some(Arc::new(Rigid::new(&part, &table, &layout, ppp, sampler.steps_per_epoch()))),
             _ => None,
         };
         let local = layout.local_sparsecores();
@@ -455,13 +449,13 @@ impl BessStreamBuilder {
             pos_valid: validity(local, t, rows),
             neg_valid: validity(local, neg_rows, rows),
             full_mask,
-            shard_ids: (0..n).map(|s| layout.physical_id(s, 0)).collect(),
+            shard_ids: table.shard_ids.clone(),
         };
         Ok(BessStream {
             config,
             layout,
             part,
-            phys,
+            table,
             rigid,
             sampler,
             negative,
@@ -486,7 +480,7 @@ pub struct BessStream {
     config: Config,
     layout: SparseCoreLayout,
     part: Arc<PartitionedTriples>,
-    phys: Vec<[i32; 3]>,
+    table: Table,
     /// Rigid without shuffle: how its steps are read without index arrays.
     rigid: Option<Arc<Rigid>>,
     sampler: BatchSampler,
@@ -572,7 +566,7 @@ impl BessStream {
         let parts = Parts {
             layout: &self.layout,
             counts: &self.counts,
-            phys: &self.phys,
+            table: &self.table,
             rigid: self.rigid.as_deref(),
             neg_b: self.neg_b,
             neg_k: self.neg_k,

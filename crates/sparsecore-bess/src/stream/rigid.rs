@@ -9,12 +9,13 @@
 
 use arrow_buffer::{BooleanBuffer, ScalarBuffer};
 
+use super::table::{with_rows, Decode, Row, Table};
 use crate::layout::SparseCoreLayout;
 use crate::partition::PartitionedTriples;
 use crate::rng::FastMod;
 
 /// The most rows a [`RigidSlices`] may hold per triple of the graph (so at most 240 bytes per
-/// triple, against the triple table's 12). Each row costs 20 bytes (two `Int64` ids and an
+/// triple, against the triple table's 4 to 12). Each row costs 20 bytes (two `Int64` ids and an
 /// `Int32` relation), and a table holds every padded position about twice (see [`Order`]):
 /// uniform graphs, which pad little, need 2–3 rows per triple at any `n`, the power-law graph
 /// of MEASUREMENTS.md about 11 at n = 16 (5.5 positions per triple); at n = 64 its blocks are
@@ -24,8 +25,8 @@ const SLICES_MAX_ROWS_PER_TRIPLE: usize = 12;
 /// The most bytes a [`RigidSlices`] may take, whatever the graph's size.
 const SLICES_MAX_BYTES: usize = 1 << 30;
 
-/// Rows (12 bytes each) between two touches of a run: about one per cache line.
-const ROWS_PER_LINE: usize = 5;
+/// About how many rows ahead of the one it copies the run copy prefetches (whole blocks).
+const PREFETCH_ROWS: usize = 32;
 
 /// A Rigid sampler without shuffle, as the stream reads it.
 #[derive(Debug, Clone)]
@@ -48,29 +49,29 @@ struct Run {
     offset: usize,
     count: usize,
     count_mod: FastMod,
+    /// The first physical ids of its head and tail shards.
+    offsets: (i64, i64),
 }
 
 impl Run {
     /// The partition's rows and where position `first` falls in them (cyclically).
-    fn at<'a>(&self, phys: &'a [[i32; 3]], first: usize) -> Option<(&'a [[i32; 3]], usize)> {
+    fn at<'a, R: Row>(&self, phys: &'a [R], first: usize) -> Option<(&'a [R], usize)> {
         let rows = phys.get(self.offset..self.offset + self.count).filter(|r| !r.is_empty())?;
-        Some((rows, if first < self.count { first } else { self.count_mod.reduce(first as u64) as usize }))
+        Some((rows, if first < self.count { first } else { self.count_mod.reduce_u63(first as u64) as usize }))
     }
 
     /// The rows of one block: the triples at positions `first .. first + ppp` (cyclically),
     /// written to `h`, `t` and `rel` (`ppp` each). Returns how many are real triples (the rest
     /// are cyclic padding): a prefix.
-    fn copy(&self, phys: &[[i32; 3]], first: usize, h: &mut [i64], t: &mut [i64], rel: &mut [i32]) -> usize {
+    fn copy<R: Row>(&self, phys: &[R], decode: Decode, first: usize, h: &mut [i64], t: &mut [i64], rel: &mut [i32]) -> usize {
         let ppp = h.len();
         let Some((rows, mut r)) = self.at(phys, first) else { return 0 };
         let mut done = 0;
         while done < ppp {
             let len = (self.count - r).min(ppp - done);
             let run = &rows[r..r + len];
-            for (((hv, tv), rv), &[ph, pr, pt]) in h[done..done + len].iter_mut().zip(&mut t[done..done + len]).zip(&mut rel[done..done + len]).zip(run) {
-                *hv = i64::from(ph);
-                *tv = i64::from(pt);
-                *rv = pr;
+            for (((hv, tv), rv), &row) in h[done..done + len].iter_mut().zip(&mut t[done..done + len]).zip(&mut rel[done..done + len]).zip(run) {
+                (*hv, *rv, *tv) = decode.row(row, self.offsets);
             }
             done += len;
             r = 0;
@@ -78,15 +79,21 @@ impl Run {
         self.count.saturating_sub(first).min(ppp)
     }
 
-    /// Loads one row per cache line of the block at `first` (the run copy reads the next head shard's blocks ahead this way: the triple table is cold, since preprocessing evicts it between steps, and a loop that also writes the columns keeps few misses in flight; the crate has no `unsafe`, so no prefetch hints).
-    fn touch(&self, phys: &[[i32; 3]], first: usize, ppp: usize) -> i32 {
-        let Some((rows, r0)) = self.at(phys, first) else { return 0 };
-        let mut acc = 0;
-        for q in (0..ppp.min(self.count)).step_by(ROWS_PER_LINE) {
+    /// Prefetches the rows of the block at `first`, one per cache line and the end of the last (the
+    /// run copy asks for the blocks a few ahead of the one it copies: the triple table is cold,
+    /// since preprocessing evicts it between steps).
+    fn prefetch<R: Row>(&self, phys: &[R], first: usize, ppp: usize) {
+        let Some((rows, r0)) = self.at(phys, first) else { return };
+        let len = ppp.min(self.count);
+        let row = |q: usize| {
             let x = r0 + q;
-            acc ^= rows[if x >= self.count { x - self.count } else { x }][0];
+            &rows[if x >= self.count { x - self.count } else { x }]
+        };
+        let per_line = (64 / std::mem::size_of::<R>()).max(1);
+        for q in (0..len).step_by(per_line) {
+            row(q).prefetch();
         }
-        acc
+        row(len - 1).prefetch();
     }
 }
 
@@ -94,16 +101,22 @@ impl Rigid {
     /// The reader of a Rigid sampler without shuffle over `part` (one batch per step, `ppp`
     /// positions per block, `windows` steps per epoch), with its [`RigidSlices`] when they
     /// fit the bounds above.
-    pub(super) fn new(part: &PartitionedTriples, phys: &[[i32; 3]], lay: &SparseCoreLayout, ppp: usize, windows: usize) -> Self {
+    pub(super) fn new(part: &PartitionedTriples, table: &Table, lay: &SparseCoreLayout, ppp: usize, windows: usize) -> Self {
         let parts: Vec<Run> = part
             .triple_offsets
             .iter()
             .zip(&part.triple_counts)
-            .map(|(&o, &c)| Run { offset: o.max(0) as usize, count: c.max(0) as usize, count_mod: FastMod::new(c.max(0) as u64) })
+            .enumerate()
+            .map(|(p, (&o, &c))| Run {
+                offset: o.max(0) as usize,
+                count: c.max(0) as usize,
+                count_mod: FastMod::new(c.max(0) as u64),
+                offsets: table.offsets(p),
+            })
             .collect();
         let min_count = parts.iter().map(|p| p.count).min().unwrap_or(0);
         let mut rigid = Rigid { parts, min_count, ppp, windows: windows.max(1), slices: None };
-        rigid.slices = RigidSlices::build(&rigid, phys, lay);
+        rigid.slices = with_rows!(table, rows => RigidSlices::build(&rigid, rows, table.decode, lay));
         rigid
     }
 
@@ -123,7 +136,7 @@ impl Rigid {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn copy_step(
         &self,
-        phys: &[[i32; 3]],
+        table: &Table,
         lay: &SparseCoreLayout,
         step: usize,
         (t, r): (usize, usize),
@@ -136,35 +149,38 @@ impl Rigid {
         let first_sc = lay.global_sparsecore(0);
         let first = self.first(step);
         let local = lay.local_sparsecores();
-        // Head shard by head shard, in partition order, which is the triple table's (so the
-        // reads, most of them whole small partitions, go forward through memory), each block
-        // written where its SparseCore takes it: block (i, j) goes to the `g` with
-        // tail_shard(g, i, step) = j. N is a power of two: no divisions.
+        // In row order (SparseCore slot by slot, head shard by head shard: slot `s` takes block
+        // (i, (g + i + step) mod n) with g = first_sc + s), so the columns are written front to
+        // back, with the blocks `ahead` further on prefetched. N is a power of two: no
+        // divisions.
         let mask_n = n - 1;
-        let slot_of = |i: usize, j: usize| -> Option<usize> { ((j + 2 * n - i - (step & mask_n)) & mask_n).checked_sub(first_sc).filter(|&s| s < local) };
-        let touch = |i: usize| -> i32 {
-            if i >= n {
-                return 0;
-            }
-            let row = &self.parts[i * n..(i + 1) * n];
-            (0..n).filter(|&j| slot_of(i, j).is_some()).fold(0, |acc, j| acc ^ row[j].touch(phys, first, ppp))
+        let part_of = |b: usize| -> usize {
+            let (slot, i) = (b / n, b % n);
+            i * n + ((first_sc + slot + i + step) & mask_n)
         };
-        let mut acc = touch(0);
-        for i in 0..n {
-            acc ^= touch(i + 1);
-            for j in 0..n {
-                let Some(slot) = slot_of(i, j) else { continue };
+        let blocks = local * n;
+        let ahead = (PREFETCH_ROWS / ppp).max(1);
+        let decode = table.decode;
+        with_rows!(table, phys => {
+            for b in 0..ahead.min(blocks) {
+                self.parts[part_of(b)].prefetch(phys, first, ppp);
+            }
+            for b in 0..blocks {
+                if b + ahead < blocks {
+                    self.parts[part_of(b + ahead)].prefetch(phys, first, ppp);
+                }
+                let (slot, i) = (b / n, b % n);
                 let dst = slot * t + i * ppp;
                 let row = slot * r + i * ppp;
-                let valid = self.parts[i * n + j].copy(phys, first, &mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[row..row + ppp]);
+                let (hs, ts, rs) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[row..row + ppp]);
+                let valid = self.parts[part_of(b)].copy(phys, decode, first, hs, ts, rs);
                 if let Some(m) = mask.as_deref_mut() {
                     let m = &mut m[dst..dst + ppp];
                     m[..valid].fill(true);
                     m[valid..].fill(false);
                 }
             }
-        }
-        std::hint::black_box(acc);
+        });
     }
 }
 
@@ -202,7 +218,7 @@ pub(super) struct RigidSlices {
 }
 
 impl RigidSlices {
-    fn build(rigid: &Rigid, phys: &[[i32; 3]], lay: &SparseCoreLayout) -> Option<Self> {
+    fn build<R: Row>(rigid: &Rigid, phys: &[R], decode: Decode, lay: &SparseCoreLayout) -> Option<Self> {
         let (n, local, first_sc, ppp) = (lay.num_sparsecores(), lay.local_sparsecores(), lay.global_sparsecore(0), rigid.ppp);
         let t = n * ppp;
         let windows = rigid.windows;
@@ -238,7 +254,7 @@ impl RigidSlices {
                 let p = i * n + ((i + h) & (n - 1));
                 let at = e * t + i * ppp;
                 let (hs, ts, rs) = (&mut head[at..at + ppp], &mut tail[at..at + ppp], &mut relation[at..at + ppp]);
-                let valid = rigid.parts[p].copy(phys, first, hs, ts, rs);
+                let valid = rigid.parts[p].copy(phys, decode, first, hs, ts, rs);
                 padded |= valid < ppp;
                 mask.extend((0..ppp).map(|q| q < valid));
             }
