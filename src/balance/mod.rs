@@ -28,9 +28,9 @@
 //! Unique ids are the one number per-sample counts cannot give, so distinct columns are counted
 //! per (slice, partition) with a hash set, only for the stacks where some cell's ids exceed
 //! `max_unique_ids_per_partition` and so do the stack's columns per partition (the one case in
-//! which unique ids could pass it), and before
-//! the permutation is applied, so a rejected order costs no copy. [`count_loads`] gives the
-//! same numbers for any batches; [`measure`] runs the pipeline's own statistics.
+//! which unique ids could pass it), and before the permutation is applied, so a rejected order
+//! costs no copy. [`count_loads`] gives the same numbers for any batches; [`measure`] runs the
+//! pipeline's own statistics.
 //!
 //! Everything runs on one thread in a fixed order, so the result does not depend on the thread
 //! count.
@@ -303,9 +303,9 @@ impl Balancer {
         }
         // Unique ids need distinct columns per slice, which per-sample counts cannot give. A
         // stack whose ids stay within its unique limit in every cell keeps its unique ids within
-        // it too, and so does one with fewer columns per partition than that limit (checked ids
-        // lie below the stack's vocabulary, a multiple of the partitions, split evenly over
-        // them: small vocabularies such as long's `cats` never need counting); the others are
+        // it too, and so does one with no more columns per partition than that limit (checked
+        // ids lie below the stack's vocabulary, a multiple of the partitions, split evenly over
+        // them: the multivalency profiles' small tables never need counting); the others are
         // counted, in the new order and, where that passes the limit, in the input order.
         let risky: Vec<bool> = plan
             .stacks
