@@ -301,8 +301,9 @@ fn write_keys<E: KeyWord, T: InputInt>(v: &mut Vec<E>, ids: &[T], enc: RowEncode
     bad
 }
 
-/// An id or row offset of an input view: `i32` or `i64`.
-trait InputInt: Copy {
+/// An id or row offset of an input view: `i32` or `i64` (balancing's counting reads the same
+/// views).
+pub(crate) trait InputInt: Copy {
     fn to_i64(self) -> i64;
     fn to_usize(self) -> usize;
 }

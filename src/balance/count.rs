@@ -5,6 +5,7 @@ use arrow_array::RecordBatch;
 
 use super::{SampleCounts, SampleRef};
 use crate::error::{Error, Result};
+use crate::extract::InputInt;
 use crate::input::{features_from_record_batch, FeatureView, Ids, Offsets, SampleSource};
 use crate::spec::{Config, Plan};
 
@@ -254,7 +255,7 @@ fn column(f: &RaggedFeature<'_>, id: u32, mask: u32) -> u32 {
 
 /// One feature's rows: per row, its distinct ids per partition as `(cell, ids)` entries.
 #[allow(clippy::too_many_arguments)]
-fn count_feature<I: Value, O: Value>(
+fn count_feature<I: InputInt, O: InputInt>(
     f: &RaggedFeature<'_>,
     ids: &[I],
     offsets: &[O],
@@ -266,11 +267,11 @@ fn count_feature<I: Value, O: Value>(
     starts: &mut Vec<u32>,
 ) {
     let offsets = &offsets[..(rows + 1).min(offsets.len())];
-    let first = offsets.first().map_or(0, |o| o.index());
+    let first = offsets.first().map_or(0, |o| o.to_usize());
     // Every row holding exactly one id (criteo's features): one entry per row, no merging.
-    if offsets.len() == rows + 1 && offsets.windows(2).all(|w| w[1].index() == w[0].index() + 1) {
+    if offsets.len() == rows + 1 && offsets.windows(2).all(|w| w[1].to_usize() == w[0].to_usize() + 1) {
         if let Some(run) = ids.get(first..first + rows) {
-            entries.extend(run.iter().map(|&id| (f.base + (column(f, id.low32(), mask) & mask), 1)));
+            entries.extend(run.iter().map(|&id| (f.base + (column(f, low32(id), mask) & mask), 1)));
             starts.extend(1..=rows as u32);
             return;
         }
@@ -279,19 +280,19 @@ fn count_feature<I: Value, O: Value>(
     let mut cols = std::mem::take(&mut seen.cols);
     for row in 0..rows {
         let (a, b) = match (offsets.get(row), offsets.get(row + 1)) {
-            (Some(a), Some(b)) => (a.index(), b.index()),
+            (Some(a), Some(b)) => (a.to_usize(), b.to_usize()),
             _ => (0, 0),
         };
         let list = ids.get(a..b).unwrap_or_default();
         let from = entries.len();
         match list.len() {
             0 => {}
-            1 => entries.push((f.base + (column(f, list[0].low32(), mask) & mask), 1)),
+            1 => entries.push((f.base + (column(f, low32(list[0]), mask) & mask), 1)),
             len if len <= SHORT_LIST => {
                 // Equal low 32 bits are equal columns (the column is a bijection of them).
                 for k in 0..len {
-                    let id = list[k].low32();
-                    if list[..k].iter().any(|p| p.low32() == id) {
+                    let id = low32(list[k]);
+                    if list[..k].iter().any(|&p| low32(p) == id) {
                         continue;
                     }
                     let cell = f.base + (column(f, id, mask) & mask);
@@ -303,7 +304,7 @@ fn count_feature<I: Value, O: Value>(
             }
             _ => {
                 cols.clear();
-                cols.extend(list.iter().map(|&id| column(f, id.low32(), mask)));
+                cols.extend(list.iter().map(|&id| column(f, low32(id), mask)));
                 if f.dense {
                     seen.count_dense(&cols, mask, hist);
                 } else if cols.len() <= MEDIUM_LIST {
@@ -329,29 +330,11 @@ fn count_feature<I: Value, O: Value>(
     seen.cols = cols;
 }
 
-/// An id or a list offset as counting reads it: an id by its low 32 bits, as the pipeline's
-/// column arithmetic does; an offset as an index (the input stage validated it non-negative).
-trait Value: Copy {
-    fn low32(self) -> u32;
-    fn index(self) -> usize;
+/// An id by its low 32 bits, as the pipeline's column arithmetic reads it.
+#[inline(always)]
+fn low32<T: InputInt>(id: T) -> u32 {
+    id.to_i64() as u32
 }
-
-macro_rules! value {
-    ($($t:ty),*) => {$(
-        impl Value for $t {
-            #[inline(always)]
-            fn low32(self) -> u32 {
-                self as u32
-            }
-            #[inline(always)]
-            fn index(self) -> usize {
-                self as usize
-            }
-        }
-    )*};
-}
-
-value!(i32, i64);
 
 /// Lists of at most this many ids find their repeats by comparing each id with those before it.
 const SHORT_LIST: usize = 16;
