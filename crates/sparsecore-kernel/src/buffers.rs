@@ -18,10 +18,11 @@ use ndarray::{ArrayView2, ArrayViewMut2};
 use rayon::prelude::*;
 
 use super::Optimizer;
-use sparsecore_prep::spec::{Plan, StackPlan, ALIGNMENT};
+use sparsecore_prep::spec::{Plan, StackPlan};
 use sparsecore_prep::StackOutput;
 
 use crate::error::{KernelError, Result};
+use crate::segments::for_each_segment;
 
 /// One stack's four buffers, borrowed: each `[L · RP]` or `[L · C]`, device-major, exactly as
 /// [`StackOutput`] holds them (and the Python drop-in returns them).
@@ -81,7 +82,7 @@ struct Geometry<'p> {
 fn geometry<'p>(plan: &'p Plan, b: &StackBuffers<'_>, num_minibatches: usize, table_dim: (usize, usize)) -> Result<Geometry<'p>> {
     let sp = plan.stack(b.stack).ok_or_else(|| KernelError::plan("stack", b.stack, "not in the plan"))?;
     let layout = plan.layout;
-    let (n, s_count, l, rpb) = (layout.num_partitions(), layout.sc_per_device, layout.local_devices, layout.row_pointers_per_segment());
+    let (n, s_count, l) = (layout.num_partitions(), layout.sc_per_device, layout.local_devices);
     let rows = sp.stack_vocab_size as usize / n;
     let dim = sp.stack_embedding_dim as usize;
     if table_dim != (n * rows, dim) {
@@ -109,29 +110,14 @@ fn geometry<'p>(plan: &'p Plan, b: &StackBuffers<'_>, num_minibatches: usize, ta
     }
     let bsd = (sp.total_sample_count / layout.global_devices as u64) as usize;
     let bsps = bsd / s_count;
-    let cs = c / s_count;
-    let m_count = if plan.enable_minibatching { num_minibatches.max(1) } else { 1 };
-    let mut segments = Vec::with_capacity(l * s_count * m_count * n);
+    let mut segments = Vec::with_capacity(l * s_count * n);
     for d in 0..l {
-        let rp = &b.row_pointers[d * rp_len..(d + 1) * rp_len];
-        let mut prev_end = 0usize;
-        for sc in 0..s_count {
-            for m in 0..m_count {
-                let k = sc * m_count + m;
-                let (base, mut start) = if plan.enable_minibatching { (0, prev_end) } else { (sc * cs, sc * cs) };
-                for p in 0..n {
-                    if p > 0 {
-                        start = start.next_multiple_of(ALIGNMENT);
-                    }
-                    let end = (base + rp.get(k * rpb + p).copied().unwrap_or(0).max(0) as usize).min(c);
-                    if start < end {
-                        segments.push(Segment { device: d, sc, partition: p, lo: d * c + start, hi: d * c + end });
-                    }
-                    start = end;
-                }
-                prev_end = start.next_multiple_of(ALIGNMENT).min(c);
+        for_each_segment(plan, num_minibatches, &b.row_pointers[d * rp_len..(d + 1) * rp_len], c, |sc, partition, start, end| {
+            if start < end {
+                segments.push(Segment { device: d, sc, partition, lo: d * c + start, hi: d * c + end });
             }
-        }
+            Ok(())
+        })?;
     }
     Ok(Geometry { sp, bsps, bsd, rows, dim, segments })
 }

@@ -6,7 +6,9 @@ use ndarray::{s, Array2, ArrayView2};
 use super::StackedTable;
 use crate::error::{KernelError, Result};
 use sparsecore_prep::StackOutput;
-use sparsecore_prep::spec::{Plan, ALIGNMENT};
+use sparsecore_prep::spec::Plan;
+
+use crate::segments::for_each_segment;
 
 /// Calls `f(device, activation_row, partition, embedding_id, gain)` for every valid slot of a
 /// stack's buffers, every segment and minibatch included, checking ids against the shard and
@@ -20,7 +22,7 @@ pub(crate) fn for_each_slot(
 ) -> Result<()> {
     let sp = plan.stack(&out.name).ok_or_else(|| KernelError::plan("stack", &out.name, "not in the plan"))?;
     let layout = plan.layout;
-    let (n, s_count, rpb) = (layout.num_partitions(), layout.sc_per_device, layout.row_pointers_per_segment());
+    let (n, s_count) = (layout.num_partitions(), layout.sc_per_device);
     if table.num_shards != n || table.dim != sp.stack_embedding_dim as usize || table.stack != sp.name {
         return Err(KernelError::plan(
             "stack",
@@ -35,7 +37,6 @@ pub(crate) fn for_each_slot(
     let bsd = (sp.total_sample_count / layout.global_devices as u64) as usize;
     let bsps = bsd / s_count;
     let c = out.coo_buffer_size_per_device();
-    let cs = c / s_count;
     let l = layout.local_devices;
     let rp_len = out.row_pointers_per_device();
     if c == 0
@@ -44,41 +45,26 @@ pub(crate) fn for_each_slot(
     {
         return Err(KernelError::input(&sp.name, "the output has no buffers of the plan's sizes (a stats-only run?)"));
     }
-    let m_count = if plan.enable_minibatching { num_minibatches.max(1) } else { 1 };
     for d in 0..layout.local_devices {
-        let rp = &out.row_pointers[d * out.row_pointers_per_device()..(d + 1) * out.row_pointers_per_device()];
         let emb = &out.embedding_ids[d * c..(d + 1) * c];
         let smp = &out.sample_ids[d * c..(d + 1) * c];
         let gains = &out.gains[d * c..(d + 1) * c];
-        let mut prev_end = 0usize;
-        for sc in 0..s_count {
-            for m in 0..m_count {
-                let k = sc * m_count + m;
-                // Segment-relative pointers (no minibatching) or absolute ones.
-                let (base, mut start) = if plan.enable_minibatching { (0, prev_end) } else { (sc * cs, sc * cs) };
-                for p in 0..n {
-                    if p > 0 {
-                        start = start.next_multiple_of(ALIGNMENT);
-                    }
-                    let end = (base + rp.get(k * rpb + p).copied().unwrap_or(0).max(0) as usize).min(c);
-                    for i in start.min(end)..end {
-                        let (e, smp_id) = (emb[i], smp[i]);
-                        if e < 0 || e as usize >= table.rows_per_shard {
-                            return Err(KernelError::input(
-                                &sp.name,
-                                format!("embedding id {e} at device {d} slot {i} is outside the shard of {} rows", table.rows_per_shard),
-                            ));
-                        }
-                        if smp_id < 0 || smp_id as usize >= bsps {
-                            return Err(KernelError::input(&sp.name, format!("sample id {smp_id} at device {d} slot {i} is outside the {bsps} samples")));
-                        }
-                        f(d, sc * bsps + smp_id as usize, p, e as usize, gains[i])?;
-                    }
-                    start = end;
+        for_each_segment(plan, num_minibatches, &out.row_pointers[d * rp_len..(d + 1) * rp_len], c, |sc, p, start, end| {
+            for i in start..end {
+                let (e, smp_id) = (emb[i], smp[i]);
+                if e < 0 || e as usize >= table.rows_per_shard {
+                    return Err(KernelError::input(
+                        &sp.name,
+                        format!("embedding id {e} at device {d} slot {i} is outside the shard of {} rows", table.rows_per_shard),
+                    ));
                 }
-                prev_end = start.next_multiple_of(ALIGNMENT).min(c);
+                if smp_id < 0 || smp_id as usize >= bsps {
+                    return Err(KernelError::input(&sp.name, format!("sample id {smp_id} at device {d} slot {i} is outside the {bsps} samples")));
+                }
+                f(d, sc * bsps + smp_id as usize, p, e as usize, gains[i])?;
             }
-        }
+            Ok(())
+        })?;
     }
     Ok(())
 }

@@ -26,6 +26,7 @@ pub mod error;
 mod forward;
 mod host;
 mod optimizer;
+mod segments;
 mod table;
 
 pub use buffers::{apply_gradients_into, sparse_dense_matmul_into, StackBuffers};
