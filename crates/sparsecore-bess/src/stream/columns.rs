@@ -232,6 +232,17 @@ fn decode_block<R: Row>(rows: &[R], decode: Decode, offs: (i64, i64), src: &[u32
     }
 }
 
+/// `triple_mask` from Rigid's mask in row order (`t` rows per slot), packed eight rows at a time
+/// (appending bools one by one costs more than drawing them), the rows past `t` of a slot's
+/// `r` false.
+fn packed_mask(row_mask: &[bool], local: usize, (t, r): (usize, usize)) -> ArrayRef {
+    if r == t {
+        Arc::new(BooleanArray::new(pack_bools(&row_mask[..local * t]), None))
+    } else {
+        slice_mask(local, (t, r), |slot, b| b.append_buffer(&pack_bools(&row_mask[slot * t..(slot + 1) * t])))
+    }
+}
+
 /// The bools as bits, eight at a time: the bytes of eight bools (0 or 1 each), read as one
 /// little-endian word and multiplied by `0x0102_0408_1020_4080`, have bool `k` at bit `56 + k`
 /// (no two partial products meet below bit 64 except in distinct bits).
@@ -381,14 +392,7 @@ impl Parts<'_> {
         let tb = self.table;
         with_rows!(tb, rows => decode_placed(rows, tb.decode, &tb.shard_ids, row_at, (n, ppp, r), (first, step), (&mut head, &mut tail, &mut relation)));
         let sh = self.shared;
-        // Rigid's mask packed eight rows at a time (appending bools one by one costs more than
-        // drawing them), the rows past `T` of a slot false.
-        let bits = pack_bools;
-        let mask: ArrayRef = match (rigid, r == t) {
-            (false, _) => sh.full_mask.clone(),
-            (true, true) => Arc::new(BooleanArray::new(bits(row_mask), None)),
-            (true, false) => slice_mask(local, (t, r), |slot, b| b.append_buffer(&bits(&row_mask[slot * t..(slot + 1) * t]))),
-        };
+        let mask = if rigid { packed_mask(row_mask, local, (t, r)) } else { sh.full_mask.clone() };
         let lists = |ids| id_list(&sh.pos_offsets, ids);
         let columns: Vec<ArrayRef> = vec![lists(keep(vh, head))?, lists(keep(vt, tail))?, Arc::new(Int32Array::new(keep(vr, relation), sh.pos_valid.clone())), mask];
         Ok(Some((columns, rigid)))
@@ -431,7 +435,7 @@ impl Parts<'_> {
                 row_mask.resize(local * t, false);
             }
             rg.copy_step(self.table, lay, step, (t, r), &mut head, &mut tail, &mut relation, padded.then_some(&mut row_mask[..]));
-            let mask = if padded { slice_mask(local, (t, r), |slot, b| b.append_slice(&row_mask[slot * t..(slot + 1) * t])) } else { sh.full_mask.clone() };
+            let mask = if padded { packed_mask(row_mask, local, (t, r)) } else { sh.full_mask.clone() };
             (keep(vh, head), keep(vt, tail), keep(vr, relation), mask)
         };
         let lists = |ids| id_list(&sh.pos_offsets, ids);
