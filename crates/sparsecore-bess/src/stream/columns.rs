@@ -9,7 +9,7 @@ use arrow_buffer::{ArrowNativeType, BooleanBuffer, BooleanBufferBuilder, Buffer,
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
 use super::rigid::Rigid;
-use super::table::{with_rows, Decode, Physical, Row, Table};
+use super::table::{with_rows, Decode, Row, Table};
 use super::{CellCounts, HEAD, NEGATIVE, TAIL};
 use crate::batch::BatchSampler;
 use crate::error::{BessError, Result};
@@ -219,22 +219,6 @@ fn decode_placed<R: Row>(
     }
 }
 
-/// [`decode_placed`] from the table with physical ids: one loop per SparseCore slot of `t`
-/// rows (of `r` in `relation`), no offsets per block.
-fn decode_physical(ph: &Physical, at: &[u32], (t, r): (usize, usize), (head, tail, relation): (&mut [i64], &mut [i64], &mut [i32])) {
-    let rows = &ph.rows[..];
-    for (slot, ((hs, ts), rs)) in head.chunks_exact_mut(t).zip(tail.chunks_exact_mut(t)).zip(relation.chunks_exact_mut(r)).enumerate() {
-        let base = slot * t;
-        let (src, ahead) = (&at[base..base + t], &at[base + AHEAD..base + AHEAD + t]);
-        for ((((&k, &a), hv), tv), rv) in src.iter().zip(ahead).zip(hs.iter_mut()).zip(ts.iter_mut()).zip(rs[..t].iter_mut()) {
-            if let Some(row) = rows.get(a as usize) {
-                row.prefetch();
-            }
-            (*hv, *rv, *tv) = ph.row(rows[k as usize]);
-        }
-    }
-}
-
 /// One block of [`decode_placed`]: the rows `src` decoded into `h`, `tl` and `rel` (the same
 /// length), the rows `ahead` prefetched. Plain zipped slices: no index is checked in the loop
 /// but the table's.
@@ -406,10 +390,7 @@ impl Parts<'_> {
         let mut tail: Vec<i64> = reuse(vt, local * t);
         let mut relation: Vec<i32> = reuse(vr, local * r);
         let tb = self.table;
-        match &tb.physical {
-            Some(ph) => decode_physical(ph, row_at, (t, r), (&mut head, &mut tail, &mut relation)),
-            None => with_rows!(tb, rows => decode_placed(rows, tb.decode, &tb.shard_ids, row_at, (n, ppp, r), (first, step), (&mut head, &mut tail, &mut relation))),
-        }
+        with_rows!(tb, rows => decode_placed(rows, tb.decode, &tb.shard_ids, row_at, (n, ppp, r), (first, step), (&mut head, &mut tail, &mut relation)));
         let sh = self.shared;
         let mask = if rigid { packed_mask(row_mask, local, (t, r)) } else { sh.full_mask.clone() };
         let lists = |ids| id_list(&sh.pos_offsets, ids);

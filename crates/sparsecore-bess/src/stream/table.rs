@@ -105,32 +105,6 @@ pub(super) struct Table {
     pub(super) decode: Decode,
     /// `shard_ids[x]`: the physical id of local id 0 of shard `x`.
     pub(super) shard_ids: Vec<i64>,
-    /// The same rows with physical ids, when they fit in 64 bits.
-    pub(super) physical: Option<Physical>,
-}
-
-/// The triple table with physical ids: (head, relation, tail) packed into a `u64` (head in the
-/// low `hbits` bits, then the relation in `rbits`, then the tail).
-///
-/// Why: Random and Rigid shuffle read one row per position, block by block, and a block of
-/// `ppp` rows (4 at n = 64) is too short to amortize setting up its shards' offsets. Rows that
-/// need none are copied in one loop per SparseCore slot, whatever the blocks. Twice the bytes
-/// of the local table on the measured graphs (8 a row instead of 4), so the local table stays
-/// for Rigid without shuffle, which reads whole runs.
-#[derive(Debug, Clone)]
-pub(super) struct Physical {
-    pub(super) rows: Vec<u64>,
-    hbits: u32,
-    rbits: u32,
-}
-
-impl Physical {
-    /// (physical head, relation, physical tail).
-    #[inline(always)]
-    pub(super) fn row(&self, v: u64) -> (i64, i32, i64) {
-        let (h, r, t) = unpack(v, Codec { hbits: self.hbits, rbits: self.rbits });
-        (i64::from(h), r as i32, i64::from(t))
-    }
 }
 
 /// Bits to hold `x`.
@@ -166,32 +140,7 @@ impl Table {
         } else {
             Rows::Wide(order().map(|row| [field(row, 0) as u32, field(row, 1) as u32, field(row, 2) as u32]).collect())
         };
-        let shard_ids: Vec<i64> = (0..n).map(|s| lay.physical_id(s, 0)).collect();
-        let physical = Self::physical(part, &shard_ids, mr);
-        Table { rows, decode: Decode { codec, shift: n.trailing_zeros() }, shard_ids, physical }
-    }
-
-    /// The rows with physical ids, if they fit in 64 bits (`max_relation`: the largest).
-    fn physical(part: &PartitionedTriples, shard_ids: &[i64], max_relation: u64) -> Option<Physical> {
-        let n = shard_ids.len();
-        let shift = n.trailing_zeros();
-        // Physical id of local id `v` of shard `x`: `v·N + shard_ids[x]` (N a power of two).
-        let id = |row: usize, c: usize, shard: usize| (part.triples[[row, c]].clamp(0, i64::from(i32::MAX)) << shift) + shard_ids[shard];
-        let rows = || {
-            part.triple_offsets.iter().zip(&part.triple_counts).enumerate().flat_map(move |(p, (&off, &cnt))| {
-                (off.max(0) as usize..(off.max(0) + cnt.max(0)) as usize).map(move |row| (row, p / n, p % n))
-            })
-        };
-        let max_id = rows().map(|(row, i, j)| id(row, 0, i).max(id(row, 2, j))).max().unwrap_or(0);
-        let (hbits, rbits) = (bits(max_id as u64), bits(max_relation));
-        if 2 * hbits + rbits > 64 {
-            return None;
-        }
-        let pack = |(row, i, j): (usize, usize, usize)| {
-            let r = part.triples[[row, 1]].clamp(0, i64::from(i32::MAX)) as u64;
-            id(row, 0, i) as u64 | (r << hbits) | ((id(row, 2, j) as u64) << (hbits + rbits))
-        };
-        Some(Physical { rows: rows().map(pack).collect(), hbits, rbits })
+        Table { rows, decode: Decode { codec, shift: n.trailing_zeros() }, shard_ids: (0..n).map(|s| lay.physical_id(s, 0)).collect() }
     }
 
     /// The first physical ids of partition `p`'s head and tail shards.
@@ -256,8 +205,6 @@ mod tests {
                         let want = (lay.physical_id(p / 4, tr[0]), tr[1] as i32, lay.physical_id(p % 4, tr[2]));
                         let decoded = with_rows!(table, rows => table.decode.row(rows[k], table.offsets(p)));
                         assert_eq!(decoded, want, "{got}, row {k}");
-                        let physical = table.physical.as_ref().expect("fits in 64 bits");
-                        assert_eq!(physical.row(physical.rows[k]), want, "physical, row {k}");
                     }
                     row += cnt;
                 }
