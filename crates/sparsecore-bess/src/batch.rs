@@ -197,8 +197,8 @@ pub struct BatchSampler {
     rows: Vec<PartRows>,
 }
 
-/// A partition as [`BatchSampler::sample_rows_into`] reads it (24 bytes, where the offsets,
-/// counts and [`FastMod`]s it takes them from hold 88 a partition in three places).
+/// A partition as [`BatchSampler::sample_rows_into`] reads it: 32 bytes in one place, where the
+/// offsets, counts and [`FastMod`]s it comes from take 80 in three (4096 partitions at n = 64).
 #[derive(Debug, Clone, Copy)]
 struct PartRows {
     m: Mod63,
@@ -252,11 +252,11 @@ impl BatchSampler {
                 }),
             },
         };
-        let fast = part.triple_counts.iter().map(|&c| FastMod::new(c as u64)).collect();
+        let fast: Vec<FastMod> = part.triple_counts.iter().map(|&c| FastMod::new(c as u64)).collect();
         let (counts, offsets) = (&part.triple_counts, &part.triple_offsets);
         let fits = u32::try_from(part.len()).is_ok() && counts.iter().all(|&c| c > 0);
         let rows = if fits {
-            counts.iter().zip(offsets).zip(&fast).map(|((&c, &o), f): ((&i64, &i64), &FastMod)| PartRows { m: f.u63(), offset: o as u32, count: c as u32 }).collect()
+            counts.iter().zip(offsets).zip(&fast).map(|((&c, &o), f)| PartRows { m: f.u63(), offset: o as u32, count: c as u32 }).collect()
         } else {
             Vec::new()
         };

@@ -438,7 +438,7 @@ impl FastMod {
     }
 
     /// [`Self::reduce_u63`]'s constants alone, for callers that keep many divisors in a
-    /// compact table: 16 of this struct's 72 bytes.
+    /// compact table: 24 of this struct's 64 bytes.
     #[must_use]
     pub(crate) fn u63(&self) -> Mod63 {
         Mod63 { m: self.m63, s: self.s63, d: self.d63 }

@@ -244,8 +244,10 @@ fn packed_mask(row_mask: &[bool], local: usize, (t, r): (usize, usize)) -> Array
 }
 
 /// The bools as bits, eight at a time: the bytes of eight bools (0 or 1 each), read as one
-/// little-endian word and multiplied by `0x0102_0408_1020_4080`, have bool `k` at bit `56 + k`
-/// (no two partial products meet below bit 64 except in distinct bits).
+/// little-endian word (bool `k` at bit `8k`) and multiplied by `0x0102_0408_1020_4080` (bits
+/// `56 − 7j` for j = 0..8), give terms at bits `56 + 8k − 7j`: all distinct (`8·Δk = 7·Δj` has
+/// no other solution in range), so nothing carries, and the top byte holds exactly the terms
+/// `j = k`, bool `k` at bit `56 + k` (`packed_bools_are_the_bools` checks it).
 fn pack_bools(bools: &[bool]) -> BooleanBuffer {
     let mut bytes = Vec::with_capacity(bools.len().div_ceil(8));
     let chunks = bools.chunks_exact(8);
@@ -394,8 +396,8 @@ impl Parts<'_> {
         let sh = self.shared;
         let mask = if rigid { packed_mask(row_mask, local, (t, r)) } else { sh.full_mask.clone() };
         let lists = |ids| id_list(&sh.pos_offsets, ids);
-        let columns: Vec<ArrayRef> = vec![lists(keep(vh, head))?, lists(keep(vt, tail))?, Arc::new(Int32Array::new(keep(vr, relation), sh.pos_valid.clone())), mask];
-        Ok(Some((columns, rigid)))
+        let relation = Arc::new(Int32Array::new(keep(vr, relation), sh.pos_valid.clone()));
+        Ok(Some((vec![lists(keep(vh, head))?, lists(keep(vt, tail))?, relation, mask], rigid)))
     }
 
     /// [`Self::positives`] of Rigid without shuffle: slices of its step table, or each block
