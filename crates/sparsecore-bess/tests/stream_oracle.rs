@@ -9,11 +9,11 @@
 //! - the positives' `sample_idx` `[i][j][q]` (and Rigid's mask) come from [`BatchSampler::sample`]
 //!   (Random; Rigid without shuffle). Rigid **with** shuffle is not a besskge target (its
 //!   upstream order comes from torch's RNG, SPEC section 0); [`SamplerKind::Rigid`] documents our
-//!   order: epoch `e` reads positions through the `e`-th `permutation(len)` of
-//!   `default_rng(batch seed)`. The oracle computes exactly that from [`NumpyRng::permutation`]
-//!   (the same generator call `Sharding.create` uses, so checked against numpy by the sharding
-//!   cases) and SPEC 4.4's `offsets[p] + pos mod counts[p]`, `mask = pos < counts[p]`, without
-//!   the batch sampler;
+//!   order: epoch `e` reads positions through the `e`-th Fisher–Yates order (Lemire's bounded
+//!   draws) of `len` positions from `default_rng(batch seed)`'s 64-bit outputs. The oracle
+//!   computes that with its own plain [`epoch_order`] from [`NumpyRng::next_u64`] (checked
+//!   against numpy) and SPEC 4.4's `offsets[p] + pos mod counts[p]`, `mask = pos < counts[p]`,
+//!   without the batch sampler;
 //! - the layout: global SparseCore `g` takes block `(i, (i + g + t) mod n)` of every head shard
 //!   `i` in step `t`; shard `s`'s local id `x` is the physical id `x·N + ((s − col_shift) mod N)`;
 //!   this host's local SparseCore `k` is global SparseCore `host·L·S + k`, and owns rows
@@ -153,6 +153,25 @@ fn id_list() -> DataType {
     DataType::List(Arc::new(Field::new_list_field(DataType::Int64, false)))
 }
 
+/// Rigid shuffle's order of an epoch as [`SamplerKind::Rigid`] documents it, written out
+/// plainly: for `i` from `len − 1` down to 1, draw 64-bit outputs `x` until the low word of
+/// `x·(i+1)` is at least `2^64 mod (i+1)`, and swap `i` with the high word.
+fn epoch_order(rng: &mut NumpyRng, len: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..len).collect();
+    for i in (1..len).rev() {
+        let b = i as u128 + 1;
+        let threshold = (1u128 << 64) % b;
+        let j = loop {
+            let product = u128::from(rng.next_u64()) * b;
+            if product % (1u128 << 64) >= threshold {
+                break product >> 64;
+            }
+        };
+        order.swap(i, j as usize);
+    }
+    order
+}
+
 /// Where the oracle's positives come from.
 enum Positives {
     /// besskge's Random sampler, or its Rigid sampler without shuffle.
@@ -271,7 +290,7 @@ impl Oracle {
                 let (e, window) = (step / per_epoch, step % per_epoch);
                 assert!(epoch.is_none_or(|x| x <= e), "the oracle draws epochs in order");
                 while *epoch != Some(e) {
-                    *perm = rng.permutation(*len);
+                    *perm = epoch_order(rng, *len);
                     *epoch = Some(epoch.map_or(0, |x| x + 1));
                 }
                 let (mut idx, mut mask) = (Vec::new(), Vec::new());

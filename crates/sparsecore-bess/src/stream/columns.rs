@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, ListArray};
-use arrow_buffer::{ArrowNativeType, BooleanBufferBuilder, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
+use arrow_buffer::{ArrowNativeType, BooleanBuffer, BooleanBufferBuilder, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
 use super::rigid::Rigid;
@@ -133,6 +133,8 @@ pub(super) struct PosScratch {
     pub(super) smask: Vec<bool>,
     /// The Rigid mask in row order, before it is packed into bits.
     pub(super) row_mask: Vec<bool>,
+    /// The rows of the triple table in row order (see [`Parts::placed_positives`]).
+    pub(super) row_at: Vec<u32>,
     /// The previous batch's column values (`head`, `tail`, `relation`): taken back when the
     /// caller has dropped that batch, so steady-state batches write into warm memory.
     pub(super) values: [Option<Buffer>; 3],
@@ -192,6 +194,74 @@ fn gather<R: Row, F: Fn(usize, usize) -> (usize, usize)>(
     }
 }
 
+/// Copies the rows `at` of the triple table, given in the columns' row order (`T = n·ppp` per
+/// slot, block `i` of slot `s` from partition (i, (first + s + i + step) mod n)), into the
+/// columns, decoding each block's ids from its shards' first physical ids. `at` holds `AHEAD`
+/// more rows past the step's (any rows of the table): the row that far ahead of the one
+/// copied is prefetched.
+fn decode_placed<R: Row>(
+    rows: &[R],
+    decode: Decode,
+    shard_ids: &[i64],
+    at: &[u32],
+    (n, ppp, r): (usize, usize, usize),
+    (first, step): (usize, usize),
+    (head, tail, relation): (&mut [i64], &mut [i64], &mut [i32]),
+) {
+    let t = n * ppp;
+    for (slot, ((hs, ts), rs)) in head.chunks_exact_mut(t).zip(tail.chunks_exact_mut(t)).zip(relation.chunks_exact_mut(r)).enumerate() {
+        let g = first + slot;
+        for (i, ((h, tl), rel)) in hs.chunks_exact_mut(ppp).zip(ts.chunks_exact_mut(ppp)).zip(rs[..t].chunks_exact_mut(ppp)).enumerate() {
+            let offs = (shard_ids[i], shard_ids[(i + g + step) & (n - 1)]);
+            let base = slot * t + i * ppp;
+            decode_block(rows, decode, offs, &at[base..base + ppp], &at[base + AHEAD..base + AHEAD + ppp], (h, tl, rel));
+        }
+    }
+}
+
+/// One block of [`decode_placed`]: the rows `src` decoded into `h`, `tl` and `rel` (the same
+/// length), the rows `ahead` prefetched. Plain zipped slices: no index is checked in the loop
+/// but the table's.
+#[inline(always)]
+fn decode_block<R: Row>(rows: &[R], decode: Decode, offs: (i64, i64), src: &[u32], ahead: &[u32], (h, tl, rel): (&mut [i64], &mut [i64], &mut [i32])) {
+    for ((((&k, &a), hv), tv), rv) in src.iter().zip(ahead).zip(h.iter_mut()).zip(tl.iter_mut()).zip(rel.iter_mut()) {
+        if let Some(row) = rows.get(a as usize) {
+            row.prefetch();
+        }
+        (*hv, *rv, *tv) = decode.row(rows[k as usize], offs);
+    }
+}
+
+/// `triple_mask` from Rigid's mask in row order (`t` rows per slot), packed eight rows at a time
+/// (appending bools one by one costs more than drawing them), the rows past `t` of a slot's
+/// `r` false.
+fn packed_mask(row_mask: &[bool], local: usize, (t, r): (usize, usize)) -> ArrayRef {
+    if r == t {
+        Arc::new(BooleanArray::new(pack_bools(&row_mask[..local * t]), None))
+    } else {
+        slice_mask(local, (t, r), |slot, b| b.append_buffer(&pack_bools(&row_mask[slot * t..(slot + 1) * t])))
+    }
+}
+
+/// The bools as bits, eight at a time: the bytes of eight bools (0 or 1 each), read as one
+/// little-endian word (bool `k` at bit `8k`) and multiplied by `0x0102_0408_1020_4080` (bits
+/// `56 − 7j` for j = 0..8), give terms at bits `56 + 8k − 7j`: all distinct (`8·Δk = 7·Δj` has
+/// no other solution in range), so nothing carries, and the top byte holds exactly the terms
+/// `j = k`, bool `k` at bit `56 + k` (`packed_bools_are_the_bools` checks it).
+fn pack_bools(bools: &[bool]) -> BooleanBuffer {
+    let mut bytes = Vec::with_capacity(bools.len().div_ceil(8));
+    let chunks = bools.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        let word = u64::from_le_bytes(std::array::from_fn(|k| u8::from(c[k])));
+        bytes.push((word.wrapping_mul(0x0102_0408_1020_4080) >> 56) as u8);
+    }
+    if !rest.is_empty() {
+        bytes.push(rest.iter().enumerate().fold(0u8, |w, (k, &b)| w | (u8::from(b) << k)));
+    }
+    BooleanBuffer::new(Buffer::from_vec(bytes), 0, bools.len())
+}
+
 /// `len` values in the buffer `slot` held, if the caller has dropped the batch that shared it
 /// and it has that length (its contents are overwritten, except padding, which stays zero: the
 /// layout of every batch of a stream is the same), else `len` zeros.
@@ -235,6 +305,11 @@ impl Parts<'_> {
         let (ppp, t, r) = (self.counts.ppp, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
         if let (Some(rt), false) = (self.rigid, keep_sidx) {
             return self.rigid_positives(rt, step, scratch);
+        }
+        if !keep_sidx {
+            if let Some(done) = self.placed_positives(sampler, step, scratch)? {
+                return Ok(done);
+            }
         }
         let PosScratch { bess_idx, bess_mask, sidx, smask, values, .. } = scratch;
         // BESS indices, row-major over (head shard i, tail shard j, position).
@@ -292,6 +367,39 @@ impl Parts<'_> {
         Ok((columns, rigid))
     }
 
+    /// [`Self::positives`] without the sampler's index arrays (Random and Rigid with shuffle):
+    /// the sampler writes each block's rows of the triple table straight into the columns' row
+    /// order, and one front-to-back pass decodes them. `None` (nothing drawn) where the
+    /// sampler cannot ([`BatchSampler::sample_rows_into`]).
+    fn placed_positives(&self, sampler: &mut BatchSampler, step: usize, scratch: &mut PosScratch) -> Result<Option<(Vec<ArrayRef>, bool)>> {
+        let lay = self.layout;
+        let n = lay.num_sparsecores();
+        let (ppp, t, r) = (self.counts.ppp, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        let (local, first) = (lay.local_sparsecores(), lay.global_sparsecore(0));
+        let PosScratch { row_mask, row_at, values, .. } = scratch;
+        row_at.resize(local * t + AHEAD, 0);
+        row_mask.resize(local * t, false);
+        // Block `b` is (slot b / n, head shard i = b mod n): SparseCore g = first + slot takes
+        // partition (i, (i + g + step) mod n). N is a power of two.
+        let (shift, mask) = (n.trailing_zeros(), n - 1);
+        let part_of = |b: usize| {
+            let i = b & mask;
+            (i << shift) | ((i + first + (b >> shift) + step) & mask)
+        };
+        let Some(rigid) = sampler.sample_rows_into(step, (local * n, part_of), row_at, row_mask) else { return Ok(None) };
+        let [vh, vt, vr] = values;
+        let mut head: Vec<i64> = reuse(vh, local * t);
+        let mut tail: Vec<i64> = reuse(vt, local * t);
+        let mut relation: Vec<i32> = reuse(vr, local * r);
+        let tb = self.table;
+        with_rows!(tb, rows => decode_placed(rows, tb.decode, &tb.shard_ids, row_at, (n, ppp, r), (first, step), (&mut head, &mut tail, &mut relation)));
+        let sh = self.shared;
+        let mask = if rigid { packed_mask(row_mask, local, (t, r)) } else { sh.full_mask.clone() };
+        let lists = |ids| id_list(&sh.pos_offsets, ids);
+        let relation = Arc::new(Int32Array::new(keep(vr, relation), sh.pos_valid.clone()));
+        Ok(Some((vec![lists(keep(vh, head))?, lists(keep(vt, tail))?, relation, mask], rigid)))
+    }
+
     /// [`Self::positives`] of Rigid without shuffle: slices of its step table, or each block
     /// copied as contiguous runs of the triple table.
     fn rigid_positives(&self, rg: &Rigid, step: usize, scratch: &mut PosScratch) -> Result<(Vec<ArrayRef>, bool)> {
@@ -329,7 +437,7 @@ impl Parts<'_> {
                 row_mask.resize(local * t, false);
             }
             rg.copy_step(self.table, lay, step, (t, r), &mut head, &mut tail, &mut relation, padded.then_some(&mut row_mask[..]));
-            let mask = if padded { slice_mask(local, (t, r), |slot, b| b.append_slice(&row_mask[slot * t..(slot + 1) * t])) } else { sh.full_mask.clone() };
+            let mask = if padded { packed_mask(row_mask, local, (t, r)) } else { sh.full_mask.clone() };
             (keep(vh, head), keep(vt, tail), keep(vr, relation), mask)
         };
         let lists = |ids| id_list(&sh.pos_offsets, ids);
@@ -430,5 +538,28 @@ impl Parts<'_> {
             ]);
         }
         Ok(columns)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pack_bools;
+
+    #[test]
+    fn packed_bools_are_the_bools() {
+        let mut x = 12345u64;
+        for len in [0usize, 1, 7, 8, 9, 63, 64, 65, 1000] {
+            let bools: Vec<bool> = (0..len)
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    x >> 63 == 1
+                })
+                .collect();
+            let packed = pack_bools(&bools);
+            assert_eq!(packed.len(), len);
+            assert_eq!(packed.iter().collect::<Vec<bool>>(), bools, "len {len}");
+        }
+        assert_eq!(pack_bools(&[true; 8]).values(), &[0xff]);
+        assert_eq!(pack_bools(&[true, false, false, false, false, false, false, true, true]).values(), &[0x81, 0x01]);
     }
 }

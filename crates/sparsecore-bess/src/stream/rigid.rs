@@ -63,9 +63,17 @@ impl Run {
     /// The rows of one block: the triples at positions `first .. first + ppp` (cyclically),
     /// written to `h`, `t` and `rel` (`ppp` each). Returns how many are real triples (the rest
     /// are cyclic padding): a prefix.
+    #[inline(always)]
     fn copy<R: Row>(&self, phys: &[R], decode: Decode, first: usize, h: &mut [i64], t: &mut [i64], rel: &mut [i32]) -> usize {
         let ppp = h.len();
         let Some((rows, mut r)) = self.at(phys, first) else { return 0 };
+        // Most blocks are one run: one loop, no remainder bookkeeping.
+        if let (Some(run), true) = (rows.get(r..r + ppp), t.len() == ppp && rel.len() == ppp) {
+            for q in 0..ppp {
+                (h[q], rel[q], t[q]) = decode.row(run[q], self.offsets);
+            }
+            return self.count.saturating_sub(first).min(ppp);
+        }
         let mut done = 0;
         while done < ppp {
             let len = (self.count - r).min(ppp - done);
@@ -153,10 +161,10 @@ impl Rigid {
         // (i, (g + i + step) mod n) with g = first_sc + s), so the columns are written front to
         // back, with the blocks `ahead` further on prefetched. N is a power of two: no
         // divisions.
-        let mask_n = n - 1;
+        let (shift, mask_n) = (n.trailing_zeros(), n - 1);
         let part_of = |b: usize| -> usize {
-            let (slot, i) = (b / n, b % n);
-            i * n + ((first_sc + slot + i + step) & mask_n)
+            let (slot, i) = (b >> shift, b & mask_n);
+            (i << shift) | ((first_sc + slot + i + step) & mask_n)
         };
         let blocks = local * n;
         let ahead = (PREFETCH_ROWS / ppp).max(1);
@@ -169,15 +177,14 @@ impl Rigid {
                 if b + ahead < blocks {
                     self.parts[part_of(b + ahead)].prefetch(phys, first, ppp);
                 }
-                let (slot, i) = (b / n, b % n);
+                let (slot, i) = (b >> shift, b & mask_n);
                 let dst = slot * t + i * ppp;
                 let row = slot * r + i * ppp;
                 let (hs, ts, rs) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[row..row + ppp]);
                 let valid = self.parts[part_of(b)].copy(phys, decode, first, hs, ts, rs);
                 if let Some(m) = mask.as_deref_mut() {
-                    let m = &mut m[dst..dst + ppp];
-                    m[..valid].fill(true);
-                    m[valid..].fill(false);
+                    // A loop, not two `fill`s: those call `memset` for a few bytes.
+                    m[dst..dst + ppp].iter_mut().enumerate().for_each(|(q, x)| *x = q < valid);
                 }
             }
         });
