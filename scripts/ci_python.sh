@@ -9,6 +9,7 @@
 #   SPARSECORE_PY_RELEASE=1 scripts/ci_python.sh   # optimised, as CI runs it
 #   SPARSECORE_PY_VENV=DIR scripts/ci_python.sh
 #   SPARSECORE_PY_SETUP_ONLY=1 scripts/ci_python.sh   # step 1 only: the venv
+#   SPARSECORE_PY_BUILD_ONLY=1 scripts/ci_python.sh   # steps 1 and 2: the venv and the build
 #   scripts/ci_python.sh -k coo          # extra arguments go to pytest: one file, -k, -x, ...
 #   scripts/ci_python.sh python/tests/test_errors.py::test_error_fields
 #
@@ -63,6 +64,10 @@ if [ -z "$cli" ]; then
   cli="$root/target/debug/sparsecore-prep"
 fi
 t2=$(date +%s)
+if [ -n "${SPARSECORE_PY_BUILD_ONLY:-}" ]; then
+  log "setup $((t1 - t0)) s, build $((t2 - t1)) s"
+  exit 0
+fi
 
 # 3. The tests. Missing pieces are failures here, not skips. A release run also runs the README's
 # install command (`pip install ./python`, a release wheel: seconds after the build above, which

@@ -4,6 +4,7 @@
 #
 #   scripts/fuzz_ci.sh                 # all targets, 30 s each
 #   FUZZ_SECONDS=900 scripts/fuzz_ci.sh ragged
+#   FUZZ_BUILD_ONLY=1 scripts/fuzz_ci.sh   # build the targets, run nothing (.ci/run builds them early)
 #
 # Only the stable toolchain is needed: RUSTC_BOOTSTRAP=1 lets it take the -Z flags cargo-fuzz
 # passes. New inputs found during the run go to a scratch corpus that is deleted afterwards,
@@ -34,6 +35,7 @@ fi
 start=$(date +%s)
 cargo fuzz build "${BUILD_FLAGS[@]}"
 echo "fuzz_ci: build took $(( $(date +%s) - start )) s"
+[ -n "${FUZZ_BUILD_ONLY:-}" ] && exit 0
 
 # One target's run: new inputs go to a scratch corpus (deleted afterwards), so that only the
 # committed seeds are loaded and the run stays near FUZZ_SECONDS.
