@@ -207,6 +207,11 @@ struct InboxState {
     pending: HashMap<u64, Pending>,
     done: VecDeque<u64>,
     completed: u64,
+    /// Values filed whose acknowledgement is not written yet. An exchange that has heard every
+    /// peer waits for these before it returns: otherwise this host could finish and close its
+    /// connections (drop, exit) before a peer reads the ack of the very value that completed
+    /// the exchange, and that peer would resend to a closed port until its deadline.
+    acks_in_flight: usize,
 }
 
 impl InboxState {
@@ -317,6 +322,7 @@ fn serve_conn(shared: &Shared, stream: &mut TcpStream) {
         let u32_at = |i: usize| u32::from_le_bytes(buf[i..i + 4].try_into().expect("4 bytes"));
         let u64_at = |i: usize| u64::from_le_bytes(buf[i..i + 8].try_into().expect("8 bytes"));
         let (src, dst, seq, key, value) = (u32_at(4), u32_at(8), u64_at(12), u64_at(20), u64_at(28));
+        let mut counted = false;
         let ack = if src >= shared.hosts || src == shared.rank || dst != shared.rank {
             bump(&shared.counters.unknown_rank);
             ACK_REJECTED
@@ -328,19 +334,27 @@ fn serve_conn(shared: &Shared, stream: &mut TcpStream) {
             ACK_REJECTED
         } else {
             last_seq = seq;
-            file(shared, src, key, value)
+            let ack = file(shared, src, key, value);
+            counted = ack == ACK_OK;
+            ack
         };
-        if stream.write_all(&[ack]).is_err() {
+        let written = stream.write_all(&[ack]);
+        if counted {
+            ack_written(shared);
+        }
+        if written.is_err() {
             return;
         }
     }
 }
 
-/// Files an authentic value: never overrides, never grows past [`INBOX_KEYS`] keys.
+/// Files an authentic value: never overrides, never grows past [`INBOX_KEYS`] keys. Every
+/// [`ACK_OK`] it returns is counted in `acks_in_flight` until [`ack_written`].
 fn file(shared: &Shared, src: u32, key: u64, value: u64) -> u8 {
     let Ok(mut inbox) = shared.inbox.lock() else { return ACK_BUSY };
     if inbox.done.contains(&key) {
         bump(&shared.counters.duplicate);
+        inbox.acks_in_flight += 1;
         return ACK_OK; // already used: a resend after a lost ack
     }
     let born = inbox.completed;
@@ -360,8 +374,17 @@ fn file(shared: &Shared, src: u32, key: u64, value: u64) -> u8 {
             inbox.pending.insert(key, Pending { values: HashMap::from([(src, value)]), born });
         }
     }
+    inbox.acks_in_flight += 1;
     shared.cv.notify_all();
     ACK_OK
+}
+
+/// The ack of a value [`file`] counted is written (or failed): wakes exchanges waiting for it.
+fn ack_written(shared: &Shared) {
+    if let Ok(mut inbox) = shared.inbox.lock() {
+        inbox.acks_in_flight = inbox.acks_in_flight.saturating_sub(1);
+        shared.cv.notify_all();
+    }
 }
 
 /// Accepts connections until stopped, each served by its own thread (at most
@@ -672,6 +695,16 @@ impl TcpAllReduce {
             if heard.len() == self.peers.len() - 1 && undelivered.is_empty() {
                 let or = inbox.pending.get(&key).map_or(value, |p| p.values.values().fold(value, |a, &b| a | b));
                 inbox.finish(key, &self.shared.counters);
+                // The peers' acks for what we heard go out before we return (each is one byte
+                // to a socket just read from; bounded all the same, by the serving timeout).
+                let until = Instant::now() + IDLE;
+                while inbox.acks_in_flight > 0 {
+                    let left = until.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        break;
+                    }
+                    inbox = self.shared.cv.wait_timeout(inbox, left).map_err(|_| poisoned())?.0;
+                }
                 return Ok(or);
             }
             let now = Instant::now();
