@@ -322,7 +322,6 @@ fn serve_conn(shared: &Shared, stream: &mut TcpStream) {
         let u32_at = |i: usize| u32::from_le_bytes(buf[i..i + 4].try_into().expect("4 bytes"));
         let u64_at = |i: usize| u64::from_le_bytes(buf[i..i + 8].try_into().expect("8 bytes"));
         let (src, dst, seq, key, value) = (u32_at(4), u32_at(8), u64_at(12), u64_at(20), u64_at(28));
-        let mut counted = false;
         let ack = if src >= shared.hosts || src == shared.rank || dst != shared.rank {
             bump(&shared.counters.unknown_rank);
             ACK_REJECTED
@@ -334,12 +333,11 @@ fn serve_conn(shared: &Shared, stream: &mut TcpStream) {
             ACK_REJECTED
         } else {
             last_seq = seq;
-            let ack = file(shared, src, key, value);
-            counted = ack == ACK_OK;
-            ack
+            file(shared, src, key, value)
         };
         let written = stream.write_all(&[ack]);
-        if counted {
+        // Only `file` answers ACK_OK, and it counted every such answer.
+        if ack == ACK_OK {
             ack_written(shared);
         }
         if written.is_err() {
