@@ -8,7 +8,7 @@ use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, Lis
 use arrow_buffer::{ArrowNativeType, BooleanBuffer, BooleanBufferBuilder, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
-use super::rigid::Rigid;
+use super::rigid::{Cursor, Rigid};
 use super::table::{with_rows, Decode, Row, Table};
 use super::{CellCounts, HEAD, NEGATIVE, TAIL};
 use crate::batch::BatchSampler;
@@ -135,6 +135,8 @@ pub(super) struct PosScratch {
     pub(super) row_mask: Vec<bool>,
     /// The rows of the triple table in row order (see [`Parts::placed_positives`]).
     pub(super) row_at: Vec<u32>,
+    /// Rigid's run copy: where the last step's windows fell in every partition.
+    pub(super) rigid_cursor: Cursor,
     /// The previous batch's column values (`head`, `tail`, `relation`): taken back when the
     /// caller has dropped that batch, so steady-state batches write into warm memory.
     pub(super) values: [Option<Buffer>; 3],
@@ -408,7 +410,7 @@ impl Parts<'_> {
         let local = lay.local_sparsecores();
         let rows = local * r;
         let sh = self.shared;
-        let PosScratch { row_mask, values, .. } = scratch;
+        let PosScratch { values, rigid_cursor, .. } = scratch;
         let [vh, vt, vr] = values;
         let (head, tail, relation, mask) = if let Some(sl) = &rg.slices {
             let (at, len) = (sl.start(step) * t, local * t);
@@ -431,13 +433,12 @@ impl Parts<'_> {
             let mut head: Vec<i64> = reuse(vh, local * t);
             let mut tail: Vec<i64> = reuse(vt, local * t);
             let mut relation: Vec<i32> = reuse(vr, rows);
-            let padded = rg.padded(step);
-            if padded {
-                row_mask.clear();
-                row_mask.resize(local * t, false);
-            }
-            rg.copy_step(self.table, lay, step, (t, r), &mut head, &mut tail, &mut relation, padded.then_some(&mut row_mask[..]));
-            let mask = if padded { packed_mask(row_mask, local, (t, r)) } else { sh.full_mask.clone() };
+            let bits = rg.copy_step(self.table, lay, step, (t, r), rigid_cursor, &mut head, &mut tail, &mut relation, rg.padded(step));
+            let mask: ArrayRef = match bits {
+                None => sh.full_mask.clone(),
+                Some(b) if r == t => Arc::new(BooleanArray::new(b, None)),
+                Some(b) => slice_mask(local, (t, r), |slot, bb| bb.append_buffer(&b.slice(slot * t, t))),
+            };
             (keep(vh, head), keep(vt, tail), keep(vr, relation), mask)
         };
         let lists = |ids| id_list(&sh.pos_offsets, ids);

@@ -7,12 +7,12 @@
 //! step only slices reference-counted Arrow buffers), or, when that table would be too large,
 //! each block is copied as one or a few contiguous runs of the triple table.
 
-use arrow_buffer::{BooleanBuffer, ScalarBuffer};
+use arrow_buffer::{BooleanBuffer, Buffer, ScalarBuffer};
 
 use super::table::{with_rows, Decode, Row, Table};
 use crate::layout::SparseCoreLayout;
 use crate::partition::PartitionedTriples;
-use crate::rng::FastMod;
+use crate::rng::{FastMod, Mod63};
 
 /// The most rows a [`RigidSlices`] may hold per triple of the graph (so at most 240 bytes per
 /// triple, against the triple table's 4 to 12). Each row costs 20 bytes (two `Int64` ids and an
@@ -33,6 +33,9 @@ const PREFETCH_ROWS: usize = 32;
 pub(super) struct Rigid {
     /// Per partition: its rows of the triple table.
     parts: Vec<Run>,
+    /// The same, column by column, for the run copy (`None` for tables of `2^31` rows or more,
+    /// which copy through `parts`).
+    columns: Option<RunColumns>,
     /// The smallest partition: a window whose positions all lie below it has no padding.
     min_count: usize,
     ppp: usize,
@@ -51,6 +54,94 @@ struct Run {
     count_mod: FastMod,
     /// The first physical ids of its head and tail shards.
     offsets: (i64, i64),
+}
+
+/// Per partition, what the run copy reads for every block, one column each: at n = 64 a step
+/// reads one entry of each of its 4096 partitions, and 4 bytes each (16 KiB a column) stay in
+/// the caches where a [`Run`] of 112 bytes would not (preprocessing runs between steps).
+/// Every row index fits in 31 bits, so a cursor plus its step stays below `2^32`.
+#[derive(Debug, Clone)]
+struct RunColumns {
+    /// The partition's first row of the table.
+    offset: Vec<u32>,
+    count: Vec<u32>,
+    /// `ppp mod count`: how far the window moves in the partition from one step to the next.
+    advance: Vec<u32>,
+    /// `count`'s reducer, for a window that does not follow the cursor's.
+    count_mod: Vec<Mod63>,
+}
+
+/// Where the run copy's current window starts in every partition (`first mod count`), kept
+/// between steps: drawn in sequence, the next window moves each cursor by `ppp mod count`, one
+/// addition and one conditional subtraction, where a reduction per partition would cost more
+/// (the window lies past most partitions of a skewed graph). Any other window is reduced.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Cursor {
+    /// The first position of the window `at` is for.
+    first: Option<usize>,
+    at: Vec<u32>,
+    /// Per partition, the window's block (see [`RunColumns::seek`]).
+    start: Vec<u64>,
+}
+
+/// In a [`Cursor::start`]: the window's rows wrap around the partition's end.
+const WRAPS: u64 = 1 << 31;
+/// In a [`Cursor::start`]: the bits of the first row in the table.
+const ROW: u64 = WRAPS - 1;
+
+impl RunColumns {
+    /// The columns of `parts` over a table of `rows` rows (`None` from `2^31` rows on).
+    fn new(parts: &[Run], rows: usize, ppp: usize) -> Option<Self> {
+        if rows >= 1 << 31 {
+            return None;
+        }
+        let col = |f: &dyn Fn(&Run) -> usize| parts.iter().map(|p| f(p) as u32).collect::<Vec<u32>>();
+        Some(RunColumns {
+            offset: col(&|p| p.offset),
+            count: col(&|p| p.count),
+            advance: col(&|p| if p.count == 0 { 0 } else { ppp % p.count }),
+            count_mod: parts.iter().map(|p| p.count_mod.u63()).collect(),
+        })
+    }
+
+    /// Moves `cur` to the window that starts at position `first` and returns, per partition,
+    /// the window's block: its first row in the table (bits 0..31), [`WRAPS`] if its rows wrap
+    /// around the partition's end, and above bit 32 how many of them are real triples.
+    fn seek<'a>(&self, cur: &'a mut Cursor, first: usize, ppp: usize) -> &'a [u64] {
+        let parts = self.count.len();
+        if cur.at.len() != parts {
+            cur.at.clear();
+            cur.at.resize(parts, 0);
+            cur.first = None;
+        }
+        match cur.first {
+            Some(f) if f == first => {}
+            _ if first == 0 => cur.at.fill(0),
+            Some(f) if f.checked_add(ppp) == Some(first) => {
+                // Below 2^32: both terms are below `count < 2^31`. The minimum is the
+                // difference when it does not wrap.
+                for ((x, &a), &c) in cur.at.iter_mut().zip(&self.advance).zip(&self.count) {
+                    let y = *x + a;
+                    *x = y.min(y.wrapping_sub(c));
+                }
+            }
+            _ => {
+                for ((x, m), &c) in cur.at.iter_mut().zip(&self.count_mod).zip(&self.count) {
+                    *x = if first < c as usize { first as u32 } else { m.reduce(first as u64) as u32 };
+                }
+            }
+        }
+        cur.first = Some(first);
+        cur.start.resize(parts, 0);
+        // In 32-bit lanes (every count is below 2^31, so is `ppp`, and `first` saturates).
+        let (ppp, first) = (ppp.min(ROW as usize) as u32, first.min(u32::MAX as usize) as u32);
+        for (((s, &x), &o), &c) in cur.start.iter_mut().zip(&cur.at).zip(&self.offset).zip(&self.count) {
+            let row = (o + x) | (u32::from(c - x < ppp) << 31);
+            let valid = c.saturating_sub(first).min(ppp);
+            *s = u64::from(row) | (u64::from(valid) << 32);
+        }
+        &cur.start
+    }
 }
 
 impl Run {
@@ -105,6 +196,32 @@ impl Run {
     }
 }
 
+/// Sets bits `at .. at + len` of `words` (bit `k` is bit `k mod 64` of word `k / 64`).
+fn set_bits(words: &mut [u64], at: usize, len: usize) {
+    let (mut at, end) = (at, at + len);
+    while at < end {
+        let (w, b) = (at >> 6, at & 63);
+        let k = (64 - b).min(end - at);
+        if let Some(x) = words.get_mut(w) {
+            *x |= (u64::MAX >> (64 - k)) << b;
+        }
+        at += k;
+    }
+}
+
+/// Decodes the rows `run` into `h`, `tl` and `rel` (all as long: checked once, so the loop
+/// has no other check and vectorizes).
+#[inline(always)]
+fn decode_run<R: Row>(run: &[R], decode: Decode, offs: (i64, i64), h: &mut [i64], tl: &mut [i64], rel: &mut [i32]) {
+    let len = h.len();
+    if run.len() != len || tl.len() != len || rel.len() != len {
+        return;
+    }
+    for q in 0..len {
+        (h[q], rel[q], tl[q]) = decode.row(run[q], offs);
+    }
+}
+
 impl Rigid {
     /// The reader of a Rigid sampler without shuffle over `part` (one batch per step, `ppp`
     /// positions per block, `windows` steps per epoch), with its [`RigidSlices`] when they
@@ -123,7 +240,8 @@ impl Rigid {
             })
             .collect();
         let min_count = parts.iter().map(|p| p.count).min().unwrap_or(0);
-        let mut rigid = Rigid { parts, min_count, ppp, windows: windows.max(1), slices: None };
+        let columns = RunColumns::new(&parts, with_rows!(table, rows => rows.len()), ppp);
+        let mut rigid = Rigid { parts, columns, min_count, ppp, windows: windows.max(1), slices: None };
         rigid.slices = with_rows!(table, rows => RigidSlices::build(&rigid, rows, table.decode, lay));
         rigid
     }
@@ -138,11 +256,129 @@ impl Rigid {
         self.first(step) + self.ppp > self.min_count
     }
 
-    /// Writes step `step`'s positives in the host's row order: `head`, `tail` and, if `mask`
-    /// is given, which rows are real triples (`T` per local SparseCore), and `relation` (`R`
-    /// per local SparseCore, the rows past `T` untouched).
+    /// Writes step `step`'s positives in the host's row order: `head` and `tail` (`T` per
+    /// local SparseCore) and `relation` (`R` per local SparseCore, the rows past `T`
+    /// untouched). With `padded`, returns which rows are real triples (`T` bits per local
+    /// SparseCore). `cursor` carries the windows' positions from the previous step.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn copy_step(
+        &self,
+        table: &Table,
+        lay: &SparseCoreLayout,
+        step: usize,
+        (t, r): (usize, usize),
+        cursor: &mut Cursor,
+        head: &mut [i64],
+        tail: &mut [i64],
+        relation: &mut [i32],
+        padded: bool,
+    ) -> Option<BooleanBuffer> {
+        if let Some(cols) = &self.columns {
+            let start = cols.seek(cursor, self.first(step), self.ppp);
+            let bits = lay.local_sparsecores() * t;
+            let mut words = vec![0u64; if padded { bits.div_ceil(64) } else { 0 }];
+            let mask = padded.then_some(&mut words[..]);
+            with_rows!(table, phys => self.copy_columns(cols, start, phys, table.decode, &table.shard_ids, lay, step, (t, r), head, tail, relation, mask));
+            // Arrow's bit `k` is bit `k mod 8` of byte `k / 8`: the words' bits in
+            // little-endian order.
+            words.iter_mut().for_each(|w| *w = w.to_le());
+            padded.then(|| BooleanBuffer::new(Buffer::from_vec(words), 0, bits))
+        } else {
+            let mut mask = vec![false; if padded { lay.local_sparsecores() * t } else { 0 }];
+            self.copy_runs(table, lay, step, (t, r), head, tail, relation, padded.then_some(&mut mask[..]));
+            padded.then(|| BooleanBuffer::from(mask))
+        }
+    }
+
+    /// [`Self::copy_step`] from the [`RunColumns`], with the windows' blocks `start` (see
+    /// [`RunColumns::seek`]): block `i` of slot `s` from partition `(i, (first + s + i + step)
+    /// mod n)`, its `ppp` rows from its start on, cyclically; its real triples set in `mask`
+    /// (`T` bits per slot), if given.
+    #[allow(clippy::too_many_arguments)]
+    fn copy_columns<R: Row>(
+        &self,
+        cols: &RunColumns,
+        start: &[u64],
+        phys: &[R],
+        decode: Decode,
+        shard_ids: &[i64],
+        lay: &SparseCoreLayout,
+        step: usize,
+        (t, r): (usize, usize),
+        head: &mut [i64],
+        tail: &mut [i64],
+        relation: &mut [i32],
+        mut mask: Option<&mut [u64]>,
+    ) {
+        let (n, ppp) = (lay.num_sparsecores(), self.ppp);
+        let first_sc = lay.global_sparsecore(0);
+        let blocks = lay.local_sparsecores() * n;
+        // N is a power of two: no divisions.
+        let (shift, mask_n) = (n.trailing_zeros(), n - 1);
+        let part_of = |b: usize| (b & mask_n) << shift | ((first_sc + (b >> shift) + b + step) & mask_n);
+        let per_line = (64 / std::mem::size_of::<R>()).max(1);
+        let prefetch = |b: usize| {
+            let Some(&s) = start.get(part_of(b)) else { return };
+            let s = (s & ROW) as usize;
+            if ppp > per_line {
+                for q in (0..ppp).step_by(per_line) {
+                    if let Some(x) = phys.get(s + q) {
+                        x.prefetch();
+                    }
+                }
+            } else if let Some(x) = phys.get(s) {
+                x.prefetch();
+            }
+            if let Some(x) = phys.get(s + ppp - 1) {
+                x.prefetch();
+            }
+        };
+        let ahead = (PREFETCH_ROWS / ppp).max(1);
+        (0..ahead.min(blocks)).for_each(prefetch);
+        let slots = head.chunks_exact_mut(t).zip(tail.chunks_exact_mut(t)).zip(relation.chunks_exact_mut(r));
+        for (slot, ((hs, ts), rs)) in slots.enumerate() {
+            let rot = first_sc + slot + step;
+            let blocks_of_slot = hs.chunks_exact_mut(ppp).zip(ts.chunks_exact_mut(ppp)).zip(rs[..t].chunks_exact_mut(ppp)).zip(shard_ids);
+            for (i, (((h, tl), rel), &hoff)) in blocks_of_slot.enumerate() {
+                let b = (slot << shift) | i;
+                if b + ahead < blocks {
+                    prefetch(b + ahead);
+                }
+                let j = (rot + i) & mask_n;
+                let (Some(&s), Some(&toff)) = (start.get((i << shift) | j), shard_ids.get(j)) else { continue };
+                let offs = (hoff, toff);
+                if let Some(m) = mask.as_deref_mut() {
+                    set_bits(m, slot * t + i * ppp, (s >> 32) as usize);
+                }
+                // Most blocks are one run of the table.
+                if s & WRAPS == 0 {
+                    let s = (s & ROW) as usize;
+                    if let Some(run) = phys.get(s..s + ppp) {
+                        decode_run(run, decode, offs, h, tl, rel);
+                    }
+                    continue;
+                }
+                let p = (i << shift) | j;
+                let (Some(&o), Some(&c)) = (cols.offset.get(p), cols.count.get(p)) else { continue };
+                let (o, c) = (o as usize, c as usize);
+                let Some(rows) = phys.get(o..o + c) else { continue };
+                let mut x = ((s & ROW) as usize).saturating_sub(o);
+                for ((hv, tv), rv) in h.iter_mut().zip(tl.iter_mut()).zip(rel.iter_mut()) {
+                    if let Some(&row) = rows.get(x) {
+                        (*hv, *rv, *tv) = decode.row(row, offs);
+                    }
+                    x += 1;
+                    if x == c {
+                        x = 0;
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`Self::copy_step`] through the [`Run`]s.
+    #[allow(clippy::too_many_arguments)]
+    fn copy_runs(
         &self,
         table: &Table,
         lay: &SparseCoreLayout,
@@ -293,5 +529,94 @@ impl RigidSlices {
     pub(super) fn padded(&self, step: usize) -> bool {
         let s = self.start(step);
         self.padded_before[s + self.local] != self.padded_before[s]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::partition::PartitionMode;
+    use crate::sharding::Sharding;
+    use crate::synth;
+
+    /// Step `step`'s columns and mask by definition: slot `s`'s block `i` is partition
+    /// `(i, (first_sc + s + i + step) mod n)` at positions `first + q` (cyclically), real while
+    /// below the partition's count.
+    fn expected(
+        part: &PartitionedTriples,
+        table: &Table,
+        lay: &SparseCoreLayout,
+        ppp: usize,
+        first: usize,
+        step: usize,
+    ) -> (Vec<i64>, Vec<i64>, Vec<i32>, Vec<bool>) {
+        let (n, local, first_sc) = (lay.num_sparsecores(), lay.local_sparsecores(), lay.global_sparsecore(0));
+        let (mut h, mut t, mut r, mut m) = (vec![], vec![], vec![], vec![]);
+        for slot in 0..local {
+            for i in 0..n {
+                let p = i * n + (first_sc + slot + i + step) % n;
+                let (off, cnt) = (part.triple_offsets[p] as usize, part.triple_counts[p] as usize);
+                for q in 0..ppp {
+                    let row = off + (first + q) % cnt;
+                    let (hv, rv, tv) = with_rows!(table, rows => table.decode.row(rows[row], table.offsets(p)));
+                    h.push(hv);
+                    t.push(tv);
+                    r.push(rv);
+                    m.push(first + q < cnt);
+                }
+            }
+        }
+        (h, t, r, m)
+    }
+
+    /// The run copy, with its cursors and through the [`Run`]s, against the definition, in
+    /// sequence across epochs, backwards, repeated and jumping, on one host and the second of
+    /// two, with blocks longer than some partitions.
+    #[test]
+    fn run_copy_matches_the_windows_in_any_step_order() {
+        for (graph, triples, n_entity) in [("power law", synth::power_law(300, 4, 3000, 1.0, 5), 300), ("uniform", synth::uniform(200, 3, 400, 7), 200)] {
+            for (l, g, s, host) in [(1, 1, 4, 0), (1, 2, 2, 1), (2, 2, 4, 0)] {
+                let lay = SparseCoreLayout::new(l, g, s, host).unwrap();
+                let n = lay.num_sparsecores();
+                let sharding = Arc::new(Sharding::create(n_entity, n, &[9], None).unwrap());
+                let part = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair).build(&triples).unwrap();
+                assert!(part.triple_counts.iter().all(|&c| c > 0), "{graph}: an empty partition");
+                let table = Table::new(&part, &lay);
+                let max = *part.triple_counts.iter().max().unwrap() as usize;
+                for ppp in [1, 3, 4, 16, 40] {
+                    let windows = max.div_ceil(ppp);
+                    let rigid = Rigid::new(&part, &table, &lay, ppp, windows);
+                    assert!(rigid.columns.is_some());
+                    let runs = Rigid { columns: None, ..rigid.clone() };
+                    let mut steps: Vec<usize> = (0..2 * windows + 3).collect();
+                    steps.extend((0..windows + 2).rev());
+                    steps.extend([5, 5, 0, 0, 7, 1, 2, 3 * windows + 1, 3 * windows + 2, windows - 1, windows, 2]);
+                    let (local, t, r) = (lay.local_sparsecores(), n * ppp, n * ppp + 3);
+                    for (name, rg) in [("cursors", &rigid), ("runs", &runs)] {
+                        let mut cursor = Cursor::default();
+                        for (k, &step) in steps.iter().enumerate() {
+                            let (mut h, mut tl, mut rel) = (vec![0; local * t], vec![0; local * t], vec![-7; local * r]);
+                            let padded = k % 5 != 4;
+                            let bits = rg.copy_step(&table, &lay, step, (t, r), &mut cursor, &mut h, &mut tl, &mut rel, padded);
+                            let (eh, et, er, em) = expected(&part, &table, &lay, ppp, rg.first(step), step);
+                            let what = format!("{graph}, {name}, devices ({l}, {g}, {s}) host {host}, ppp {ppp}, step {step} (#{k})");
+                            assert_eq!(h, eh, "head: {what}");
+                            assert_eq!(tl, et, "tail: {what}");
+                            for slot in 0..local {
+                                assert_eq!(rel[slot * r..slot * r + t], er[slot * t..(slot + 1) * t], "relation: {what}");
+                                assert!(rel[slot * r + t..(slot + 1) * r].iter().all(|&x| x == -7), "relation past T: {what}");
+                            }
+                            match bits {
+                                Some(b) => assert_eq!(b.iter().collect::<Vec<bool>>(), em, "mask: {what}"),
+                                None => assert!(!padded, "no mask: {what}"),
+                            }
+                            assert!(rg.padded(step) || !em.contains(&false), "padded: {what}");
+                        }
+                    }
+                }
+            }
+        }
     }
 }
