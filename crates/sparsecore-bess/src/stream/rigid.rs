@@ -312,13 +312,10 @@ impl Rigid {
     ) {
         let (n, ppp) = (lay.num_sparsecores(), self.ppp);
         let first_sc = lay.global_sparsecore(0);
-        let blocks = lay.local_sparsecores() * n;
         // N is a power of two: no divisions.
         let (shift, mask_n) = (n.trailing_zeros(), n - 1);
-        let part_of = |b: usize| (b & mask_n) << shift | ((first_sc + (b >> shift) + b + step) & mask_n);
         let per_line = (64 / std::mem::size_of::<R>()).max(1);
-        let prefetch = |b: usize| {
-            let Some(&s) = start.get(part_of(b)) else { return };
+        let prefetch = |s: u64| {
             let s = (s & ROW) as usize;
             if ppp > per_line {
                 for q in (0..ppp).step_by(per_line) {
@@ -334,21 +331,39 @@ impl Rigid {
             }
         };
         let ahead = (PREFETCH_ROWS / ppp).max(1);
-        (0..ahead.min(blocks)).for_each(prefetch);
-        let slots = head.chunks_exact_mut(t).zip(tail.chunks_exact_mut(t)).zip(relation.chunks_exact_mut(r));
-        for (slot, ((hs, ts), rs)) in slots.enumerate() {
-            let rot = first_sc + slot + step;
-            let blocks_of_slot = hs.chunks_exact_mut(ppp).zip(ts.chunks_exact_mut(ppp)).zip(rs[..t].chunks_exact_mut(ppp)).zip(shard_ids);
-            for (i, (((h, tl), rel), &hoff)) in blocks_of_slot.enumerate() {
-                let b = (slot << shift) | i;
-                if b + ahead < blocks {
-                    prefetch(b + ahead);
+        let local = lay.local_sparsecores();
+        // Partition (i, j) is block i of slot (j − g0 − step − i) mod n, g0 the host's first
+        // SparseCore: this host's if below `local` (every one with a single host; with
+        // several, the others' are skipped and not prefetched).
+        let slot_of = |p: usize| (p & mask_n).wrapping_sub(first_sc + step + (p >> shift)) & mask_n;
+        let all_local = local == n;
+        let gap = r - t;
+        start.iter().enumerate().take(ahead).filter(|&(p, _)| all_local || slot_of(p) < local).for_each(|(_, &s)| prefetch(s));
+        // In partition order: the words are read front to back (and the one `ahead` further
+        // on, to prefetch its rows), the table's rows in increasing order, and the blocks
+        // written to n places at a time.
+        for (i, (words, &hoff)) in start.chunks_exact(n).zip(shard_ids).enumerate() {
+            for (j, (&s, &toff)) in words.iter().zip(shard_ids).enumerate() {
+                let p = (i << shift) | j;
+                if let Some(&a) = start.get(p + ahead) {
+                    if all_local || slot_of(p + ahead) < local {
+                        prefetch(a);
+                    }
                 }
-                let j = (rot + i) & mask_n;
-                let (Some(&s), Some(&toff)) = (start.get((i << shift) | j), shard_ids.get(j)) else { continue };
+                let slot = slot_of(p);
+                if slot >= local {
+                    continue;
+                }
+                // Slot `s`'s block `i`: rows `s·T + i·ppp ..` of `head`, `tail` and the mask,
+                // `s·R + i·ppp ..` of `relation`.
+                let dst = slot * t + i * ppp;
+                let rdst = dst + slot * gap;
+                let (Some(h), Some(tl), Some(rel)) = (head.get_mut(dst..dst + ppp), tail.get_mut(dst..dst + ppp), relation.get_mut(rdst..rdst + ppp)) else {
+                    continue;
+                };
                 let offs = (hoff, toff);
                 if let Some(m) = mask.as_deref_mut() {
-                    set_bits(m, slot * t + i * ppp, (s >> 32) as usize);
+                    set_bits(m, dst, (s >> 32) as usize);
                 }
                 // Most blocks are one run of the table.
                 if s & WRAPS == 0 {
@@ -358,7 +373,6 @@ impl Rigid {
                     }
                     continue;
                 }
-                let p = (i << shift) | j;
                 let (Some(&o), Some(&c)) = (cols.offset.get(p), cols.count.get(p)) else { continue };
                 let (o, c) = (o as usize, c as usize);
                 let Some(rows) = phys.get(o..o + c) else { continue };
