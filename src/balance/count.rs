@@ -17,8 +17,8 @@ struct RaggedFeature<'a> {
     base: u32,
     col_shift: u32,
     col_offset: u32,
-    /// Words of the bitmap over the stack's columns that finds repeated ids by direct indexing,
-    /// or 0 when the stack is too large for one (see [`DENSE_SEEN_MAX`]).
+    /// Words of 64 columns covering the stack, whose repeated ids are found by direct indexing,
+    /// or 0 when the stack is too large for that (see [`DENSE_SEEN_MAX`]).
     dense_words: usize,
 }
 
@@ -495,7 +495,7 @@ impl SeenSet {
 
     /// Adds a list's distinct columns to `hist`: a table of its ids (+ 1, 0 meaning empty) by
     /// open addressing, at most half full so that nearly every id finds its slot or its repeat
-    /// at the first probe; cleared in one `fill` of a few cache lines.
+    /// at the first probe; cleared in one `fill`.
     fn count_medium<I: InputInt>(&mut self, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) {
         let size = (2 * list.len()).next_power_of_two().max(32);
         if self.table.len() < size {
@@ -529,9 +529,10 @@ impl SeenSet {
         table.fill(0);
     }
 
-    /// Adds a long list's distinct columns to `hist` (one count per partition). Every id is counted first, branch-free, while a Bloom-style bitmap (16 bits
-    /// per id) marks the bits hit twice; only ids on those bits, a few percent, are then counted
-    /// exactly, and each column seen k times takes back k − 1.
+    /// Adds a long list's distinct columns to `hist` (one count per partition). Every id is
+    /// counted first, branch-free, while a Bloom-style bitmap (16 bits per id) marks the bits
+    /// hit twice; only ids on those bits, a few percent, are then counted exactly, and each
+    /// column seen k times takes back k − 1.
     fn count_long(&mut self, cols: &[u32], mask: u32, hist: &mut [u32]) {
         let bits = (16 * cols.len()).next_power_of_two().max(1024);
         let words = bits / 64;
