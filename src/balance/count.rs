@@ -17,8 +17,9 @@ struct RaggedFeature<'a> {
     base: u32,
     col_shift: u32,
     col_offset: u32,
-    /// Repeated ids are found by direct indexing (see [`DENSE_SEEN_MAX`]).
-    dense: bool,
+    /// Words of 64 columns covering the stack, whose repeated ids are found by direct indexing,
+    /// or 0 when the stack is too large for that (see [`DENSE_SEEN_MAX`]).
+    dense_words: usize,
 }
 
 fn ragged_views<'a>(plan: &Plan, inputs: &'a [&'a (dyn SampleSource + 'a)]) -> Result<Vec<RaggedFeature<'a>>> {
@@ -27,14 +28,17 @@ fn ragged_views<'a>(plan: &Plan, inputs: &'a [&'a (dyn SampleSource + 'a)]) -> R
         .iter()
         .zip(inputs)
         .map(|(fp, input)| match input.view() {
-            FeatureView::Ragged { ids, offsets, .. } => Ok(RaggedFeature {
-                ids,
-                offsets,
-                base: (fp.stack * n) as u32,
-                col_shift: fp.col_shift,
-                col_offset: fp.col_offset,
-                dense: plan.stacks[fp.stack].stack_vocab_size <= DENSE_SEEN_MAX,
-            }),
+            FeatureView::Ragged { ids, offsets, .. } => {
+                let vocab = plan.stacks[fp.stack].stack_vocab_size;
+                Ok(RaggedFeature {
+                    ids,
+                    offsets,
+                    base: (fp.stack * n) as u32,
+                    col_shift: fp.col_shift,
+                    col_offset: fp.col_offset,
+                    dense_words: if vocab <= DENSE_SEEN_MAX { vocab.div_ceil(64).max(1) as usize } else { 0 },
+                })
+            }
             _ => Err(Error::input(&fp.name, "balancing reads record batches, whose features are ragged lists")),
         })
         .collect()
@@ -52,8 +56,7 @@ pub(super) struct Counter {
     /// Per feature: every row's `(cell, ids)` entries, row `r` owning `entries[f][starts[f][r]..starts[f][r + 1]]`.
     entries: Vec<Vec<(u32, u32)>>,
     starts: Vec<Vec<u32>>,
-    /// Per partition: one list's distinct ids (four interleaved copies for long lists, so that
-    /// consecutive ids of one partition do not wait on each other's increments).
+    /// Per partition: one list's distinct ids.
     hist: Vec<u32>,
     /// Per cell: one sample's ids in stacks of several features, and the cells it touched.
     acc: Vec<u32>,
@@ -63,14 +66,21 @@ pub(super) struct Counter {
 impl Counter {
     /// Appends every row of a batch (index `batch` in the window) to `counts`. Every input has
     /// `rows` samples (checked by the caller).
-    pub(super) fn count_batch<'a>(&mut self, plan: &Plan, inputs: &'a [&'a (dyn SampleSource + 'a)], batch: usize, rows: usize, counts: &mut SampleCounts) -> Result<()> {
+    pub(super) fn count_batch<'a>(
+        &mut self,
+        plan: &Plan,
+        inputs: &'a [&'a (dyn SampleSource + 'a)],
+        batch: usize,
+        rows: usize,
+        counts: &mut SampleCounts,
+    ) -> Result<()> {
         let features = ragged_views(plan, inputs)?;
         let n = plan.layout.num_partitions();
         let mask = (n - 1) as u32;
         self.entries.resize_with(features.len(), Vec::new);
         self.starts.resize_with(features.len(), Vec::new);
         self.hist.clear();
-        self.hist.resize(4 * n, 0);
+        self.hist.resize(n, 0);
         for (f, feature) in features.iter().enumerate() {
             let (entries, starts) = (&mut self.entries[f], &mut self.starts[f]);
             entries.clear();
@@ -83,26 +93,45 @@ impl Counter {
                 (Ids::I64(ids), Offsets::I64(o)) => count_feature(feature, ids, o, rows, mask, &mut self.seen, &mut self.hist, entries, starts),
             }
         }
-        // Stacks in plan order with their features; one feature's entries are already merged.
-        let inv_limit: Vec<f64> = plan.stacks.iter().map(|s| 1.0 / s.max_ids_per_partition.max(1) as f64).collect();
+        // Stacks in plan order with their features' entries (one feature's are already merged)
+        // and the inverse of their limit.
+        type Rows<'s> = (&'s [(u32, u32)], &'s [u32]);
+        struct StackRows<'s> {
+            features: Vec<Rows<'s>>,
+            inv_limit: f64,
+        }
+        let stacks: Vec<StackRows<'_>> = plan
+            .stacks
+            .iter()
+            .map(|s| StackRows {
+                features: s.features.iter().map(|&f| (&self.entries[f][..], &self.starts[f][..])).collect(),
+                inv_limit: 1.0 / s.max_ids_per_partition.max(1) as f64,
+            })
+            .collect();
         self.acc.clear();
         self.acc.resize(plan.stacks.len() * n, 0);
         counts.cells.reserve(self.entries[..features.len()].iter().map(Vec::len).sum());
+        counts.refs.reserve(rows);
+        counts.start.reserve(rows);
+        counts.peak.reserve(rows);
+        let range = |starts: &[u32], row: usize| match (starts.get(row), starts.get(row + 1)) {
+            (Some(&a), Some(&b)) => a as usize..b as usize,
+            _ => 0..0,
+        };
         for row in 0..rows {
             let mut peak = 0f64;
-            for (stack, &inv) in plan.stacks.iter().zip(&inv_limit) {
-                let fs = &stack.features;
-                if let [f] = fs[..] {
-                    let (a, b) = (self.starts[f][row] as usize, self.starts[f][row + 1] as usize);
-                    for &e in &self.entries[f][a..b] {
+            for stack in &stacks {
+                let mut most = 0u32;
+                if let [(entries, starts)] = stack.features[..] {
+                    for &e in entries.get(range(starts, row)).unwrap_or_default() {
                         counts.cells.push(e);
-                        peak = peak.max(e.1 as f64 * inv);
+                        most = most.max(e.1);
                     }
                 } else {
                     self.touched.clear();
-                    for &f in fs {
-                        for &(c, k) in &self.entries[f][self.starts[f][row] as usize..self.starts[f][row + 1] as usize] {
-                            let slot = &mut self.acc[c as usize];
+                    for &(entries, starts) in &stack.features {
+                        for &(c, k) in entries.get(range(starts, row)).unwrap_or_default() {
+                            let Some(slot) = self.acc.get_mut(c as usize) else { continue };
                             if *slot == 0 {
                                 self.touched.push(c);
                             }
@@ -112,9 +141,10 @@ impl Counter {
                     for &c in &self.touched {
                         let k = std::mem::take(&mut self.acc[c as usize]);
                         counts.cells.push((c, k));
-                        peak = peak.max(k as f64 * inv);
+                        most = most.max(k);
                     }
                 }
+                peak = peak.max(most as f64 * stack.inv_limit);
             }
             counts.refs.push(SampleRef { batch, row });
             counts.start.push(counts.cells.len());
@@ -253,6 +283,13 @@ fn column(f: &RaggedFeature<'_>, id: u32, mask: u32) -> u32 {
     ((id.wrapping_add(f.col_shift) & mask) | (id & !mask)).wrapping_add(f.col_offset)
 }
 
+/// Partition of an id's column, `column(f, id, mask) & mask`: the low bits of a sum depend only
+/// on the low bits of its terms.
+#[inline(always)]
+fn partition(f: &RaggedFeature<'_>, id: u32, mask: u32) -> u32 {
+    id.wrapping_add(f.col_shift.wrapping_add(f.col_offset)) & mask
+}
+
 /// One feature's rows: per row, its distinct ids per partition as `(cell, ids)` entries.
 #[allow(clippy::too_many_arguments)]
 fn count_feature<I: InputInt, O: InputInt>(
@@ -268,34 +305,42 @@ fn count_feature<I: InputInt, O: InputInt>(
 ) {
     let offsets = &offsets[..(rows + 1).min(offsets.len())];
     let first = offsets.first().map_or(0, |o| o.to_usize());
+    let cell = |id: I| f.base + partition(f, low32(id), mask);
     // Every row holding exactly one id (criteo's features): one entry per row, no merging.
     if offsets.len() == rows + 1 && offsets.windows(2).all(|w| w[1].to_usize() == w[0].to_usize() + 1) {
         if let Some(run) = ids.get(first..first + rows) {
-            entries.extend(run.iter().map(|&id| (f.base + (column(f, low32(id), mask) & mask), 1)));
+            entries.extend(run.iter().map(|&id| (cell(id), 1)));
             starts.extend(1..=rows as u32);
             return;
         }
     }
+    entries.reserve(rows);
+    starts.reserve(rows);
     let n = (mask + 1) as usize;
-    let mut cols = std::mem::take(&mut seen.cols);
-    for row in 0..rows {
-        let (a, b) = match (offsets.get(row), offsets.get(row + 1)) {
-            (Some(a), Some(b)) => (a.to_usize(), b.to_usize()),
-            _ => (0, 0),
-        };
-        let list = ids.get(a..b).unwrap_or_default();
+    for w in offsets.windows(2) {
+        let list = ids.get(w[0].to_usize()..w[1].to_usize()).unwrap_or_default();
         let from = entries.len();
-        match list.len() {
-            0 => {}
-            1 => entries.push((f.base + (column(f, low32(list[0]), mask) & mask), 1)),
-            len if len <= SHORT_LIST => {
+        match *list {
+            [] => {}
+            [a] => entries.push((cell(a), 1)),
+            [a, b] => {
+                let (ca, cb) = (cell(a), cell(b));
+                if low32(a) == low32(b) {
+                    entries.push((ca, 1));
+                } else if ca == cb {
+                    entries.push((ca, 2));
+                } else {
+                    entries.extend([(ca, 1), (cb, 1)]);
+                }
+            }
+            _ if list.len() <= SHORT_LIST => {
                 // Equal low 32 bits are equal columns (the column is a bijection of them).
-                for k in 0..len {
+                for k in 0..list.len() {
                     let id = low32(list[k]);
                     if list[..k].iter().any(|&p| low32(p) == id) {
                         continue;
                     }
-                    let cell = f.base + (column(f, id, mask) & mask);
+                    let cell = f.base + partition(f, id, mask);
                     match entries[from..].iter_mut().find(|e| e.0 == cell) {
                         Some(e) => e.1 += 1,
                         None => entries.push((cell, 1)),
@@ -303,31 +348,31 @@ fn count_feature<I: InputInt, O: InputInt>(
                 }
             }
             _ => {
-                cols.clear();
-                cols.extend(list.iter().map(|&id| column(f, low32(id), mask)));
-                if f.dense {
-                    seen.count_dense(&cols, mask, hist);
-                } else if cols.len() <= MEDIUM_LIST {
-                    seen.count_medium(&cols, mask, hist);
+                let hist = &mut hist[..n];
+                if f.dense_words > 0 {
+                    seen.count_dense(f, list, mask, hist);
+                } else if list.len() <= MEDIUM_LIST {
+                    seen.count_medium(f, list, mask, hist);
                 } else {
+                    let mut cols = std::mem::take(&mut seen.cols);
+                    cols.clear();
+                    cols.extend(list.iter().map(|&id| column(f, low32(id), mask)));
                     seen.count_long(&cols, mask, hist);
+                    seen.cols = cols;
                 }
-                // Fold the four copies into the first and emit the partitions hit.
-                for p in 0..n {
-                    let k = hist[p].wrapping_add(hist[n + p]).wrapping_add(hist[2 * n + p]).wrapping_add(hist[3 * n + p]);
-                    hist[p] = 0;
-                    hist[n + p] = 0;
-                    hist[2 * n + p] = 0;
-                    hist[3 * n + p] = 0;
-                    if k > 0 {
-                        entries.push((f.base + p as u32, k));
+                for (p, h) in hist.iter_mut().enumerate() {
+                    if *h > 0 {
+                        entries.push((f.base + p as u32, std::mem::take(h)));
                     }
                 }
             }
         }
         starts.push(entries.len() as u32);
     }
-    seen.cols = cols;
+    // Rows past the offsets (the caller checks the lengths; never panic on them).
+    while starts.len() < rows + 1 {
+        starts.push(entries.len() as u32);
+    }
 }
 
 /// An id by its low 32 bits, as the pipeline's column arithmetic reads it.
@@ -337,15 +382,25 @@ fn low32<T: InputInt>(id: T) -> u32 {
 }
 
 /// Lists of at most this many ids find their repeats by comparing each id with those before it.
-const SHORT_LIST: usize = 16;
+const SHORT_LIST: usize = 8;
 
 /// Lists of at most this many ids (and more than [`SHORT_LIST`]) find their repeats in a hash
-/// set that stays in L1.
-const MEDIUM_LIST: usize = 512;
+/// table of two to four slots per id, which stays in L1 or L2 (128 KiB at most): fewer
+/// instructions and cache misses than the bitmap of longer lists, which stays smaller.
+const MEDIUM_LIST: usize = 16384;
 
 /// Stacks of at most this many columns find repeated ids by direct indexing (a 64 KiB array,
 /// which stays in cache; a 4 MiB one made criteo's balancing 4× slower than hashing).
 const DENSE_SEEN_MAX: u64 = 1 << 14;
+
+/// Per partition (of at most 64), the bits of a 64-column word whose columns fall on it.
+fn partition_masks(n: usize) -> [u64; 64] {
+    let mut m = [0u64; 64];
+    for b in 0..64 {
+        m[b % n] |= 1 << b;
+    }
+    m
+}
 
 /// Scratch for merging one (sample, feature)'s repeated ids. Sorting each list to merge it cost
 /// more than the rest of balancing together, and a hash set probed per id was most of the
@@ -354,68 +409,131 @@ const DENSE_SEEN_MAX: u64 = 1 << 14;
 pub(super) struct SeenSet {
     /// The current list's columns.
     cols: Vec<u32>,
-    /// Per column of a small stack: the generation that last saw it, so starting the next list
-    /// clears nothing.
-    dense: Vec<u32>,
+    /// Small stacks, lists long against the stack: a bit per column, all clear between lists.
+    bits: Vec<u64>,
+    /// Small stacks: columns beyond the stack (ids the pipeline rejects), merged by a sort.
+    spill: Vec<u32>,
+    /// Small stacks, other lists: per column, the generation that last saw it, so starting the
+    /// next list clears nothing.
+    stamps: Vec<u32>,
     generation: u32,
+    /// For a partition count `n`, the bits of a word on each partition.
+    masks: Option<(usize, Box<[u64; 64]>)>,
+    /// Medium lists: ids + 1 by open addressing (0: empty), all clear between lists.
+    table: Vec<u32>,
     /// Long lists: a bit per hashed column (`filter`) and the bits hit twice (`collided`).
     filter: Vec<u64>,
     collided: Vec<u64>,
     /// Long lists: (column, occurrences) of the columns whose bit was hit twice, open addressing.
     slots: Vec<(u32, u32)>,
-    /// Medium lists: their columns so far.
-    medium: StampedSet,
 }
 
 impl SeenSet {
-    fn next_generation(&mut self) {
-        if self.dense.is_empty() {
-            self.dense = vec![0; DENSE_SEEN_MAX as usize];
-        }
-        self.generation = self.generation.wrapping_add(1);
-        if self.generation == 0 {
-            self.dense.fill(0);
-            self.generation = 1;
-        }
-    }
-
-    /// Adds a long list's distinct columns to `hist` (four interleaved copies of the
-    /// partitions), for a small stack: a stamp per column says whether this list saw it.
-    fn count_dense(&mut self, cols: &[u32], mask: u32, hist: &mut [u32]) {
-        self.next_generation();
+    /// Adds a list's distinct columns to `hist` (one count per partition) for a small stack, by
+    /// direct indexing. A list long against the stack (high-multivalency's: hundreds of ids
+    /// over 33 columns) only sets a bit per id, and each word of the bitmap is then counted
+    /// per partition; any other stamps each column with the list's generation.
+    fn count_dense<I: InputInt>(&mut self, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) {
         let n = (mask + 1) as usize;
-        let generation = self.generation;
-        for (k, &c) in cols.iter().enumerate() {
-            // Columns of a small stack are below its vocabulary; an id beyond it is one the
-            // pipeline rejects, counted here as it comes.
-            let new = match self.dense.get_mut(c as usize) {
-                Some(stamp) => {
-                    let new = *stamp != generation;
-                    *stamp = generation;
-                    new
+        let words = f.dense_words;
+        self.spill.clear();
+        if n <= 64 && 2 * words * n <= list.len() {
+            if self.bits.len() < words {
+                self.bits.resize(words, 0);
+            }
+            let bits = &mut self.bits[..words];
+            for &id in list {
+                let c = column(f, low32(id), mask);
+                match bits.get_mut((c / 64) as usize) {
+                    Some(w) => *w |= 1 << (c % 64),
+                    None => self.spill.push(c),
                 }
-                None => true,
+            }
+            let masks = match &mut self.masks {
+                Some((m, masks)) if *m == n => masks,
+                slot => &mut slot.insert((n, Box::new(partition_masks(n)))).1,
             };
-            hist[(k & 3) * n + (c & mask) as usize] += u32::from(new);
+            for w in bits.iter_mut() {
+                let x = std::mem::take(w);
+                if x != 0 {
+                    for (h, &m) in hist.iter_mut().zip(masks.iter()) {
+                        *h += (x & m).count_ones();
+                    }
+                }
+            }
+        } else {
+            let size = words * 64;
+            if self.stamps.len() < size {
+                self.stamps = vec![0; size];
+                self.generation = 0;
+            }
+            self.generation = self.generation.wrapping_add(1);
+            if self.generation == 0 {
+                self.stamps.fill(0);
+                self.generation = 1;
+            }
+            let (stamps, generation) = (&mut self.stamps[..size], self.generation);
+            for &id in list {
+                let c = column(f, low32(id), mask);
+                match stamps.get_mut(c as usize) {
+                    Some(stamp) => {
+                        hist[(c & mask) as usize] += u32::from(*stamp != generation);
+                        *stamp = generation;
+                    }
+                    None => self.spill.push(c),
+                }
+            }
+        }
+        if !self.spill.is_empty() {
+            self.spill.sort_unstable();
+            self.spill.dedup();
+            for &c in &self.spill {
+                hist[(c & mask) as usize] += 1;
+            }
         }
     }
 
-    /// Adds a list's distinct columns to `hist`: a hash set small enough to stay in L1, whose
-    /// slots are claimed by stamping them with the list's generation (nothing to clear).
-    fn count_medium(&mut self, cols: &[u32], mask: u32, hist: &mut [u32]) {
-        let n = (mask + 1) as usize;
-        self.medium.start(4 * cols.len());
-        for (k, &c) in cols.iter().enumerate() {
-            hist[(k & 3) * n + (c & mask) as usize] += u32::from(self.medium.insert(c));
+    /// Adds a list's distinct columns to `hist`: a table of its ids (+ 1, 0 meaning empty) by
+    /// open addressing, at most half full so that nearly every id finds its slot or its repeat
+    /// at the first probe; cleared in one `fill`.
+    fn count_medium<I: InputInt>(&mut self, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) {
+        let size = (2 * list.len()).next_power_of_two().max(32);
+        if self.table.len() < size {
+            self.table.resize(size, 0);
         }
+        let table = &mut self.table[..size];
+        let shift = 64 - size.trailing_zeros();
+        let mut max_seen = false;
+        for &id in list {
+            let id = low32(id);
+            let key = id.wrapping_add(1);
+            let p = partition(f, id, mask) as usize;
+            if key == 0 {
+                // u32::MAX, which the table cannot hold.
+                hist[p] += u32::from(!max_seen);
+                max_seen = true;
+                continue;
+            }
+            let mut i = ((key as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> shift) as usize;
+            loop {
+                let slot = &mut table[i & (size - 1)];
+                let k = *slot;
+                if k == 0 || k == key {
+                    *slot = key;
+                    hist[p] += u32::from(k == 0);
+                    break;
+                }
+                i += 1;
+            }
+        }
+        table.fill(0);
     }
 
-    /// Adds a long list's distinct columns to `hist` (four interleaved copies of the
-    /// partitions). Every id is counted first, branch-free, while a Bloom-style bitmap (16 bits
-    /// per id) marks the bits hit twice; only ids on those bits, a few percent, are then counted
-    /// exactly, and each column seen k times takes back k − 1.
+    /// Adds a long list's distinct columns to `hist` (one count per partition). Every id is
+    /// counted first, branch-free, while a Bloom-style bitmap (16 bits per id) marks the bits
+    /// hit twice; only ids on those bits, a few percent, are then counted exactly, and each
+    /// column seen k times takes back k − 1.
     fn count_long(&mut self, cols: &[u32], mask: u32, hist: &mut [u32]) {
-        let n = (mask + 1) as usize;
         let bits = (16 * cols.len()).next_power_of_two().max(1024);
         let words = bits / 64;
         let shift = 64 - bits.trailing_zeros();
@@ -425,14 +543,14 @@ impl SeenSet {
         self.collided.clear();
         self.collided.resize(words, 0);
         let mut any = 0u64;
-        for (k, &c) in cols.iter().enumerate() {
+        for &c in cols {
             let h = hash(c);
             let (w, m) = (h / 64, 1u64 << (h % 64));
             let hit = self.filter[w] & m;
             self.collided[w] |= hit;
             self.filter[w] |= m;
             any |= hit;
-            hist[(k & 3) * n + (c & mask) as usize] += 1;
+            hist[(c & mask) as usize] += 1;
         }
         if any == 0 {
             return;
@@ -463,7 +581,6 @@ impl SeenSet {
         }
         for &(c, k) in &self.slots {
             if k > 1 {
-                // The copies are summed with wrapping arithmetic, so the first may go below zero.
                 let h = &mut hist[(c & mask) as usize];
                 *h = h.wrapping_sub(k - 1);
             }
@@ -473,14 +590,77 @@ impl SeenSet {
 
 #[cfg(test)]
 mod tests {
-    use super::SeenSet;
+    use super::{column, count_feature, RaggedFeature, SeenSet};
+    use crate::input::{Ids, Offsets};
+
+    /// Every row's entries from `count_feature` against a sort of the row's columns, for a
+    /// stack of `vocab` columns (dense below 2^14) over `n` partitions.
+    fn check_feature(lists: &[Vec<i64>], vocab: u64, n: u32, col_shift: u32, col_offset: u32) {
+        let ids: Vec<i64> = lists.concat();
+        let mut offsets = vec![0i32];
+        for l in lists {
+            offsets.push(offsets.last().unwrap() + l.len() as i32);
+        }
+        let f = RaggedFeature {
+            ids: Ids::I64(&ids),
+            offsets: Offsets::I32(&offsets),
+            base: 3 * n,
+            col_shift,
+            col_offset,
+            dense_words: if vocab <= super::DENSE_SEEN_MAX { vocab.div_ceil(64) as usize } else { 0 },
+        };
+        let mask = n - 1;
+        let (mut seen, mut hist, mut entries, mut starts) = (SeenSet::default(), vec![0u32; n as usize], Vec::new(), vec![0u32]);
+        count_feature(&f, &ids, &offsets, lists.len(), mask, &mut seen, &mut hist, &mut entries, &mut starts);
+        for (r, l) in lists.iter().enumerate() {
+            let mut cols: Vec<u32> = l.iter().map(|&id| column(&f, id as u32, mask)).collect();
+            cols.sort_unstable();
+            cols.dedup();
+            let mut want = vec![0u32; n as usize];
+            for c in cols {
+                want[(c & mask) as usize] += 1;
+            }
+            let mut got = vec![0u32; n as usize];
+            for &(cell, k) in &entries[starts[r] as usize..starts[r + 1] as usize] {
+                assert!(got[(cell - 3 * n) as usize] == 0, "row {r}: cell {cell} twice");
+                got[(cell - 3 * n) as usize] = k;
+            }
+            assert_eq!(got, want, "row {r} of {} ids, vocab {vocab}, {n} partitions", l.len());
+        }
+        assert!(hist.iter().all(|&h| h == 0), "scratch left dirty");
+    }
+
+    #[test]
+    fn every_list_length_counts_each_column_once() {
+        let mut x = 99u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for (vocab, n) in [(33u64, 4u32), (1000, 4), (1000, 16), (10_000, 4), (1 << 14, 64), (100_000_000, 4), (100_000_000, 16)] {
+            let mut lists = Vec::new();
+            for len in [0usize, 1, 2, 2, 3, 5, 8, 9, 16, 17, 40, 100, 300, 513, 4096, 5000, 20_000] {
+                for spread in [vocab, 20] {
+                    lists.push((0..len).map(|_| (next() % spread.min(vocab)) as i64).collect::<Vec<i64>>());
+                }
+            }
+            // Ids past the stack (rejected by the pipeline), negative ids and u32::MAX.
+            lists.push(vec![vocab as i64 + 70, 5, vocab as i64 + 70, 1 << 20, 5, 1 << 20, 7, 9, 11, 13]);
+            lists.push((0..600).map(|k| if k % 3 == 0 { -1 } else { (vocab + 64 * (k % 5)) as i64 }).collect());
+            lists.push(vec![u32::MAX as i64; 30]);
+            lists.push(vec![7, 7]);
+            check_feature(&lists, vocab, n, 1 % n, if vocab > 1000 { 0 } else { 8 * n });
+        }
+    }
 
     /// Distinct columns per partition (4), counted by `count_long`, against a sort.
     fn check(cols: &[u32]) {
-        let mut hist = [0u32; 16];
+        let mut hist = [0u32; 4];
         let mut seen = SeenSet::default();
         seen.count_long(cols, 3, &mut hist);
-        let counts: Vec<i64> = (0..4).map(|p| (0..4).fold(0u32, |sum, k| sum.wrapping_add(hist[k * 4 + p])) as i64).collect();
+        let counts: Vec<i64> = hist.iter().map(|&h| h as i64).collect();
         let mut sorted = cols.to_vec();
         sorted.sort_unstable();
         sorted.dedup();
