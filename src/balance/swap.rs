@@ -39,6 +39,8 @@ pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &
         mark: vec![false; cells],
         sums: Vec::new(),
         changed: Vec::new(),
+        stacks: weights.inv_buffer.len(),
+        bounds: stack_bounds(counts, weights.inv_buffer.len(), weights.partitions),
         budget: SWAPS_CHECKED_PER_SAMPLE * counts.refs.len(),
     };
     while swaps.round(Target::Peak) {}
@@ -47,6 +49,27 @@ pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &
     let p = weights.partitions;
     swaps.sums = swaps.load.chunks(p).map(|part| part.iter().map(|&k| padded(k as i64)).sum()).collect();
     while swaps.round(Target::Buffer { peak }) {}
+}
+
+/// Where each sample's stacks start in `counts.cells` (see [`Swaps::bounds`]): one pass over
+/// the entries, where finding a stack by bisection on every look-up cost several times that
+/// (a round looks up hundreds of samples, and a checked swap both samples' stacks).
+fn stack_bounds(counts: &SampleCounts, stacks: usize, partitions: usize) -> Vec<usize> {
+    let samples = counts.refs.len();
+    let mut bounds = vec![0usize; samples * (stacks + 1)];
+    for (i, row) in bounds.chunks_exact_mut(stacks + 1).enumerate() {
+        let (from, to) = (counts.start[i], counts.start[i + 1]);
+        let mut next = 0;
+        for k in from..to {
+            let stack = (counts.cells[k].0 as usize / partitions.max(1)).min(stacks);
+            while next <= stack {
+                row[next] = k;
+                next += 1;
+            }
+        }
+        row[next..].fill(to);
+    }
+    bounds
 }
 
 /// Per cell, 1 / the stack's `max_ids_per_partition`; per stack, S / its buffer per device.
@@ -73,6 +96,9 @@ struct Swaps<'a> {
     sums: Vec<i64>,
     /// Per stack a checked swap touches (buffer rounds): its padded sum's change in A and in B.
     changed: Vec<(usize, i64, i64)>,
+    stacks: usize,
+    /// Sample i's entries of stack st are `counts.cells[bounds[i * (stacks + 1) + st]..bounds[i * (stacks + 1) + st + 1]]`.
+    bounds: Vec<usize>,
     budget: usize,
 }
 
@@ -199,15 +225,10 @@ impl Swaps<'_> {
         }
     }
 
-    /// Where sample `i`'s entries of `stack` lie in `counts.cells` (a sample's entries come
-    /// stack by stack, in stack order).
+    /// Where sample `i`'s entries of `stack` lie in `counts.cells`.
     fn stack_entries(&self, i: usize, stack: usize) -> std::ops::Range<usize> {
-        let (from, to) = (self.counts.start[i], self.counts.start[i + 1]);
-        let p = self.w.partitions;
-        let entries = &self.counts.cells[from..to];
-        let lo = entries.partition_point(|e| (e.0 as usize) / p < stack);
-        let hi = entries.partition_point(|e| (e.0 as usize) / p <= stack);
-        from + lo..from + hi
+        let row = &self.bounds[i * (self.stacks + 1)..][..self.stacks + 1];
+        row[stack]..row[stack + 1]
     }
 
     /// Swaps sample `ka` of A with `kb` of B if every cell (and, for the buffer, every stack)
@@ -226,29 +247,19 @@ impl Swaps<'_> {
         };
         let (a_key, b_key) = (self.stack_entries(a, key_stack), self.stack_entries(b, key_stack));
         let mut fits = self.stack_fits(a_slice, b_slice, a_key.clone(), b_key.clone(), key_stack, top, target);
-        // The other stacks of either sample, in stack order (both samples' entries are).
-        let (mut i, mut j) = (self.counts.start[a], self.counts.start[b]);
-        let (a_end, b_end) = (self.counts.start[a + 1], self.counts.start[b + 1]);
-        while fits {
-            if i == a_key.start {
-                i = a_key.end;
-            }
-            if j == b_key.start {
-                j = b_key.end;
-            }
-            let stack_at = |k: usize, end: usize| if k < end { self.counts.cells[k].0 as usize / p } else { usize::MAX };
-            let stack = stack_at(i, a_end).min(stack_at(j, b_end));
-            if stack == usize::MAX {
+        // The other stacks either sample sends ids to.
+        for stack in 0..self.stacks {
+            if !fits {
                 break;
             }
-            let (from_i, from_j) = (i, j);
-            while stack_at(i, a_end) == stack {
-                i += 1;
+            if stack == key_stack {
+                continue;
             }
-            while stack_at(j, b_end) == stack {
-                j += 1;
+            let (a_entries, b_entries) = (self.stack_entries(a, stack), self.stack_entries(b, stack));
+            if a_entries.is_empty() && b_entries.is_empty() {
+                continue;
             }
-            fits = self.stack_fits(a_slice, b_slice, from_i..i, from_j..j, stack, top, target);
+            fits = self.stack_fits(a_slice, b_slice, a_entries, b_entries, stack, top, target);
         }
         let cells = self.cells;
         for &x in &self.marked {
