@@ -197,7 +197,8 @@ impl Balancer {
         input_order_loads(&self.counts, shape, &slice_rows, &mut self.load);
         let before_batches = batch_loads(&self.load, shape, window.len());
         let rows = slice_rows.iter().copied().min().unwrap_or(0);
-        let bound = with_unsplit(bound_from(&self.load, shape, nslices), &self.counts, shape, rows);
+        let totals: Vec<u64> = (0..cells).map(|c| self.load.iter().skip(c).step_by(cells).map(|&n| n as u64).sum()).collect();
+        let bound = with_unsplit(bound_from(&self.load, shape, nslices), &self.counts, &totals, shape, rows);
 
         self.load.clear();
         self.load.resize(nslices * cells, 0);
@@ -213,7 +214,7 @@ impl Balancer {
                 (0..shape.slices)
                     .flat_map(|j| {
                         let mut m: Vec<SampleRef> = members[b * shape.slices + j].iter().map(|&i| counts.refs[i]).collect();
-                        m.sort();
+                        m.sort_unstable();
                         m
                     })
                     .collect()
@@ -348,7 +349,7 @@ impl Balancer {
 fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: usize, load: &mut [u32]) -> Result<Vec<Vec<usize>>> {
     let nslices = capacity.len();
     let mut order: Vec<usize> = (0..counts.refs.len()).collect();
-    order.sort_by(|&a, &b| counts.peak[b].total_cmp(&counts.peak[a]).then(a.cmp(&b)));
+    order.sort_unstable_by(|&a, &b| counts.peak[b].total_cmp(&counts.peak[a]).then(a.cmp(&b)));
     let mut peak = vec![0f64; nslices];
     let mut total = vec![0u64; nslices];
     let mut members: Vec<Vec<usize>> = capacity.iter().map(|&c| Vec::with_capacity(c)).collect();
@@ -365,6 +366,7 @@ fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: us
                 break;
             }
             let row = &load[s * cells..(s + 1) * cells];
+            let inv_limit = &inv_limit[..row.len()];
             // A slice whose new peak passes the best found so far is out as soon as it does.
             let bar = best.map_or(f64::INFINITY, |b| b.0);
             let mut new_peak = current;
@@ -465,43 +467,42 @@ fn bound_from(load: &[u32], shape: Shape, nslices: usize) -> Vec<u32> {
 /// Raises each stack's bound to what the slice holding a cell's heaviest sample must get: that
 /// sample's ids (a sample is never split) plus the fewest ids any `rows - 1` other samples send
 /// to the cell (the slice holds `rows` samples; `rows` is the smallest slice of the window).
-fn with_unsplit(mut bound: Vec<u32>, counts: &SampleCounts, shape: Shape, rows: usize) -> Vec<u32> {
-    // Per cell: the samples sending ids to it, their ids, and the most one sends. Most cells
-    // are settled by these alone (enough samples send nothing, or all must be taken, or even
-    // the average company could not raise the bound); only the rest list their shares.
+fn with_unsplit(mut bound: Vec<u32>, counts: &SampleCounts, totals: &[u64], shape: Shape, rows: usize) -> Vec<u32> {
+    // Per cell: the samples sending ids to it and the most one sends; with the cell's total
+    // ids (`totals`), these settle most cells (enough samples send nothing, or all must be
+    // taken, or even the average company could not raise the bound). Only the rest list their
+    // shares.
     let cells = shape.cells();
     let samples = counts.refs.len();
-    let mut sent = vec![(0usize, 0u64, 0u32); cells];
+    let mut sent = vec![(0u32, 0u32); cells];
     for &(c, n) in &counts.cells {
-        let s = &mut sent[c as usize];
-        s.0 += 1;
-        s.1 += n as u64;
-        s.2 = s.2.max(n);
+        if let Some(s) = sent.get_mut(c as usize) {
+            s.0 += 1;
+            s.1 = s.1.max(n);
+        }
     }
     let candidate = |heaviest: u32, company: u64| (heaviest as u64 + company).min(u32::MAX as u64) as u32;
     // Cells left to list, each with the number of its other samples to take.
     let mut open: Vec<(usize, usize)> = Vec::new();
-    for (c, &(senders, ids, heaviest)) in sent.iter().enumerate() {
+    for (c, &(senders, heaviest)) in sent.iter().enumerate() {
         if senders == 0 {
             continue;
         }
+        let senders = senders as usize;
         let others = senders - 1;
+        // What the other samples send to the cell.
+        let rest = totals.get(c).copied().unwrap_or(0).saturating_sub(heaviest as u64);
         // Samples sending nothing to the cell are the cheapest company.
         let zeros = samples.saturating_sub(senders);
         let need = rows.saturating_sub(1).saturating_sub(zeros).min(others);
         let b = &mut bound[c / shape.partitions];
         if need == 0 || need == others {
-            *b = (*b).max(candidate(heaviest, if need == 0 { 0 } else { ids - heaviest as u64 }));
-        } else {
+            *b = (*b).max(candidate(heaviest, if need == 0 { 0 } else { rest }));
+        } else if candidate(heaviest, rest.saturating_mul(need as u64) / others as u64) > *b {
+            // The cheapest `need` of the others send at most their average each.
             open.push((c, need));
         }
     }
-    // The cheapest `need` of the others send at most their average each.
-    open.retain(|&(c, need)| {
-        let (senders, ids, heaviest) = sent[c];
-        let most = (ids - heaviest as u64).saturating_mul(need as u64) / (senders - 1) as u64;
-        candidate(heaviest, most) > bound[c / shape.partitions]
-    });
     if open.is_empty() {
         return bound;
     }
@@ -510,7 +511,7 @@ fn with_unsplit(mut bound: Vec<u32>, counts: &SampleCounts, shape: Shape, rows: 
     let mut start = vec![0usize; open.len() + 1];
     for (k, &(c, _)) in open.iter().enumerate() {
         slot[c] = k;
-        start[k + 1] = start[k] + sent[c].0;
+        start[k + 1] = start[k] + sent[c].0 as usize;
     }
     let mut next = start.clone();
     let mut shares = vec![0u32; start[open.len()]];
@@ -649,5 +650,6 @@ pub fn lower_bound(config: &Config, window: &[RecordBatch]) -> Result<Vec<u32>> 
     }
     let spread = bound_from(&totals, shape, 1).into_iter().map(|t| t.div_ceil((window.len() * shape.slices).max(1) as u32)).collect();
     let rows = window.iter().map(|b| b.num_rows() / shape.slices).min().unwrap_or(0);
-    Ok(with_unsplit(spread, &balancer.counts, shape, rows))
+    let totals: Vec<u64> = totals.iter().map(|&n| n as u64).collect();
+    Ok(with_unsplit(spread, &balancer.counts, &totals, shape, rows))
 }
