@@ -55,19 +55,26 @@ pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &
 /// the entries, where finding a stack by bisection on every look-up cost several times that
 /// (a round looks up hundreds of samples, and a checked swap both samples' stacks).
 fn stack_bounds(counts: &SampleCounts, stacks: usize, partitions: usize) -> Vec<usize> {
+    // Partitions are a power of two (the layout's SparseCores).
+    let shift = partitions.trailing_zeros().min(63);
     let samples = counts.refs.len();
     let mut bounds = vec![0usize; samples * (stacks + 1)];
     for (i, row) in bounds.chunks_exact_mut(stacks + 1).enumerate() {
         let (from, to) = (counts.start[i], counts.start[i + 1]);
+        // Stacks below `next` have their start.
         let mut next = 0;
-        for k in from..to {
-            let stack = (counts.cells[k].0 as usize / partitions.max(1)).min(stacks);
-            while next <= stack {
-                row[next] = k;
-                next += 1;
+        for (k, &(c, _)) in counts.cells[from..to].iter().enumerate() {
+            let stack = (c as u64 >> shift) as usize;
+            if stack == next && stack < row.len() {
+                row[stack] = from + k;
+                next = stack + 1;
+            } else if stack > next {
+                let end = (stack + 1).min(row.len());
+                row[next.min(end)..end].fill(from + k);
+                next = stack + 1;
             }
         }
-        row[next..].fill(to);
+        row[next.min(stacks + 1)..].fill(to);
     }
     bounds
 }
