@@ -358,6 +358,9 @@ fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: us
     for &i in &order {
         let sample = &counts.cells[counts.start[i]..counts.start[i + 1]];
         let mut best: Option<(f64, u64, usize)> = None;
+        // The entry that set the last slice's peak or put it out: it usually decides the next
+        // slice too, so it is tried first (the result is the same in any order).
+        let mut probe = 0;
         for &(peak_bits, ids, s) in &open {
             let current = f64::from_bits(peak_bits);
             // Every later slice's new peak is at least its current one, and among equal
@@ -369,11 +372,17 @@ fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: us
             let inv_limit = &inv_limit[..row.len()];
             // A slice whose new peak passes the best found so far is out as soon as it does.
             let bar = best.map_or(f64::INFINITY, |b| b.0);
+            if let Some(&(c, n)) = sample.get(probe) {
+                if (row[c as usize] + n) as f64 * inv_limit[c as usize] > bar {
+                    continue;
+                }
+            }
             let mut new_peak = current;
-            for &(c, n) in sample {
+            for (k, &(c, n)) in sample.iter().enumerate() {
                 let v = (row[c as usize] + n) as f64 * inv_limit[c as usize];
                 if v > new_peak {
                     new_peak = v;
+                    probe = k;
                     if v > bar {
                         break;
                     }
