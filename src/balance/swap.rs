@@ -118,10 +118,12 @@ impl Swaps<'_> {
     /// The worst cell: (ids / limit, slice, cell), first in (slice, cell) order.
     fn worst_cell(&self) -> (f64, usize, usize) {
         let mut worst = (0f64, 0, 0);
-        for (k, &n) in self.load.iter().enumerate() {
-            let v = n as f64 * self.w.inv_limit[k % self.cells];
-            if v > worst.0 {
-                worst = (v, k / self.cells, k % self.cells);
+        for (s, row) in self.load.chunks_exact(self.cells.max(1)).enumerate() {
+            for (c, (&n, &inv)) in row.iter().zip(self.w.inv_limit).enumerate() {
+                let v = n as f64 * inv;
+                if v > worst.0 {
+                    worst = (v, s, c);
+                }
             }
         }
         worst
