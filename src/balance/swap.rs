@@ -28,6 +28,7 @@ enum Target {
 /// the worst falls once all of them are. Deterministic (fixed visiting orders); the checks are
 /// capped per sample, so a window costs at most a fixed multiple of its samples.
 pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &mut [u32], cells: usize, weights: &Weights<'_>) {
+    let members_len = members.len();
     let mut swaps = Swaps {
         counts,
         members,
@@ -40,7 +41,8 @@ pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &
         sums: Vec::new(),
         changed: Vec::new(),
         stacks: weights.inv_buffer.len(),
-        bounds: stack_bounds(counts, weights.inv_buffer.len(), weights.partitions),
+        bounds: vec![0; counts.refs.len() * (weights.inv_buffer.len() + 1)],
+        ready: vec![false; members_len],
         budget: SWAPS_CHECKED_PER_SAMPLE * counts.refs.len(),
     };
     while swaps.round(Target::Peak) {}
@@ -51,32 +53,29 @@ pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &
     while swaps.round(Target::Buffer { peak }) {}
 }
 
-/// Where each sample's stacks start in `counts.cells` (see [`Swaps::bounds`]): one pass over
-/// the entries, where finding a stack by bisection on every look-up cost several times that
-/// (a round looks up hundreds of samples, and a checked swap both samples' stacks).
-fn stack_bounds(counts: &SampleCounts, stacks: usize, partitions: usize) -> Vec<usize> {
+/// Where sample `i`'s stacks start in `counts.cells` (see [`Swaps::bounds`]), into `row` (one
+/// per stack and one past the last): one pass over its entries, where finding a stack by
+/// bisection on every look-up cost several times that (a round looks up hundreds of samples,
+/// and a checked swap both samples' stacks).
+fn sample_bounds(counts: &SampleCounts, i: usize, partitions: usize, row: &mut [usize]) {
     // Partitions are a power of two (the layout's SparseCores).
     let shift = partitions.trailing_zeros().min(63);
-    let samples = counts.refs.len();
-    let mut bounds = vec![0usize; samples * (stacks + 1)];
-    for (i, row) in bounds.chunks_exact_mut(stacks + 1).enumerate() {
-        let (from, to) = (counts.start[i], counts.start[i + 1]);
-        // Stacks below `next` have their start.
-        let mut next = 0;
-        for (k, &(c, _)) in counts.cells[from..to].iter().enumerate() {
-            let stack = (c as u64 >> shift) as usize;
-            if stack == next && stack < row.len() {
-                row[stack] = from + k;
-                next = stack + 1;
-            } else if stack > next {
-                let end = (stack + 1).min(row.len());
-                row[next.min(end)..end].fill(from + k);
-                next = stack + 1;
-            }
+    let (from, to) = (counts.start[i], counts.start[i + 1]);
+    // Stacks below `next` have their start.
+    let mut next = 0;
+    for (k, &(c, _)) in counts.cells[from..to].iter().enumerate() {
+        let stack = (c as u64 >> shift) as usize;
+        if stack == next && stack < row.len() {
+            row[stack] = from + k;
+            next = stack + 1;
+        } else if stack > next {
+            let end = (stack + 1).min(row.len());
+            row[next.min(end)..end].fill(from + k);
+            next = stack + 1;
         }
-        row[next.min(stacks + 1)..].fill(to);
     }
-    bounds
+    let next = next.min(row.len());
+    row[next..].fill(to);
 }
 
 /// Per cell, 1 / the stack's `max_ids_per_partition`; per stack, S / its buffer per device.
@@ -104,8 +103,12 @@ struct Swaps<'a> {
     /// Per stack a checked swap touches (buffer rounds): its padded sum's change in A and in B.
     changed: Vec<(usize, i64, i64)>,
     stacks: usize,
-    /// Sample i's entries of stack st are `counts.cells[bounds[i * (stacks + 1) + st]..bounds[i * (stacks + 1) + st + 1]]`.
+    /// Sample i's entries of stack st are `counts.cells[bounds[i * (stacks + 1) + st]..bounds[i * (stacks + 1) + st + 1]]`,
+    /// filled for the members of a slice when a round first looks at it (`ready`): a window
+    /// whose rounds look at few slices fills few. Swaps trade samples between ready slices, so
+    /// every member of a ready slice has its bounds.
     bounds: Vec<usize>,
+    ready: Vec<bool>,
     budget: usize,
 }
 
@@ -176,6 +179,7 @@ impl Swaps<'_> {
             return false;
         }
         let nslices = self.members.len();
+        self.make_ready(a_slice);
         // Samples of A by their share of the key, largest first.
         let mut outgoing: Vec<(u32, usize)> =
             (0..self.members[a_slice].len()).map(|k| (self.share(self.members[a_slice][k], target, key), k)).filter(|x| x.0 > 0).collect();
@@ -201,6 +205,7 @@ impl Swaps<'_> {
                     break;
                 }
                 if shares[b_slice].is_empty() {
+                    self.make_ready(b_slice);
                     shares[b_slice] = self.members[b_slice].iter().map(|&b| self.share(b, target, key)).collect();
                 }
                 for (kb, &share) in shares[b_slice].iter().enumerate() {
@@ -231,6 +236,17 @@ impl Swaps<'_> {
                 self.marked.push(x);
             }
             self.delta[x] += sign * n as i64;
+        }
+    }
+
+    /// Fills the stack bounds of `slice`'s members, once.
+    fn make_ready(&mut self, slice: usize) {
+        if std::mem::replace(&mut self.ready[slice], true) {
+            return;
+        }
+        let width = self.stacks + 1;
+        for &i in self.members[slice].iter() {
+            sample_bounds(self.counts, i, self.w.partitions, &mut self.bounds[i * width..(i + 1) * width]);
         }
     }
 
