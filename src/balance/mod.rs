@@ -358,8 +358,9 @@ fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: us
     for &i in &order {
         let sample = &counts.cells[counts.start[i]..counts.start[i + 1]];
         let mut best: Option<(f64, u64, usize)> = None;
-        // The entry that set the last slice's peak or put it out: it usually decides the next
-        // slice too, so it is tried first (the result is the same in any order).
+        // The entry that set the last slice's peak or put it out is tried first: where it puts
+        // this slice out too, the rest of the sample is not read (the result is the same in any
+        // order).
         let mut probe = 0;
         for &(peak_bits, ids, s) in &open {
             let current = f64::from_bits(peak_bits);
