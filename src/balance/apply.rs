@@ -204,32 +204,42 @@ impl Reorder {
         let nulls = arrays.iter().any(|a| a.null_count() != 0);
         // One value per row (single-id features): a gather, with no runs to measure.
         let unit = offsets.iter().all(|o| o.windows(2).all(|w| w[1].as_usize() == w[0].as_usize() + 1));
+        // Where each input's values start (a sliced list's offsets need not start at 0).
+        let base: Vec<usize> = offsets.iter().map(|o| o.first().map_or(0, |o| o.as_usize())).collect();
+        // Each input's offsets and values side by side: one look-up per row.
+        let inputs: Vec<(&[O], &[T::Native])> = offsets.iter().copied().zip(values.iter().copied()).collect();
         for index in index {
             let mut offsets_out = self.buffer((index.len() + 1) * size_of::<O>());
             offsets_out.push(O::usize_as(0));
             let data = if unit {
                 let mut data = self.buffer(index.len() * size_of::<T::Native>());
                 for (i, &(b, r)) in index.iter().enumerate() {
-                    data.push(values[b][offsets[b][0].as_usize() + r]);
+                    data.push(*inputs[b].1.get(base[b] + r)?);
                     offsets_out.push(O::usize_as(i + 1));
                 }
                 data
             } else {
-                // Offsets first: the exact size, as a buffer grown midway is copied and, when
-                // fresh, faulted in twice.
-                let mut total = 0usize;
-                for &(b, r) in index {
-                    total += offsets[b][r + 1].as_usize() - offsets[b][r].as_usize();
-                    offsets_out.push(O::from_usize(total)?);
-                }
+                let run = |b: usize, r: usize| match inputs.get(b).and_then(|(o, _)| o.get(r..r + 2)) {
+                    Some(&[start, end]) => Some((start.as_usize(), end.as_usize())),
+                    _ => None,
+                };
+                // The size first, as a buffer grown midway is copied and, when fresh, faulted in
+                // twice: all of a single input's values when this batch takes every row of it (a
+                // window of one batch), otherwise summed over the rows.
+                let total = match (&inputs[..], &base[..]) {
+                    ([(o, _)], [first]) if o.len() == index.len() + 1 => o[index.len()].as_usize() - first,
+                    _ => index.iter().map(|&(b, r)| run(b, r).map_or(0, |(start, end)| end - start)).sum(),
+                };
                 let mut data = self.buffer((total + SHORT) * size_of::<T::Native>());
-                if total <= index.len() * SHORT {
-                    copy_short_runs(&mut data, &values, &offsets, index, total);
-                } else {
-                    for &(b, r) in index {
-                        data.extend_from_slice(&values[b][offsets[b][r].as_usize()..offsets[b][r + 1].as_usize()]);
-                    }
+                let short = total <= index.len() * SHORT;
+                let mut at = 0;
+                for &(b, r) in index {
+                    let (start, end) = run(b, r)?;
+                    at += end - start;
+                    copy_run(&mut data, inputs[b].1, start, end, short);
+                    offsets_out.push(O::usize_as(at));
                 }
+                O::from_usize(at)?;
                 data
             };
             let offsets_out = OffsetBuffer::new(lend::<O>(offsets_out, lent));
@@ -243,30 +253,22 @@ impl Reorder {
 /// Runs up to this long are copied as a whole block of this many values.
 const SHORT: usize = 8;
 
-/// Copies the rows' runs of a column whose rows hold few values each (criteo's one to five
-/// ids). A call to copy a handful of values costs more than the copy, so a run of up to
-/// [`SHORT`] values is copied as a block of [`SHORT`] (a few vector moves) where the input has
-/// that many values from its start, and the next run overwrites the excess.
-fn copy_short_runs<O: OffsetSizeTrait, T: ArrowNativeType>(
-    data: &mut MutableBuffer,
-    values: &[&[T]],
-    offsets: &[&[O]],
-    index: &[(usize, usize)],
-    total: usize,
-) {
-    data.resize((total + SHORT) * size_of::<T>(), 0);
-    let out = data.typed_data_mut::<T>();
-    let mut at = 0;
-    for &(b, r) in index {
-        let (start, end) = (offsets[b][r].as_usize(), offsets[b][r + 1].as_usize());
-        let len = end - start;
-        match values[b].get(start..start + SHORT) {
-            Some(block) if len <= SHORT => out[at..at + SHORT].copy_from_slice(block),
-            _ => out[at..at + len].copy_from_slice(&values[b][start..end]),
+/// Appends `values[start..end]` to `data`. A call to copy a handful of values costs more than
+/// the copy, so where rows hold few values each (`short`: criteo's one to five ids) a run of up
+/// to [`SHORT`] values is copied as a whole block of [`SHORT`] (a few vector moves, into room
+/// `data` has: it was sized for [`SHORT`] values past the column's) where the input has that
+/// many values from its start, and cut back to the run.
+#[inline(always)]
+fn copy_run<T: ArrowNativeType>(data: &mut MutableBuffer, values: &[T], start: usize, end: usize, short: bool) {
+    let len = end - start;
+    match values.get(start..start + SHORT) {
+        Some(block) if short && len <= SHORT => {
+            let keep = data.len() + len * size_of::<T>();
+            data.extend_from_slice(block);
+            data.truncate(keep);
         }
-        at += len;
+        _ => data.extend_from_slice(&values[start..end]),
     }
-    data.truncate(total * size_of::<T>());
 }
 
 /// A filled buffer as the column's values, keeping a reference to take it back later.

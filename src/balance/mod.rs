@@ -197,63 +197,14 @@ impl Balancer {
         input_order_loads(&self.counts, shape, &slice_rows, &mut self.load);
         let before_batches = batch_loads(&self.load, shape, window.len());
         let rows = slice_rows.iter().copied().min().unwrap_or(0);
-        let bound = with_unsplit(bound_from(&self.load, shape, nslices), &self.counts, shape, rows);
+        let totals: Vec<u64> = (0..cells).map(|c| self.load.iter().skip(c).step_by(cells).map(|&n| n as u64).sum()).collect();
+        let bound = with_unsplit(bound_from(&self.load, shape, nslices), &self.counts, &totals, shape, rows);
 
-        // Greedy placement: heaviest samples first, each where the new peak is lowest (ties:
-        // the slice with the fewest ids so far, then the lowest index), so the order is
-        // deterministic. Slices are visited in (peak, ids, index) order, so the search stops at
-        // the first slice whose current peak exceeds the best new peak found.
-        let counts = &self.counts;
-        let mut order: Vec<usize> = (0..counts.refs.len()).collect();
-        order.sort_by(|&a, &b| counts.peak[b].total_cmp(&counts.peak[a]).then(a.cmp(&b)));
         self.load.clear();
         self.load.resize(nslices * cells, 0);
         let capacity: Vec<usize> = (0..nslices).map(|s| slice_rows[s / shape.slices]).collect();
-        let mut peak = vec![0f64; nslices];
-        let mut total = vec![0u64; nslices];
-        // Sample indices (into `counts`) per slice.
-        let mut members: Vec<Vec<usize>> = capacity.iter().map(|&c| Vec::with_capacity(c)).collect();
-        // Peaks are non-negative, so their bit patterns sort as the values do.
-        let mut open: BTreeSet<(u64, u64, usize)> = (0..nslices).filter(|&s| capacity[s] > 0).map(|s| (0, 0, s)).collect();
-        for &i in &order {
-            let sample = &counts.cells[counts.start[i]..counts.start[i + 1]];
-            let mut best: Option<(f64, u64, usize)> = None;
-            for &(peak_bits, ids, s) in &open {
-                let current = f64::from_bits(peak_bits);
-                // Every later slice's new peak is at least its current one, and among equal
-                // peaks the set's order is the tie-break's.
-                if best.is_some_and(|b| current >= b.0) {
-                    break;
-                }
-                let row = &self.load[s * cells..(s + 1) * cells];
-                // A slice whose new peak passes the best found so far is out as soon as it does.
-                let bar = best.map_or(f64::INFINITY, |b| b.0);
-                let mut new_peak = current;
-                for &(c, n) in sample {
-                    new_peak = new_peak.max((row[c as usize] + n) as f64 * inv_limit[c as usize]);
-                    if new_peak > bar {
-                        break;
-                    }
-                }
-                if new_peak > bar {
-                    continue;
-                }
-                if best.is_none_or(|b| new_peak < b.0 || (new_peak == b.0 && (ids, s) < (b.1, b.2))) {
-                    best = Some((new_peak, ids, s));
-                }
-            }
-            let (new_peak, _, s) = best.ok_or_else(|| Error::input("balance", "the window's slices have no room for its samples"))?;
-            open.remove(&(peak[s].to_bits(), total[s], s));
-            for &(c, n) in sample {
-                self.load[s * cells + c as usize] += n;
-                total[s] += n as u64;
-            }
-            peak[s] = new_peak;
-            members[s].push(i);
-            if members[s].len() < capacity[s] {
-                open.insert((new_peak.to_bits(), total[s], s));
-            }
-        }
+        let mut members = place(&self.counts, &inv_limit, &capacity, cells, &mut self.load)?;
+        let counts = &self.counts;
         let inv_buffer: Vec<f64> = plan.stacks.iter().map(|st| shape.sc_per_device as f64 / st.coo_buffer_size_per_device.max(1) as f64).collect();
         let weights = Weights { inv_limit: &inv_limit, inv_buffer: &inv_buffer, partitions: shape.partitions };
         improve(counts, &mut members, &mut self.load, cells, &weights);
@@ -263,7 +214,7 @@ impl Balancer {
                 (0..shape.slices)
                     .flat_map(|j| {
                         let mut m: Vec<SampleRef> = members[b * shape.slices + j].iter().map(|&i| counts.refs[i]).collect();
-                        m.sort();
+                        m.sort_unstable();
                         m
                     })
                     .collect()
@@ -314,8 +265,7 @@ impl Balancer {
             .map(|(st, stack)| {
                 let unique_limit = limit(stack.max_unique_ids_per_partition);
                 let columns_per_partition = stack.stack_vocab_size.div_ceil(shape.partitions as u64);
-                (!plan.validate_ids || columns_per_partition > unique_limit as u64)
-                    && after_batches.iter().any(|a| a[st].max_ids_per_partition > unique_limit)
+                (!plan.validate_ids || columns_per_partition > unique_limit as u64) && after_batches.iter().any(|a| a[st].max_ids_per_partition > unique_limit)
             })
             .collect();
         if risky.contains(&true) {
@@ -391,6 +341,77 @@ impl Balancer {
     }
 }
 
+/// Greedy placement into slices of `capacity` samples: heaviest samples first, each where the
+/// new peak is lowest (ties: the slice with the fewest ids so far, then the lowest index), so
+/// the order is deterministic. Slices are visited in (peak, ids, index) order, so the search
+/// stops at the first slice whose current peak exceeds the best new peak found. `load` (zeroed,
+/// per (slice, cell)) ends with the placed ids; returns each slice's sample indices.
+fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: usize, load: &mut [u32]) -> Result<Vec<Vec<usize>>> {
+    let nslices = capacity.len();
+    let mut order: Vec<usize> = (0..counts.refs.len()).collect();
+    order.sort_unstable_by(|&a, &b| counts.peak[b].total_cmp(&counts.peak[a]).then(a.cmp(&b)));
+    let mut peak = vec![0f64; nslices];
+    let mut total = vec![0u64; nslices];
+    let mut members: Vec<Vec<usize>> = capacity.iter().map(|&c| Vec::with_capacity(c)).collect();
+    // Peaks are non-negative, so their bit patterns sort as the values do.
+    let mut open: BTreeSet<(u64, u64, usize)> = (0..nslices).filter(|&s| capacity[s] > 0).map(|s| (0, 0, s)).collect();
+    for &i in &order {
+        let sample = &counts.cells[counts.start[i]..counts.start[i + 1]];
+        let mut best: Option<(f64, u64, usize)> = None;
+        // The entry that set the last slice's peak or put it out is tried first: where it puts
+        // this slice out too, the rest of the sample is not read (the result is the same in any
+        // order).
+        let mut probe = 0;
+        for &(peak_bits, ids, s) in &open {
+            let current = f64::from_bits(peak_bits);
+            // Every later slice's new peak is at least its current one, and among equal
+            // peaks the set's order is the tie-break's.
+            if best.is_some_and(|b| current >= b.0) {
+                break;
+            }
+            let row = &load[s * cells..(s + 1) * cells];
+            let inv_limit = &inv_limit[..row.len()];
+            // A slice whose new peak passes the best found so far is out as soon as it does.
+            let bar = best.map_or(f64::INFINITY, |b| b.0);
+            if let Some(&(c, n)) = sample.get(probe) {
+                if (row[c as usize] + n) as f64 * inv_limit[c as usize] > bar {
+                    continue;
+                }
+            }
+            let mut new_peak = current;
+            for (k, &(c, n)) in sample.iter().enumerate() {
+                let v = (row[c as usize] + n) as f64 * inv_limit[c as usize];
+                if v > new_peak {
+                    new_peak = v;
+                    probe = k;
+                    if v > bar {
+                        break;
+                    }
+                }
+            }
+            if new_peak > bar {
+                continue;
+            }
+            if best.is_none_or(|b| new_peak < b.0 || (new_peak == b.0 && (ids, s) < (b.1, b.2))) {
+                best = Some((new_peak, ids, s));
+            }
+        }
+        let (new_peak, _, s) = best.ok_or_else(|| Error::input("balance", "the window's slices have no room for its samples"))?;
+        open.remove(&(peak[s].to_bits(), total[s], s));
+        let row = &mut load[s * cells..(s + 1) * cells];
+        for &(c, n) in sample {
+            row[c as usize] += n;
+            total[s] += n as u64;
+        }
+        peak[s] = new_peak;
+        members[s].push(i);
+        if members[s].len() < capacity[s] {
+            open.insert((new_peak.to_bits(), total[s], s));
+        }
+    }
+    Ok(members)
+}
+
 /// Per (slice, cell) ids of the input order: slice j of batch b holds rows j·r..(j+1)·r.
 fn input_order_loads(counts: &SampleCounts, shape: Shape, slice_rows: &[usize], load: &mut Vec<u32>) {
     let cells = shape.cells();
@@ -456,41 +477,72 @@ fn bound_from(load: &[u32], shape: Shape, nslices: usize) -> Vec<u32> {
 /// Raises each stack's bound to what the slice holding a cell's heaviest sample must get: that
 /// sample's ids (a sample is never split) plus the fewest ids any `rows - 1` other samples send
 /// to the cell (the slice holds `rows` samples; `rows` is the smallest slice of the window).
-fn with_unsplit(mut bound: Vec<u32>, counts: &SampleCounts, shape: Shape, rows: usize) -> Vec<u32> {
-    // Every sample's share of each cell, grouped by cell (a counting sort: one flat buffer).
+fn with_unsplit(mut bound: Vec<u32>, counts: &SampleCounts, totals: &[u64], shape: Shape, rows: usize) -> Vec<u32> {
+    // Per cell: the samples sending ids to it and the most one sends; with the cell's total
+    // ids (`totals`), these settle most cells (enough samples send nothing, or all must be
+    // taken, or even the average company could not raise the bound). Only the rest list their
+    // shares.
     let cells = shape.cells();
-    let mut start = vec![0usize; cells + 1];
-    for &(c, _) in &counts.cells {
-        start[c as usize + 1] += 1;
+    let samples = counts.refs.len();
+    let mut sent = vec![(0u32, 0u32); cells];
+    for &(c, n) in &counts.cells {
+        if let Some(s) = sent.get_mut(c as usize) {
+            s.0 += 1;
+            s.1 = s.1.max(n);
+        }
     }
-    for c in 0..cells {
-        start[c + 1] += start[c];
+    let candidate = |heaviest: u32, company: u64| (heaviest as u64 + company).min(u32::MAX as u64) as u32;
+    // Cells left to list, each with the number of its other samples to take.
+    let mut open: Vec<(usize, usize)> = Vec::new();
+    for (c, &(senders, heaviest)) in sent.iter().enumerate() {
+        if senders == 0 {
+            continue;
+        }
+        let senders = senders as usize;
+        let others = senders - 1;
+        // What the other samples send to the cell.
+        let rest = totals.get(c).copied().unwrap_or(0).saturating_sub(heaviest as u64);
+        // Samples sending nothing to the cell are the cheapest company.
+        let zeros = samples.saturating_sub(senders);
+        let need = rows.saturating_sub(1).saturating_sub(zeros).min(others);
+        let b = &mut bound[c / shape.partitions];
+        if need == 0 || need == others {
+            *b = (*b).max(candidate(heaviest, if need == 0 { 0 } else { rest }));
+        } else if candidate(heaviest, rest.saturating_mul(need as u64) / others as u64) > *b {
+            // The cheapest `need` of the others send at most their average each.
+            open.push((c, need));
+        }
+    }
+    if open.is_empty() {
+        return bound;
+    }
+    // The open cells' shares, grouped by cell (a counting sort into one flat buffer).
+    let mut slot = vec![usize::MAX; cells];
+    let mut start = vec![0usize; open.len() + 1];
+    for (k, &(c, _)) in open.iter().enumerate() {
+        slot[c] = k;
+        start[k + 1] = start[k] + sent[c].0 as usize;
     }
     let mut next = start.clone();
-    let mut shares = vec![0u32; counts.cells.len()];
+    let mut shares = vec![0u32; start[open.len()]];
     for &(c, n) in &counts.cells {
-        shares[next[c as usize]] = n;
-        next[c as usize] += 1;
+        let k = slot[c as usize];
+        if k != usize::MAX {
+            shares[next[k]] = n;
+            next[k] += 1;
+        }
     }
-    let samples = counts.refs.len();
-    for c in 0..cells {
-        let shares = &mut shares[start[c]..start[c + 1]];
-        let Some(k) = (0..shares.len()).max_by_key(|&k| shares[k]) else { continue };
-        let heaviest = shares[k];
+    for (k, &(c, need)) in open.iter().enumerate() {
+        let shares = &mut shares[start[k]..start[k + 1]];
+        let Some(h) = (0..shares.len()).max_by_key(|&h| shares[h]) else { continue };
+        let heaviest = shares[h];
         let last = shares.len() - 1;
-        shares.swap(k, last);
+        shares.swap(h, last);
         let shares = &mut shares[..last];
-        // Samples sending nothing to the cell are the cheapest company.
-        let zeros = samples - 1 - shares.len();
-        let need = rows.saturating_sub(1).saturating_sub(zeros).min(shares.len());
-        let company: u64 = if need == 0 {
-            0
-        } else {
-            shares.select_nth_unstable(need - 1);
-            shares[..need].iter().map(|&n| n as u64).sum()
-        };
+        shares.select_nth_unstable(need - 1);
+        let company: u64 = shares[..need].iter().map(|&n| n as u64).sum();
         let b = &mut bound[c / shape.partitions];
-        *b = (*b).max((heaviest as u64 + company).min(u32::MAX as u64) as u32);
+        *b = (*b).max(candidate(heaviest, company));
     }
     bound
 }
@@ -580,7 +632,11 @@ pub fn count_loads(config: &Config, batches: &[RecordBatch]) -> Result<Vec<Stack
         .map(|(ids, unique)| {
             ids.iter()
                 .zip(unique)
-                .map(|(l, &u)| StackLoad { max_ids_per_partition: l.max_ids_per_partition, max_unique_ids_per_partition: u, required_buffer: l.required_buffer })
+                .map(|(l, &u)| StackLoad {
+                    max_ids_per_partition: l.max_ids_per_partition,
+                    max_unique_ids_per_partition: u,
+                    required_buffer: l.required_buffer,
+                })
                 .collect()
         })
         .collect();
@@ -604,5 +660,6 @@ pub fn lower_bound(config: &Config, window: &[RecordBatch]) -> Result<Vec<u32>> 
     }
     let spread = bound_from(&totals, shape, 1).into_iter().map(|t| t.div_ceil((window.len() * shape.slices).max(1) as u32)).collect();
     let rows = window.iter().map(|b| b.num_rows() / shape.slices).min().unwrap_or(0);
-    Ok(with_unsplit(spread, &balancer.counts, shape, rows))
+    let totals: Vec<u64> = totals.iter().map(|&n| n as u64).collect();
+    Ok(with_unsplit(spread, &balancer.counts, &totals, shape, rows))
 }

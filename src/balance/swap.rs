@@ -28,6 +28,7 @@ enum Target {
 /// the worst falls once all of them are. Deterministic (fixed visiting orders); the checks are
 /// capped per sample, so a window costs at most a fixed multiple of its samples.
 pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &mut [u32], cells: usize, weights: &Weights<'_>) {
+    let members_len = members.len();
     let mut swaps = Swaps {
         counts,
         members,
@@ -38,7 +39,10 @@ pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &
         marked: Vec::new(),
         mark: vec![false; cells],
         sums: Vec::new(),
-        stack_change: vec![0; 2 * weights.inv_buffer.len()],
+        changed: Vec::new(),
+        stacks: weights.inv_buffer.len(),
+        bounds: vec![0; counts.refs.len() * (weights.inv_buffer.len() + 1)],
+        ready: vec![false; members_len],
         budget: SWAPS_CHECKED_PER_SAMPLE * counts.refs.len(),
     };
     while swaps.round(Target::Peak) {}
@@ -47,6 +51,31 @@ pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &
     let p = weights.partitions;
     swaps.sums = swaps.load.chunks(p).map(|part| part.iter().map(|&k| padded(k as i64)).sum()).collect();
     while swaps.round(Target::Buffer { peak }) {}
+}
+
+/// Where sample `i`'s stacks start in `counts.cells` (see [`Swaps::bounds`]), into `row` (one
+/// per stack and one past the last): one pass over its entries, where finding a stack by
+/// bisection on every look-up cost several times that (a round looks up hundreds of samples,
+/// and a checked swap both samples' stacks).
+fn sample_bounds(counts: &SampleCounts, i: usize, partitions: usize, row: &mut [usize]) {
+    // Partitions are a power of two (the layout's SparseCores).
+    let shift = partitions.trailing_zeros().min(63);
+    let (from, to) = (counts.start[i], counts.start[i + 1]);
+    // Stacks below `next` have their start.
+    let mut next = 0;
+    for (k, &(c, _)) in counts.cells[from..to].iter().enumerate() {
+        let stack = (c as u64 >> shift) as usize;
+        if stack == next && stack < row.len() {
+            row[stack] = from + k;
+            next = stack + 1;
+        } else if stack > next {
+            let end = (stack + 1).min(row.len());
+            row[next.min(end)..end].fill(from + k);
+            next = stack + 1;
+        }
+    }
+    let next = next.min(row.len());
+    row[next..].fill(to);
 }
 
 /// Per cell, 1 / the stack's `max_ids_per_partition`; per stack, S / its buffer per device.
@@ -69,9 +98,17 @@ struct Swaps<'a> {
     marked: Vec<usize>,
     mark: Vec<bool>,
     /// Per (slice, stack): Σ over partitions of ids rounded up to 8 (kept from the buffer
-    /// rounds on); per stack, a swap's change of it in A, then in B.
+    /// rounds on).
     sums: Vec<i64>,
-    stack_change: Vec<i64>,
+    /// Per stack a checked swap touches (buffer rounds): its padded sum's change in A and in B.
+    changed: Vec<(usize, i64, i64)>,
+    stacks: usize,
+    /// Sample i's entries of stack st are `counts.cells[bounds[i * (stacks + 1) + st]..bounds[i * (stacks + 1) + st + 1]]`,
+    /// filled for the members of a slice when a round first looks at it (`ready`): a window
+    /// whose rounds look at few slices fills few. Swaps trade samples between ready slices, so
+    /// every member of a ready slice has its bounds.
+    bounds: Vec<usize>,
+    ready: Vec<bool>,
     budget: usize,
 }
 
@@ -81,17 +118,15 @@ fn padded(ids: i64) -> i64 {
 }
 
 impl Swaps<'_> {
-    fn sample(&self, i: usize) -> &[(u32, u32)] {
-        &self.counts.cells[self.counts.start[i]..self.counts.start[i + 1]]
-    }
-
     /// The worst cell: (ids / limit, slice, cell), first in (slice, cell) order.
     fn worst_cell(&self) -> (f64, usize, usize) {
         let mut worst = (0f64, 0, 0);
-        for (k, &n) in self.load.iter().enumerate() {
-            let v = n as f64 * self.w.inv_limit[k % self.cells];
-            if v > worst.0 {
-                worst = (v, k / self.cells, k % self.cells);
+        for (s, row) in self.load.chunks_exact(self.cells.max(1)).enumerate() {
+            for (c, (&n, &inv)) in row.iter().zip(self.w.inv_limit).enumerate() {
+                let v = n as f64 * inv;
+                if v > worst.0 {
+                    worst = (v, s, c);
+                }
             }
         }
         worst
@@ -118,17 +153,19 @@ impl Swaps<'_> {
         worst
     }
 
-    /// A sample's ids in what the target measures: its cell, or its stack's cells.
+    /// A sample's ids in what the target measures: its cell, or its stack's cells (found by
+    /// bisection, as a sample holds tens of entries and a round asks for hundreds of samples).
     fn share(&self, i: usize, target: Target, key: usize) -> u32 {
         let p = self.w.partitions;
-        self.sample(i)
-            .iter()
-            .filter(|&&(c, _)| match target {
-                Target::Peak => c as usize == key,
-                Target::Buffer { .. } => c as usize / p == key,
-            })
-            .map(|x| x.1)
-            .sum()
+        let stack = match target {
+            Target::Peak => key / p,
+            Target::Buffer { .. } => key,
+        };
+        let entries = &self.counts.cells[self.stack_entries(i, stack)];
+        match target {
+            Target::Peak => entries.iter().filter(|&&(c, _)| c as usize == key).map(|x| x.1).sum(),
+            Target::Buffer { .. } => entries.iter().map(|x| x.1).sum(),
+        }
     }
 
     /// One swap that lowers the worst value of `target`; false when none does (or the budget
@@ -142,6 +179,7 @@ impl Swaps<'_> {
             return false;
         }
         let nslices = self.members.len();
+        self.make_ready(a_slice);
         // Samples of A by their share of the key, largest first.
         let mut outgoing: Vec<(u32, usize)> =
             (0..self.members[a_slice].len()).map(|k| (self.share(self.members[a_slice][k], target, key), k)).filter(|x| x.0 > 0).collect();
@@ -167,6 +205,7 @@ impl Swaps<'_> {
                     break;
                 }
                 if shares[b_slice].is_empty() {
+                    self.make_ready(b_slice);
                     shares[b_slice] = self.members[b_slice].iter().map(|&b| self.share(b, target, key)).collect();
                 }
                 for (kb, &share) in shares[b_slice].iter().enumerate() {
@@ -200,97 +239,54 @@ impl Swaps<'_> {
         }
     }
 
-    /// Where sample `i`'s entries of `stack` lie in `counts.cells` (a sample's entries come
-    /// stack by stack, in stack order).
+    /// Fills the stack bounds of `slice`'s members, once.
+    fn make_ready(&mut self, slice: usize) {
+        if std::mem::replace(&mut self.ready[slice], true) {
+            return;
+        }
+        let width = self.stacks + 1;
+        for &i in self.members[slice].iter() {
+            sample_bounds(self.counts, i, self.w.partitions, &mut self.bounds[i * width..(i + 1) * width]);
+        }
+    }
+
+    /// Where sample `i`'s entries of `stack` lie in `counts.cells`.
     fn stack_entries(&self, i: usize, stack: usize) -> std::ops::Range<usize> {
-        let (from, to) = (self.counts.start[i], self.counts.start[i + 1]);
-        let p = self.w.partitions;
-        let entries = &self.counts.cells[from..to];
-        let lo = entries.partition_point(|e| (e.0 as usize) / p < stack);
-        let hi = entries.partition_point(|e| (e.0 as usize) / p <= stack);
-        from + lo..from + hi
+        let row = &self.bounds[i * (self.stacks + 1)..][..self.stacks + 1];
+        row[stack]..row[stack + 1]
     }
 
     /// Swaps sample `ka` of A with `kb` of B if every cell (and, for the buffer, every stack)
     /// the two touch stays below `top` in both slices; `key` is the round's cell or stack.
+    /// Checked stack by stack, the key's first: most candidates fail early, and a failed check
+    /// then costs a few of the samples' entries instead of all of both.
     #[allow(clippy::too_many_arguments)]
     fn try_swap(&mut self, a_slice: usize, ka: usize, b_slice: usize, kb: usize, top: f64, target: Target, key: usize) -> bool {
         let (a, b) = (self.members[a_slice][ka], self.members[b_slice][kb]);
-        let cells = self.cells;
         let p = self.w.partitions;
         self.marked.clear();
-        let buffer_round = matches!(target, Target::Buffer { .. });
-        // The entries already added: the key stack's in a buffer round, none (an empty range at
-        // the sample's start) in a peak round.
-        let nothing = |i: usize| self.counts.start[i]..self.counts.start[i];
-        let (a_key, b_key) = if buffer_round { (self.stack_entries(a, key), self.stack_entries(b, key)) } else { (nothing(a), nothing(b)) };
-        if buffer_round {
-            // The key stack first: most candidates fail there, and a check that adds only its
-            // cells costs a few of a sample's entries instead of all of both samples'.
-            self.add_entries(a_key.clone(), -1);
-            self.add_entries(b_key.clone(), 1);
-            let (mut change_a, mut change_b) = (0i64, 0i64);
-            for &x in &self.marked {
-                let d = self.delta[x];
-                let (la, lb) = (self.load[a_slice * cells + x] as i64, self.load[b_slice * cells + x] as i64);
-                change_a += padded(la + d) - padded(la);
-                change_b += padded(lb - d) - padded(lb);
-            }
-            if !(self.buffer(a_slice, key, change_a) < top && self.buffer(b_slice, key, change_b) < top) {
-                for &x in &self.marked {
-                    self.mark[x] = false;
-                    self.delta[x] = 0;
-                }
-                return false;
-            }
-        }
-        for (i, sign, done) in [(a, -1, a_key), (b, 1, b_key)] {
-            self.add_entries(self.counts.start[i]..done.start, sign);
-            self.add_entries(done.end..self.counts.start[i + 1], sign);
-        }
-        let cap = match target {
-            Target::Peak => top,
-            Target::Buffer { peak } => peak,
+        self.changed.clear();
+        let key_stack = match target {
+            Target::Peak => key / p,
+            Target::Buffer { .. } => key,
         };
-        // Cells: below the top (peak), or at most the first objective's peak (buffer).
-        let cells_fit = self.marked.iter().all(|&x| {
-            [(a_slice, 1i64), (b_slice, -1)].iter().all(|&(s, sign)| {
-                let v = (self.load[s * cells + x] as i64 + sign * self.delta[x]) as f64 * self.w.inv_limit[x];
-                match target {
-                    Target::Peak => v < cap,
-                    Target::Buffer { .. } => v <= cap,
-                }
-            })
-        });
-        let fits = cells_fit
-            && match target {
-                Target::Peak => true,
-                Target::Buffer { .. } => {
-                    // Per touched stack, the change of each slice's padded sum.
-                    let stacks = self.w.inv_buffer.len();
-                    for &x in &self.marked {
-                        let st = x / p;
-                        let d = self.delta[x];
-                        let (la, lb) = (self.load[a_slice * cells + x] as i64, self.load[b_slice * cells + x] as i64);
-                        self.stack_change[st] += padded(la + d) - padded(la);
-                        self.stack_change[stacks + st] += padded(lb - d) - padded(lb);
-                    }
-                    // The key stack first: most candidates fail there.
-                    let below =
-                        |sw: &Self, st: usize| sw.buffer(a_slice, st, sw.stack_change[st]) < top && sw.buffer(b_slice, st, sw.stack_change[stacks + st]) < top;
-                    let ok = below(self, key) && self.marked.iter().all(|&x| below(self, x / p));
-                    for &x in &self.marked {
-                        let st = x / p;
-                        if ok {
-                            self.sums[a_slice * stacks + st] += self.stack_change[st];
-                            self.sums[b_slice * stacks + st] += self.stack_change[stacks + st];
-                        }
-                        self.stack_change[st] = 0;
-                        self.stack_change[stacks + st] = 0;
-                    }
-                    ok
-                }
-            };
+        let (a_key, b_key) = (self.stack_entries(a, key_stack), self.stack_entries(b, key_stack));
+        let mut fits = self.stack_fits(a_slice, b_slice, a_key.clone(), b_key.clone(), key_stack, top, target);
+        // The other stacks either sample sends ids to.
+        for stack in 0..self.stacks {
+            if !fits {
+                break;
+            }
+            if stack == key_stack {
+                continue;
+            }
+            let (a_entries, b_entries) = (self.stack_entries(a, stack), self.stack_entries(b, stack));
+            if a_entries.is_empty() && b_entries.is_empty() {
+                continue;
+            }
+            fits = self.stack_fits(a_slice, b_slice, a_entries, b_entries, stack, top, target);
+        }
+        let cells = self.cells;
         for &x in &self.marked {
             self.mark[x] = false;
             let d = std::mem::take(&mut self.delta[x]);
@@ -300,9 +296,55 @@ impl Swaps<'_> {
             }
         }
         if fits {
+            let stacks = self.w.inv_buffer.len();
+            for &(st, change_a, change_b) in &self.changed {
+                self.sums[a_slice * stacks + st] += change_a;
+                self.sums[b_slice * stacks + st] += change_b;
+            }
             self.members[a_slice][ka] = b;
             self.members[b_slice][kb] = a;
         }
         fits
+    }
+
+    /// Adds one stack's entries of a (`a_entries`, leaving A) and b (`b_entries`, leaving B)
+    /// to `delta` and checks that stack's cells in both slices: below `top` (peak), or at most
+    /// the first objective's peak with the stack's buffer below `top` (buffer). A buffer
+    /// round notes the stack's change of each slice's padded sum in `changed`.
+    #[allow(clippy::too_many_arguments)]
+    fn stack_fits(
+        &mut self,
+        a_slice: usize,
+        b_slice: usize,
+        a_entries: std::ops::Range<usize>,
+        b_entries: std::ops::Range<usize>,
+        stack: usize,
+        top: f64,
+        target: Target,
+    ) -> bool {
+        let from = self.marked.len();
+        self.add_entries(a_entries, -1);
+        self.add_entries(b_entries, 1);
+        let cells = self.cells;
+        let level = |sw: &Self, s: usize, x: usize, d: i64| (sw.load[s * cells + x] as i64 + d) as f64 * sw.w.inv_limit[x];
+        match target {
+            Target::Peak => self.marked[from..].iter().all(|&x| level(self, a_slice, x, self.delta[x]) < top && level(self, b_slice, x, -self.delta[x]) < top),
+            Target::Buffer { peak } => {
+                let (mut change_a, mut change_b) = (0i64, 0i64);
+                for &x in &self.marked[from..] {
+                    let d = self.delta[x];
+                    let (la, lb) = (self.load[a_slice * cells + x] as i64, self.load[b_slice * cells + x] as i64);
+                    change_a += padded(la + d) - padded(la);
+                    change_b += padded(lb - d) - padded(lb);
+                }
+                let ok = self.buffer(a_slice, stack, change_a) < top
+                    && self.buffer(b_slice, stack, change_b) < top
+                    && self.marked[from..].iter().all(|&x| level(self, a_slice, x, self.delta[x]) <= peak && level(self, b_slice, x, -self.delta[x]) <= peak);
+                if ok {
+                    self.changed.push((stack, change_a, change_b));
+                }
+                ok
+            }
+        }
     }
 }
