@@ -154,6 +154,23 @@ impl Counter {
     }
 }
 
+/// Starts a new generation of `stamps` (at least `size` of them), so that every stamp is stale
+/// without clearing any; clears them only when the generation wraps. Returns whether the
+/// stamps were reallocated (the caller's slots of the same length must be too).
+fn next_generation(stamps: &mut Vec<u32>, generation: &mut u32, size: usize) -> bool {
+    let grown = stamps.len() < size;
+    if grown {
+        *stamps = vec![0; size];
+        *generation = 0;
+    }
+    *generation = generation.wrapping_add(1);
+    if *generation == 0 {
+        stamps.fill(0);
+        *generation = 1;
+    }
+    grown
+}
+
 /// A set of columns by open addressing, emptied in O(1): a slot is taken when its stamp is the
 /// current generation, so starting over clears nothing. Counting a list's repeats and a slice's
 /// unique ids both use it.
@@ -170,15 +187,8 @@ impl StampedSet {
     /// Empties the set, using `slots` slots (rounded up to a power of two, at least 16).
     fn start(&mut self, slots: usize) {
         let size = slots.next_power_of_two().max(16);
-        if self.keys.len() < size {
+        if next_generation(&mut self.stamps, &mut self.generation, size) {
             self.keys = vec![0; size];
-            self.stamps = vec![0; size];
-            self.generation = 0;
-        }
-        self.generation = self.generation.wrapping_add(1);
-        if self.generation == 0 {
-            self.stamps.fill(0);
-            self.generation = 1;
         }
         self.size = size;
     }
@@ -463,15 +473,7 @@ impl SeenSet {
             }
         } else {
             let size = words * 64;
-            if self.stamps.len() < size {
-                self.stamps = vec![0; size];
-                self.generation = 0;
-            }
-            self.generation = self.generation.wrapping_add(1);
-            if self.generation == 0 {
-                self.stamps.fill(0);
-                self.generation = 1;
-            }
+            next_generation(&mut self.stamps, &mut self.generation, size);
             let (stamps, generation) = (&mut self.stamps[..size], self.generation);
             for &id in list {
                 let c = column(f, low32(id), mask);
