@@ -771,6 +771,6 @@ impl SliceExtractor<'_, '_> {
 /// SPEC 3.4's column of a (validated) id: shard rotation within the low bits, then the stacking
 /// offset, in 32-bit wrapping arithmetic.
 #[inline(always)]
-fn col_of(id: u32, shift: u32, mask: u32, offset: u32) -> u32 {
+pub(crate) fn col_of(id: u32, shift: u32, mask: u32, offset: u32) -> u32 {
     ((id.wrapping_add(shift) & mask) | (id & !mask)).wrapping_add(offset)
 }

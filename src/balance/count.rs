@@ -5,7 +5,7 @@ use arrow_array::RecordBatch;
 
 use super::{SampleCounts, SampleRef};
 use crate::error::{Error, Result};
-use crate::extract::InputInt;
+use crate::extract::{col_of, InputInt};
 use crate::input::{features_from_record_batch, FeatureView, Ids, Offsets, SampleSource};
 use crate::spec::{Config, Plan};
 
@@ -290,7 +290,7 @@ impl UniqueCounter {
 /// (per feature), so distinct columns are distinct ids, as the pipeline merges them.
 #[inline(always)]
 fn column(f: &RaggedFeature<'_>, id: u32, mask: u32) -> u32 {
-    ((id.wrapping_add(f.col_shift) & mask) | (id & !mask)).wrapping_add(f.col_offset)
+    col_of(id, f.col_shift, mask, f.col_offset)
 }
 
 /// Partition of an id's column, `column(f, id, mask) & mask`: the low bits of a sum depend only
