@@ -607,11 +607,13 @@ impl TcpAllReduce {
         }
     }
 
-    /// "2 (10.0.0.3:7777)": rank `r` and its address, where known.
+    /// "peer 2 at 10.0.0.3:7777": rank `r` in the same words as [`Self::describe_slot`], so a
+    /// peer that died reads alike whether we timed out waiting for its value or failed to send
+    /// it ours (which of the two happens first is a race).
     fn describe_rank(&self, r: usize) -> String {
         match (0..self.peers.len()).find(|&slot| slot != self.shared.rank as usize && self.rank_at(slot) == Some(r)) {
-            Some(slot) => format!("{r} ({})", self.peers[slot]),
-            None => format!("{r} (address not known yet)"),
+            Some(slot) => format!("peer {r} at {}", self.peers[slot]),
+            None => format!("peer {r} (address not known yet)"),
         }
     }
 
@@ -714,7 +716,7 @@ impl TcpAllReduce {
                     .collect();
                 let mut reason = format!("timed out after {:?}", self.timeout);
                 if !silent.is_empty() {
-                    reason += &format!(" waiting for peers {}", silent.join(", "));
+                    reason += &format!(" waiting for {}", silent.join(", "));
                 }
                 for r in &undelivered {
                     reason += &format!("; cannot reach {}: {}", self.describe_slot(*r), why.get(r).map_or("", |s| s));
@@ -831,6 +833,25 @@ mod tests {
         assert!(t.elapsed() < Duration::from_secs(5));
         assert!(matches!(&e, Error::AllReduce { key: 4, .. }), "{e:?}");
         assert!(e.to_string().contains(&dead.to_string()), "{e}");
+    }
+
+    #[test]
+    fn a_peer_that_takes_our_value_but_never_sends_its_own_is_named_like_an_unreachable_one() {
+        // Host 1 serves (so our delivery succeeds) but never calls all-reduce itself: the
+        // error is the timeout, and it must name the peer as the refused-connection case does.
+        let ls: Vec<TcpListener> = (0..2).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+        let addrs: Vec<SocketAddr> = ls.iter().map(|l| l.local_addr().unwrap()).collect();
+        let mut hs: Vec<TcpAllReduce> = ls
+            .into_iter()
+            .enumerate()
+            .map(|(r, l)| TcpAllReduce::with_listener(r, l, addrs.clone(), Duration::from_millis(300)).unwrap())
+            .collect();
+        let _silent = hs.pop().unwrap();
+        let e = hs[0].all_reduce_or_bool(8, true).unwrap_err();
+        assert!(matches!(&e, Error::AllReduce { key: 8, .. }), "{e:?}");
+        let text = e.to_string();
+        assert!(text.contains(&format!("waiting for peer 1 at {}", addrs[1])), "{text}");
+        assert!(!text.contains("cannot reach"), "{text}");
     }
 
     #[test]
