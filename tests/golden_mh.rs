@@ -279,7 +279,7 @@ fn host_process() {
         drop(out);
         let err = run_step(&case.host_dir(rank), case.batch_number + 1, ar).expect_err("a step without the victim");
         assert!(matches!(err, sparsecore_prep::Error::AllReduce { .. }), "host {rank}: {err:?}");
-        let named = format!("{victim} ({})", peers[victim]);
+        let named = format!("peer {victim} at {}", peers[victim]);
         assert!(err.to_string().contains(&named), "host {rank}: {err} does not name {named}");
         let mut out = std::io::stdout().lock();
         writeln!(out, "{FAILED_LINE}{err}").unwrap();
@@ -392,7 +392,7 @@ fn a_killed_host_is_named_by_every_other_host() {
         // The child itself asserts that its error is an Error::AllReduce naming the victim.
         wait_host(p, deadline).unwrap_or_else(|e| panic!("host {h}: {e}"));
         let said = said.unwrap_or_else(|| panic!("host {h} reported no error"));
-        assert!(said.contains(&format!("{victim} ({})", addrs[victim])), "host {h}: {said}");
+        assert!(said.contains(&format!("peer {victim} at {}", addrs[victim])), "host {h}: {said}");
         errors.push(format!("host {h}: {said}"));
     }
     assert_eq!(errors.len(), case.hosts - 1);
