@@ -423,6 +423,21 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
+/// Why one attempt to deliver our value to a peer failed.
+struct Undelivered {
+    reason: String,
+    /// The attempt ran out of time (its own step, or the exchange's deadline) rather than
+    /// being refused or cut off: the least informative failure.
+    timed_out: bool,
+}
+
+impl Undelivered {
+    fn io(what: &str, e: std::io::Error) -> Self {
+        let timed_out = matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut);
+        Undelivered { reason: format!("{what}: {e}"), timed_out }
+    }
+}
+
 /// All-reduce over TCP between `peers.len()` hosts of one job; this host is `rank`.
 ///
 /// Each exchange delivers this host's value to every peer (retrying until the deadline while a
@@ -636,33 +651,34 @@ impl TcpAllReduce {
 
     /// Delivers one value to the peer at `peers[r]`: connect, read its hello, send a frame, read
     /// the ack.
-    fn deliver(&self, r: usize, key: u64, value: u64, deadline: Instant) -> std::result::Result<(), String> {
+    fn deliver(&self, r: usize, key: u64, value: u64, deadline: Instant) -> std::result::Result<(), Undelivered> {
         let addr = self.peers[r];
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err("deadline passed".into());
+            return Err(Undelivered { reason: "deadline passed".into(), timed_out: true });
         }
         let step = left.min(Duration::from_secs(2));
-        let mut s = TcpStream::connect_timeout(&addr, step).map_err(|e| format!("connecting: {e}"))?;
-        let io = |e: std::io::Error| format!("talking to it: {e}");
-        s.set_read_timeout(Some(step)).map_err(io)?;
-        s.set_write_timeout(Some(step)).map_err(io)?;
+        let failed = |what: &'static str| move |e: std::io::Error| Undelivered::io(what, e);
+        let mut s = TcpStream::connect_timeout(&addr, step).map_err(failed("connecting"))?;
+        s.set_read_timeout(Some(step)).map_err(failed("talking to it"))?;
+        s.set_write_timeout(Some(step)).map_err(failed("talking to it"))?;
         let _ = s.set_nodelay(true);
         let mut hello = [0u8; HELLO];
-        s.read_exact(&mut hello).map_err(|e| format!("reading its hello: {e}"))?;
+        s.read_exact(&mut hello).map_err(failed("reading its hello"))?;
+        let refused = |reason: String| Undelivered { reason, timed_out: false };
         if &hello[..4] != HELLO_MAGIC || hello[4..8] != VERSION.to_le_bytes() {
-            return Err("it does not speak this all-reduce protocol".into());
+            return Err(refused("it does not speak this all-reduce protocol".into()));
         }
         let their_rank = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes"));
-        let dst = self.check_rank(r, their_rank as usize)?;
+        let dst = self.check_rank(r, their_rank as usize).map_err(refused)?;
         let f = frame(&self.shared.token, &hello[12..], self.shared.rank, dst as u32, 1, key, value);
-        s.write_all(&f).map_err(io)?;
+        s.write_all(&f).map_err(failed("talking to it"))?;
         let mut ack = [0u8; 1];
-        s.read_exact(&mut ack).map_err(|e| format!("reading its acknowledgement: {e}"))?;
+        s.read_exact(&mut ack).map_err(failed("reading its acknowledgement"))?;
         match ack[0] {
             ACK_OK => Ok(()),
-            ACK_BUSY => Err("its inbox was full".into()),
-            _ => Err("it rejected our message (do all hosts use the same token?)".into()),
+            ACK_BUSY => Err(refused("its inbox was full".into())),
+            _ => Err(refused("it rejected our message (do all hosts use the same token?)".into())),
         }
     }
 
@@ -683,9 +699,11 @@ impl TcpAllReduce {
             undelivered.retain(|&r| match self.deliver(r, key, value, deadline) {
                 Ok(()) => false,
                 Err(e) => {
-                    // Keep the last real failure rather than "deadline passed".
-                    if e != "deadline passed" || !why.contains_key(&r) {
-                        why.insert(r, e);
+                    // A timeout never replaces an earlier failure: the last attempts before the
+                    // deadline get only what is left of it, and "reading its hello: timed out"
+                    // there would hide that the peer had rejected every message before.
+                    if !e.timed_out || !why.contains_key(&r) {
+                        why.insert(r, e.reason);
                     }
                     true
                 }
@@ -852,6 +870,31 @@ mod tests {
         let text = e.to_string();
         assert!(text.contains(&format!("waiting for peer 1 at {}", addrs[1])), "{text}");
         assert!(!text.contains("cannot reach"), "{text}");
+    }
+
+    #[test]
+    fn a_wrong_token_is_named_whatever_the_last_attempt_before_the_deadline_met() {
+        // Both hosts reject each other's messages until the deadline; the attempts just before
+        // it get almost no time, and their timeouts must not replace the rejection.
+        let ls: Vec<TcpListener> = (0..2).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+        let addrs: Vec<SocketAddr> = ls.iter().map(|l| l.local_addr().unwrap()).collect();
+        let hs: Vec<TcpAllReduce> = ls
+            .into_iter()
+            .enumerate()
+            .map(|(r, l)| {
+                TcpAllReduce::builder(r, addrs.clone()).timeout(Duration::from_millis(400)).token(format!("t{r}")).listener(l).build().unwrap()
+            })
+            .collect();
+        let errs: Vec<Error> = std::thread::scope(|s| {
+            let js: Vec<_> = hs.iter().map(|h| s.spawn(move || h.all_reduce_or_bool(12, true).unwrap_err())).collect();
+            js.into_iter().map(|j| j.join().unwrap()).collect()
+        });
+        for (r, e) in errs.iter().enumerate() {
+            assert!(matches!(e, Error::AllReduce { key: 12, .. }), "{e:?}");
+            let other = addrs[1 - r];
+            let named = format!("cannot reach peer {} at {other}: it rejected our message (do all hosts use the same token?)", 1 - r);
+            assert!(e.to_string().contains(&named), "{e}");
+        }
     }
 
     #[test]
