@@ -260,10 +260,10 @@ impl Balancer {
             .collect();
         if risky.contains(&true) {
             let config = self.prep.config();
-            let after_unique = self.unique.worst_per_batch(config, &plan, window, &permutation, shape.slices, &risky)?;
+            let after_unique = self.unique.worst_per_batch(config, plan, window, &permutation, shape.slices, &risky)?;
             let over = |u: &[Vec<i32>]| u.iter().any(|a| a.iter().zip(&plan.stacks).any(|(&a, st)| a > limit(st.max_unique_ids_per_partition)));
             if over(&after_unique) {
-                let before_unique = self.unique.worst_per_batch(config, &plan, window, &identity, shape.slices, &risky)?;
+                let before_unique = self.unique.worst_per_batch(config, plan, window, &identity, shape.slices, &risky)?;
                 let window_unique = (0..plan.stacks.len()).map(|st| before_unique.iter().map(|b| b[st]).max().unwrap_or(0)).collect::<Vec<_>>();
                 let unique_ok = after_unique.iter().enumerate().all(|(b, a)| {
                     let r = if pooled { &window_unique } else { &before_unique[b] };
