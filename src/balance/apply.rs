@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use arrow_array::types::{ArrowPrimitiveType, Float32Type, Float64Type, Int32Type, Int64Type};
 use arrow_array::{Array, ArrayRef, GenericListArray, OffsetSizeTrait, PrimitiveArray, RecordBatch};
-use arrow_buffer::{ArrowNativeType, BooleanBuffer, Buffer, MutableBuffer, NullBuffer, OffsetBuffer, ScalarBuffer};
+use arrow_buffer::{ArrowNativeType, BooleanBuffer, Buffer, MutableBuffer, NullBuffer, OffsetBuffer, ScalarBuffer, ToByteSlice};
 use arrow_schema::{ArrowError, DataType, FieldRef};
 
 use super::SampleRef;
@@ -126,6 +126,15 @@ impl Reorder {
         }
     }
 
+    /// A buffer of `bytes` bytes for the caller to overwrite: a buffer taken back keeps its old
+    /// bytes up to its old length (zeroing a buffer that is about to be overwritten cost as
+    /// much as the writes), and only what it grows by is zeroed.
+    fn overwritable(&mut self, bytes: usize) -> MutableBuffer {
+        let mut m = self.spare.pop().unwrap_or_else(|| MutableBuffer::from(Vec::<u64>::with_capacity(bytes.div_ceil(8))));
+        m.resize(bytes, 0);
+        m
+    }
+
     /// Pushes the column of every output batch to `out`; false for a type (or shape) left to
     /// Arrow's `interleave`.
     fn reorder_column(&mut self, arrays: &[&dyn Array], index: &[Vec<(usize, usize)>], lent: &mut Vec<Buffer>, out: &mut Vec<ArrayRef>) -> bool {
@@ -204,72 +213,148 @@ impl Reorder {
         let nulls = arrays.iter().any(|a| a.null_count() != 0);
         // One value per row (single-id features): a gather, with no runs to measure.
         let unit = offsets.iter().all(|o| o.windows(2).all(|w| w[1].as_usize() == w[0].as_usize() + 1));
-        // Where each input's values start (a sliced list's offsets need not start at 0).
-        let base: Vec<usize> = offsets.iter().map(|o| o.first().map_or(0, |o| o.as_usize())).collect();
-        // Each input's offsets and values side by side: one look-up per row.
-        let inputs: Vec<(&[O], &[T::Native])> = offsets.iter().copied().zip(values.iter().copied()).collect();
+        // Each input's offsets and values (as bytes) side by side: one look-up per row.
+        let inputs: Vec<(&[O], &[u8])> = offsets.iter().copied().zip(values.iter().map(|v| v.to_byte_slice())).collect();
         for index in index {
-            let mut offsets_out = self.buffer((index.len() + 1) * size_of::<O>());
-            offsets_out.push(O::usize_as(0));
-            let data = if unit {
-                let mut data = self.buffer(index.len() * size_of::<T::Native>());
-                for (i, &(b, r)) in index.iter().enumerate() {
-                    data.push(*inputs[b].1.get(base[b] + r)?);
-                    offsets_out.push(O::usize_as(i + 1));
+            let (offsets_out, data) = match &inputs[..] {
+                // A window of one batch: every row comes from it, and an output batch of its
+                // size takes all its values.
+                [(o, v)] => {
+                    let whole = (o.len() == index.len() + 1).then(|| o[index.len()].as_usize().saturating_sub(o[0].as_usize()));
+                    self.list_rows::<O, T::Native>(index, unit, whole, |_| Some((o, v)))?
                 }
-                data
-            } else {
-                let run = |b: usize, r: usize| match inputs.get(b).and_then(|(o, _)| o.get(r..r + 2)) {
-                    Some(&[start, end]) => Some((start.as_usize(), end.as_usize())),
-                    _ => None,
-                };
-                // The size first, as a buffer grown midway is copied and, when fresh, faulted in
-                // twice: all of a single input's values when this batch takes every row of it (a
-                // window of one batch), otherwise summed over the rows.
-                let total = match (&inputs[..], &base[..]) {
-                    ([(o, _)], [first]) if o.len() == index.len() + 1 => o[index.len()].as_usize() - first,
-                    _ => index.iter().map(|&(b, r)| run(b, r).map_or(0, |(start, end)| end - start)).sum(),
-                };
-                let mut data = self.buffer((total + SHORT) * size_of::<T::Native>());
-                let short = total <= index.len() * SHORT;
-                let mut at = 0;
-                for &(b, r) in index {
-                    let (start, end) = run(b, r)?;
-                    at += end - start;
-                    copy_run(&mut data, inputs[b].1, start, end, short);
-                    offsets_out.push(O::usize_as(at));
-                }
-                O::from_usize(at)?;
-                data
+                _ => self.list_rows::<O, T::Native>(index, unit, None, |b| inputs.get(b).map(|(o, v)| (*o, *v)))?,
             };
-            let offsets_out = OffsetBuffer::new(lend::<O>(offsets_out, lent));
+            let offsets_out = lend::<O>(offsets_out, lent);
+            // SAFETY: `list_rows` wrote the offsets from 0, each the one before plus a row's
+            // length (a difference of two offsets of a valid input, never negative), so they
+            // are non-negative and never fall, which is all `new_unchecked` asks (the list's
+            // `try_new` checks the last against the values). Checking them again cost a pass.
+            #[allow(unsafe_code)]
+            let offsets_out = unsafe { OffsetBuffer::new_unchecked(offsets_out) };
             let data: ArrayRef = Arc::new(PrimitiveArray::<T>::new(lend::<T::Native>(data, lent), None));
             out.push(Arc::new(GenericListArray::<O>::try_new(field.clone(), offsets_out, data, row_nulls(nulls, arrays, index)).ok()?));
         }
         Some(())
     }
-}
 
-/// Runs up to this long are copied as a whole block of this many values.
-const SHORT: usize = 8;
-
-/// Appends `values[start..end]` to `data`. A call to copy a handful of values costs more than
-/// the copy, so where rows hold few values each (`short`: criteo's one to five ids) a run of up
-/// to [`SHORT`] values is copied as a whole block of [`SHORT`] (a few vector moves, into room
-/// `data` has: it was sized for [`SHORT`] values past the column's) where the input has that
-/// many values from its start, and cut back to the run.
-#[inline(always)]
-fn copy_run<T: ArrowNativeType>(data: &mut MutableBuffer, values: &[T], start: usize, end: usize, short: bool) {
-    let len = end - start;
-    match values.get(start..start + SHORT) {
-        Some(block) if short && len <= SHORT => {
-            let keep = data.len() + len * size_of::<T>();
-            data.extend_from_slice(block);
-            data.truncate(keep);
+    /// One output batch's offsets and values of a list column: `input(b)` is input b's offsets
+    /// and values (as bytes), `whole` the batch's values when known. Buffers taken back are
+    /// sized first and then written in place, which costs a bounds check per row where a push
+    /// checks the room and bumps the length; fresh ones are pushed to instead.
+    #[inline(always)]
+    fn list_rows<'i, O: OffsetSizeTrait, T: ArrowNativeType>(
+        &mut self,
+        index: &[(usize, usize)],
+        unit: bool,
+        whole: Option<usize>,
+        input: impl Fn(usize) -> Option<(&'i [O], &'i [u8])>,
+    ) -> Option<(MutableBuffer, MutableBuffer)> {
+        let (so, st) = (size_of::<O>(), size_of::<T>());
+        let run = |b: usize, r: usize| {
+            let (o, v) = input(b)?;
+            match o.get(r..r + 2) {
+                Some(&[start, end]) => Some((start.as_usize(), end.as_usize(), v)),
+                _ => None,
+            }
+        };
+        // The size first, as a buffer grown midway is copied and, when fresh, faulted in twice:
+        // one value per row, `whole`, or summed over the rows.
+        let total = match whole {
+            _ if unit => index.len(),
+            Some(total) => total,
+            None => index.iter().map(|&(b, r)| run(b, r).map_or(0, |(start, end, _)| end.saturating_sub(start))).sum(),
+        };
+        O::from_usize(total)?;
+        if self.spare.len() < 2 {
+            return self.list_rows_pushed::<O>(index, unit, total, st, run);
         }
-        _ => data.extend_from_slice(&values[start..end]),
+        let mut offsets_out = self.overwritable((index.len() + 1) * so);
+        let mut data = self.overwritable((total + SHORT) * st);
+        let (offs, dst) = (offsets_out.as_slice_mut(), data.as_slice_mut());
+        offs.get_mut(..so)?.copy_from_slice(O::usize_as(0).to_byte_slice());
+        let mut at = 0;
+        if unit {
+            for (k, &(b, r)) in index.iter().enumerate() {
+                let (start, _, v) = run(b, r)?;
+                dst.get_mut(k * st..(k + 1) * st)?.copy_from_slice(v.get(start * st..(start + 1) * st)?);
+                offs.get_mut((k + 1) * so..(k + 2) * so)?.copy_from_slice(O::usize_as(k + 1).to_byte_slice());
+            }
+            at = total;
+        } else {
+            // Rows of a handful of values (criteo's one to five ids) are copied as a whole block
+            // of SHORT values (a few vector moves; `data` has room for SHORT values past the
+            // column's) where the input has that many from the run's start, and the next row
+            // overwrites what lies past the run: a call to copy a handful of values costs more
+            // than the copy.
+            let short = total <= index.len() * SHORT;
+            for (k, &(b, r)) in index.iter().enumerate() {
+                let (start, end, v) = run(b, r)?;
+                let len = end.checked_sub(start)?;
+                match v.get(start * st..(start + SHORT) * st) {
+                    Some(block) if short && len <= SHORT => dst.get_mut(at * st..(at + SHORT) * st)?.copy_from_slice(block),
+                    _ => dst.get_mut(at * st..(at + len) * st)?.copy_from_slice(v.get(start * st..end * st)?),
+                }
+                at += len;
+                offs.get_mut((k + 1) * so..(k + 2) * so)?.copy_from_slice(O::usize_as(at).to_byte_slice());
+            }
+            if at != total {
+                return None;
+            }
+        }
+        data.truncate(at * st);
+        Some((offsets_out, data))
     }
 }
+
+impl Reorder {
+    /// [`Reorder::list_rows`] into fresh buffers, which are pushed to: sizing them first would
+    /// have them zeroed, which costs more than the pushes.
+    #[inline(always)]
+    fn list_rows_pushed<'i, O: OffsetSizeTrait>(
+        &mut self,
+        index: &[(usize, usize)],
+        unit: bool,
+        total: usize,
+        st: usize,
+        run: impl Fn(usize, usize) -> Option<(usize, usize, &'i [u8])>,
+    ) -> Option<(MutableBuffer, MutableBuffer)> {
+        let mut offsets_out = self.buffer((index.len() + 1) * size_of::<O>());
+        offsets_out.push(O::usize_as(0));
+        let mut data = self.buffer((total + SHORT) * st);
+        if unit {
+            for (k, &(b, r)) in index.iter().enumerate() {
+                let (start, _, v) = run(b, r)?;
+                data.extend_from_slice(v.get(start * st..(start + 1) * st)?);
+                offsets_out.push(O::usize_as(k + 1));
+            }
+        } else {
+            let short = total <= index.len() * SHORT;
+            let mut at = 0;
+            for &(b, r) in index {
+                let (start, end, v) = run(b, r)?;
+                let len = end.checked_sub(start)?;
+                match v.get(start * st..(start + SHORT) * st) {
+                    Some(block) if short && len <= SHORT => {
+                        let keep = data.len() + len * st;
+                        data.extend_from_slice(block);
+                        data.truncate(keep);
+                    }
+                    _ => data.extend_from_slice(v.get(start * st..end * st)?),
+                }
+                at += len;
+                offsets_out.push(O::usize_as(at));
+            }
+            if at != total {
+                return None;
+            }
+        }
+        Some((offsets_out, data))
+    }
+}
+
+/// Rows of up to this many values are copied as a whole block of this many.
+const SHORT: usize = 8;
 
 /// A filled buffer as the column's values, keeping a reference to take it back later.
 fn lend<T: ArrowNativeType>(buffer: MutableBuffer, lent: &mut Vec<Buffer>) -> ScalarBuffer<T> {

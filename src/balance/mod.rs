@@ -35,8 +35,6 @@
 //! Everything runs on one thread in a fixed order, so the result does not depend on the thread
 //! count.
 
-use std::collections::BTreeSet;
-
 use arrow_array::RecordBatch;
 
 use crate::error::{Error, Result};
@@ -51,7 +49,7 @@ mod swap;
 
 pub use apply::{apply, Reorder};
 use count::{Counter, UniqueCounter};
-use swap::{improve, Weights};
+use swap::{improve, SwapMemory, Weights};
 
 /// Where one output row comes from: input batch `batch`, row `row` (both within the window).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -135,6 +133,7 @@ pub struct Balancer {
     unique: UniqueCounter,
     /// Output buffers taken back from the previous window's batches.
     reorder: Reorder,
+    swap_memory: SwapMemory,
 }
 
 /// Every sample's (cell, ids) pairs, stored flat: sample i owns `cells[start[i]..start[i + 1]]`,
@@ -175,6 +174,7 @@ impl Balancer {
             counter: Counter::default(),
             unique: UniqueCounter::default(),
             reorder: Reorder::default(),
+            swap_memory: SwapMemory::default(),
         })
     }
 
@@ -187,7 +187,7 @@ impl Balancer {
                 report: BalanceReport { batches: window.len(), ..BalanceReport::default() },
             });
         };
-        let plan = self.prep.plan().expect("count() planned").clone();
+        let plan = self.prep.plan().expect("count() planned");
         let stacks: Vec<String> = plan.stacks.iter().map(|s| s.name.clone()).collect();
         let inv_limit: Vec<f64> = plan.stacks.iter().flat_map(|s| std::iter::repeat_n(1.0 / s.max_ids_per_partition.max(1) as f64, shape.partitions)).collect();
         let slice_rows: Vec<usize> = window.iter().map(|rb| rb.num_rows() / shape.slices).collect();
@@ -207,19 +207,9 @@ impl Balancer {
         let counts = &self.counts;
         let inv_buffer: Vec<f64> = plan.stacks.iter().map(|st| shape.sc_per_device as f64 / st.coo_buffer_size_per_device.max(1) as f64).collect();
         let weights = Weights { inv_limit: &inv_limit, inv_buffer: &inv_buffer, partitions: shape.partitions };
-        improve(counts, &mut members, &mut self.load, cells, &weights);
+        improve(counts, &mut members, &mut self.load, cells, &weights, &mut self.swap_memory);
         let after_batches = batch_loads(&self.load, shape, window.len());
-        let permutation: Vec<Vec<SampleRef>> = (0..window.len())
-            .map(|b| {
-                (0..shape.slices)
-                    .flat_map(|j| {
-                        let mut m: Vec<SampleRef> = members[b * shape.slices + j].iter().map(|&i| counts.refs[i]).collect();
-                        m.sort_unstable();
-                        m
-                    })
-                    .collect()
-            })
-            .collect();
+        let permutation = permutation(counts, &members, shape.slices, window.len());
         let identity = identity(window);
         let before = worst_per_stack(&before_batches);
         let keep = |before: Vec<IdLoad>, bound: Vec<u32>| Balanced {
@@ -270,10 +260,10 @@ impl Balancer {
             .collect();
         if risky.contains(&true) {
             let config = self.prep.config();
-            let after_unique = self.unique.worst_per_batch(config, &plan, window, &permutation, shape.slices, &risky)?;
+            let after_unique = self.unique.worst_per_batch(config, plan, window, &permutation, shape.slices, &risky)?;
             let over = |u: &[Vec<i32>]| u.iter().any(|a| a.iter().zip(&plan.stacks).any(|(&a, st)| a > limit(st.max_unique_ids_per_partition)));
             if over(&after_unique) {
-                let before_unique = self.unique.worst_per_batch(config, &plan, window, &identity, shape.slices, &risky)?;
+                let before_unique = self.unique.worst_per_batch(config, plan, window, &identity, shape.slices, &risky)?;
                 let window_unique = (0..plan.stacks.len()).map(|st| before_unique.iter().map(|b| b[st]).max().unwrap_or(0)).collect::<Vec<_>>();
                 let unique_ok = after_unique.iter().enumerate().all(|(b, a)| {
                     let r = if pooled { &window_unique } else { &before_unique[b] };
@@ -348,39 +338,51 @@ impl Balancer {
 /// per (slice, cell)) ends with the placed ids; returns each slice's sample indices.
 fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: usize, load: &mut [u32]) -> Result<Vec<Vec<usize>>> {
     let nslices = capacity.len();
-    let mut order: Vec<usize> = (0..counts.refs.len()).collect();
-    order.sort_unstable_by(|&a, &b| counts.peak[b].total_cmp(&counts.peak[a]).then(a.cmp(&b)));
-    let mut peak = vec![0f64; nslices];
+    // Largest peak first (in `f64::total_cmp`'s order, as integer keys), then by index.
+    let mut keyed: Vec<(i64, usize)> = counts
+        .peak
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let bits = p.to_bits() as i64;
+            (!(bits ^ (((bits >> 63) as u64) >> 1) as i64), i)
+        })
+        .collect();
+    keyed.sort_unstable();
+    let order: Vec<usize> = keyed.into_iter().map(|(_, i)| i).collect();
     let mut total = vec![0u64; nslices];
     let mut members: Vec<Vec<usize>> = capacity.iter().map(|&c| Vec::with_capacity(c)).collect();
-    // Peaks are non-negative, so their bit patterns sort as the values do.
-    let mut open: BTreeSet<(u64, u64, usize)> = (0..nslices).filter(|&s| capacity[s] > 0).map(|s| (0, 0, s)).collect();
+    // Peaks are non-negative, so their bit patterns sort as the values do. Kept sorted; a
+    // slice's key only grows, so it moves towards the end.
+    let mut open: Vec<(u64, u64, usize)> = (0..nslices).filter(|&s| capacity[s] > 0).map(|s| (0, 0, s)).collect();
     for &i in &order {
-        let sample = &counts.cells[counts.start[i]..counts.start[i + 1]];
-        let mut best: Option<(f64, u64, usize)> = None;
+        let sample = counts.cells.get(counts.start[i]..counts.start[i + 1]).unwrap_or_default();
+        // (new peak, ids, slice, position in `open`).
+        let mut best: Option<(f64, u64, usize, usize)> = None;
         // The entry that set the last slice's peak or put it out is tried first: where it puts
         // this slice out too, the rest of the sample is not read (the result is the same in any
         // order).
         let mut probe = 0;
-        for &(peak_bits, ids, s) in &open {
+        for (at, &(peak_bits, ids, s)) in open.iter().enumerate() {
             let current = f64::from_bits(peak_bits);
             // Every later slice's new peak is at least its current one, and among equal
             // peaks the set's order is the tie-break's.
             if best.is_some_and(|b| current >= b.0) {
                 break;
             }
-            let row = &load[s * cells..(s + 1) * cells];
+            let Some(row) = load.get(s * cells..(s + 1) * cells) else { continue };
             let inv_limit = &inv_limit[..row.len()];
             // A slice whose new peak passes the best found so far is out as soon as it does.
             let bar = best.map_or(f64::INFINITY, |b| b.0);
-            if let Some(&(c, n)) = sample.get(probe) {
-                if (row[c as usize] + n) as f64 * inv_limit[c as usize] > bar {
+            let level = |&(c, n): &(u32, u32)| row.get(c as usize).map_or(f64::INFINITY, |&k| (k + n) as f64 * inv_limit[c as usize]);
+            if let Some(e) = sample.get(probe) {
+                if level(e) > bar {
                     continue;
                 }
             }
             let mut new_peak = current;
-            for (k, &(c, n)) in sample.iter().enumerate() {
-                let v = (row[c as usize] + n) as f64 * inv_limit[c as usize];
+            for (k, e) in sample.iter().enumerate() {
+                let v = level(e);
                 if v > new_peak {
                     new_peak = v;
                     probe = k;
@@ -393,23 +395,75 @@ fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: us
                 continue;
             }
             if best.is_none_or(|b| new_peak < b.0 || (new_peak == b.0 && (ids, s) < (b.1, b.2))) {
-                best = Some((new_peak, ids, s));
+                best = Some((new_peak, ids, s, at));
             }
         }
-        let (new_peak, _, s) = best.ok_or_else(|| Error::input("balance", "the window's slices have no room for its samples"))?;
-        open.remove(&(peak[s].to_bits(), total[s], s));
+        let (new_peak, _, s, at) = best.ok_or_else(|| Error::input("balance", "the window's slices have no room for its samples"))?;
         let row = &mut load[s * cells..(s + 1) * cells];
         for &(c, n) in sample {
             row[c as usize] += n;
             total[s] += n as u64;
         }
-        peak[s] = new_peak;
         members[s].push(i);
         if members[s].len() < capacity[s] {
-            open.insert((new_peak.to_bits(), total[s], s));
+            let key = (new_peak.to_bits(), total[s], s);
+            let mut at = at;
+            while let Some(&next) = open.get(at + 1).filter(|&&next| next < key) {
+                open[at] = next;
+                at += 1;
+            }
+            open[at] = key;
+        } else {
+            open.remove(at);
         }
     }
     Ok(members)
+}
+
+/// Output batch b takes slices b·S..(b + 1)·S of `members`, each slice's samples in input order.
+fn permutation(counts: &SampleCounts, members: &[Vec<usize>], slices: usize, batches: usize) -> Vec<Vec<SampleRef>> {
+    let refs = &counts.refs;
+    // Samples are counted in input order, so walking them in index order lists every slice's
+    // samples sorted, with no sort.
+    if refs.windows(2).all(|w| w[0] < w[1]) {
+        let mut slice_of = vec![usize::MAX; refs.len()];
+        for (s, m) in members.iter().enumerate() {
+            for &i in m {
+                if let Some(x) = slice_of.get_mut(i) {
+                    *x = s;
+                }
+            }
+        }
+        // Where each slice's next sample goes in its batch.
+        let mut next = vec![0usize; members.len()];
+        let mut out: Vec<Vec<SampleRef>> = Vec::with_capacity(batches);
+        for b in 0..batches {
+            let mut at = 0;
+            for s in b * slices..((b + 1) * slices).min(members.len()) {
+                next[s] = at;
+                at += members[s].len();
+            }
+            out.push(vec![SampleRef { batch: 0, row: 0 }; at]);
+        }
+        for (i, &s) in slice_of.iter().enumerate() {
+            if let (Some(batch), Some(at)) = (out.get_mut(s / slices.max(1)), next.get_mut(s)) {
+                batch[*at] = refs[i];
+                *at += 1;
+            }
+        }
+        return out;
+    }
+    (0..batches)
+        .map(|b| {
+            (0..slices)
+                .flat_map(|j| {
+                    let mut m: Vec<SampleRef> = members[b * slices + j].iter().map(|&i| refs[i]).collect();
+                    m.sort_unstable();
+                    m
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// Per (slice, cell) ids of the input order: slice j of batch b holds rows j·r..(j+1)·r.

@@ -27,8 +27,11 @@ enum Target {
 /// fill its slice last; a swap undoes that. Values tied at the worst are fixed one at a time, so
 /// the worst falls once all of them are. Deterministic (fixed visiting orders); the checks are
 /// capped per sample, so a window costs at most a fixed multiple of its samples.
-pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &mut [u32], cells: usize, weights: &Weights<'_>) {
+pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &mut [u32], cells: usize, weights: &Weights<'_>, memory: &mut SwapMemory) {
     let members_len = members.len();
+    // Every row a round reads is filled first (`ready`), so the memory need not be cleared.
+    let mut bounds = std::mem::take(&mut memory.bounds);
+    bounds.resize(counts.refs.len() * (weights.inv_buffer.len() + 1), 0);
     let mut swaps = Swaps {
         counts,
         members,
@@ -41,9 +44,11 @@ pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &
         sums: Vec::new(),
         changed: Vec::new(),
         stacks: weights.inv_buffer.len(),
-        bounds: vec![0; counts.refs.len() * (weights.inv_buffer.len() + 1)],
+        bounds,
         ready: vec![false; members_len],
         budget: SWAPS_CHECKED_PER_SAMPLE * counts.refs.len(),
+        scratch: std::mem::take(&mut memory.scratch),
+        slice_worst: Vec::new(),
     };
     while swaps.round(Target::Peak) {}
     let peak = swaps.worst_cell().0;
@@ -51,6 +56,15 @@ pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &
     let p = weights.partitions;
     swaps.sums = swaps.load.chunks(p).map(|part| part.iter().map(|&k| padded(k as i64)).sum()).collect();
     while swaps.round(Target::Buffer { peak }) {}
+    memory.bounds = swaps.bounds;
+    memory.scratch = swaps.scratch;
+}
+
+/// What [`improve`] keeps from window to window for its memory.
+#[derive(Debug, Default)]
+pub(super) struct SwapMemory {
+    bounds: Vec<usize>,
+    scratch: RoundScratch,
 }
 
 /// Where sample `i`'s stacks start in `counts.cells` (see [`Swaps::bounds`]), into `row` (one
@@ -61,21 +75,20 @@ fn sample_bounds(counts: &SampleCounts, i: usize, partitions: usize, row: &mut [
     // Partitions are a power of two (the layout's SparseCores).
     let shift = partitions.trailing_zeros().min(63);
     let (from, to) = (counts.start[i], counts.start[i + 1]);
-    // Stacks below `next` have their start.
-    let mut next = 0;
-    for (k, &(c, _)) in counts.cells[from..to].iter().enumerate() {
-        let stack = (c as u64 >> shift) as usize;
-        if stack == next && stack < row.len() {
-            row[stack] = from + k;
-            next = stack + 1;
-        } else if stack > next {
-            let end = (stack + 1).min(row.len());
-            row[next.min(end)..end].fill(from + k);
-            next = stack + 1;
+    // First each stack's end where the sample has entries in it (`row[stack + 1]`, from its
+    // last entry), then every other bound from the one before it: a stack without entries
+    // starts and ends where the one before it ends.
+    row.fill(from);
+    for (k, &(c, _)) in counts.cells.get(from..to).unwrap_or_default().iter().enumerate() {
+        if let Some(end) = row.get_mut((c as u64 >> shift) as usize + 1) {
+            *end = from + k + 1;
         }
     }
-    let next = next.min(row.len());
-    row[next..].fill(to);
+    let mut bound = from;
+    for b in row.iter_mut() {
+        bound = bound.max(*b);
+        *b = bound;
+    }
 }
 
 /// Per cell, 1 / the stack's `max_ids_per_partition`; per stack, S / its buffer per device.
@@ -110,6 +123,17 @@ struct Swaps<'a> {
     bounds: Vec<usize>,
     ready: Vec<bool>,
     budget: usize,
+    scratch: RoundScratch,
+    /// Per slice, its worst cell (see [`Swaps::worst_cell`]); empty until first asked.
+    slice_worst: Vec<(f64, usize)>,
+}
+
+/// A round's lists, kept from round to round for their memory.
+#[derive(Debug, Default)]
+struct RoundScratch {
+    outgoing: Vec<(u32, usize)>,
+    others: Vec<(f64, usize)>,
+    shares: Vec<Vec<u32>>,
 }
 
 /// A count rounded up to the alignment buffers are padded to.
@@ -118,18 +142,46 @@ fn padded(ids: i64) -> i64 {
 }
 
 impl Swaps<'_> {
-    /// The worst cell: (ids / limit, slice, cell), first in (slice, cell) order.
-    fn worst_cell(&self) -> (f64, usize, usize) {
+    /// The worst cell: (ids / limit, slice, cell), first in (slice, cell) order. Each slice's
+    /// worst cell is kept (`slice_worst`) and redone only for the two slices of a swap: a
+    /// round's full scan cost more than its checks on windows of many slices.
+    fn worst_cell(&mut self) -> (f64, usize, usize) {
+        let slices = self.load.len() / self.cells.max(1);
+        if self.slice_worst.len() != slices {
+            let all = (0..slices).map(|s| self.slice_worst_of(s)).collect();
+            self.slice_worst = all;
+        }
         let mut worst = (0f64, 0, 0);
-        for (s, row) in self.load.chunks_exact(self.cells.max(1)).enumerate() {
+        for (s, &(v, c)) in self.slice_worst.iter().enumerate() {
+            if v > worst.0 {
+                worst = (v, s, c);
+            }
+        }
+        worst
+    }
+
+    /// A slice's worst cell: (ids / limit, cell), first in cell order.
+    fn slice_worst_of(&self, s: usize) -> (f64, usize) {
+        let mut worst = (0f64, 0);
+        if let Some(row) = self.load.get(s * self.cells..(s + 1) * self.cells) {
             for (c, (&n, &inv)) in row.iter().zip(self.w.inv_limit).enumerate() {
                 let v = n as f64 * inv;
                 if v > worst.0 {
-                    worst = (v, s, c);
+                    worst = (v, c);
                 }
             }
         }
         worst
+    }
+
+    /// Redoes the kept worst cells of two slices whose loads changed.
+    fn swapped(&mut self, a_slice: usize, b_slice: usize) {
+        for s in [a_slice, b_slice] {
+            let worst = self.slice_worst_of(s);
+            if let Some(w) = self.slice_worst.get_mut(s) {
+                *w = worst;
+            }
+        }
     }
 
     /// S × Σ over the stack's partitions of `slice`'s ids rounded up to 8 (plus `change`), /
@@ -155,6 +207,7 @@ impl Swaps<'_> {
 
     /// A sample's ids in what the target measures: its cell, or its stack's cells (found by
     /// bisection, as a sample holds tens of entries and a round asks for hundreds of samples).
+    #[inline(always)]
     fn share(&self, i: usize, target: Target, key: usize) -> u32 {
         let p = self.w.partitions;
         let stack = match target {
@@ -171,6 +224,13 @@ impl Swaps<'_> {
     /// One swap that lowers the worst value of `target`; false when none does (or the budget
     /// is spent).
     fn round(&mut self, target: Target) -> bool {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let swapped = self.round_in(target, &mut scratch);
+        self.scratch = scratch;
+        swapped
+    }
+
+    fn round_in(&mut self, target: Target, scratch: &mut RoundScratch) -> bool {
         let (top, a_slice, key) = match target {
             Target::Peak => self.worst_cell(),
             Target::Buffer { .. } => self.worst_buffer(),
@@ -181,20 +241,25 @@ impl Swaps<'_> {
         let nslices = self.members.len();
         self.make_ready(a_slice);
         // Samples of A by their share of the key, largest first.
-        let mut outgoing: Vec<(u32, usize)> =
-            (0..self.members[a_slice].len()).map(|k| (self.share(self.members[a_slice][k], target, key), k)).filter(|x| x.0 > 0).collect();
-        outgoing.sort_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
+        let outgoing = &mut scratch.outgoing;
+        outgoing.clear();
+        outgoing.extend((0..self.members[a_slice].len()).map(|k| (self.share(self.members[a_slice][k], target, key), k)).filter(|x| x.0 > 0));
+        outgoing.sort_unstable_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
         // Other slices, least loaded in the key first.
         let level = |sw: &Self, s: usize| match target {
             Target::Peak => sw.load[s * sw.cells + key] as f64 * sw.w.inv_limit[key],
             Target::Buffer { .. } => sw.buffer(s, key, 0),
         };
-        let mut others: Vec<(f64, usize)> = (0..nslices).filter(|&s| s != a_slice).map(|s| (level(self, s), s)).collect();
-        others.sort_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)));
+        let others = &mut scratch.others;
+        others.clear();
+        others.extend((0..nslices).filter(|&s| s != a_slice).map(|s| (level(self, s), s)));
+        others.sort_unstable_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)));
         // Each other slice's members' shares of the key, worked out when first visited.
-        let mut shares: Vec<Vec<u32>> = vec![Vec::new(); nslices];
-        for &(out_share, ka) in &outgoing {
-            for &(b_level, b_slice) in &others {
+        let shares = &mut scratch.shares;
+        shares.resize_with(nslices, Vec::new);
+        shares.iter_mut().for_each(Vec::clear);
+        for &(out_share, ka) in outgoing.iter() {
+            for &(b_level, b_slice) in others.iter() {
                 // B's key gains (the sample it gives up has less of it); the slices come least
                 // loaded first, so no later one can take it either.
                 let floor = match target {
@@ -206,7 +271,8 @@ impl Swaps<'_> {
                 }
                 if shares[b_slice].is_empty() {
                     self.make_ready(b_slice);
-                    shares[b_slice] = self.members[b_slice].iter().map(|&b| self.share(b, target, key)).collect();
+                    let members = &self.members[b_slice];
+                    shares[b_slice].extend(members.iter().map(|&b| self.share(b, target, key)));
                 }
                 for (kb, &share) in shares[b_slice].iter().enumerate() {
                     if self.budget == 0 {
@@ -217,6 +283,7 @@ impl Swaps<'_> {
                         continue;
                     }
                     if self.try_swap(a_slice, ka, b_slice, kb, top, target, key) {
+                        self.swapped(a_slice, b_slice);
                         return true;
                     }
                 }
@@ -227,6 +294,7 @@ impl Swaps<'_> {
 
     /// Entries `range` of `counts.cells` (one sample's) into `delta` with `sign`, listing their
     /// cells in `marked`.
+    #[inline(always)]
     fn add_entries(&mut self, range: std::ops::Range<usize>, sign: i64) {
         for k in range {
             let (x, n) = self.counts.cells[k];
@@ -251,6 +319,7 @@ impl Swaps<'_> {
     }
 
     /// Where sample `i`'s entries of `stack` lie in `counts.cells`.
+    #[inline(always)]
     fn stack_entries(&self, i: usize, stack: usize) -> std::ops::Range<usize> {
         let row = &self.bounds[i * (self.stacks + 1)..][..self.stacks + 1];
         row[stack]..row[stack + 1]
@@ -270,6 +339,9 @@ impl Swaps<'_> {
             Target::Peak => key / p,
             Target::Buffer { .. } => key,
         };
+        if let Target::Peak = target {
+            return self.try_peak_swap(a_slice, ka, b_slice, kb, top, key_stack);
+        }
         let (a_key, b_key) = (self.stack_entries(a, key_stack), self.stack_entries(b, key_stack));
         let mut fits = self.stack_fits(a_slice, b_slice, a_key.clone(), b_key.clone(), key_stack, top, target);
         // The other stacks either sample sends ids to.
@@ -305,6 +377,58 @@ impl Swaps<'_> {
             self.members[b_slice][kb] = a;
         }
         fits
+    }
+
+    /// [`Self::try_swap`] for the worst cell, from the two samples' entries alone: a peak check
+    /// needs no padded sums, and a stack's few entries are cheaper to pair up directly than
+    /// through `delta` and `mark` (the verdict is the same: each cell is checked with the
+    /// change of both samples' entries in it).
+    fn try_peak_swap(&mut self, a_slice: usize, ka: usize, b_slice: usize, kb: usize, top: f64, key_stack: usize) -> bool {
+        let (a, b) = (self.members[a_slice][ka], self.members[b_slice][kb]);
+        let cells = self.cells;
+        let (Some(la), Some(lb)) = (self.load.get(a_slice * cells..(a_slice + 1) * cells), self.load.get(b_slice * cells..(b_slice + 1) * cells)) else {
+            return false;
+        };
+        let inv_limit = &self.w.inv_limit[..cells.min(self.w.inv_limit.len())];
+        let all = &self.counts.cells;
+        // Cell x with A's ids changed by d and B's by -d.
+        let cell_fits = |x: u32, d: i64| match (la.get(x as usize), lb.get(x as usize), inv_limit.get(x as usize)) {
+            (Some(&ka), Some(&kb), Some(&inv)) => (ka as i64 + d) as f64 * inv < top && (kb as i64 - d) as f64 * inv < top,
+            _ => false,
+        };
+        // One stack: every cell either sample sends ids to stays below `top` in both slices. A
+        // cell named by several entries is checked once per entry, with the same change.
+        let stack_fits = |a_entries: &[(u32, u32)], b_entries: &[(u32, u32)]| match (a_entries, b_entries) {
+            // One entry each (every single-id feature's stack).
+            (&[(xa, na)], &[(xb, nb)]) if xa == xb => cell_fits(xa, nb as i64 - na as i64),
+            (&[(xa, na)], &[(xb, nb)]) => cell_fits(xa, -(na as i64)) && cell_fits(xb, nb as i64),
+            _ => {
+                let change = |x: u32| -> i64 {
+                    let sum = |entries: &[(u32, u32)]| entries.iter().filter(|e| e.0 == x).map(|e| e.1 as i64).sum::<i64>();
+                    sum(b_entries) - sum(a_entries)
+                };
+                a_entries.iter().all(|e| cell_fits(e.0, change(e.0))) && b_entries.iter().all(|e| cell_fits(e.0, change(e.0)))
+            }
+        };
+        let entries = |i: usize, stack: usize| all.get(self.stack_entries(i, stack)).unwrap_or_default();
+        let fits = stack_fits(entries(a, key_stack), entries(b, key_stack))
+            && (0..self.stacks).filter(|&st| st != key_stack).all(|st| stack_fits(entries(a, st), entries(b, st)));
+        if !fits {
+            return false;
+        }
+        let width = self.stacks + 1;
+        // Every stack's entries move: a's from A to B, b's from B to A.
+        let span = |i: usize| self.bounds[i * width]..self.bounds[i * width + self.stacks];
+        for (range, from, to) in [(span(a), a_slice, b_slice), (span(b), b_slice, a_slice)] {
+            for &(x, n) in all.get(range).unwrap_or_default() {
+                let x = x as usize;
+                self.load[from * cells + x] = self.load[from * cells + x].wrapping_sub(n);
+                self.load[to * cells + x] = self.load[to * cells + x].wrapping_add(n);
+            }
+        }
+        self.members[a_slice][ka] = b;
+        self.members[b_slice][kb] = a;
+        true
     }
 
     /// Adds one stack's entries of a (`a_entries`, leaving A) and b (`b_entries`, leaving B)
