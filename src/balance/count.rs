@@ -550,11 +550,14 @@ impl SeenSet {
             let size = words * 64;
             next_generation(&mut self.stamps, &mut self.generation, size);
             let (stamps, generation) = (&mut self.stamps[..size], self.generation);
+            // A partition masked by `last` needs no bounds check.
+            let Some(parts) = hist.get_mut(..=mask as usize) else { return };
+            let last = parts.len() - 1;
             for &id in list {
                 let c = column(f, low32(id), mask);
                 match stamps.get_mut(c as usize) {
                     Some(stamp) => {
-                        hist[(c & mask) as usize] += u32::from(*stamp != generation);
+                        parts[c as usize & last] += u32::from(*stamp != generation);
                         *stamp = generation;
                     }
                     None => self.spill.push(c),
@@ -573,6 +576,7 @@ impl SeenSet {
     /// Adds a list's distinct columns to `hist`: a table of its ids (+ 1, 0 meaning empty) by
     /// open addressing, at most half full so that nearly every id finds its slot or its repeat
     /// at the first probe; cleared in one `fill`.
+    #[inline(never)]
     fn count_medium<I: InputInt>(&mut self, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) {
         let size = (2 * list.len()).next_power_of_two().max(32);
         if self.table.len() < size {
@@ -581,10 +585,13 @@ impl SeenSet {
         let table = &mut self.table[..size];
         let shift = 64 - size.trailing_zeros();
         let mut max_seen = false;
+        // One count per partition; a partition masked by `last` needs no bounds check.
+        let Some(hist) = hist.get_mut(..=mask as usize) else { return };
+        let last = hist.len() - 1;
         for &id in list {
             let id = low32(id);
             let key = id.wrapping_add(1);
-            let p = partition(f, id, mask) as usize;
+            let p = partition(f, id, mask) as usize & last;
             if key == 0 {
                 // u32::MAX, which the table cannot hold.
                 hist[p] += u32::from(!max_seen);
