@@ -10,6 +10,7 @@ use crate::input::{features_from_record_batch, FeatureView, Ids, Offsets, Sample
 use crate::spec::{Config, Plan};
 
 /// One feature of a batch as counting reads it.
+#[derive(Clone, Copy)]
 struct RaggedFeature<'a> {
     ids: Ids<'a>,
     offsets: Offsets<'a>,
@@ -46,18 +47,16 @@ fn ragged_views<'a>(plan: &Plan, inputs: &'a [&'a (dyn SampleSource + 'a)]) -> R
 
 /// Counts a batch's samples, reusing its scratch from batch to batch.
 ///
-/// Two passes, because a sample's features are stored column by column: first feature by
-/// feature, every row's merged ids per partition (one tight loop per feature, where a
-/// sample-by-sample walk paid a feature's setup for every sample and id); then sample by
-/// sample, its entries of every feature, summed where two features share a stack.
+/// Sample by sample, each stack's features in turn, so that a sample's entries are written once,
+/// in place: a walk feature by feature first wrote every row's entries per feature, then copied
+/// them sample by sample, which cost more than the counting itself on short lists.
 #[derive(Debug, Default)]
 pub(super) struct Counter {
     seen: SeenSet,
-    /// Per feature: every row's `(cell, ids)` entries, row `r` owning `entries[f][starts[f][r]..starts[f][r + 1]]`.
-    entries: Vec<Vec<(u32, u32)>>,
-    starts: Vec<Vec<u32>>,
     /// Per partition: one list's distinct ids.
     hist: Vec<u32>,
+    /// One sample's entries of a stack of several features, before they are merged.
+    scratch: Vec<(u32, u32)>,
     /// Per cell: one sample's ids in stacks of several features, and the cells it touched.
     acc: Vec<u32>,
     touched: Vec<u32>,
@@ -75,82 +74,168 @@ impl Counter {
         counts: &mut SampleCounts,
     ) -> Result<()> {
         let features = ragged_views(plan, inputs)?;
+        // The row loop for the id and offset types of every feature, when they share them (an
+        // Arrow batch's lists usually do), so that no list pays for finding its types.
+        if let Some(typed) = typed::<i64, i32>(&features) {
+            self.count_rows(plan, &typed, batch, rows, counts);
+        } else if let Some(typed) = typed::<i64, i64>(&features) {
+            self.count_rows(plan, &typed, batch, rows, counts);
+        } else if let Some(typed) = typed::<i32, i32>(&features) {
+            self.count_rows(plan, &typed, batch, rows, counts);
+        } else {
+            self.count_rows(plan, &features, batch, rows, counts);
+        }
+        Ok(())
+    }
+
+    fn count_rows<F: CountRow>(&mut self, plan: &Plan, features: &[F], batch: usize, rows: usize, counts: &mut SampleCounts) {
         let n = plan.layout.num_partitions();
         let mask = (n - 1) as u32;
-        self.entries.resize_with(features.len(), Vec::new);
-        self.starts.resize_with(features.len(), Vec::new);
         self.hist.clear();
         self.hist.resize(n, 0);
-        for (f, feature) in features.iter().enumerate() {
-            let (entries, starts) = (&mut self.entries[f], &mut self.starts[f]);
-            entries.clear();
-            starts.clear();
-            starts.push(0);
-            match (feature.ids, feature.offsets) {
-                (Ids::I32(ids), Offsets::I32(o)) => count_feature(feature, ids, o, rows, mask, &mut self.seen, &mut self.hist, entries, starts),
-                (Ids::I32(ids), Offsets::I64(o)) => count_feature(feature, ids, o, rows, mask, &mut self.seen, &mut self.hist, entries, starts),
-                (Ids::I64(ids), Offsets::I32(o)) => count_feature(feature, ids, o, rows, mask, &mut self.seen, &mut self.hist, entries, starts),
-                (Ids::I64(ids), Offsets::I64(o)) => count_feature(feature, ids, o, rows, mask, &mut self.seen, &mut self.hist, entries, starts),
-            }
-        }
-        // Stacks in plan order with their features' entries (one feature's are already merged)
-        // and the inverse of their limit.
-        type Rows<'s> = (&'s [(u32, u32)], &'s [u32]);
-        struct StackRows<'s> {
-            features: Vec<Rows<'s>>,
+        self.acc.clear();
+        self.acc.resize(plan.stacks.len() * n, 0);
+        // Stacks in plan order with their features and the inverse of their limit.
+        struct StackRows<'s, F> {
+            features: Vec<&'s F>,
             inv_limit: f64,
         }
-        let stacks: Vec<StackRows<'_>> = plan
+        let stacks: Vec<StackRows<'_, F>> = plan
             .stacks
             .iter()
             .map(|s| StackRows {
-                features: s.features.iter().map(|&f| (&self.entries[f][..], &self.starts[f][..])).collect(),
+                features: s.features.iter().filter_map(|&f| features.get(f)).collect(),
                 inv_limit: 1.0 / s.max_ids_per_partition.max(1) as f64,
             })
             .collect();
-        self.acc.clear();
-        self.acc.resize(plan.stacks.len() * n, 0);
-        counts.cells.reserve(self.entries[..features.len()].iter().map(Vec::len).sum());
+        counts.cells.reserve(rows * features.len());
         counts.refs.reserve(rows);
         counts.start.reserve(rows);
         counts.peak.reserve(rows);
-        let range = |starts: &[u32], row: usize| match (starts.get(row), starts.get(row + 1)) {
-            (Some(&a), Some(&b)) => a as usize..b as usize,
-            _ => 0..0,
-        };
+        let (seen, hist) = (&mut self.seen, &mut self.hist[..]);
+        // A local vector, which the loop keeps in registers.
+        let mut cells = std::mem::take(&mut counts.cells);
         for row in 0..rows {
             let mut peak = 0f64;
             for stack in &stacks {
-                let mut most = 0u32;
-                if let [(entries, starts)] = stack.features[..] {
-                    for &e in entries.get(range(starts, row)).unwrap_or_default() {
-                        counts.cells.push(e);
-                        most = most.max(e.1);
-                    }
+                let most = if let [f] = stack.features[..] {
+                    f.count_row(row, mask, seen, hist, &mut cells)
                 } else {
-                    self.touched.clear();
-                    for &(entries, starts) in &stack.features {
-                        for &(c, k) in entries.get(range(starts, row)).unwrap_or_default() {
-                            let Some(slot) = self.acc.get_mut(c as usize) else { continue };
-                            if *slot == 0 {
-                                self.touched.push(c);
-                            }
-                            *slot += k;
-                        }
+                    self.scratch.clear();
+                    for f in &stack.features {
+                        f.count_row(row, mask, seen, hist, &mut self.scratch);
                     }
+                    self.touched.clear();
+                    for &(c, k) in &self.scratch {
+                        let Some(slot) = self.acc.get_mut(c as usize) else { continue };
+                        if *slot == 0 {
+                            self.touched.push(c);
+                        }
+                        *slot += k;
+                    }
+                    let mut most = 0;
                     for &c in &self.touched {
-                        let k = std::mem::take(&mut self.acc[c as usize]);
-                        counts.cells.push((c, k));
+                        let k = self.acc.get_mut(c as usize).map_or(0, std::mem::take);
+                        cells.push((c, k));
                         most = most.max(k);
                     }
+                    most
+                };
+                // Never NaN, so the same as `f64::max`.
+                let x = most as f64 * stack.inv_limit;
+                if x > peak {
+                    peak = x;
                 }
-                peak = peak.max(most as f64 * stack.inv_limit);
             }
             counts.refs.push(SampleRef { batch, row });
-            counts.start.push(counts.cells.len());
+            counts.start.push(cells.len());
             counts.peak.push(peak);
         }
-        Ok(())
+        counts.cells = cells;
+    }
+}
+
+/// A feature whose rows can be counted one by one.
+trait CountRow {
+    /// Appends row `row`'s distinct ids per partition to `out` as `(cell, ids)` entries;
+    /// returns the largest count.
+    fn count_row(&self, row: usize, mask: u32, seen: &mut SeenSet, hist: &mut [u32], out: &mut Vec<(u32, u32)>) -> u32;
+}
+
+impl CountRow for RaggedFeature<'_> {
+    #[inline(always)]
+    fn count_row(&self, row: usize, mask: u32, seen: &mut SeenSet, hist: &mut [u32], out: &mut Vec<(u32, u32)>) -> u32 {
+        match (self.ids, self.offsets) {
+            (Ids::I32(ids), Offsets::I32(o)) => count_list(self, list_of(ids, o, row), mask, seen, hist, out),
+            (Ids::I32(ids), Offsets::I64(o)) => count_list(self, list_of(ids, o, row), mask, seen, hist, out),
+            (Ids::I64(ids), Offsets::I32(o)) => count_list(self, list_of(ids, o, row), mask, seen, hist, out),
+            (Ids::I64(ids), Offsets::I64(o)) => count_list(self, list_of(ids, o, row), mask, seen, hist, out),
+        }
+    }
+}
+
+/// A feature with its id and offset types known.
+struct Typed<'a, I, O> {
+    ids: &'a [I],
+    offsets: &'a [O],
+    feature: RaggedFeature<'a>,
+}
+
+impl<I: InputInt, O: InputInt> CountRow for Typed<'_, I, O> {
+    #[inline(always)]
+    fn count_row(&self, row: usize, mask: u32, seen: &mut SeenSet, hist: &mut [u32], out: &mut Vec<(u32, u32)>) -> u32 {
+        count_list(&self.feature, list_of(self.ids, self.offsets, row), mask, seen, hist, out)
+    }
+}
+
+/// An integer type of ids and offsets, picked out of their enums.
+trait Pick: Sized {
+    fn ids<'a>(ids: Ids<'a>) -> Option<&'a [Self]>;
+    fn offsets<'a>(offsets: Offsets<'a>) -> Option<&'a [Self]>;
+}
+
+impl Pick for i32 {
+    fn ids<'a>(ids: Ids<'a>) -> Option<&'a [i32]> {
+        match ids {
+            Ids::I32(x) => Some(x),
+            Ids::I64(_) => None,
+        }
+    }
+    fn offsets<'a>(offsets: Offsets<'a>) -> Option<&'a [i32]> {
+        match offsets {
+            Offsets::I32(x) => Some(x),
+            Offsets::I64(_) => None,
+        }
+    }
+}
+
+impl Pick for i64 {
+    fn ids<'a>(ids: Ids<'a>) -> Option<&'a [i64]> {
+        match ids {
+            Ids::I64(x) => Some(x),
+            Ids::I32(_) => None,
+        }
+    }
+    fn offsets<'a>(offsets: Offsets<'a>) -> Option<&'a [i64]> {
+        match offsets {
+            Offsets::I64(x) => Some(x),
+            Offsets::I32(_) => None,
+        }
+    }
+}
+
+/// Every feature with ids of type `I` and offsets of type `O`, or `None` if one has others.
+fn typed<'a, I: Pick, O: Pick>(features: &[RaggedFeature<'a>]) -> Option<Vec<Typed<'a, I, O>>> {
+    features.iter().map(|&feature| Some(Typed { ids: I::ids(feature.ids)?, offsets: O::offsets(feature.offsets)?, feature })).collect()
+}
+
+/// Row `row`'s ids; none for a row past the offsets or with offsets that are out of order or
+/// past the ids.
+#[inline(always)]
+fn list_of<'a, I, O: InputInt>(ids: &'a [I], offsets: &[O], row: usize) -> &'a [I] {
+    match (offsets.get(row), offsets.get(row + 1)) {
+        (Some(a), Some(b)) => ids.get(a.to_usize()..b.to_usize()).unwrap_or_default(),
+        _ => &[],
     }
 }
 
@@ -300,89 +385,79 @@ fn partition(f: &RaggedFeature<'_>, id: u32, mask: u32) -> u32 {
     id.wrapping_add(f.col_shift.wrapping_add(f.col_offset)) & mask
 }
 
-/// One feature's rows: per row, its distinct ids per partition as `(cell, ids)` entries.
-#[allow(clippy::too_many_arguments)]
-fn count_feature<I: InputInt, O: InputInt>(
-    f: &RaggedFeature<'_>,
-    ids: &[I],
-    offsets: &[O],
-    rows: usize,
-    mask: u32,
-    seen: &mut SeenSet,
-    hist: &mut [u32],
-    entries: &mut Vec<(u32, u32)>,
-    starts: &mut Vec<u32>,
-) {
-    let offsets = &offsets[..(rows + 1).min(offsets.len())];
-    let first = offsets.first().map_or(0, |o| o.to_usize());
+/// One list: appends its distinct ids per partition to `out` as `(cell, ids)` entries (in the
+/// order of their first id; by partition for lists over [`SHORT_LIST`] ids); returns the largest
+/// count. `hist` (one count per partition) is all zero before and after.
+#[inline(always)]
+fn count_list<I: InputInt>(f: &RaggedFeature<'_>, list: &[I], mask: u32, seen: &mut SeenSet, hist: &mut [u32], out: &mut Vec<(u32, u32)>) -> u32 {
     let cell = |id: I| f.base + partition(f, low32(id), mask);
-    // Every row holding exactly one id (criteo's features): one entry per row, no merging.
-    if offsets.len() == rows + 1 && offsets.windows(2).all(|w| w[1].to_usize() == w[0].to_usize() + 1) {
-        if let Some(run) = ids.get(first..first + rows) {
-            entries.extend(run.iter().map(|&id| (cell(id), 1)));
-            starts.extend(1..=rows as u32);
-            return;
-        }
+    if let [a] = *list {
+        out.push((cell(a), 1));
+        return 1;
     }
-    entries.reserve(rows);
-    starts.reserve(rows);
-    let n = (mask + 1) as usize;
-    for w in offsets.windows(2) {
-        let list = ids.get(w[0].to_usize()..w[1].to_usize()).unwrap_or_default();
-        let from = entries.len();
-        match *list {
-            [] => {}
-            [a] => entries.push((cell(a), 1)),
-            [a, b] => {
-                let (ca, cb) = (cell(a), cell(b));
-                if low32(a) == low32(b) {
-                    entries.push((ca, 1));
-                } else if ca == cb {
-                    entries.push((ca, 2));
-                } else {
-                    entries.extend([(ca, 1), (cb, 1)]);
-                }
-            }
-            _ if list.len() <= SHORT_LIST => {
-                // Equal low 32 bits are equal columns (the column is a bijection of them).
-                for k in 0..list.len() {
-                    let id = low32(list[k]);
-                    if list[..k].iter().any(|&p| low32(p) == id) {
-                        continue;
-                    }
-                    let cell = f.base + partition(f, id, mask);
-                    match entries[from..].iter_mut().find(|e| e.0 == cell) {
-                        Some(e) => e.1 += 1,
-                        None => entries.push((cell, 1)),
-                    }
-                }
-            }
-            _ => {
-                let hist = &mut hist[..n];
-                if f.dense_words > 0 {
-                    seen.count_dense(f, list, mask, hist);
-                } else if list.len() <= MEDIUM_LIST {
-                    seen.count_medium(f, list, mask, hist);
-                } else {
-                    let mut cols = std::mem::take(&mut seen.cols);
-                    cols.clear();
-                    cols.extend(list.iter().map(|&id| column(f, low32(id), mask)));
-                    seen.count_long(&cols, mask, hist);
-                    seen.cols = cols;
-                }
-                for (p, h) in hist.iter_mut().enumerate() {
-                    if *h > 0 {
-                        entries.push((f.base + p as u32, std::mem::take(h)));
-                    }
-                }
+    match *list {
+        [] => 0,
+        [a, b] => {
+            let (ca, cb) = (cell(a), cell(b));
+            if low32(a) == low32(b) {
+                out.push((ca, 1));
+                1
+            } else if ca == cb {
+                out.push((ca, 2));
+                2
+            } else {
+                out.extend([(ca, 1), (cb, 1)]);
+                1
             }
         }
-        starts.push(entries.len() as u32);
+        _ if list.len() <= SHORT_LIST => {
+            let from = out.len();
+            let mut most = 1;
+            for (k, &id) in list.iter().enumerate() {
+                let c = cell(id);
+                match out.get_mut(from..).and_then(|e| e.iter_mut().find(|e| e.0 == c)) {
+                    None => out.push((c, 1)),
+                    Some(e) => {
+                        // A repeat falls on the cell of its first occurrence, so only ids on a cell
+                        // already taken need comparing. Equal low 32 bits are equal columns (the
+                        // column is a bijection of them).
+                        let id = low32(id);
+                        if !list.get(..k).unwrap_or_default().iter().any(|&p| low32(p) == id) {
+                            e.1 += 1;
+                            most = most.max(e.1);
+                        }
+                    }
+                }
+            }
+            most
+        }
+        _ => count_merged(f, list, mask, seen, hist, out),
     }
-    // Rows past the offsets (the caller checks the lengths; never panic on them).
-    while starts.len() < rows + 1 {
-        starts.push(entries.len() as u32);
+}
+
+/// A list over [`SHORT_LIST`] ids, merged by partition; out of line, so that the short lists'
+/// loop keeps its registers.
+#[inline(never)]
+fn count_merged<I: InputInt>(f: &RaggedFeature<'_>, list: &[I], mask: u32, seen: &mut SeenSet, hist: &mut [u32], out: &mut Vec<(u32, u32)>) -> u32 {
+    if f.dense_words > 0 {
+        seen.count_dense(f, list, mask, hist);
+    } else if list.len() <= MEDIUM_LIST {
+        seen.count_medium(f, list, mask, hist);
+    } else {
+        let mut cols = std::mem::take(&mut seen.cols);
+        cols.clear();
+        cols.extend(list.iter().map(|&id| column(f, low32(id), mask)));
+        seen.count_long(&cols, mask, hist);
+        seen.cols = cols;
     }
+    let mut most = 0;
+    for (p, h) in hist.iter_mut().enumerate() {
+        if *h > 0 {
+            most = most.max(*h);
+            out.push((f.base + p as u32, std::mem::take(h)));
+        }
+    }
+    most
 }
 
 /// An id by its low 32 bits, as the pipeline's column arithmetic reads it.
@@ -475,11 +550,14 @@ impl SeenSet {
             let size = words * 64;
             next_generation(&mut self.stamps, &mut self.generation, size);
             let (stamps, generation) = (&mut self.stamps[..size], self.generation);
+            // A partition masked by `last` needs no bounds check.
+            let Some(parts) = hist.get_mut(..=mask as usize) else { return };
+            let last = parts.len() - 1;
             for &id in list {
                 let c = column(f, low32(id), mask);
                 match stamps.get_mut(c as usize) {
                     Some(stamp) => {
-                        hist[(c & mask) as usize] += u32::from(*stamp != generation);
+                        parts[c as usize & last] += u32::from(*stamp != generation);
                         *stamp = generation;
                     }
                     None => self.spill.push(c),
@@ -498,6 +576,7 @@ impl SeenSet {
     /// Adds a list's distinct columns to `hist`: a table of its ids (+ 1, 0 meaning empty) by
     /// open addressing, at most half full so that nearly every id finds its slot or its repeat
     /// at the first probe; cleared in one `fill`.
+    #[inline(never)]
     fn count_medium<I: InputInt>(&mut self, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) {
         let size = (2 * list.len()).next_power_of_two().max(32);
         if self.table.len() < size {
@@ -506,10 +585,13 @@ impl SeenSet {
         let table = &mut self.table[..size];
         let shift = 64 - size.trailing_zeros();
         let mut max_seen = false;
+        // One count per partition; a partition masked by `last` needs no bounds check.
+        let Some(hist) = hist.get_mut(..=mask as usize) else { return };
+        let last = hist.len() - 1;
         for &id in list {
             let id = low32(id);
             let key = id.wrapping_add(1);
-            let p = partition(f, id, mask) as usize;
+            let p = partition(f, id, mask) as usize & last;
             if key == 0 {
                 // u32::MAX, which the table cannot hold.
                 hist[p] += u32::from(!max_seen);
@@ -592,10 +674,10 @@ impl SeenSet {
 
 #[cfg(test)]
 mod tests {
-    use super::{column, count_feature, RaggedFeature, SeenSet};
+    use super::{column, CountRow, RaggedFeature, SeenSet};
     use crate::input::{Ids, Offsets};
 
-    /// Every row's entries from `count_feature` against a sort of the row's columns, for a
+    /// Every row's entries from `count_row` against a sort of the row's columns, for a
     /// stack of `vocab` columns (dense below 2^14) over `n` partitions.
     fn check_feature(lists: &[Vec<i64>], vocab: u64, n: u32, col_shift: u32, col_offset: u32) {
         let ids: Vec<i64> = lists.concat();
@@ -613,7 +695,12 @@ mod tests {
         };
         let mask = n - 1;
         let (mut seen, mut hist, mut entries, mut starts) = (SeenSet::default(), vec![0u32; n as usize], Vec::new(), vec![0u32]);
-        count_feature(&f, &ids, &offsets, lists.len(), mask, &mut seen, &mut hist, &mut entries, &mut starts);
+        for r in 0..lists.len() {
+            let most = f.count_row(r, mask, &mut seen, &mut hist, &mut entries);
+            let from = *starts.last().unwrap() as usize;
+            assert_eq!(most, entries[from..].iter().map(|e| e.1).max().unwrap_or(0), "row {r}: largest count");
+            starts.push(entries.len() as u32);
+        }
         for (r, l) in lists.iter().enumerate() {
             let mut cols: Vec<u32> = l.iter().map(|&id| column(&f, id as u32, mask)).collect();
             cols.sort_unstable();
