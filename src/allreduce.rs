@@ -777,9 +777,14 @@ mod tests {
     use super::*;
 
     fn hosts(n: usize, timeout: Duration) -> Vec<TcpAllReduce> {
+        group(n, |_, b| b.timeout(timeout))
+    }
+
+    /// `n` hosts on bound loopback listeners, each builder finished by `configure(rank, ..)`.
+    fn group(n: usize, configure: impl Fn(usize, TcpAllReduceBuilder) -> TcpAllReduceBuilder) -> Vec<TcpAllReduce> {
         let listeners: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
         let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
-        listeners.into_iter().enumerate().map(|(r, l)| TcpAllReduce::with_listener(r, l, addrs.clone(), timeout).unwrap()).collect()
+        listeners.into_iter().enumerate().map(|(r, l)| configure(r, TcpAllReduce::builder(r, addrs.clone()).listener(l)).build().unwrap()).collect()
     }
 
     #[test]
@@ -857,18 +862,11 @@ mod tests {
     fn a_peer_that_takes_our_value_but_never_sends_its_own_is_named_like_an_unreachable_one() {
         // Host 1 serves (so our delivery succeeds) but never calls all-reduce itself: the
         // error is the timeout, and it must name the peer as the refused-connection case does.
-        let ls: Vec<TcpListener> = (0..2).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-        let addrs: Vec<SocketAddr> = ls.iter().map(|l| l.local_addr().unwrap()).collect();
-        let mut hs: Vec<TcpAllReduce> = ls
-            .into_iter()
-            .enumerate()
-            .map(|(r, l)| TcpAllReduce::with_listener(r, l, addrs.clone(), Duration::from_millis(300)).unwrap())
-            .collect();
-        let _silent = hs.pop().unwrap();
+        let hs = hosts(2, Duration::from_millis(300));
         let e = hs[0].all_reduce_or_bool(8, true).unwrap_err();
         assert!(matches!(&e, Error::AllReduce { key: 8, .. }), "{e:?}");
         let text = e.to_string();
-        assert!(text.contains(&format!("waiting for peer 1 at {}", addrs[1])), "{text}");
+        assert!(text.contains(&format!("waiting for peer 1 at {}", hs[1].local)), "{text}");
         assert!(!text.contains("cannot reach"), "{text}");
     }
 
@@ -876,22 +874,14 @@ mod tests {
     fn a_wrong_token_is_named_whatever_the_last_attempt_before_the_deadline_met() {
         // Both hosts reject each other's messages until the deadline; the attempts just before
         // it get almost no time, and their timeouts must not replace the rejection.
-        let ls: Vec<TcpListener> = (0..2).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-        let addrs: Vec<SocketAddr> = ls.iter().map(|l| l.local_addr().unwrap()).collect();
-        let hs: Vec<TcpAllReduce> = ls
-            .into_iter()
-            .enumerate()
-            .map(|(r, l)| {
-                TcpAllReduce::builder(r, addrs.clone()).timeout(Duration::from_millis(400)).token(format!("t{r}")).listener(l).build().unwrap()
-            })
-            .collect();
+        let hs = group(2, |r, b| b.timeout(Duration::from_millis(400)).token(format!("t{r}")));
         let errs: Vec<Error> = std::thread::scope(|s| {
             let js: Vec<_> = hs.iter().map(|h| s.spawn(move || h.all_reduce_or_bool(12, true).unwrap_err())).collect();
             js.into_iter().map(|j| j.join().unwrap()).collect()
         });
         for (r, e) in errs.iter().enumerate() {
             assert!(matches!(e, Error::AllReduce { key: 12, .. }), "{e:?}");
-            let other = addrs[1 - r];
+            let other = hs[1 - r].local;
             let named = format!("cannot reach peer {} at {other}: it rejected our message (do all hosts use the same token?)", 1 - r);
             assert!(e.to_string().contains(&named), "{e}");
         }
