@@ -423,47 +423,35 @@ fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: us
 /// Output batch b takes slices b·S..(b + 1)·S of `members`, each slice's samples in input order.
 fn permutation(counts: &SampleCounts, members: &[Vec<usize>], slices: usize, batches: usize) -> Vec<Vec<SampleRef>> {
     let refs = &counts.refs;
-    // Samples are counted in input order, so walking them in index order lists every slice's
-    // samples sorted, with no sort.
-    if refs.windows(2).all(|w| w[0] < w[1]) {
-        let mut slice_of = vec![usize::MAX; refs.len()];
-        for (s, m) in members.iter().enumerate() {
-            for &i in m {
-                if let Some(x) = slice_of.get_mut(i) {
-                    *x = s;
-                }
+    // `Counter::count_batch` records samples batch by batch and row by row, so walking them in
+    // index order lists every slice's samples in input order, with no sort.
+    debug_assert!(refs.windows(2).all(|w| w[0] < w[1]), "samples are counted in input order");
+    let mut slice_of = vec![usize::MAX; refs.len()];
+    for (s, m) in members.iter().enumerate() {
+        for &i in m {
+            if let Some(x) = slice_of.get_mut(i) {
+                *x = s;
             }
         }
-        // Where each slice's next sample goes in its batch.
-        let mut next = vec![0usize; members.len()];
-        let mut out: Vec<Vec<SampleRef>> = Vec::with_capacity(batches);
-        for b in 0..batches {
-            let mut at = 0;
-            for s in b * slices..((b + 1) * slices).min(members.len()) {
-                next[s] = at;
-                at += members[s].len();
-            }
-            out.push(vec![SampleRef { batch: 0, row: 0 }; at]);
-        }
-        for (i, &s) in slice_of.iter().enumerate() {
-            if let (Some(batch), Some(at)) = (out.get_mut(s / slices.max(1)), next.get_mut(s)) {
-                batch[*at] = refs[i];
-                *at += 1;
-            }
-        }
-        return out;
     }
-    (0..batches)
-        .map(|b| {
-            (0..slices)
-                .flat_map(|j| {
-                    let mut m: Vec<SampleRef> = members[b * slices + j].iter().map(|&i| refs[i]).collect();
-                    m.sort_unstable();
-                    m
-                })
-                .collect()
-        })
-        .collect()
+    // Where each slice's next sample goes in its batch.
+    let mut next = vec![0usize; members.len()];
+    let mut out: Vec<Vec<SampleRef>> = Vec::with_capacity(batches);
+    for b in 0..batches {
+        let mut at = 0;
+        for s in b * slices..((b + 1) * slices).min(members.len()) {
+            next[s] = at;
+            at += members[s].len();
+        }
+        out.push(vec![SampleRef { batch: 0, row: 0 }; at]);
+    }
+    for (i, &s) in slice_of.iter().enumerate() {
+        if let (Some(batch), Some(at)) = (out.get_mut(s / slices.max(1)), next.get_mut(s)) {
+            batch[*at] = refs[i];
+            *at += 1;
+        }
+    }
+    out
 }
 
 /// Per (slice, cell) ids of the input order: slice j of batch b holds rows j·r..(j+1)·r.
