@@ -77,6 +77,13 @@ pub struct InProcessAllReduce {
     shared: Arc<GroupState>,
 }
 
+/// When a wait of `timeout` from now ends. A timeout past what `Instant` can hold (a caller's
+/// "wait for ever", such as `Duration::MAX`) waits a century instead of overflowing.
+fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout).or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600))).unwrap_or(now)
+}
+
 impl InProcessAllReduce {
     /// This member's rank in its group.
     pub fn rank(&self) -> usize {
@@ -84,7 +91,7 @@ impl InProcessAllReduce {
     }
 
     fn exchange(&self, key: u64, value: u64) -> Result<u64> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = deadline_after(self.timeout);
         let g = &*self.shared;
         let poisoned = || Error::AllReduce { key, reason: "group lock poisoned".into() };
         let mut slots = g.slots.lock().map_err(|_| poisoned())?;
@@ -683,7 +690,7 @@ impl TcpAllReduce {
     }
 
     fn exchange(&self, key: u64, value: u64) -> Result<u64> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = deadline_after(self.timeout);
         let me = self.shared.rank as usize;
         let mut undelivered: Vec<usize> = (0..self.peers.len()).filter(|&r| r != me).collect();
         let mut why: HashMap<usize, String> = HashMap::new();
@@ -808,6 +815,18 @@ mod tests {
             assert!(b);
             assert_eq!(u, 1 | (1 << 7) | (1 << 14));
         }
+    }
+
+    #[test]
+    fn a_timeout_too_long_for_an_instant_waits_instead_of_overflowing() {
+        let tcp = hosts(2, Duration::MAX);
+        let in_process = LocalAllReduce::group(2, Duration::MAX);
+        let ors: Vec<u64> = std::thread::scope(|s| {
+            let mut handles: Vec<_> = tcp.iter().enumerate().map(|(r, h)| s.spawn(move || h.all_reduce_or_u64(5, 1 << r).unwrap())).collect();
+            handles.extend(in_process.iter().enumerate().map(|(r, h)| s.spawn(move || h.all_reduce_or_u64(5, 4 << r).unwrap())));
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(ors, vec![3, 3, 12, 12]);
     }
 
     #[test]
