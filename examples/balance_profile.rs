@@ -1,14 +1,15 @@
 //! One balancing or preprocessing workload, run a given number of passes, for callgrind and
 //! perf: what `balance_report` measures for one row, without its other rows and timing loops.
 //!
-//! `cargo run --release --example balance_profile -- PROFILE HOSTS WINDOW PASSES MODE`
+//! `cargo run --release --example balance_profile -- PROFILE HOSTS WINDOW PASSES MODE [every-stack]`
 //! - PROFILE: a test kit profile (`criteo`, `long`, `large-vocab`, `high-multivalency`,
 //!   `moderate-multivalency`); layout 1/HOSTS/4, 128 samples per SparseCore, 8 batches, the
 //!   limits doubled as in `balance_report`;
 //! - MODE `balance`: [`Balancer::balance`] over windows of WINDOW batches, PASSES times; it
 //!   prints a hash of every window's permutation and report, so that a change meant only to
 //!   be faster can show it returns the same orders;
-//! - MODE `preprocess`: the pipeline on the same batches, PASSES times, one thread.
+//! - MODE `preprocess`: the pipeline on the same batches, PASSES times, one thread;
+//! - `every-stack`: balance with [`Refinement::EveryStack`].
 //!
 //! Instructions per pass are (PASSES = 2) − (PASSES = 0), halved: that removes generating the
 //! batches and planning. For example
@@ -17,14 +18,18 @@
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 
-use sparsecore_prep::balance::Balancer;
+use sparsecore_prep::balance::{Balancer, Refinement};
 use sparsecore_prep::{Output, Preprocessor};
 use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [profile, hosts, window, passes, mode] = args.as_slice() else {
-        return Err("usage: balance_profile PROFILE HOSTS WINDOW PASSES balance|preprocess".into());
+    let (args, refinement) = match args.as_slice() {
+        [rest @ .., last] if last == "every-stack" => (rest, Refinement::EveryStack),
+        all => (all, Refinement::WorstCell),
+    };
+    let [profile, hosts, window, passes, mode] = args else {
+        return Err("usage: balance_profile PROFILE HOSTS WINDOW PASSES balance|preprocess [every-stack]".into());
     };
     let profile: Profile = profile.parse()?;
     let (hosts, window, passes): (usize, usize, usize) = (hosts.parse()?, window.parse()?, passes.parse()?);
@@ -42,7 +47,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (config, batches) = (workload.config, workload.batches);
     match mode.as_str() {
         "balance" => {
-            let mut balancer = Balancer::new(config)?;
+            let mut balancer = Balancer::new(config)?.refinement(refinement);
             let mut hasher = DefaultHasher::new();
             for _ in 0..passes {
                 for chunk in batches.chunks(window) {

@@ -769,7 +769,7 @@ class Preprocessor:
     """
     return FdoStats(self._native.fdo_stats(batch))
 
-  def balance(self, batches, *, window: int = 1, with_report: bool = False):
+  def balance(self, batches, *, window: int = 1, refine: str = "worst-cell", with_report: bool = False):
     """Reorders the samples of record batches so that every (SparseCore slice,
     partition) cell of each batch gets an even share of ids.
 
@@ -781,6 +781,9 @@ class Preprocessor:
     input batch (W > 1), and batches that fit the config's limits still fit
     them; where balancing cannot help, the input order is kept.
     The same as ``sparsecore-prep balance --window W`` (``sparsecore_prep::balance``).
+    ``refine="every-stack"`` (``--refine every-stack``) also lowers every stack's
+    own worst cell after the worst one, with no stack's buffer rising: smaller
+    tuned limits and buffers per stack, for more balancing work.
 
     Returns ``(batches, permutation)``: the reordered ``pyarrow.RecordBatch``es,
     one per input batch, and an int64 array over all rows in order: output row
@@ -794,7 +797,7 @@ class Preprocessor:
     Raises :class:`InvalidInputError` for batches of different schemas or a
     missing column (and returns nothing).
     """
-    out, permutation, reports = _native._balance(self._native.config_json, list(batches), int(window))
+    out, permutation, reports = _native._balance(self._native.config_json, list(batches), int(window), str(refine))
     if with_report:
       return out, permutation, reports
     return out, permutation

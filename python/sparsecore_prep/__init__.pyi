@@ -149,7 +149,7 @@ class Preprocessor:
     """Agrees on minibatching splits with the other hosts through `all_reduce_interface`."""
   def fdo_stats(self, batch: Any) -> FdoStats:
     """The FDO statistics of one record batch, without writing buffers."""
-  def balance(self, batches: Iterable[Any], *, window: int = 1, with_report: bool = False) -> Any:
+  def balance(self, batches: Iterable[Any], *, window: int = 1, refine: str = "worst-cell", with_report: bool = False) -> Any:
     """Balanced record batches and the permutation (and per-window reports)."""
 
 class FdoStats:

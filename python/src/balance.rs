@@ -2,13 +2,13 @@
 //! record batches, window by window as `sparsecore-prep balance --window W` runs it.
 //!
 //! Why here and not in Python: the balancer counts each sample's ids exactly as the pipeline
-//! does and reorders every column with Arrow's `take`; the batches cross the boundary through
+//! does and moves every column's rows in one pass per column; the batches cross the boundary through
 //! the Arrow C data interface both ways, so nothing is copied but the reordering itself.
 
 use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
-use sparsecore_prep::balance::{Balancer, IdLoad};
+use sparsecore_prep::balance::{Balancer, IdLoad, Refinement};
 use sparsecore_prep::Config;
 
 use crate::arrow_input;
@@ -27,7 +27,8 @@ fn load<'py>(py: Python<'py>, l: &IdLoad) -> PyResult<Bound<'py, PyDict>> {
 /// per input batch, same sizes and schema), the permutation (int64: output row `j`, counting
 /// rows over all batches in order, is input row `permutation[j]`) and one report dict per
 /// window (`batches`, `reordered`, `stacks`: name, before and after (`max_ids_per_partition`,
-/// `required_buffer`), `lower_bound`).
+/// `required_buffer`), `lower_bound`). `refine` is `"worst-cell"` or `"every-stack"`
+/// ([`Refinement`]).
 #[pyfunction]
 #[pyo3(name = "_balance")]
 pub fn balance_batches<'py>(
@@ -35,10 +36,19 @@ pub fn balance_batches<'py>(
     config_json: &str,
     batches: &Bound<'py, PyAny>,
     window: usize,
+    refine: &str,
 ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyAny>, Bound<'py, PyList>)> {
     if window == 0 {
         return Err(raise(py, Class::Config, "balance: window must be at least 1 batch, got 0".into(), &[("field", field(py, "window"))]));
     }
+    let refinement = match refine {
+        "worst-cell" => Refinement::WorstCell,
+        "every-stack" => Refinement::EveryStack,
+        other => {
+            let message = format!("balance: refine must be \"worst-cell\" or \"every-stack\", got {other:?}");
+            return Err(raise(py, Class::Config, message, &[("field", field(py, "refine"))]));
+        }
+    };
     let config = Config::from_json(config_json).map_err(|e| to_py(py, e))?;
     let mut input = Vec::new();
     for b in batches.try_iter()? {
@@ -48,7 +58,7 @@ pub fn balance_batches<'py>(
     // nothing, as the CLI writes nothing.
     let balanced = py
         .detach(|| {
-            let mut balancer = Balancer::new(config)?;
+            let mut balancer = Balancer::new(config)?.refinement(refinement);
             input.chunks(window).map(|w| balancer.balance(w)).collect::<Result<Vec<_>, _>>()
         })
         .map_err(|e| to_py(py, e))?;

@@ -115,8 +115,8 @@ def test_permutation_is_a_bijection_and_columns_move_together(window):
   assert not np.array_equal(perm, np.arange(total)), "the skewed input was left as it was"
 
 
-@pytest.mark.parametrize("window", [1, 4])
-def test_equals_the_cli_and_its_reported_stats(tmp_path, window):
+@pytest.mark.parametrize("window,refine", [(1, "worst-cell"), (4, "worst-cell"), (1, "every-stack"), (4, "every-stack")])
+def test_equals_the_cli_and_its_reported_stats(tmp_path, window, refine):
   cli = _cli()
   src, dst, cfg = tmp_path / "in.arrow", tmp_path / "out.arrow", tmp_path / "config.json"
   cfg.write_text(json.dumps(CONFIG))
@@ -124,18 +124,18 @@ def test_equals_the_cli_and_its_reported_stats(tmp_path, window):
     for b in BATCHES:
       w.write_batch(b)
   run = subprocess.run([cli, "balance", "--config", str(cfg), "--input", str(src), "--out", str(dst),
-                        "--window", str(window), "--json"], capture_output=True, text=True, check=True)
+                        "--window", str(window), "--refine", refine, "--json"], capture_output=True, text=True, check=True)
   report = json.loads(run.stdout.strip().splitlines()[-1])
   with ipc.open_file(str(dst)) as r:
     theirs = [r.get_batch(i) for i in range(r.num_record_batches)]
 
   prep = scp.Preprocessor(CONFIG)
-  ours, perm, windows = prep.balance(BATCHES, window=window, with_report=True)
+  ours, perm, windows = prep.balance(BATCHES, window=window, refine=refine, with_report=True)
   assert len(theirs) == len(ours) == len(BATCHES)
   for a, b in zip(ours, theirs):
     assert a.equals(b)
   np.testing.assert_array_equal(np.concatenate([np.asarray(b.column("row_id")) for b in theirs]), perm)
-  assert report["window"] == window and report["batches"] == len(BATCHES)
+  assert report["window"] == window and report["batches"] == len(BATCHES) and report["refine"] == refine
   assert report["windows"] == len(windows) == -(-len(BATCHES) // window)
   assert report["reordered_windows"] == sum(w["reordered"] for w in windows) > 0
 
@@ -201,5 +201,8 @@ def test_typed_errors():
   with pytest.raises(scp.ConfigError) as e:
     prep.balance(BATCHES, window=0)
   assert e.value.field == "window"
+  with pytest.raises(scp.ConfigError) as e:
+    prep.balance(BATCHES, refine="thorough")
+  assert e.value.field == "refine" and "every-stack" in str(e.value)
   with pytest.raises(scp.InputTypeError):
     prep.balance([{"f0": [1]}])

@@ -40,6 +40,19 @@ pub struct Reorder {
     index: Vec<Vec<(usize, usize)>>,
 }
 
+/// Every batch of `window` has the first's schema: output batches take their columns from all
+/// of them.
+pub(super) fn one_schema(window: &[RecordBatch]) -> Result<()> {
+    let Some(first) = window.first() else { return Ok(()) };
+    match window.iter().enumerate().skip(1).find(|(_, b)| b.schema() != first.schema()) {
+        Some((k, b)) => Err(Error::input(
+            "balance",
+            format!("batch {k} of the window has another schema than batch 0 ({} vs {} columns, or other types)", b.num_columns(), first.num_columns()),
+        )),
+        None => Ok(()),
+    }
+}
+
 fn arrow_error(source: ArrowError) -> Error {
     Error::Arrow { context: "reordering a window of batches".into(), source }
 }
@@ -47,6 +60,7 @@ fn arrow_error(source: ArrowError) -> Error {
 impl Reorder {
     /// Applies a permutation to a window (see [`apply`]).
     pub fn apply(&mut self, window: &[RecordBatch], permutation: &[Vec<SampleRef>]) -> Result<Vec<RecordBatch>> {
+        one_schema(window)?;
         self.reclaim();
         self.index.resize_with(permutation.len(), Vec::new);
         for (index, rows) in self.index.iter_mut().zip(permutation) {

@@ -15,9 +15,11 @@
 //! them without running the pipeline. It then places samples greedily: in decreasing order of
 //! their largest count relative to the stack's `max_ids_per_partition`, each into the slice (with
 //! room left) where the new peak is lowest; and then swaps pairs of samples between slices while
-//! a swap lowers the worst cell without raising any cell it touches to that level (the greedy
-//! alone stopped up to 3.5% above the lower bound where the swaps reach it), and after that
-//! while a swap lowers the worst buffer without passing the peak reached. Unique ids are not
+//! a swap lowers the worst cell without raising any cell it touches to that level; then, stack
+//! by stack from the one nearest its limit, while a swap lowers that stack's own worst cell
+//! without raising a stack already done above its worst or any other above the level of the
+//! one being lowered (each stack's limit is tuned from its own worst cell); and after that
+//! while a swap lowers the worst buffer without raising any stack's worst cell. Unique ids are not
 //! minimised: they depend on which samples share a slice, not on per-sample counts. The new
 //! order is kept only if every output batch's
 //! worst `max_ids` relative to its limit is strictly lower than its input batch's (W = 1) or
@@ -41,7 +43,7 @@ use crate::error::{Error, Result};
 use crate::input::{features_from_record_batch, features_from_record_batch_reusing, HashBuffers, SampleSource};
 use crate::output::Output;
 use crate::preprocess::Preprocessor;
-use crate::spec::Config;
+use crate::spec::{Config, Plan};
 
 mod apply;
 mod count;
@@ -98,7 +100,8 @@ pub struct BalanceReport {
     /// (see [`lower_bound`]).
     pub lower_bound: Vec<u32>,
     /// Whether the balanced order was kept (false: it would not have made every batch better,
-    /// or there was nothing to move).
+    /// there was nothing to move, or the window's batches were planned differently, as auto
+    /// stacking may plan a batch of another size).
     pub reordered: bool,
 }
 
@@ -120,6 +123,20 @@ pub fn balance(config: &Config, window: &[RecordBatch]) -> Result<Balanced> {
     Balancer::new(config.clone())?.balance(window)
 }
 
+/// How far balancing searches once the worst cell is as low as it gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Refinement {
+    /// The worst cell (relative to its stack's limit), then the worst buffer. The stacks that
+    /// do not hold the worst cell stay about where the greedy placed them.
+    #[default]
+    WorstCell,
+    /// Then also every stack's own worst cell, from the stack nearest its limit, with no
+    /// stack's buffer rising: each stack's tuned `max_ids_per_partition` and buffer fall
+    /// further, and the worst cell comes nearer its lower bound where stacks compete for the
+    /// same samples (criteo-like data), for more balancing work (BENCHMARKS.md measures both).
+    EveryStack,
+}
+
 /// Balances window after window, keeping its plan and scratch memory between them.
 #[derive(Debug)]
 pub struct Balancer {
@@ -134,6 +151,7 @@ pub struct Balancer {
     /// Output buffers taken back from the previous window's batches.
     reorder: Reorder,
     swap_memory: SwapMemory,
+    refinement: Refinement,
 }
 
 /// Every sample's (cell, ids) pairs, stored flat: sample i owns `cells[start[i]..start[i + 1]]`,
@@ -175,7 +193,15 @@ impl Balancer {
             unique: UniqueCounter::default(),
             reorder: Reorder::default(),
             swap_memory: SwapMemory::default(),
+            refinement: Refinement::default(),
         })
+    }
+
+    /// Searches as far as `refinement` says (the default is [`Refinement::WorstCell`]).
+    #[must_use]
+    pub fn refinement(mut self, refinement: Refinement) -> Self {
+        self.refinement = refinement;
+        self
     }
 
     /// Balances one window (see the module docs).
@@ -207,7 +233,7 @@ impl Balancer {
         let counts = &self.counts;
         let inv_buffer: Vec<f64> = plan.stacks.iter().map(|st| shape.sc_per_device as f64 / st.coo_buffer_size_per_device.max(1) as f64).collect();
         let weights = Weights { inv_limit: &inv_limit, inv_buffer: &inv_buffer, partitions: shape.partitions };
-        improve(counts, &mut members, &mut self.load, cells, &weights, &mut self.swap_memory);
+        improve(counts, &mut members, &mut self.load, cells, &weights, self.refinement, &mut self.swap_memory);
         let after_batches = batch_loads(&self.load, shape, window.len());
         let permutation = permutation(counts, &members, shape.slices, window.len());
         let identity = identity(window);
@@ -283,20 +309,13 @@ impl Balancer {
     }
 
     /// Counts every sample of the window into `self.counts`; `None` when the window cannot be
-    /// balanced (empty, or a batch that does not split evenly over the slices, which the
-    /// pipeline would reject anyway).
+    /// balanced (empty, a batch that does not split evenly over the slices, which the pipeline
+    /// would reject anyway, or batches planned differently).
     fn count(&mut self, window: &[RecordBatch]) -> Result<Option<Shape>> {
-        let Some(first) = window.first() else {
+        if window.is_empty() {
             return Ok(None);
-        };
-        for (k, b) in window.iter().enumerate().skip(1) {
-            if b.schema() != first.schema() {
-                return Err(Error::input(
-                    "balance",
-                    format!("batch {k} of the window has another schema than batch 0 ({} vs {} columns, or other types)", b.num_columns(), first.num_columns()),
-                ));
-            }
         }
+        apply::one_schema(window)?;
         let counts = &mut self.counts;
         counts.refs.clear();
         counts.cells.clear();
@@ -305,6 +324,7 @@ impl Balancer {
         counts.start.push(0);
         let config = self.prep.config().clone();
         let mut shape = None;
+        let mut first_plan: Option<PlanKey> = None;
         for (b, rb) in window.iter().enumerate() {
             let features = features_from_record_batch_reusing(&config, rb, &mut self.hash_buffers)?;
             let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
@@ -317,7 +337,11 @@ impl Balancer {
                 stacks: plan.stacks.len(),
             };
             let rows = rb.num_rows();
-            if rows == 0 || !rows.is_multiple_of(this.slices) || sizes.iter().any(|&s| s != rows) {
+            // Batches of other sizes can be planned differently (auto stacking chooses stacks
+            // per batch size): their samples' cells and weights would not be comparable.
+            let key = PlanKey::of(plan);
+            let same_plan = first_plan.get_or_insert_with(|| key.clone()) == &key;
+            if rows == 0 || !rows.is_multiple_of(this.slices) || sizes.iter().any(|&s| s != rows) || !same_plan {
                 drop(inputs);
                 self.hash_buffers.recycle(features);
                 return Ok(None);
@@ -328,6 +352,31 @@ impl Balancer {
             self.hash_buffers.recycle(features);
         }
         Ok(shape)
+    }
+}
+
+/// What counting and placing read from a batch's plan: where each feature's ids fall (its
+/// stack and column mapping), and each stack's limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PlanKey {
+    slices: usize,
+    partitions: usize,
+    features: Vec<(usize, u32, u32)>,
+    stacks: Vec<(u32, u32, usize, u64)>,
+}
+
+impl PlanKey {
+    fn of(plan: &Plan) -> Self {
+        PlanKey {
+            slices: plan.layout.local_scs(),
+            partitions: plan.layout.num_partitions(),
+            features: plan.features.iter().map(|f| (f.stack, f.col_shift, f.col_offset)).collect(),
+            stacks: plan
+                .stacks
+                .iter()
+                .map(|s| (s.max_ids_per_partition, s.max_unique_ids_per_partition, s.coo_buffer_size_per_device, s.stack_vocab_size))
+                .collect(),
+        }
     }
 }
 

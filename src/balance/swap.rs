@@ -1,12 +1,15 @@
 //! The swap pass after the greedy placement (see [`improve`]).
 
-use super::SampleCounts;
+use super::{Refinement, SampleCounts};
 
-/// Pair checks [`improve`] may spend per sample of the window on the worst cell (more found
-/// swaps only on large-vocab, each worth under 0.1% of its worst cell), and then on the worst
-/// buffer (whose checks cost more and gain less: under 1.5% of the tuned buffer on the test
-/// kit's profiles, but fewer left criteo's tuned buffer above its input's).
+/// Pair checks [`improve`] may spend per sample of the window on the worst cell, then on each
+/// stack's own worst cell (a stack round also pays one per member whose share it works out),
+/// and then on the worst buffer. The caps bound a window's cost by a fixed multiple of its
+/// samples; BENCHMARKS.md has what larger ones gain and cost.
 const SWAPS_CHECKED_PER_SAMPLE: usize = 8;
+const STACK_SWAPS_CHECKED_PER_SAMPLE: usize = 8;
+/// Other slices a stack round tries, those with the most room in its cell first.
+const STACK_SLICES_TRIED: usize = 3;
 const BUFFER_SWAPS_CHECKED_PER_SAMPLE: usize = 4;
 
 /// What a round of [`improve`] lowers.
@@ -17,6 +20,9 @@ enum Target {
     /// The worst (slice, stack) buffer: S × Σ over partitions of ids rounded up to 8 / the
     /// stack's buffer per device, with no cell above `peak` (the first objective's result).
     Buffer { peak: f64 },
+    /// One stack's worst cell, with every cell held at its `caps` and every stack's buffer at
+    /// its `buffer_caps`.
+    Stack { stack: usize },
 }
 
 /// Lowers the greedy's result by swapping samples between slices, first its worst cell, then
@@ -27,7 +33,16 @@ enum Target {
 /// fill its slice last; a swap undoes that. Values tied at the worst are fixed one at a time, so
 /// the worst falls once all of them are. Deterministic (fixed visiting orders); the checks are
 /// capped per sample, so a window costs at most a fixed multiple of its samples.
-pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &mut [u32], cells: usize, weights: &Weights<'_>, memory: &mut SwapMemory) {
+#[allow(clippy::too_many_arguments)]
+pub(super) fn improve(
+    counts: &SampleCounts,
+    members: &mut [Vec<usize>],
+    load: &mut [u32],
+    cells: usize,
+    weights: &Weights<'_>,
+    refinement: Refinement,
+    memory: &mut SwapMemory,
+) {
     let members_len = members.len();
     // Every row a round reads is filled first (`ready`), so the memory need not be cleared.
     let mut bounds = std::mem::take(&mut memory.bounds);
@@ -49,6 +64,9 @@ pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &
         budget: SWAPS_CHECKED_PER_SAMPLE * counts.refs.len(),
         scratch: std::mem::take(&mut memory.scratch),
         slice_worst: Vec::new(),
+        caps: Vec::new(),
+        buffer_caps: Vec::new(),
+        stack_max: Vec::new(),
     };
     while swaps.round(Target::Peak) {}
     let peak = swaps.worst_cell().0;
@@ -56,8 +74,50 @@ pub(super) fn improve(counts: &SampleCounts, members: &mut [Vec<usize>], load: &
     let p = weights.partitions;
     swaps.sums = swaps.load.chunks(p).map(|part| part.iter().map(|&k| padded(k as i64)).sum()).collect();
     while swaps.round(Target::Buffer { peak }) {}
+    if refinement == Refinement::EveryStack {
+        every_stack(&mut swaps, weights, counts.refs.len());
+    }
     memory.bounds = swaps.bounds;
     memory.scratch = swaps.scratch;
+}
+
+/// [`Refinement::EveryStack`]'s rounds, after the worst cell and the worst buffer.
+fn every_stack(swaps: &mut Swaps<'_>, weights: &Weights<'_>, samples: usize) {
+    let (cells, p) = (swaps.cells, weights.partitions);
+    // Then every stack's own worst cell: each stack's limit is tuned from its own worst cell,
+    // and the first objective leaves every stack but the one at the peak wherever the greedy
+    // put it. The stack nearest its limit among those not yet settled is lowered while a swap
+    // can, with the settled stacks held at their worst and the others at its level (relative
+    // to their limits), then settled: each step lowers the sorted levels lexicographically.
+    // Every stack's buffer is held at its worst, so no tuned buffer rises.
+    let stacks = weights.inv_buffer.len();
+    let limits: Vec<f64> = (0..stacks).map(|st| (1.0 / weights.inv_limit[st * p]).round()).collect();
+    swaps.buffer_caps = (0..stacks).map(|st| swaps.sums.iter().skip(st).step_by(stacks.max(1)).copied().max().unwrap_or(0)).collect();
+    let mut settled = vec![false; stacks];
+    let mut worst = vec![0u32; stacks];
+    swaps.caps.resize(cells, 0);
+    swaps.keep_stack_max();
+    swaps.budget = STACK_SWAPS_CHECKED_PER_SAMPLE * samples;
+    loop {
+        for (st, w) in worst.iter_mut().enumerate() {
+            *w = swaps.stack_worst(st).0;
+        }
+        let next = (0..stacks).filter(|&st| !settled[st]).map(|st| (worst[st] as f64 / limits[st], st)).min_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
+        let Some((level, stack)) = next else { break };
+        for st in 0..stacks {
+            let cap = if st == stack {
+                worst[st].saturating_sub(1)
+            } else if settled[st] {
+                worst[st]
+            } else {
+                worst[st].max((level * limits[st] + 1e-9).floor() as u32)
+            };
+            swaps.caps[st * p..(st + 1) * p].fill(cap);
+        }
+        if !swaps.round(Target::Stack { stack }) {
+            settled[stack] = true;
+        }
+    }
 }
 
 /// What [`improve`] keeps from window to window for its memory.
@@ -126,6 +186,13 @@ struct Swaps<'a> {
     scratch: RoundScratch,
     /// Per slice, its worst cell (see [`Swaps::worst_cell`]); empty until first asked.
     slice_worst: Vec<(f64, usize)>,
+    /// Per cell, the most ids a stack round may leave in it in any slice: its stack's worst
+    /// cell, one less for the stack it lowers, or that stack's level for stacks not yet settled.
+    caps: Vec<u32>,
+    /// Per stack, the largest padded sum a stack round may leave in any slice.
+    buffer_caps: Vec<i64>,
+    /// Per (slice, stack), its worst cell's ids (from the second objective on).
+    stack_max: Vec<u32>,
 }
 
 /// A round's lists, kept from round to round for their memory.
@@ -174,12 +241,49 @@ impl Swaps<'_> {
         worst
     }
 
+    /// A stack's worst cell: (ids, slice, cell), first in (slice, cell) order, from the kept
+    /// worst of every (slice, stack) (`stack_max`, filled by [`Self::keep_stack_max`]).
+    fn stack_worst(&self, stack: usize) -> (u32, usize, usize) {
+        let p = self.w.partitions;
+        let mut worst = (0, 0);
+        for (s, row) in self.stack_max.chunks_exact(self.stacks.max(1)).enumerate() {
+            if let Some(&n) = row.get(stack).filter(|&&n| n > worst.0) {
+                worst = (n, s);
+            }
+        }
+        let (ids, slice) = worst;
+        let cells = self.load.get(slice * self.cells + stack * p..slice * self.cells + (stack + 1) * p).unwrap_or_default();
+        (ids, slice, stack * p + cells.iter().position(|&n| n == ids).unwrap_or(0))
+    }
+
+    /// Fills `stack_max` for every slice; [`Self::swapped`] keeps it from then on.
+    fn keep_stack_max(&mut self) {
+        let slices = self.load.len() / self.cells.max(1);
+        self.stack_max.resize(slices * self.stacks, 0);
+        for s in 0..slices {
+            self.refresh_stack_max(s);
+        }
+    }
+
+    fn refresh_stack_max(&mut self, s: usize) {
+        let p = self.w.partitions.max(1);
+        let (Some(row), Some(out)) = (self.load.get(s * self.cells..(s + 1) * self.cells), self.stack_max.get_mut(s * self.stacks..(s + 1) * self.stacks)) else {
+            return;
+        };
+        for (o, part) in out.iter_mut().zip(row.chunks_exact(p)) {
+            *o = part.iter().copied().max().unwrap_or(0);
+        }
+    }
+
     /// Redoes the kept worst cells of two slices whose loads changed.
     fn swapped(&mut self, a_slice: usize, b_slice: usize) {
         for s in [a_slice, b_slice] {
             let worst = self.slice_worst_of(s);
             if let Some(w) = self.slice_worst.get_mut(s) {
                 *w = worst;
+            }
+            if !self.stack_max.is_empty() {
+                self.refresh_stack_max(s);
             }
         }
     }
@@ -211,12 +315,12 @@ impl Swaps<'_> {
     fn share(&self, i: usize, target: Target, key: usize) -> u32 {
         let p = self.w.partitions;
         let stack = match target {
-            Target::Peak => key / p,
+            Target::Peak | Target::Stack { .. } => key / p,
             Target::Buffer { .. } => key,
         };
         let entries = &self.counts.cells[self.stack_entries(i, stack)];
         match target {
-            Target::Peak => entries.iter().filter(|&&(c, _)| c as usize == key).map(|x| x.1).sum(),
+            Target::Peak | Target::Stack { .. } => entries.iter().filter(|&&(c, _)| c as usize == key).map(|x| x.1).sum(),
             Target::Buffer { .. } => entries.iter().map(|x| x.1).sum(),
         }
     }
@@ -233,12 +337,24 @@ impl Swaps<'_> {
     fn round_in(&mut self, target: Target, scratch: &mut RoundScratch) -> bool {
         let (top, a_slice, key) = match target {
             Target::Peak => self.worst_cell(),
+            Target::Stack { stack } => {
+                let (ids, slice, cell) = self.stack_worst(stack);
+                (ids as f64 * self.w.inv_limit[cell], slice, cell)
+            }
             Target::Buffer { .. } => self.worst_buffer(),
         };
         if top == 0.0 || self.budget == 0 {
             return false;
         }
         let nslices = self.members.len();
+        // A stack round also pays for the members' shares it works out: most of its rounds
+        // each lower one of many cells tied at the worst by one id, so rounds, not checks, are
+        // what a window of many slices spends.
+        let charged = matches!(target, Target::Stack { .. });
+        if charged {
+            let Some(left) = self.budget.checked_sub(self.members[a_slice].len()) else { return false };
+            self.budget = left;
+        }
         self.make_ready(a_slice);
         // Samples of A by their share of the key, largest first.
         let outgoing = &mut scratch.outgoing;
@@ -247,7 +363,7 @@ impl Swaps<'_> {
         outgoing.sort_unstable_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
         // Other slices, least loaded in the key first.
         let level = |sw: &Self, s: usize| match target {
-            Target::Peak => sw.load[s * sw.cells + key] as f64 * sw.w.inv_limit[key],
+            Target::Peak | Target::Stack { .. } => sw.load[s * sw.cells + key] as f64 * sw.w.inv_limit[key],
             Target::Buffer { .. } => sw.buffer(s, key, 0),
         };
         let others = &mut scratch.others;
@@ -259,17 +375,28 @@ impl Swaps<'_> {
         shares.resize_with(nslices, Vec::new);
         shares.iter_mut().for_each(Vec::clear);
         for &(out_share, ka) in outgoing.iter() {
-            for &(b_level, b_slice) in others.iter() {
+            // A stack round tries only the few slices with the most room in its cell: with the
+            // other stacks held loosely, the first of them nearly always take a swap, and every
+            // slice visited costs its members' shares.
+            let visited = match target {
+                Target::Stack { .. } => STACK_SLICES_TRIED,
+                _ => usize::MAX,
+            };
+            for &(b_level, b_slice) in others.iter().take(visited) {
                 // B's key gains (the sample it gives up has less of it); the slices come least
                 // loaded first, so no later one can take it either.
                 let floor = match target {
-                    Target::Peak => (self.load[b_slice * self.cells + key] + 1) as f64 * self.w.inv_limit[key],
+                    Target::Peak | Target::Stack { .. } => (self.load[b_slice * self.cells + key] + 1) as f64 * self.w.inv_limit[key],
                     Target::Buffer { .. } => b_level,
                 };
                 if floor >= top {
                     break;
                 }
                 if shares[b_slice].is_empty() {
+                    if charged {
+                        let Some(left) = self.budget.checked_sub(self.members[b_slice].len()) else { return false };
+                        self.budget = left;
+                    }
                     self.make_ready(b_slice);
                     let members = &self.members[b_slice];
                     shares[b_slice].extend(members.iter().map(|&b| self.share(b, target, key)));
@@ -336,7 +463,7 @@ impl Swaps<'_> {
         self.marked.clear();
         self.changed.clear();
         let key_stack = match target {
-            Target::Peak => key / p,
+            Target::Peak | Target::Stack { .. } => key / p,
             Target::Buffer { .. } => key,
         };
         if let Target::Peak = target {
@@ -432,8 +559,9 @@ impl Swaps<'_> {
     }
 
     /// Adds one stack's entries of a (`a_entries`, leaving A) and b (`b_entries`, leaving B)
-    /// to `delta` and checks that stack's cells in both slices: below `top` (peak), or at most
-    /// the first objective's peak with the stack's buffer below `top` (buffer). A buffer
+    /// to `delta` and checks that stack's cells in both slices: below `top` (peak), at most the
+    /// first objective's peak with the stack's buffer below `top` (buffer), or within their caps
+    /// with the stack's padded sum within its cap (stack). A buffer or stack
     /// round notes the stack's change of each slice's padded sum in `changed`.
     #[allow(clippy::too_many_arguments)]
     fn stack_fits(
@@ -464,6 +592,25 @@ impl Swaps<'_> {
                 let ok = self.buffer(a_slice, stack, change_a) < top
                     && self.buffer(b_slice, stack, change_b) < top
                     && self.marked[from..].iter().all(|&x| level(self, a_slice, x, self.delta[x]) <= peak && level(self, b_slice, x, -self.delta[x]) <= peak);
+                if ok {
+                    self.changed.push((stack, change_a, change_b));
+                }
+                ok
+            }
+            Target::Stack { .. } => {
+                let (mut change_a, mut change_b) = (0i64, 0i64);
+                let mut within = true;
+                for &x in &self.marked[from..] {
+                    let d = self.delta[x];
+                    let (la, lb) = (self.load[a_slice * cells + x] as i64, self.load[b_slice * cells + x] as i64);
+                    let cap = self.caps.get(x).map_or(0, |&c| c as i64);
+                    within &= la + d <= cap && lb - d <= cap;
+                    change_a += padded(la + d) - padded(la);
+                    change_b += padded(lb - d) - padded(lb);
+                }
+                let stacks = self.stacks;
+                let buffer_cap = self.buffer_caps.get(stack).copied().unwrap_or(0);
+                let ok = within && self.sums[a_slice * stacks + stack] + change_a <= buffer_cap && self.sums[b_slice * stacks + stack] + change_b <= buffer_cap;
                 if ok {
                     self.changed.push((stack, change_a, change_b));
                 }

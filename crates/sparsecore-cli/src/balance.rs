@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use arrow_array::RecordBatch;
 use arrow_ipc::writer::FileWriter;
-use sparsecore_prep::balance::{measure, BalanceReport, Balancer, StackLoad};
+use sparsecore_prep::balance::{measure, BalanceReport, Balancer, Refinement, StackLoad};
 use sparsecore_prep::io::BatchReader;
 use sparsecore_prep::{Config, Error, Result};
 
@@ -35,9 +35,30 @@ pub struct Args {
     /// Balance windows of W consecutive batches (samples move between the window's batches).
     #[arg(long, default_value_t = 1, value_parser = parse_window)]
     window: usize,
+    /// How far to search: `worst-cell` (the worst cell, then the worst buffer) or `every-stack`
+    /// (then also each stack's own worst cell: smaller tuned limits and buffers per stack, for
+    /// more balancing work).
+    #[arg(long, value_enum, default_value_t = Refine::WorstCell)]
+    refine: Refine,
     /// Print one JSON object (the last line) instead of the summary.
     #[arg(long)]
     json: bool,
+}
+
+/// The command line's names for [`Refinement`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Refine {
+    WorstCell,
+    EveryStack,
+}
+
+impl From<Refine> for Refinement {
+    fn from(r: Refine) -> Self {
+        match r {
+            Refine::WorstCell => Refinement::WorstCell,
+            Refine::EveryStack => Refinement::EveryStack,
+        }
+    }
 }
 
 /// Parses a window size (at least 1).
@@ -56,6 +77,7 @@ pub struct Balancing<I> {
     /// Made at the first window, so that a bad config is an item's error like any other.
     balancer: Option<Balancer>,
     window: usize,
+    refinement: Refinement,
     input: PathBuf,
     ready: VecDeque<(usize, RecordBatch)>,
     failed: bool,
@@ -67,12 +89,13 @@ pub struct Balancing<I> {
 }
 
 impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Balancing<I> {
-    pub fn new(inner: I, config: Config, window: usize, input: &Path) -> Self {
+    pub fn new(inner: I, config: Config, window: usize, refinement: Refinement, input: &Path) -> Self {
         Balancing {
             inner,
             config,
             balancer: None,
             window: window.max(1),
+            refinement,
             input: input.to_path_buf(),
             ready: VecDeque::new(),
             failed: false,
@@ -91,8 +114,9 @@ impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Balancing<I> {
     }
 
     fn fill(&mut self) -> Result<()> {
-        let mut indices = Vec::with_capacity(self.window);
-        let mut batches = Vec::with_capacity(self.window);
+        // Not sized from `window`, which comes from the command line: a window larger than the
+        // input holds only the input's batches.
+        let (mut indices, mut batches) = (Vec::new(), Vec::new());
         while batches.len() < self.window {
             let Some((index, batch)) = self.inner.next() else { break };
             indices.push(index);
@@ -102,7 +126,7 @@ impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Balancing<I> {
         let context = |e: Error| e.context(format!("input {}, balancing record batches {a}..={b}", self.input.display()));
         let balancer = match &mut self.balancer {
             Some(balancer) => balancer,
-            None => self.balancer.insert(Balancer::new(self.config.clone()).map_err(context)?),
+            None => self.balancer.insert(Balancer::new(self.config.clone()).map_err(context)?.refinement(self.refinement)),
         };
         let balanced = balancer.balance(&batches).map_err(context)?;
         if self.measuring {
@@ -176,7 +200,7 @@ pub fn run(a: Args) -> Result<()> {
     let write = || -> Result<()> {
         let file = File::create(&tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
         let mut writer = FileWriter::try_new(BufWriter::new(file), &schema).map_err(arrow)?;
-        let mut it = Balancing::new(reader.enumerate(), config, a.window, &a.input).measuring();
+        let mut it = Balancing::new(reader.enumerate(), config, a.window, a.refine.into(), &a.input).measuring();
         for (index, batch) in it.by_ref() {
             let batch = batch?;
             if batch.schema() != schema {
@@ -211,6 +235,7 @@ pub fn run(a: Args) -> Result<()> {
         };
         let json = serde_json::json!({
             "window": a.window,
+            "refine": if a.refine == Refine::EveryStack { "every-stack" } else { "worst-cell" },
             "batches": batches,
             "rows": rows,
             "windows": reports.len(),

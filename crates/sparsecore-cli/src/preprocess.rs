@@ -11,6 +11,7 @@ use arrow_array::{ArrayRef, FixedSizeListArray, Float32Array, Int32Array, Record
 use arrow_ipc::writer::FileWriter;
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use sparsecore_prep::balance::Refinement;
 use sparsecore_prep::fdo::FdoStats;
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::io::BatchReader;
@@ -45,6 +46,9 @@ pub struct Args {
     /// Balance each window of W input batches (as `balance --window W`) before preprocessing it.
     #[arg(long, value_name = "W", value_parser = super::balance::parse_window)]
     balance: Option<usize>,
+    /// With --balance: how far to search (as `balance --refine`).
+    #[arg(long, value_enum, default_value_t = super::balance::Refine::WorstCell, requires = "balance")]
+    balance_refine: super::balance::Refine,
 }
 
 #[derive(clap::Args)]
@@ -153,7 +157,7 @@ fn file_name(stack: &str) -> String {
 type PlanAndIds = (sparsecore_prep::Plan, Vec<u64>);
 
 /// Streams the file (with `balance_window`, each window of that many selected batches balanced
-/// first, as `balance --window` does): calls `each(batch_index, prep, out, ids)` after every processed batch.
+/// first, as `balance --window W --refine R` does): calls `each(batch_index, prep, out, ids)` after every processed batch.
 #[allow(clippy::too_many_arguments)] // one private helper behind `preprocess` and `stats`
 fn stream(
     config: Config,
@@ -161,7 +165,7 @@ fn stream(
     input: &Path,
     shard: Option<(usize, usize)>,
     threads: Option<usize>,
-    balance_window: Option<usize>,
+    balance_window: Option<(usize, Refinement)>,
     stats_only: bool,
     mut each: impl FnMut(u64, &Preprocessor, &Output) -> Result<()>,
 ) -> Result<(FdoStats, Option<PlanAndIds>)> {
@@ -183,7 +187,7 @@ fn stream(
     let mut all_ids = 0u64;
     let selected = reader.enumerate().filter(|(index, _)| index % n == i0);
     let batches: Box<dyn Iterator<Item = (usize, Result<RecordBatch>)>> = match (balance_window, balance_config) {
-        (Some(w), Some(c)) => Box::new(super::balance::Balancing::new(selected, c, w, input)),
+        (Some((w, r)), Some(c)) => Box::new(super::balance::Balancing::new(selected, c, w, r, input)),
         _ => Box::new(selected),
     };
     for (index, batch) in batches {
@@ -234,7 +238,7 @@ pub fn run(a: Args) -> Result<()> {
     let stale: Vec<String> = staged.stale_removed().iter().map(|p| p.display().to_string()).collect();
 
     let mut files: BTreeMap<String, StackFile> = BTreeMap::new();
-    let (stats, plan) = stream(config, &a.config, &a.input, a.shard, a.threads, a.balance, false, |index, _prep, out| {
+    let (stats, plan) = stream(config, &a.config, &a.input, a.shard, a.threads, a.balance.map(|w| (w, a.balance_refine.into())), false, |index, _prep, out| {
         for so in &out.stacks {
             if !files.contains_key(&so.name) {
                 let f = StackFile::create(staged.dir(), &a.out, so)?;
