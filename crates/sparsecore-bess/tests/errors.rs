@@ -140,3 +140,33 @@ fn sizes_beyond_the_buffers_are_errors_not_overflows() {
     }
     assert!(matches!(Sharding::create(10, usize::MAX, &[0], None).unwrap_err(), BessError::InvalidParameter { name: "n_shard", .. }));
 }
+
+#[test]
+fn relation_ids_past_int32_are_refused_not_clamped() {
+    // The batches' `relation` column is Int32: each of these ids used to become 2147483647.
+    let mut t = synth::uniform(1000, 10, 20_000, 1);
+    t.relation.iter_mut().for_each(|r| *r += 3_000_000_000);
+    let stream = |t: &Triples| BessStream::builder().triples(t.clone()).n_entity(1000).shard_batch_size(64).seed(1);
+    let first = t.relation[0];
+    for e in [stream(&t).build().unwrap_err(), stream(&t).n_relation(5_000_000_000).build().unwrap_err(), stream(&t).inverse_triples(true).build().unwrap_err()] {
+        assert!(matches!(&e, BessError::RelationOutOfRange { column, row: 0, value, n_relation: 2147483647 } if column == "relation" && *value == first), "{e:?}");
+        assert_eq!(e.to_string(), format!("column `relation`, row 0: relation id {first} is outside 0..2147483647"));
+    }
+    // More relation types than the column holds, even with small ids.
+    let small = synth::uniform(1000, 10, 20_000, 1);
+    let e = stream(&small).n_relation(5_000_000_000).build().unwrap_err();
+    assert!(matches!(&e, BessError::InvalidParameter { name: "n_relation", value, .. } if value == "5000000000"), "{e:?}");
+    assert_eq!(e.to_string(), "invalid `n_relation` = 5000000000: the `relation` column is Int32: at most 2147483647 relation types");
+    // With inverse triples, ids that fit whose inverses `r + n_relation` would not.
+    let mut half = small.clone();
+    half.relation.iter_mut().for_each(|r| *r += 1_500_000_000);
+    let e = stream(&half).inverse_triples(true).build().unwrap_err();
+    assert!(matches!(&e, BessError::InvalidParameter { name: "n_relation", value, .. } if value == "1500000010"), "{e:?}");
+    // Ids that fit come out as themselves, distinct ones distinct.
+    let mut high = small.clone();
+    high.relation.iter_mut().for_each(|r| *r += 2_147_483_600);
+    let batch = stream(&high).build().unwrap().next().unwrap().unwrap().record_batch;
+    let rel = batch.column_by_name("relation").unwrap().as_any().downcast_ref::<Int32Array>().unwrap();
+    let got: std::collections::BTreeSet<i32> = rel.iter().flatten().collect();
+    assert!(got.len() > 1 && got.iter().all(|&r| (2_147_483_600..2_147_483_610).contains(&r)), "{got:?}");
+}
