@@ -3,10 +3,10 @@
 use std::sync::Arc;
 
 use arrow_array::{ArrayRef, Float32Array, Int32Array, Int64Array, RecordBatch};
-use ndarray::Array2;
+use ndarray::{Array2, ArrayD, IxDyn};
 use sparsecore_bess::{
     synth, BatchOptions, BatchSampler, BessError, BessStream, Corruption, NegativeSampler, PartitionMode, PartitionedTriples, RandomNegative,
-    SamplerKind, Sharding, StreamSampler, Triples,
+    SamplerKind, Sharding, StreamSampler, TripleBasedNegative, Triples, TypeBasedNegative,
 };
 
 fn sharding() -> Arc<Sharding> {
@@ -169,4 +169,46 @@ fn relation_ids_past_int32_are_refused_not_clamped() {
     let rel = batch.column_by_name("relation").unwrap().as_any().downcast_ref::<Int32Array>().unwrap();
     let got: std::collections::BTreeSet<i32> = rel.iter().flatten().collect();
     assert!(got.len() > 1 && got.iter().all(|&r| (2_147_483_600..2_147_483_610).contains(&r)), "{got:?}");
+}
+
+#[test]
+fn malformed_sample_idx_is_an_error_not_a_panic() {
+    let sh = Arc::new(Sharding::create(100, 4, &[7], Some(&[0, 50])).unwrap());
+    let t = synth::uniform(100, 3, 8, 2);
+    let typed = PartitionedTriples::builder(sh.clone(), PartitionMode::HShard).type_offsets(vec![0, 50]).build(&t).unwrap();
+    let idx = |shape: &[usize], v: Vec<i64>| ArrayD::from_shape_vec(IxDyn(shape), v).unwrap();
+    let mut type_based = NegativeSampler::TypeBased(TypeBasedNegative::new(2, &[1], Corruption::T, false).unwrap());
+    let mut random = NegativeSampler::Random(RandomNegative::new(2, &[1], Corruption::T, false, false).unwrap());
+    assert_eq!(type_based.sample(&typed, &idx(&[1, 4, 1], vec![0, 1, 2, 7])).unwrap().negative.shape(), [1, 4, 4, 1, 2]);
+    // A row past the 8 triples, or before them (the TypeBased sampler read its type at that row).
+    for bad in [99, 8, -1] {
+        let e = type_based.sample(&typed, &idx(&[1, 4, 1], vec![0, 1, 2, bad])).unwrap_err();
+        assert!(matches!(&e, BessError::InvalidParameter { name: "sample_idx", value, .. } if *value == bad.to_string()), "{e:?}");
+        assert_eq!(e.to_string(), format!("invalid `sample_idx` = {bad}: indices must be rows of the 8 partitioned triples"));
+    }
+    // Too few axes (the shape was read at axes 0 and 1), a block of the wrong shard count, an empty axis.
+    for (typed_sampler, shape) in [(false, vec![4]), (true, vec![4]), (false, vec![1, 3, 1]), (true, vec![1, 4, 0]), (false, vec![1, 4, 4, 1])] {
+        let ns = if typed_sampler { &mut type_based } else { &mut random };
+        let e = ns.sample(&typed, &idx(&shape, vec![0; shape.iter().product()])).unwrap_err();
+        assert!(matches!(&e, BessError::InvalidParameter { name: "sample_idx", .. }), "{shape:?}: {e:?}");
+        assert_eq!(e.to_string(), format!("invalid `sample_idx` = shape {shape:?}: must be (batches_per_step, 4, q) with no empty axis"));
+    }
+    let pairs = PartitionedTriples::builder(sh.clone(), PartitionMode::HtShardPair).build(&t).unwrap();
+    let e = random.sample(&pairs, &idx(&[1, 4, 1], vec![0; 4])).unwrap_err();
+    assert_eq!(e.to_string(), "invalid `sample_idx` = shape [1, 4, 1]: must be (batches_per_step, 4, 4, q) with no empty axis");
+    // A TripleBased sampler's tables have a row per triple of its own set, 8 here: a set of 16
+    // indexed past them.
+    let neg = Array2::from_shape_fn((8, 3), |(r, c)| (r * 3 + c) as i64);
+    let own = PartitionedTriples::builder(sh.clone(), PartitionMode::HShard).neg_tails(neg).build(&t).unwrap();
+    let tb = TripleBasedNegative::new(&own, Corruption::T, true, false).unwrap();
+    let mut triple_based = NegativeSampler::TripleBased(Box::new(tb));
+    assert!(triple_based.sample(&own, &idx(&[1, 4, 1], vec![0, 3, 5, 7])).is_ok());
+    let other = Arc::new(PartitionedTriples::builder(sh, PartitionMode::HShard).build(&synth::uniform(100, 3, 16, 3)).unwrap());
+    let e = triple_based.sample(&other, &idx(&[1, 4, 1], vec![12, 13, 14, 15])).unwrap_err();
+    assert!(matches!(&e, BessError::InvalidParameter { name: "partitioned", value, .. } if value == "16 triples"), "{e:?}");
+    assert_eq!(e.to_string(), "invalid `partitioned` = 16 triples: the TripleBased sampler was built for a set of 8 triples");
+    // And a batch sampler refuses the pair from the start.
+    let opts = BatchOptions { shard_bs: 1, batches_per_step: 1, duplicate_batch: false, return_triple_idx: false, kind: SamplerKind::Rigid { shuffle: None } };
+    let e = BatchSampler::new(other, opts, Some(triple_based)).unwrap_err();
+    assert!(matches!(&e, BessError::InvalidParameter { name: "partitioned", .. }), "{e:?}");
 }
