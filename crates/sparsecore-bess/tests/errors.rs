@@ -5,8 +5,8 @@ use std::sync::Arc;
 use arrow_array::{ArrayRef, Float32Array, Int32Array, Int64Array, RecordBatch};
 use ndarray::{Array2, ArrayD, IxDyn};
 use sparsecore_bess::{
-    synth, BatchOptions, BatchSampler, BessError, BessStream, Corruption, NegativeSampler, PartitionMode, PartitionedTriples, RandomNegative,
-    SamplerKind, Sharding, StreamSampler, TripleBasedNegative, Triples, TypeBasedNegative,
+    synth, BatchOptions, BatchSampler, BessError, BessStream, Corruption, NegativeKind, NegativeSampler, PartitionMode, PartitionedTriples,
+    RandomNegative, SamplerKind, Sharding, StreamSampler, TripleBasedNegative, Triples, TypeBasedNegative,
 };
 
 fn sharding() -> Arc<Sharding> {
@@ -211,4 +211,30 @@ fn malformed_sample_idx_is_an_error_not_a_panic() {
     let opts = BatchOptions { shard_bs: 1, batches_per_step: 1, duplicate_batch: false, return_triple_idx: false, kind: SamplerKind::Rigid { shuffle: None } };
     let e = BatchSampler::new(other, opts, Some(triple_based)).unwrap_err();
     assert!(matches!(&e, BessError::InvalidParameter { name: "partitioned", .. }), "{e:?}");
+}
+
+#[test]
+fn type_offsets_past_the_entities_are_refused() {
+    // 1001 entities on 4 shards of 251 slots leave 3 padding slots (ids 1001..1004): an offset
+    // of 5000 counted them in type 0 and took them off type 1, whose count went negative.
+    let e = Sharding::create(1001, 4, &[1], Some(&[0, 5000])).unwrap_err();
+    assert!(matches!(&e, BessError::InvalidParameter { name: "type_offsets", value, .. } if value == "[0, 5000]"), "{e:?}");
+    assert_eq!(e.to_string(), "invalid `type_offsets` = [0, 5000]: offset 1 is 5000, past n_entity = 1001 (types are ranges of entity ids)");
+    // Up to n_entity, a sharding its own check accepts; at n_entity the last type is empty.
+    for last in [1001, 1000] {
+        let sh = Sharding::create(1001, 4, &[1], Some(&[0, last])).unwrap();
+        sh.validate().unwrap();
+        let tc = sh.entity_type_counts.as_ref().unwrap();
+        let want: Vec<i64> = (0..4).map(|s| i64::from(last == 1000 && sh.entity_to_shard[1000] == s)).collect();
+        assert_eq!(tc.column(1).to_vec(), want, "last offset {last}");
+        assert_eq!(tc.sum(), 1001);
+    }
+    // The partitioning types triples by the same offsets, and the stream builds its typed
+    // sharding from them.
+    let t = synth::uniform(100, 3, 500, 1);
+    let e = PartitionedTriples::builder(sharding(), PartitionMode::HtShardPair).type_offsets(vec![0, 40, 101]).build(&t).unwrap_err();
+    assert_eq!(e.to_string(), "invalid `type_offsets` = [0, 40, 101]: offset 2 is 101, past n_entity = 100 (types are ranges of entity ids)");
+    let kind = NegativeKind::TypeBased { type_offsets: vec![0, 5000] };
+    let e = BessStream::builder().triples(t).n_entity(100).shard_batch_size(8).negatives(2).negative_sampler(kind).seed(1).build().unwrap_err();
+    assert!(matches!(&e, BessError::InvalidParameter { name: "type_offsets", .. }), "{e:?}");
 }
