@@ -544,22 +544,6 @@ fn partition_shaped<'py>(py: Python<'py>, part: &PartitionedTriples, v: &[i64]) 
 // ---------------------------------------------------------------------------------------------
 // Negative samplers
 
-/// Checks `sample_idx` (`(bps, *blk, q)` indices into `part.triples`) before the crate indexes
-/// with it.
-fn check_sample_idx(py: Python<'_>, part: &PartitionedTriples, shape: &[usize], v: &[i64]) -> PyResult<()> {
-    let n = part.n_shard();
-    let want = if part.mode == PartitionMode::HtShardPair { 4 } else { 3 };
-    let blk_ok = shape.len() == want && shape[1] == n && (want == 3 || shape[2] == n);
-    if !blk_ok || shape.contains(&0) {
-        let blk = if want == 4 { format!("{n}, {n}") } else { n.to_string() };
-        return Err(param(py, "sample_idx", format!("shape {shape:?}"), format!("must be (batches_per_step, {blk}, q) with no empty axis")));
-    }
-    if let Some(&bad) = v.iter().find(|&&i| i < 0 || i as usize >= part.len()) {
-        return Err(param(py, "sample_idx", bad, format!("indices must be rows of the {} partitioned triples", part.len())));
-    }
-    Ok(())
-}
-
 /// A negative sampler's output as a dict of numpy arrays (besskge's keys).
 fn negative_dict<'py>(py: Python<'py>, o: &sparsecore_bess::NegativeOutput) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
@@ -569,22 +553,9 @@ fn negative_dict<'py>(py: Python<'py>, o: &sparsecore_bess::NegativeOutput) -> P
 
 fn sample_with(py: Python<'_>, ns: &mut NegativeSampler, part: &PartitionedTriples, sample_idx: &Bound<'_, PyAny>) -> PyResult<Py<PyDict>> {
     let (shape, v) = int_values(py, sample_idx, "sample_idx")?;
-    check_sample_idx(py, part, &shape, &v)?;
-    if let NegativeSampler::TripleBased(tb) = ns {
-        check_triple_based(py, tb, part)?;
-    }
     let idx = ArrayD::from_shape_vec(IxDyn(&shape), v).map_err(|e| param(py, "sample_idx", "shape", e.to_string()))?;
     let out = py.detach(|| ns.sample(part, &idx)).py(py)?;
     Ok(negative_dict(py, &out)?.unbind())
-}
-
-/// A TripleBased sampler's tables have one row per triple of the set it was built from.
-fn check_triple_based(py: Python<'_>, tb: &TripleBasedNegative, part: &PartitionedTriples) -> PyResult<()> {
-    let rows = tb.heads.as_ref().or(tb.tails.as_ref()).map_or(0, |t| t.sort_idx.nrows());
-    if !tb.flat_negative_format && rows != part.len() {
-        return Err(param(py, "partitioned", format!("{} triples", part.len()), format!("the TripleBased sampler was built for a set of {rows} triples")));
-    }
-    Ok(())
 }
 
 /// A negative sampler's class (a `NegativeSampler` inside, which a `BatchSampler` copies):
@@ -815,9 +786,6 @@ pymethods_with_getters! { PyBatchSampler, |b, py| {
         };
         let negative = negative_of(py, negative_sampler)?;
         let part = partitioned.inner.clone();
-        if let Some(NegativeSampler::TripleBased(tb)) = &negative {
-            check_triple_based(py, tb, &part)?;
-        }
         let options = BatchOptions { shard_bs, batches_per_step, duplicate_batch, return_triple_idx, kind };
         Ok(PyBatchSampler { inner: BatchSampler::new(part, options, negative).py(py)? })
     }

@@ -226,6 +226,9 @@ impl BatchSampler {
     /// A sampler over `part`. The negative sampler's corruption scheme decides the "ht"
     /// rounding; without one, "h" is assumed (no rounding) and batches carry no negatives.
     pub fn new(part: Arc<PartitionedTriples>, options: BatchOptions, negative: Option<NegativeSampler>) -> Result<Self> {
+        if let Some(NegativeSampler::TripleBased(tb)) = &negative {
+            tb.check_set(&part)?;
+        }
         let corruption = negative.as_ref().map_or(Corruption::H, NegativeSampler::corruption);
         Self::build(part, options, negative, corruption)
     }

@@ -7,7 +7,7 @@
 use ndarray::{Array2, ArrayD, IxDyn};
 
 use crate::error::{BessError, Result};
-use crate::partition::PartitionedTriples;
+use crate::partition::{PartitionMode, PartitionedTriples};
 use crate::rng::{FastMod, NumpyRng};
 
 /// Which side of a triple negatives replace.
@@ -328,13 +328,21 @@ struct Dims {
     q: usize,
 }
 
-fn dims(sample_idx: &ArrayD<i64>) -> Dims {
+/// The shape facts of `sample_idx`, once it is known to be `(bps, n[, n], q)` (as `part`'s
+/// mode says) with no empty axis and rows of `part` only: the samplers index by its axes and
+/// values, and a caller may hand in any array (the batch sampler's are always right).
+fn dims(part: &PartitionedTriples, sample_idx: &ArrayD<i64>) -> Result<Dims> {
+    let n = part.n_shard();
     let sh = sample_idx.shape();
-    let bps = sh[0];
-    let n = sh[1];
-    let q = sh[sh.len() - 1];
-    let f: usize = sh[2..].iter().product();
-    Dims { bps, n, f, q }
+    let want = if part.mode == PartitionMode::HtShardPair { 4 } else { 3 };
+    if sh.len() != want || sh[1] != n || (want == 4 && sh[2] != n) || sh.contains(&0) {
+        let blk = if want == 4 { format!("{n}, {n}") } else { n.to_string() };
+        return Err(BessError::param("sample_idx", format!("shape {sh:?}"), format!("must be (batches_per_step, {blk}, q) with no empty axis")));
+    }
+    if let Some(&bad) = sample_idx.iter().find(|&&i| i < 0 || i as usize >= part.len()) {
+        return Err(BessError::param("sample_idx", bad, format!("indices must be rows of the {} partitioned triples", part.len())));
+    }
+    Ok(Dims { bps: sh[0], n, f: sh[2..].iter().product(), q: sh[want - 1] })
 }
 
 /// The shortest block [`draw_mod_shard_into`] draws straight into place.
@@ -457,7 +465,7 @@ impl NegativeSampler {
     /// Negatives for the triples `sample_idx` of shape `(bps, *blk, q)` (indices into
     /// `part.triples`).
     pub fn sample(&mut self, part: &PartitionedTriples, sample_idx: &ArrayD<i64>) -> Result<NegativeOutput> {
-        let d = dims(sample_idx);
+        let d = dims(part, sample_idx)?;
         match self {
             NegativeSampler::Random(s) => s.draw(part, d.bps, d.f),
             NegativeSampler::TypeBased(s) => {
@@ -508,12 +516,26 @@ impl NegativeSampler {
                 let negative = ArrayD::from_shape_vec(IxDyn(&[d.bps, d.n, d.n, d.f, k]), out).expect("shape matches the draws");
                 Ok(NegativeOutput { negative, mask: None, sort_idx: None })
             }
-            NegativeSampler::TripleBased(s) => Ok(s.sample(sample_idx, &d)),
+            NegativeSampler::TripleBased(s) => {
+                s.check_set(part)?;
+                Ok(s.sample(sample_idx, &d))
+            }
         }
     }
 }
 
 impl TripleBasedNegative {
+    /// Refuses a set other than the one the sampler was built from: its tables have one row
+    /// per triple of that set, and the rows of another would index past them or read the
+    /// negatives of other triples.
+    pub fn check_set(&self, part: &PartitionedTriples) -> Result<()> {
+        let rows = self.heads.as_ref().or(self.tails.as_ref()).map_or(0, |t| t.sort_idx.nrows());
+        if !self.flat_negative_format && rows != part.len() {
+            return Err(BessError::param("partitioned", format!("{} triples", part.len()), format!("the TripleBased sampler was built for a set of {rows} triples")));
+        }
+        Ok(())
+    }
+
     fn sample(&self, sample_idx: &ArrayD<i64>, d: &Dims) -> NegativeOutput {
         let n = d.n;
         let l = self.padded_shard_length;

@@ -281,7 +281,7 @@ impl PartitionBuilder {
         let types = match &self.type_offsets {
             None => None,
             Some(offsets_t) => {
-                check_type_offsets(offsets_t)?;
+                check_type_offsets(offsets_t, sh.n_entity())?;
                 let mut ty = Array2::<i64>::zeros((rows, 2));
                 for (k, &i) in sort_idx.iter().enumerate() {
                     let (h, _, t, _, _) = row_of(i as usize);

@@ -45,14 +45,20 @@ pub(crate) fn type_of(offsets: &[i64], x: i64) -> i64 {
     offsets.partition_point(|&o| o <= x) as i64 - 1
 }
 
-/// Checks that type offsets are usable: non-empty, starting at 0, non-decreasing.
-pub(crate) fn check_type_offsets(offsets: &[i64]) -> Result<()> {
+/// Checks that type offsets are usable: non-empty, starting at 0, non-decreasing, none past
+/// `n_entity`. An offset past it would put the padding slots (ids `E..`) in an earlier type,
+/// whose count would then include them while the last type's went negative (besskge takes
+/// every padding slot off the last type), a sharding [`Sharding::validate`] refuses.
+pub(crate) fn check_type_offsets(offsets: &[i64], n_entity: usize) -> Result<()> {
     if offsets.first() != Some(&0) || offsets.windows(2).any(|w| w[0] > w[1]) {
         return Err(BessError::param(
             "type_offsets",
             format!("{offsets:?}"),
             "must be a non-empty, non-decreasing list starting at 0",
         ));
+    }
+    if let Some((i, &o)) = offsets.iter().enumerate().find(|&(_, &o)| o as u64 > n_entity as u64) {
+        return Err(BessError::param("type_offsets", format!("{offsets:?}"), format!("offset {i} is {o}, past n_entity = {n_entity} (types are ranges of entity ids)")));
     }
     Ok(())
 }
@@ -76,7 +82,7 @@ impl Sharding {
             return Err(BessError::param("n_entity", n_entity, "must fit in int32 (besskge's id type)"));
         }
         if let Some(o) = type_offsets {
-            check_type_offsets(o)?;
+            check_type_offsets(o, n_entity)?;
         }
         let m = n_entity.div_ceil(n_shard);
         let mut rng = NumpyRng::from_words(seed_words);

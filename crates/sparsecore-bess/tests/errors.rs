@@ -3,10 +3,10 @@
 use std::sync::Arc;
 
 use arrow_array::{ArrayRef, Float32Array, Int32Array, Int64Array, RecordBatch};
-use ndarray::Array2;
+use ndarray::{Array2, ArrayD, IxDyn};
 use sparsecore_bess::{
-    synth, BatchOptions, BatchSampler, BessError, BessStream, Corruption, NegativeSampler, PartitionMode, PartitionedTriples, RandomNegative,
-    SamplerKind, Sharding, StreamSampler, Triples,
+    synth, BatchOptions, BatchSampler, BessError, BessStream, Corruption, NegativeKind, NegativeSampler, PartitionMode, PartitionedTriples,
+    RandomNegative, SamplerKind, Sharding, StreamSampler, TripleBasedNegative, Triples, TypeBasedNegative,
 };
 
 fn sharding() -> Arc<Sharding> {
@@ -139,4 +139,102 @@ fn sizes_beyond_the_buffers_are_errors_not_overflows() {
         assert!(matches!(e, BessError::InvalidParameter { .. }), "{bs} {k}: {e:?}");
     }
     assert!(matches!(Sharding::create(10, usize::MAX, &[0], None).unwrap_err(), BessError::InvalidParameter { name: "n_shard", .. }));
+}
+
+#[test]
+fn relation_ids_past_int32_are_refused_not_clamped() {
+    // The batches' `relation` column is Int32: each of these ids used to become 2147483647.
+    let mut t = synth::uniform(1000, 10, 20_000, 1);
+    t.relation.iter_mut().for_each(|r| *r += 3_000_000_000);
+    let stream = |t: &Triples| BessStream::builder().triples(t.clone()).n_entity(1000).shard_batch_size(64).seed(1);
+    let first = t.relation[0];
+    for e in [stream(&t).build().unwrap_err(), stream(&t).n_relation(5_000_000_000).build().unwrap_err(), stream(&t).inverse_triples(true).build().unwrap_err()] {
+        assert!(matches!(&e, BessError::RelationOutOfRange { column, row: 0, value, n_relation: 2147483647 } if column == "relation" && *value == first), "{e:?}");
+        assert_eq!(e.to_string(), format!("column `relation`, row 0: relation id {first} is outside 0..2147483647"));
+    }
+    // More relation types than the column holds, even with small ids.
+    let small = synth::uniform(1000, 10, 20_000, 1);
+    let e = stream(&small).n_relation(5_000_000_000).build().unwrap_err();
+    assert!(matches!(&e, BessError::InvalidParameter { name: "n_relation", value, .. } if value == "5000000000"), "{e:?}");
+    assert_eq!(e.to_string(), "invalid `n_relation` = 5000000000: the `relation` column is Int32: at most 2147483647 relation types");
+    // With inverse triples, ids that fit whose inverses `r + n_relation` would not.
+    let mut half = small.clone();
+    half.relation.iter_mut().for_each(|r| *r += 1_500_000_000);
+    let e = stream(&half).inverse_triples(true).build().unwrap_err();
+    assert!(matches!(&e, BessError::InvalidParameter { name: "n_relation", value, .. } if value == "1500000010"), "{e:?}");
+    // Ids that fit come out as themselves, distinct ones distinct.
+    let mut high = small.clone();
+    high.relation.iter_mut().for_each(|r| *r += 2_147_483_600);
+    let batch = stream(&high).build().unwrap().next().unwrap().unwrap().record_batch;
+    let rel = batch.column_by_name("relation").unwrap().as_any().downcast_ref::<Int32Array>().unwrap();
+    let got: std::collections::BTreeSet<i32> = rel.iter().flatten().collect();
+    assert!(got.len() > 1 && got.iter().all(|&r| (2_147_483_600..2_147_483_610).contains(&r)), "{got:?}");
+}
+
+#[test]
+fn malformed_sample_idx_is_an_error_not_a_panic() {
+    let sh = Arc::new(Sharding::create(100, 4, &[7], Some(&[0, 50])).unwrap());
+    let t = synth::uniform(100, 3, 8, 2);
+    let typed = PartitionedTriples::builder(sh.clone(), PartitionMode::HShard).type_offsets(vec![0, 50]).build(&t).unwrap();
+    let idx = |shape: &[usize], v: Vec<i64>| ArrayD::from_shape_vec(IxDyn(shape), v).unwrap();
+    let mut type_based = NegativeSampler::TypeBased(TypeBasedNegative::new(2, &[1], Corruption::T, false).unwrap());
+    let mut random = NegativeSampler::Random(RandomNegative::new(2, &[1], Corruption::T, false, false).unwrap());
+    assert_eq!(type_based.sample(&typed, &idx(&[1, 4, 1], vec![0, 1, 2, 7])).unwrap().negative.shape(), [1, 4, 4, 1, 2]);
+    // A row past the 8 triples, or before them (the TypeBased sampler read its type at that row).
+    for bad in [99, 8, -1] {
+        let e = type_based.sample(&typed, &idx(&[1, 4, 1], vec![0, 1, 2, bad])).unwrap_err();
+        assert!(matches!(&e, BessError::InvalidParameter { name: "sample_idx", value, .. } if *value == bad.to_string()), "{e:?}");
+        assert_eq!(e.to_string(), format!("invalid `sample_idx` = {bad}: indices must be rows of the 8 partitioned triples"));
+    }
+    // Too few axes (the shape was read at axes 0 and 1), a block of the wrong shard count, an empty axis.
+    for (typed_sampler, shape) in [(false, vec![4]), (true, vec![4]), (false, vec![1, 3, 1]), (true, vec![1, 4, 0]), (false, vec![1, 4, 4, 1])] {
+        let ns = if typed_sampler { &mut type_based } else { &mut random };
+        let e = ns.sample(&typed, &idx(&shape, vec![0; shape.iter().product()])).unwrap_err();
+        assert!(matches!(&e, BessError::InvalidParameter { name: "sample_idx", .. }), "{shape:?}: {e:?}");
+        assert_eq!(e.to_string(), format!("invalid `sample_idx` = shape {shape:?}: must be (batches_per_step, 4, q) with no empty axis"));
+    }
+    let pairs = PartitionedTriples::builder(sh.clone(), PartitionMode::HtShardPair).build(&t).unwrap();
+    let e = random.sample(&pairs, &idx(&[1, 4, 1], vec![0; 4])).unwrap_err();
+    assert_eq!(e.to_string(), "invalid `sample_idx` = shape [1, 4, 1]: must be (batches_per_step, 4, 4, q) with no empty axis");
+    // A TripleBased sampler's tables have a row per triple of its own set, 8 here: a set of 16
+    // indexed past them.
+    let neg = Array2::from_shape_fn((8, 3), |(r, c)| (r * 3 + c) as i64);
+    let own = PartitionedTriples::builder(sh.clone(), PartitionMode::HShard).neg_tails(neg).build(&t).unwrap();
+    let tb = TripleBasedNegative::new(&own, Corruption::T, true, false).unwrap();
+    let mut triple_based = NegativeSampler::TripleBased(Box::new(tb));
+    assert!(triple_based.sample(&own, &idx(&[1, 4, 1], vec![0, 3, 5, 7])).is_ok());
+    let other = Arc::new(PartitionedTriples::builder(sh, PartitionMode::HShard).build(&synth::uniform(100, 3, 16, 3)).unwrap());
+    let e = triple_based.sample(&other, &idx(&[1, 4, 1], vec![12, 13, 14, 15])).unwrap_err();
+    assert!(matches!(&e, BessError::InvalidParameter { name: "partitioned", value, .. } if value == "16 triples"), "{e:?}");
+    assert_eq!(e.to_string(), "invalid `partitioned` = 16 triples: the TripleBased sampler was built for a set of 8 triples");
+    // And a batch sampler refuses the pair from the start.
+    let opts = BatchOptions { shard_bs: 1, batches_per_step: 1, duplicate_batch: false, return_triple_idx: false, kind: SamplerKind::Rigid { shuffle: None } };
+    let e = BatchSampler::new(other, opts, Some(triple_based)).unwrap_err();
+    assert!(matches!(&e, BessError::InvalidParameter { name: "partitioned", .. }), "{e:?}");
+}
+
+#[test]
+fn type_offsets_past_the_entities_are_refused() {
+    // 1001 entities on 4 shards of 251 slots leave 3 padding slots (ids 1001..1004): an offset
+    // of 5000 counted them in type 0 and took them off type 1, whose count went negative.
+    let e = Sharding::create(1001, 4, &[1], Some(&[0, 5000])).unwrap_err();
+    assert!(matches!(&e, BessError::InvalidParameter { name: "type_offsets", value, .. } if value == "[0, 5000]"), "{e:?}");
+    assert_eq!(e.to_string(), "invalid `type_offsets` = [0, 5000]: offset 1 is 5000, past n_entity = 1001 (types are ranges of entity ids)");
+    // Up to n_entity, a sharding its own check accepts; at n_entity the last type is empty.
+    for last in [1001, 1000] {
+        let sh = Sharding::create(1001, 4, &[1], Some(&[0, last])).unwrap();
+        sh.validate().unwrap();
+        let tc = sh.entity_type_counts.as_ref().unwrap();
+        let want: Vec<i64> = (0..4).map(|s| i64::from(last == 1000 && sh.entity_to_shard[1000] == s)).collect();
+        assert_eq!(tc.column(1).to_vec(), want, "last offset {last}");
+        assert_eq!(tc.sum(), 1001);
+    }
+    // The partitioning types triples by the same offsets, and the stream builds its typed
+    // sharding from them.
+    let t = synth::uniform(100, 3, 500, 1);
+    let e = PartitionedTriples::builder(sharding(), PartitionMode::HtShardPair).type_offsets(vec![0, 40, 101]).build(&t).unwrap_err();
+    assert_eq!(e.to_string(), "invalid `type_offsets` = [0, 40, 101]: offset 2 is 101, past n_entity = 100 (types are ranges of entity ids)");
+    let kind = NegativeKind::TypeBased { type_offsets: vec![0, 5000] };
+    let e = BessStream::builder().triples(t).n_entity(100).shard_batch_size(8).negatives(2).negative_sampler(kind).seed(1).build().unwrap_err();
+    assert!(matches!(&e, BessError::InvalidParameter { name: "type_offsets", .. }), "{e:?}");
 }

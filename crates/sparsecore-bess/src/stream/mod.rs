@@ -307,8 +307,15 @@ impl BessStreamBuilder {
         if self.embedding_dim == 0 {
             return Err(BessError::param("embedding_dim", 0, "must be at least 1"));
         }
-        if let Some(row) = triples.relation.iter().position(|&r| r < 0) {
-            return Err(BessError::RelationOutOfRange { column: "relation".into(), row, value: triples.relation[row], n_relation: i64::from(i32::MAX) });
+        // The batches' `relation` column is Int32, but the partitioning bounds relation ids by
+        // `n_relation` only (by default the largest id + 1): ids and counts past it stop here,
+        // with the partitioning's own default bound (`0..i32::MAX`).
+        let rel_limit = i64::from(i32::MAX);
+        if let Some(row) = triples.relation.iter().position(|&r| !(0..rel_limit).contains(&r)) {
+            return Err(BessError::RelationOutOfRange { column: "relation".into(), row, value: triples.relation[row], n_relation: rel_limit });
+        }
+        if let Some(nr) = self.n_relation.filter(|&nr| nr > i32::MAX as usize) {
+            return Err(BessError::param("n_relation", nr, format!("the `relation` column is Int32: at most {} relation types", i32::MAX)));
         }
         let n_relation = self.n_relation.unwrap_or_else(|| triples.relation.iter().copied().max().map_or(0, |m| m as usize + 1));
         let mut pb = PartitionedTriples::builder(sharding.clone(), PartitionMode::HtShardPair).n_relation(n_relation).inverse_triples(self.inverse_triples);
@@ -436,7 +443,7 @@ impl BessStreamBuilder {
         if vocab > i32::MAX as usize {
             return Err(BessError::param("n_entity", n_entity, "N * ceil(E / N) physical ids must fit in int32"));
         }
-        let table = Table::new(&part, &layout);
+        let table = Table::new(&part, &layout)?;
         let rigid = match self.sampler {
             StreamSampler::Rigid { shuffle: false } => Some(Arc::new(Rigid::new(&part, &table, &layout, ppp, sampler.steps_per_epoch()))),
             _ => None,

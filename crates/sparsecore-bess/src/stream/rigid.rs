@@ -597,7 +597,7 @@ mod tests {
                 let sharding = Arc::new(Sharding::create(n_entity, n, &[9], None).unwrap());
                 let part = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair).build(&triples).unwrap();
                 assert!(part.triple_counts.iter().all(|&c| c > 0), "{graph}: an empty partition");
-                let table = Table::new(&part, &lay);
+                let table = Table::new(&part, &lay).unwrap();
                 let max = *part.triple_counts.iter().max().unwrap() as usize;
                 for ppp in [1, 3, 4, 16, 40] {
                     let windows = max.div_ceil(ppp);

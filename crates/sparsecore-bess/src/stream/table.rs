@@ -9,6 +9,7 @@
 //! of shard j, and local id `v` of shard `x` is `v·N + shard_ids[x]` (a shift, N being a power
 //! of two).
 
+use crate::error::{BessError, Result};
 use crate::layout::SparseCoreLayout;
 use crate::partition::PartitionedTriples;
 
@@ -113,16 +114,29 @@ fn bits(x: u64) -> u32 {
 }
 
 impl Table {
-    /// The table of `part` (whose relations and local ids are non-negative and fit in
-    /// `i32`: the stream checks both before).
-    pub(super) fn new(part: &PartitionedTriples, lay: &SparseCoreLayout) -> Self {
+    /// The table of `part`. The stream checks before that its relations are below `i32::MAX`
+    /// and its local ids fit in `i32`; a value that does not is refused here too, as clamping
+    /// it would merge it with another (every relation past `i32::MAX` became `i32::MAX`).
+    pub(super) fn new(part: &PartitionedTriples, lay: &SparseCoreLayout) -> Result<Self> {
         Self::with_widest(part, lay, 32)
     }
 
     /// [`Self::new`] in rows of at least `min_bits` bits (32, 64, or more for unpacked).
-    fn with_widest(part: &PartitionedTriples, lay: &SparseCoreLayout, min_bits: u32) -> Self {
+    fn with_widest(part: &PartitionedTriples, lay: &SparseCoreLayout, min_bits: u32) -> Result<Self> {
         let n = lay.num_sparsecores();
-        let field = |row: usize, c: usize| part.triples[[row, c]].clamp(0, i64::from(i32::MAX)) as u64;
+        let max = i64::from(i32::MAX);
+        for (row, tr) in part.triples.rows().into_iter().enumerate() {
+            // The row of the input (inverse triples numbered after the originals).
+            let input = part.triple_sort_idx.get(row).map_or(row, |&i| i as usize);
+            if !(0..max).contains(&tr[1]) {
+                return Err(BessError::RelationOutOfRange { column: "relation".into(), row: input, value: tr[1], n_relation: max });
+            }
+            if let Some(c) = [0, 2].into_iter().find(|&c| !(0..=max).contains(&tr[c])) {
+                let column = if c == 0 { "head" } else { "tail" };
+                return Err(BessError::param("n_entity", part.sharding.n_entity(), format!("row {input}: local {column} id {} does not fit in int32", tr[c])));
+            }
+        }
+        let field = |row: usize, c: usize| part.triples[[row, c]] as u64;
         let (mut mh, mut mr, mut mt) = (0u64, 0u64, 0u64);
         for row in 0..part.len() {
             mh = mh.max(field(row, 0));
@@ -140,7 +154,7 @@ impl Table {
         } else {
             Rows::Wide(order().map(|row| [field(row, 0) as u32, field(row, 1) as u32, field(row, 2) as u32]).collect())
         };
-        Table { rows, decode: Decode { codec, shift: n.trailing_zeros() }, shard_ids: (0..n).map(|s| lay.physical_id(s, 0)).collect() }
+        Ok(Table { rows, decode: Decode { codec, shift: n.trailing_zeros() }, shard_ids: (0..n).map(|s| lay.physical_id(s, 0)).collect() })
     }
 
     /// The first physical ids of partition `p`'s head and tail shards.
@@ -182,6 +196,18 @@ mod tests {
     use crate::synth;
 
     #[test]
+    fn a_relation_past_int32_is_refused_not_clamped() {
+        let lay = SparseCoreLayout::new(1, 1, 4, 0).unwrap();
+        let sharding = Arc::new(Sharding::create(100, 4, &[9], None).unwrap());
+        // The partitioning bounds relations by the n_relation it is given, not by int32.
+        let triples = crate::Triples::from_rows(&[[0, 1, 2], [3, 3_000_000_000, 4]]);
+        let part = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair).n_relation(5_000_000_000).build(&triples).unwrap();
+        let e = Table::new(&part, &lay).unwrap_err();
+        assert!(matches!(&e, BessError::RelationOutOfRange { row: 1, value: 3_000_000_000, n_relation: 2147483647, .. }), "{e:?}");
+        assert_eq!(e.to_string(), "column `relation`, row 1: relation id 3000000000 is outside 0..2147483647");
+    }
+
+    #[test]
     fn every_row_form_gives_the_physical_ids() {
         // Relation ids up to 50, then up to 2^20 (more than 32 bits in all).
         for (big_relation, forms) in [(0i64, vec![(32, "u32"), (33, "u64"), (64, "wide")]), (1 << 20, vec![(32, "u64"), (64, "wide")])] {
@@ -191,7 +217,7 @@ mod tests {
             triples.relation.iter_mut().step_by(2).for_each(|r| *r += big_relation);
             let part = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair).build(&triples).unwrap();
             for (min_bits, form) in forms {
-                let table = Table::with_widest(&part, &lay, min_bits);
+                let table = Table::with_widest(&part, &lay, min_bits).unwrap();
                 let got = match (&table.rows, form) {
                     (Rows::U32(_), "u32") | (Rows::U64(_), "u64") | (Rows::Wide(_), "wide") => form,
                     (rows, _) => panic!("{form} expected, got {rows:?}"),
