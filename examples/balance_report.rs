@@ -10,11 +10,13 @@
 //! (every record batch of an Arrow IPC file, its config's limits as they are), for example one
 //! written by the reference benchmark's generator, `../shared/peer/make_workload.py`, whose random
 //! stream differs from the test kit's.
+//!
+//! `-- --every-stack` balances with `Refinement::EveryStack` instead of the default.
 
 use std::time::Instant;
 
 use arrow_array::RecordBatch;
-use sparsecore_prep::balance::{balance, Balancer};
+use sparsecore_prep::balance::{Balancer, Refinement};
 use sparsecore_prep::fdo::{tune, FdoStats};
 use sparsecore_prep::{features_from_record_batch, Config, Output, Preprocessor, SampleSource};
 
@@ -78,7 +80,7 @@ fn worst(prep: &mut Preprocessor, config: &Config, out: &mut Output, batches: &[
 }
 
 /// One row per window size of the first table: before and after, the bound, and the cost.
-fn load_rows(name: &str, layout: &str, config: &Config, batches: &[RecordBatch]) -> sparsecore_prep::Result<()> {
+fn load_rows(name: &str, layout: &str, config: &Config, batches: &[RecordBatch], refinement: Refinement) -> sparsecore_prep::Result<()> {
     let mut prep = Preprocessor::builder(config.clone()).threads(1).build()?;
     let mut out = Output::new();
     let preprocess = fastest(&mut || {
@@ -92,7 +94,7 @@ fn load_rows(name: &str, layout: &str, config: &Config, batches: &[RecordBatch])
     })?;
     let before = worst(&mut prep, config, &mut out, batches)?;
     for window in [1usize, 4, 8] {
-        let mut balancer = Balancer::new(config.clone())?;
+        let mut balancer = Balancer::new(config.clone())?.refinement(refinement);
         let mut balanced = Vec::new();
         let mut bound = 0u32;
         let cost = fastest(&mut || {
@@ -117,12 +119,13 @@ fn load_rows(name: &str, layout: &str, config: &Config, batches: &[RecordBatch])
 }
 
 /// One row per window size of the second table: tuned limits and buffers before and after.
-fn fdo_rows(name: &str, layout: &str, config: &Config, batches: &[RecordBatch]) -> sparsecore_prep::Result<()> {
+fn fdo_rows(name: &str, layout: &str, config: &Config, batches: &[RecordBatch], refinement: Refinement) -> sparsecore_prep::Result<()> {
     let before = tuned(config, batches)?;
     for window in [1usize, 4, 8] {
+        let mut balancer = Balancer::new(config.clone())?.refinement(refinement);
         let mut balanced = Vec::new();
         for chunk in batches.chunks(window) {
-            balanced.extend(balance(config, chunk)?.batches);
+            balanced.extend(balancer.balance(chunk)?.batches);
         }
         let after = tuned(config, &balanced)?;
         println!("| {name} | {layout} | {window} | {} → {} | {} → {} | {} → {} |", before.0, after.0, before.1, after.1, before.2, after.2);
@@ -145,18 +148,19 @@ fn read_workload(input: &str, config: &str) -> Result<(Config, Vec<RecordBatch>)
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let refinement = if args.iter().any(|a| a == "--every-stack") { Refinement::EveryStack } else { Refinement::WorstCell };
     if let (Some(input), Some(config)) = (flag("--input"), flag("--config")) {
         let (config, batches) = read_workload(&input, &config)?;
         let label = flag("--label").unwrap_or(input);
         let o = &config.config;
         let layout = format!("{}/{}/{}", o.local_device_count, o.global_device_count, o.num_sc_per_device);
         println!("{LOAD_HEADER}");
-        load_rows(&label, &layout, &config, &batches)?;
+        load_rows(&label, &layout, &config, &batches, refinement)?;
         println!("\n{FDO_HEADER}");
-        fdo_rows(&label, &layout, &config, &batches)?;
+        fdo_rows(&label, &layout, &config, &batches, refinement)?;
         return Ok(());
     }
-    let per_sc: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(128);
+    let per_sc: usize = args.iter().find_map(|a| a.parse().ok()).unwrap_or(128);
     let workloads = || {
         [Profile::Criteo, Profile::Long, Profile::LargeVocab, Profile::HighMultivalency, Profile::ModerateMultivalency]
             .into_iter()
@@ -174,13 +178,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("{LOAD_HEADER}");
     for (profile, layout) in workloads() {
         let (config, batches) = generated(profile, layout)?;
-        load_rows(profile.name(), &format!("{}/{}/{}", layout.0, layout.1, layout.2), &config, &batches)?;
+        load_rows(profile.name(), &format!("{}/{}/{}", layout.0, layout.1, layout.2), &config, &batches, refinement)?;
     }
     println!("\n`fdo tune --headroom 1.0` on the stats of the same 8 batches, summed over the tables:\n");
     println!("{FDO_HEADER}");
     for (profile, layout) in workloads() {
         let (config, batches) = generated(profile, layout)?;
-        fdo_rows(profile.name(), &format!("{}/{}/{}", layout.0, layout.1, layout.2), &config, &batches)?;
+        fdo_rows(profile.name(), &format!("{}/{}/{}", layout.0, layout.1, layout.2), &config, &batches, refinement)?;
     }
     Ok(())
 }
