@@ -523,29 +523,7 @@ impl SeenSet {
         let words = f.dense_words;
         self.spill.clear();
         if n <= 64 && 2 * words * n <= list.len() {
-            if self.bits.len() < words {
-                self.bits.resize(words, 0);
-            }
-            let bits = &mut self.bits[..words];
-            for &id in list {
-                let c = column(f, low32(id), mask);
-                match bits.get_mut((c / 64) as usize) {
-                    Some(w) => *w |= 1 << (c % 64),
-                    None => self.spill.push(c),
-                }
-            }
-            let masks = match &mut self.masks {
-                Some((m, masks)) if *m == n => masks,
-                slot => &mut slot.insert((n, Box::new(partition_masks(n)))).1,
-            };
-            for w in bits.iter_mut() {
-                let x = std::mem::take(w);
-                if x != 0 {
-                    for (h, &m) in hist.iter_mut().zip(masks.iter()) {
-                        *h += (x & m).count_ones();
-                    }
-                }
-            }
+            self.count_bits(f, list, mask, hist);
         } else {
             let size = words * 64;
             next_generation(&mut self.stamps, &mut self.generation, size);
@@ -569,6 +547,60 @@ impl SeenSet {
             self.spill.dedup();
             for &c in &self.spill {
                 hist[(c & mask) as usize] += 1;
+            }
+        }
+    }
+
+    /// [`Self::count_dense`]'s bitmap, for at most 64 partitions. Compiled twice (see
+    /// [`crate::isa`]): with hardware popcount, each word's count per partition is two
+    /// instructions instead of a dozen.
+    #[inline(never)]
+    fn count_bits<I: InputInt>(&mut self, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) {
+        let seen = self;
+        crate::isa::dispatch_v3!(<I: InputInt> (seen: &mut SeenSet, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) -> () {
+            seen.count_bits_body(f, list, mask, hist)
+        })
+    }
+
+    #[inline(always)]
+    fn count_bits_body<I: InputInt>(&mut self, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) {
+        let (n, words) = ((mask + 1) as usize, f.dense_words);
+        if self.bits.len() < words {
+            self.bits.resize(words, 0);
+        }
+        let bits = &mut self.bits[..words];
+        if let [word] = bits {
+            // A stack of at most 64 columns: the word stays in a register, and the loop has no
+            // branch (vector shifts, where the CPU has them); columns past it are rare.
+            let (mut x, mut past) = (0u64, false);
+            for &id in list {
+                let c = column(f, low32(id), mask);
+                x |= if c < 64 { 1 << c } else { 0 };
+                past |= c >= 64;
+            }
+            *word = x;
+            if past {
+                self.spill.extend(list.iter().map(|&id| column(f, low32(id), mask)).filter(|&c| c >= 64));
+            }
+        } else {
+            for &id in list {
+                let c = column(f, low32(id), mask);
+                match bits.get_mut((c / 64) as usize) {
+                    Some(w) => *w |= 1 << (c % 64),
+                    None => self.spill.push(c),
+                }
+            }
+        }
+        let masks = match &mut self.masks {
+            Some((m, masks)) if *m == n => masks,
+            slot => &mut slot.insert((n, Box::new(partition_masks(n)))).1,
+        };
+        for w in bits.iter_mut() {
+            let x = std::mem::take(w);
+            if x != 0 {
+                for (h, &m) in hist.iter_mut().zip(masks.iter()) {
+                    *h += (x & m).count_ones();
+                }
             }
         }
     }
