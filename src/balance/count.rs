@@ -115,7 +115,13 @@ impl Counter {
         let (seen, hist) = (&mut self.seen, &mut self.hist[..]);
         // A local vector, which the loop keeps in registers.
         let mut cells = std::mem::take(&mut counts.cells);
+        let ahead = features.len() >= PREFETCH_FEATURES;
         for row in 0..rows {
+            if ahead {
+                for f in features {
+                    f.prefetch(row + PREFETCH_ROWS);
+                }
+            }
             let mut peak = 0f64;
             for stack in &stacks {
                 let most = if let [f] = stack.features[..] {
@@ -155,11 +161,41 @@ impl Counter {
     }
 }
 
+/// Rows ahead of the counted one whose lists are fetched into cache, in batches of at least
+/// [`PREFETCH_FEATURES`] features. A sample reads a list from every feature (26 on criteo),
+/// two streams each (offsets and ids), more than the hardware prefetcher follows, so that
+/// without this most short lists' line is a cache miss; with a few features it follows them.
+const PREFETCH_ROWS: usize = 4;
+const PREFETCH_FEATURES: usize = 8;
+
 /// A feature whose rows can be counted one by one.
 trait CountRow {
     /// Appends row `row`'s distinct ids per partition to `out` as `(cell, ids)` entries;
     /// returns the largest count.
     fn count_row(&self, row: usize, mask: u32, seen: &mut SeenSet, hist: &mut [u32], out: &mut Vec<(u32, u32)>) -> u32;
+
+    /// Starts fetching the first ids of row `row` (if there is one) into cache.
+    fn prefetch(&self, row: usize);
+}
+
+/// Starts fetching the cache line of `p` (any address: a prefetch never faults).
+#[inline(always)]
+fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint that reads nothing into the program and never faults, whatever
+    // the address.
+    #[allow(unsafe_code)]
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// The address of row `row`'s first id, for [`prefetch`]; dangling (never read) past the ids.
+#[inline(always)]
+fn list_start<I, O: InputInt>(ids: &[I], offsets: &[O], row: usize) -> *const I {
+    ids.as_ptr().wrapping_add(offsets.get(row).map_or(0, |o| o.to_usize()))
 }
 
 impl CountRow for RaggedFeature<'_> {
@@ -170,6 +206,16 @@ impl CountRow for RaggedFeature<'_> {
             (Ids::I32(ids), Offsets::I64(o)) => count_list(self, list_of(ids, o, row), mask, seen, hist, out),
             (Ids::I64(ids), Offsets::I32(o)) => count_list(self, list_of(ids, o, row), mask, seen, hist, out),
             (Ids::I64(ids), Offsets::I64(o)) => count_list(self, list_of(ids, o, row), mask, seen, hist, out),
+        }
+    }
+
+    #[inline(always)]
+    fn prefetch(&self, row: usize) {
+        match (self.ids, self.offsets) {
+            (Ids::I32(ids), Offsets::I32(o)) => prefetch(list_start(ids, o, row)),
+            (Ids::I32(ids), Offsets::I64(o)) => prefetch(list_start(ids, o, row)),
+            (Ids::I64(ids), Offsets::I32(o)) => prefetch(list_start(ids, o, row)),
+            (Ids::I64(ids), Offsets::I64(o)) => prefetch(list_start(ids, o, row)),
         }
     }
 }
@@ -185,6 +231,11 @@ impl<I: InputInt, O: InputInt> CountRow for Typed<'_, I, O> {
     #[inline(always)]
     fn count_row(&self, row: usize, mask: u32, seen: &mut SeenSet, hist: &mut [u32], out: &mut Vec<(u32, u32)>) -> u32 {
         count_list(&self.feature, list_of(self.ids, self.offsets, row), mask, seen, hist, out)
+    }
+
+    #[inline(always)]
+    fn prefetch(&self, row: usize) {
+        prefetch(list_start(self.ids, self.offsets, row));
     }
 }
 
