@@ -97,15 +97,18 @@ impl Counter {
         self.acc.resize(plan.stacks.len() * n, 0);
         // Stacks in plan order with their features and the inverse of their limit.
         struct StackRows<'s, F> {
+            /// The feature of a stack of one (most of them), read without going through the vector.
+            single: Option<&'s F>,
             features: Vec<&'s F>,
             inv_limit: f64,
         }
         let stacks: Vec<StackRows<'_, F>> = plan
             .stacks
             .iter()
-            .map(|s| StackRows {
-                features: s.features.iter().filter_map(|&f| features.get(f)).collect(),
-                inv_limit: 1.0 / s.max_ids_per_partition.max(1) as f64,
+            .map(|s| {
+                let features: Vec<&F> = s.features.iter().filter_map(|&f| features.get(f)).collect();
+                let single = if let [f] = features[..] { Some(f) } else { None };
+                StackRows { single, features, inv_limit: 1.0 / s.max_ids_per_partition.max(1) as f64 }
             })
             .collect();
         counts.cells.reserve(rows * features.len());
@@ -124,7 +127,7 @@ impl Counter {
             }
             let mut peak = 0f64;
             for stack in &stacks {
-                let most = if let [f] = stack.features[..] {
+                let most = if let Some(f) = stack.single {
                     f.count_row(row, mask, seen, hist, &mut cells)
                 } else {
                     self.scratch.clear();
