@@ -528,8 +528,9 @@ const SHORT_LIST: usize = 8;
 /// instructions and cache misses than the bitmap of longer lists, which stays smaller.
 const MEDIUM_LIST: usize = 16384;
 
-/// Stacks of at most this many columns find repeated ids by direct indexing (a 64 KiB array,
-/// which stays in cache; a 4 MiB one made criteo's balancing 4× slower than hashing).
+/// Stacks of at most this many columns find repeated ids by direct indexing: a 64 KiB array
+/// stays in cache, where an array for a larger stack would miss on most ids and cost more than
+/// hashing them.
 const DENSE_SEEN_MAX: u64 = 1 << 14;
 
 /// Per partition (of at most 64), the bits of a 64-column word whose columns fall on it.
@@ -541,9 +542,8 @@ fn partition_masks(n: usize) -> [u64; 64] {
     m
 }
 
-/// Scratch for merging one (sample, feature)'s repeated ids. Sorting each list to merge it cost
-/// more than the rest of balancing together, and a hash set probed per id was most of the
-/// balancer's time on long lists (a cache miss or a mispredicted branch per id).
+/// Scratch for merging one (sample, feature)'s repeated ids without sorting the list or probing
+/// a hash set per id (a cache miss or a mispredicted branch per id on long lists).
 #[derive(Debug, Default)]
 pub(super) struct SeenSet {
     /// The current list's columns.
