@@ -31,9 +31,9 @@ enum Target {
 /// reaches that value (and, for the buffer, no cell passes the peak reached first), swap. The
 /// greedy places each sample once, so a sample placed early can end up beside the samples that
 /// fill its slice last; a swap undoes that. Values tied at the worst are fixed one at a time, so
-/// the worst falls once all of them are. Deterministic (fixed visiting orders); the checks are
-/// capped per sample, so a window costs at most a fixed multiple of its samples.
-#[allow(clippy::too_many_arguments)]
+/// the worst falls once all of them are. With [`Refinement::EveryStack`], then each stack's own
+/// worst cell ([`every_stack`]). Deterministic (fixed visiting orders); the checks are capped
+/// per sample, so a window costs at most a fixed multiple of its samples.
 pub(super) fn improve(
     counts: &SampleCounts,
     members: &mut [Vec<usize>],
