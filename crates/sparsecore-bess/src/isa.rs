@@ -4,8 +4,9 @@
 //! The crate is built for the baseline x86-64 (SSE2), so that one binary or wheel runs on any
 //! x86-64 machine. The negatives' draw loop is also compiled for x86-64-v3 (AVX2, BMI1/2, FMA,
 //! LZCNT, POPCNT) and picked at run time: twice as many draws per vector in the reduction and
-//! the id mapping, and `mulx` in the generator's 128-bit multiplies. Both versions run the same
-//! integer arithmetic, so their draws are the same bits.
+//! the id mapping, and the generator's lanes in AVX2 vectors (`rng::Avx2`). Both versions make
+//! the same draws, bit for bit: the same integer arithmetic, and the vector generator's outputs
+//! are the scalar one's (tested).
 
 /// Whether the x86-64-v3 version runs: the CPU has the features, and the environment variable
 /// `SPARSECORE_PREP_ISA` is not `baseline` (the same switch as `sparsecore-prep`'s, which forces

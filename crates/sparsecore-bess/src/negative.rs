@@ -8,7 +8,9 @@ use ndarray::{Array2, ArrayD, IxDyn};
 
 use crate::error::{BessError, Result};
 use crate::partition::{PartitionMode, PartitionedTriples};
-use crate::rng::{FastMod, NumpyRng};
+#[cfg(target_arch = "x86_64")]
+use crate::rng::Avx2;
+use crate::rng::{FastMod, Fill, NumpyRng, Scalar};
 
 /// Which side of a triple negatives replace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -371,8 +373,9 @@ struct Placed<'a, T, P, M> {
 ///
 /// Why two copies: the draws, their reduction and the mapping are most of the cost of
 /// per-triple negatives, and they vectorize twice as wide with AVX2; a copy compiled for
-/// x86-64-v3 runs when the CPU has it ([`crate::isa::v3`]). Its callees are
-/// `#[inline(always)]` so that they are compiled into it; both copies compute the same draws.
+/// x86-64-v3, with the generator's AVX2 lanes ([`crate::rng::Avx2`]), runs when the CPU has it
+/// ([`crate::isa::v3`]). Its callees are `#[inline(always)]` so that they are compiled into
+/// it; both copies compute the same draws.
 fn draw_mod_shard_into<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<usize>, F: Fn(u32) -> T, M: Fn(usize) -> F>(
     rng: &mut NumpyRng,
     fast: &mut ShardMods,
@@ -382,9 +385,10 @@ fn draw_mod_shard_into<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
     to: Placed<'_, T, P, M>,
 ) -> Result<()> {
     #[cfg(target_arch = "x86_64")]
-    if crate::isa::v3() {
+    if let Some(avx2) = Avx2::new() {
         #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
         fn v3<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<usize>, F: Fn(u32) -> T, M: Fn(usize) -> F>(
+            avx2: Avx2,
             rng: &mut NumpyRng,
             fast: &mut ShardMods,
             part: &PartitionedTriples,
@@ -392,17 +396,18 @@ fn draw_mod_shard_into<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
             sampler: &'static str,
             to: Placed<'_, T, P, M>,
         ) -> Result<()> {
-            draw_mod_shard_body(rng, fast, part, dims, sampler, to)
+            draw_mod_shard_body(avx2, rng, fast, part, dims, sampler, to)
         }
         // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
         #[allow(unsafe_code)]
-        return unsafe { v3(rng, fast, part, dims, sampler, to) };
+        return unsafe { v3(avx2, rng, fast, part, dims, sampler, to) };
     }
-    draw_mod_shard_body(rng, fast, part, dims, sampler, to)
+    draw_mod_shard_body(Scalar, rng, fast, part, dims, sampler, to)
 }
 
 #[inline(always)]
 fn draw_mod_shard_body<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<usize>, F: Fn(u32) -> T, M: Fn(usize) -> F>(
+    gen: impl Fill,
     rng: &mut NumpyRng,
     fast: &mut ShardMods,
     part: &PartitionedTriples,
@@ -432,7 +437,7 @@ fn draw_mod_shard_body<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
                 run.resize((xe - xs) * row, T::default());
                 for (x, chunk) in (xs..xe).zip(run.chunks_exact_mut(row)) {
                     let (map, m) = ((to.map)(x), mods[x]);
-                    rng.fill_integers_31(chunk, |v| map(m.reduce_u31(v)));
+                    rng.fill_integers_31_with(gen, chunk, |v| map(m.reduce_u31(v)));
                 }
                 for g in 0..n {
                     for x in xs..xe {
@@ -458,7 +463,7 @@ fn draw_mod_shard_body<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
                         &mut dropped[..]
                     }
                 };
-                rng.fill_integers_31(block, |v| map(m.reduce_u31(v)));
+                rng.fill_integers_31_with(gen, block, |v| map(m.reduce_u31(v)));
             }
         }
     }
