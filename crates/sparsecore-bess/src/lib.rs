@@ -65,6 +65,7 @@
 
 pub mod batch;
 pub mod error;
+mod isa;
 pub mod layout;
 pub mod negative;
 pub mod partition;

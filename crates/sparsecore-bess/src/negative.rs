@@ -8,7 +8,9 @@ use ndarray::{Array2, ArrayD, IxDyn};
 
 use crate::error::{BessError, Result};
 use crate::partition::{PartitionMode, PartitionedTriples};
-use crate::rng::{FastMod, NumpyRng};
+#[cfg(target_arch = "x86_64")]
+use crate::rng::Avx2;
+use crate::rng::{FastMod, Fill, NumpyRng, Scalar};
 
 /// Which side of a triple negatives replace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -368,7 +370,44 @@ struct Placed<'a, T, P, M> {
 /// Why fused: the caller's layout and id mapping are applied as the values are drawn, into
 /// its output, so the draws are written once rather than stored and read again (the stream's
 /// largest steps draw millions of negatives).
+///
+/// Why two copies: the draws, their reduction and the mapping are most of the cost of
+/// per-triple negatives, and they vectorize twice as wide with AVX2; a copy compiled for
+/// x86-64-v3, with the generator's AVX2 lanes ([`crate::rng::Avx2`]), runs when the CPU has it
+/// ([`crate::isa::v3`]). Its callees are `#[inline(always)]` so that they are compiled into
+/// it; both copies compute the same draws.
 fn draw_mod_shard_into<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<usize>, F: Fn(u32) -> T, M: Fn(usize) -> F>(
+    rng: &mut NumpyRng,
+    fast: &mut ShardMods,
+    part: &PartitionedTriples,
+    dims: (usize, usize, usize),
+    sampler: &'static str,
+    to: Placed<'_, T, P, M>,
+) -> Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(avx2) = Avx2::new() {
+        #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
+        fn v3<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<usize>, F: Fn(u32) -> T, M: Fn(usize) -> F>(
+            avx2: Avx2,
+            rng: &mut NumpyRng,
+            fast: &mut ShardMods,
+            part: &PartitionedTriples,
+            dims: (usize, usize, usize),
+            sampler: &'static str,
+            to: Placed<'_, T, P, M>,
+        ) -> Result<()> {
+            draw_mod_shard_body(avx2, rng, fast, part, dims, sampler, to)
+        }
+        // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
+        #[allow(unsafe_code)]
+        return unsafe { v3(avx2, rng, fast, part, dims, sampler, to) };
+    }
+    draw_mod_shard_body(Scalar, rng, fast, part, dims, sampler, to)
+}
+
+#[inline(always)]
+fn draw_mod_shard_body<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<usize>, F: Fn(u32) -> T, M: Fn(usize) -> F>(
+    gen: impl Fill,
     rng: &mut NumpyRng,
     fast: &mut ShardMods,
     part: &PartitionedTriples,
@@ -398,7 +437,7 @@ fn draw_mod_shard_into<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
                 run.resize((xe - xs) * row, T::default());
                 for (x, chunk) in (xs..xe).zip(run.chunks_exact_mut(row)) {
                     let (map, m) = ((to.map)(x), mods[x]);
-                    rng.fill_integers_31(chunk, |v| map(m.reduce_u31(v)));
+                    rng.fill_integers_31_with(gen, chunk, |v| map(m.reduce_u31(v)));
                 }
                 for g in 0..n {
                     for x in xs..xe {
@@ -424,7 +463,7 @@ fn draw_mod_shard_into<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
                         &mut dropped[..]
                     }
                 };
-                rng.fill_integers_31(block, |v| map(m.reduce_u31(v)));
+                rng.fill_integers_31_with(gen, block, |v| map(m.reduce_u31(v)));
             }
         }
     }
@@ -608,5 +647,40 @@ impl TripleBasedNegative {
             ArrayD::from_shape_vec(IxDyn(&[d.bps, n, d.f, k]), v).expect("shape")
         });
         NegativeOutput { negative: ArrayD::from_shape_vec(IxDyn(&neg_shape), neg).expect("shape"), mask: Some(mask), sort_idx }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::{synth, Sharding};
+
+    /// The fused draws (either instruction set's copy, as `SPARSECORE_PREP_ISA` picks) against
+    /// one `integers(1 << 31) % count` at a time, for blocks short and long, odd and even, so
+    /// that every buffer of `fill_integers_31` and the half word carried between calls are hit.
+    #[test]
+    fn uniform_draws_equal_single_draws() {
+        for n in [1, 3, 4] {
+            let part = PartitionedTriples::builder(Arc::new(Sharding::create(1000, n, &[7], None).unwrap()), PartitionMode::HtShardPair)
+                .build(&synth::uniform(1000, 5, 200, 1))
+                .unwrap();
+            let counts = part.sharding.shard_counts.clone();
+            for (k, f) in [(1, 1), (3, 5), (1, 63), (1, 64), (7, 11), (1, 300), (1, 513), (5, 300), (1, 1031)] {
+                let mut neg = RandomNegative::new(k, &[5], Corruption::T, false, false).unwrap();
+                let mut want = NumpyRng::from_words(&[5]);
+                for bps in [1, 2] {
+                    let got = neg.draw(&part, bps, f).unwrap().negative;
+                    let mut expect = Vec::with_capacity(got.len());
+                    for _ in 0..bps {
+                        for &c in &counts {
+                            expect.extend((0..n * f * k).map(|_| (i64::from(want.integers_31()) % c) as i32));
+                        }
+                    }
+                    assert_eq!(got.as_slice().unwrap(), expect, "n {n}, k {k}, f {f}, bps {bps}");
+                }
+            }
+        }
     }
 }

@@ -125,6 +125,7 @@ impl Pcg64 {
     }
 
     /// The next 64-bit output.
+    #[inline(always)]
     pub fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_mul(PCG_MULT).wrapping_add(self.inc);
         Self::output(self.state)
@@ -138,6 +139,14 @@ impl Pcg64 {
     /// jump four steps at a time (`s[i+4] = s[i]·M⁴ + inc·(M³+M²+M+1)`, the same LCG), so four
     /// independent chains are in flight and the same sequence comes out faster.
     pub fn fill_u64(&mut self, out: &mut [u64]) {
+        self.fill_u64_inline(out);
+    }
+
+    /// [`Self::fill_u64`], inlined into its caller: the negatives' draw loop, compiled a second
+    /// time for x86-64-v3, then multiplies with `mulx` (a function that is not inlined keeps
+    /// its baseline code).
+    #[inline(always)]
+    fn fill_u64_inline(&mut self, out: &mut [u64]) {
         let (m1, m2, m3, m4) = (PCG_MULT, PCG_MULT_2, PCG_MULT_3, PCG_MULT_4);
         let c1 = self.inc;
         let c2 = c1.wrapping_mul(m1).wrapping_add(c1);
@@ -163,7 +172,53 @@ impl Pcg64 {
         }
     }
 
+    /// [`Self::fill_u64`] in AVX2 vectors: eight lanes, two vectors of four, each jumping
+    /// eight steps at a time (see [`Avx2`]).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
     #[inline]
+    fn fill_u64_avx2(&mut self, out: &mut [u64]) {
+        use core::arch::x86_64::{_mm256_extract_epi64, _mm256_set_epi64x, _mm256_storeu_si256};
+        // Setting the lanes up costs about a dozen outputs.
+        if out.len() < 32 {
+            return self.fill_u64_inline(out);
+        }
+        // The next eight states, and the jump of eight steps: `M^8` and `inc·(M^7 + … + 1)`.
+        let mut next = [0u128; 8];
+        let (mut s, mut c) = (self.state, 0u128);
+        for n in &mut next {
+            s = s.wrapping_mul(PCG_MULT).wrapping_add(self.inc);
+            *n = s;
+            c = c.wrapping_mul(PCG_MULT).wrapping_add(self.inc);
+        }
+        let step = avx2::Step::new(PCG_MULT_4.wrapping_mul(PCG_MULT_4), c);
+        let lanes = |n: &[u128]| avx2::Lanes {
+            hi: _mm256_set_epi64x((n[3] >> 64) as i64, (n[2] >> 64) as i64, (n[1] >> 64) as i64, (n[0] >> 64) as i64),
+            lo: _mm256_set_epi64x(n[3] as i64, n[2] as i64, n[1] as i64, n[0] as i64),
+        };
+        let (mut a, mut b) = (lanes(&next[..4]), lanes(&next[4..]));
+        let mut last = b;
+        let mut chunks = out.chunks_exact_mut(8);
+        for chunk in &mut chunks {
+            let (lo, hi) = chunk.split_at_mut(4);
+            // SAFETY: each half of the chunk is four `u64`s, the 32 bytes an unaligned store
+            // writes.
+            #[allow(unsafe_code)]
+            unsafe {
+                _mm256_storeu_si256(lo.as_mut_ptr().cast(), avx2::output(a));
+                _mm256_storeu_si256(hi.as_mut_ptr().cast(), avx2::output(b));
+            }
+            last = b;
+            (a, b) = (step.apply(a), step.apply(b));
+        }
+        // The state of the last output made (at least one chunk was).
+        self.state = (u128::from(_mm256_extract_epi64::<3>(last.hi) as u64) << 64) | u128::from(_mm256_extract_epi64::<3>(last.lo) as u64);
+        for o in chunks.into_remainder() {
+            *o = self.next_u64();
+        }
+    }
+
+    #[inline(always)]
     fn output(state: u128) -> u64 {
         let x = ((state >> 64) as u64) ^ (state as u64);
         x.rotate_right((state >> 122) as u32)
@@ -173,6 +228,126 @@ impl Pcg64 {
     #[must_use]
     pub fn state(&self) -> (u128, u128) {
         (self.state, self.inc)
+    }
+}
+
+/// How [`NumpyRng::fill_integers_31_with`] makes its 64-bit outputs: the same outputs, by
+/// [`Pcg64::fill_u64`]'s scalar lanes or by AVX2 vectors.
+pub(crate) trait Fill: Copy {
+    /// Fills `out` as [`Pcg64::fill_u64`] does.
+    fn fill(self, bits: &mut Pcg64, out: &mut [u64]);
+}
+
+/// [`Fill`] by [`Pcg64::fill_u64`] (inlined, so that it takes its caller's instruction set).
+#[derive(Clone, Copy)]
+pub(crate) struct Scalar;
+
+impl Fill for Scalar {
+    #[inline(always)]
+    fn fill(self, bits: &mut Pcg64, out: &mut [u64]) {
+        bits.fill_u64_inline(out);
+    }
+}
+
+/// [`Fill`] by eight lanes in AVX2 vectors; a value exists only where the CPU has AVX2 (and
+/// `SPARSECORE_PREP_ISA` allows it, [`crate::isa::v3`]).
+///
+/// Why: a scalar lane's 128-bit multiply-add takes three multiplies and the moves around
+/// them; ten 32×32→64 vector multiplies make the same step for four lanes at once, in fewer
+/// instructions per output, and AVX2's per-lane variable shifts make the output's rotation
+/// one vector step.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(crate) struct Avx2(());
+
+#[cfg(target_arch = "x86_64")]
+impl Avx2 {
+    /// The token, if the CPU has AVX2 and the x86-64-v3 code is allowed.
+    pub(crate) fn new() -> Option<Self> {
+        crate::isa::v3().then_some(Avx2(()))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Fill for Avx2 {
+    #[inline(always)]
+    fn fill(self, bits: &mut Pcg64, out: &mut [u64]) {
+        // SAFETY: an `Avx2` exists only if the CPU has AVX2 (`Avx2::new`).
+        #[allow(unsafe_code)]
+        unsafe {
+            bits.fill_u64_avx2(out);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use core::arch::x86_64::{
+        __m256i, _mm256_add_epi64, _mm256_and_si256, _mm256_blend_epi32, _mm256_cmpgt_epi64, _mm256_mul_epu32, _mm256_or_si256, _mm256_set1_epi64x,
+        _mm256_sllv_epi64, _mm256_slli_epi64, _mm256_srli_epi64, _mm256_srlv_epi64, _mm256_sub_epi64, _mm256_xor_si256,
+    };
+
+    /// Four 128-bit generator states: their high and low words.
+    #[derive(Clone, Copy)]
+    pub(super) struct Lanes {
+        pub(super) hi: __m256i,
+        pub(super) lo: __m256i,
+    }
+
+    /// `s·m + c` (mod 2^128) per lane, for a multiplier `m` and an increment `c` shared by
+    /// the lanes, from 32×32→64 multiplies.
+    #[derive(Clone, Copy)]
+    pub(super) struct Step {
+        /// `m`'s 32-bit digits, low to high, each in every 64-bit lane.
+        m: [__m256i; 4],
+        c_hi: __m256i,
+        c_lo: __m256i,
+    }
+
+    impl Step {
+        #[target_feature(enable = "avx2")]
+        pub(super) fn new(m: u128, c: u128) -> Self {
+            let d = |i: u32| _mm256_set1_epi64x(((m >> (32 * i)) as u32).into());
+            Step { m: [d(0), d(1), d(2), d(3)], c_hi: _mm256_set1_epi64x((c >> 64) as i64), c_lo: _mm256_set1_epi64x(c as i64) }
+        }
+
+        #[target_feature(enable = "avx2")]
+        #[inline]
+        pub(super) fn apply(&self, s: Lanes) -> Lanes {
+            let [b0, b1, d0, d1] = self.m;
+            let low = _mm256_set1_epi64x(0xffff_ffff);
+            let (a1, e1) = (_mm256_srli_epi64::<32>(s.lo), _mm256_srli_epi64::<32>(s.hi));
+            // The full product of the low words, `lo·m_lo`, from its four 32-bit partials.
+            let (p00, p01, p10, p11) = (_mm256_mul_epu32(s.lo, b0), _mm256_mul_epu32(s.lo, b1), _mm256_mul_epu32(a1, b0), _mm256_mul_epu32(a1, b1));
+            let mid = _mm256_add_epi64(_mm256_add_epi64(_mm256_srli_epi64::<32>(p00), _mm256_and_si256(p01, low)), _mm256_and_si256(p10, low));
+            let lo = _mm256_blend_epi32::<0b1010_1010>(p00, _mm256_slli_epi64::<32>(mid));
+            let hi = _mm256_add_epi64(
+                _mm256_add_epi64(p11, _mm256_srli_epi64::<32>(p01)),
+                _mm256_add_epi64(_mm256_srli_epi64::<32>(p10), _mm256_srli_epi64::<32>(mid)),
+            );
+            // The low 64 bits of the cross products `lo·m_hi` and `hi·m_lo`.
+            let cross = |x: __m256i, x1: __m256i, y0: __m256i, y1: __m256i| {
+                _mm256_add_epi64(_mm256_mul_epu32(x, y0), _mm256_slli_epi64::<32>(_mm256_add_epi64(_mm256_mul_epu32(x, y1), _mm256_mul_epu32(x1, y0))))
+            };
+            let (x1, x2) = (cross(s.lo, a1, d0, d1), cross(s.hi, e1, b0, b1));
+            let new_lo = _mm256_add_epi64(lo, self.c_lo);
+            // All ones where the low add carried (`new_lo < lo` unsigned, as a signed compare
+            // with the top bits flipped).
+            let sign = _mm256_set1_epi64x(i64::MIN);
+            let carry = _mm256_cmpgt_epi64(_mm256_xor_si256(lo, sign), _mm256_xor_si256(new_lo, sign));
+            let new_hi = _mm256_sub_epi64(_mm256_add_epi64(_mm256_add_epi64(hi, x1), _mm256_add_epi64(x2, self.c_hi)), carry);
+            Lanes { hi: new_hi, lo: new_lo }
+        }
+    }
+
+    /// [`super::Pcg64`]'s output of each lane: `(hi ^ lo)` rotated right by `hi >> 58`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(super) fn output(s: Lanes) -> __m256i {
+        let x = _mm256_xor_si256(s.hi, s.lo);
+        let r = _mm256_srli_epi64::<58>(s.hi);
+        // A left shift by 64 (r = 0) gives 0, as the rotation needs.
+        _mm256_or_si256(_mm256_srlv_epi64(x, r), _mm256_sllv_epi64(x, _mm256_sub_epi64(_mm256_set1_epi64x(64), r)))
     }
 }
 
@@ -248,7 +423,15 @@ impl NumpyRng {
     /// `out[i] = f(integers(1 << 31))` for every `i`, in order: the draws of as many
     /// [`Self::integers_31`] calls, including the half-word buffer they share (SPEC 1.4), the
     /// 64-bit outputs generated by [`Pcg64::fill_u64`].
-    pub fn fill_integers_31<T>(&mut self, out: &mut [T], mut f: impl FnMut(u32) -> T) {
+    #[inline(always)]
+    pub fn fill_integers_31<T>(&mut self, out: &mut [T], f: impl FnMut(u32) -> T) {
+        self.fill_integers_31_with(Scalar, out, f);
+    }
+
+    /// [`Self::fill_integers_31`] with the 64-bit outputs made by `gen` (the same outputs
+    /// either way).
+    #[inline(always)]
+    pub(crate) fn fill_integers_31_with<T, G: Fill>(&mut self, gen: G, out: &mut [T], mut f: impl FnMut(u32) -> T) {
         let mut rest = out;
         if let (Some(first), Some(h)) = (rest.first_mut(), self.half) {
             *first = f(h >> 1);
@@ -260,9 +443,12 @@ impl NumpyRng {
         // per block), and zeroing the large buffer would cost more than drawing them. The
         // draws are split into their 31-bit values first, so that `f` runs over a plain slice
         // (a loop the compiler vectorizes when `f` is arithmetic).
-        let mut pairs = |run: &mut [T], buf: &mut [u64], draws: &mut [u32]| {
+        // A function rather than a closure, so that it can be inlined by force (see
+        // `Pcg64::fill_u64_inline`).
+        #[inline(always)]
+        fn pairs<T, G: Fill>(gen: G, bits: &mut Pcg64, f: &mut impl FnMut(u32) -> T, run: &mut [T], buf: &mut [u64], draws: &mut [u32]) {
             let k = run.len() / 2;
-            self.bits.fill_u64(&mut buf[..k]);
+            gen.fill(bits, &mut buf[..k]);
             for (d, &v) in draws.chunks_exact_mut(2).zip(&buf[..k]) {
                 d[0] = (v as u32) >> 1;
                 d[1] = ((v >> 32) as u32) >> 1;
@@ -270,19 +456,19 @@ impl NumpyRng {
             for (o, &x) in run.iter_mut().zip(&draws[..2 * k]) {
                 *o = f(x);
             }
-        };
+        }
         let mut large = rest.chunks_exact_mut(2 * FILL_BLOCK);
         if large.len() > 0 {
             let (mut buf, mut draws) = ([0u64; FILL_BLOCK], [0u32; 2 * FILL_BLOCK]);
             for chunk in &mut large {
-                pairs(chunk, &mut buf, &mut draws);
+                pairs(gen, &mut self.bits, &mut f, chunk, &mut buf, &mut draws);
             }
         }
         let (mut small_buf, mut small_draws) = ([0u64; SMALL_FILL_BLOCK], [0u32; 2 * SMALL_FILL_BLOCK]);
         let mut small = large.into_remainder().chunks_mut(2 * SMALL_FILL_BLOCK);
         let mut tail: &mut [T] = &mut [];
         for chunk in &mut small {
-            pairs(chunk, &mut small_buf, &mut small_draws);
+            pairs(gen, &mut self.bits, &mut f, chunk, &mut small_buf, &mut small_draws);
             tail = chunk;
         }
         if tail.len() % 2 == 1 {
@@ -415,7 +601,7 @@ impl FastMod {
     /// stays below `1/d`). That is one 32×32→64 multiply, a shift and a 32-bit multiply with
     /// no branch, which the compiler vectorizes over a run of draws, where
     /// [`Self::reduce_u32`] needs a 64×64→128 multiply per value.
-    #[inline]
+    #[inline(always)]
     #[must_use]
     pub fn reduce_u31(&self, x: u32) -> u32 {
         debug_assert!(x < 1 << 31);
@@ -556,6 +742,23 @@ mod tests {
                 let want: Vec<u64> = (0..len).map(|_| b.integers_63()).collect();
                 assert_eq!(out, want);
                 assert_eq!(a.integers_31(), b.integers_31());
+            }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn avx2_draws_equal_single_draws() {
+        let Some(avx2) = Avx2::new() else { return };
+        for seed in [0u32, 3, 1234] {
+            for len in [0usize, 1, 7, 31, 32, 33, 39, 40, 64, 100, 255, 256, 1000] {
+                let (mut a, mut b) =
+                    (Pcg64::from_seed_state(SeedSequence::from_words(&[seed]).state_u64()), Pcg64::from_seed_state(SeedSequence::from_words(&[seed]).state_u64()));
+                let mut out = vec![0u64; len];
+                avx2.fill(&mut a, &mut out);
+                let want: Vec<u64> = (0..len).map(|_| b.next_u64()).collect();
+                assert_eq!(out, want, "seed {seed}, len {len}");
+                assert_eq!(a.state(), b.state());
             }
         }
     }

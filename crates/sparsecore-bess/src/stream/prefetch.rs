@@ -1,4 +1,5 @@
-//! A software prefetch: the only `unsafe` of the crate.
+//! A software prefetch: one of the crate's two `unsafe` blocks (the other calls the negatives'
+//! x86-64-v3 draw loop).
 //!
 //! Why: the stream's random reads of the triple table miss every cache (preprocessing evicts
 //! the table between steps), and a loop that copies each triple into three columns keeps only
