@@ -14,9 +14,10 @@
 
 /// Whether the x86-64-v3 versions run: the CPU has the features, and the environment
 /// variable `SPARSECORE_PREP_ISA` is not `baseline` (which forces the baseline code, to
-/// compare the two or to rule one out; read once per process).
+/// compare the two or to rule one out; read once per process). Public so that the side crates'
+/// own v3 copies (the BESS negatives' draws) follow the same choice and the same switch.
 #[inline(always)]
-pub(crate) fn v3() -> bool {
+pub fn v3() -> bool {
     use std::sync::atomic::{AtomicU8, Ordering};
     // 0: not decided yet, 1: baseline, 2: v3.
     static CHOICE: AtomicU8 = AtomicU8::new(0);

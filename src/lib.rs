@@ -62,7 +62,7 @@ macro_rules! internal_modules {
 mod error;
 mod fields;
 mod gain;
-mod isa;
+pub mod isa;
 mod reuse;
 internal_modules!(key);
 

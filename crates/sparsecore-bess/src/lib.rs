@@ -65,7 +65,6 @@
 
 pub mod batch;
 pub mod error;
-mod isa;
 pub mod layout;
 pub mod negative;
 pub mod partition;

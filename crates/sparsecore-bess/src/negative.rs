@@ -374,7 +374,7 @@ struct Placed<'a, T, P, M> {
 /// Why two copies: the draws, their reduction and the mapping are most of the cost of
 /// per-triple negatives, and they vectorize twice as wide with AVX2; a copy compiled for
 /// x86-64-v3, with the generator's AVX2 lanes ([`crate::rng::Avx2`]), runs when the CPU has it
-/// ([`crate::isa::v3`]). Its callees are `#[inline(always)]` so that they are compiled into
+/// ([`sparsecore_prep::isa::v3`]). Its callees are `#[inline(always)]` so that they are compiled into
 /// it; both copies compute the same draws.
 fn draw_mod_shard_into<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<usize>, F: Fn(u32) -> T, M: Fn(usize) -> F>(
     rng: &mut NumpyRng,

@@ -250,7 +250,7 @@ impl Fill for Scalar {
 }
 
 /// [`Fill`] by eight lanes in AVX2 vectors; a value exists only where the CPU has AVX2 (and
-/// `SPARSECORE_PREP_ISA` allows it, [`crate::isa::v3`]).
+/// `SPARSECORE_PREP_ISA` allows it, [`sparsecore_prep::isa::v3`]).
 ///
 /// Why: a scalar lane's 128-bit multiply-add takes three multiplies and the moves around
 /// them; ten 32×32→64 vector multiplies make the same step for four lanes at once, in fewer
@@ -264,7 +264,7 @@ pub(crate) struct Avx2(());
 impl Avx2 {
     /// The token, if the CPU has AVX2 and the x86-64-v3 code is allowed.
     pub(crate) fn new() -> Option<Self> {
-        crate::isa::v3().then_some(Avx2(()))
+        sparsecore_prep::isa::v3().then_some(Avx2(()))
     }
 }
 
