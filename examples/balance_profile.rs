@@ -1,7 +1,7 @@
 //! One balancing or preprocessing workload, run a given number of passes, for callgrind and
 //! perf: what `balance_report` measures for one row, without its other rows and timing loops.
 //!
-//! `cargo run --release --example balance_profile -- PROFILE HOSTS WINDOW PASSES MODE [every-stack]`
+//! `cargo run --release --example balance_profile -- PROFILE HOSTS WINDOW PASSES MODE [every-stack|unique-ids]`
 //! - PROFILE: a test kit profile (`criteo`, `long`, `large-vocab`, `high-multivalency`,
 //!   `moderate-multivalency`); layout 1/HOSTS/4, 128 samples per SparseCore, 8 batches, the
 //!   limits doubled as in `balance_report`;
@@ -9,7 +9,8 @@
 //!   prints a hash of every window's permutation and report, so that a change meant only to
 //!   be faster can show it returns the same orders;
 //! - MODE `preprocess`: the pipeline on the same batches, PASSES times, one thread;
-//! - `every-stack`: balance with [`Refinement::EveryStack`].
+//! - `every-stack`, `unique-ids`: balance with [`Refinement::EveryStack`] or
+//!   [`Refinement::UniqueIds`].
 //!
 //! Instructions per pass are (PASSES = 2) − (PASSES = 0), halved: that removes generating the
 //! batches and planning. For example
@@ -26,10 +27,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (args, refinement) = match args.as_slice() {
         [rest @ .., last] if last == "every-stack" => (rest, Refinement::EveryStack),
+        [rest @ .., last] if last == "unique-ids" => (rest, Refinement::UniqueIds),
         all => (all, Refinement::WorstCell),
     };
     let [profile, hosts, window, passes, mode] = args else {
-        return Err("usage: balance_profile PROFILE HOSTS WINDOW PASSES balance|preprocess [every-stack]".into());
+        return Err("usage: balance_profile PROFILE HOSTS WINDOW PASSES balance|preprocess [every-stack|unique-ids]".into());
     };
     let profile: Profile = profile.parse()?;
     let (hosts, window, passes): (usize, usize, usize) = (hosts.parse()?, window.parse()?, passes.parse()?);

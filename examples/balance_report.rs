@@ -11,7 +11,8 @@
 //! written by the reference benchmark's generator, `../shared/peer/make_workload.py`, whose random
 //! stream differs from the test kit's.
 //!
-//! `-- --every-stack` balances with `Refinement::EveryStack` instead of the default.
+//! `-- --every-stack` balances with `Refinement::EveryStack` instead of the default, and
+//! `-- --unique-ids` with `Refinement::UniqueIds`.
 
 use std::time::Instant;
 
@@ -148,7 +149,13 @@ fn read_workload(input: &str, config: &str) -> Result<(Config, Vec<RecordBatch>)
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
-    let refinement = if args.iter().any(|a| a == "--every-stack") { Refinement::EveryStack } else { Refinement::WorstCell };
+    let refinement = if args.iter().any(|a| a == "--unique-ids") {
+        Refinement::UniqueIds
+    } else if args.iter().any(|a| a == "--every-stack") {
+        Refinement::EveryStack
+    } else {
+        Refinement::WorstCell
+    };
     if let (Some(input), Some(config)) = (flag("--input"), flag("--config")) {
         let (config, batches) = read_workload(&input, &config)?;
         let label = flag("--label").unwrap_or(input);

@@ -392,3 +392,40 @@ fn balancing_lowers_the_buffer_second() {
         assert!(after < before || (!strictly && after == before), "{}: buffer {before} -> {after}", profile.name());
     }
 }
+
+/// `Refinement::UniqueIds` then lowers each stack's worst `max_unique_ids_per_partition` cell,
+/// as the pipeline's own statistics count it: on one large-vocab batch at 1/4/4 from 4187 (what
+/// `Refinement::EveryStack` leaves; the input order: 4292) to 4161, and on criteo's 8 batches
+/// at 1/4/4 (one window) Σ over the 26 stacks from 480 to 477. No stack's buffer rises, and no
+/// stack's `max_ids` passes the multiple of 8 above `EveryStack`'s (what `fdo tune` rounds a
+/// limit to), nor the worst cell relative to its limit.
+#[test]
+fn unique_ids_refinement_lowers_unique_ids_third() {
+    use sparsecore_prep::balance::{measure, Balancer, Refinement, StackLoad};
+    for (profile, batches, expected) in [(Profile::LargeVocab, 1, (4292, 4187, 4161)), (Profile::Criteo, 8, (475, 480, 477))] {
+        let (mut config, window) = workload(profile, 512, batches, (1, 4, 4));
+        for t in &mut config.tables {
+            t.max_ids_per_partition *= 2;
+            t.max_unique_ids_per_partition *= 2;
+            t.suggested_coo_buffer_size_per_device = t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
+        }
+        let run = |refinement| Balancer::new(config.clone()).unwrap().refinement(refinement).balance(&window).unwrap();
+        let (every, unique) = (run(Refinement::EveryStack), run(Refinement::UniqueIds));
+        assert!(every.report.reordered && unique.report.reordered, "{}", profile.name());
+        let input = measure(&config, &window).unwrap();
+        let (every_loads, unique_loads) = (measure(&config, &every.batches).unwrap(), measure(&config, &unique.batches).unwrap());
+        let sum = |loads: &[StackLoad]| loads.iter().map(|l| l.max_unique_ids_per_partition).sum::<i32>();
+        assert_eq!((sum(&input), sum(&every_loads), sum(&unique_loads)), expected, "{}", profile.name());
+        let limits: Vec<f64> = config.tables.iter().map(|t| t.max_ids_per_partition as f64).collect();
+        let relative = |loads: &[StackLoad]| loads.iter().zip(&limits).map(|(l, &m)| l.max_ids_per_partition as f64 / m).fold(0.0, f64::max);
+        assert!(relative(&unique_loads) <= relative(&every_loads), "{}", profile.name());
+        for ((e, u), name) in every_loads.iter().zip(&unique_loads).zip(&unique.report.stacks) {
+            assert!(u.max_ids_per_partition <= (e.max_ids_per_partition + 7) / 8 * 8, "{name}: max_ids {} -> {}", e.max_ids_per_partition, u.max_ids_per_partition);
+            assert!(u.required_buffer <= e.required_buffer, "{name}: buffer {} -> {}", e.required_buffer, u.required_buffer);
+        }
+        // The report's counts are the pipeline's.
+        for (r, m) in unique.report.after.iter().zip(&unique_loads) {
+            assert_eq!((r.max_ids_per_partition, r.required_buffer), (m.max_ids_per_partition, m.required_buffer));
+        }
+    }
+}

@@ -783,7 +783,9 @@ class Preprocessor:
     The same as ``sparsecore-prep balance --window W`` (``sparsecore_prep::balance``).
     ``refine="every-stack"`` (``--refine every-stack``) also lowers every stack's
     own worst cell after the worst one, with no stack's buffer rising: smaller
-    tuned limits and buffers per stack, for more balancing work.
+    tuned limits and buffers per stack, for more balancing work;
+    ``refine="unique-ids"`` then also lowers each stack's worst
+    ``max_unique_ids_per_partition`` cell, for the most work.
 
     Returns ``(batches, permutation)``: the reordered ``pyarrow.RecordBatch``es,
     one per input batch, and an int64 array over all rows in order: output row

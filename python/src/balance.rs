@@ -27,8 +27,8 @@ fn load<'py>(py: Python<'py>, l: &IdLoad) -> PyResult<Bound<'py, PyDict>> {
 /// per input batch, same sizes and schema), the permutation (int64: output row `j`, counting
 /// rows over all batches in order, is input row `permutation[j]`) and one report dict per
 /// window (`batches`, `reordered`, `stacks`: name, before and after (`max_ids_per_partition`,
-/// `required_buffer`), `lower_bound`). `refine` is `"worst-cell"` or `"every-stack"`
-/// ([`Refinement`]).
+/// `required_buffer`), `lower_bound`). `refine` is `"worst-cell"`, `"every-stack"` or
+/// `"unique-ids"` ([`Refinement`]).
 #[pyfunction]
 #[pyo3(name = "_balance")]
 pub fn balance_batches<'py>(
@@ -44,8 +44,9 @@ pub fn balance_batches<'py>(
     let refinement = match refine {
         "worst-cell" => Refinement::WorstCell,
         "every-stack" => Refinement::EveryStack,
+        "unique-ids" => Refinement::UniqueIds,
         other => {
-            let message = format!("balance: refine must be \"worst-cell\" or \"every-stack\", got {other:?}");
+            let message = format!("balance: refine must be \"worst-cell\", \"every-stack\" or \"unique-ids\", got {other:?}");
             return Err(raise(py, Class::Config, message, &[("field", field(py, "refine"))]));
         }
     };

@@ -115,7 +115,8 @@ def test_permutation_is_a_bijection_and_columns_move_together(window):
   assert not np.array_equal(perm, np.arange(total)), "the skewed input was left as it was"
 
 
-@pytest.mark.parametrize("window,refine", [(1, "worst-cell"), (4, "worst-cell"), (1, "every-stack"), (4, "every-stack")])
+@pytest.mark.parametrize("window,refine", [(1, "worst-cell"), (4, "worst-cell"), (1, "every-stack"), (4, "every-stack"),
+                                          (1, "unique-ids"), (4, "unique-ids")])
 def test_equals_the_cli_and_its_reported_stats(tmp_path, window, refine):
   cli = _cli()
   src, dst, cfg = tmp_path / "in.arrow", tmp_path / "out.arrow", tmp_path / "config.json"
@@ -203,6 +204,6 @@ def test_typed_errors():
   assert e.value.field == "window"
   with pytest.raises(scp.ConfigError) as e:
     prep.balance(BATCHES, refine="thorough")
-  assert e.value.field == "refine" and "every-stack" in str(e.value)
+  assert e.value.field == "refine" and "unique-ids" in str(e.value)
   with pytest.raises(scp.InputTypeError):
     prep.balance([{"f0": [1]}])

@@ -19,8 +19,9 @@
 //! by stack from the one nearest its limit, while a swap lowers that stack's own worst cell
 //! without raising a stack already done above its worst or any other above the level of the
 //! one being lowered (each stack's limit is tuned from its own worst cell); and after that
-//! while a swap lowers the worst buffer without raising any stack's worst cell. Unique ids are not
-//! minimised: they depend on which samples share a slice, not on per-sample counts. The new
+//! while a swap lowers the worst buffer without raising any stack's worst cell. By default unique
+//! ids are not minimised: they depend on which samples share a slice, not on per-sample counts,
+//! so lowering them means reading columns again ([`Refinement::UniqueIds`] does). The new
 //! order is kept only if every output batch's
 //! worst `max_ids` relative to its limit is strictly lower than its input batch's (W = 1) or
 //! than the window's worst input batch's (W > 1, where batches trade samples), and no stack's
@@ -48,6 +49,7 @@ use crate::spec::{Config, Plan};
 mod apply;
 mod count;
 mod swap;
+mod unique;
 
 pub use apply::{apply, Reorder};
 use count::{Counter, UniqueCounter};
@@ -135,6 +137,13 @@ pub enum Refinement {
     /// further, and the worst cell comes nearer its lower bound where stacks compete for the
     /// same samples (criteo-like data), for more balancing work (BENCHMARKS.md measures both).
     EveryStack,
+    /// Everything [`Refinement::EveryStack`] does, then each stack's worst
+    /// `max_unique_ids_per_partition` cell, with no stack's `max_ids` cell passing its worst
+    /// (or its 8-aligned value, what a tuned limit is rounded to) and no buffer its worst.
+    /// Unique ids depend on which samples share a slice, so this pass reads the columns of the
+    /// slices it needs, within a budget of reads and checks proportional to the window: the
+    /// costliest refinement (BENCHMARKS.md measures it).
+    UniqueIds,
 }
 
 /// Balances window after window, keeping its plan and scratch memory between them.
@@ -234,6 +243,9 @@ impl Balancer {
         let inv_buffer: Vec<f64> = plan.stacks.iter().map(|st| shape.sc_per_device as f64 / st.coo_buffer_size_per_device.max(1) as f64).collect();
         let weights = Weights { inv_limit: &inv_limit, inv_buffer: &inv_buffer, partitions: shape.partitions };
         improve(counts, &mut members, &mut self.load, cells, &weights, self.refinement, &mut self.swap_memory);
+        if self.refinement == Refinement::UniqueIds {
+            unique::lower(self.prep.config(), plan, window, counts, &mut members, &mut self.load, shape)?;
+        }
         let after_batches = batch_loads(&self.load, shape, window.len());
         let permutation = permutation(counts, &members, shape.slices, window.len());
         let identity = identity(window);

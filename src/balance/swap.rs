@@ -31,8 +31,8 @@ enum Target {
 /// reaches that value (and, for the buffer, no cell passes the peak reached first), swap. The
 /// greedy places each sample once, so a sample placed early can end up beside the samples that
 /// fill its slice last; a swap undoes that. Values tied at the worst are fixed one at a time, so
-/// the worst falls once all of them are. With [`Refinement::EveryStack`], then each stack's own
-/// worst cell ([`every_stack`]). Deterministic (fixed visiting orders); the checks are capped
+/// the worst falls once all of them are. With [`Refinement::EveryStack`] (or
+/// [`Refinement::UniqueIds`]), then each stack's own worst cell ([`every_stack`]). Deterministic (fixed visiting orders); the checks are capped
 /// per sample, so a window costs at most a fixed multiple of its samples.
 pub(super) fn improve(
     counts: &SampleCounts,
@@ -74,7 +74,7 @@ pub(super) fn improve(
     let p = weights.partitions;
     swaps.sums = swaps.load.chunks(p).map(|part| part.iter().map(|&k| padded(k as i64)).sum()).collect();
     while swaps.round(Target::Buffer { peak }) {}
-    if refinement == Refinement::EveryStack {
+    if refinement != Refinement::WorstCell {
         every_stack(&mut swaps, weights, counts.refs.len());
     }
     memory.bounds = swaps.bounds;

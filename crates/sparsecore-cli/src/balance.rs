@@ -35,9 +35,10 @@ pub struct Args {
     /// Balance windows of W consecutive batches (samples move between the window's batches).
     #[arg(long, default_value_t = 1, value_parser = parse_window)]
     window: usize,
-    /// How far to search: `worst-cell` (the worst cell, then the worst buffer) or `every-stack`
+    /// How far to search: `worst-cell` (the worst cell, then the worst buffer), `every-stack`
     /// (then also each stack's own worst cell: smaller tuned limits and buffers per stack, for
-    /// more balancing work).
+    /// more balancing work) or `unique-ids` (then also each stack's worst unique-ids cell, for
+    /// the most work).
     #[arg(long, value_enum, default_value_t = Refine::WorstCell)]
     refine: Refine,
     /// Print one JSON object (the last line) instead of the summary.
@@ -50,6 +51,7 @@ pub struct Args {
 pub enum Refine {
     WorstCell,
     EveryStack,
+    UniqueIds,
 }
 
 impl From<Refine> for Refinement {
@@ -57,6 +59,18 @@ impl From<Refine> for Refinement {
         match r {
             Refine::WorstCell => Refinement::WorstCell,
             Refine::EveryStack => Refinement::EveryStack,
+            Refine::UniqueIds => Refinement::UniqueIds,
+        }
+    }
+}
+
+impl Refine {
+    /// The name `--refine` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Refine::WorstCell => "worst-cell",
+            Refine::EveryStack => "every-stack",
+            Refine::UniqueIds => "unique-ids",
         }
     }
 }
@@ -235,7 +249,7 @@ pub fn run(a: Args) -> Result<()> {
         };
         let json = serde_json::json!({
             "window": a.window,
-            "refine": if a.refine == Refine::EveryStack { "every-stack" } else { "worst-cell" },
+            "refine": a.refine.name(),
             "batches": batches,
             "rows": rows,
             "windows": reports.len(),

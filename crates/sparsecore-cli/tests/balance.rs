@@ -137,32 +137,34 @@ fn balance_window_4_json_same_rows_and_preprocess_balance_agrees() {
     assert!(max_ids(&read(&p3.join("stats.json"))) <= max_ids(&read(&p0.join("stats.json"))));
 }
 
-/// `--refine every-stack` through both commands: the JSON names it, the rows are the same, and
-/// `preprocess --balance W --balance-refine every-stack` writes what preprocessing `balance`'s
-/// output writes. A window larger than the file (as large as a `usize` goes) is one window of
-/// all its batches, not an allocation of that size.
+/// `--refine every-stack` and `--refine unique-ids` through both commands: the JSON names the
+/// refinement, the rows are the same, and `preprocess --balance W --balance-refine R` writes
+/// what preprocessing `balance`'s output writes. A window larger than the file (as large as a
+/// `usize` goes) is one window of all its batches, not an allocation of that size.
 #[test]
 fn every_stack_refinement_and_a_window_past_the_file() {
     let dir = TempDir::new("every");
     let (input, cfg) = generate(&dir);
-    let out = dir.join("balanced.arrow");
     let huge = usize::MAX.to_string();
-    let stdout = ok(&["balance", "--config", s(&cfg), "--input", s(&input), "--out", s(&out), "--window", &huge, "--refine", "every-stack", "--json"]);
-    let j = last_json(&stdout);
-    assert_eq!(j["refine"], "every-stack");
-    assert_eq!(j["windows"], 1);
-    assert_eq!(j["reordered_windows"], 1);
-    for st in j["stacks"].as_array().expect("stacks") {
-        let (b, a) = (st["before"]["max_ids_per_partition"].as_u64().unwrap(), st["after"]["max_ids_per_partition"].as_u64().unwrap());
-        assert!(a < b, "no gain: {st}");
-    }
-    let (inb, outb) = (record_batches(&input), record_batches(&out));
-    assert_eq!(sorted_rows(&outb), sorted_rows(&inb), "same multiset of rows");
-    let (p1, p2) = (dir.join("inline"), dir.join("offline"));
-    ok(&["preprocess", "--config", s(&cfg), "--input", s(&input), "--out", s(&p1), "--balance", &huge, "--balance-refine", "every-stack"]);
-    ok(&["preprocess", "--config", s(&cfg), "--input", s(&out), "--out", s(&p2)]);
-    for name in listing(&p1) {
-        assert_eq!(std::fs::read(p1.join(&name)).unwrap(), std::fs::read(p2.join(&name)).unwrap(), "{name}");
+    for refine in ["every-stack", "unique-ids"] {
+        let out = dir.join(&format!("balanced-{refine}.arrow"));
+        let stdout = ok(&["balance", "--config", s(&cfg), "--input", s(&input), "--out", s(&out), "--window", &huge, "--refine", refine, "--json"]);
+        let j = last_json(&stdout);
+        assert_eq!(j["refine"], refine);
+        assert_eq!(j["windows"], 1);
+        assert_eq!(j["reordered_windows"], 1);
+        for st in j["stacks"].as_array().expect("stacks") {
+            let (b, a) = (st["before"]["max_ids_per_partition"].as_u64().unwrap(), st["after"]["max_ids_per_partition"].as_u64().unwrap());
+            assert!(a < b, "{refine}: no gain: {st}");
+        }
+        let (inb, outb) = (record_batches(&input), record_batches(&out));
+        assert_eq!(sorted_rows(&outb), sorted_rows(&inb), "{refine}: same multiset of rows");
+        let (p1, p2) = (dir.join(&format!("inline-{refine}")), dir.join(&format!("offline-{refine}")));
+        ok(&["preprocess", "--config", s(&cfg), "--input", s(&input), "--out", s(&p1), "--balance", &huge, "--balance-refine", refine]);
+        ok(&["preprocess", "--config", s(&cfg), "--input", s(&out), "--out", s(&p2)]);
+        for name in listing(&p1) {
+            assert_eq!(std::fs::read(p1.join(&name)).unwrap(), std::fs::read(p2.join(&name)).unwrap(), "{refine}: {name}");
+        }
     }
     // The refinement belongs to --balance.
     let o = run(&["preprocess", "--config", s(&cfg), "--input", s(&input), "--out", s(&dir.join("x")), "--balance-refine", "every-stack"]);
