@@ -332,34 +332,61 @@ impl StampedSet {
         self.size = size;
     }
 
+    /// The slots in use, as plain slices that a loop of inserts keeps in registers (stores to
+    /// the slots cannot change them, as they might the set's own fields).
+    fn slots(&mut self) -> Slots<'_> {
+        let size = self.size;
+        Slots {
+            keys: self.keys.get_mut(..size).unwrap_or_default(),
+            stamps: self.stamps.get_mut(..size).unwrap_or_default(),
+            generation: self.generation,
+            shift: 64 - size.trailing_zeros(),
+        }
+    }
+}
+
+/// A started [`StampedSet`]'s slots.
+struct Slots<'a> {
+    keys: &'a mut [u32],
+    stamps: &'a mut [u32],
+    generation: u32,
+    shift: u32,
+}
+
+impl Slots<'_> {
     /// Whether `c` is new to the set (it is in it afterwards).
-    #[inline]
+    #[inline(always)]
     fn insert(&mut self, c: u32) -> bool {
-        let shift = 64 - self.size.trailing_zeros();
-        let mut i = ((c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> shift) as usize;
+        let last = self.stamps.len().min(self.keys.len()).wrapping_sub(1);
+        let mut i = ((c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize;
         loop {
-            if self.stamps[i] != self.generation {
-                self.stamps[i] = self.generation;
-                self.keys[i] = c;
+            let (Some(stamp), Some(key)) = (self.stamps.get_mut(i & last), self.keys.get_mut(i & last)) else { return false };
+            if *stamp != self.generation {
+                *stamp = self.generation;
+                *key = c;
                 return true;
             }
-            if self.keys[i] == c {
+            if *key == c {
                 return false;
             }
-            i = (i + 1) & (self.size - 1);
+            i += 1;
         }
     }
 }
 
 /// Distinct columns per (slice, cell): the pipeline's unique ids, which per-sample counts cannot
-/// give (two samples of a slice may share an id). Counted with a hash set per (slice, stack)
-/// instead of the pipeline's sort of every stack: only the stacks that could pass their unique
-/// limit are asked for.
+/// give (two samples of a slice may share an id). Counted per (slice, stack) instead of by the
+/// pipeline's sort of every stack, only for the stacks that could pass their unique limit: with
+/// a bit per column where the stack is small against the slice's ids, else a hash set.
 #[derive(Debug, Default)]
 pub(super) struct UniqueCounter {
     set: StampedSet,
     /// Per partition: distinct columns of the current (slice, stack).
     per_partition: Vec<u32>,
+    /// Small stacks: a bit per column, all clear between (slice, stack)s.
+    bits: Vec<u64>,
+    /// Small stacks: columns beyond the stack (ids the pipeline rejects), merged by a sort.
+    spill: Vec<u32>,
 }
 
 impl UniqueCounter {
@@ -391,16 +418,21 @@ impl UniqueCounter {
                         b - a
                     };
                     let ids: usize = slice.iter().map(|r| fs.iter().map(|&f| length(r, f)).sum::<usize>()).sum();
-                    self.start(ids, n);
-                    for r in slice {
-                        for &f in fs {
-                            let v = &views[r.batch][f];
-                            let (a, b) = v.offsets.range(r.row);
-                            match v.ids {
-                                Ids::I32(x) => x.get(a..b).unwrap_or_default().iter().for_each(|&id| self.insert(column(v, id as u32, mask), mask)),
-                                Ids::I64(x) => x.get(a..b).unwrap_or_default().iter().for_each(|&id| self.insert(column(v, id as u32, mask), mask)),
-                            }
-                        }
+                    self.per_partition.clear();
+                    self.per_partition.resize(n, 0);
+                    // A bit per column costs a clear of the bitmap, but no hashing and a
+                    // fraction of the hash set's memory (16 bytes per id at most against 32 at
+                    // least), which a large set's cache misses make the dearer part.
+                    let words = stack.stack_vocab_size.div_ceil(64);
+                    if words <= 2 * ids as u64 {
+                        self.count_dense(&views, slice, fs, words as usize, mask);
+                    } else {
+                        self.set.start(2 * ids);
+                        let (mut set, parts) = (self.set.slots(), &mut self.per_partition[..]);
+                        for_each_list(&views, slice, fs, |f, list| match list {
+                            Ids::I32(x) => hashed_list(f, x, mask, &mut set, parts),
+                            Ids::I64(x) => hashed_list(f, x, mask, &mut set, parts),
+                        });
                     }
                     let most = self.per_partition.iter().copied().max().unwrap_or(0);
                     worst[k][st] = worst[k][st].max(most.min(i32::MAX as u32) as i32);
@@ -410,17 +442,77 @@ impl UniqueCounter {
         Ok(worst)
     }
 
-    /// Empties the set for up to `ids` columns over `partitions` partitions.
-    fn start(&mut self, ids: usize, partitions: usize) {
-        self.set.start(2 * ids);
-        self.per_partition.clear();
-        self.per_partition.resize(partitions, 0);
+    /// Adds one (slice, stack)'s distinct columns to `per_partition` with a bit per column of
+    /// the stack's `words` words.
+    fn count_dense(&mut self, views: &[Vec<RaggedFeature<'_>>], slice: &[SampleRef], fs: &[usize], words: usize, mask: u32) {
+        if self.bits.len() < words {
+            self.bits.resize(words, 0);
+        }
+        let (bits, spill) = (&mut self.bits[..words], &mut self.spill);
+        spill.clear();
+        let Some(parts) = self.per_partition.get_mut(..=mask as usize) else { return };
+        for_each_list(views, slice, fs, |f, list| match list {
+            Ids::I32(x) => dense_list(f, x, mask, bits, parts, spill),
+            Ids::I64(x) => dense_list(f, x, mask, bits, parts, spill),
+        });
+        bits.fill(0);
+        if !spill.is_empty() {
+            spill.sort_unstable();
+            spill.dedup();
+            for &c in spill.iter() {
+                parts[(c & mask) as usize] += 1;
+            }
+        }
     }
+}
 
-    #[inline]
-    fn insert(&mut self, c: u32, mask: u32) {
-        if self.set.insert(c) {
-            self.per_partition[(c & mask) as usize] += 1;
+/// Calls `each` with every list of a slice's samples in the stack of features `fs`, and its
+/// feature.
+#[inline(always)]
+fn for_each_list<'a>(views: &'a [Vec<RaggedFeature<'a>>], slice: &[SampleRef], fs: &[usize], mut each: impl FnMut(&RaggedFeature<'a>, Ids<'a>)) {
+    for r in slice {
+        for &f in fs {
+            let Some(v) = views.get(r.batch).and_then(|v| v.get(f)) else { continue };
+            let (a, b) = v.offsets.range(r.row);
+            match v.ids {
+                Ids::I32(x) => each(v, Ids::I32(x.get(a..b).unwrap_or_default())),
+                Ids::I64(x) => each(v, Ids::I64(x.get(a..b).unwrap_or_default())),
+            }
+        }
+    }
+}
+
+/// Sets the bit of every column of `list` in `bits`, counting the new ones per partition in
+/// `parts` (one per partition); columns past the bitmap go to `spill`. Out of line, and with the
+/// feature's numbers read once into locals, so that the loop keeps more of them in registers
+/// (read through `f`, they would be read again after every count, which might have changed
+/// them as far as the compiler knows).
+#[inline(never)]
+fn dense_list<I: InputInt>(f: &RaggedFeature<'_>, list: &[I], mask: u32, bits: &mut [u64], parts: &mut [u32], spill: &mut Vec<u32>) {
+    let (shift, offset) = (f.col_shift, f.col_offset);
+    let Some(last) = parts.len().checked_sub(1) else { return };
+    for &id in list {
+        let c = col_of(low32(id), shift, mask, offset);
+        match bits.get_mut((c / 64) as usize) {
+            Some(w) => {
+                let m = 1u64 << (c % 64);
+                parts[c as usize & last] += u32::from(*w & m == 0);
+                *w |= m;
+            }
+            None => spill.push(c),
+        }
+    }
+}
+
+/// [`dense_list`] with a hash set instead of a bitmap.
+#[inline(never)]
+fn hashed_list<I: InputInt>(f: &RaggedFeature<'_>, list: &[I], mask: u32, set: &mut Slots<'_>, parts: &mut [u32]) {
+    let (shift, offset) = (f.col_shift, f.col_offset);
+    let Some(last) = parts.len().checked_sub(1) else { return };
+    for &id in list {
+        let c = col_of(low32(id), shift, mask, offset);
+        if set.insert(c) {
+            parts[c as usize & last] += 1;
         }
     }
 }
