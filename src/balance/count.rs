@@ -427,12 +427,7 @@ impl UniqueCounter {
                     if words <= 2 * ids as u64 {
                         self.count_dense(&views, slice, fs, words as usize, mask);
                     } else {
-                        self.set.start(2 * ids);
-                        let (mut set, parts) = (self.set.slots(), &mut self.per_partition[..]);
-                        for_each_list(&views, slice, fs, |f, list| match list {
-                            Ids::I32(x) => hashed_list(f, x, mask, &mut set, parts),
-                            Ids::I64(x) => hashed_list(f, x, mask, &mut set, parts),
-                        });
+                        self.count_hashed(&views, slice, fs, ids, mask);
                     }
                     let most = self.per_partition.iter().copied().max().unwrap_or(0);
                     worst[k][st] = worst[k][st].max(most.min(i32::MAX as u32) as i32);
@@ -440,6 +435,17 @@ impl UniqueCounter {
             }
         }
         Ok(worst)
+    }
+
+    /// Adds one (slice, stack)'s distinct columns (of its `ids` ids) to `per_partition` with
+    /// the hash set.
+    fn count_hashed(&mut self, views: &[Vec<RaggedFeature<'_>>], slice: &[SampleRef], fs: &[usize], ids: usize, mask: u32) {
+        self.set.start(2 * ids);
+        let (mut set, parts) = (self.set.slots(), &mut self.per_partition[..]);
+        for_each_list(views, slice, fs, |f, list| match list {
+            Ids::I32(x) => hashed_list(f, x, mask, &mut set, parts),
+            Ids::I64(x) => hashed_list(f, x, mask, &mut set, parts),
+        });
     }
 
     /// Adds one (slice, stack)'s distinct columns to `per_partition` with a bit per column of
@@ -947,6 +953,85 @@ mod tests {
             lists.push(vec![u32::MAX as i64; 30]);
             lists.push(vec![7, 7]);
             check_feature(&lists, vocab, n, 1 % n, if vocab > 1000 { 0 } else { 8 * n });
+        }
+    }
+
+    /// A slice's distinct columns per partition over two features of a stack, by the unique
+    /// guard's bitmap (some columns past it) and its hash set, against a sort.
+    #[test]
+    fn a_slices_distinct_columns_by_bitmap_and_hash_set() {
+        use super::{SampleRef, UniqueCounter};
+        let mut x = 7u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let n = 4u32;
+        let mask = n - 1;
+        // Ids mostly below 1000 (a feature's vocabulary), some past it, negative or u32::MAX.
+        let lists: Vec<Vec<Vec<i64>>> = (0..2)
+            .map(|_| {
+                (0..50)
+                    .map(|r| {
+                        (0..r % 13)
+                            .map(|_| match next() % 40 {
+                                0 => 1000 + (next() % 5000) as i64,
+                                1 => -1 - (next() % 3) as i64,
+                                2 => u32::MAX as i64,
+                                _ => (next() % 1000) as i64,
+                            })
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        let flat: Vec<(Vec<i64>, Vec<i32>)> = lists
+            .iter()
+            .map(|ls| {
+                let mut offsets = vec![0i32];
+                for l in ls {
+                    offsets.push(offsets.last().unwrap() + l.len() as i32);
+                }
+                (ls.concat(), offsets)
+            })
+            .collect();
+        let features: Vec<RaggedFeature<'_>> = flat
+            .iter()
+            .enumerate()
+            .map(|(k, (ids, offsets))| RaggedFeature {
+                ids: Ids::I64(ids),
+                offsets: Offsets::I32(offsets),
+                base: 0,
+                col_shift: k as u32 % n,
+                col_offset: 1000 * k as u32,
+                dense_words: 0,
+            })
+            .collect();
+        let views = vec![features];
+        let slice: Vec<SampleRef> = (0..50).map(|row| SampleRef { batch: 0, row }).collect();
+        let mut want = vec![0u32; n as usize];
+        let mut cols: Vec<u32> = Vec::new();
+        for (f, ls) in views[0].iter().zip(&lists) {
+            cols.extend(ls.iter().flatten().map(|&id| column(f, id as u32, mask)));
+        }
+        let ids = cols.len();
+        cols.sort_unstable();
+        cols.dedup();
+        for c in cols {
+            want[(c & mask) as usize] += 1;
+        }
+        let mut counter = UniqueCounter::default();
+        for round in 0..2 {
+            for words in [1usize, 20, 32, 100] {
+                counter.per_partition = vec![0; n as usize];
+                counter.count_dense(&views, &slice, &[0, 1], words, mask);
+                assert_eq!(counter.per_partition, want, "bitmap of {words} words, round {round}");
+            }
+            counter.per_partition = vec![0; n as usize];
+            counter.count_hashed(&views, &slice, &[0, 1], ids, mask);
+            assert_eq!(counter.per_partition, want, "hash set, round {round}");
         }
     }
 
