@@ -332,34 +332,61 @@ impl StampedSet {
         self.size = size;
     }
 
+    /// The slots in use, as plain slices that a loop of inserts keeps in registers (stores to
+    /// the slots cannot change them, as they might the set's own fields).
+    fn slots(&mut self) -> Slots<'_> {
+        let size = self.size;
+        Slots {
+            keys: self.keys.get_mut(..size).unwrap_or_default(),
+            stamps: self.stamps.get_mut(..size).unwrap_or_default(),
+            generation: self.generation,
+            shift: 64 - size.trailing_zeros(),
+        }
+    }
+}
+
+/// A started [`StampedSet`]'s slots.
+struct Slots<'a> {
+    keys: &'a mut [u32],
+    stamps: &'a mut [u32],
+    generation: u32,
+    shift: u32,
+}
+
+impl Slots<'_> {
     /// Whether `c` is new to the set (it is in it afterwards).
-    #[inline]
+    #[inline(always)]
     fn insert(&mut self, c: u32) -> bool {
-        let shift = 64 - self.size.trailing_zeros();
-        let mut i = ((c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> shift) as usize;
+        let last = self.stamps.len().min(self.keys.len()).wrapping_sub(1);
+        let mut i = ((c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize;
         loop {
-            if self.stamps[i] != self.generation {
-                self.stamps[i] = self.generation;
-                self.keys[i] = c;
+            let (Some(stamp), Some(key)) = (self.stamps.get_mut(i & last), self.keys.get_mut(i & last)) else { return false };
+            if *stamp != self.generation {
+                *stamp = self.generation;
+                *key = c;
                 return true;
             }
-            if self.keys[i] == c {
+            if *key == c {
                 return false;
             }
-            i = (i + 1) & (self.size - 1);
+            i += 1;
         }
     }
 }
 
 /// Distinct columns per (slice, cell): the pipeline's unique ids, which per-sample counts cannot
-/// give (two samples of a slice may share an id). Counted with a hash set per (slice, stack)
-/// instead of the pipeline's sort of every stack: only the stacks that could pass their unique
-/// limit are asked for.
+/// give (two samples of a slice may share an id). Counted per (slice, stack) instead of by the
+/// pipeline's sort of every stack, only for the stacks that could pass their unique limit: with
+/// a bit per column where the stack is small against the slice's ids, else a hash set.
 #[derive(Debug, Default)]
 pub(super) struct UniqueCounter {
     set: StampedSet,
     /// Per partition: distinct columns of the current (slice, stack).
     per_partition: Vec<u32>,
+    /// Small stacks: a bit per column, all clear between (slice, stack)s.
+    bits: Vec<u64>,
+    /// Small stacks: columns beyond the stack (ids the pipeline rejects), merged by a sort.
+    spill: Vec<u32>,
 }
 
 impl UniqueCounter {
@@ -391,16 +418,16 @@ impl UniqueCounter {
                         b - a
                     };
                     let ids: usize = slice.iter().map(|r| fs.iter().map(|&f| length(r, f)).sum::<usize>()).sum();
-                    self.start(ids, n);
-                    for r in slice {
-                        for &f in fs {
-                            let v = &views[r.batch][f];
-                            let (a, b) = v.offsets.range(r.row);
-                            match v.ids {
-                                Ids::I32(x) => x.get(a..b).unwrap_or_default().iter().for_each(|&id| self.insert(column(v, id as u32, mask), mask)),
-                                Ids::I64(x) => x.get(a..b).unwrap_or_default().iter().for_each(|&id| self.insert(column(v, id as u32, mask), mask)),
-                            }
-                        }
+                    self.per_partition.clear();
+                    self.per_partition.resize(n, 0);
+                    // A bit per column costs a clear of the bitmap, but no hashing and a
+                    // fraction of the hash set's memory (16 bytes per id at most against 32 at
+                    // least), which a large set's cache misses make the dearer part.
+                    let words = stack.stack_vocab_size.div_ceil(64);
+                    if words <= 2 * ids as u64 {
+                        self.count_dense(&views, slice, fs, words as usize, mask);
+                    } else {
+                        self.count_hashed(&views, slice, fs, ids, mask);
                     }
                     let most = self.per_partition.iter().copied().max().unwrap_or(0);
                     worst[k][st] = worst[k][st].max(most.min(i32::MAX as u32) as i32);
@@ -410,17 +437,88 @@ impl UniqueCounter {
         Ok(worst)
     }
 
-    /// Empties the set for up to `ids` columns over `partitions` partitions.
-    fn start(&mut self, ids: usize, partitions: usize) {
+    /// Adds one (slice, stack)'s distinct columns (of its `ids` ids) to `per_partition` with
+    /// the hash set.
+    fn count_hashed(&mut self, views: &[Vec<RaggedFeature<'_>>], slice: &[SampleRef], fs: &[usize], ids: usize, mask: u32) {
         self.set.start(2 * ids);
-        self.per_partition.clear();
-        self.per_partition.resize(partitions, 0);
+        let (mut set, parts) = (self.set.slots(), &mut self.per_partition[..]);
+        for_each_list(views, slice, fs, |f, list| match list {
+            Ids::I32(x) => hashed_list(f, x, mask, &mut set, parts),
+            Ids::I64(x) => hashed_list(f, x, mask, &mut set, parts),
+        });
     }
 
-    #[inline]
-    fn insert(&mut self, c: u32, mask: u32) {
-        if self.set.insert(c) {
-            self.per_partition[(c & mask) as usize] += 1;
+    /// Adds one (slice, stack)'s distinct columns to `per_partition` with a bit per column of
+    /// the stack's `words` words.
+    fn count_dense(&mut self, views: &[Vec<RaggedFeature<'_>>], slice: &[SampleRef], fs: &[usize], words: usize, mask: u32) {
+        if self.bits.len() < words {
+            self.bits.resize(words, 0);
+        }
+        let (bits, spill) = (&mut self.bits[..words], &mut self.spill);
+        spill.clear();
+        let Some(parts) = self.per_partition.get_mut(..=mask as usize) else { return };
+        for_each_list(views, slice, fs, |f, list| match list {
+            Ids::I32(x) => dense_list(f, x, mask, bits, parts, spill),
+            Ids::I64(x) => dense_list(f, x, mask, bits, parts, spill),
+        });
+        bits.fill(0);
+        if !spill.is_empty() {
+            spill.sort_unstable();
+            spill.dedup();
+            for &c in spill.iter() {
+                parts[(c & mask) as usize] += 1;
+            }
+        }
+    }
+}
+
+/// Calls `each` with every list of a slice's samples in the stack of features `fs`, and its
+/// feature.
+#[inline(always)]
+fn for_each_list<'a>(views: &'a [Vec<RaggedFeature<'a>>], slice: &[SampleRef], fs: &[usize], mut each: impl FnMut(&RaggedFeature<'a>, Ids<'a>)) {
+    for r in slice {
+        for &f in fs {
+            let Some(v) = views.get(r.batch).and_then(|v| v.get(f)) else { continue };
+            let (a, b) = v.offsets.range(r.row);
+            match v.ids {
+                Ids::I32(x) => each(v, Ids::I32(x.get(a..b).unwrap_or_default())),
+                Ids::I64(x) => each(v, Ids::I64(x.get(a..b).unwrap_or_default())),
+            }
+        }
+    }
+}
+
+/// Sets the bit of every column of `list` in `bits`, counting the new ones per partition in
+/// `parts` (one per partition); columns past the bitmap go to `spill`. Out of line, and with the
+/// feature's numbers read once into locals, so that the loop keeps more of them in registers
+/// (read through `f`, they would be read again after every count, which might have changed
+/// them as far as the compiler knows).
+#[inline(never)]
+fn dense_list<I: InputInt>(f: &RaggedFeature<'_>, list: &[I], mask: u32, bits: &mut [u64], parts: &mut [u32], spill: &mut Vec<u32>) {
+    let (shift, offset) = (f.col_shift, f.col_offset);
+    let Some(last) = parts.len().checked_sub(1) else { return };
+    for &id in list {
+        let c = col_of(low32(id), shift, mask, offset);
+        match bits.get_mut((c / 64) as usize) {
+            Some(w) => {
+                let m = 1u64 << (c % 64);
+                parts[c as usize & last] += u32::from(*w & m == 0);
+                *w |= m;
+            }
+            None => spill.push(c),
+        }
+    }
+}
+
+/// [`dense_list`] with a hash set instead of a bitmap.
+#[inline(never)]
+fn hashed_list<I: InputInt>(f: &RaggedFeature<'_>, list: &[I], mask: u32, set: &mut Slots<'_>, parts: &mut [u32]) {
+    let (shift, offset) = (f.col_shift, f.col_offset);
+    let Some(last) = parts.len().checked_sub(1) else { return };
+    for &id in list {
+        let c = col_of(low32(id), shift, mask, offset);
+        if set.insert(c) {
+            parts[c as usize & last] += 1;
         }
     }
 }
@@ -542,6 +640,41 @@ fn partition_masks(n: usize) -> [u64; 64] {
     m
 }
 
+/// [`SeenSet::count_medium`]'s loop over the ids, testing an empty slot and the id's own in one
+/// branch (`ONE_BRANCH`) or in two.
+#[inline(always)]
+fn medium_loop<I: InputInt, const ONE_BRANCH: bool>(f: &RaggedFeature<'_>, list: &[I], mask: u32, table: &mut [u32], hist: &mut [u32]) {
+    let size = table.len();
+    // A 32-bit multiplier (a medium list has at most 2^16 slots): an immediate operand, which
+    // leaves the loop one more register.
+    let shift = 32 - size.trailing_zeros();
+    let Some(last) = hist.len().checked_sub(1) else { return };
+    let mut max_seen = false;
+    for &id in list {
+        let id = low32(id);
+        let key = id.wrapping_add(1);
+        if key == 0 {
+            // u32::MAX, which the table cannot hold.
+            hist[partition(f, id, mask) as usize & last] += u32::from(!max_seen);
+            max_seen = true;
+            continue;
+        }
+        let mut i = (key.wrapping_mul(0x9E37_79B1) >> shift) as usize;
+        let k = loop {
+            let slot = &mut table[i & (size - 1)];
+            let k = *slot;
+            // The product is 0 exactly when a factor is: both are below 2^32 in magnitude.
+            let (wide, wide_key) = (u64::from(k), u64::from(key));
+            if if ONE_BRANCH { wide.wrapping_mul(wide.wrapping_sub(wide_key)) == 0 } else { k == 0 || k == key } {
+                *slot = key;
+                break k;
+            }
+            i += 1;
+        };
+        hist[partition(f, id, mask) as usize & last] += u32::from(k == 0);
+    }
+}
+
 /// Scratch for merging one (sample, feature)'s repeated ids without sorting the list or probing
 /// a hash set per id (a cache miss or a mispredicted branch per id on long lists).
 #[derive(Debug, Default)]
@@ -565,6 +698,9 @@ pub(super) struct SeenSet {
     collided: Vec<u64>,
     /// Long lists: (column, occurrences) of the columns whose bit was hit twice, open addressing.
     slots: Vec<(u32, u32)>,
+    /// Whether the last medium list repeated a share of its ids that makes telling repeats
+    /// from new ids a coin toss (see [`SeenSet::count_medium`]).
+    mixed: bool,
 }
 
 impl SeenSet {
@@ -663,6 +799,12 @@ impl SeenSet {
     /// open addressing, at most a quarter full so that nearly every id finds its slot or its
     /// repeat at the first probe (each further probe is a likely mispredicted branch, which
     /// costs more time than a larger fill); cleared in one `fill`.
+    ///
+    /// Whether an id is new or a repeat is a branch the CPU cannot predict where lists repeat
+    /// a good share of their ids (long's Zipf lists: about a third), and the compiler splits
+    /// `k == 0 || k == key` into two branches however it is written. After a list that repeated
+    /// between a quarter and three quarters of its ids, the next one tests both at once with
+    /// a product (three more instructions per id, no mispredicted branch).
     #[inline(never)]
     fn count_medium<I: InputInt>(&mut self, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) {
         let size = (4 * list.len()).next_power_of_two().max(32);
@@ -670,33 +812,16 @@ impl SeenSet {
             self.table.resize(size, 0);
         }
         let table = &mut self.table[..size];
-        let shift = 64 - size.trailing_zeros();
-        let mut max_seen = false;
         // One count per partition; a partition masked by `last` needs no bounds check.
         let Some(hist) = hist.get_mut(..=mask as usize) else { return };
-        let last = hist.len() - 1;
-        for &id in list {
-            let id = low32(id);
-            let key = id.wrapping_add(1);
-            let p = partition(f, id, mask) as usize & last;
-            if key == 0 {
-                // u32::MAX, which the table cannot hold.
-                hist[p] += u32::from(!max_seen);
-                max_seen = true;
-                continue;
-            }
-            let mut i = ((key as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> shift) as usize;
-            loop {
-                let slot = &mut table[i & (size - 1)];
-                let k = *slot;
-                if k == 0 || k == key {
-                    *slot = key;
-                    hist[p] += u32::from(k == 0);
-                    break;
-                }
-                i += 1;
-            }
+        if self.mixed {
+            medium_loop::<I, true>(f, list, mask, table, hist);
+        } else {
+            medium_loop::<I, false>(f, list, mask, table, hist);
         }
+        // `hist` was all zero: it now holds the list's distinct columns.
+        let repeats = list.len().saturating_sub(hist.iter().map(|&h| h as usize).sum());
+        self.mixed = 4 * repeats >= list.len() && 4 * repeats <= 3 * list.len();
         table.fill(0);
     }
 
@@ -828,6 +953,85 @@ mod tests {
             lists.push(vec![u32::MAX as i64; 30]);
             lists.push(vec![7, 7]);
             check_feature(&lists, vocab, n, 1 % n, if vocab > 1000 { 0 } else { 8 * n });
+        }
+    }
+
+    /// A slice's distinct columns per partition over two features of a stack, by the unique
+    /// guard's bitmap (some columns past it) and its hash set, against a sort.
+    #[test]
+    fn a_slices_distinct_columns_by_bitmap_and_hash_set() {
+        use super::{SampleRef, UniqueCounter};
+        let mut x = 7u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let n = 4u32;
+        let mask = n - 1;
+        // Ids mostly below 1000 (a feature's vocabulary), some past it, negative or u32::MAX.
+        let lists: Vec<Vec<Vec<i64>>> = (0..2)
+            .map(|_| {
+                (0..50)
+                    .map(|r| {
+                        (0..r % 13)
+                            .map(|_| match next() % 40 {
+                                0 => 1000 + (next() % 5000) as i64,
+                                1 => -1 - (next() % 3) as i64,
+                                2 => u32::MAX as i64,
+                                _ => (next() % 1000) as i64,
+                            })
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        let flat: Vec<(Vec<i64>, Vec<i32>)> = lists
+            .iter()
+            .map(|ls| {
+                let mut offsets = vec![0i32];
+                for l in ls {
+                    offsets.push(offsets.last().unwrap() + l.len() as i32);
+                }
+                (ls.concat(), offsets)
+            })
+            .collect();
+        let features: Vec<RaggedFeature<'_>> = flat
+            .iter()
+            .enumerate()
+            .map(|(k, (ids, offsets))| RaggedFeature {
+                ids: Ids::I64(ids),
+                offsets: Offsets::I32(offsets),
+                base: 0,
+                col_shift: k as u32 % n,
+                col_offset: 1000 * k as u32,
+                dense_words: 0,
+            })
+            .collect();
+        let views = vec![features];
+        let slice: Vec<SampleRef> = (0..50).map(|row| SampleRef { batch: 0, row }).collect();
+        let mut want = vec![0u32; n as usize];
+        let mut cols: Vec<u32> = Vec::new();
+        for (f, ls) in views[0].iter().zip(&lists) {
+            cols.extend(ls.iter().flatten().map(|&id| column(f, id as u32, mask)));
+        }
+        let ids = cols.len();
+        cols.sort_unstable();
+        cols.dedup();
+        for c in cols {
+            want[(c & mask) as usize] += 1;
+        }
+        let mut counter = UniqueCounter::default();
+        for round in 0..2 {
+            for words in [1usize, 20, 32, 100] {
+                counter.per_partition = vec![0; n as usize];
+                counter.count_dense(&views, &slice, &[0, 1], words, mask);
+                assert_eq!(counter.per_partition, want, "bitmap of {words} words, round {round}");
+            }
+            counter.per_partition = vec![0; n as usize];
+            counter.count_hashed(&views, &slice, &[0, 1], ids, mask);
+            assert_eq!(counter.per_partition, want, "hash set, round {round}");
         }
     }
 
