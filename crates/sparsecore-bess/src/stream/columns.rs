@@ -266,9 +266,12 @@ fn decode_placed_body<R: Row>(
     // Each position's first physical ids: a slot's blocks take the head shards in order, and
     // the tail shards in order from shard (g + step) mod n on, so one pattern of the head
     // shards serves every slot, and a window of the tail shards' pattern repeated twice.
-    let (mut hoff, mut toff) = (vec![0i64; t], vec![0i64; 2 * t]);
-    for (c, &s) in hoff.chunks_exact_mut(ppp).chain(toff.chunks_exact_mut(ppp)).zip(shard_ids[..n].iter().cycle()) {
-        c.fill(s);
+    let (mut hoff, mut toff) = (Vec::with_capacity(t), Vec::with_capacity(2 * t));
+    for &s in &shard_ids[..n] {
+        hoff.resize(hoff.len() + ppp, s);
+    }
+    for &s in shard_ids[..n].iter().cycle().take(2 * n) {
+        toff.resize(toff.len() + ppp, s);
     }
     for (slot, (((hs, ts), rs), src)) in head.chunks_exact_mut(t).zip(tail.chunks_exact_mut(t)).zip(relation.chunks_exact_mut(r)).zip(read.chunks_exact(t)).enumerate() {
         let from = ((first + slot + step) & (n - 1)) * ppp;
@@ -433,7 +436,13 @@ impl Parts<'_> {
             let i = b & mask;
             (i << shift) | ((i + first + (b >> shift) + step) & mask)
         };
-        let Some(rigid) = sampler.sample_rows_into(step, (local * n, part_of), row_at, row_mask) else { return Ok(None) };
+        // Partition (i, j) goes to slot (j − i − first − step) mod n, if this host has it.
+        let block_of = |p: usize| {
+            let (i, j) = (p >> shift, p & mask);
+            let slot = j.wrapping_sub(i + first + step) & mask;
+            (slot < local).then_some((slot << shift) | i)
+        };
+        let Some(rigid) = sampler.sample_rows_into(step, (local * n, part_of, block_of), row_at, row_mask) else { return Ok(None) };
         let [vh, vt, vr] = values;
         let mut head: Vec<i64> = reuse(vh, local * t);
         let mut tail: Vec<i64> = reuse(vt, local * t);
