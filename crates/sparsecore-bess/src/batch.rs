@@ -12,7 +12,9 @@ const PARALLEL_MIN: usize = 1 << 15;
 use crate::error::{BessError, Result};
 use crate::negative::{Corruption, NegativeSampler};
 use crate::partition::{PartitionMode, PartitionedTriples};
-use crate::rng::{FastMod, Mod63, NumpyRng};
+#[cfg(target_arch = "x86_64")]
+use crate::rng::Avx2;
+use crate::rng::{FastMod, Fill, Mod63, NumpyRng, Scalar};
 
 /// Batch geometry (SPEC 4.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -176,6 +178,52 @@ fn epoch_permutation(shuffle: &mut (Vec<u32>, NumpyRng, usize, Vec<usize>), step
         *epoch = if *epoch == usize::MAX { 0 } else { *epoch + 1 };
     }
     perm
+}
+
+/// Random's rows of a step ([`BatchSampler::sample_rows_into`]): `raw` (one output per
+/// position, partition by partition) from one bulk run of the generator (`integers(1 << 63)`
+/// is its output >> 1), then each partition's outputs reduced by its size straight into the
+/// place of its block, `block_of(p)` (if a block takes it).
+///
+/// Why in partition order: the outputs and the partitions' entries are then read front to
+/// back, with no bounds to check per block, and a block's bookkeeping is one lookup of its
+/// place.
+///
+/// Why two copies: the draws and their reduction are most of the Random sampler's own cost;
+/// a copy compiled for x86-64-v3 makes the outputs in AVX2 lanes ([`Avx2`]) and reduces them
+/// with `mulx` and shifts by a register, and runs when the CPU has it
+/// ([`sparsecore_prep::isa::v3`]). Both copies compute the same rows.
+fn random_rows(rng: &mut NumpyRng, parts: &[PartRows], ppp: usize, raw: &mut [u64], out: &mut [u32], block_of: impl Fn(usize) -> Option<usize>) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(avx2) = Avx2::new() {
+        #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
+        fn v3(avx2: Avx2, rng: &mut NumpyRng, parts: &[PartRows], ppp: usize, raw: &mut [u64], out: &mut [u32], block_of: impl Fn(usize) -> Option<usize>) {
+            random_rows_body(avx2, rng, parts, ppp, raw, out, block_of);
+        }
+        // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
+        #[allow(unsafe_code)]
+        return unsafe { v3(avx2, rng, parts, ppp, raw, out, block_of) };
+    }
+    random_rows_body(Scalar, rng, parts, ppp, raw, out, block_of);
+}
+
+#[inline(always)]
+fn random_rows_body(
+    gen: impl Fill,
+    rng: &mut NumpyRng,
+    parts: &[PartRows],
+    ppp: usize,
+    raw: &mut [u64],
+    out: &mut [u32],
+    block_of: impl Fn(usize) -> Option<usize>,
+) {
+    rng.fill_raw_63_with(gen, raw);
+    for (p, (pr, r)) in parts.iter().zip(raw.chunks_exact(ppp)).enumerate() {
+        let Some(o) = block_of(p).and_then(|b| out.get_mut(b * ppp..(b + 1) * ppp)) else { continue };
+        for (o, &v) in o.iter_mut().zip(r) {
+            *o = pr.offset + pr.m.reduce(v >> 1) as u32;
+        }
+    }
 }
 
 /// A sharded batch sampler with its negative sampler (besskge's `ShardedBatchSampler`).
@@ -414,7 +462,8 @@ impl BatchSampler {
 
     /// Step `step`'s positions as rows of the triple table, for one batch per step, in the
     /// caller's block order: block `b < blocks` is partition `part_of(b)`'s `ppp` rows, written
-    /// to `out[b·ppp..][..ppp]`, and Rigid's mask to `mask` at the same place. A row is what
+    /// to `out[b·ppp..][..ppp]`, and Rigid's mask to `mask` at the same place; `block_of` is
+    /// the inverse (the block that takes partition `p`, `None` if none does). A row is what
     /// [`Self::sample_indices_into`] gives (the sorted triples hold the partitions in order),
     /// as `u32`; the generators advance exactly as there (partitions no block takes are drawn
     /// all the same). Returns `None`, having drawn nothing, where this does not apply (several
@@ -427,7 +476,7 @@ impl BatchSampler {
     pub(crate) fn sample_rows_into(
         &mut self,
         step: usize,
-        (blocks, part_of): (usize, impl Fn(usize) -> usize),
+        (blocks, part_of, block_of): (usize, impl Fn(usize) -> usize, impl Fn(usize) -> Option<usize>),
         out: &mut [u32],
         mask: &mut [bool],
     ) -> Option<bool> {
@@ -441,18 +490,9 @@ impl BatchSampler {
         let out = &mut out[..blocks * ppp];
         match &mut self.state {
             State::Random(rng) => {
-                // One bulk run of the generator (`integers(1 << 63)` is its output >> 1), then
-                // each block reduced by its partition's size straight into its place.
                 let raw = &mut self.raw;
                 raw.resize(p_count * ppp, 0);
-                rng.fill_raw_63(raw);
-                for (b, o) in out.chunks_exact_mut(ppp).enumerate() {
-                    let p = part_of(b);
-                    let pr = parts[p];
-                    for (o, &v) in o.iter_mut().zip(&raw[p * ppp..(p + 1) * ppp]) {
-                        *o = pr.offset + pr.m.reduce(v >> 1) as u32;
-                    }
-                }
+                random_rows(rng, parts, ppp, raw, out, block_of);
                 Some(false)
             }
             State::Rigid { shuffle: Some(sh) } => {
@@ -524,8 +564,67 @@ impl BatchSampler {
 
 #[cfg(test)]
 mod tests {
-    use super::shuffled_positions;
-    use crate::rng::NumpyRng;
+    use super::{random_rows, random_rows_body, shuffled_positions, PartRows};
+    use crate::rng::{FastMod, NumpyRng, Scalar};
+
+    /// Random's rows from either copy (and from either way of making the outputs) are the
+    /// single draws reduced by their partitions' sizes, and leave the generator where the
+    /// single draws do: block lengths below, at and above the AVX2 lanes' 8 and the bulk
+    /// fill's 32, partitions of one triple and of sizes about powers of two.
+    #[test]
+    fn random_rows_equal_single_draws() {
+        type Run<'a> = &'a dyn Fn(&mut NumpyRng, &mut [u64], &mut [u32]);
+        let sizes: Vec<u64> = [1u64, 2, 3, 7, 8, 9, 255, 256, 257, 65535, 65536, 65537, (1 << 31) - 1, 1 << 31, (1 << 31) + 1, (1 << 32) - 1].into();
+        let mut pick = NumpyRng::new(41);
+        for seed in 0..6u128 {
+            for p_count in [1usize, 2, 5, 16, 17] {
+                for ppp in [1usize, 2, 3, 4, 5, 7, 8, 9, 16, 31, 33, 64] {
+                    let parts: Vec<PartRows> = (0..p_count)
+                        .map(|p| {
+                            let count = if p % 3 == 2 { pick.next_u64() % 5000 + 1 } else { sizes[(p + seed as usize * 7) % sizes.len()] };
+                            let offset = (pick.next_u64() % ((1 << 32) - count + 1)) as u32;
+                            PartRows { m: FastMod::new(count).u63(), offset, count: count as u32 }
+                        })
+                        .collect();
+                    // The partitions in a scrambled order, all or the first two thirds (another
+                    // host's blocks are a subset).
+                    let mut order: Vec<usize> = (0..p_count).collect();
+                    for i in (1..p_count).rev() {
+                        order.swap(i, (pick.next_u64() % (i as u64 + 1)) as usize);
+                    }
+                    let blocks = if seed % 2 == 0 { p_count } else { p_count - p_count / 3 };
+                    let part_of = |b: usize| order[b];
+                    let block_of = |p: usize| order[..blocks].iter().position(|&q| q == p);
+                    let mut want_rng = NumpyRng::new(seed);
+                    let drawn: Vec<u32> = (0..p_count * ppp)
+                        .map(|i| {
+                            let pr = parts[i / ppp];
+                            pr.offset + (want_rng.integers_63() % u64::from(pr.count)) as u32
+                        })
+                        .collect();
+                    let want: Vec<u32> = (0..blocks).flat_map(|b| drawn[part_of(b) * ppp..][..ppp].iter().copied()).collect();
+                    let check = |name: &str, run: Run<'_>| {
+                        let (mut rng, mut raw, mut out) = (NumpyRng::new(seed), vec![0u64; p_count * ppp], vec![0u32; blocks * ppp]);
+                        run(&mut rng, &mut raw, &mut out);
+                        assert_eq!(out, want, "{name}: seed {seed}, {p_count} partitions, ppp {ppp}");
+                        assert_eq!(rng, want_rng, "{name}: the generator afterwards");
+                    };
+                    check("dispatch", &|rng, raw, out| random_rows(rng, &parts, ppp, raw, out, block_of));
+                    check("scalar", &|rng, raw, out| random_rows_body(Scalar, rng, &parts, ppp, raw, out, block_of));
+                    #[cfg(target_arch = "x86_64")]
+                    if let Some(avx2) = crate::rng::Avx2::new() {
+                        #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
+                        fn v3(avx2: crate::rng::Avx2, rng: &mut NumpyRng, parts: &[PartRows], ppp: usize, raw: &mut [u64], out: &mut [u32], block_of: impl Fn(usize) -> Option<usize>) {
+                            random_rows_body(avx2, rng, parts, ppp, raw, out, block_of);
+                        }
+                        // SAFETY: `Avx2::new` checked the CPU's features (`isa::v3`).
+                        #[allow(unsafe_code)]
+                        check("v3", &|rng, raw, out| unsafe { v3(avx2, rng, &parts, ppp, raw, out, block_of) });
+                    }
+                }
+            }
+        }
+    }
 
     /// Every order of four positions about equally often (24 orders, 48,000 draws: 2,000
     /// each, standard deviation about 44), each a permutation.

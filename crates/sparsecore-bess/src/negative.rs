@@ -92,6 +92,9 @@ pub struct TypeBasedNegative {
 struct ShardMods {
     counts: Vec<i64>,
     mods: Vec<FastMod>,
+    /// [`draw_mod_shard_into`]'s draws before their reduction, kept between calls (zeroed
+    /// only when it grows).
+    draws: Vec<u32>,
 }
 
 impl ShardMods {
@@ -367,9 +370,10 @@ struct Placed<'a, T, P, M> {
 /// holds draws modulo shard `x`'s size, all of one call's shard `x` drawn in a row
 /// (besskge's order; the draws are numpy-exact).
 ///
-/// Why fused: the caller's layout and id mapping are applied as the values are drawn, into
-/// its output, so the draws are written once rather than stored and read again (the stream's
-/// largest steps draw millions of negatives).
+/// Why fused: the caller's layout and id mapping are applied to the values as they are
+/// reduced, into its output, so the ids are written once rather than stored and laid out again
+/// (the stream's largest steps draw millions of negatives); only the raw draws pass through a
+/// buffer that stays in the L1 cache.
 ///
 /// Why two copies: the draws, their reduction and the mapping are most of the cost of
 /// per-triple negatives, and they vectorize twice as wide with AVX2; a copy compiled for
@@ -420,24 +424,34 @@ fn draw_mod_shard_body<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
         return Err(BessError::EmptyPartition { sampler, partition: format!("shard {a} (it holds no entities to draw negatives from)") });
     }
     let n = counts.len();
-    let mods = fast.for_counts(counts);
+    fast.for_counts(counts);
+    let ShardMods { mods, draws, .. } = fast;
     let bk = b * k;
     let row = n * bk;
-    // Short blocks are drawn a few shards' runs at a time into `run` (small enough to stay in
-    // the L1 cache) and then copied into place using shard by using shard, so that the copies
-    // of consecutive shards land next to each other in a layout that groups them (the
-    // stream's): each bulk draw sets up its generator lanes, which costs more than a few
-    // draws, and copies strided by a whole row would collide in the cache.
+    // The draws go through `draws` in runs of up to `GROUP_VALUES` (small enough to stay in
+    // the L1 cache): each bulk draw sets up its generator lanes, which costs a dozen draws or
+    // more, so one run covers many blocks, and the reduction and mapping that follow run over
+    // whole rows (a loop the compiler vectorizes).
+    // Short blocks: a few shards' rows at a time are reduced and mapped into `run` and then
+    // copied into place using shard by using shard, so that the copies of consecutive shards
+    // land next to each other in a layout that groups them (the stream's); copies strided by
+    // a whole row would collide in the cache.
     if bk < DIRECT_BLOCK {
         let group = (GROUP_VALUES / row.max(1)).max(1);
         let mut run = Vec::new();
         for c in 0..bps {
             for xs in (0..n).step_by(group) {
                 let xe = (xs + group).min(n);
-                run.resize((xe - xs) * row, T::default());
-                for (x, chunk) in (xs..xe).zip(run.chunks_exact_mut(row)) {
+                let len = (xe - xs) * row;
+                if draws.len() < len {
+                    draws.resize(len, 0);
+                }
+                let drawn = &mut draws[..len];
+                rng.fill_integers_31_with(gen, drawn, |v| v);
+                run.clear();
+                for (x, chunk) in (xs..xe).zip(drawn.chunks_exact(row)) {
                     let (map, m) = ((to.map)(x), mods[x]);
-                    rng.fill_integers_31_with(gen, chunk, |v| map(m.reduce_u31(v)));
+                    run.extend(chunk.iter().map(|&v| map(m.reduce_u31(v))));
                 }
                 for g in 0..n {
                     for x in xs..xe {
@@ -451,19 +465,27 @@ fn draw_mod_shard_body<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
         }
         return Ok(());
     }
-    let mut dropped = Vec::new();
+    // Long blocks: as many whole blocks of one shard's row as fit in a run, each reduced and
+    // mapped straight into place (a block no one takes is drawn all the same).
+    let per_run = (GROUP_VALUES / bk).max(1);
     for c in 0..bps {
         for (x, &m) in mods.iter().enumerate() {
             let map = (to.map)(x);
-            for g in 0..n {
-                let block = match (to.place)(c, x, g) {
-                    Some(at) => &mut to.out[at..at + bk],
-                    None => {
-                        dropped.resize(bk, T::default());
-                        &mut dropped[..]
+            for gs in (0..n).step_by(per_run) {
+                let ge = (gs + per_run).min(n);
+                let len = (ge - gs) * bk;
+                if draws.len() < len {
+                    draws.resize(len, 0);
+                }
+                let drawn = &mut draws[..len];
+                rng.fill_integers_31_with(gen, drawn, |v| v);
+                for (g, chunk) in (gs..ge).zip(drawn.chunks_exact(bk)) {
+                    if let Some(at) = (to.place)(c, x, g) {
+                        for (o, &v) in to.out[at..at + bk].iter_mut().zip(chunk) {
+                            *o = map(m.reduce_u31(v));
+                        }
                     }
-                };
-                rng.fill_integers_31_with(gen, block, |v| map(m.reduce_u31(v)));
+                }
             }
         }
     }
@@ -667,7 +689,7 @@ mod tests {
                 .build(&synth::uniform(1000, 5, 200, 1))
                 .unwrap();
             let counts = part.sharding.shard_counts.clone();
-            for (k, f) in [(1, 1), (3, 5), (1, 63), (1, 64), (7, 11), (1, 300), (1, 513), (5, 300), (1, 1031)] {
+            for (k, f) in [(1, 1), (3, 5), (1, 63), (1, 64), (7, 11), (1, 300), (1, 513), (5, 300), (1, 1031), (1, 5000), (3, 1667)] {
                 let mut neg = RandomNegative::new(k, &[5], Corruption::T, false, false).unwrap();
                 let mut want = NumpyRng::from_words(&[5]);
                 for bps in [1, 2] {
