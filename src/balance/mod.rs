@@ -29,7 +29,7 @@
 //! configured limit; otherwise the input order is returned. So balancing never makes a batch
 //! worse than what it was, or was pooled from, and a window that fit its limits still fits them.
 //! Unique ids are the one number per-sample counts cannot give, so distinct columns are counted
-//! per (slice, partition) with a hash set, only for the stacks where some cell's ids exceed
+//! per (slice, partition) with a bitmap or a hash set, only for the stacks where some cell's ids exceed
 //! `max_unique_ids_per_partition` and so do the stack's columns per partition (the one case in
 //! which unique ids could pass it), and before the permutation is applied, so a rejected order
 //! costs no copy. [`count_loads`] gives the same numbers for any batches; [`measure`] runs the

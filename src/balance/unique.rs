@@ -10,8 +10,8 @@ use crate::input::{features_from_record_batch, FeatureView, Ids, Offsets, Sample
 use crate::spec::{Config, Plan};
 
 /// Ids the pass may read per id of the window, counting the stacks' slices and the swap
-/// checks' samples: columns are not kept (a multiplicity map of every sample's columns made
-/// balancing several times slower), so each read walks a list again.
+/// checks' samples: columns are not kept between reads (a map of every sample's columns would
+/// outgrow the caches on large windows), so each read walks a list again.
 const READS_PER_ID: usize = 4;
 
 /// Partner slices a round counts (the least loaded in the worst cell's partition).
@@ -56,12 +56,16 @@ struct View<'a> {
 /// columns with their multiplicities, and swap a sample a of s whose columns in p are private
 /// to it (moving it out frees them) with a sample b of another slice that brings fewer new
 /// columns to p, such that no other cell of the stack reaches the old worst, no cell of another
-/// stack rises above that stack's worst known distinct cell (checked against upper bounds: a
-/// cell gains at most the ids of the sample moved in, and never holds more than its ids), and
+/// stack rises above that stack's worst known distinct cell rounded up to 8, what a tuned limit
+/// is rounded to (checked against upper bounds: a cell gains at most the ids of the sample
+/// moved in, and never holds more than its ids, nor, with checked ids, more than its stack's
+/// columns per partition), and
 /// the `max_ids` and buffer levels above hold. Only the worst slice's columns are counted
-/// exactly; cells of other slices are held to bounds, so the pass never raises any counted
-/// stack's worst. A stack that was not counted (budget, or saturated) blocks every swap
-/// touching it. Deterministic: fixed visiting orders, one thread.
+/// exactly; cells of other slices are held to bounds. Stacks that are not lowered are held
+/// too: one whose cells hold at most one id to that (its ids are its distinct columns), a
+/// saturated one (every column in nearly every cell) to its columns per partition, which it
+/// then nearly always holds already; only a stack the read budget left uncounted blocks every
+/// swap touching it. Deterministic: fixed visiting orders, one thread.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn lower(
     config: &Config,
@@ -98,6 +102,27 @@ pub(super) fn lower(
     if !candidate.contains(&true) {
         return Ok(());
     }
+    // Checked ids lie below the stack's vocabulary, split evenly over the partitions.
+    let most: Vec<u32> = plan
+        .stacks
+        .iter()
+        .map(|stack| if plan.validate_ids { stack.stack_vocab_size.div_ceil(n as u64).min(u32::MAX as u64) as u32 } else { u32::MAX })
+        .collect();
+    // How high other stacks' swaps may take a stack that is not lowered (see the docs above;
+    // 0 blocks every swap touching it), from its cells' ids before they may rise.
+    let uncounted: Vec<u32> = (0..stacks)
+        .map(|st| {
+            if candidate[st] {
+                0
+            } else if cap_ids[st] <= 1 {
+                cap_ids[st]
+            } else if most[st] < u32::MAX {
+                most[st]
+            } else {
+                0
+            }
+        })
+        .collect();
     // A stack's cells may rise to the next multiple of 8 (what a tuned limit is rounded to),
     // but never past the window's worst cell of any stack nor past the peak relative to the
     // limits that the swap pass reached (so the kept order's checks see the same levels).
@@ -144,6 +169,7 @@ pub(super) fn lower(
         known: vec![Known::Unknown; nslices * stacks],
         floor: vec![0; stacks],
         slack: vec![0; stacks],
+        most,
         reads: (total as usize).saturating_mul(READS_PER_ID),
         checks: CHECKS_PER_SAMPLE * counts.refs.len(),
         map: Multiset::default(),
@@ -169,8 +195,14 @@ pub(super) fn lower(
         pass.count_stack(st);
     }
     // Another stack's cells may rise to the next multiple of 8 above its worst (what a tuned
-    // limit is rounded to), within its configured limit.
-    pass.slack = plan.stacks.iter().zip(&pass.floor).map(|(stack, &f)| f.div_ceil(8).saturating_mul(8).min(stack.max_unique_ids_per_partition).max(f)).collect();
+    // limit is rounded to), within its configured limit. A stack that is not lowered: as the
+    // function's docs say (0 blocks every swap touching it).
+    pass.slack = (0..stacks)
+        .map(|st| {
+            let (f, stack) = (pass.floor[st], &plan.stacks[st]);
+            if candidate[st] { f.div_ceil(8).saturating_mul(8).min(stack.max_unique_ids_per_partition).max(f) } else { uncounted[st] }
+        })
+        .collect();
     for &st in &order {
         if pass.floor[st] > 0 {
             while pass.round(st) {}
@@ -296,8 +328,12 @@ struct Pass<'a, 'v> {
     /// Per stack: no cell may rise above this (its worst counted cell; 0 for a stack not
     /// counted).
     floor: Vec<u32>,
-    /// Per stack: how high another stack's swaps may take its cells (`floor` rounded up).
+    /// Per stack: how high another stack's swaps may take its cells (`floor` rounded up; see
+    /// [`lower`] for the stacks that are not lowered); 0: no swap may touch it.
     slack: Vec<u32>,
+    /// Per stack: the most distinct columns a cell can hold (its columns per partition where
+    /// ids are checked).
+    most: Vec<u32>,
     /// Ids left to read, pair checks left.
     reads: usize,
     checks: usize,
@@ -504,7 +540,7 @@ impl Pass<'_, '_> {
                         return false;
                     }
                     self.checks -= 1;
-                    if self.try_swap(st, s, ka, x, kb, top) {
+                    if self.try_swap(st, (s, p), ka, x, kb, top) {
                         return true;
                     }
                 }
@@ -522,7 +558,7 @@ impl Pass<'_, '_> {
     /// Swaps sample `ka` of s (whose columns are in `a_cols`) with `kb` of x if that brings
     /// every partition of s's target stack below `top` and every check of [`lower`] holds. The
     /// levels first (the samples' per-cell ids), b's columns only for a swap they allow.
-    fn try_swap(&mut self, st: usize, s: usize, ka: usize, x: usize, kb: usize, top: u32) -> bool {
+    fn try_swap(&mut self, st: usize, (s, p): (usize, usize), ka: usize, x: usize, kb: usize, top: u32) -> bool {
         let (a, b) = (self.members[s][ka], self.members[x][kb]);
         let counts = self.counts;
         self.marked.clear();
@@ -540,7 +576,7 @@ impl Pass<'_, '_> {
             }
             self.b_ids[c] += k;
         }
-        let ok = self.levels_fit(st, s, x, top) && self.target_fits(st, s, b, top);
+        let ok = self.levels_fit(st, s, x, top) && self.target_fits(st, (s, p), b, top);
         if ok {
             self.commit(st, s, ka, x, kb);
         }
@@ -563,13 +599,15 @@ impl Pass<'_, '_> {
     /// cell's slice, after swapping the samples whose ids `a_ids` and `b_ids` hold.
     fn levels_fit(&mut self, st: usize, s: usize, x: usize, top: u32) -> bool {
         let (n, cells, stacks) = (self.n, self.cells, self.stacks);
-        // A cell gains at most the ids of the sample moved in, and never holds more than its ids.
-        let bound = |known: Known, distinct: u32, gain: u32, ids: u32| match known {
-            Known::Unknown => ids,
-            _ => (distinct + gain).min(ids),
-        };
+        // A cell gains at most the ids of the sample moved in, and never holds more than its ids
+        // or its stack's columns per partition.
         for &c in &self.marked {
             let stack = c / n;
+            let most = self.most[stack];
+            let bound = |known: Known, distinct: u32, gain: u32, ids: u32| match known {
+                Known::Unknown => ids.min(most),
+                _ => (distinct + gain).min(ids).min(most),
+            };
             let (a_k, b_k) = (self.a_ids[c], self.b_ids[c]);
             let (ls, lx) = (self.load[s * cells + c] + b_k, self.load[x * cells + c] + a_k);
             let (Some(ls), Some(lx)) = (ls.checked_sub(a_k), lx.checked_sub(b_k)) else { return false };
@@ -581,13 +619,13 @@ impl Pass<'_, '_> {
             if stack == st {
                 // The target stack's other slice must stay below the old worst.
                 if bx >= top {
-                        return false;
+                    return false;
                 }
             } else {
                 let bs = bound(self.known[s * stacks + stack], self.distinct[s * cells + c], b_k, ls);
-                let floor = self.floor[stack];
-                if bs > floor || bx > floor {
-                        return false;
+                let held = self.slack[stack];
+                if bs > held || bx > held {
+                    return false;
                 }
             }
             let (old_s, old_x) = (self.load[s * cells + c] as i64, self.load[x * cells + c] as i64);
@@ -603,9 +641,10 @@ impl Pass<'_, '_> {
         })
     }
 
-    /// The target stack in s, exactly: every partition below `top` once a's private columns
-    /// leave and b's new ones come in (b's columns into `b_cols`, for the map).
-    fn target_fits(&mut self, st: usize, s: usize, b: usize, top: u32) -> bool {
+    /// The target stack in s, exactly: partition p below `top` once a's private columns leave
+    /// and b's new ones come in, every other partition below it or not rising (cells tied at
+    /// the worst are lowered one round at a time); b's columns into `b_cols`, for the map.
+    fn target_fits(&mut self, st: usize, (s, p): (usize, usize), b: usize, top: u32) -> bool {
         let (n, cells) = (self.n, self.cells);
         let row = s * cells + st * n;
         self.cols.clear();
@@ -626,7 +665,10 @@ impl Pass<'_, '_> {
                 self.change[(c & mask) as usize] += 1;
             }
         }
-        (0..n).all(|q| self.distinct[row + q] as i64 + self.change[q] < top as i64)
+        (0..n).all(|q| {
+            let new = self.distinct[row + q] as i64 + self.change[q];
+            new < top as i64 || (q != p && self.change[q] <= 0)
+        })
     }
 
     /// Applies an accepted swap: loads, buffers, distinct columns (exact in s's target stack,
@@ -640,11 +682,11 @@ impl Pass<'_, '_> {
             self.load[x * cells + c] = self.load[x * cells + c] + a_k - b_k;
             let stack = c / n;
             if stack != st && self.known[s * stacks + stack] != Known::Unknown {
-                self.distinct[s * cells + c] = (self.distinct[s * cells + c] + b_k).min(self.load[s * cells + c]);
+                self.distinct[s * cells + c] = (self.distinct[s * cells + c] + b_k).min(self.load[s * cells + c]).min(self.most[stack]);
                 self.known[s * stacks + stack] = Known::Bound;
             }
             if self.known[x * stacks + stack] != Known::Unknown {
-                self.distinct[x * cells + c] = (self.distinct[x * cells + c] + a_k).min(self.load[x * cells + c]);
+                self.distinct[x * cells + c] = (self.distinct[x * cells + c] + a_k).min(self.load[x * cells + c]).min(self.most[stack]);
                 self.known[x * stacks + stack] = Known::Bound;
             }
         }

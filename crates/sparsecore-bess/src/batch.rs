@@ -488,6 +488,9 @@ impl BatchSampler {
         let (len, steps) = (self.len, self.steps_per_epoch());
         let parts = &self.rows;
         let out = &mut out[..blocks * ppp];
+        // Random writes only the blocks `block_of` names: a wrong inverse would leave the
+        // previous step's rows in place instead of failing.
+        debug_assert!((0..blocks).all(|b| block_of(part_of(b)) == Some(b)));
         match &mut self.state {
             State::Random(rng) => {
                 let raw = &mut self.raw;

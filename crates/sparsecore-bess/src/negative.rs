@@ -350,10 +350,12 @@ fn dims(part: &PartitionedTriples, sample_idx: &ArrayD<i64>) -> Result<Dims> {
     Ok(Dims { bps: sh[0], n, f: sh[2..].iter().product(), q: sh[want - 1] })
 }
 
-/// The shortest block [`draw_mod_shard_into`] draws straight into place.
+/// The shortest block [`draw_mod_shard_into`] reduces and maps straight into place; shorter
+/// ones go through a few shards' rows at a time and are then copied into place.
 const DIRECT_BLOCK: usize = 64;
 
-/// Values [`draw_mod_shard_into`] draws at a time for short blocks (32 KiB of `i64`).
+/// Values [`draw_mod_shard_into`] draws per run (16 KiB of `u32`, in the L1 cache); a block
+/// longer than that is a run of its own.
 const GROUP_VALUES: usize = 4096;
 
 /// Where [`draw_mod_shard_into`] writes its draws, and as what.
@@ -373,7 +375,7 @@ struct Placed<'a, T, P, M> {
 /// Why fused: the caller's layout and id mapping are applied to the values as they are
 /// reduced, into its output, so the ids are written once rather than stored and laid out again
 /// (the stream's largest steps draw millions of negatives); only the raw draws pass through a
-/// buffer that stays in the L1 cache.
+/// buffer, which stays in the L1 cache unless one block is longer than [`GROUP_VALUES`].
 ///
 /// Why two copies: the draws, their reduction and the mapping are most of the cost of
 /// per-triple negatives, and they vectorize twice as wide with AVX2; a copy compiled for
@@ -429,7 +431,7 @@ fn draw_mod_shard_body<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
     let bk = b * k;
     let row = n * bk;
     // The draws go through `draws` in runs of up to `GROUP_VALUES` (small enough to stay in
-    // the L1 cache): each bulk draw sets up its generator lanes, which costs a dozen draws or
+    // the L1 cache; a longer block is a run of its own): each bulk draw sets up its generator lanes, which costs a dozen draws or
     // more, so one run covers many blocks, and the reduction and mapping that follow run over
     // whole rows (a loop the compiler vectorizes).
     // Short blocks: a few shards' rows at a time are reduced and mapped into `run` and then

@@ -120,8 +120,8 @@ impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Balancing<I> {
     }
 
     /// Also runs the pipeline's statistics on every window before and after (for the
-    /// `balance` command's report, which shows `max_unique_ids`; balancing itself does not
-    /// count them).
+    /// `balance` command's report, which shows `max_unique_ids`; balancing's own report
+    /// does not carry them).
     pub fn measuring(mut self) -> Self {
         self.measuring = true;
         self

@@ -434,12 +434,12 @@ impl Parts<'_> {
         let (shift, mask) = (n.trailing_zeros(), n - 1);
         let part_of = |b: usize| {
             let i = b & mask;
-            (i << shift) | ((i + first + (b >> shift) + step) & mask)
+            (i << shift) | (i.wrapping_add(first).wrapping_add(b >> shift).wrapping_add(step) & mask)
         };
         // Partition (i, j) goes to slot (j − i − first − step) mod n, if this host has it.
         let block_of = |p: usize| {
             let (i, j) = (p >> shift, p & mask);
-            let slot = j.wrapping_sub(i + first + step) & mask;
+            let slot = j.wrapping_sub(i.wrapping_add(first).wrapping_add(step)) & mask;
             (slot < local).then_some((slot << shift) | i)
         };
         let Some(rigid) = sampler.sample_rows_into(step, (local * n, part_of, block_of), row_at, row_mask) else { return Ok(None) };
