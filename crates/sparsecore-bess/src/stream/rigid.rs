@@ -701,8 +701,9 @@ mod tests {
     /// sequence across epochs (the last step of each included), backwards, repeated and
     /// jumping, on one host and on later hosts of two and four, for blocks of a fixed size (1,
     /// 2, 4, 8 rows) and of any other (3, 16, 40, longer than some partitions), with rows of
-    /// 32, 64 and 96 bits, on a skewed graph (partitions of 1 to a few hundred triples, most
-    /// blocks padding) and a uniform one.
+    /// 32, 64 and 96 bits, on a skewed graph (partitions of 4 to a few hundred triples, most
+    /// blocks padding), a uniform one (partitions of 2 or more) and one whose pairs hold 1 to 5
+    /// triples but one of 60.
     #[test]
     fn run_copy_matches_the_windows_in_any_step_order() {
         for (l, g, s, host) in [(1, 1, 4, 0), (1, 2, 2, 1), (2, 2, 4, 0), (1, 4, 4, 2), (1, 4, 4, 3)] {
@@ -713,8 +714,22 @@ mod tests {
                 16 => [("power law", synth::power_law(1000, 4, 12000, 1.0, 5), 1000), ("uniform", synth::uniform(600, 3, 2000, 7), 600)],
                 _ => [("power law", synth::power_law(300, 4, 3000, 1.0, 5), 300), ("uniform", synth::uniform(200, 3, 400, 7), 200)],
             };
-            for (graph, triples, n_entity) in graphs {
+            let tiny = ("tiny pairs", crate::Triples::default(), 20 * n);
+            for (graph, triples, n_entity) in graphs.into_iter().chain([tiny]) {
                 let sharding = Arc::new(Sharding::create(n_entity, n, &[9], None).unwrap());
+                // Pair (i, j) holds 1 + (i + 2j) mod 5 triples (every pair 1 to 5, one pair 60).
+                let triples = if triples.head.is_empty() {
+                    let shard_of = &sharding.entity_to_shard;
+                    let of = move |x: usize| (0..n_entity as i64).filter(move |&e| shard_of[e as usize] == x as i64);
+                    let mut rows = vec![];
+                    for (i, j) in (0..n).flat_map(|i| (0..n).map(move |j| (i, j))) {
+                        let k = if (i, j) == (1, 0) { 60 } else { 1 + (i + 2 * j) % 5 };
+                        rows.extend(of(i).zip(of(j).cycle()).cycle().take(k).enumerate().map(|(q, (h, t))| [h, (q % 3) as i64, t]));
+                    }
+                    crate::Triples::from_rows(&rows)
+                } else {
+                    triples
+                };
                 let part = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair).build(&triples).unwrap();
                 assert!(part.triple_counts.iter().all(|&c| c > 0), "{graph}: an empty partition");
                 let max = *part.triple_counts.iter().max().unwrap() as usize;
