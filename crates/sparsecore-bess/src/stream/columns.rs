@@ -251,7 +251,6 @@ fn decode_placed_body<R: Row>(
     (first, step): (usize, usize),
     (head, tail, relation): (&mut [i64], &mut [i64], &mut [i32]),
 ) {
-    let t = n * ppp;
     let len = head.len().min(at.len().saturating_sub(AHEAD));
     let read: Vec<R> = at[..len]
         .iter()
@@ -263,6 +262,54 @@ fn decode_placed_body<R: Row>(
             rows[k as usize]
         })
         .collect();
+    decode_slots_body(&read, decode, shard_ids, (n, ppp, r), (first, step), (head, tail, relation));
+}
+
+/// Decodes `read`, a host's rows of the triple table in the columns' row order (`T = n·ppp`
+/// per slot, block `i` of slot `s` from partition (i, (first + s + i + step) mod n)), into
+/// the columns (`T` rows per slot of `head` and `tail`, the first `T` of each slot's `R` in
+/// `relation`).
+///
+/// Why two copies: as [`decode_placed`]'s, for Rigid's run copy, which gathers its blocks
+/// itself.
+pub(super) fn decode_slots<R: Row>(
+    read: &[R],
+    decode: Decode,
+    shard_ids: &[i64],
+    geometry: (usize, usize, usize),
+    place: (usize, usize),
+    columns: (&mut [i64], &mut [i64], &mut [i32]),
+) {
+    #[cfg(target_arch = "x86_64")]
+    if sparsecore_prep::isa::v3() {
+        #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
+        fn v3<R: Row>(
+            read: &[R],
+            decode: Decode,
+            shard_ids: &[i64],
+            geometry: (usize, usize, usize),
+            place: (usize, usize),
+            columns: (&mut [i64], &mut [i64], &mut [i32]),
+        ) {
+            decode_slots_body(read, decode, shard_ids, geometry, place, columns);
+        }
+        // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
+        #[allow(unsafe_code)]
+        return unsafe { v3(read, decode, shard_ids, geometry, place, columns) };
+    }
+    decode_slots_body(read, decode, shard_ids, geometry, place, columns);
+}
+
+#[inline(always)]
+fn decode_slots_body<R: Row>(
+    read: &[R],
+    decode: Decode,
+    shard_ids: &[i64],
+    (n, ppp, r): (usize, usize, usize),
+    (first, step): (usize, usize),
+    (head, tail, relation): (&mut [i64], &mut [i64], &mut [i32]),
+) {
+    let t = n * ppp;
     // Each position's first physical ids: a slot's blocks take the head shards in order, and
     // the tail shards in order from shard (g + step) mod n on, so one pattern of the head
     // shards serves every slot, and a window of the tail shards' pattern repeated twice.

@@ -5,10 +5,12 @@
 //! of the triple table (stored in partition order) and their mask is a prefix. Either every
 //! step's columns are laid out once per stream in the host's row order ([`RigidSlices`], then a
 //! step only slices reference-counted Arrow buffers), or, when that table would be too large,
-//! each block is copied as one or a few contiguous runs of the triple table.
+//! each block is copied as one or a few contiguous runs of the packed triple table, and the
+//! step's rows are then decoded slot by slot.
 
 use arrow_buffer::{BooleanBuffer, Buffer, ScalarBuffer};
 
+use super::columns::decode_slots;
 use super::table::{with_rows, Decode, Row, Table};
 use crate::layout::SparseCoreLayout;
 use crate::partition::PartitionedTriples;
@@ -82,6 +84,32 @@ pub(super) struct Cursor {
     at: Vec<u32>,
     /// Per partition, the window's block (see [`RunColumns::seek`]).
     start: Vec<u64>,
+    /// The step's rows of the triple table in the columns' row order, before they are decoded
+    /// (one buffer per row type, see [`Staged`]).
+    staged: (Vec<u32>, Vec<u64>, Vec<[u32; 3]>),
+}
+
+/// A row type whose staging buffer a [`Cursor`] keeps between steps.
+trait Staged: Row + Default {
+    fn staged(cur: &mut Cursor) -> &mut Vec<Self>;
+}
+
+impl Staged for u32 {
+    fn staged(cur: &mut Cursor) -> &mut Vec<Self> {
+        &mut cur.staged.0
+    }
+}
+
+impl Staged for u64 {
+    fn staged(cur: &mut Cursor) -> &mut Vec<Self> {
+        &mut cur.staged.1
+    }
+}
+
+impl Staged for [u32; 3] {
+    fn staged(cur: &mut Cursor) -> &mut Vec<Self> {
+        &mut cur.staged.2
+    }
 }
 
 /// In a [`Cursor::start`]: the window's rows wrap around the partition's end.
@@ -104,43 +132,82 @@ impl RunColumns {
         })
     }
 
-    /// Moves `cur` to the window that starts at position `first` and returns, per partition,
-    /// the window's block: its first row in the table (bits 0..31), [`WRAPS`] if its rows wrap
-    /// around the partition's end, and above bit 32 how many of them are real triples.
-    fn seek<'a>(&self, cur: &'a mut Cursor, first: usize, ppp: usize) -> &'a [u64] {
+    /// Moves `cur` to the window that starts at position `first` and sets in `cur.start`, per
+    /// partition, the window's block: its first row in the table (bits 0..31), [`WRAPS`] if
+    /// its rows wrap around the partition's end, and above bit 32 how many of them are real
+    /// triples.
+    fn seek(&self, cur: &mut Cursor, first: usize, ppp: usize) {
         let parts = self.count.len();
         if cur.at.len() != parts {
             cur.at.clear();
             cur.at.resize(parts, 0);
             cur.first = None;
         }
-        match cur.first {
-            Some(f) if f == first => {}
-            _ if first == 0 => cur.at.fill(0),
-            Some(f) if f.checked_add(ppp) == Some(first) => {
-                // Below 2^32: both terms are below `count < 2^31`. The minimum is the
-                // difference when it does not wrap.
-                for ((x, &a), &c) in cur.at.iter_mut().zip(&self.advance).zip(&self.count) {
-                    let y = *x + a;
-                    *x = y.min(y.wrapping_sub(c));
-                }
+        let next = match cur.first {
+            Some(f) if f == first => false,
+            _ if first == 0 => {
+                cur.at.fill(0);
+                false
             }
+            Some(f) if f.checked_add(ppp) == Some(first) => true,
             _ => {
                 for ((x, m), &c) in cur.at.iter_mut().zip(&self.count_mod).zip(&self.count) {
                     *x = if first < c as usize { first as u32 } else { m.reduce(first as u64) as u32 };
                 }
+                false
             }
-        }
+        };
         cur.first = Some(first);
         cur.start.resize(parts, 0);
         // In 32-bit lanes (every count is below 2^31, so is `ppp`, and `first` saturates).
         let (ppp, first) = (ppp.min(ROW as usize) as u32, first.min(u32::MAX as usize) as u32);
-        for (((s, &x), &o), &c) in cur.start.iter_mut().zip(&cur.at).zip(&self.offset).zip(&self.count) {
-            let row = (o + x) | (u32::from(c - x < ppp) << 31);
-            let valid = c.saturating_sub(first).min(ppp);
-            *s = u64::from(row) | (u64::from(valid) << 32);
+        block_words(&mut cur.at, &mut cur.start, next.then_some(&self.advance[..]), (&self.offset, &self.count), ppp, first);
+    }
+}
+
+/// Moves the cursors `at` by `advance` (the window after theirs), if given, and writes each
+/// partition's block word to `start` (see [`RunColumns::seek`]) for the window at `first`.
+///
+/// Why two copies: these are a few operations per partition on 32-bit lanes, unsigned
+/// minimums and comparisons that SSE2 lacks (it emulates them with sign flips) and AVX2 has,
+/// eight lanes wide; a copy compiled for x86-64-v3 runs when the CPU has it
+/// ([`sparsecore_prep::isa::v3`]). Both copies compute the same words.
+fn block_words(at: &mut [u32], start: &mut [u64], advance: Option<&[u32]>, parts: (&[u32], &[u32]), ppp: u32, first: u32) {
+    #[cfg(target_arch = "x86_64")]
+    if sparsecore_prep::isa::v3() {
+        #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
+        fn v3(at: &mut [u32], start: &mut [u64], advance: Option<&[u32]>, parts: (&[u32], &[u32]), ppp: u32, first: u32) {
+            block_words_body(at, start, advance, parts, ppp, first);
         }
-        &cur.start
+        // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
+        #[allow(unsafe_code)]
+        return unsafe { v3(at, start, advance, parts, ppp, first) };
+    }
+    block_words_body(at, start, advance, parts, ppp, first);
+}
+
+#[inline(always)]
+fn block_words_body(at: &mut [u32], start: &mut [u64], advance: Option<&[u32]>, (offset, count): (&[u32], &[u32]), ppp: u32, first: u32) {
+    // Counts and cursors are below 2^31, so are the sums.
+    let word = |x: u32, o: u32, c: u32| {
+        let row = (o + x) | (u32::from(c - x < ppp) << 31);
+        let valid = c.saturating_sub(first).min(ppp);
+        u64::from(row) | (u64::from(valid) << 32)
+    };
+    match advance {
+        // The minimum is the difference when it does not wrap.
+        Some(adv) => {
+            for ((((s, x), &a), &o), &c) in start.iter_mut().zip(at.iter_mut()).zip(adv).zip(offset).zip(count) {
+                let y = *x + a;
+                *x = y.min(y.wrapping_sub(c));
+                *s = word(*x, o, c);
+            }
+        }
+        None => {
+            for (((s, &x), &o), &c) in start.iter_mut().zip(at.iter()).zip(offset).zip(count) {
+                *s = word(x, o, c);
+            }
+        }
     }
 }
 
@@ -209,16 +276,116 @@ fn set_bits(words: &mut [u64], at: usize, len: usize) {
     }
 }
 
-/// Decodes the rows `run` into `h`, `tl` and `rel` (all as long: checked once, so the loop
-/// has no other check and vectorizes).
-#[inline(always)]
-fn decode_run<R: Row>(run: &[R], decode: Decode, offs: (i64, i64), h: &mut [i64], tl: &mut [i64], rel: &mut [i32]) {
-    let len = h.len();
-    if run.len() != len || tl.len() != len || rel.len() != len {
+/// Where a host's blocks of a step go: `local` slots of `n` blocks of `ppp` rows (`t = n·ppp`
+/// per slot), the host's first SparseCore `first_sc`.
+#[derive(Debug, Clone, Copy)]
+struct Blocks {
+    n: usize,
+    local: usize,
+    first_sc: usize,
+    step: usize,
+    t: usize,
+    ppp: usize,
+}
+
+/// Copies every block of the host, whose windows `start` gives (see [`RunColumns::seek`]),
+/// from the table `phys` into `staged` in the columns' row order (block `i` of slot `s` from
+/// partition `(i, (first_sc + s + i + step) mod n)`, `T` rows per slot), and sets its real
+/// triples in `mask`. `wraps` are the partitions' offsets and counts, for the blocks that wrap
+/// around their partition's end. `P` is `ppp` when it is known at compile time, else 0.
+///
+/// Why head shard by head shard, and in each the slots in order: the host's blocks of head
+/// shard `i` are the partitions `(i, j)` from `j = first_sc + i + step` (mod n) on, so a
+/// block's word is read at a running index, its staged rows are `T` further on than the
+/// previous block's, and the host's `local` blocks are the first `local` slots: no
+/// partition's slot to compute or check. The next head shard's blocks are prefetched before
+/// a head shard's are copied (a slot's worth of rows ahead).
+#[inline(never)]
+fn stage_blocks<R: Row, const P: usize>(start: &[u64], (offset, count): (&[u32], &[u32]), phys: &[R], bl: Blocks, staged: &mut [R], mut mask: Option<&mut [u64]>) {
+    let ppp = if P == 0 { bl.ppp } else { P };
+    let (n, t) = (bl.n, bl.t);
+    if ppp == 0 || n == 0 || t != n * ppp || start.len() != n * n {
         return;
     }
-    for q in 0..len {
-        (h[q], rel[q], tl[q]) = decode.row(run[q], offs);
+    // N is a power of two: no divisions.
+    let mask_n = n - 1;
+    let per_line = (64 / std::mem::size_of::<R>()).max(1);
+    let prefetch = |s: u64| {
+        let s = (s & ROW) as usize;
+        if ppp > per_line {
+            for q in (0..ppp).step_by(per_line) {
+                if let Some(x) = phys.get(s + q) {
+                    x.prefetch();
+                }
+            }
+        } else if let Some(x) = phys.get(s) {
+            x.prefetch();
+        }
+        if let Some(x) = phys.get(s + ppp - 1) {
+            x.prefetch();
+        }
+    };
+    let (base, local) = (bl.first_sc.wrapping_add(bl.step), bl.local.min(n));
+    // The words of head shard `i`'s blocks, slot by slot.
+    let blocks = |i: usize| {
+        let words = start.get(i * n..(i + 1) * n).unwrap_or_default();
+        let first = base.wrapping_add(i);
+        (0..local).filter_map(move |slot| words.get(slot.wrapping_add(first) & mask_n).copied())
+    };
+    blocks(0).for_each(prefetch);
+    for (i, words) in start.chunks_exact(n).enumerate() {
+        blocks(i + 1).for_each(prefetch);
+        let first = base.wrapping_add(i);
+        let at = i * ppp;
+        for (slot, rows) in staged.chunks_exact_mut(t).enumerate() {
+            let j = slot.wrapping_add(first) & mask_n;
+            let (Some(&s), Some(to)) = (words.get(j), rows.get_mut(at..at + ppp)) else { continue };
+            if let Some(m) = mask.as_deref_mut() {
+                let valid = (s >> 32) as usize;
+                if valid != 0 {
+                    set_bits(m, slot * t + at, valid);
+                }
+            }
+            // Most blocks are one run of the table.
+            if s & WRAPS == 0 {
+                let s = (s & ROW) as usize;
+                if let Some(run) = phys.get(s..s + ppp) {
+                    match (<&mut [R; P]>::try_from(&mut *to), <&[R; P]>::try_from(run)) {
+                        (Ok(to), Ok(run)) if P != 0 => *to = *run,
+                        _ => copy_rows(to, run),
+                    }
+                }
+                continue;
+            }
+            let p = i * n + j;
+            let (Some(&o), Some(&c)) = (offset.get(p), count.get(p)) else { continue };
+            let (o, c) = (o as usize, c as usize);
+            let Some(rows) = phys.get(o..o + c) else { continue };
+            let mut x = ((s & ROW) as usize).saturating_sub(o);
+            for v in to {
+                if let Some(&row) = rows.get(x) {
+                    *v = row;
+                }
+                x += 1;
+                if x == c {
+                    x = 0;
+                }
+            }
+        }
+    }
+}
+
+/// Copies `src` to `dst` (as long): in fixed chunks of four rows, which compile to a move or
+/// two each (a block of 4 packed rows is one 16-byte move), where `copy_from_slice` of a few
+/// rows calls `memcpy`.
+#[inline(always)]
+fn copy_rows<R: Copy>(dst: &mut [R], src: &[R]) {
+    let ((d4, dr), (s4, sr)) = (dst.as_chunks_mut::<4>(), src.as_chunks::<4>());
+    for (d, s) in d4.iter_mut().zip(s4) {
+        *d = *s;
+    }
+    for (d, s) in dr.iter_mut().zip(sr) {
+        *d = *s;
     }
 }
 
@@ -274,11 +441,11 @@ impl Rigid {
         padded: bool,
     ) -> Option<BooleanBuffer> {
         if let Some(cols) = &self.columns {
-            let start = cols.seek(cursor, self.first(step), self.ppp);
+            cols.seek(cursor, self.first(step), self.ppp);
             let bits = lay.local_sparsecores() * t;
             let mut words = vec![0u64; if padded { bits.div_ceil(64) } else { 0 }];
             let mask = padded.then_some(&mut words[..]);
-            with_rows!(table, phys => self.copy_columns(cols, start, phys, table.decode, &table.shard_ids, lay, step, (t, r), head, tail, relation, mask));
+            with_rows!(table, phys => self.copy_columns(cols, cursor, phys, table.decode, &table.shard_ids, lay, step, (t, r), head, tail, relation, mask));
             // Arrow's bit `k` is bit `k mod 8` of byte `k / 8`: the words' bits in
             // little-endian order.
             words.iter_mut().for_each(|w| *w = w.to_le());
@@ -290,15 +457,22 @@ impl Rigid {
         }
     }
 
-    /// [`Self::copy_step`] from the [`RunColumns`], with the windows' blocks `start` (see
-    /// [`RunColumns::seek`]): block `i` of slot `s` from partition `(i, (first + s + i + step)
-    /// mod n)`, its `ppp` rows from its start on, cyclically; its real triples set in `mask`
-    /// (`T` bits per slot), if given.
+    /// [`Self::copy_step`] from the [`RunColumns`], with the windows' blocks in `cur.start`
+    /// (see [`RunColumns::seek`]): block `i` of slot `s` from partition `(i, (first + s + i +
+    /// step) mod n)`, its `ppp` rows from its start on, cyclically; its real triples set in
+    /// `mask` (`T` bits per slot), if given.
+    ///
+    /// Why two passes: each block's rows are first copied, still packed, into a staging buffer
+    /// in the columns' row order (a few moves a block, and a loop with little else in it, so
+    /// that the rows prefetched well ahead arrive in time), and then one pass over whole slots
+    /// decodes them into the columns, vectorized ([`decode_slots`]). Decoding block by block
+    /// cost as much per block as the rows themselves (the shards' offsets set up per block, a
+    /// loop too short to vectorize).
     #[allow(clippy::too_many_arguments)]
-    fn copy_columns<R: Row>(
+    fn copy_columns<R: Staged>(
         &self,
         cols: &RunColumns,
-        start: &[u64],
+        cur: &mut Cursor,
         phys: &[R],
         decode: Decode,
         shard_ids: &[i64],
@@ -308,86 +482,24 @@ impl Rigid {
         head: &mut [i64],
         tail: &mut [i64],
         relation: &mut [i32],
-        mut mask: Option<&mut [u64]>,
+        mask: Option<&mut [u64]>,
     ) {
         let (n, ppp) = (lay.num_sparsecores(), self.ppp);
-        let first_sc = lay.global_sparsecore(0);
-        // N is a power of two: no divisions.
-        let (shift, mask_n) = (n.trailing_zeros(), n - 1);
-        let per_line = (64 / std::mem::size_of::<R>()).max(1);
-        let prefetch = |s: u64| {
-            let s = (s & ROW) as usize;
-            if ppp > per_line {
-                for q in (0..ppp).step_by(per_line) {
-                    if let Some(x) = phys.get(s + q) {
-                        x.prefetch();
-                    }
-                }
-            } else if let Some(x) = phys.get(s) {
-                x.prefetch();
-            }
-            if let Some(x) = phys.get(s + ppp - 1) {
-                x.prefetch();
-            }
-        };
-        let ahead = (PREFETCH_ROWS / ppp).max(1);
-        let local = lay.local_sparsecores();
-        // Partition (i, j) is block i of slot (j − g0 − step − i) mod n, g0 the host's first
-        // SparseCore: this host's if below `local` (every one with a single host; with
-        // several, the others' are skipped and not prefetched).
-        let slot_of = |p: usize| (p & mask_n).wrapping_sub(first_sc + step + (p >> shift)) & mask_n;
-        let all_local = local == n;
-        let gap = r - t;
-        start.iter().enumerate().take(ahead).filter(|&(p, _)| all_local || slot_of(p) < local).for_each(|(_, &s)| prefetch(s));
-        // In partition order: the words are read front to back (and the one `ahead` further
-        // on, to prefetch its rows), the table's rows in increasing order, and the blocks
-        // written to n places at a time.
-        for (i, (words, &hoff)) in start.chunks_exact(n).zip(shard_ids).enumerate() {
-            for (j, (&s, &toff)) in words.iter().zip(shard_ids).enumerate() {
-                let p = (i << shift) | j;
-                if let Some(&a) = start.get(p + ahead) {
-                    if all_local || slot_of(p + ahead) < local {
-                        prefetch(a);
-                    }
-                }
-                let slot = slot_of(p);
-                if slot >= local {
-                    continue;
-                }
-                // Slot `s`'s block `i`: rows `s·T + i·ppp ..` of `head`, `tail` and the mask,
-                // `s·R + i·ppp ..` of `relation`.
-                let dst = slot * t + i * ppp;
-                let rdst = dst + slot * gap;
-                let (Some(h), Some(tl), Some(rel)) = (head.get_mut(dst..dst + ppp), tail.get_mut(dst..dst + ppp), relation.get_mut(rdst..rdst + ppp)) else {
-                    continue;
-                };
-                let offs = (hoff, toff);
-                if let Some(m) = mask.as_deref_mut() {
-                    set_bits(m, dst, (s >> 32) as usize);
-                }
-                // Most blocks are one run of the table.
-                if s & WRAPS == 0 {
-                    let s = (s & ROW) as usize;
-                    if let Some(run) = phys.get(s..s + ppp) {
-                        decode_run(run, decode, offs, h, tl, rel);
-                    }
-                    continue;
-                }
-                let (Some(&o), Some(&c)) = (cols.offset.get(p), cols.count.get(p)) else { continue };
-                let (o, c) = (o as usize, c as usize);
-                let Some(rows) = phys.get(o..o + c) else { continue };
-                let mut x = ((s & ROW) as usize).saturating_sub(o);
-                for ((hv, tv), rv) in h.iter_mut().zip(tl.iter_mut()).zip(rel.iter_mut()) {
-                    if let Some(&row) = rows.get(x) {
-                        (*hv, *rv, *tv) = decode.row(row, offs);
-                    }
-                    x += 1;
-                    if x == c {
-                        x = 0;
-                    }
-                }
-            }
+        let (local, first_sc) = (lay.local_sparsecores(), lay.global_sparsecore(0));
+        let mut staged = std::mem::take(R::staged(cur));
+        staged.resize(local * t, R::default());
+        let blocks = Blocks { n, local, first_sc, step, t, ppp };
+        let (start, wraps) = (&cur.start[..], (&cols.offset[..], &cols.count[..]));
+        // A block's rows in fixed-size moves where its size is a small power of two.
+        match ppp {
+            1 => stage_blocks::<R, 1>(start, wraps, phys, blocks, &mut staged, mask),
+            2 => stage_blocks::<R, 2>(start, wraps, phys, blocks, &mut staged, mask),
+            4 => stage_blocks::<R, 4>(start, wraps, phys, blocks, &mut staged, mask),
+            8 => stage_blocks::<R, 8>(start, wraps, phys, blocks, &mut staged, mask),
+            _ => stage_blocks::<R, 0>(start, wraps, phys, blocks, &mut staged, mask),
         }
+        decode_slots(&staged, decode, shard_ids, (n, ppp, r), (first_sc, step), (head, tail, relation));
+        *R::staged(cur) = staged;
     }
 
     /// [`Self::copy_step`] through the [`Run`]s.
@@ -586,20 +698,43 @@ mod tests {
     }
 
     /// The run copy, with its cursors and through the [`Run`]s, against the definition, in
-    /// sequence across epochs, backwards, repeated and jumping, on one host and the second of
-    /// two, with blocks longer than some partitions.
+    /// sequence across epochs (the last step of each included), backwards, repeated and
+    /// jumping, on one host and on later hosts of two and four, for blocks of a fixed size (1,
+    /// 2, 4, 8 rows) and of any other (3, 16, 40, longer than some partitions), with rows of
+    /// 32, 64 and 96 bits, on a skewed graph (partitions of 4 to a few hundred triples, most
+    /// blocks padding), a uniform one (partitions of 2 or more) and one whose pairs hold 1 to 5
+    /// triples but one of 60.
     #[test]
     fn run_copy_matches_the_windows_in_any_step_order() {
-        for (graph, triples, n_entity) in [("power law", synth::power_law(300, 4, 3000, 1.0, 5), 300), ("uniform", synth::uniform(200, 3, 400, 7), 200)] {
-            for (l, g, s, host) in [(1, 1, 4, 0), (1, 2, 2, 1), (2, 2, 4, 0)] {
-                let lay = SparseCoreLayout::new(l, g, s, host).unwrap();
-                let n = lay.num_sparsecores();
+        for (l, g, s, host) in [(1, 1, 4, 0), (1, 2, 2, 1), (2, 2, 4, 0), (1, 4, 4, 2), (1, 4, 4, 3)] {
+            let lay = SparseCoreLayout::new(l, g, s, host).unwrap();
+            let n = lay.num_sparsecores();
+            // Every shard pair non-empty.
+            let graphs = match n {
+                16 => [("power law", synth::power_law(1000, 4, 12000, 1.0, 5), 1000), ("uniform", synth::uniform(600, 3, 2000, 7), 600)],
+                _ => [("power law", synth::power_law(300, 4, 3000, 1.0, 5), 300), ("uniform", synth::uniform(200, 3, 400, 7), 200)],
+            };
+            let tiny = ("tiny pairs", crate::Triples::default(), 20 * n);
+            for (graph, triples, n_entity) in graphs.into_iter().chain([tiny]) {
                 let sharding = Arc::new(Sharding::create(n_entity, n, &[9], None).unwrap());
+                // Pair (i, j) holds 1 + (i + 2j) mod 5 triples (every pair 1 to 5, one pair 60).
+                let triples = if triples.head.is_empty() {
+                    let shard_of = &sharding.entity_to_shard;
+                    let of = move |x: usize| (0..n_entity as i64).filter(move |&e| shard_of[e as usize] == x as i64);
+                    let mut rows = vec![];
+                    for (i, j) in (0..n).flat_map(|i| (0..n).map(move |j| (i, j))) {
+                        let k = if (i, j) == (1, 0) { 60 } else { 1 + (i + 2 * j) % 5 };
+                        rows.extend(of(i).zip(of(j).cycle()).cycle().take(k).enumerate().map(|(q, (h, t))| [h, (q % 3) as i64, t]));
+                    }
+                    crate::Triples::from_rows(&rows)
+                } else {
+                    triples
+                };
                 let part = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair).build(&triples).unwrap();
                 assert!(part.triple_counts.iter().all(|&c| c > 0), "{graph}: an empty partition");
-                let table = Table::new(&part, &lay).unwrap();
                 let max = *part.triple_counts.iter().max().unwrap() as usize;
-                for ppp in [1, 3, 4, 16, 40] {
+                for (ppp, row_bits) in [(1, 32), (2, 64), (3, 32), (4, 32), (4, 64), (4, 96), (8, 96), (16, 32), (40, 64)] {
+                    let table = Table::with_widest(&part, &lay, row_bits).unwrap();
                     let windows = max.div_ceil(ppp);
                     let rigid = Rigid::new(&part, &table, &lay, ppp, windows);
                     assert!(rigid.columns.is_some());
@@ -615,7 +750,7 @@ mod tests {
                             let padded = k % 5 != 4;
                             let bits = rg.copy_step(&table, &lay, step, (t, r), &mut cursor, &mut h, &mut tl, &mut rel, padded);
                             let (eh, et, er, em) = expected(&part, &table, &lay, ppp, rg.first(step), step);
-                            let what = format!("{graph}, {name}, devices ({l}, {g}, {s}) host {host}, ppp {ppp}, step {step} (#{k})");
+                            let what = format!("{graph}, {name}, devices ({l}, {g}, {s}) host {host}, ppp {ppp}, {row_bits}-bit rows, step {step} (#{k})");
                             assert_eq!(h, eh, "head: {what}");
                             assert_eq!(tl, et, "tail: {what}");
                             for slot in 0..local {
@@ -628,6 +763,39 @@ mod tests {
                             }
                             assert!(rg.padded(step) || !em.contains(&false), "padded: {what}");
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The stream refuses empty shard pairs, but the run copy given one does not panic, and
+    /// every other block is still its partition's.
+    #[test]
+    fn run_copy_of_empty_partitions_does_not_panic() {
+        let lay = SparseCoreLayout::new(1, 1, 4, 0).unwrap();
+        let sharding = Arc::new(Sharding::create(40, 4, &[9], None).unwrap());
+        // Triples from entities of shard 0 only: the pairs (i, j) with i > 0 are empty.
+        let rows: Vec<[i64; 3]> = (0..40).filter(|&h| sharding.entity_to_shard[h as usize] == 0).flat_map(|h| (0..40).step_by(7).map(move |t| [h, 1, t])).collect();
+        let part = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair).build(&crate::Triples::from_rows(&rows)).unwrap();
+        assert!(part.triple_counts.contains(&0) && part.triple_counts.iter().any(|&c| c > 0));
+        let table = Table::new(&part, &lay).unwrap();
+        let (n, ppp) = (4, 4);
+        let (t, r) = (n * ppp, n * ppp);
+        let rigid = Rigid::new(&part, &table, &lay, ppp, 5);
+        let mut cursor = Cursor::default();
+        for step in [0, 1, 2, 3, 4, 5, 9, 0, 3] {
+            let (mut h, mut tl, mut rel) = (vec![0; n * t], vec![0; n * t], vec![0; n * r]);
+            rigid.copy_step(&table, &lay, step, (t, r), &mut cursor, &mut h, &mut tl, &mut rel, true);
+            for slot in 0..n {
+                for i in 0..n {
+                    let p = i * n + (slot + i + step) % n;
+                    let (off, cnt) = (part.triple_offsets[p] as usize, part.triple_counts[p] as usize);
+                    for q in (0..ppp).filter(|_| cnt > 0) {
+                        let row = off + (rigid.first(step) + q) % cnt;
+                        let (hv, rv, tv) = with_rows!(table, rows => table.decode.row(rows[row], table.offsets(p)));
+                        let at = slot * t + i * ppp + q;
+                        assert_eq!((h[at], rel[slot * r + i * ppp + q], tl[at]), (hv, rv, tv), "step {step}, slot {slot}, block {i}");
                     }
                 }
             }

@@ -122,7 +122,7 @@ impl Table {
     }
 
     /// [`Self::new`] in rows of at least `min_bits` bits (32, 64, or more for unpacked).
-    fn with_widest(part: &PartitionedTriples, lay: &SparseCoreLayout, min_bits: u32) -> Result<Self> {
+    pub(super) fn with_widest(part: &PartitionedTriples, lay: &SparseCoreLayout, min_bits: u32) -> Result<Self> {
         let n = lay.num_sparsecores();
         let max = i64::from(i32::MAX);
         for (row, tr) in part.triples.rows().into_iter().enumerate() {
