@@ -431,9 +431,9 @@ fn draw_mod_shard_body<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
     let bk = b * k;
     let row = n * bk;
     // The draws go through `draws` in runs of up to `GROUP_VALUES` (small enough to stay in
-    // the L1 cache; a longer block is a run of its own): each bulk draw sets up its generator lanes, which costs a dozen draws or
-    // more, so one run covers many blocks, and the reduction and mapping that follow run over
-    // whole rows (a loop the compiler vectorizes).
+    // the L1 cache; a longer block is a run of its own): each bulk draw sets up its generator
+    // lanes, which costs a dozen draws or more, so one run covers many blocks, and the
+    // reduction and mapping that follow run over whole rows (a loop the compiler vectorizes).
     // Short blocks: a few shards' rows at a time are reduced and mapped into `run` and then
     // copied into place using shard by using shard, so that the copies of consecutive shards
     // land next to each other in a layout that groups them (the stream's); copies strided by
@@ -444,12 +444,7 @@ fn draw_mod_shard_body<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
         for c in 0..bps {
             for xs in (0..n).step_by(group) {
                 let xe = (xs + group).min(n);
-                let len = (xe - xs) * row;
-                if draws.len() < len {
-                    draws.resize(len, 0);
-                }
-                let drawn = &mut draws[..len];
-                rng.fill_integers_31_with(gen, drawn, |v| v);
+                let drawn = draw_run(rng, gen, draws, (xe - xs) * row);
                 run.clear();
                 for (x, chunk) in (xs..xe).zip(drawn.chunks_exact(row)) {
                     let (map, m) = ((to.map)(x), mods[x]);
@@ -475,12 +470,7 @@ fn draw_mod_shard_body<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
             let map = (to.map)(x);
             for gs in (0..n).step_by(per_run) {
                 let ge = (gs + per_run).min(n);
-                let len = (ge - gs) * bk;
-                if draws.len() < len {
-                    draws.resize(len, 0);
-                }
-                let drawn = &mut draws[..len];
-                rng.fill_integers_31_with(gen, drawn, |v| v);
+                let drawn = draw_run(rng, gen, draws, (ge - gs) * bk);
                 for (g, chunk) in (gs..ge).zip(drawn.chunks_exact(bk)) {
                     if let Some(at) = (to.place)(c, x, g) {
                         for (o, &v) in to.out[at..at + bk].iter_mut().zip(chunk) {
@@ -492,6 +482,17 @@ fn draw_mod_shard_body<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
         }
     }
     Ok(())
+}
+
+/// The next `len` raw 31-bit draws, into the kept buffer `draws` (grown, never shrunk).
+#[inline(always)]
+fn draw_run<'a>(rng: &mut NumpyRng, gen: impl Fill, draws: &'a mut Vec<u32>, len: usize) -> &'a [u32] {
+    if draws.len() < len {
+        draws.resize(len, 0);
+    }
+    let drawn = &mut draws[..len];
+    rng.fill_integers_31_with(gen, drawn, |v| v);
+    drawn
 }
 
 /// [`draw_mod_shard_into`] row-major over `(bps, n, n, b, k)`, as `i32`.
