@@ -206,11 +206,7 @@ fn gather<R: Row, F: Fn(usize, usize) -> (usize, usize)>(
 /// contiguous buffer, and then decoded block by block from there. The reads miss the caches;
 /// alone in a short loop, with no block bookkeeping and no stores to three columns between
 /// them, they cost a few instructions each, and the decoding of a block's contiguous rows
-/// (shifts and masks of counts fixed for the table) vectorizes.
-///
-/// Why two copies: the decoding vectorizes twice as wide with AVX2; a copy compiled for
-/// x86-64-v3 runs when the CPU has it ([`sparsecore_prep::isa::v3`]). Both copies compute the
-/// same columns.
+/// (shifts and masks of counts fixed for the table) vectorizes ([`decode_slots`]).
 fn decode_placed<R: Row>(
     rows: &[R],
     decode: Decode,
@@ -220,38 +216,7 @@ fn decode_placed<R: Row>(
     place: (usize, usize),
     columns: (&mut [i64], &mut [i64], &mut [i32]),
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if sparsecore_prep::isa::v3() {
-        #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-        fn v3<R: Row>(
-            rows: &[R],
-            decode: Decode,
-            shard_ids: &[i64],
-            at: &[u32],
-            geometry: (usize, usize, usize),
-            place: (usize, usize),
-            columns: (&mut [i64], &mut [i64], &mut [i32]),
-        ) {
-            decode_placed_body(rows, decode, shard_ids, at, geometry, place, columns);
-        }
-        // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
-        #[allow(unsafe_code)]
-        return unsafe { v3(rows, decode, shard_ids, at, geometry, place, columns) };
-    }
-    decode_placed_body(rows, decode, shard_ids, at, geometry, place, columns);
-}
-
-#[inline(always)]
-fn decode_placed_body<R: Row>(
-    rows: &[R],
-    decode: Decode,
-    shard_ids: &[i64],
-    at: &[u32],
-    (n, ppp, r): (usize, usize, usize),
-    (first, step): (usize, usize),
-    (head, tail, relation): (&mut [i64], &mut [i64], &mut [i32]),
-) {
-    let len = head.len().min(at.len().saturating_sub(AHEAD));
+    let len = columns.0.len().min(at.len().saturating_sub(AHEAD));
     let read: Vec<R> = at[..len]
         .iter()
         .zip(&at[AHEAD..AHEAD + len])
@@ -262,7 +227,7 @@ fn decode_placed_body<R: Row>(
             rows[k as usize]
         })
         .collect();
-    decode_slots_body(&read, decode, shard_ids, (n, ppp, r), (first, step), (head, tail, relation));
+    decode_slots(&read, decode, shard_ids, geometry, place, columns);
 }
 
 /// Decodes `read`, a host's rows of the triple table in the columns' row order (`T = n·ppp`
@@ -270,8 +235,12 @@ fn decode_placed_body<R: Row>(
 /// the columns (`T` rows per slot of `head` and `tail`, the first `T` of each slot's `R` in
 /// `relation`).
 ///
-/// Why two copies: as [`decode_placed`]'s, for Rigid's run copy, which gathers its blocks
-/// itself.
+/// Random's and Rigid shuffle's placed rows ([`decode_placed`]) and Rigid's run copy, which
+/// gathers its blocks itself, both decode here.
+///
+/// Why two copies: the decoding vectorizes twice as wide with AVX2; a copy compiled for
+/// x86-64-v3 runs when the CPU has it ([`sparsecore_prep::isa::v3`]). Both copies compute the
+/// same columns.
 pub(super) fn decode_slots<R: Row>(
     read: &[R],
     decode: Decode,
