@@ -296,7 +296,7 @@ fn list_of<'a, I, O: InputInt>(ids: &'a [I], offsets: &[O], row: usize) -> &'a [
 /// Starts a new generation of `stamps` (at least `size` of them), so that every stamp is stale
 /// without clearing any; clears them only when the generation wraps. Returns whether the
 /// stamps were reallocated (the caller's slots of the same length must be too).
-fn next_generation(stamps: &mut Vec<u32>, generation: &mut u32, size: usize) -> bool {
+pub(super) fn next_generation(stamps: &mut Vec<u32>, generation: &mut u32, size: usize) -> bool {
     let grown = stamps.len() < size;
     if grown {
         *stamps = vec![0; size];

@@ -3,6 +3,7 @@
 
 use arrow_array::RecordBatch;
 
+use super::count::next_generation;
 use super::{SampleCounts, Shape};
 use crate::error::Result;
 use crate::extract::col_of;
@@ -233,16 +234,9 @@ struct Multiset {
 impl Multiset {
     fn start(&mut self, columns: usize) {
         let size = (2 * columns).next_power_of_two().max(16);
-        if self.stamps.len() < size {
+        if next_generation(&mut self.stamps, &mut self.generation, size) {
             self.keys = vec![0; size];
             self.counts = vec![0; size];
-            self.stamps = vec![0; size];
-            self.generation = 0;
-        }
-        self.generation = self.generation.wrapping_add(1);
-        if self.generation == 0 {
-            self.stamps.fill(0);
-            self.generation = 1;
         }
         self.size = size;
         self.len = 0;
