@@ -234,6 +234,25 @@ impl Balancer {
         let rows = slice_rows.iter().copied().min().unwrap_or(0);
         let totals: Vec<u64> = (0..cells).map(|c| self.load.iter().skip(c).step_by(cells).map(|&n| n as u64).sum()).collect();
         let bound = with_unsplit(bound_from(&self.load, shape, nslices), &self.counts, &totals, shape, rows);
+        let before = worst_per_stack(&before_batches);
+        let keep = |before: Vec<IdLoad>, bound: Vec<u32>| Balanced {
+            batches: window.to_vec(),
+            permutation: identity(window),
+            report: BalanceReport { batches: window.len(), stacks: stacks.clone(), after: before.clone(), before, lower_bound: bound, reordered: false },
+        };
+        // A new order is kept only if every batch's worst `max_ids` relative to its limit falls
+        // strictly below the window's worst input batch's (for W = 1, the batch's own; see
+        // below). Every order has some batch at or above the bound in some stack, so when the
+        // bound already reaches that worst, no order can pass and the search is skipped: the
+        // input order is returned as the search would have returned it.
+        let score = |loads: &[IdLoad]| -> f64 {
+            loads.iter().zip(&plan.stacks).map(|(l, st)| l.max_ids_per_partition as f64 / st.max_ids_per_partition.max(1) as f64).fold(0.0, f64::max)
+        };
+        let window_worst = before_batches.iter().map(|b| score(b)).fold(0.0, f64::max);
+        let bound_score = bound.iter().zip(&plan.stacks).map(|(&b, st)| b as f64 / st.max_ids_per_partition.max(1) as f64).fold(0.0, f64::max);
+        if bound_score >= window_worst {
+            return Ok(keep(before, bound));
+        }
 
         self.load.clear();
         self.load.resize(nslices * cells, 0);
@@ -249,23 +268,13 @@ impl Balancer {
         let after_batches = batch_loads(&self.load, shape, window.len());
         let permutation = permutation(counts, &members, shape.slices, window.len());
         let identity = identity(window);
-        let before = worst_per_stack(&before_batches);
-        let keep = |before: Vec<IdLoad>, bound: Vec<u32>| Balanced {
-            batches: window.to_vec(),
-            permutation: identity.clone(),
-            report: BalanceReport { batches: window.len(), stacks: stacks.clone(), after: before.clone(), before, lower_bound: bound, reordered: false },
-        };
         if permutation == identity {
             return Ok(keep(before, bound));
         }
 
         // Keep the new order only if every batch is strictly better by its worst max_ids
         // relative to the limit: W = 1 against itself, W > 1 against the window's worst input.
-        let score = |loads: &[IdLoad]| -> f64 {
-            loads.iter().zip(&plan.stacks).map(|(l, st)| l.max_ids_per_partition as f64 / st.max_ids_per_partition.max(1) as f64).fold(0.0, f64::max)
-        };
         let pooled = window.len() > 1;
-        let window_worst = before_batches.iter().map(|b| score(b)).fold(0.0, f64::max);
         let better = before_batches.iter().zip(&after_batches).all(|(b, a)| score(a) < if pooled { window_worst } else { score(b) });
         // And no stack of any batch may pass what it is held to: its input batch (W = 1) or
         // the window's worst input batch (W > 1), or the configured limit where that is
