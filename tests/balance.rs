@@ -3,7 +3,7 @@
 //! are typed errors.
 
 use arrow_array::RecordBatch;
-use sparsecore_prep::balance::{apply, balance, SampleRef};
+use sparsecore_prep::balance::{apply, balance, Outcome, SampleRef};
 use sparsecore_prep::{features_from_record_batch, Config, Error, Output, Preprocessor, SampleSource};
 use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 
@@ -105,7 +105,7 @@ fn per_sample_activations_unpermuted_equal_the_original_batch() {
     use sparsecore_kernel::{feature_activations, sparse_dense_matmul, StackedTable};
     let (config, window) = workload(Profile::ModerateMultivalency, 256, 1, (1, 1, 4));
     let balanced = balance(&config, &window).unwrap();
-    assert!(balanced.report.reordered, "the test needs a batch that balancing reorders");
+    assert!(balanced.report.reordered(), "the test needs a batch that balancing reorders");
     // Deterministic tables: row r of table t holds small exact values.
     let tables: Vec<Array2<f32>> = config
         .tables
@@ -246,13 +246,14 @@ fn a_window_of_differently_planned_batches_keeps_its_order() {
     assert_ne!(stacks(8192), stacks(1024), "the test needs the two sizes planned differently");
     let window = [batch(8192), batch(1024)];
     let balanced = balance(&config, &window).unwrap();
-    assert!(!balanced.report.reordered);
+    assert_eq!(balanced.report.outcome, Outcome::NotBalanceable);
+    assert!(!balanced.report.reordered());
     assert_eq!(balanced.batches, window);
     assert_eq!(balanced.permutation[1].len(), 1024);
     assert!(lower_bound(&config, &window).unwrap().is_empty());
     assert!(count_loads(&config, &window).unwrap().is_empty());
     // Each batch on its own still balances.
-    assert!(balance(&config, &window[..1]).unwrap().report.reordered);
+    assert!(balance(&config, &window[..1]).unwrap().report.reordered());
 }
 
 /// Where one sample carries most of a partition's ids, no order can spread them: the bound is
@@ -292,6 +293,16 @@ fn one_heavy_sample_bounds_the_balance() {
     assert_eq!(balanced.report.lower_bound, vec![103]);
     // The heavy sample's slice takes the three lightest samples (one id each).
     assert_eq!(after, 103, "balanced: {:?}", balanced.report);
+    assert_eq!(balanced.report.outcome, Outcome::Reordered);
+
+    // Those rows in the balanced order are at the bound already: nothing can be better, and
+    // the report says so, naming the stack.
+    let again = balance(&config, &balanced.batches).unwrap();
+    assert_eq!(again.report.outcome, Outcome::AtLowerBound { stack: 0 });
+    assert_eq!((again.report.outcome.name(), again.report.outcome.stack()), ("at_lower_bound", Some(0)));
+    assert_eq!(again.batches, balanced.batches);
+    assert_eq!(again.report.before, again.report.after);
+    assert_eq!(again.report.before[0].max_ids_per_partition, 103);
 }
 
 /// The swap pass after the greedy brings the worst cell to (or within 0.5% of) the lower bound
@@ -320,7 +331,7 @@ fn balanced_windows_reach_the_lower_bound() {
         let (mut worst, mut bound) = (0, 0);
         for chunk in window.chunks(w) {
             let balanced = balance(&config, chunk).unwrap();
-            assert!(balanced.report.reordered, "{} {layout:?} W = {w}", profile.name());
+            assert!(balanced.report.reordered(), "{} {layout:?} W = {w}", profile.name());
             worst = balanced.batches.iter().map(|b| worst_max_ids(&config, b)).max().unwrap().max(worst);
             bound = lower_bound(&config, chunk).unwrap().into_iter().max().unwrap().max(bound);
         }
@@ -350,7 +361,7 @@ fn every_stack_lowers_the_stacks_limits_and_no_buffer() {
         for chunk in window.chunks(1) {
             let plain = Balancer::new(config.clone()).unwrap().balance(chunk).unwrap();
             let every = Balancer::new(config.clone()).unwrap().refinement(Refinement::EveryStack).balance(chunk).unwrap();
-            assert!(plain.report.reordered && every.report.reordered);
+            assert!(plain.report.reordered() && every.report.reordered());
             assert_eq!(plain.report.stacks, every.report.stacks);
             for (k, report) in [&plain.report, &every.report].into_iter().enumerate() {
                 sums[k] += report.after.iter().map(|l| l.max_ids_per_partition as i64).sum::<i64>();
@@ -386,7 +397,7 @@ fn balancing_lowers_the_buffer_second() {
             t.suggested_coo_buffer_size_per_device = t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
         }
         let report = balance(&config, &window).unwrap().report;
-        assert!(report.reordered, "{}", profile.name());
+        assert!(report.reordered(), "{}", profile.name());
         let before: u64 = report.before.iter().map(|l| l.required_buffer).sum();
         let after: u64 = report.after.iter().map(|l| l.required_buffer).sum();
         assert!(after < before || (!strictly && after == before), "{}: buffer {before} -> {after}", profile.name());
@@ -413,7 +424,7 @@ fn unique_ids_refinement_lowers_unique_ids_third() {
         }
         let run = |refinement| Balancer::new(config.clone()).unwrap().refinement(refinement).balance(&window).unwrap();
         let (every, unique) = (run(Refinement::EveryStack), run(Refinement::UniqueIds));
-        assert!(every.report.reordered && unique.report.reordered, "{}", profile.name());
+        assert!(every.report.reordered() && unique.report.reordered(), "{}", profile.name());
         let input = measure(&config, &window).unwrap();
         let (every_loads, unique_loads) = (measure(&config, &every.batches).unwrap(), measure(&config, &unique.batches).unwrap());
         let sum = |loads: &[StackLoad]| loads.iter().map(|l| l.max_unique_ids_per_partition).sum::<i32>();

@@ -26,8 +26,9 @@ fn load<'py>(py: Python<'py>, l: &IdLoad) -> PyResult<Bound<'py, PyDict>> {
 /// consecutive batches (the last may be shorter). Returns the reordered batches (pyarrow, one
 /// per input batch, same sizes and schema), the permutation (int64: output row `j`, counting
 /// rows over all batches in order, is input row `permutation[j]`) and one report dict per
-/// window (`batches`, `reordered`, `stacks`: name, before and after (`max_ids_per_partition`,
-/// `required_buffer`), `lower_bound`). `refine` is `"worst-cell"`, `"every-stack"` or
+/// window (`batches`, `reordered`, `outcome` and `outcome_stack` (why the input order was
+/// kept, [`sparsecore_prep::balance::Outcome`]), `stacks`: name, before and after
+/// (`max_ids_per_partition`, `required_buffer`), `lower_bound`). `refine` is `"worst-cell"`, `"every-stack"` or
 /// `"unique-ids"` ([`Refinement`]).
 #[pyfunction]
 #[pyo3(name = "_balance")]
@@ -91,7 +92,9 @@ pub fn balance_batches<'py>(
         }
         let d = PyDict::new(py);
         d.set_item("batches", r.batches)?;
-        d.set_item("reordered", r.reordered)?;
+        d.set_item("reordered", r.reordered())?;
+        d.set_item("outcome", r.outcome.name())?;
+        d.set_item("outcome_stack", r.outcome.stack().and_then(|k| r.stacks.get(k)))?;
         d.set_item("stacks", stacks)?;
         reports.append(d)?;
     }

@@ -139,6 +139,16 @@ def test_equals_the_cli_and_its_reported_stats(tmp_path, window, refine):
   assert report["window"] == window and report["batches"] == len(BATCHES) and report["refine"] == refine
   assert report["windows"] == len(windows) == -(-len(BATCHES) // window)
   assert report["reordered_windows"] == sum(w["reordered"] for w in windows) > 0
+  # Every window says why it kept its input order, as the CLI counts them.
+  names = [s["name"] for s in windows[0]["stacks"]]
+  kept = {}
+  for w in windows:
+    assert w["reordered"] == (w["outcome"] == "reordered")
+    assert w["outcome_stack"] is None or w["outcome_stack"] in names
+    if not w["reordered"]:
+      kept.setdefault(w["outcome"], 0)
+      kept[w["outcome"]] += 1
+  assert {k: v["windows"] for k, v in report["kept_windows"].items()} == kept
 
   # Preprocessing the balanced (and the input) batches gives the stats the CLI reports.
   after = _worst(_loads(prep, b) for b in ours)

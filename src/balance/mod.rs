@@ -22,12 +22,14 @@
 //! while a swap lowers the worst buffer without raising any stack's worst cell. By default unique
 //! ids are not minimised: they depend on which samples share a slice, not on per-sample counts,
 //! so lowering them means reading columns again ([`Refinement::UniqueIds`] does). The new
-//! order is kept only if every output batch's
-//! worst `max_ids` relative to its limit is strictly lower than its input batch's (W = 1) or
-//! than the window's worst input batch's (W > 1, where batches trade samples), and no stack's
-//! `max_ids`, required buffer or `max_unique_ids` rises above both that reference and its
-//! configured limit; otherwise the input order is returned. So balancing never makes a batch
-//! worse than what it was, or was pooled from, and a window that fit its limits still fits them.
+//! order is kept only if every output batch's worst `max_ids` relative to its limit is
+//! strictly lower than its input batch's (W = 1) or than the window's worst input batch's
+//! (W > 1, where batches trade samples), and no stack's `max_ids`, required buffer or
+//! `max_unique_ids` rises above both that reference and its configured limit; otherwise the
+//! input order is returned, and [`BalanceReport::outcome`] says why. So balancing never makes
+//! a batch worse than what it was, or was pooled from, and a window that fit its limits still
+//! fits them. Where the window's lower bound already reaches its worst input batch, no order
+//! can pass, and the search is skipped.
 //! Unique ids are the one number per-sample counts cannot give, so distinct columns are counted
 //! per (slice, partition) with a bitmap or a hash set, only for the stacks where some cell's ids exceed
 //! `max_unique_ids_per_partition` and so do the stack's columns per partition (the one case in
@@ -101,10 +103,74 @@ pub struct BalanceReport {
     /// No order of the window's samples can do better than this `max_ids_per_partition`
     /// (see [`lower_bound`]).
     pub lower_bound: Vec<u32>,
-    /// Whether the balanced order was kept (false: it would not have made every batch better,
-    /// there was nothing to move, or the window's batches were planned differently, as auto
+    /// Whether the balanced order replaced the input order and, where it did not, why.
+    pub outcome: Outcome,
+}
+
+impl BalanceReport {
+    /// Whether the returned order is the balanced one (else it is the input order).
+    pub fn reordered(&self) -> bool {
+        self.outcome == Outcome::Reordered
+    }
+}
+
+/// What became of a window's order. Every variant but [`Outcome::Reordered`] returns the input
+/// order, and says why, so that a user can tell data that cannot be balanced from limits that
+/// hold balancing back (the stack is an index into [`BalanceReport::stacks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// The balanced order replaced the input order.
+    Reordered,
+    /// Nothing to balance: an empty window, a batch that does not split evenly over the
+    /// slices (which the pipeline rejects anyway), or batches planned differently (auto
     /// stacking may plan a batch of another size).
-    pub reordered: bool,
+    #[default]
+    NotBalanceable,
+    /// The window's worst input batch already reaches the lower bound in stack `stack`
+    /// (relative to its limit): every order has a batch at least as bad, so none can make
+    /// every batch better. Typical where one sample's ids fill a partition's cell.
+    AtLowerBound {
+        /// The stack whose bound decides.
+        stack: usize,
+    },
+    /// The search found no order in which every batch is strictly better (for W > 1: better
+    /// than the window's worst input batch).
+    NoBetterOrder,
+    /// The better order would raise stack `stack`'s `max_ids_per_partition` or required
+    /// buffer above both what its input needed and its configured limit.
+    WouldPassLimit {
+        /// The first stack that would.
+        stack: usize,
+    },
+    /// The better order would raise stack `stack`'s `max_unique_ids_per_partition` above both
+    /// what its input needed and its configured limit.
+    WouldPassUniqueLimit {
+        /// The first stack that would.
+        stack: usize,
+    },
+}
+
+impl Outcome {
+    /// The variant's name in snake case, as the CLI's JSON and Python's reports spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Outcome::Reordered => "reordered",
+            Outcome::NotBalanceable => "not_balanceable",
+            Outcome::AtLowerBound { .. } => "at_lower_bound",
+            Outcome::NoBetterOrder => "no_better_order",
+            Outcome::WouldPassLimit { .. } => "would_pass_limit",
+            Outcome::WouldPassUniqueLimit { .. } => "would_pass_unique_limit",
+        }
+    }
+
+    /// The stack the outcome names, if any.
+    pub fn stack(self) -> Option<usize> {
+        match self {
+            Outcome::AtLowerBound { stack } | Outcome::WouldPassLimit { stack } | Outcome::WouldPassUniqueLimit { stack } => Some(stack),
+            Outcome::Reordered | Outcome::NotBalanceable | Outcome::NoBetterOrder => None,
+        }
+    }
 }
 
 /// A balanced window: the batches in their new order, the permutation and the report.
@@ -235,23 +301,21 @@ impl Balancer {
         let totals: Vec<u64> = (0..cells).map(|c| self.load.iter().skip(c).step_by(cells).map(|&n| n as u64).sum()).collect();
         let bound = with_unsplit(bound_from(&self.load, shape, nslices), &self.counts, &totals, shape, rows);
         let before = worst_per_stack(&before_batches);
-        let keep = |before: Vec<IdLoad>, bound: Vec<u32>| Balanced {
+        let keep = |before: Vec<IdLoad>, bound: Vec<u32>, outcome: Outcome| Balanced {
             batches: window.to_vec(),
             permutation: identity(window),
-            report: BalanceReport { batches: window.len(), stacks: stacks.clone(), after: before.clone(), before, lower_bound: bound, reordered: false },
+            report: BalanceReport { batches: window.len(), stacks: stacks.clone(), after: before.clone(), before, lower_bound: bound, outcome },
         };
         // A new order is kept only if every batch's worst `max_ids` relative to its limit falls
         // strictly below the window's worst input batch's (for W = 1, the batch's own; see
-        // below). Every order has some batch at or above the bound in some stack, so when the
-        // bound already reaches that worst, no order can pass and the search is skipped: the
-        // input order is returned as the search would have returned it.
-        let score = |loads: &[IdLoad]| -> f64 {
-            loads.iter().zip(&plan.stacks).map(|(l, st)| l.max_ids_per_partition as f64 / st.max_ids_per_partition.max(1) as f64).fold(0.0, f64::max)
-        };
+        // below). Every order has some batch at or above the bound in every stack, so when a
+        // stack's bound already reaches that worst, no order can pass and the search is
+        // skipped: the input order is returned as the search would have returned it.
+        let relative = |ids: f64, st: &crate::spec::StackPlan| ids / st.max_ids_per_partition.max(1) as f64;
+        let score = |loads: &[IdLoad]| -> f64 { loads.iter().zip(&plan.stacks).map(|(l, st)| relative(l.max_ids_per_partition as f64, st)).fold(0.0, f64::max) };
         let window_worst = before_batches.iter().map(|b| score(b)).fold(0.0, f64::max);
-        let bound_score = bound.iter().zip(&plan.stacks).map(|(&b, st)| b as f64 / st.max_ids_per_partition.max(1) as f64).fold(0.0, f64::max);
-        if bound_score >= window_worst {
-            return Ok(keep(before, bound));
+        if let Some(stack) = bound.iter().zip(&plan.stacks).position(|(&b, st)| relative(b as f64, st) >= window_worst) {
+            return Ok(keep(before, bound, Outcome::AtLowerBound { stack }));
         }
 
         self.load.clear();
@@ -269,7 +333,7 @@ impl Balancer {
         let permutation = permutation(counts, &members, shape.slices, window.len());
         let identity = identity(window);
         if permutation == identity {
-            return Ok(keep(before, bound));
+            return Ok(keep(before, bound, Outcome::NoBetterOrder));
         }
 
         // Keep the new order only if every batch is strictly better by its worst max_ids
@@ -280,14 +344,17 @@ impl Balancer {
         // the window's worst input batch (W > 1), or the configured limit where that is
         // higher. A window that fit its limits still fits them.
         let held_to = |b: usize| if pooled { &before } else { &before_batches[b] };
-        let within = |b: usize| {
-            after_batches[b].iter().zip(held_to(b)).zip(&plan.stacks).all(|((a, r), st)| {
-                a.max_ids_per_partition <= r.max_ids_per_partition.max(limit(st.max_ids_per_partition))
-                    && a.required_buffer <= r.required_buffer.max(st.coo_buffer_size_per_device as u64)
+        let passing = |b: usize| {
+            after_batches[b].iter().zip(held_to(b)).zip(&plan.stacks).position(|((a, r), st)| {
+                a.max_ids_per_partition > r.max_ids_per_partition.max(limit(st.max_ids_per_partition))
+                    || a.required_buffer > r.required_buffer.max(st.coo_buffer_size_per_device as u64)
             })
         };
-        if !better || !(0..window.len()).all(within) {
-            return Ok(keep(before, bound));
+        if !better {
+            return Ok(keep(before, bound, Outcome::NoBetterOrder));
+        }
+        if let Some(stack) = (0..window.len()).filter_map(passing).min() {
+            return Ok(keep(before, bound, Outcome::WouldPassLimit { stack }));
         }
         // Unique ids need distinct columns per slice, which per-sample counts cannot give. A
         // stack whose ids stay within its unique limit in every cell keeps its unique ids within
@@ -312,12 +379,12 @@ impl Balancer {
             if over(&after_unique) {
                 let before_unique = self.unique.worst_per_batch(config, plan, window, &identity, shape.slices, &risky)?;
                 let window_unique = (0..plan.stacks.len()).map(|st| before_unique.iter().map(|b| b[st]).max().unwrap_or(0)).collect::<Vec<_>>();
-                let unique_ok = after_unique.iter().enumerate().all(|(b, a)| {
+                let passing = after_unique.iter().enumerate().filter_map(|(b, a)| {
                     let r = if pooled { &window_unique } else { &before_unique[b] };
-                    a.iter().zip(r).zip(&plan.stacks).all(|((&a, &r), st)| a <= r.max(limit(st.max_unique_ids_per_partition)))
+                    a.iter().zip(r).zip(&plan.stacks).position(|((&a, &r), st)| a > r.max(limit(st.max_unique_ids_per_partition)))
                 });
-                if !unique_ok {
-                    return Ok(keep(before, bound));
+                if let Some(stack) = passing.min() {
+                    return Ok(keep(before, bound, Outcome::WouldPassUniqueLimit { stack }));
                 }
             }
         }
@@ -325,7 +392,7 @@ impl Balancer {
         Ok(Balanced {
             batches,
             permutation,
-            report: BalanceReport { batches: window.len(), stacks, before, after: worst_per_stack(&after_batches), lower_bound: bound, reordered: true },
+            report: BalanceReport { batches: window.len(), stacks, before, after: worst_per_stack(&after_batches), lower_bound: bound, outcome: Outcome::Reordered },
         })
     }
 

@@ -145,7 +145,7 @@ impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Balancing<I> {
         let balanced = balancer.balance(&batches).map_err(context)?;
         if self.measuring {
             let before = measure(&self.config, &batches).map_err(context)?;
-            let after = if balanced.report.reordered { measure(&self.config, &balanced.batches).map_err(context)? } else { before.clone() };
+            let after = if balanced.report.reordered() { measure(&self.config, &balanced.batches).map_err(context)? } else { before.clone() };
             self.measured.push((before, after));
         }
         self.reports.push(balanced.report);
@@ -229,7 +229,7 @@ pub fn run(a: Args) -> Result<()> {
         }
         writer.finish().map_err(arrow)?;
         drop(writer);
-        reordered = it.reports.iter().filter(|r| r.reordered).count();
+        reordered = it.reports.iter().filter(|r| r.reordered()).count();
         reports = std::mem::take(&mut it.reports);
         measured = std::mem::take(&mut it.measured);
         std::fs::rename(&tmp, &a.out).map_err(io_err(format!("renaming {} to {}", tmp.display(), a.out.display())))
@@ -239,6 +239,24 @@ pub fn run(a: Args) -> Result<()> {
         return Err(e);
     }
     let stacks = aggregate(&reports, &measured);
+    // Why the input order was kept: per reason (in the order the reasons first occur), its
+    // windows and the stacks it named.
+    let mut kept: Vec<(&'static str, usize, Vec<&str>)> = Vec::new();
+    for r in reports.iter().filter(|r| !r.reordered()) {
+        let i = match kept.iter().position(|(name, _, _)| *name == r.outcome.name()) {
+            Some(i) => i,
+            None => {
+                kept.push((r.outcome.name(), 0, Vec::new()));
+                kept.len() - 1
+            }
+        };
+        kept[i].1 += 1;
+        if let Some(stack) = r.outcome.stack().and_then(|k| r.stacks.get(k)) {
+            if !kept[i].2.contains(&stack.as_str()) {
+                kept[i].2.push(stack);
+            }
+        }
+    }
     if a.json {
         let load = |l: &StackLoad| {
             serde_json::json!({
@@ -254,13 +272,21 @@ pub fn run(a: Args) -> Result<()> {
             "rows": rows,
             "windows": reports.len(),
             "reordered_windows": reordered,
+            "kept_windows": kept.iter().map(|(name, n, stacks)| (name.to_string(), serde_json::json!({"windows": n, "stacks": stacks}))).collect::<serde_json::Map<_, _>>(),
             "out": a.out.display().to_string(),
             "stacks": stacks.iter().map(|(name, b, af)| serde_json::json!({"name": name, "before": load(b), "after": load(af)})).collect::<Vec<_>>(),
         });
         outln!("{json}");
     } else {
+        let why = kept
+            .iter()
+            .map(|(name, n, stacks)| {
+                let stacks = if stacks.is_empty() { String::new() } else { format!(" ({})", stacks.join(", ")) };
+                format!(", {n} kept: {}{stacks}", name.replace('_', " "))
+            })
+            .collect::<String>();
         outln!(
-            "balanced {batches} batches ({rows} rows) in {} windows of {} ({reordered} reordered) into {}",
+            "balanced {batches} batches ({rows} rows) in {} windows of {} ({reordered} reordered{why}) into {}",
             reports.len(),
             a.window,
             a.out.display()

@@ -9,6 +9,7 @@
 //! - `preprocess --balance 4` on the input writes exactly what `preprocess` writes on
 //!   `balance`'s output (stats.json and the stack files);
 //! - the human summary (default window 1);
+//! - why a window kept its input order (`kept_windows`, and the summary);
 //! - bad input (a missing column, a column of the wrong type, a window of 0) fails with one
 //!   line and writes nothing: no OUT, no temporaries.
 
@@ -100,6 +101,7 @@ fn balance_window_4_json_same_rows_and_preprocess_balance_agrees() {
         assert!(st["after"]["required_buffer"].as_u64().unwrap() <= st["before"]["required_buffer"].as_u64().unwrap());
     }
     assert_eq!(j["reordered_windows"], 1);
+    assert_eq!(j["kept_windows"], serde_json::json!({}));
 
     // The same rows, the same schema, one batch per input batch with the same sizes.
     let (inb, outb) = (record_batches(&input), record_batches(&out));
@@ -199,6 +201,40 @@ fn balance_default_window_prints_summary() {
     assert_eq!(inb.len(), outb.len());
     for (i, o) in inb.iter().zip(&outb) {
         assert_eq!(sorted_rows(std::slice::from_ref(o)), sorted_rows(std::slice::from_ref(i)));
+    }
+}
+
+/// A window whose input order is kept says why, in the JSON and in the summary:
+/// high-multivalency's one stack already sits on the window's lower bound (one id of its small
+/// table carries the partition), and criteo's generated limits, equal to the input's largest
+/// counts, leave a better order no room in some stack.
+#[test]
+fn kept_windows_say_why() {
+    let dir = TempDir::new("why");
+    for (profile, window, reason, stacks) in [("high-multivalency", "4", "at_lower_bound", 1), ("criteo", "1", "would_pass_limit", 0)] {
+        let (input, cfg) = (dir.join(&format!("{profile}.arrow")), dir.join(&format!("{profile}.json")));
+        ok(&[
+            "generate", "--profile", profile, "--batch-size", "512", "--num-batches", "4", "--layout", "1/4/4",
+            "--out", s(&input), "--config-out", s(&cfg),
+        ]);
+        let out = dir.join(&format!("{profile}-b.arrow"));
+        let args = ["balance", "--config", s(&cfg), "--input", s(&input), "--out", s(&out), "--window", window];
+        let j = last_json(&ok(&[&args[..], &["--json"]].concat()));
+        let windows = j["windows"].as_u64().unwrap();
+        assert_eq!(j["reordered_windows"], 0, "{profile}: {j}");
+        let kept = j["kept_windows"].as_object().unwrap();
+        assert_eq!(kept.len(), 1, "{profile}: {kept:?}");
+        assert_eq!(kept[reason]["windows"].as_u64(), Some(windows), "{profile}: {kept:?}");
+        let named = kept[reason]["stacks"].as_array().unwrap();
+        assert!(!named.is_empty(), "{profile}: {kept:?}");
+        if stacks == 1 {
+            assert_eq!(named, &[Value::from("table_0")]);
+        }
+        // The input order, unchanged.
+        assert_eq!(record_batches(&out), record_batches(&input));
+        let summary = ok(&args);
+        let text = format!("(0 reordered, {windows} kept: {} ({}))", reason.replace('_', " "), named.iter().map(|v| v.as_str().unwrap()).collect::<Vec<_>>().join(", "));
+        assert!(summary.contains(&text), "{profile}: {summary}");
     }
 }
 
