@@ -1,9 +1,10 @@
 //! Reading record batches from files, one at a time: Arrow IPC (file or stream format) and
-//! Parquet, told apart by their magic bytes, never loaded whole.
+//! Parquet, told apart by their magic bytes, never loaded whole; and writing output files that
+//! appear whole or not at all ([`OutputFile`]).
 
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use arrow_array::RecordBatch;
 use arrow_ipc::reader::{FileReader, StreamReader};
@@ -275,6 +276,80 @@ fn check_message(message: &Message<'_>, body: u64) -> std::result::Result<(), St
         }
     }
     Ok(())
+}
+
+/// An output file that appears whole or not at all: written to a temporary sibling
+/// ([`tmp_path`]) and renamed over its path by [`OutputFile::commit`]; dropped before that, the
+/// temporary is removed, so a failed write (a full disk, a bad input found halfway) leaves
+/// nothing behind.
+///
+/// The path is resolved through symlinks first, so that a symlink keeps pointing at the new
+/// file rather than being replaced by it. A path that exists and is neither a regular file nor
+/// a directory (a FIFO, `/dev/null`, a terminal) is written in place: a rename would replace
+/// the pipe or device with a regular file. A directory is refused before anything is written.
+#[derive(Debug)]
+pub struct OutputFile {
+    /// The path as given, for messages.
+    given: PathBuf,
+    /// The path resolved through symlinks: what the rename replaces.
+    target: PathBuf,
+    /// The temporary written until [`Self::commit`]; `None` when written in place.
+    tmp: Option<PathBuf>,
+}
+
+impl OutputFile {
+    /// Plans writing `path` (nothing is created yet).
+    pub fn new(path: impl AsRef<Path>) -> Result<Self> {
+        let given = path.as_ref().to_path_buf();
+        let is_link = std::fs::symlink_metadata(&given).is_ok_and(|m| m.file_type().is_symlink());
+        // A dangling symlink is replaced like a missing file.
+        let target = if is_link { std::fs::canonicalize(&given).unwrap_or_else(|_| given.clone()) } else { given.clone() };
+        let tmp = match std::fs::metadata(&target) {
+            Ok(m) if m.is_dir() => {
+                let source = std::io::Error::new(std::io::ErrorKind::IsADirectory, "is a directory");
+                return Err(Error::Io { context: format!("writing {}", given.display()), source });
+            }
+            Ok(m) if !m.is_file() => None,
+            _ => Some(tmp_path(&target)),
+        };
+        Ok(OutputFile { given, target, tmp })
+    }
+
+    /// Where to write until [`Self::commit`]: the temporary, or the path itself when it is
+    /// written in place.
+    pub fn path(&self) -> &Path {
+        self.tmp.as_deref().unwrap_or(&self.target)
+    }
+
+    /// Creates (or truncates) [`Self::path`] for writing.
+    pub fn create(&self) -> Result<File> {
+        File::create(self.path()).map_err(|source| Error::Io { context: format!("creating {}", self.path().display()), source })
+    }
+
+    /// Renames the temporary over the path: the file appears whole.
+    pub fn commit(mut self) -> Result<()> {
+        let Some(tmp) = self.tmp.take() else { return Ok(()) };
+        std::fs::rename(&tmp, &self.target).map_err(|source| {
+            let _ = std::fs::remove_file(&tmp);
+            Error::Io { context: format!("renaming {} to {}", tmp.display(), self.given.display()), source }
+        })
+    }
+}
+
+impl Drop for OutputFile {
+    fn drop(&mut self) {
+        if let Some(tmp) = self.tmp.take() {
+            let _ = std::fs::remove_file(tmp);
+        }
+    }
+}
+
+/// The temporary name used while `path` is being written: a sibling, so that the rename stays
+/// on one file system, named by the process so that concurrent writers do not collide.
+pub fn tmp_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(format!(".tmp-{}", std::process::id()));
+    path.with_file_name(name)
 }
 
 /// Runs a step of arrow-ipc's or parquet's decoding, turning a panic inside it into an error

@@ -777,9 +777,11 @@ class Preprocessor:
     producer, all of one schema) are taken in windows of ``window`` consecutive
     batches (the last may be shorter); the samples of a window are dealt back
     out as batches of the input sizes, every column of a row moving together.
-    No output batch is worse than its input (W = 1) or than the window's worst
-    input batch (W > 1), and batches that fit the config's limits still fit
-    them; where balancing cannot help, the input order is kept.
+    Every output batch's worst cell (relative to its stack's limit) is lower
+    than its input's (W = 1) or than the window's worst input batch's (W > 1),
+    and no stack rises above both what its input needed and its limit, so
+    batches that fit the config's limits still fit them; where balancing
+    cannot help, the input order is kept.
     The same as ``sparsecore-prep balance --window W`` (``sparsecore_prep::balance``).
     ``refine="every-stack"`` (``--refine every-stack``) also lowers every stack's
     own worst cell after the worst one, with no stack's buffer rising: smaller
@@ -801,9 +803,16 @@ class Preprocessor:
     batches (or ``fdo_stats``) for ``max_unique_ids_per_partition``.
 
     Raises :class:`InvalidInputError` for batches of different schemas or a
-    missing column (and returns nothing).
+    missing column (and returns nothing), and ``TypeError`` for one batch or
+    table instead of a sequence of them, or a window that is not an ``int``.
+    Unlike ``sparsecore-prep balance``, which also preprocesses every window
+    for its report, this does not check ids against the vocabulary:
+    preprocessing the batches does.
     """
-    out, permutation, reports = _native._balance(self._native.config_json, list(batches), int(window), str(refine))
+    if hasattr(batches, "__arrow_c_array__") or hasattr(batches, "__arrow_c_stream__"):
+      raise TypeError("balance takes a sequence of record batches (or tables), not one: wrap it in a list")
+    window = operator.index(window)  # TypeError for 1.5, as for any index
+    out, permutation, reports = _native._balance(self._native.config_json, list(batches), window, str(refine))
     if with_report:
       return out, permutation, reports
     return out, permutation

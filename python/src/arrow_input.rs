@@ -6,6 +6,7 @@
 use arrow_array::ffi::{from_ffi, FFI_ArrowArray, FFI_ArrowSchema};
 use arrow_array::ffi_stream::{RecordBatchStreamReader, FFI_ArrowArrayStream};
 use arrow_array::{Array, RecordBatch, RecordBatchReader, StructArray};
+use arrow_schema::DataType;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyCapsuleMethods, PyTuple};
 
@@ -45,6 +46,13 @@ pub fn record_batch(obj: &Bound<'_, PyAny>) -> PyResult<RecordBatch> {
             from_ffi(array, &*schema)
         }
         .map_err(|e| invalid(py, format!("cannot import the Arrow array: {e}")))?;
+        // A plain array (one column) is not a batch: `StructArray::from` would panic on it.
+        if !matches!(data.data_type(), DataType::Struct(_)) {
+            return Err(type_error(
+                py,
+                format!("expected a record batch or table, got an Arrow array of type {}", data.data_type()),
+            ));
+        }
         let array = StructArray::from(data);
         if array.null_count() > 0 {
             return Err(invalid(py, "the Arrow record batch has null rows"));
@@ -57,7 +65,7 @@ pub fn record_batch(obj: &Bound<'_, PyAny>) -> PyResult<RecordBatch> {
         // SAFETY: a valid C stream interface struct; `from_raw` takes it over and leaves the
         // capsule's copy released.
         let reader = unsafe { RecordBatchStreamReader::from_raw(stream) }
-            .map_err(|e| invalid(py, format!("cannot import the Arrow stream: {e}")))?;
+            .map_err(|e| invalid(py, format!("cannot import the Arrow stream (a record batch or table is expected, not a column): {e}")))?;
         let schema = reader.schema();
         let batches: Vec<RecordBatch> =
             reader.collect::<Result<_, _>>().map_err(|e| invalid(py, format!("reading the Arrow stream: {e}")))?;

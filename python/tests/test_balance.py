@@ -212,6 +212,17 @@ def test_typed_errors():
   with pytest.raises(scp.ConfigError) as e:
     prep.balance(BATCHES, window=0)
   assert e.value.field == "window"
+  # One batch (or table) for the sequence, a fractional window, a column for a batch: type
+  # errors, not a panic and not a batch of columns.
+  for one in (BATCHES[0], pa.Table.from_batches(BATCHES)):
+    with pytest.raises(TypeError, match="not one: wrap it in a list"):
+      prep.balance(one, window=1)
+  with pytest.raises(TypeError):
+    prep.balance(BATCHES, window=1.5)
+  with pytest.raises(TypeError, match="got an Arrow array of type Int64"):
+    prep.balance([pa.array([1, 2, 3], pa.int64())], window=1)
+  with pytest.raises(TypeError, match="got an Arrow array of type"):
+    prep(pa.array([[1], [2]], pa.list_(pa.int64())))
   with pytest.raises(scp.ConfigError) as e:
     prep.balance(BATCHES, refine="thorough")
   assert e.value.field == "refine" and "unique-ids" in str(e.value)

@@ -413,8 +413,11 @@ impl Balancer {
         let config = self.prep.config().clone();
         let mut shape = None;
         let mut first_plan: Option<PlanKey> = None;
+        // Which batch of a window of several, for messages about a row.
+        let pooled = window.len() > 1;
+        let which = |b: usize| move |e: Error| if pooled { e.context(format!("batch {b} of the window")) } else { e };
         for (b, rb) in window.iter().enumerate() {
-            let features = features_from_record_batch_reusing(&config, rb, &mut self.hash_buffers)?;
+            let features = features_from_record_batch_reusing(&config, rb, &mut self.hash_buffers).map_err(which(b))?;
             let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
             let sizes: Vec<usize> = inputs.iter().map(|i| i.num_samples()).collect();
             let plan = self.prep.plan_for(&sizes)?;
@@ -434,7 +437,7 @@ impl Balancer {
                 self.hash_buffers.recycle(features);
                 return Ok(None);
             }
-            self.counter.count_batch(plan, &inputs, b, rows, counts)?;
+            self.counter.count_batch(plan, &inputs, b, rows, counts).map_err(which(b))?;
             shape = Some(this);
             drop(inputs);
             self.hash_buffers.recycle(features);
@@ -732,10 +735,12 @@ fn window_loads(prep: &mut Preprocessor, batches: &[RecordBatch]) -> Result<Vec<
     let mut loads = Vec::with_capacity(batches.len());
     // (A copy: the batch's views borrow the config while `prep` runs mutably.)
     let config = prep.config().clone();
-    for rb in batches {
-        let features = features_from_record_batch(&config, rb)?;
+    let n = batches.len();
+    let which = |b: usize| move |e: Error| if n > 1 { e.context(format!("batch {b} of {n}")) } else { e };
+    for (b, rb) in batches.iter().enumerate() {
+        let features = features_from_record_batch(&config, rb).map_err(which(b))?;
         let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
-        prep.run_stats(&inputs, &mut out)?;
+        prep.run_stats(&inputs, &mut out).map_err(which(b))?;
         let s = prep.plan().map(|p| p.layout.sc_per_device).unwrap_or(1);
         loads.push(
             out.stacks

@@ -16,6 +16,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::io::OutputFile;
+// Until every caller names it there.
+pub use crate::io::tmp_path;
 use crate::fields::{self, Nested, Section};
 use crate::output::Output;
 use crate::spec::{round_up, Config, DeviceLayout, Plan, Stacking, ALIGNMENT};
@@ -175,22 +178,13 @@ fn merge_stack(into: &mut StackStats, from: &StackStats) {
     into.dropped_id_count = into.dropped_id_count.saturating_add(from.dropped_id_count);
 }
 
-/// Writes `bytes` to a temporary sibling of `path`, then renames it into place, so that a
-/// crash never leaves a partial file under the final name.
+/// Writes `bytes` to `path` whole or not at all (see [`crate::io::OutputFile`]: through a
+/// temporary sibling, removed if the write fails; symlinks followed; pipes and devices written
+/// in place).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = tmp_path(path);
-    std::fs::write(&tmp, bytes).map_err(|source| Error::Io { context: format!("writing {}", tmp.display()), source })?;
-    std::fs::rename(&tmp, path).map_err(|source| {
-        let _ = std::fs::remove_file(&tmp);
-        Error::Io { context: format!("renaming {} to {}", tmp.display(), path.display()), source }
-    })
-}
-
-/// The temporary name used while `path` is being written.
-pub fn tmp_path(path: &Path) -> PathBuf {
-    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-    name.push(format!(".tmp-{}", std::process::id()));
-    path.with_file_name(name)
+    let out = OutputFile::new(path)?;
+    std::fs::write(out.path(), bytes).map_err(|source| Error::Io { context: format!("writing {}", out.path().display()), source })?;
+    out.commit()
 }
 
 /// Where stats are recorded, published and loaded (the reference's `FDOClient`).

@@ -7,19 +7,17 @@
 //! different schemas, a missing column) writes nothing.
 
 use std::collections::VecDeque;
-use std::fs::File;
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 
 use arrow_array::RecordBatch;
 use arrow_ipc::writer::FileWriter;
 use sparsecore_prep::balance::{measure, BalanceReport, Balancer, Refinement, StackLoad};
-use sparsecore_prep::io::BatchReader;
+use sparsecore_prep::io::{BatchReader, OutputFile};
 use sparsecore_prep::{Config, Error, Result};
 
 use super::outdir::clean_stale;
 use super::stdio::outln;
-use super::io_err;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -41,7 +39,8 @@ pub struct Args {
     /// the most work).
     #[arg(long, value_enum, default_value_t = Refine::WorstCell)]
     refine: Refine,
-    /// Print one JSON object (the last line) instead of the summary.
+    /// Print one JSON object (the last line) instead of the summary (`required_buffer` per
+    /// device, as the config's `suggested_coo_buffer_size_per_device`).
     #[arg(long)]
     json: bool,
 }
@@ -83,8 +82,13 @@ pub fn parse_window(s: &str) -> std::result::Result<usize, String> {
     }
 }
 
-/// Input batches, balanced window by window: yields `(input index, balanced batch)`. Each window
-/// holds `window` consecutive items of `inner` (the last may be shorter).
+/// Where each row of a balanced batch comes from, as (input record batch, row); `None` for a
+/// batch whose window kept its input order. An error about a row of a balanced batch names
+/// the input's row through it.
+pub type Origin = Option<Vec<(usize, usize)>>;
+
+/// Input batches, balanced window by window: yields `(input index, balanced batch, origin)`. Each
+/// window holds `window` consecutive items of `inner` (the last may be shorter).
 pub struct Balancing<I> {
     inner: I,
     config: Config,
@@ -93,7 +97,7 @@ pub struct Balancing<I> {
     window: usize,
     refinement: Refinement,
     input: PathBuf,
-    ready: VecDeque<(usize, RecordBatch)>,
+    ready: VecDeque<(usize, RecordBatch, Origin)>,
     failed: bool,
     /// Per-window reports, in order.
     pub reports: Vec<BalanceReport>,
@@ -148,14 +152,19 @@ impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Balancing<I> {
             let after = if balanced.report.reordered() { measure(&self.config, &balanced.batches).map_err(context)? } else { before.clone() };
             self.measured.push((before, after));
         }
+        let origins: Vec<Origin> = if balanced.report.reordered() {
+            balanced.permutation.iter().map(|rows| Some(rows.iter().map(|r| (indices[r.batch], r.row)).collect())).collect()
+        } else {
+            vec![None; indices.len()]
+        };
         self.reports.push(balanced.report);
-        self.ready.extend(indices.into_iter().zip(balanced.batches));
+        self.ready.extend(indices.into_iter().zip(balanced.batches).zip(origins).map(|((i, b), o)| (i, b, o)));
         Ok(())
     }
 }
 
 impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Iterator for Balancing<I> {
-    type Item = (usize, Result<RecordBatch>);
+    type Item = (usize, Result<RecordBatch>, Origin);
 
     fn next(&mut self) -> Option<Self::Item> {
         if self.failed {
@@ -164,10 +173,25 @@ impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Iterator for Balancing<I>
         if self.ready.is_empty() {
             if let Err(e) = self.fill() {
                 self.failed = true;
-                return Some((0, Err(e)));
+                return Some((0, Err(e), None));
             }
         }
-        self.ready.pop_front().map(|(i, b)| (i, Ok(b)))
+        self.ready.pop_front().map(|(i, b, o)| (i, Ok(b), o))
+    }
+}
+
+/// The context of an error about balanced batch `index`: where the row it names came from.
+pub fn balanced_at(input: &Path, index: usize, origin: &Origin, e: &Error) -> String {
+    let row = match e.root() {
+        Error::IdOutOfRange { row, .. } | Error::InvalidWeight { row, .. } | Error::WeightsShape { row, .. } => Some(*row),
+        _ => None,
+    };
+    match (origin, row) {
+        (Some(rows), Some(r)) if r < rows.len() => {
+            let (b, r0) = rows[r];
+            format!("input {}, balanced record batch {index} (its sample row {r} is record batch {b}, row {r0} of the input)", input.display())
+        }
+        _ => format!("input {}, record batch {index}", input.display()),
     }
 }
 
@@ -204,7 +228,7 @@ pub fn run(a: Args) -> Result<()> {
     let reader = BatchReader::open(&a.input)?;
     let schema = reader.schema();
     clean_stale(&a.out, false);
-    let tmp = sparsecore_prep::fdo::tmp_path(&a.out);
+    let out = OutputFile::new(&a.out)?;
     let arrow = |source| Error::Arrow { context: format!("writing {}", a.out.display()), source };
     let mut batches = 0usize;
     let mut rows = 0usize;
@@ -212,10 +236,9 @@ pub fn run(a: Args) -> Result<()> {
     let mut reports = Vec::new();
     let mut measured = Vec::new();
     let write = || -> Result<()> {
-        let file = File::create(&tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
-        let mut writer = FileWriter::try_new(BufWriter::new(file), &schema).map_err(arrow)?;
+        let mut writer = FileWriter::try_new(BufWriter::new(out.create()?), &schema).map_err(arrow)?;
         let mut it = Balancing::new(reader.enumerate(), config, a.window, a.refine.into(), &a.input).measuring();
-        for (index, batch) in it.by_ref() {
+        for (index, batch, _) in it.by_ref() {
             let batch = batch?;
             if batch.schema() != schema {
                 return Err(Error::input(
@@ -232,12 +255,11 @@ pub fn run(a: Args) -> Result<()> {
         reordered = it.reports.iter().filter(|r| r.reordered()).count();
         reports = std::mem::take(&mut it.reports);
         measured = std::mem::take(&mut it.measured);
-        std::fs::rename(&tmp, &a.out).map_err(io_err(format!("renaming {} to {}", tmp.display(), a.out.display())))
+        Ok(())
     };
-    if let Err(e) = write() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
-    }
+    // On an error the temporary goes with `out`: nothing is written.
+    write()?;
+    out.commit()?;
     let stacks = aggregate(&reports, &measured);
     // Why the input order was kept: per reason (in the order the reasons first occur), its
     // windows and the stacks it named.

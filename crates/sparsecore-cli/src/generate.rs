@@ -1,12 +1,12 @@
 //! `generate`: a synthetic workload as an Arrow IPC file plus its config.
 
-use std::fs::File;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use arrow_ipc::writer::FileWriter;
 use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use sparsecore_prep::io::OutputFile;
 use sparsecore_prep::spec::Stacking;
 use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 use sparsecore_prep::{Error, Result};
@@ -87,11 +87,13 @@ pub fn run(a: Args) -> Result<()> {
     // Both files go to temporary names first and are renamed only when both are complete.
     super::outdir::clean_stale(&a.out, false);
     super::outdir::clean_stale(&a.config_out, false);
-    let tmp = sparsecore_prep::fdo::tmp_path(&a.out);
-    let config_tmp = sparsecore_prep::fdo::tmp_path(&a.config_out);
+    let (out, config_out) = (OutputFile::new(&a.out)?, OutputFile::new(&a.config_out)?);
+    if out.path() == config_out.path() {
+        return Err(Error::option("config-out", a.config_out.display().to_string(), "names the same file as --out"));
+    }
     let pb = progress(Some(w.batches.len() as u64), "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} batches written to {wide_msg}");
     let write = || -> Result<()> {
-        let file = File::create(&tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
+        let file = out.create()?;
         let arrow = |source| Error::Arrow { context: format!("writing {}", a.out.display()), source };
         let mut writer = FileWriter::try_new(Counting { inner: file, bytes: 0 }, &w.schema).map_err(arrow)?;
         pb.set_message(format!("{} (0 B)", a.out.display()));
@@ -101,18 +103,14 @@ pub fn run(a: Args) -> Result<()> {
             pb.inc(1);
         }
         writer.finish().map_err(arrow)?;
-        std::fs::write(&config_tmp, w.config.to_json()).map_err(io_err(format!("writing {}", config_tmp.display())))?;
-        std::fs::rename(&tmp, &a.out).map_err(io_err(format!("renaming {} to {}", tmp.display(), a.out.display())))?;
-        std::fs::rename(&config_tmp, &a.config_out)
-            .map_err(io_err(format!("renaming {} to {}", config_tmp.display(), a.config_out.display())))
+        std::fs::write(config_out.path(), w.config.to_json()).map_err(io_err(format!("writing {}", config_out.path().display())))
     };
     let written = write();
     pb.finish_and_clear();
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        let _ = std::fs::remove_file(&config_tmp);
-        return Err(e);
-    }
+    // On an error both temporaries go with `out` and `config_out`: nothing is written.
+    written?;
+    out.commit()?;
+    config_out.commit()?;
     let line = serde_json::json!({
         "profile": a.profile.name(),
         "arrow": a.out.display().to_string(),

@@ -17,6 +17,7 @@ use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::io::BatchReader;
 use sparsecore_prep::{Config, Error, Output, Preprocessor, Result, StackOutput};
 
+use super::balance::{balanced_at, Origin};
 use super::outdir::{clean_stale, some_names, Staged};
 use super::stdio::outln;
 use super::{count_ids, io_err, parse_shard, table};
@@ -186,16 +187,21 @@ fn stream(
     let mut ids_per_stack: Vec<u64> = Vec::new();
     let mut all_ids = 0u64;
     let selected = reader.enumerate().filter(|(index, _)| index % n == i0);
-    let batches: Box<dyn Iterator<Item = (usize, Result<RecordBatch>)>> = match (balance_window, balance_config) {
+    let batches: Box<dyn Iterator<Item = (usize, Result<RecordBatch>, Origin)>> = match (balance_window, balance_config) {
         (Some((w, r)), Some(c)) => Box::new(super::balance::Balancing::new(selected, c, w, r, input)),
-        _ => Box::new(selected),
+        _ => Box::new(selected.map(|(i, b)| (i, b, None))),
     };
-    for (index, batch) in batches {
+    for (index, batch, origin) in batches {
         let batch = batch?;
-        let features = features_from_record_batch(prep.config(), &batch).map_err(|e| e.context(at(index)))?;
+        // A row named in a balanced batch is named where it is in the input too.
+        let row_at = |e: Error| {
+            let context = balanced_at(input, index, &origin, &e);
+            e.context(context)
+        };
+        let features = features_from_record_batch(prep.config(), &batch).map_err(row_at)?;
         let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
         let result = if stats_only { prep.run_stats(&inputs, &mut out) } else { prep.run(&inputs, &mut out) };
-        result.map_err(|e| e.context(at(index)))?;
+        result.map_err(row_at)?;
         let plan = prep.plan().expect("planned");
         let ids = count_ids(plan, &inputs);
         ids_per_stack.resize(ids.len(), 0);

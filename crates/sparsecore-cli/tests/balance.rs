@@ -294,3 +294,77 @@ fn bad_input_writes_nothing() {
     assert_eq!(o.status.code(), Some(2));
     assert_eq!(listing(&dir.0), before);
 }
+
+/// An id out of range in a balanced batch is reported where it is in the input: `preprocess
+/// --balance W` names the balanced batch, its row, and the input's record batch and row.
+#[test]
+fn a_bad_id_in_a_balanced_batch_names_its_input_row() {
+    use arrow_array::builder::{Int64Builder, ListBuilder};
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::Int64Type;
+
+    let dir = TempDir::new("badrow");
+    let (input, cfg) = generate(&dir);
+    let good: Value = serde_json::from_slice(&std::fs::read(&cfg).unwrap()).unwrap();
+    let f0 = &good["features"][0];
+    let name = f0["column"].as_str().or(f0["name"].as_str()).unwrap().to_string();
+    // Record batch 3, row 37 gets one more id, -7.
+    let mut batches = record_batches(&input);
+    let rb = &batches[3];
+    let k = rb.schema().index_of(&name).unwrap();
+    let item = match rb.schema().field(k).data_type() {
+        DataType::List(f) => f.clone(),
+        other => panic!("{other}"),
+    };
+    let mut lists = ListBuilder::new(Int64Builder::new()).with_field(item);
+    for (row, ids) in rb.column(k).as_list::<i32>().iter().enumerate() {
+        lists.values().append_slice(ids.unwrap().as_primitive::<Int64Type>().values());
+        if row == 37 {
+            lists.values().append_value(-7);
+        }
+        lists.append(true);
+    }
+    let mut cols = rb.columns().to_vec();
+    cols[k] = Arc::new(lists.finish());
+    batches[3] = RecordBatch::try_new(rb.schema(), cols).unwrap();
+    let bad = dir.join("bad.arrow");
+    {
+        let mut w = arrow_ipc::writer::FileWriter::try_new(std::fs::File::create(&bad).unwrap(), &batches[0].schema()).unwrap();
+        for b in &batches {
+            w.write(b).unwrap();
+        }
+        w.finish().unwrap();
+    }
+    let plain = fails(&["preprocess", "--config", s(&cfg), "--input", s(&bad), "--out", s(&dir.join("p"))]);
+    assert!(plain.contains("record batch 3: ") && plain.contains("sample row 37: id -7"), "{plain}");
+    for window in ["1", "4"] {
+        let line = fails(&["preprocess", "--config", s(&cfg), "--input", s(&bad), "--out", s(&dir.join("p")), "--balance", window]);
+        assert!(line.contains("balanced record batch ") && line.contains("is record batch 3, row 37 of the input)"), "W = {window}: {line}");
+        assert!(line.contains("id -7 is outside"), "{line}");
+    }
+    // `balance` itself names the batch of the window.
+    let line = fails(&["balance", "--config", s(&cfg), "--input", s(&bad), "--out", s(&dir.join("b.arrow")), "--window", "4"]);
+    assert!(line.contains("batch 3 of 4") && line.contains("sample row 37: id -7"), "{line}");
+}
+
+/// `balance --out` through a symlink writes the link's target and keeps the link; `generate`
+/// refuses one file for both of its outputs and writes nothing.
+#[test]
+fn outputs_through_a_symlink_and_the_same_file_twice() {
+    let dir = TempDir::new("links");
+    let (input, cfg) = generate(&dir);
+    let (target, link) = (dir.join("target.arrow"), dir.join("link.arrow"));
+    std::fs::write(&target, b"old").unwrap();
+    std::os::unix::fs::symlink("target.arrow", &link).unwrap();
+    ok(&["balance", "--config", s(&cfg), "--input", s(&input), "--out", s(&link)]);
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+    assert_eq!(record_batches(&target).len(), 4);
+
+    let before = listing(&dir.0);
+    let same = dir.join("same");
+    let line = fails(&["generate", "--profile", "criteo", "--batch-size", "64", "--out", s(&same), "--config-out", s(&same)]);
+    assert!(line.contains("config-out") && line.contains("same file as --out"), "{line}");
+    let line = fails(&["generate", "--profile", "criteo", "--batch-size", "64", "--out", s(&target), "--config-out", s(&link)]);
+    assert!(line.contains("same file as --out"), "{line}");
+    assert_eq!(listing(&dir.0), before, "nothing written");
+}
