@@ -138,6 +138,14 @@ fn json_refuses_other_versions_and_names_the_file() {
     assert!(e.to_string().contains("broken_stats.json"), "{e}");
     let e = FdoStats::from_path(dir.join("absent.json")).unwrap_err();
     assert!(matches!(e, Error::Io { .. }) && e.to_string().contains("absent.json"), "{e}");
+
+    // A negative count is a damaged file: named by stack, field, position and value.
+    let mut v: serde_json::Value = serde_json::from_str(&sample_stats().to_json()).unwrap();
+    let stack = v["stacks"].as_object().unwrap().keys().next().unwrap().clone();
+    v["stacks"][&stack]["max_unique_ids_per_partition"][1] = serde_json::json!(-5);
+    let e = FdoStats::from_json(&v.to_string()).unwrap_err();
+    let message = e.to_string();
+    assert!(message.contains(&stack) && message.contains("`max_unique_ids_per_partition`[1] is -5"), "{message}");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -132,6 +132,20 @@ impl FdoStats {
         if s.version != FDO_FORMAT_VERSION {
             return Err(Error::option("version", s.version, format!("unsupported FDO stats version (expected {FDO_FORMAT_VERSION})")));
         }
+        // Counts of ids and buffer sizes: a negative one is a damaged file, and would tune a
+        // limit below zero or draw a bar below the axis.
+        for (name, st) in &s.stacks {
+            let arrays = [
+                ("max_ids_per_partition", &st.max_ids_per_partition),
+                ("max_unique_ids_per_partition", &st.max_unique_ids_per_partition),
+                ("required_buffer_size_per_sc", &st.required_buffer_size_per_sc),
+            ];
+            for (field, values) in arrays {
+                if let Some((i, v)) = values.iter().enumerate().find(|(_, &v)| v < 0) {
+                    return Err(Error::config("stack", name, format!("stats field `{field}`[{i}] is {v}: counts cannot be negative")));
+                }
+            }
+        }
         Ok(s)
     }
 

@@ -224,7 +224,7 @@ pub fn aggregate(reports: &[BalanceReport], measured: &[(Vec<StackLoad>, Vec<Sta
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let config = Config::from_path(&a.config).map_err(|e| e.context(format!("config {}", a.config.display())))?;
+    let config = Config::from_path(&a.config)?;
     let reader = BatchReader::open(&a.input)?;
     let schema = reader.schema();
     clean_stale(&a.out, false);

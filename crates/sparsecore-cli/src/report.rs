@@ -180,7 +180,7 @@ fn check_shapes(stats: &FdoStats, path: &Path) -> Result<()> {
 /// Plans the config and takes each drawn stack's limits and buffer from the plan. The config's
 /// layout must be the stats' layout, and every stack in the stats a stack of the plan.
 fn config_limits(path: &Path, batch_size: Option<usize>, runs: &[Run], stacks: &[String]) -> Result<BTreeMap<String, Limits>> {
-    let config = Config::from_path(path).map_err(|e| e.context(format!("config {}", path.display())))?;
+    let config = Config::from_path(path)?;
     let o = &config.config;
     let batch = match (batch_size, o.stacking) {
         (Some(b), _) => b,
