@@ -146,6 +146,11 @@ fn json_refuses_other_versions_and_names_the_file() {
     let e = FdoStats::from_json(&v.to_string()).unwrap_err();
     let message = e.to_string();
     assert!(message.contains(&stack) && message.contains("`max_unique_ids_per_partition`[1] is -5"), "{message}");
+    // So is a layout without devices.
+    let mut v: serde_json::Value = serde_json::from_str(&sample_stats().to_json()).unwrap();
+    v["layout"]["num_sc_per_device"] = serde_json::json!(0);
+    let e = FdoStats::from_json(&v.to_string()).unwrap_err();
+    assert!(e.to_string().contains("num_sc_per_device = 0"), "{e}");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -132,6 +132,12 @@ impl FdoStats {
         if s.version != FDO_FORMAT_VERSION {
             return Err(Error::option("version", s.version, format!("unsupported FDO stats version (expected {FDO_FORMAT_VERSION})")));
         }
+        let l = &s.layout;
+        for (field, v) in [("local_device_count", l.local_device_count), ("global_device_count", l.global_device_count), ("num_sc_per_device", l.num_sc_per_device)] {
+            if v == 0 {
+                return Err(Error::option("layout", format!("{field} = 0"), "an FDO stats file's layout counts devices and SparseCores: at least 1 each"));
+            }
+        }
         // Counts of ids and buffer sizes: a negative one is a damaged file, and would tune a
         // limit below zero or draw a bar below the axis.
         for (name, st) in &s.stacks {

@@ -183,7 +183,13 @@ fn config_limits(path: &Path, batch_size: Option<usize>, runs: &[Run], stacks: &
     let config = Config::from_path(path)?;
     let o = &config.config;
     let batch = match (batch_size, o.stacking) {
-        (Some(b), _) => b,
+        (Some(b), _) => {
+            let slices = o.local_device_count * o.num_sc_per_device;
+            if b == 0 || slices == 0 || !b.is_multiple_of(slices) {
+                return Err(Error::option("batch-size", b, format!("local samples per feature: a positive multiple of the {slices} local SparseCores")));
+            }
+            b
+        }
         (None, Stacking::Feature) => o.local_device_count.max(1) * o.num_sc_per_device.max(1),
         (None, Stacking::Auto) => {
             return Err(Error::option(

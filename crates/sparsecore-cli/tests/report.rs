@@ -264,6 +264,10 @@ fn bad_invocations_fail_with_one_line_and_write_nothing() {
             ),
         ),
         (
+            vec!["report", "--stats", s(&before), "--config", s(&auto_cfg), "--batch-size", "6", "--out", s(&svg)],
+            "invalid option `batch-size` = 6: local samples per feature: a positive multiple of the 4 local SparseCores".into(),
+        ),
+        (
             vec!["report", "--stats", s(&before), "--config", s(&auto_cfg), "--batch-size", "128", "--out", s(&svg)],
             format!(
                 "invalid config: stack `cats`: in stats {} but not a stack of config {} (its stacks: items_cats_queries)",
