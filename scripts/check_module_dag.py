@@ -27,7 +27,8 @@ FLOW = [
     ["output"],
     ["allreduce"],
     ["preprocess"],
-    ["fdo", "io", "balance"],
+    ["io"],
+    ["fdo", "balance"],
 ]
 RANK = {m: r for r, ms in enumerate(FLOW) for m in ms}
 PATH = re.compile(r"\bcrate::([a-z_][a-z0-9_]*)")

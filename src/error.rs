@@ -263,6 +263,16 @@ pub enum Error {
         reason: String,
     },
 
+    /// Invalid data that is no feature's input: a file's contents (an `.npz` member, a CSV
+    /// row), a window of record batches, a permutation.
+    #[error("{what}: {reason}")]
+    InvalidData {
+        /// The file, member or object at fault, as the message names it.
+        what: String,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// An Arrow column named by the config is absent from the record batch.
     #[error("feature `{feature}`: column `{column}` not found in the record batch (columns: {available})")]
     MissingColumn {
@@ -389,6 +399,11 @@ impl Error {
     /// An [`Error::InvalidInput`].
     pub fn input(feature: impl Into<String>, reason: impl Into<String>) -> Self {
         Error::InvalidInput { feature: feature.into(), reason: reason.into() }
+    }
+
+    /// An [`Error::InvalidData`].
+    pub fn data(what: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::InvalidData { what: what.into(), reason: reason.into() }
     }
 }
 

@@ -87,11 +87,11 @@ fn bad_windows_are_typed_errors() {
     // Different schemas: drop a column from the second batch.
     let narrower = window[1].project(&(1..window[1].num_columns()).collect::<Vec<_>>()).unwrap();
     let e = balance(&config, &[window[0].clone(), narrower.clone()]).unwrap_err();
-    assert!(matches!(e, Error::InvalidInput { .. }) && e.to_string().contains("schema"), "{e}");
+    assert!(matches!(&e, Error::InvalidData { what, .. } if what == "balancing window") && e.to_string().contains("schema"), "{e}");
     // Applying a permutation checks the same.
     let rows = vec![vec![SampleRef { batch: 0, row: 0 }], vec![SampleRef { batch: 1, row: 0 }]];
     let e = apply(&[window[0].clone(), narrower.clone()], &rows).unwrap_err();
-    assert!(matches!(e, Error::InvalidInput { .. }) && e.to_string().contains("batch 1 of the window has another schema"), "{e}");
+    assert!(matches!(e, Error::InvalidData { .. }) && e.to_string().contains("balancing window: batch 1 has another schema"), "{e}");
     // A column the config needs is missing.
     let e = balance(&config, &[narrower]).unwrap_err();
     assert!(matches!(e, Error::MissingColumn { .. }), "{e:?}");

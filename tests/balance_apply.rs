@@ -199,7 +199,8 @@ fn rows_outside_the_window_are_typed_errors() {
     let window = vec![batch(&mut rng, 8, 0, false)];
     for bad in [SampleRef { batch: 1, row: 0 }, SampleRef { batch: 0, row: 8 }] {
         let e = apply(&window, &[vec![bad]]).unwrap_err();
-        assert!(matches!(e, sparsecore_prep::Error::InvalidInput { .. }), "{e:?}");
+        let named = format!("permutation: it names row {} of batch {}, which does not exist", bad.row, bad.batch);
+        assert!(matches!(e, sparsecore_prep::Error::InvalidData { .. }) && e.to_string() == named, "{e:?}");
     }
 }
 

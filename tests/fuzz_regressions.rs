@@ -243,7 +243,7 @@ fn csv_export_refuses_names_that_cannot_be_keys() {
     stats.stacks.insert("a,b".into(), st);
     let path = scratch("comma.csv");
     let e = csv::export(&path, &stats).unwrap_err();
-    assert!(matches!(e, Error::InvalidInput { .. }), "{e:?}");
+    assert!(matches!(e, Error::InvalidData { .. }), "{e:?}");
     assert!(e.to_string().contains("comma.csv") && e.to_string().contains("\"a,b\""), "{e}");
     assert!(!path.exists());
 }

@@ -45,9 +45,9 @@ pub struct Reorder {
 pub(super) fn one_schema(window: &[RecordBatch]) -> Result<()> {
     let Some(first) = window.first() else { return Ok(()) };
     match window.iter().enumerate().skip(1).find(|(_, b)| b.schema() != first.schema()) {
-        Some((k, b)) => Err(Error::input(
-            "balance",
-            format!("batch {k} of the window has another schema than batch 0 ({} vs {} columns, or other types)", b.num_columns(), first.num_columns()),
+        Some((k, b)) => Err(Error::data(
+            "balancing window",
+            format!("batch {k} has another schema than batch 0 ({} vs {} columns, or other types)", b.num_columns(), first.num_columns()),
         )),
         None => Ok(()),
     }
@@ -67,7 +67,7 @@ impl Reorder {
             index.clear();
             for r in rows {
                 if r.batch >= window.len() || r.row >= window[r.batch].num_rows() {
-                    return Err(Error::input("balance", format!("permutation names row {} of batch {}, which does not exist", r.row, r.batch)));
+                    return Err(Error::data("permutation", format!("it names row {} of batch {}, which does not exist", r.row, r.batch)));
                 }
                 index.push((r.batch, r.row));
             }
@@ -83,7 +83,7 @@ impl Reorder {
 
     fn reorder(&mut self, window: &[RecordBatch], index: &[Vec<(usize, usize)>]) -> Result<Vec<RecordBatch>> {
         let Some(first) = window.first() else {
-            return if index.is_empty() { Ok(Vec::new()) } else { Err(Error::input("balance", "a permutation of an empty window has batches")) };
+            return if index.is_empty() { Ok(Vec::new()) } else { Err(Error::data("permutation", "it has batches, but the window is empty")) };
         };
         let sources: Vec<&RecordBatch> = window.iter().collect();
         // A batch without columns is Arrow's to define.

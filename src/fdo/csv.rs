@@ -11,7 +11,7 @@ use super::{FdoStats, LayoutKey};
 
 /// Parses CSV text into arrays; rows with the same key are stacked into a matrix.
 pub fn parse(text: &str, source: &str) -> Result<BTreeMap<String, NpyArray>> {
-    let bad = |reason: String| Error::InvalidInput { feature: source.to_string(), reason };
+    let bad = |reason: String| Error::data(source, reason);
     let mut lines = text.lines();
     match lines.next().map(str::trim) {
         Some("key,values") => {}
@@ -78,10 +78,10 @@ pub fn representable(key: &str) -> bool {
 /// [`representable`]) is refused rather than written as a file that reads back differently.
 pub fn export(path: &Path, stats: &FdoStats) -> Result<()> {
     if let Some(name) = stats.stacks.keys().find(|k| !representable(k)) {
-        return Err(Error::InvalidInput {
-            feature: path.display().to_string(),
-            reason: format!("stack name {name:?} cannot be a CSV key: it contains a comma or a line break"),
-        });
+        return Err(Error::data(
+            path.display().to_string(),
+            format!("stack name {name:?} cannot be a CSV key: it contains a comma or a line break"),
+        ));
     }
     super::write_atomic(path, render(&stats_to_arrays(stats)).as_bytes())
 }

@@ -31,7 +31,7 @@ const MAGIC: &[u8] = b"\x93NUMPY";
 const MAX_NDIM: usize = 64;
 
 fn bad(path: &str, what: String) -> Error {
-    Error::InvalidInput { feature: path.to_string(), reason: what }
+    Error::data(path, what)
 }
 
 /// A zip error's text, with the I/O error behind it (zip's own text for that is only "i/o error").

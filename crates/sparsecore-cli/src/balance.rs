@@ -241,10 +241,7 @@ pub fn run(a: Args) -> Result<()> {
         for (index, batch, _) in it.by_ref() {
             let batch = batch?;
             if batch.schema() != schema {
-                return Err(Error::input(
-                    "balance",
-                    format!("input {}, record batch {index}: another schema than the file's", a.input.display()),
-                ));
+                return Err(Error::data(format!("input {}, record batch {index}", a.input.display()), "another schema than the file's"));
             }
             writer.write(&batch).map_err(arrow)?;
             batches += 1;

@@ -19,7 +19,7 @@ pub fn run(threads: Option<usize>) -> Result<(), Error> {
         .map_err(|source| Error::Arrow { context: "bundled demo batch".into(), source })?;
     let batch = reader
         .next()
-        .ok_or_else(|| Error::InvalidInput { feature: "demo".into(), reason: "the bundled Arrow file has no record batch".into() })?
+        .ok_or_else(|| Error::data("demo", "the bundled Arrow file has no record batch"))?
         .map_err(|source| Error::Arrow { context: "bundled demo batch".into(), source })?;
 
     let mut builder = Preprocessor::builder(config);
