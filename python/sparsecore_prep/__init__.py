@@ -793,10 +793,10 @@ class Preprocessor:
     one per input batch, and an int64 array over all rows in order: output row
     ``j`` is input row ``permutation[j]``. With ``with_report=True``, also a
     list of per-window dicts (``batches``, ``reordered``, ``outcome``: why the
-    input order was kept, one of ``"reordered"``, ``"not_balanceable"``,
-    ``"at_lower_bound"``, ``"no_better_order"``, ``"would_pass_limit"``,
-    ``"would_pass_unique_limit"``, with the stack it names in
-    ``outcome_stack`` or ``None``, and per stack the
+    input order was kept, one of ``"reordered"``, ``"empty_window"``,
+    ``"uneven_batch"``, ``"mixed_plans"``, ``"at_lower_bound"``,
+    ``"no_better_order"``, ``"would_pass_limit"``, ``"would_pass_unique_limit"``,
+    with the stack it names in ``outcome_stack`` or ``None``, and per stack the
     worst ``max_ids_per_partition`` and ``required_buffer`` before and after,
     counted exactly as the pipeline counts them, and the ``lower_bound`` no
     order can beat). Unique ids need the pipeline's sort: preprocess the

@@ -94,7 +94,7 @@ pub fn balance_batches<'py>(
         d.set_item("batches", r.batches)?;
         d.set_item("reordered", r.reordered())?;
         d.set_item("outcome", r.outcome.name())?;
-        d.set_item("outcome_stack", r.outcome.stack().and_then(|k| r.stacks.get(k)))?;
+        d.set_item("outcome_stack", r.outcome.stack_index().and_then(|k| r.stacks.get(k)))?;
         d.set_item("stacks", stacks)?;
         reports.append(d)?;
     }

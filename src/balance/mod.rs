@@ -116,38 +116,49 @@ impl BalanceReport {
 
 /// What became of a window's order. Every variant but [`Outcome::Reordered`] returns the input
 /// order, and says why, so that a user can tell data that cannot be balanced from limits that
-/// hold balancing back (the stack is an index into [`BalanceReport::stacks`]).
+/// hold balancing back. A `stack_index` indexes [`BalanceReport::stacks`]; a `batch` is a
+/// batch's position in the window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
     /// The balanced order replaced the input order.
     Reordered,
-    /// Nothing to balance: an empty window, a batch that does not split evenly over the
-    /// slices (which the pipeline rejects anyway), or batches planned differently (auto
-    /// stacking may plan a batch of another size).
+    /// An empty window: nothing to balance.
     #[default]
-    NotBalanceable,
-    /// The window's worst input batch already reaches the lower bound in stack `stack`
-    /// (relative to its limit): every order has a batch at least as bad, so none can make
-    /// every batch better. Typical where one sample's ids fill a partition's cell.
+    EmptyWindow,
+    /// Batch `batch` has no rows, or rows that do not split evenly over the local SparseCores
+    /// (which the pipeline rejects anyway).
+    UnevenBatch {
+        /// The first such batch.
+        batch: usize,
+    },
+    /// Batch `batch` is planned differently from batch 0 (auto stacking may plan a batch of
+    /// another size with other stacks): their samples' loads are not comparable.
+    MixedPlans {
+        /// The first such batch.
+        batch: usize,
+    },
+    /// The window's worst input batch already reaches the lower bound in the stack at
+    /// `stack_index` (relative to its limit): every order has a batch at least as bad, so none
+    /// can make every batch better. Typical where one sample's ids fill a partition's cell.
     AtLowerBound {
         /// The stack whose bound decides.
-        stack: usize,
+        stack_index: usize,
     },
     /// The search found no order in which every batch is strictly better (for W > 1: better
     /// than the window's worst input batch).
     NoBetterOrder,
-    /// The better order would raise stack `stack`'s `max_ids_per_partition` or required
-    /// buffer above both what its input needed and its configured limit.
+    /// The better order would raise the `max_ids_per_partition` or required buffer of the
+    /// stack at `stack_index` above both what its input needed and its configured limit.
     WouldPassLimit {
         /// The first stack that would.
-        stack: usize,
+        stack_index: usize,
     },
-    /// The better order would raise stack `stack`'s `max_unique_ids_per_partition` above both
-    /// what its input needed and its configured limit.
+    /// The better order would raise the `max_unique_ids_per_partition` of the stack at
+    /// `stack_index` above both what its input needed and its configured limit.
     WouldPassUniqueLimit {
         /// The first stack that would.
-        stack: usize,
+        stack_index: usize,
     },
 }
 
@@ -156,7 +167,9 @@ impl Outcome {
     pub fn name(self) -> &'static str {
         match self {
             Outcome::Reordered => "reordered",
-            Outcome::NotBalanceable => "not_balanceable",
+            Outcome::EmptyWindow => "empty_window",
+            Outcome::UnevenBatch { .. } => "uneven_batch",
+            Outcome::MixedPlans { .. } => "mixed_plans",
             Outcome::AtLowerBound { .. } => "at_lower_bound",
             Outcome::NoBetterOrder => "no_better_order",
             Outcome::WouldPassLimit { .. } => "would_pass_limit",
@@ -164,11 +177,13 @@ impl Outcome {
         }
     }
 
-    /// The stack the outcome names, if any.
-    pub fn stack(self) -> Option<usize> {
+    /// The index of the stack the outcome names, if any.
+    pub fn stack_index(self) -> Option<usize> {
         match self {
-            Outcome::AtLowerBound { stack } | Outcome::WouldPassLimit { stack } | Outcome::WouldPassUniqueLimit { stack } => Some(stack),
-            Outcome::Reordered | Outcome::NotBalanceable | Outcome::NoBetterOrder => None,
+            Outcome::AtLowerBound { stack_index } | Outcome::WouldPassLimit { stack_index } | Outcome::WouldPassUniqueLimit { stack_index } => {
+                Some(stack_index)
+            }
+            Outcome::Reordered | Outcome::EmptyWindow | Outcome::UnevenBatch { .. } | Outcome::MixedPlans { .. } | Outcome::NoBetterOrder => None,
         }
     }
 }
@@ -281,12 +296,15 @@ impl Balancer {
 
     /// Balances one window (see the module docs).
     pub fn balance(&mut self, window: &[RecordBatch]) -> Result<Balanced> {
-        let Some(shape) = self.count(window)? else {
-            return Ok(Balanced {
-                batches: window.to_vec(),
-                permutation: identity(window),
-                report: BalanceReport { batches: window.len(), ..BalanceReport::default() },
-            });
+        let shape = match self.count(window)? {
+            Ok(shape) => shape,
+            Err(outcome) => {
+                return Ok(Balanced {
+                    batches: window.to_vec(),
+                    permutation: identity(window),
+                    report: BalanceReport { batches: window.len(), outcome, ..BalanceReport::default() },
+                })
+            }
         };
         let plan = self.prep.plan().expect("count() planned");
         let stacks: Vec<String> = plan.stacks.iter().map(|s| s.name.clone()).collect();
@@ -315,7 +333,7 @@ impl Balancer {
         let score = |loads: &[IdLoad]| -> f64 { loads.iter().zip(&plan.stacks).map(|(l, st)| relative(l.max_ids_per_partition as f64, st)).fold(0.0, f64::max) };
         let window_worst = before_batches.iter().map(|b| score(b)).fold(0.0, f64::max);
         if let Some(stack) = bound.iter().zip(&plan.stacks).position(|(&b, st)| relative(b as f64, st) >= window_worst) {
-            return Ok(keep(before, bound, Outcome::AtLowerBound { stack }));
+            return Ok(keep(before, bound, Outcome::AtLowerBound { stack_index: stack }));
         }
 
         self.load.clear();
@@ -354,7 +372,7 @@ impl Balancer {
             return Ok(keep(before, bound, Outcome::NoBetterOrder));
         }
         if let Some(stack) = (0..window.len()).filter_map(passing).min() {
-            return Ok(keep(before, bound, Outcome::WouldPassLimit { stack }));
+            return Ok(keep(before, bound, Outcome::WouldPassLimit { stack_index: stack }));
         }
         // Unique ids need distinct columns per slice, which per-sample counts cannot give. A
         // stack whose ids stay within its unique limit in every cell keeps its unique ids within
@@ -384,7 +402,7 @@ impl Balancer {
                     a.iter().zip(r).zip(&plan.stacks).position(|((&a, &r), st)| a > r.max(limit(st.max_unique_ids_per_partition)))
                 });
                 if let Some(stack) = passing.min() {
-                    return Ok(keep(before, bound, Outcome::WouldPassUniqueLimit { stack }));
+                    return Ok(keep(before, bound, Outcome::WouldPassUniqueLimit { stack_index: stack }));
                 }
             }
         }
@@ -396,12 +414,11 @@ impl Balancer {
         })
     }
 
-    /// Counts every sample of the window into `self.counts`; `None` when the window cannot be
-    /// balanced (empty, a batch that does not split evenly over the slices, which the pipeline
-    /// would reject anyway, or batches planned differently).
-    fn count(&mut self, window: &[RecordBatch]) -> Result<Option<Shape>> {
+    /// Counts every sample of the window into `self.counts`; `Err` with the reason when the
+    /// window cannot be balanced.
+    fn count(&mut self, window: &[RecordBatch]) -> Result<std::result::Result<Shape, Outcome>> {
         if window.is_empty() {
-            return Ok(None);
+            return Ok(Err(Outcome::EmptyWindow));
         }
         apply::one_schema(window)?;
         let counts = &mut self.counts;
@@ -411,7 +428,7 @@ impl Balancer {
         counts.start.clear();
         counts.start.push(0);
         let config = self.prep.config().clone();
-        let mut shape = None;
+        let mut shape = Err(Outcome::EmptyWindow);
         let mut first_plan: Option<PlanKey> = None;
         // Which batch of a window of several, for messages about a row.
         let pooled = window.len() > 1;
@@ -432,13 +449,20 @@ impl Balancer {
             // per batch size): their samples' cells and weights would not be comparable.
             let key = PlanKey::of(plan);
             let same_plan = first_plan.get_or_insert_with(|| key.clone()) == &key;
-            if rows == 0 || !rows.is_multiple_of(this.slices) || sizes.iter().any(|&s| s != rows) || !same_plan {
+            let unfit = if rows == 0 || !rows.is_multiple_of(this.slices) || sizes.iter().any(|&s| s != rows) {
+                Some(Outcome::UnevenBatch { batch: b })
+            } else if !same_plan {
+                Some(Outcome::MixedPlans { batch: b })
+            } else {
+                None
+            };
+            if let Some(outcome) = unfit {
                 drop(inputs);
                 self.hash_buffers.recycle(features);
-                return Ok(None);
+                return Ok(Err(outcome));
             }
             self.counter.count_batch(plan, &inputs, b, rows, counts).map_err(which(b))?;
-            shape = Some(this);
+            shape = Ok(this);
             drop(inputs);
             self.hash_buffers.recycle(features);
         }
@@ -801,7 +825,7 @@ impl Worst for IdLoad {
 /// [`measure`], ids are not checked against the vocabularies.
 pub fn count_loads(config: &Config, batches: &[RecordBatch]) -> Result<Vec<StackLoad>> {
     let mut balancer = Balancer::new(config.clone())?;
-    let Some(shape) = balancer.count(batches)? else {
+    let Ok(shape) = balancer.count(batches)? else {
         return Ok(Vec::new());
     };
     let plan = balancer.prep.plan().expect("count() planned").clone();
@@ -834,7 +858,7 @@ pub fn count_loads(config: &Config, batches: &[RecordBatch]) -> Result<Vec<Stack
 /// SparseCores, so the bound holds for every device's statistic too.)
 pub fn lower_bound(config: &Config, window: &[RecordBatch]) -> Result<Vec<u32>> {
     let mut balancer = Balancer::new(config.clone())?;
-    let Some(shape) = balancer.count(window)? else {
+    let Ok(shape) = balancer.count(window)? else {
         return Ok(Vec::new());
     };
     let cells = shape.cells();

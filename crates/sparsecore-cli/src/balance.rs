@@ -270,7 +270,7 @@ pub fn run(a: Args) -> Result<()> {
             }
         };
         kept[i].1 += 1;
-        if let Some(stack) = r.outcome.stack().and_then(|k| r.stacks.get(k)) {
+        if let Some(stack) = r.outcome.stack_index().and_then(|k| r.stacks.get(k)) {
             if !kept[i].2.contains(&stack.as_str()) {
                 kept[i].2.push(stack);
             }
