@@ -188,7 +188,7 @@ fn check_ipc<R: Read + Seek>(r: &mut R, len: u64, format: FileFormat) -> std::re
                 pos += 4;
             }
             let meta_len = i32::from_le_bytes(word);
-            if meta_len <= 0 || meta_len as u64 > len - pos {
+            if meta_len <= 0 || meta_len as u64 > len.saturating_sub(pos) {
                 return Ok(()); // end of stream, or an error arrow-ipc reports
             }
             let mut meta = vec![0u8; meta_len as usize];
@@ -196,7 +196,7 @@ fn check_ipc<R: Read + Seek>(r: &mut R, len: u64, format: FileFormat) -> std::re
             pos += meta_len as u64;
             let Ok(message) = root_as_message(&meta) else { return Ok(()) };
             let body = message.bodyLength();
-            if body < 0 || body as u64 > len - pos {
+            if body < 0 || body as u64 > len.saturating_sub(pos) {
                 return Ok(()); // arrow-ipc reports it, after a bounded read
             }
             check_message(&message, body as u64).map_err(|e| format!("IPC message {i}: {e}"))?;

@@ -1275,6 +1275,11 @@ fn every_subcommand_ends_quietly_on_a_closed_stdout() {
     check(&["dynamic", "load", "--backend", "memory", "--batches", "2"]);
     // soak prints its first line before any batch.
     check(&["soak", "--minutes", "0.01", "--threads", "1"]);
+    // A duration that is no number of minutes is an error, not a panic.
+    for bad in ["inf", "NaN", "-1"] {
+        let e = fail(&["soak", &format!("--minutes={bad}"), "--threads", "1"]);
+        assert!(e.contains("invalid option `minutes`") && e.contains("a finite number of minutes, at least 0"), "{bad}: {e}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -126,14 +126,19 @@ impl PartitionedTable {
             if r >= self.rows || g.len() != self.dim {
                 return Err(KernelError::input("host table", format!("gradient for row {r} of length {} does not fit {}x{}", g.len(), self.rows, self.dim)));
             }
+            // A strided view of a caller's array is copied; a contiguous one is read in place.
+            let g: std::borrow::Cow<'_, [f32]> = match g.as_slice() {
+                Some(g) => g.into(),
+                None => g.to_vec().into(),
+            };
             match self.partition {
-                Partition::Token => step(&mut self.replicas[r % n], r / n, g.as_slice().expect("contiguous"), optimizer),
+                Partition::Token => step(&mut self.replicas[r % n], r / n, &g, optimizer),
                 Partition::Encoding => {
                     for (k, rep) in self.replicas.iter_mut().enumerate() {
                         let (lo, hi) = ((k * c).min(self.dim), ((k + 1) * c).min(self.dim));
                         // The replica's columns of the gradient, zero-padded like its part.
                         let mut part = vec![0.0f32; c];
-                        part[..hi - lo].copy_from_slice(&g.as_slice().expect("contiguous")[lo..hi]);
+                        part[..hi - lo].copy_from_slice(&g[lo..hi]);
                         step(rep, r, &part, optimizer);
                     }
                 }

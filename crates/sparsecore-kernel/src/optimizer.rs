@@ -290,6 +290,10 @@ pub fn apply_gradients(
     slots: &mut Slots,
 ) -> Result<()> {
     optimizer.validate()?;
+    // Rows are updated as slices: a column-major (Fortran-order) table or slot has none.
+    if !table.data.is_standard_layout() || slots.values.iter().any(|s| !s.is_standard_layout()) {
+        return Err(KernelError::plan("stack", &table.stack, "the table and its slot variables must be row-major (C order) arrays"));
+    }
     let names = optimizer.slot_names();
     if slots.values.len() != names.len() || slots.values.iter().any(|s| s.dim() != table.data.dim()) {
         let got: Vec<_> = slots.values.iter().map(|s| s.dim()).collect();

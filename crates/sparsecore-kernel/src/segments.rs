@@ -1,9 +1,9 @@
 //! Where the valid slots of one device's COO buffer lie (SPEC 6.1): the forward pass over a
 //! preprocessing output and the buffer-level kernels read the row pointers the same way.
 
-use sparsecore_prep::spec::{Plan, ALIGNMENT};
+use sparsecore_prep::spec::{Plan, ALIGNMENT, MAX_MINIBATCHING_BUCKETS};
 
-use crate::error::Result;
+use crate::error::{KernelError, Result};
 
 /// Calls `f(sparsecore, partition, start, end)` for every (SparseCore, minibatch, partition)
 /// segment of one device's buffer of `capacity` slots, in buffer order; slots `start..end`
@@ -18,6 +18,12 @@ pub(crate) fn for_each_segment(
     capacity: usize,
     mut f: impl FnMut(usize, usize, usize, usize) -> Result<()>,
 ) -> Result<()> {
+    if plan.enable_minibatching && num_minibatches > MAX_MINIBATCHING_BUCKETS {
+        return Err(KernelError::input(
+            "num_minibatches",
+            format!("{num_minibatches} minibatches: preprocessing makes at most {MAX_MINIBATCHING_BUCKETS}"),
+        ));
+    }
     let layout = plan.layout;
     let (n, s_count, per_segment) = (layout.num_partitions(), layout.sc_per_device, layout.row_pointers_per_segment());
     let share = capacity / s_count;

@@ -68,6 +68,28 @@ fn partitioned_lookup_and_update_equal_the_unsplit_table() {
 }
 
 #[test]
+fn strided_gradients_update_as_contiguous_ones() {
+    let dense = values(7, 4, 2);
+    let stacked = StackedTable { stack: "s".into(), num_shards: 1, rows_per_shard: 7, dim: 4, data: dense.clone() };
+    let opt = Optimizer::Sgd { lr: 0.5 };
+    let slots = Slots::new(&stacked, &opt);
+    // A column of a row-major array: a view with stride 3.
+    let wide = values(4, 3, 9);
+    let strided: BTreeMap<usize, Array1<f32>> = [(2usize, wide.column(1).to_owned())].into_iter().collect();
+    let column = wide.column(1);
+    assert_ne!(column.strides(), [1]);
+    let contiguous: BTreeMap<usize, Array1<f32>> = [(2usize, Array1::from(column.to_vec()))].into_iter().collect();
+    for partition in [Partition::Token, Partition::Encoding] {
+        let mut a = PartitionedTable::new(dense.view(), &slots, partition, 2).unwrap();
+        let mut b = PartitionedTable::new(dense.view(), &slots, partition, 2).unwrap();
+        a.apply_gradients(&strided, &opt).unwrap();
+        b.apply_gradients(&contiguous, &opt).unwrap();
+        assert_eq!(a.to_dense(0), b.to_dense(0));
+        assert_ne!(a.to_dense(0), dense);
+    }
+}
+
+#[test]
 fn bad_rows_and_replicas_are_errors() {
     let dense = values(5, 4, 1);
     let stacked = StackedTable { stack: "s".into(), num_shards: 1, rows_per_shard: 5, dim: 4, data: dense.clone() };

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use ndarray::Array2;
+use ndarray::{Array2, ShapeBuilder};
 use sparsecore_prep::input::{RaggedInput, SampleSource};
 use sparsecore_kernel::{apply_gradients, Optimizer, Slots, StackedTable};
 use sparsecore_kernel::KernelError;
@@ -218,6 +218,28 @@ fn minibatched_updates_equal_single_pass_updates() {
     assert!(split >= 5, "only {split} of 20 batches were split into minibatches");
 }
 
+/// A count of minibatches past what preprocessing makes (it would have the kernels walk that
+/// many empty segments) is an error naming it.
+#[test]
+fn more_minibatches_than_preprocessing_makes_are_an_error() {
+    let c = case_with((1, 1, 4), "sum", 1, true, 4096);
+    let inputs: Vec<RaggedInput<'_>> =
+        c.feats.iter().zip(&c.config.features).map(|((v, sp, _), f)| RaggedInput::from_i64(&f.name, v, sp).unwrap()).collect();
+    let refs: Vec<&dyn SampleSource> = inputs.iter().map(|i| i as &dyn SampleSource).collect();
+    let mut prep = Preprocessor::new(c.config.clone()).unwrap();
+    let mut out = Output::new();
+    prep.run(&refs, &mut out).unwrap();
+    let plan = prep.plan().unwrap().clone();
+    let stack = &plan.stacks[0];
+    let tables: Vec<Array2<f32>> = c.config.tables.iter().map(|t| Array2::zeros((t.vocabulary_size as usize, 8))).collect();
+    let views: Vec<_> = stack.tables.iter().map(|&t| tables[t].view()).collect();
+    let table = StackedTable::from_tables(&plan, &stack.name, &views).unwrap();
+    assert!(sparsecore_kernel::sparse_dense_matmul(&plan, &out.stacks[0], out.num_minibatches, &table).is_ok());
+    let e = sparsecore_kernel::sparse_dense_matmul(&plan, &out.stacks[0], 1 << 40, &table).unwrap_err();
+    assert!(matches!(&e, KernelError::InvalidInput { what, .. } if what == "num_minibatches"), "{e:?}");
+    assert!(e.to_string().contains("1099511627776 minibatches: preprocessing makes at most 64"), "{e}");
+}
+
 #[test]
 fn sgd_formula() {
     // w' = w - lr * g, checked on literal values.
@@ -285,6 +307,12 @@ fn backward_errors_name_the_stack_and_change_nothing() {
     let mut wrong = Slots::new(&other, &adagrad);
     let e = apply_gradients(&plan, so, out.num_minibatches, &[dact.view()], &adagrad, &mut table, &mut wrong).unwrap_err();
     assert!(stack_named(&e, "ta"), "{e}");
+    // A column-major table (or slot) has no row slices to update: an error, not a panic.
+    let mut fortran = table.clone();
+    fortran.data = Array2::from_shape_vec(table.data.dim().f(), table.data.t().iter().copied().collect()).unwrap();
+    assert_eq!(fortran.data, table.data);
+    let e = apply_gradients(&plan, so, out.num_minibatches, &[dact.view()], &adagrad, &mut fortran, &mut slots).unwrap_err();
+    assert!(stack_named(&e, "ta") && e.to_string().contains("row-major"), "{e}");
 
     // NaN and infinite hyper-parameters name the hyper-parameter.
     for (bad, what) in [

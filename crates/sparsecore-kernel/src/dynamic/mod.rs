@@ -84,7 +84,9 @@ impl Initializer {
 
 /// A dynamic table's shape: its name, row width, optimizer slots and initializer. Every handle
 /// on a shared table must agree on it (values of another shape are reported as corrupt).
+/// Made only by [`DynamicTableSpec::new`], which checks the name and the width.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct DynamicTableSpec {
     /// Table name: letters, digits, `_`, `-` and `.` (it is part of store key names).
     pub name: String,
@@ -125,7 +127,7 @@ impl DynamicTableSpec {
 
     /// Floats stored per key: the row and each slot.
     pub fn entry_len(&self) -> usize {
-        self.dim * (1 + self.slot_names.len())
+        self.dim.saturating_mul(1 + self.slot_names.len())
     }
 
     /// A new key's entry: `[row | slot 0 | slot 1 ...]`.
@@ -153,10 +155,18 @@ impl DynamicTableSpec {
     /// Checks an update's shape: one `dim`-wide gradient row per key, no key twice (a batch's
     /// gradient is applied once per unique key; sum duplicates first, as [`KeyBatch`] does).
     pub fn check_update(&self, keys: &[u64], grads: &[f32]) -> Result<()> {
-        if grads.len() != keys.len() * self.dim {
+        // The fields are public: `dim` need not be what `new` allows, so the product is checked.
+        let expected = keys.len().checked_mul(self.dim);
+        if expected != Some(grads.len()) {
             return Err(KernelError::input(
                 &self.name,
-                format!("{} gradient values for {} keys of dim {} (expected {})", grads.len(), keys.len(), self.dim, keys.len() * self.dim),
+                format!(
+                    "{} gradient values for {} keys of dim {} (expected {})",
+                    grads.len(),
+                    keys.len(),
+                    self.dim,
+                    expected.map_or_else(|| "more than a usize counts".to_string(), |e| e.to_string())
+                ),
             ));
         }
         let mut sorted = keys.to_vec();
@@ -169,7 +179,7 @@ impl DynamicTableSpec {
 
     /// Checks a lookup's output size.
     pub fn check_rows(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
-        if rows.len() != keys.len() * self.dim {
+        if keys.len().checked_mul(self.dim) != Some(rows.len()) {
             return Err(KernelError::input(&self.name, format!("row buffer of {} values for {} keys of dim {}", rows.len(), keys.len(), self.dim)));
         }
         Ok(())
