@@ -239,6 +239,16 @@ fn type_offsets_past_the_entities_are_refused() {
     assert!(matches!(&e, BessError::InvalidParameter { name: "type_offsets", .. }), "{e:?}");
 }
 
+#[test]
+fn zero_steps_are_refused() {
+    let t = synth::uniform(100, 3, 500, 1);
+    let e = BessStream::builder().triples(t.clone()).n_entity(100).shard_batch_size(8).steps(0).build().unwrap_err();
+    assert!(matches!(&e, BessError::InvalidParameter { name: "steps", value, .. } if value == "0"), "{e:?}");
+    assert_eq!(e.to_string(), "invalid `steps` = 0: must be at least 1");
+    let s = BessStream::builder().triples(t).n_entity(100).shard_batch_size(8).steps(1).build().unwrap();
+    assert_eq!(s.count(), 1);
+}
+
 /// A sharding .npz of the given members (name, .npy bytes).
 fn npz(path: &std::path::Path, members: &[(&str, Vec<u8>)]) {
     use std::io::Write;

@@ -267,8 +267,8 @@ impl BessStreamBuilder {
         self.seeds = (sharding, batch, negative);
         self
     }
-    /// Number of steps to yield (default: one epoch, besskge's `len` for Random and
-    /// `len / pss` for Rigid).
+    /// Number of steps to yield, at least 1 (default: one epoch, besskge's `len` for Random
+    /// and `len / pss` for Rigid).
     pub fn steps(mut self, steps: usize) -> Self {
         self.steps = Some(steps);
         self
@@ -291,6 +291,9 @@ impl BessStreamBuilder {
         let triples = self.triples.ok_or_else(|| BessError::param("triples", "missing", "required"))?;
         let n_entity = self.n_entity.ok_or_else(|| BessError::param("n_entity", "missing", "required"))?;
         let shard_bs = self.shard_bs.ok_or_else(|| BessError::param("shard_batch_size", "missing", "required"))?;
+        if self.steps == Some(0) {
+            return Err(BessError::param("steps", 0, "must be at least 1"));
+        }
         let (l, g, s) = self.devices;
         let layout = SparseCoreLayout::new(l, g, s, self.host)?.with_col_shift(self.col_shift);
         let n = layout.num_sparsecores();
