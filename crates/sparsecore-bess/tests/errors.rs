@@ -249,6 +249,25 @@ fn zero_steps_are_refused() {
     assert_eq!(s.count(), 1);
 }
 
+#[test]
+fn a_step_past_max_step_bytes_is_refused_before_drawing() {
+    let t = synth::uniform(100, 3, 500, 1);
+    let stream = |flat: bool, cap: usize| {
+        BessStream::builder().triples(t.clone()).n_entity(100).shard_batch_size(8).negatives(3).flat_negatives(flat).max_step_bytes(cap).build()
+    };
+    // 1/1/4, ppp 2: T = 8 triples per SparseCore. Flat: B = 1, NEG = 4·1·3 = 12 rows = R.
+    // 4 slices · (12 rows · 12 + 8 triples · 20 + 12 negatives · 8) = 1600 bytes.
+    assert_eq!(stream(true, usize::MAX).unwrap().step_bytes(), 1600);
+    // Per triple: B = T = 8, NEG = 4·8·3 = 96 rows = R: 4 · (96 · 12 + 8 · 20 + 96 · 8) = 8320.
+    assert_eq!(stream(false, 8320).unwrap().step_bytes(), 8320);
+    let e = stream(false, 8319).unwrap_err();
+    let BessError::TooLarge { what, bytes, reason } = &e else { panic!("{e:?}") };
+    assert_eq!(*bytes, 8320);
+    assert_eq!(reason, "more than max_step_bytes = 8319");
+    assert!(what.contains("layout 1/1/4") && what.contains("shard batch size 8 (8 triples per SparseCore)") && what.contains("negatives = 3"), "{what}");
+    assert!(e.to_string().contains("needs 8320 bytes (0.00 GiB): more than max_step_bytes = 8319"), "{e}");
+}
+
 /// A sharding .npz of the given members (name, .npy bytes).
 fn npz(path: &std::path::Path, members: &[(&str, Vec<u8>)]) {
     use std::io::Write;
