@@ -293,8 +293,52 @@ fn progress(len: Option<u64>, template: &str) -> ProgressBar {
     pb
 }
 
+/// Whether two output paths name the same file: the same path once `.`, `..` and symlinks
+/// (of the file itself or of its directories) are resolved, or the same existing file (a hard
+/// link).
+fn same_file(a: &Path, b: &Path) -> bool {
+    #[cfg(unix)]
+    if let (Ok(ma), Ok(mb)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+        use std::os::unix::fs::MetadataExt;
+        if (ma.dev(), ma.ino()) == (mb.dev(), mb.ino()) {
+            return true;
+        }
+    }
+    resolved(a) == resolved(b)
+}
+
+/// `p` absolute, with symlinks resolved as far as the file system has them: a file that does
+/// not exist yet is its resolved directory joined with its name, and a dangling symlink is
+/// followed (a few levels) to where it points.
+fn resolved(p: &Path) -> PathBuf {
+    let mut p = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    for _ in 0..8 {
+        if let Ok(c) = std::fs::canonicalize(&p) {
+            return c;
+        }
+        match std::fs::read_link(&p) {
+            Ok(target) => p = p.parent().map_or(target.clone(), |dir| dir.join(&target)),
+            Err(_) => break,
+        }
+    }
+    match (p.parent().map(std::fs::canonicalize), p.file_name()) {
+        (Some(Ok(dir)), Some(name)) => dir.join(name),
+        _ => p,
+    }
+}
+
 fn batches(a: BatchesArgs) -> CliResult<()> {
     let (l, g, s) = a.layout;
+    // Checked before anything is read or written: both outputs go through a temporary next to
+    // them, and the same file twice would end up holding the config alone.
+    if same_file(&a.out, &a.config_out) {
+        return Err(format!(
+            "--out {} and --config-out {} are the same file ({}); give two different paths",
+            a.out.display(),
+            a.config_out.display(),
+            resolved(&a.out).display()
+        ));
+    }
     let corruption = Corruption::parse(&a.corruption).ctx(|| "--corruption".to_string())?;
     let sampler = match a.sampler.as_str() {
         "rigid" => StreamSampler::Rigid { shuffle: a.shuffle },

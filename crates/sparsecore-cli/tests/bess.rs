@@ -424,3 +424,43 @@ fn a_besskge_sharding_file_reads_back() {
     };
     assert_eq!(run_with("file", &["--sharding", s(&path)]), run_with("seed", &[]));
 }
+
+/// The files in `dir` (names), sorted.
+fn listing(dir: &TempDir) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(&dir.0).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn out_and_config_out_naming_one_file_are_refused_and_nothing_is_written() {
+    let dir = TempDir::new("samepath");
+    let tr = triples_file(&dir);
+    let batches = |out: &Path, cfg: &Path| {
+        fails(&["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--steps", "2", "--out", s(out), "--config-out", s(cfg)])
+    };
+    let x = dir.join("o.arrow");
+    let canonical = std::fs::canonicalize(&dir.0).unwrap().join("o.arrow");
+    // The same path twice; the same file through `.`; the same file through a symlink, to a
+    // file that does not exist yet and then to one that does (kept as it was).
+    let e = batches(&x, &x);
+    assert!(e.contains(&format!("--out {} and --config-out {} are the same file ({})", s(&x), s(&x), canonical.display())), "{e}");
+    assert_eq!(listing(&dir), ["triples.arrow"]);
+    let dotted = dir.0.join(".").join("o.arrow");
+    let e = batches(&x, &dotted);
+    assert!(e.contains(&format!("--config-out {} are the same file ({})", s(&dotted), canonical.display())), "{e}");
+    assert_eq!(listing(&dir), ["triples.arrow"]);
+    let link = dir.join("link.json");
+    std::os::unix::fs::symlink("o.arrow", &link).unwrap();
+    let e = batches(&x, &link);
+    assert!(e.contains(&format!("are the same file ({})", canonical.display())), "{e}");
+    assert_eq!(listing(&dir), ["link.json", "triples.arrow"]);
+    std::fs::write(&x, b"kept").unwrap();
+    let e = batches(&link, &x);
+    assert!(e.contains(&format!("--out {} and --config-out {}", s(&link), s(&x))), "{e}");
+    assert_eq!(std::fs::read(&x).unwrap(), b"kept");
+    assert_eq!(listing(&dir), ["link.json", "o.arrow", "triples.arrow"]);
+    // Two different files in one directory are still allowed.
+    ok(&["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--steps", "2", "--out", s(&x), "--config-out", s(&dir.join("c.json"))]);
+    assert!(std::fs::read(&x).unwrap().starts_with(b"ARROW1"));
+}
