@@ -104,7 +104,7 @@ pub struct BatchesArgs {
     /// Seed of the sharding, the batch sampler and the negative sampler.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Steps to draw (default: one epoch).
+    /// Steps to draw, at least 1 (default: one epoch).
     #[arg(long)]
     steps: Option<usize>,
     /// Arrow IPC file to write.
@@ -338,6 +338,9 @@ fn batches(a: BatchesArgs) -> CliResult<()> {
             a.config_out.display(),
             resolved(&a.out).display()
         ));
+    }
+    if a.steps == Some(0) {
+        return Err("--steps 0: steps must be at least 1 (leave --steps out for one epoch)".into());
     }
     let corruption = Corruption::parse(&a.corruption).ctx(|| "--corruption".to_string())?;
     let sampler = match a.sampler.as_str() {

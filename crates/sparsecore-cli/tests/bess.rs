@@ -464,3 +464,13 @@ fn out_and_config_out_naming_one_file_are_refused_and_nothing_is_written() {
     ok(&["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--steps", "2", "--out", s(&x), "--config-out", s(&dir.join("c.json"))]);
     assert!(std::fs::read(&x).unwrap().starts_with(b"ARROW1"));
 }
+
+#[test]
+fn zero_steps_are_refused_before_anything_is_written() {
+    let dir = TempDir::new("steps0");
+    let tr = triples_file(&dir);
+    let (out, cfg) = (dir.join("o.arrow"), dir.join("c.json"));
+    let e = fails(&["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--steps", "0", "--out", s(&out), "--config-out", s(&cfg)]);
+    assert!(e.contains("--steps 0: steps must be at least 1"), "{e}");
+    assert_eq!(listing(&dir), ["triples.arrow"]);
+}
