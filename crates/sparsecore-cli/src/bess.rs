@@ -48,6 +48,14 @@ impl<T, E: std::fmt::Display> Ctx<T> for std::result::Result<T, E> {
 pub enum Command {
     /// Draw BESS batches from a triples file, laid out for SparseCores, and write them (Arrow
     /// IPC, one record batch per step) with the config whose limits are their exact counts.
+    ///
+    /// Each record batch holds R rows per local SparseCore (slice k is rows k·R .. (k+1)·R). In
+    /// a slice, rows 0 .. T (T = n·ppp) are its triples: head, tail (one id each), relation and
+    /// triple_mask. The negatives are one per row in rows 0 .. n·B·K of the same slice, beside
+    /// the triples but not aligned with them: row r holds a negative drawn from shard
+    /// r / (B·K), list (r / K) mod B, where K is --negatives and B is one list per triple (T),
+    /// or with --flat-negatives one per slice (two with --corruption ht). R = max(T, n·B·K);
+    /// past T (or n·B·K) the id lists are empty.
     Batches(BatchesArgs),
     /// Create a sharding (.npz, besskge's `Sharding.save` format) or show one.
     Shard {
@@ -73,10 +81,13 @@ pub struct BatchesArgs {
     /// Which host this is (0 .. G/L): the batches hold its L·S SparseCores' slices.
     #[arg(long, default_value_t = 0)]
     host: usize,
-    /// Positive triples per SparseCore per step (besskge's shard_bs).
+    /// Positive triples per SparseCore per step (besskge's shard_bs), rounded up to a multiple
+    /// of the n shards, as besskge does (at n = 4, 2 gives 4 and 6 gives 8), then down to an
+    /// even number of triples per shard pair with --corruption ht.
     #[arg(long)]
     shard_batch_size: usize,
-    /// Negatives per shard per list, k (0: no negatives).
+    /// Negatives per shard per list, K (0: no negatives). One list per triple, or per slice
+    /// with --flat-negatives; one negative per output row (see `bess batches --help`).
     #[arg(long, default_value_t = 0)]
     negatives: usize,
     /// Batch sampler: random (with replacement) or rigid (every triple in turn, padded).

@@ -474,3 +474,18 @@ fn zero_steps_are_refused_before_anything_is_written() {
     assert!(e.contains("--steps 0: steps must be at least 1"), "{e}");
     assert_eq!(listing(&dir), ["triples.arrow"]);
 }
+
+#[test]
+fn batches_help_says_how_rows_and_the_shard_batch_size_are_laid_out() {
+    let help = ok(&["bess", "batches", "--help"]);
+    let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(help.contains("rounded up to a multiple of the n shards, as besskge does (at n = 4, 2 gives 4 and 6 gives 8)"), "{help}");
+    assert!(help.contains("The negatives are one per row in rows 0 .. n·B·K of the same slice, beside the triples but not aligned with them"), "{help}");
+    // And it does: 6 at n = 4 gives ppp 2, 8 triples per SparseCore.
+    let dir = TempDir::new("sbs6");
+    let tr = triples_file(&dir);
+    let (out, cfg) = (dir.join("o.arrow"), dir.join("c.json"));
+    let stdout = ok(&["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "6", "--steps", "1", "--out", s(&out), "--config-out", s(&cfg)]);
+    assert!(stdout.contains("ppp 2 triples per shard-pair block per step"), "{stdout}");
+    assert_eq!(read_json(&cfg)["tables"][0]["max_ids_per_partition"], 4);
+}
