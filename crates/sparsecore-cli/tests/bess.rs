@@ -475,6 +475,31 @@ fn zero_steps_are_refused_before_anything_is_written() {
     assert_eq!(listing(&dir), ["triples.arrow"]);
 }
 
+/// The review's repro: under `ulimit -v 3000000` (3 GB of address space), 10 M negatives per
+/// list per triple need about 26 GB a step (1.28 G negative rows on the host's 4 SparseCores):
+/// a typed error naming the negatives and the size, not an abort (the allocation is refused at
+/// once, so nothing near that much is ever used).
+#[test]
+fn a_step_the_process_cannot_hold_is_an_error_not_an_abort() {
+    let dir = TempDir::new("hugeneg");
+    let tr = triples_file(&dir);
+    let (out, cfg) = (dir.join("o.arrow"), dir.join("c.json"));
+    let o = Command::new("sh")
+        .args(["-c", "ulimit -v 3000000 && exec \"$0\" \"$@\"", BIN, "bess", "batches", "--triples", s(&tr), "--entities", "64"])
+        .args(["--shard-batch-size", "8", "--negatives", "10000000", "--steps", "1", "--out", s(&out), "--config-out", s(&cfg)])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    // T = 8 triples per SparseCore, B = 8 lists of K = 10 M: NEG = 4·8·10 M rows per slice.
+    // 4 slices · (320 M rows · 12 + 8 · 20 + 320 M · 8) bytes.
+    let bytes = 4u64 * (320_000_000 * 12 + 8 * 20 + 320_000_000 * 8);
+    assert!(stderr.contains("shard batch size 8 (8 triples per SparseCore) and 8 negative lists of 10000000 per shard"), "{stderr}");
+    assert!(stderr.contains(&format!("needs {bytes} bytes")) && stderr.contains("the allocator refuses that much"), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert_eq!(listing(&dir), ["triples.arrow"]);
+}
+
 #[test]
 fn batches_help_says_how_rows_and_the_shard_batch_size_are_laid_out() {
     let help = ok(&["bess", "batches", "--help"]);
