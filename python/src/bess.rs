@@ -862,12 +862,13 @@ pymethods_with_getters! { PyBatchSampler, |b, py| {
 ///     ``triple_based`` (needs ``neg_heads`` / ``neg_tails``, ``(N0 or 1, k)``).
 ///   corruption_scheme: ``h``, ``t`` or ``ht``.
 ///   flat_negatives: one negative list per SparseCore slice (and side) instead
-///     of one per triple.
+///     of one per triple (default False: one list per triple, as besskge's
+///     ``flat_negative_format`` and the CLI default).
 ///   sampler: ``random`` or ``rigid``; ``shuffle`` shuffles rigid's positions
 ///     with our own seeded generator.
 ///   seed: one seed for the sharding, batch and negative samplers; or
 ///     ``seeds=(sharding, batch, negative)``.
-///   steps: steps to yield (default: one epoch).
+///   steps: steps to yield, at least 1 (default: one epoch).
 ///   inverse_triples: append ``(t, r + n_relation, h)``; ``n_relation``
 ///     defaults to the largest relation id + 1.
 ///   sharding: reuse a :class:`Sharding` (e.g. a besskge one loaded from
@@ -888,7 +889,7 @@ impl PyBessStream {
     #[new]
     #[pyo3(signature = (triples, n_entity, shard_batch_size, *, devices=(1, 1, 4), host=0, col_shift=0, embedding_dim=16,
                         negatives=0, negative_sampler="random", type_offsets=None, neg_heads=None, neg_tails=None,
-                        corruption_scheme="t", flat_negatives=true, sampler="random", shuffle=false, seed=None, seeds=None,
+                        corruption_scheme="t", flat_negatives=false, sampler="random", shuffle=false, seed=None, seeds=None,
                         steps=None, inverse_triples=false, n_relation=None, sharding=None, annotations=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(

@@ -249,9 +249,10 @@ def _graph(n_entity=1000, n_rel=10, n=20_000, seed=1):
 def test_stream_round_trip_through_preprocessor():
   h, r, t = _graph()
   stream = bess.BessStream((h, r, t), n_entity=1000, shard_batch_size=8, devices=(1, 1, 4), negatives=3,
-                           corruption_scheme="t", seed=1234, steps=3, annotations=True)
+                           corruption_scheme="t", flat_negatives=True, seed=1234, steps=3, annotations=True)
   counts = stream.counts
-  # 4 shards; 8 triples per SparseCore = 2 per shard pair; 3 tail negatives from every shard.
+  # 4 shards; 8 triples per SparseCore = 2 per shard pair; one flat list of 3 tail negatives from
+  # every shard.
   assert counts["positive_per_partition"] == 2
   assert counts["max_ids_per_partition"] == 2 * 2 + 3 == 7
   config = json.loads(stream.config_json)
@@ -279,7 +280,8 @@ def test_stream_round_trip_through_preprocessor():
     seen += 1
   assert seen == 3
   # Iterating yields the remaining steps of a fresh stream as pyarrow batches too.
-  again = bess.BessStream((h, r, t), n_entity=1000, shard_batch_size=8, negatives=3, seed=1234, steps=2)
+  again = bess.BessStream((h, r, t), n_entity=1000, shard_batch_size=8, negatives=3, flat_negatives=True, seed=1234,
+                          steps=2)
   batches = list(again)
   assert len(batches) == 2 == len(again)
   assert all(b.schema.names == ["head", "tail", "relation", "triple_mask", "negative"] for b in batches)
@@ -488,6 +490,23 @@ def test_pipeline_errors_keep_their_classes():
   # A stream whose config the pipeline refuses (S not a power of two) is the pipeline's ConfigError.
   with pytest.raises(sparsecore_prep.ConfigError):
     bess.BessStream(_graph(100, 3, 2000), n_entity=100, shard_batch_size=8, devices=(1, 1, 3))
+
+
+def test_default_negatives_are_per_triple_as_in_besskge_and_the_cli():
+  h, r, t = _graph(n=4000)
+  per_triple = bess.BessStream((h, r, t), n_entity=1000, shard_batch_size=8, negatives=3, seed=1, steps=1)
+  # One list of 3 per triple (8 per SparseCore) from each of the 4 shards: 2 + 2 + 8 * 3 ids a cell.
+  assert per_triple.counts["max_ids_per_partition"] == 28
+  assert per_triple.counts["rows_per_sparsecore"] == 4 * 8 * 3
+  flat = bess.BessStream((h, r, t), n_entity=1000, shard_batch_size=8, negatives=3, seed=1, steps=1,
+                         flat_negatives=True)
+  assert flat.counts["max_ids_per_partition"] == 2 + 2 + 3
+
+
+def test_zero_steps_are_refused():
+  with pytest.raises(bess.InvalidParameterError) as e:
+    bess.BessStream(_graph(100, 3, 2000), n_entity=100, shard_batch_size=8, steps=0)
+  assert (e.value.name, e.value.value, e.value.reason) == ("steps", "0", "must be at least 1")
 
 
 def test_stub_declares_the_public_api():
