@@ -6,7 +6,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
-from ._errors import SparseCorePrepError
+from ._errors import ConfigError, InputTypeError, InvalidInputError, LimitExceededError, SparseCorePrepError
 
 _Seed = int | Sequence[int]
 _Ids = Any  # any integer array-like
@@ -220,3 +220,13 @@ class InvalidParameterError(BessError):
 class ShardingFileError(BessError):
   path: str | None
   reason: str | None
+class TooLargeError(BessError):
+  what: str | None
+  bytes: int | None
+  reason: str | None
+class BessIOError(BessError, OSError):
+  context: str | None
+class PipelineConfigError(BessError, ConfigError): ...
+class PipelineInvalidInputError(BessError, InvalidInputError): ...
+class PipelineLimitExceededError(BessError, LimitExceededError): ...
+class PipelineInputTypeError(BessError, InputTypeError): ...

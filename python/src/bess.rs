@@ -81,9 +81,35 @@ pub fn to_py(py: Python<'_>, e: BessError) -> PyErr {
         }
         BessError::InvalidParameter { name, value, reason } => raise(py, "InvalidParameterError", message, fields!(py; name, value, reason)),
         BessError::ShardingFile { path, reason } => raise(py, "ShardingFileError", message, fields!(py; path, reason)),
-        BessError::Io { .. } => PyOSError::new_err(message),
-        BessError::Prep(e) => errors::to_py(py, e),
+        BessError::TooLarge { what, bytes, reason } => raise(py, "TooLargeError", message, fields!(py; what, bytes, reason)),
+        BessError::Io { context, .. } => {
+            let err = raise(py, "BessIOError", message.clone(), fields!(py; context));
+            if err.is_instance_of::<PyOSError>(py) {
+                err
+            } else {
+                PyOSError::new_err(message)
+            }
+        }
+        BessError::Prep(e) => pipeline_error(py, e),
         _ => raise(py, "BessError", message, &[]),
+    }
+}
+
+/// A pipeline error raised inside a BESS call: the pipeline's class (`ConfigError`, ...) as
+/// `bess.Pipeline<class>`, a subclass of both that class and `BessError`, with its message and
+/// fields (the pipeline's class itself if that cannot be made).
+fn pipeline_error(py: Python<'_>, e: sparsecore_prep::Error) -> PyErr {
+    let err = errors::to_py(py, e);
+    let made = (|| -> PyResult<Bound<'_, PyAny>> {
+        let value = err.value(py);
+        let name = value.get_type().name()?.to_string();
+        let class = py.import("sparsecore_prep.bess")?.getattr(format!("Pipeline{name}"))?;
+        let fields = value.call_method0("field_values")?;
+        class.call((value.getattr("message")?,), Some(fields.cast::<PyDict>()?))
+    })();
+    match made {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(_) => err,
     }
 }
 
