@@ -26,14 +26,19 @@ numpy or Arrow in.
       for batch in stream:            # pyarrow.RecordBatch
           result, stats = prep(batch)  # every cell holds exactly the limit
 
-Every bad input raises a subclass of :class:`BessError` naming the column and
-the value (never a crash); errors of the pipeline itself keep their classes
-(:class:`sparsecore_prep.ConfigError`, ...).
+Every bad value raises a subclass of :class:`BessError` naming the column and
+the value (never a crash). Errors of the pipeline itself inside a BESS call
+(a device layout it refuses, ...) keep their classes and are BESS errors too
+(:class:`PipelineConfigError` is both a :class:`sparsecore_prep.ConfigError`
+and a :class:`BessError`); a file that cannot be read or written raises
+:class:`BessIOError`, both an ``OSError`` and a :class:`BessError`. A negative
+count, size, step or device count is refused by Python's int conversion
+before any BESS code runs: ``OverflowError`` (not a :class:`BessError`).
 """
 
 from __future__ import annotations
 
-from ._errors import SparseCorePrepError
+from ._errors import ConfigError, InputTypeError, InvalidInputError, LimitExceededError, SparseCorePrepError
 from ._native import _bess  # type: ignore[attr-defined]
 
 BatchSampler = _bess.BatchSampler
@@ -49,6 +54,7 @@ seed_words = _bess.seed_words
 __all__ = [
     "BatchSampler",
     "BessError",
+    "BessIOError",
     "BessStream",
     "ColumnTypeError",
     "EmptyPartitionError",
@@ -59,11 +65,16 @@ __all__ = [
     "NullValueError",
     "NumpyRng",
     "PartitionedTriples",
+    "PipelineConfigError",
+    "PipelineInputTypeError",
+    "PipelineInvalidInputError",
+    "PipelineLimitExceededError",
     "RandomNegativeSampler",
     "RelationOutOfRangeError",
     "ShardCountMismatchError",
     "Sharding",
     "ShardingFileError",
+    "TooLargeError",
     "TripleBasedNegativeSampler",
     "TypeBasedNegativeSampler",
     "ZeroTriplesPerBlockError",
@@ -178,10 +189,52 @@ class ShardingFileError(BessError):
   fields = ("path", "reason")
 
 
+class TooLargeError(BessError):
+  """A stream's step needs more memory than the allocator gives: refused
+  before anything is drawn (instead of the process aborting).
+
+  Fields: ``what`` (the step, with the layout, shard batch size and negatives
+  it follows from), ``bytes`` (at least that many), ``reason``.
+  """
+
+  fields = ("what", "bytes", "reason")
+
+
+class BessIOError(BessError, OSError):
+  """A file (a sharding ``.npz``) cannot be opened, read or written: both an
+  ``OSError`` and a :class:`BessError`. Fields: ``context`` (what was being
+  done, with the path); the message adds the system's error.
+  """
+
+  fields = ("context",)
+
+
+class PipelineConfigError(BessError, ConfigError):
+  """The pipeline's :class:`sparsecore_prep.ConfigError` raised inside a BESS
+  call (e.g. ``devices=(0, 0, 0)``, or S not a power of two): both classes,
+  with ``ConfigError``'s fields."""
+
+
+class PipelineInvalidInputError(BessError, InvalidInputError):
+  """The pipeline's :class:`sparsecore_prep.InvalidInputError` raised inside a
+  BESS call: both classes, with its fields."""
+
+
+class PipelineLimitExceededError(BessError, LimitExceededError):
+  """The pipeline's :class:`sparsecore_prep.LimitExceededError` raised inside
+  a BESS call: both classes, with its fields."""
+
+
+class PipelineInputTypeError(BessError, InputTypeError):
+  """The pipeline's :class:`sparsecore_prep.InputTypeError` raised inside a
+  BESS call: both classes, with its fields."""
+
+
 # The native classes document themselves as members of this module, and so do the errors
 # (pickle finds them here).
 for _cls in (BessError, EntityOutOfRangeError, RelationOutOfRangeError, LengthMismatchError, MissingColumnError,
              ColumnTypeError, NullValueError, EmptyPartitionError, ZeroTriplesPerBlockError, ShardCountMismatchError,
-             InvalidParameterError, ShardingFileError):
+             InvalidParameterError, ShardingFileError, TooLargeError, BessIOError, PipelineConfigError,
+             PipelineInvalidInputError, PipelineLimitExceededError, PipelineInputTypeError):
   _cls.__module__ = __name__
 del _cls

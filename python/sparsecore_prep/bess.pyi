@@ -6,7 +6,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
-from ._errors import SparseCorePrepError
+from ._errors import ConfigError, InputTypeError, InvalidInputError, LimitExceededError, SparseCorePrepError
 
 _Seed = int | Sequence[int]
 _Ids = Any  # any integer array-like
@@ -147,7 +147,7 @@ class BessStream:
   def __init__(self, triples: Any, n_entity: int, shard_batch_size: int, *, devices: tuple[int, int, int] = (1, 1, 4),
                host: int = 0, col_shift: int = 0, embedding_dim: int = 16, negatives: int = 0,
                negative_sampler: str = "random", type_offsets: _Ids | None = None, neg_heads: _Ids | None = None,
-               neg_tails: _Ids | None = None, corruption_scheme: str = "t", flat_negatives: bool = True,
+               neg_tails: _Ids | None = None, corruption_scheme: str = "t", flat_negatives: bool = False,
                sampler: str = "random", shuffle: bool = False, seed: int | None = None,
                seeds: tuple[int, int, int] | None = None, steps: int | None = None, inverse_triples: bool = False,
                n_relation: int | None = None, sharding: Sharding | None = None, annotations: bool = False) -> None: ...
@@ -220,3 +220,13 @@ class InvalidParameterError(BessError):
 class ShardingFileError(BessError):
   path: str | None
   reason: str | None
+class TooLargeError(BessError):
+  what: str | None
+  bytes: int | None
+  reason: str | None
+class BessIOError(BessError, OSError):
+  context: str | None
+class PipelineConfigError(BessError, ConfigError): ...
+class PipelineInvalidInputError(BessError, InvalidInputError): ...
+class PipelineLimitExceededError(BessError, LimitExceededError): ...
+class PipelineInputTypeError(BessError, InputTypeError): ...

@@ -81,9 +81,35 @@ pub fn to_py(py: Python<'_>, e: BessError) -> PyErr {
         }
         BessError::InvalidParameter { name, value, reason } => raise(py, "InvalidParameterError", message, fields!(py; name, value, reason)),
         BessError::ShardingFile { path, reason } => raise(py, "ShardingFileError", message, fields!(py; path, reason)),
-        BessError::Io { .. } => PyOSError::new_err(message),
-        BessError::Prep(e) => errors::to_py(py, e),
+        BessError::TooLarge { what, bytes, reason } => raise(py, "TooLargeError", message, fields!(py; what, bytes, reason)),
+        BessError::Io { context, .. } => {
+            let err = raise(py, "BessIOError", message.clone(), fields!(py; context));
+            if err.is_instance_of::<PyOSError>(py) {
+                err
+            } else {
+                PyOSError::new_err(message)
+            }
+        }
+        BessError::Prep(e) => pipeline_error(py, e),
         _ => raise(py, "BessError", message, &[]),
+    }
+}
+
+/// A pipeline error raised inside a BESS call: the pipeline's class (`ConfigError`, ...) as
+/// `bess.Pipeline<class>`, a subclass of both that class and `BessError`, with its message and
+/// fields (the pipeline's class itself if that cannot be made).
+fn pipeline_error(py: Python<'_>, e: sparsecore_prep::Error) -> PyErr {
+    let err = errors::to_py(py, e);
+    let made = (|| -> PyResult<Bound<'_, PyAny>> {
+        let value = err.value(py);
+        let name = value.get_type().name()?.to_string();
+        let class = py.import("sparsecore_prep.bess")?.getattr(format!("Pipeline{name}"))?;
+        let fields = value.call_method0("field_values")?;
+        class.call((value.getattr("message")?,), Some(fields.cast::<PyDict>()?))
+    })();
+    match made {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(_) => err,
     }
 }
 
@@ -862,12 +888,13 @@ pymethods_with_getters! { PyBatchSampler, |b, py| {
 ///     ``triple_based`` (needs ``neg_heads`` / ``neg_tails``, ``(N0 or 1, k)``).
 ///   corruption_scheme: ``h``, ``t`` or ``ht``.
 ///   flat_negatives: one negative list per SparseCore slice (and side) instead
-///     of one per triple.
+///     of one per triple (default False: one list per triple, as besskge's
+///     ``flat_negative_format`` and the CLI default).
 ///   sampler: ``random`` or ``rigid``; ``shuffle`` shuffles rigid's positions
 ///     with our own seeded generator.
 ///   seed: one seed for the sharding, batch and negative samplers; or
 ///     ``seeds=(sharding, batch, negative)``.
-///   steps: steps to yield (default: one epoch).
+///   steps: steps to yield, at least 1 (default: one epoch).
 ///   inverse_triples: append ``(t, r + n_relation, h)``; ``n_relation``
 ///     defaults to the largest relation id + 1.
 ///   sharding: reuse a :class:`Sharding` (e.g. a besskge one loaded from
@@ -888,7 +915,7 @@ impl PyBessStream {
     #[new]
     #[pyo3(signature = (triples, n_entity, shard_batch_size, *, devices=(1, 1, 4), host=0, col_shift=0, embedding_dim=16,
                         negatives=0, negative_sampler="random", type_offsets=None, neg_heads=None, neg_tails=None,
-                        corruption_scheme="t", flat_negatives=true, sampler="random", shuffle=false, seed=None, seeds=None,
+                        corruption_scheme="t", flat_negatives=false, sampler="random", shuffle=false, seed=None, seeds=None,
                         steps=None, inverse_triples=false, n_relation=None, sharding=None, annotations=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(

@@ -249,9 +249,10 @@ def _graph(n_entity=1000, n_rel=10, n=20_000, seed=1):
 def test_stream_round_trip_through_preprocessor():
   h, r, t = _graph()
   stream = bess.BessStream((h, r, t), n_entity=1000, shard_batch_size=8, devices=(1, 1, 4), negatives=3,
-                           corruption_scheme="t", seed=1234, steps=3, annotations=True)
+                           corruption_scheme="t", flat_negatives=True, seed=1234, steps=3, annotations=True)
   counts = stream.counts
-  # 4 shards; 8 triples per SparseCore = 2 per shard pair; 3 tail negatives from every shard.
+  # 4 shards; 8 triples per SparseCore = 2 per shard pair; one flat list of 3 tail negatives from
+  # every shard.
   assert counts["positive_per_partition"] == 2
   assert counts["max_ids_per_partition"] == 2 * 2 + 3 == 7
   config = json.loads(stream.config_json)
@@ -279,7 +280,8 @@ def test_stream_round_trip_through_preprocessor():
     seen += 1
   assert seen == 3
   # Iterating yields the remaining steps of a fresh stream as pyarrow batches too.
-  again = bess.BessStream((h, r, t), n_entity=1000, shard_batch_size=8, negatives=3, seed=1234, steps=2)
+  again = bess.BessStream((h, r, t), n_entity=1000, shard_batch_size=8, negatives=3, flat_negatives=True, seed=1234,
+                          steps=2)
   batches = list(again)
   assert len(batches) == 2 == len(again)
   assert all(b.schema.names == ["head", "tail", "relation", "triple_mask", "negative"] for b in batches)
@@ -470,8 +472,19 @@ def test_error_sharding_file(tmp_path):
   with pytest.raises(bess.ShardingFileError) as e:
     bess.Sharding.load_npz(bad)
   assert e.value.path == str(bad) and "zip" in e.value.reason
-  with pytest.raises(OSError):
+  with pytest.raises(OSError) as e:
     bess.Sharding.load_npz(tmp_path / "missing.npz")
+  # Also a BessError, and says which file.
+  assert isinstance(e.value, bess.BessIOError) and isinstance(e.value, bess.BessError)
+  assert e.value.context == f"opening {tmp_path / 'missing.npz'}" and "No such file" in str(e.value)
+  # A 2-D entity_to_shard is refused, not flattened.
+  sh = bess.Sharding.create(40, 4, 1)
+  arrays = {k: getattr(sh, k) for k in ("entity_to_shard", "entity_to_idx", "shard_and_idx_to_entity", "shard_counts")}
+  arrays["entity_to_shard"] = arrays["entity_to_shard"].reshape(4, 10)
+  np.savez(tmp_path / "flat2d.npz", n_shard=4, **arrays)
+  with pytest.raises(bess.ShardingFileError) as e:
+    bess.Sharding.load_npz(tmp_path / "flat2d.npz")
+  assert e.value.reason == "entity_to_shard = an array of shape [4, 10]: must be 1-D"
 
 
 def test_errors_pickle():
@@ -485,9 +498,62 @@ def test_errors_pickle():
 
 
 def test_pipeline_errors_keep_their_classes():
-  # A stream whose config the pipeline refuses (S not a power of two) is the pipeline's ConfigError.
-  with pytest.raises(sparsecore_prep.ConfigError):
+  # A stream whose config the pipeline refuses (S not a power of two) is the pipeline's ConfigError,
+  # and a BessError too.
+  with pytest.raises(sparsecore_prep.ConfigError) as e:
     bess.BessStream(_graph(100, 3, 2000), n_entity=100, shard_batch_size=8, devices=(1, 1, 3))
+  assert type(e.value) is bess.PipelineConfigError and isinstance(e.value, bess.BessError)
+  with pytest.raises(bess.BessError) as e:
+    bess.BessStream(_graph(100, 3, 2000), n_entity=100, shard_batch_size=8, devices=(0, 0, 0))
+  assert isinstance(e.value, sparsecore_prep.ConfigError) and e.value.field == "local_device_count"
+  back = pickle.loads(pickle.dumps(e.value))
+  assert type(back) is bess.PipelineConfigError and str(back) == str(e.value) and back.field == e.value.field
+  # Negative counts never reach BESS: Python's int conversion refuses them (documented).
+  with pytest.raises(OverflowError):
+    bess.BessStream(_graph(100, 3, 2000), n_entity=100, shard_batch_size=-1)
+
+
+def test_default_negatives_are_per_triple_as_in_besskge_and_the_cli():
+  h, r, t = _graph(n=4000)
+  per_triple = bess.BessStream((h, r, t), n_entity=1000, shard_batch_size=8, negatives=3, seed=1, steps=1)
+  # One list of 3 per triple (8 per SparseCore) from each of the 4 shards: 2 + 2 + 8 * 3 ids a cell.
+  assert per_triple.counts["max_ids_per_partition"] == 28
+  assert per_triple.counts["rows_per_sparsecore"] == 4 * 8 * 3
+  flat = bess.BessStream((h, r, t), n_entity=1000, shard_batch_size=8, negatives=3, seed=1, steps=1,
+                         flat_negatives=True)
+  assert flat.counts["max_ids_per_partition"] == 2 + 2 + 3
+
+
+def test_zero_steps_are_refused():
+  with pytest.raises(bess.InvalidParameterError) as e:
+    bess.BessStream(_graph(100, 3, 2000), n_entity=100, shard_batch_size=8, steps=0)
+  assert (e.value.name, e.value.value, e.value.reason) == ("steps", "0", "must be at least 1")
+
+
+def test_a_step_the_process_cannot_hold_is_too_large_error():
+  # In a child with 3 GB of address space: 10 M negatives per list per triple need ~26 GB a step.
+  import resource
+  import subprocess
+  import sys
+
+  code = """
+import numpy as np
+from sparsecore_prep import bess
+rng = np.random.default_rng(1)
+h, r, t = rng.integers(0, 100, 2000), rng.integers(0, 3, 2000), rng.integers(0, 100, 2000)
+try:
+  bess.BessStream((h, r, t), n_entity=100, shard_batch_size=8, negatives=10_000_000, steps=1)
+except bess.TooLargeError as e:
+  print(e.bytes, e.reason)
+"""
+
+  def limit():
+    resource.setrlimit(resource.RLIMIT_AS, (3_000_000_000, 3_000_000_000))
+
+  out = subprocess.run([sys.executable, "-c", code], preexec_fn=limit, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.split()[0] == str(4 * (320_000_000 * 12 + 8 * 20 + 320_000_000 * 8)), out.stdout
+  assert "the allocator refuses that much" in out.stdout
 
 
 def test_stub_declares_the_public_api():

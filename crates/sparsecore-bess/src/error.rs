@@ -137,6 +137,19 @@ pub enum BessError {
         reason: String,
     },
 
+    /// What a stream needs for a step is more memory than it may use or the allocator gives:
+    /// refused before drawing, instead of aborting the process on a failed allocation.
+    #[error("{what} needs {bytes} bytes ({:.2} GiB): {reason}", gib(.bytes))]
+    TooLarge {
+        /// What needs the memory, with the parameters it follows from (negatives, shard batch
+        /// size, layout).
+        what: String,
+        /// The bytes needed (at least; an estimate from below for a whole step).
+        bytes: u128,
+        /// Why it is refused: past `max_step_bytes`, or the allocator refused it.
+        reason: String,
+    },
+
     /// A sharding file (`.npz`) is malformed.
     #[error("sharding file {path}: {reason}")]
     ShardingFile {
@@ -163,6 +176,11 @@ pub enum BessError {
     /// The preprocessing pipeline refused the config or a batch.
     #[error(transparent)]
     Prep(#[from] sparsecore_prep::Error),
+}
+
+/// Bytes in GiB, for messages.
+fn gib(bytes: &u128) -> f64 {
+    *bytes as f64 / f64::from(1u32 << 30)
 }
 
 impl BessError {

@@ -198,7 +198,12 @@ impl Sharding {
             if String::from_utf8_lossy(head).contains("'descr': '|O'") {
                 continue;
             }
-            arrays.insert(key.clone(), decode_npy(&bytes, &format!("{name}/{key}"))?);
+            // The pipeline's reader names what it reads as a feature; here it is a member.
+            let array = decode_npy(&bytes, &key).map_err(|e| match e {
+                sparsecore_prep::Error::InvalidInput { reason, .. } => bad(format!("member `{key}`: {reason}")),
+                other => BessError::Prep(other),
+            })?;
+            arrays.insert(key.clone(), array);
         }
         Self::from_npy_arrays(arrays).map_err(|e| match e {
             BessError::InvalidParameter { name: field, value, reason } => bad(format!("{field} = {value}: {reason}")),
@@ -216,6 +221,12 @@ impl Sharding {
         let counts = need("shard_counts", take("shard_counts"))?;
         let tc = take("entity_type_counts");
         let to = take("entity_type_offsets");
+        // besskge's arrays are 1-D: a 2-D one flattened would be read as another sharding.
+        for (k, a) in [("entity_to_shard", &e2s), ("entity_to_idx", &e2i), ("shard_counts", &counts)] {
+            if a.shape.len() != 1 {
+                return Err(BessError::param(k, format!("an array of shape {:?}", a.shape), "must be 1-D"));
+            }
+        }
         let [n] = n_shard_a.data[..] else {
             return Err(BessError::param("n_shard", format!("{:?}", n_shard_a.data), "must be one integer"));
         };

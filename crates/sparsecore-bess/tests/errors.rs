@@ -238,3 +238,85 @@ fn type_offsets_past_the_entities_are_refused() {
     let e = BessStream::builder().triples(t).n_entity(100).shard_batch_size(8).negatives(2).negative_sampler(kind).seed(1).build().unwrap_err();
     assert!(matches!(&e, BessError::InvalidParameter { name: "type_offsets", .. }), "{e:?}");
 }
+
+#[test]
+fn zero_steps_are_refused() {
+    let t = synth::uniform(100, 3, 500, 1);
+    let e = BessStream::builder().triples(t.clone()).n_entity(100).shard_batch_size(8).steps(0).build().unwrap_err();
+    assert!(matches!(&e, BessError::InvalidParameter { name: "steps", value, .. } if value == "0"), "{e:?}");
+    assert_eq!(e.to_string(), "invalid `steps` = 0: must be at least 1");
+    let s = BessStream::builder().triples(t).n_entity(100).shard_batch_size(8).steps(1).build().unwrap();
+    assert_eq!(s.count(), 1);
+}
+
+#[test]
+fn a_step_past_max_step_bytes_is_refused_before_drawing() {
+    let t = synth::uniform(100, 3, 500, 1);
+    let stream = |flat: bool, cap: usize| {
+        BessStream::builder().triples(t.clone()).n_entity(100).shard_batch_size(8).negatives(3).flat_negatives(flat).max_step_bytes(cap).build()
+    };
+    // 1/1/4, ppp 2: T = 8 triples per SparseCore. Flat: B = 1, NEG = 4·1·3 = 12 rows = R.
+    // 4 slices · (12 rows · 12 + 8 triples · 20 + 12 negatives · 8) = 1600 bytes.
+    assert_eq!(stream(true, usize::MAX).unwrap().step_bytes(), 1600);
+    // Per triple: B = T = 8, NEG = 4·8·3 = 96 rows = R: 4 · (96 · 12 + 8 · 20 + 96 · 8) = 8320.
+    assert_eq!(stream(false, 8320).unwrap().step_bytes(), 8320);
+    let e = stream(false, 8319).unwrap_err();
+    let BessError::TooLarge { what, bytes, reason } = &e else { panic!("{e:?}") };
+    assert_eq!(*bytes, 8320);
+    assert_eq!(reason, "more than max_step_bytes = 8319");
+    assert!(what.contains("layout 1/1/4") && what.contains("shard batch size 8 (8 triples per SparseCore)") && what.contains("negatives = 3"), "{what}");
+    assert!(e.to_string().contains("needs 8320 bytes (0.00 GiB): more than max_step_bytes = 8319"), "{e}");
+}
+
+/// A sharding .npz of the given members (name, .npy bytes).
+fn npz(path: &std::path::Path, members: &[(&str, Vec<u8>)]) {
+    use std::io::Write;
+    let mut zip = zip::ZipWriter::new(std::fs::File::create(path).unwrap());
+    let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    for (name, bytes) in members {
+        zip.start_file(format!("{name}.npy"), opts).unwrap();
+        zip.write_all(bytes).unwrap();
+    }
+    zip.finish().unwrap();
+}
+
+#[test]
+fn sharding_files_with_2d_or_float_members_name_the_member() {
+    use sparsecore_prep::fdo::npz::{encode_npy, NpyArray};
+    let s = Sharding::create(50, 4, &[9], None).unwrap();
+    let int = |shape: Vec<usize>, data: Vec<i64>| encode_npy(&NpyArray { shape, data });
+    let members = |e2s: Vec<u8>| {
+        vec![
+            ("n_shard", int(vec![], vec![4])),
+            ("entity_to_shard", e2s),
+            ("entity_to_idx", int(vec![50], s.entity_to_idx.clone())),
+            ("shard_and_idx_to_entity", int(vec![4, 13], s.shard_and_idx_to_entity.iter().copied().collect())),
+            ("shard_counts", int(vec![4], s.shard_counts.clone())),
+        ]
+    };
+    let dir = std::env::temp_dir().join(format!("bess-npz-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("s.npz");
+    npz(&path, &members(int(vec![50], s.entity_to_shard.clone())));
+    assert_eq!(Sharding::load_npz(&path).unwrap(), s);
+    // The same 50 values as 10 × 5 were read flattened, as if they were the sharding.
+    npz(&path, &members(int(vec![10, 5], s.entity_to_shard.clone())));
+    let e = Sharding::load_npz(&path).unwrap_err();
+    let name = path.display().to_string();
+    assert!(matches!(&e, BessError::ShardingFile { path, .. } if *path == name), "{e:?}");
+    assert_eq!(e.to_string(), format!("sharding file {name}: entity_to_shard = an array of shape [10, 5]: must be 1-D"));
+    // A float member: named as the file's member, not as a feature.
+    let mut header = b"{'descr': '<f8', 'fortran_order': False, 'shape': (50,), }".to_vec();
+    while !(10 + header.len() + 1).is_multiple_of(64) {
+        header.push(b' ');
+    }
+    header.push(b'\n');
+    let mut float = b"\x93NUMPY\x01\x00".to_vec();
+    float.extend((header.len() as u16).to_le_bytes());
+    float.extend(header);
+    float.extend(s.entity_to_shard.iter().flat_map(|&v| (v as f64).to_le_bytes()));
+    npz(&path, &members(float));
+    let e = Sharding::load_npz(&path).unwrap_err();
+    assert_eq!(e.to_string(), format!("sharding file {name}: member `entity_to_shard`: dtype '<f8' is not int64 or int32"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -48,6 +48,14 @@ impl<T, E: std::fmt::Display> Ctx<T> for std::result::Result<T, E> {
 pub enum Command {
     /// Draw BESS batches from a triples file, laid out for SparseCores, and write them (Arrow
     /// IPC, one record batch per step) with the config whose limits are their exact counts.
+    ///
+    /// Each record batch holds R rows per local SparseCore (slice k is rows k·R .. (k+1)·R). In
+    /// a slice, rows 0 .. T (T = n·ppp) are its triples: head, tail (one id each), relation and
+    /// triple_mask. The negatives are one per row in rows 0 .. n·B·K of the same slice, beside
+    /// the triples but not aligned with them: row r holds a negative drawn from shard
+    /// r / (B·K), list (r / K) mod B, where K is --negatives and B is one list per triple (T),
+    /// or with --flat-negatives one per slice (two with --corruption ht). R = max(T, n·B·K);
+    /// past T (or n·B·K) the id lists are empty.
     Batches(BatchesArgs),
     /// Create a sharding (.npz, besskge's `Sharding.save` format) or show one.
     Shard {
@@ -73,10 +81,13 @@ pub struct BatchesArgs {
     /// Which host this is (0 .. G/L): the batches hold its L·S SparseCores' slices.
     #[arg(long, default_value_t = 0)]
     host: usize,
-    /// Positive triples per SparseCore per step (besskge's shard_bs).
+    /// Positive triples per SparseCore per step (besskge's shard_bs), rounded up to a multiple
+    /// of the n shards, as besskge does (at n = 4, 2 gives 4 and 6 gives 8), then down to an
+    /// even number of triples per shard pair with --corruption ht.
     #[arg(long)]
     shard_batch_size: usize,
-    /// Negatives per shard per list, k (0: no negatives).
+    /// Negatives per shard per list, K (0: no negatives). One list per triple, or per slice
+    /// with --flat-negatives; one negative per output row (see `bess batches --help`).
     #[arg(long, default_value_t = 0)]
     negatives: usize,
     /// Batch sampler: random (with replacement) or rigid (every triple in turn, padded).
@@ -104,7 +115,7 @@ pub struct BatchesArgs {
     /// Seed of the sharding, the batch sampler and the negative sampler.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Steps to draw (default: one epoch).
+    /// Steps to draw, at least 1 (default: one epoch).
     #[arg(long)]
     steps: Option<usize>,
     /// Arrow IPC file to write.
@@ -293,8 +304,55 @@ fn progress(len: Option<u64>, template: &str) -> ProgressBar {
     pb
 }
 
+/// Whether two output paths name the same file: the same path once `.`, `..` and symlinks
+/// (of the file itself or of its directories) are resolved, or the same existing file (a hard
+/// link).
+fn same_file(a: &Path, b: &Path) -> bool {
+    #[cfg(unix)]
+    if let (Ok(ma), Ok(mb)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+        use std::os::unix::fs::MetadataExt;
+        if (ma.dev(), ma.ino()) == (mb.dev(), mb.ino()) {
+            return true;
+        }
+    }
+    resolved(a) == resolved(b)
+}
+
+/// `p` absolute, with symlinks resolved as far as the file system has them: a file that does
+/// not exist yet is its resolved directory joined with its name, and a dangling symlink is
+/// followed (a few levels) to where it points.
+fn resolved(p: &Path) -> PathBuf {
+    let mut p = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    for _ in 0..8 {
+        if let Ok(c) = std::fs::canonicalize(&p) {
+            return c;
+        }
+        match std::fs::read_link(&p) {
+            Ok(target) => p = p.parent().map_or(target.clone(), |dir| dir.join(&target)),
+            Err(_) => break,
+        }
+    }
+    match (p.parent().map(std::fs::canonicalize), p.file_name()) {
+        (Some(Ok(dir)), Some(name)) => dir.join(name),
+        _ => p,
+    }
+}
+
 fn batches(a: BatchesArgs) -> CliResult<()> {
     let (l, g, s) = a.layout;
+    // Checked before anything is read or written: both outputs go through a temporary next to
+    // them, and the same file twice would end up holding the config alone.
+    if same_file(&a.out, &a.config_out) {
+        return Err(format!(
+            "--out {} and --config-out {} are the same file ({}); give two different paths",
+            a.out.display(),
+            a.config_out.display(),
+            resolved(&a.out).display()
+        ));
+    }
+    if a.steps == Some(0) {
+        return Err("--steps 0: steps must be at least 1 (leave --steps out for one epoch)".into());
+    }
     let corruption = Corruption::parse(&a.corruption).ctx(|| "--corruption".to_string())?;
     let sampler = match a.sampler.as_str() {
         "rigid" => StreamSampler::Rigid { shuffle: a.shuffle },

@@ -424,3 +424,93 @@ fn a_besskge_sharding_file_reads_back() {
     };
     assert_eq!(run_with("file", &["--sharding", s(&path)]), run_with("seed", &[]));
 }
+
+/// The files in `dir` (names), sorted.
+fn listing(dir: &TempDir) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(&dir.0).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn out_and_config_out_naming_one_file_are_refused_and_nothing_is_written() {
+    let dir = TempDir::new("samepath");
+    let tr = triples_file(&dir);
+    let batches = |out: &Path, cfg: &Path| {
+        fails(&["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--steps", "2", "--out", s(out), "--config-out", s(cfg)])
+    };
+    let x = dir.join("o.arrow");
+    let canonical = std::fs::canonicalize(&dir.0).unwrap().join("o.arrow");
+    // The same path twice; the same file through `.`; the same file through a symlink, to a
+    // file that does not exist yet and then to one that does (kept as it was).
+    let e = batches(&x, &x);
+    assert!(e.contains(&format!("--out {} and --config-out {} are the same file ({})", s(&x), s(&x), canonical.display())), "{e}");
+    assert_eq!(listing(&dir), ["triples.arrow"]);
+    let dotted = dir.0.join(".").join("o.arrow");
+    let e = batches(&x, &dotted);
+    assert!(e.contains(&format!("--config-out {} are the same file ({})", s(&dotted), canonical.display())), "{e}");
+    assert_eq!(listing(&dir), ["triples.arrow"]);
+    let link = dir.join("link.json");
+    std::os::unix::fs::symlink("o.arrow", &link).unwrap();
+    let e = batches(&x, &link);
+    assert!(e.contains(&format!("are the same file ({})", canonical.display())), "{e}");
+    assert_eq!(listing(&dir), ["link.json", "triples.arrow"]);
+    std::fs::write(&x, b"kept").unwrap();
+    let e = batches(&link, &x);
+    assert!(e.contains(&format!("--out {} and --config-out {}", s(&link), s(&x))), "{e}");
+    assert_eq!(std::fs::read(&x).unwrap(), b"kept");
+    assert_eq!(listing(&dir), ["link.json", "o.arrow", "triples.arrow"]);
+    // Two different files in one directory are still allowed.
+    ok(&["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--steps", "2", "--out", s(&x), "--config-out", s(&dir.join("c.json"))]);
+    assert!(std::fs::read(&x).unwrap().starts_with(b"ARROW1"));
+}
+
+#[test]
+fn zero_steps_are_refused_before_anything_is_written() {
+    let dir = TempDir::new("steps0");
+    let tr = triples_file(&dir);
+    let (out, cfg) = (dir.join("o.arrow"), dir.join("c.json"));
+    let e = fails(&["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--steps", "0", "--out", s(&out), "--config-out", s(&cfg)]);
+    assert!(e.contains("--steps 0: steps must be at least 1"), "{e}");
+    assert_eq!(listing(&dir), ["triples.arrow"]);
+}
+
+/// The review's repro: under `ulimit -v 3000000` (3 GB of address space), 10 M negatives per
+/// list per triple need about 26 GB a step (1.28 G negative rows on the host's 4 SparseCores):
+/// a typed error naming the negatives and the size, not an abort (the allocation is refused at
+/// once, so nothing near that much is ever used).
+#[test]
+fn a_step_the_process_cannot_hold_is_an_error_not_an_abort() {
+    let dir = TempDir::new("hugeneg");
+    let tr = triples_file(&dir);
+    let (out, cfg) = (dir.join("o.arrow"), dir.join("c.json"));
+    let o = Command::new("sh")
+        .args(["-c", "ulimit -v 3000000 && exec \"$0\" \"$@\"", BIN, "bess", "batches", "--triples", s(&tr), "--entities", "64"])
+        .args(["--shard-batch-size", "8", "--negatives", "10000000", "--steps", "1", "--out", s(&out), "--config-out", s(&cfg)])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    // T = 8 triples per SparseCore, B = 8 lists of K = 10 M: NEG = 4·8·10 M rows per slice.
+    // 4 slices · (320 M rows · 12 + 8 · 20 + 320 M · 8) bytes.
+    let bytes = 4u64 * (320_000_000 * 12 + 8 * 20 + 320_000_000 * 8);
+    assert!(stderr.contains("shard batch size 8 (8 triples per SparseCore) and 8 negative lists of 10000000 per shard"), "{stderr}");
+    assert!(stderr.contains(&format!("needs {bytes} bytes")) && stderr.contains("the allocator refuses that much"), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert_eq!(listing(&dir), ["triples.arrow"]);
+}
+
+#[test]
+fn batches_help_says_how_rows_and_the_shard_batch_size_are_laid_out() {
+    let help = ok(&["bess", "batches", "--help"]);
+    let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(help.contains("rounded up to a multiple of the n shards, as besskge does (at n = 4, 2 gives 4 and 6 gives 8)"), "{help}");
+    assert!(help.contains("The negatives are one per row in rows 0 .. n·B·K of the same slice, beside the triples but not aligned with them"), "{help}");
+    // And it does: 6 at n = 4 gives ppp 2, 8 triples per SparseCore.
+    let dir = TempDir::new("sbs6");
+    let tr = triples_file(&dir);
+    let (out, cfg) = (dir.join("o.arrow"), dir.join("c.json"));
+    let stdout = ok(&["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "6", "--steps", "1", "--out", s(&out), "--config-out", s(&cfg)]);
+    assert!(stdout.contains("ppp 2 triples per shard-pair block per step"), "{stdout}");
+    assert_eq!(read_json(&cfg)["tables"][0]["max_ids_per_partition"], 4);
+}

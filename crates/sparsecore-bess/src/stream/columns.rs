@@ -77,11 +77,16 @@ pub(super) fn schema(c: Columns) -> SchemaRef {
 /// one id each and the rest none. They depend only on the stream's shape, so they are built
 /// once and shared by every batch (Arrow buffers are reference-counted).
 pub(super) fn one_id_offsets(slices: usize, used: usize, r: usize) -> Result<OffsetBuffer<i32>> {
-    let total = slices * r;
-    if total >= i32::MAX as usize {
-        return Err(BessError::param("rows", total, "too many for a List column"));
-    }
-    let mut offsets = Vec::with_capacity(total + 1);
+    let total = slices.checked_mul(r).filter(|&total| total < i32::MAX as usize);
+    let Some(total) = total else {
+        return Err(BessError::param("rows", format!("{slices} slices of {r}"), "too many for a List column"));
+    };
+    let mut offsets = Vec::new();
+    offsets.try_reserve_exact(total + 1).map_err(|_| BessError::TooLarge {
+        what: format!("the list offsets of {slices} SparseCore slices of {r} rows"),
+        bytes: (total as u128 + 1) * 4,
+        reason: "the allocator refuses that much (the memory available, or `ulimit -v`)".into(),
+    })?;
     offsets.push(0i32);
     for slice in 0..slices {
         let base = (slice * used) as i32;
@@ -614,7 +619,18 @@ impl Parts<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::pack_bools;
+    use super::{one_id_offsets, pack_bools};
+    use crate::error::BessError;
+
+    #[test]
+    fn offsets_past_a_list_column_are_an_error_not_an_overflow() {
+        let e = one_id_offsets(1 << 62, 1, 8).unwrap_err();
+        assert_eq!(e.to_string(), format!("invalid `rows` = {} slices of 8: too many for a List column", 1u64 << 62));
+        let e = one_id_offsets(4, 1, i32::MAX as usize / 4 + 1).unwrap_err();
+        assert!(matches!(e, BessError::InvalidParameter { name: "rows", .. }), "{e:?}");
+        let ok = one_id_offsets(2, 1, 3).unwrap();
+        assert_eq!(&ok[..], &[0, 1, 1, 1, 2, 2, 2]);
+    }
 
     #[test]
     fn packed_bools_are_the_bools() {

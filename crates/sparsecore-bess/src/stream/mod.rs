@@ -157,6 +157,7 @@ pub struct BessStreamBuilder {
     steps: Option<usize>,
     inverse_triples: bool,
     annotations: bool,
+    max_step_bytes: Option<usize>,
 }
 
 impl Default for BessStreamBuilder {
@@ -180,6 +181,7 @@ impl Default for BessStreamBuilder {
             steps: None,
             inverse_triples: false,
             annotations: false,
+            max_step_bytes: None,
         }
     }
 }
@@ -267,8 +269,8 @@ impl BessStreamBuilder {
         self.seeds = (sharding, batch, negative);
         self
     }
-    /// Number of steps to yield (default: one epoch, besskge's `len` for Random and
-    /// `len / pss` for Rigid).
+    /// Number of steps to yield, at least 1 (default: one epoch, besskge's `len` for Random
+    /// and `len / pss` for Rigid).
     pub fn steps(mut self, steps: usize) -> Self {
         self.steps = Some(steps);
         self
@@ -285,12 +287,22 @@ impl BessStreamBuilder {
         self.inverse_triples = on;
         self
     }
+    /// The most memory a step may need ([`BessStream::step_bytes`]); a stream that needs more
+    /// is refused by [`Self::build`] with [`BessError::TooLarge`] (default: no cap but what
+    /// the allocator gives).
+    pub fn max_step_bytes(mut self, bytes: usize) -> Self {
+        self.max_step_bytes = Some(bytes);
+        self
+    }
 
     /// Validates everything and computes the config.
     pub fn build(self) -> Result<BessStream> {
         let triples = self.triples.ok_or_else(|| BessError::param("triples", "missing", "required"))?;
         let n_entity = self.n_entity.ok_or_else(|| BessError::param("n_entity", "missing", "required"))?;
         let shard_bs = self.shard_bs.ok_or_else(|| BessError::param("shard_batch_size", "missing", "required"))?;
+        if self.steps == Some(0) {
+            return Err(BessError::param("steps", 0, "must be at least 1"));
+        }
         let (l, g, s) = self.devices;
         let layout = SparseCoreLayout::new(l, g, s, self.host)?.with_col_shift(self.col_shift);
         let n = layout.num_sparsecores();
@@ -408,6 +420,30 @@ impl BessStreamBuilder {
         }
         let neg_rows = n * b * k;
         let rows = t.max(neg_rows);
+        let local = layout.local_sparsecores();
+        let step_bytes = step_bytes(local, (n, t, rows, neg_rows), !matches!(negative, None | Some(NegativeSampler::Random(_))) || self.annotations);
+        let too_large = |reason: String| BessError::TooLarge {
+            what: format!(
+                "a step of layout {l}/{g}/{s} ({local} SparseCores on this host), shard batch size {shard_bs} ({t} triples per SparseCore) \
+                 and {b} negative lists of {k} per shard ({neg_rows} negative rows per SparseCore; negatives = {})",
+                self.negatives
+            ),
+            bytes: step_bytes,
+            reason,
+        };
+        if let Some(cap) = self.max_step_bytes.filter(|&cap| step_bytes > cap as u128) {
+            return Err(too_large(format!("more than max_step_bytes = {cap}")));
+        }
+        // Asked of the allocator once, before anything is drawn (address space only: nothing is
+        // touched, and it is given back at once), so that a step the process cannot hold is an
+        // error here and not an abort on whichever allocation fails first.
+        if usize::try_from(step_bytes).map_or(true, |bytes| Vec::<u8>::new().try_reserve_exact(bytes).is_err()) {
+            return Err(too_large(
+                "the allocator refuses that much (the memory available, or `ulimit -v`); use fewer negatives, a smaller shard \
+                 batch size or fewer SparseCores per host"
+                    .into(),
+            ));
+        }
         let max_ids = 2 * ppp + b * k;
         let coo = s * n * max_ids.div_ceil(8) * 8;
         let counts = CellCounts {
@@ -448,7 +484,6 @@ impl BessStreamBuilder {
             StreamSampler::Rigid { shuffle: false } => Some(Arc::new(Rigid::new(&part, &table, &layout, ppp, sampler.steps_per_epoch()))),
             _ => None,
         };
-        let local = layout.local_sparsecores();
         let full_mask: ArrayRef = Arc::new(BooleanArray::from_iter((0..local).flat_map(|_| (0..rows).map(|row| Some(row < t)))));
         let shared = Shared {
             pos_offsets: one_id_offsets(local, t, rows)?,
@@ -467,6 +502,7 @@ impl BessStreamBuilder {
             sampler,
             negative,
             counts,
+            step_bytes,
             neg_b: b,
             neg_k: k,
             flat,
@@ -481,6 +517,23 @@ impl BessStreamBuilder {
     }
 }
 
+/// Bytes a stream holds for a step, at least: the `head` and `negative` list offsets every batch
+/// shares (4 bytes a row each), and one step's `relation` (4 a row), `head` and `tail` values and
+/// the positives' rows of the triple table (8 + 8 + 4 a triple), `negative` values (8 a
+/// negative) and, with annotations or a per-triple sampler other than Random, every
+/// SparseCore's negatives as the sampler's array (4 each), for `local` SparseCores of `(n, T, R,
+/// NEG)`: shards, triples, rows and negative rows per SparseCore. Saturates at `u128::MAX`.
+fn step_bytes(local: usize, (n, t, rows, neg_rows): (usize, usize, usize, usize), all_negatives: bool) -> u128 {
+    let [local, n, t, rows, neg_rows] = [local, n, t, rows, neg_rows].map(|x| x as u128);
+    let terms = [
+        local.checked_mul(rows).and_then(|r| r.checked_mul(4 + 4 + 4)),
+        local.checked_mul(t).and_then(|r| r.checked_mul(8 + 8 + 4)),
+        local.checked_mul(neg_rows).and_then(|r| r.checked_mul(8)),
+        if all_negatives { n.checked_mul(neg_rows).and_then(|r| r.checked_mul(4)) } else { Some(0) },
+    ];
+    terms.into_iter().try_fold(0u128, |sum, x| sum.checked_add(x?)).unwrap_or(u128::MAX)
+}
+
 /// BESS batches, negatives and their SparseCore layout, as record batches for the pipeline.
 #[derive(Debug, Clone)]
 pub struct BessStream {
@@ -493,6 +546,7 @@ pub struct BessStream {
     sampler: BatchSampler,
     negative: Option<NegativeSampler>,
     counts: CellCounts,
+    step_bytes: u128,
     neg_b: usize,
     neg_k: usize,
     flat: bool,
@@ -522,6 +576,13 @@ impl BessStream {
     #[must_use]
     pub fn counts(&self) -> &CellCounts {
         &self.counts
+    }
+
+    /// The memory a step needs, at least ([`BessStreamBuilder::max_step_bytes`]): what every
+    /// batch shares (list offsets) and one step's columns, scratch and draws.
+    #[must_use]
+    pub fn step_bytes(&self) -> u128 {
+        self.step_bytes
     }
 
     /// The SparseCore layout.
