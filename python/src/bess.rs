@@ -288,28 +288,43 @@ impl PyNumpyRng {
     }
 
     /// `size` raw 64-bit outputs (`bit_generator.random_raw(size)`), uint64.
-    fn random_raw<'py>(&mut self, py: Python<'py>, size: usize) -> Bound<'py, PyAny> {
-        let v: Vec<u64> = (0..size).map(|_| self.rng.next_u64()).collect();
-        PyArray1::from_vec(py, v).into_any()
+    fn random_raw<'py>(&mut self, py: Python<'py>, size: usize) -> PyResult<Bound<'py, PyAny>> {
+        let mut v: Vec<u64> = draws(size)?;
+        v.extend((0..size).map(|_| self.rng.next_u64()));
+        Ok(PyArray1::from_vec(py, v).into_any())
     }
 
     /// `integers(high, size=size)` for the two bounds besskge draws with: `2**63` (the batch
     /// sampler) and `2**31` (the negative samplers, which share numpy's buffered 32-bit
     /// half-words across calls). int64.
     fn integers<'py>(&mut self, py: Python<'py>, high: u64, size: usize) -> PyResult<Bound<'py, PyAny>> {
-        let v: Vec<i64> = match high {
-            h if h == 1 << 63 => (0..size).map(|_| self.rng.integers_63() as i64).collect(),
-            h if h == 1 << 31 => (0..size).map(|_| i64::from(self.rng.integers_31())).collect(),
+        let mut v: Vec<i64> = match high {
+            h if h == 1 << 63 || h == 1 << 31 => draws(size)?,
             _ => return Err(param(py, "high", high, "only 2**63 and 2**31 (the bounds besskge draws with) are implemented")),
         };
+        if high == 1 << 63 {
+            v.extend((0..size).map(|_| self.rng.integers_63() as i64));
+        } else {
+            v.extend((0..size).map(|_| i64::from(self.rng.integers_31())));
+        }
         Ok(PyArray1::from_vec(py, v).into_any())
     }
 
     /// `permutation(m)`, int64.
-    fn permutation<'py>(&mut self, py: Python<'py>, m: usize) -> Bound<'py, PyAny> {
+    fn permutation<'py>(&mut self, py: Python<'py>, m: usize) -> PyResult<Bound<'py, PyAny>> {
+        // The generator's own vector of `m` positions is the same size: asked for first.
+        drop(draws::<usize>(m)?);
         let v: Vec<i64> = self.rng.permutation(m).into_iter().map(|x| x as i64).collect();
-        PyArray1::from_vec(py, v).into_any()
+        Ok(PyArray1::from_vec(py, v).into_any())
     }
+}
+
+/// An empty vector with room for `size` draws, or Python's `MemoryError` (numpy's answer to
+/// the same call) where the allocator refuses it, rather than an abort.
+fn draws<T>(size: usize) -> PyResult<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(size).map_err(|_| pyo3::exceptions::PyMemoryError::new_err(format!("cannot allocate {size} draws")))?;
+    Ok(v)
 }
 
 // ---------------------------------------------------------------------------------------------

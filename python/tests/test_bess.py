@@ -193,6 +193,12 @@ def test_seed_words():
     bess.NumpyRng(1.5)
   with pytest.raises(bess.InvalidParameterError):
     bess.NumpyRng([2**32])
+  # Sizes no memory holds: MemoryError, as numpy raises, not an abort of the interpreter.
+  rng = bess.NumpyRng(1)
+  for draw in (lambda: rng.random_raw(2**61), lambda: rng.integers(2**31, 2**61), lambda: rng.permutation(2**61)):
+    with pytest.raises(MemoryError, match="cannot allocate 2305843009213693952 draws"):
+      draw()
+  np.testing.assert_array_equal(rng.random_raw(2), bess.NumpyRng(1).random_raw(2))
 
 
 # --- Sharding files -----------------------------------------------------------------------------

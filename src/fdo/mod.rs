@@ -17,8 +17,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::io::OutputFile;
-// Until every caller names it there.
-pub use crate::io::tmp_path;
 use crate::fields::{self, Nested, Section};
 use crate::output::Output;
 use crate::spec::{round_up, Config, DeviceLayout, Plan, Stacking, ALIGNMENT};

@@ -198,9 +198,10 @@ impl Sharding {
             if String::from_utf8_lossy(head).contains("'descr': '|O'") {
                 continue;
             }
-            // The pipeline's reader names what it reads as a feature; here it is a member.
+            // The pipeline's reader names what it reads by the name it was given, here the
+            // member's; the message names the file, then the member.
             let array = decode_npy(&bytes, &key).map_err(|e| match e {
-                sparsecore_prep::Error::InvalidInput { reason, .. } => bad(format!("member `{key}`: {reason}")),
+                sparsecore_prep::Error::InvalidData { reason, .. } => bad(format!("member `{key}`: {reason}")),
                 other => BessError::Prep(other),
             })?;
             arrays.insert(key.clone(), array);
@@ -287,7 +288,7 @@ impl Sharding {
                 for s in 0..n {
                     for t in 0..c.ncols() {
                         let (cnt, off) = (c[[s, t]], o[[s, t]]);
-                        if cnt < 0 || off < 0 || off + cnt > m as i64 {
+                        if cnt < 0 || off < 0 || off.checked_add(cnt).is_none_or(|end| end > m as i64) {
                             return Err(BessError::param("entity_type_counts", format!("shard {s} type {t}: {cnt} at {off}"), format!("outside the shard's {m} slots")));
                         }
                     }

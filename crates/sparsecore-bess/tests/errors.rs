@@ -229,6 +229,13 @@ fn type_offsets_past_the_entities_are_refused() {
         assert_eq!(tc.column(1).to_vec(), want, "last offset {last}");
         assert_eq!(tc.sum(), 1001);
     }
+    // A crafted file's count and offset whose sum overflows are refused, not wrapped past the
+    // check (which let the type-based sampler draw outside the shard).
+    let mut sh = Sharding::create(1001, 4, &[1], Some(&[0, 1000])).unwrap();
+    sh.entity_type_offsets.as_mut().unwrap()[[0, 1]] = 2;
+    sh.entity_type_counts.as_mut().unwrap()[[0, 1]] = i64::MAX;
+    let e = sh.validate().unwrap_err();
+    assert!(e.to_string().contains(&i64::MAX.to_string()), "{e}");
     // The partitioning types triples by the same offsets, and the stream builds its typed
     // sharding from them.
     let t = synth::uniform(100, 3, 500, 1);

@@ -12,7 +12,6 @@
 //! negatives per partition, against the config's limits) and, for the Rigid sampler, its
 //! padding overhead.
 
-use std::fs::File;
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -24,7 +23,7 @@ use arrow_array::{Array, RecordBatch};
 use arrow_ipc::writer::FileWriter;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sparsecore_bess::{seed_words, BessStream, Corruption, Sharding, StreamSampler, Triples};
-use sparsecore_prep::io::BatchReader;
+use sparsecore_prep::io::{BatchReader, OutputFile};
 
 use super::outdir::clean_stale;
 use super::parse_layout;
@@ -399,14 +398,15 @@ fn batches(a: BatchesArgs) -> CliResult<()> {
 
     clean_stale(&a.out, false);
     clean_stale(&a.config_out, false);
-    let tmp = sparsecore_prep::fdo::tmp_path(&a.out);
-    let config_tmp = sparsecore_prep::fdo::tmp_path(&a.config_out);
+    // Both files are written whole or not at all, and only once both are complete.
+    let out = OutputFile::new(&a.out).map_err(|e| e.to_string())?;
+    let config_out = OutputFile::new(&a.config_out).map_err(|e| e.to_string())?;
     let pb = progress(Some(steps as u64), "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} steps written to {wide_msg} (ETA {eta})");
     pb.set_message(a.out.display().to_string());
     let mut loads = Loads::new(slots, n);
     let mut rows = 0u64;
     let mut write = || -> CliResult<()> {
-        let file = File::create(&tmp).ctx(|| format!("creating {}", tmp.display()))?;
+        let file = out.create().map_err(|e| e.to_string())?;
         let mut writer = FileWriter::try_new(BufWriter::new(file), &schema).ctx(|| format!("writing {}", a.out.display()))?;
         for batch in stream.by_ref() {
             let batch = batch.ctx(|| format!("triples {}", a.triples.display()))?;
@@ -416,17 +416,13 @@ fn batches(a: BatchesArgs) -> CliResult<()> {
             pb.inc(1);
         }
         writer.finish().ctx(|| format!("writing {}", a.out.display()))?;
-        std::fs::write(&config_tmp, &config_json).ctx(|| format!("writing {}", config_tmp.display()))?;
-        std::fs::rename(&tmp, &a.out).ctx(|| format!("renaming {} to {}", tmp.display(), a.out.display()))?;
-        std::fs::rename(&config_tmp, &a.config_out).ctx(|| format!("renaming {} to {}", config_tmp.display(), a.config_out.display()))
+        std::fs::write(config_out.path(), &config_json).ctx(|| format!("writing {}", config_out.path().display()))
     };
     let written = write();
     pb.finish_and_clear();
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        let _ = std::fs::remove_file(&config_tmp);
-        return Err(e);
-    }
+    written?;
+    out.commit().map_err(|e| e.to_string())?;
+    config_out.commit().map_err(|e| e.to_string())?;
 
     outln!(
         "wrote {steps} steps ({rows} rows, {} per SparseCore slice) of {n_triples} triples to {} and the config to {}",

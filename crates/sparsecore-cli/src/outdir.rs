@@ -29,7 +29,7 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-use sparsecore_prep::fdo::tmp_path;
+use sparsecore_prep::io::tmp_path;
 use sparsecore_prep::{Error, Result};
 
 use super::io_err;
