@@ -78,7 +78,7 @@ readme_install=""
 case " $* " in *" python/"*) ;; *) set -- python/tests "$@" ;; esac
 log "pytest $*"
 SPARSECORE_SHARED="$shared" SPARSECORE_PREP_CLI="$cli" \
-  REQUIRE_REFERENCE=1 REQUIRE_RAY=1 JAX_PLATFORMS=cpu SPARSECORE_README_INSTALL="$readme_install" \
+  REQUIRE_REFERENCE=1 REQUIRE_RAY=1 REQUIRE_GOLDEN=1 JAX_PLATFORMS=cpu SPARSECORE_README_INSTALL="$readme_install" \
   "$py" -m pytest -q -p no:cacheprovider -rs "$@"
 t3=$(date +%s)
 log "setup $((t1 - t0)) s, build $((t2 - t1)) s, tests $((t3 - t2)) s"

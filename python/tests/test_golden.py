@@ -28,6 +28,9 @@ PAD = 2**31 - 1
 PAD_NAN_BITS = 0x7FC00000
 
 if not CASES:
+  # CI sets REQUIRE_GOLDEN=1: there, missing cases are a failure, never a silent skip.
+  if os.environ.get("REQUIRE_GOLDEN") == "1":
+    raise RuntimeError(f"REQUIRE_GOLDEN=1 but there are no golden cases under {SHARED}")
   pytest.skip(f"no golden cases under {SHARED}", allow_module_level=True)
 
 

@@ -4,7 +4,7 @@
 //!
 //! Ignored by default because it is time-bound; run it with
 //! `cargo test --test soak -- --ignored`. The long run is
-//! `cargo run --release -- soak --minutes 10` (see RELIABILITY-soak.md).
+//! `cargo run --release -- soak --minutes 10` (RELIABILITY.md, "Soak").
 
 use std::process::Command;
 
