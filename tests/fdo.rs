@@ -289,6 +289,17 @@ fn reference_npz_files_merge_to_the_golden_maxima() {
     assert_eq!(merged.stacks["t_one"].max_ids_per_partition, vec![20, 20, 40, 40]);
     assert_eq!(merged.stacks["t_one"].required_buffer_size_per_sc, vec![128]);
     assert_eq!(merged.batches, 2);
+
+    // An imported file is held to what a stats file is: no count past 32 bits (it was clamped),
+    // no negative count, a layout with devices.
+    let arrays = |v: i64| -> BTreeMap<String, NpyArray> { [("t_one_max_ids".to_string(), arr1(&[1, v, 3, 4]))].into_iter().collect() };
+    let e = npz::stats_from_arrays(layout(1, 1, 4), &arrays(1 << 40), "big.npz").unwrap_err();
+    assert_eq!(e.to_string(), "big.npz: `t_one_max_ids` holds 1099511627776, past the 32-bit counts stats hold");
+    let e = npz::stats_from_arrays(layout(1, 1, 4), &arrays(-3), "neg.npz").unwrap_err();
+    assert!(e.to_string().contains("`max_ids_per_partition`[1] is -3"), "{e}");
+    let e = npz::stats_from_arrays(layout(1, 0, 4), &arrays(2), "zero.npz").unwrap_err();
+    assert!(e.to_string().contains("global_device_count = 0"), "{e}");
+    assert_eq!(npz::stats_from_arrays(layout(1, 1, 4), &arrays(2), "ok.npz").unwrap().stacks["t_one"].max_ids_per_partition, vec![1, 2, 3, 4]);
 }
 
 #[test]

@@ -130,15 +130,23 @@ impl FdoStats {
         if s.version != FDO_FORMAT_VERSION {
             return Err(Error::option("version", s.version, format!("unsupported FDO stats version (expected {FDO_FORMAT_VERSION})")));
         }
-        let l = &s.layout;
+        s.validate()?;
+        Ok(s)
+    }
+
+    /// Checks what a stats file (ours, or the reference's imported) must hold: a layout of at
+    /// least one device and SparseCore, and no negative count (a damaged file, which would tune
+    /// a limit below zero or draw a bar below the axis). The error names the stack, the field,
+    /// the position and the value. Array lengths are not checked here: the reference's files
+    /// hold the required buffer in another shape than ours, and may omit a field.
+    pub fn validate(&self) -> Result<()> {
+        let l = &self.layout;
         for (field, v) in [("local_device_count", l.local_device_count), ("global_device_count", l.global_device_count), ("num_sc_per_device", l.num_sc_per_device)] {
             if v == 0 {
                 return Err(Error::option("layout", format!("{field} = 0"), "an FDO stats file's layout counts devices and SparseCores: at least 1 each"));
             }
         }
-        // Counts of ids and buffer sizes: a negative one is a damaged file, and would tune a
-        // limit below zero or draw a bar below the axis.
-        for (name, st) in &s.stacks {
+        for (name, st) in &self.stacks {
             let arrays = [
                 ("max_ids_per_partition", &st.max_ids_per_partition),
                 ("max_unique_ids_per_partition", &st.max_unique_ids_per_partition),
@@ -150,7 +158,7 @@ impl FdoStats {
                 }
             }
         }
-        Ok(s)
+        Ok(())
     }
 
     /// Reads a stats JSON file.

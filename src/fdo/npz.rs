@@ -218,15 +218,21 @@ pub fn stats_from_arrays(layout: LayoutKey, arrays: &BTreeMap<String, NpyArray>,
         let (stack, field) = split_key(key).ok_or_else(|| bad(source, format!("Unexpected key: {key}")))?;
         let st = stats.stacks.entry(stack.to_string()).or_default();
         let v = a.max_over_rows();
-        let ints = || v.iter().map(|&x| x.clamp(i32::MIN as i64, i32::MAX as i64) as i32).collect::<Vec<_>>();
+        // The stats hold 32-bit counts, as the reference's do: a larger one is a damaged file.
+        let ints = || {
+            v.iter()
+                .map(|&x| i32::try_from(x).map_err(|_| bad(source, format!("`{key}` holds {x}, past the 32-bit counts stats hold"))))
+                .collect::<Result<Vec<_>>>()
+        };
         match field {
-            0 => st.max_ids_per_partition = ints(),
-            1 => st.max_unique_ids_per_partition = ints(),
-            2 => st.required_buffer_size_per_sc = ints(),
+            0 => st.max_ids_per_partition = ints()?,
+            1 => st.max_unique_ids_per_partition = ints()?,
+            2 => st.required_buffer_size_per_sc = ints()?,
             _ => st.dropped_id_count = v.iter().copied().max().unwrap_or(0).max(0) as u64,
         }
         stats.batches = stats.batches.max(if a.shape.len() >= 2 { a.shape[0] as u64 } else { 1 });
     }
+    stats.validate()?;
     Ok(stats)
 }
 

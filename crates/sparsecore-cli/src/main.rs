@@ -135,8 +135,8 @@ fn parse_layout(s: &str) -> std::result::Result<(usize, usize, usize), String> {
     let parts: Vec<&str> = s.split('/').collect();
     let nums: Vec<usize> = parts.iter().filter_map(|p| p.trim().parse().ok()).collect();
     match nums.as_slice() {
-        [l, g, sc] if parts.len() == 3 => Ok((*l, *g, *sc)),
-        _ => Err(format!("expected L/G/S (three integers), got {s:?}")),
+        [l, g, sc] if parts.len() == 3 && *l > 0 && *g > 0 && *sc > 0 => Ok((*l, *g, *sc)),
+        _ => Err(format!("expected L/G/S (three integers, each at least 1), got {s:?}")),
     }
 }
 
