@@ -40,12 +40,13 @@ def module_of(src: pathlib.Path, path: pathlib.Path) -> str:
 
 
 def code_lines(text: str):
-    for line in text.splitlines():
+    """(line number, code) of every line that is not a comment, numbered as in the file."""
+    for n, line in enumerate(text.splitlines(), 1):
         stripped = line.lstrip()
         if stripped.startswith("//"):
             continue
         # A trailing comment cannot hold an import that matters.
-        yield line.split("//", 1)[0] if "//" in line and '"' not in line else line
+        yield n, (line.split("//", 1)[0] if "//" in line and '"' not in line else line)
 
 
 def main() -> int:
@@ -55,7 +56,7 @@ def main() -> int:
         if path.name in ("lib.rs", "main.rs") and path.parent == src:
             continue  # the crate root only declares modules and re-exports
         module = module_of(src, path)
-        for n, line in enumerate(code_lines(path.read_text()), 1):
+        for n, line in code_lines(path.read_text()):
             for target in PATH.findall(line):
                 if target != module:
                     edges.setdefault((module, target), f"{path}:{n}")
