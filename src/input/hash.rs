@@ -36,8 +36,6 @@ use crate::error::{Error, Result};
 /// The algorithm's name, as written in documentation and benchmark reports.
 pub const HASH_ALGORITHM: &str = "xxh3-64";
 
-pub use crate::spec::HashConfig;
-
 /// The 64-bit key of a string or byte-string value (its bytes, hashed as they are).
 #[inline]
 pub fn hash_bytes(bytes: &[u8], seed: u64) -> u64 {

@@ -20,7 +20,7 @@ pub mod hash;
 mod ragged;
 
 pub use self::arrow::{features_from_record_batch, features_from_record_batch_reusing, ArrowListInput, RawKeyRows};
-pub use hash::{HashBuffers, HashConfig};
+pub use hash::HashBuffers;
 pub use coo::CooInput;
 pub use dense::DenseInput;
 pub use ragged::RaggedInput;

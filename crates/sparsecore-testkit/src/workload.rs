@@ -29,7 +29,8 @@ use rand::{RngExt, SeedableRng};
 use rand_distr::{Distribution, Normal, Zipf};
 
 use sparsecore_prep::{Error, Result};
-use sparsecore_prep::input::{features_from_record_batch, HashConfig, SampleSource};
+use sparsecore_prep::input::{features_from_record_batch, SampleSource};
+use sparsecore_prep::spec::HashConfig;
 use sparsecore_prep::Output;
 use sparsecore_prep::Preprocessor;
 use sparsecore_prep::spec::{Config, FeatureConfig, Options, StackLimits, Stacking, TableConfig};
