@@ -42,7 +42,8 @@ impl StackedTable {
         let v = sp.stack_vocab_size as usize;
         let d = sp.stack_embedding_dim as usize;
         let r = v / n;
-        let mut data = Array2::<f32>::zeros((v, d));
+        // Every shape first, then the stacked table, asked of the allocator rather than
+        // assumed: a config's vocabulary can describe more than memory holds.
         for (&t, table) in sp.tables.iter().zip(tables) {
             let f = member(plan, sp, t)?;
             let (vocab, dim) = (f.vocabulary_size as usize, table_dim(plan, t));
@@ -53,6 +54,16 @@ impl StackedTable {
                     format!("array of shape {:?}, expected [vocabulary_size, embedding_dim] = [{vocab}, {dim}]", table.dim()),
                 ));
             }
+        }
+        let too_large = || KernelError::plan("stack", stack, format!("a stacked table of {v} x {d} floats does not fit in memory"));
+        let len = v.checked_mul(d).ok_or_else(too_large)?;
+        let mut zeros: Vec<f32> = Vec::new();
+        zeros.try_reserve_exact(len).map_err(|_| too_large())?;
+        zeros.resize(len, 0.0);
+        let mut data = Array2::from_shape_vec((v, d), zeros).map_err(|_| too_large())?;
+        for (&t, table) in sp.tables.iter().zip(tables) {
+            let f = member(plan, sp, t)?;
+            let dim = table_dim(plan, t);
             for (row, values) in table.outer_iter().enumerate() {
                 let p = physical_row(n, r, f.shard_rotation as usize, f.row_offset_in_shard as usize, row);
                 data.row_mut(p).slice_mut(ndarray::s![..dim]).assign(&values);

@@ -356,3 +356,23 @@ fn stack_feature_gradients_errors_name_the_stack_or_feature() {
     // The right shape is accepted.
     assert_eq!(stack_feature_gradients(&plan, "ta", &[(2, g16.view())]).unwrap().sum(), 256.0);
 }
+
+/// A config whose stacked table is larger than memory: an error naming the stack, not an
+/// abort in the allocator.
+#[test]
+fn a_stacked_table_past_memory_is_an_error() {
+    let config = sparsecore_prep::Config::from_json(
+        r#"{"config": {"local_device_count": 1, "global_device_count": 1, "num_sc_per_device": 4},
+            "tables": [{"name": "huge", "vocabulary_size": 2000000000, "embedding_dim": 200000, "combiner": "sum"}],
+            "features": [{"name": "f", "table": "huge"}]}"#,
+    )
+    .unwrap();
+    let mut prep = Preprocessor::new(config).unwrap();
+    let plan = prep.plan_for(&[8]).unwrap().clone();
+    // The member array of that shape, every element one float (zero strides).
+    use ndarray::ShapeBuilder;
+    let one = [0.5f32];
+    let view = ndarray::ArrayView2::from_shape((2_000_000_000, 200_000).strides((0, 0)), &one).unwrap();
+    let e = StackedTable::from_tables(&plan, &plan.stacks[0].name, &[view]).unwrap_err();
+    assert!(e.to_string().contains("x 200000 floats does not fit in memory") && e.to_string().contains(&plan.stacks[0].name), "{e}");
+}
