@@ -118,7 +118,9 @@ pub fn extract_sc(
             let nsps = samples_per_sc(layout, inputs[f].num_samples());
             let start = (device * s + sc) * nsps;
             total += slice_ids(&inputs[f].view(), start..start + nsps)
-                .ok_or_else(|| Error::input(&features[f].name, "the input's offsets or indices are inconsistent"))?;
+                .ok_or_else(|| {
+                    Error::input(&features[f].name, format!("the input's offsets or indices are inconsistent in samples {start}..{} (device {device}, SparseCore {sc})", start + nsps))
+                })?;
         }
         if total as u64 > DATA_MASK + 1 {
             return Err(Error::BatchTooLarge {
@@ -738,7 +740,10 @@ impl SliceExtractor<'_, '_> {
             let first = self.out.index_rows.len();
             if (first + n) as u64 > 1u64 << enc.format.data_bits {
                 // The ids counted up front (which sized the payload) disagree with the rows read.
-                return Err(Error::input(&self.plan.name, "the input's offsets or indices are inconsistent"));
+                return Err(Error::input(
+                    &self.plan.name,
+                    format!("the input's offsets or indices are inconsistent: {} ids read, past the {} counted up front", first + n, 1u64 << enc.format.data_bits),
+                ));
             }
             // The payload is the extraction index.
             bad = if storage == KeyStorage::Narrow {

@@ -466,7 +466,8 @@ fn file_client_publish_and_load_across_processes() {
     let dir = TempDir::new("client");
     let mut p0 = FileFdoClient::new(&dir.0, 0);
     let mut p1 = FileFdoClient::new(&dir.0, 1);
-    assert!(p0.publish().is_err(), "nothing recorded yet");
+    let e = p0.publish().unwrap_err();
+    assert!(matches!(e, Error::InvalidData { .. }) && e.to_string().ends_with(": publish before any stats were recorded"), "{e}");
     assert!(p0.load().is_err(), "no file yet");
 
     p0.record(&one_stack(1, 10)).unwrap();

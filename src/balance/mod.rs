@@ -562,7 +562,7 @@ fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: us
                 best = Some((new_peak, ids, s, at));
             }
         }
-        let (new_peak, _, s, at) = best.ok_or_else(|| Error::data("balancing window", "the window's slices have no room for its samples"))?;
+        let (new_peak, _, s, at) = best.ok_or_else(|| Error::data("balancing window", format!("its {nslices} slices of {} rows in all have no room for sample {i}", capacity.iter().sum::<usize>())))?;
         let row = &mut load[s * cells..(s + 1) * cells];
         for &(c, n) in sample {
             row[c as usize] += n;

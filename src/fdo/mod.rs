@@ -252,7 +252,7 @@ impl FdoClient for FileFdoClient {
     }
 
     fn publish(&mut self) -> Result<PathBuf> {
-        let stats = self.pending.as_ref().ok_or_else(|| Error::option("fdo", "publish", "nothing recorded"))?;
+        let stats = self.pending.as_ref().ok_or_else(|| Error::data(format!("FDO client of {}", self.dir.display()), "publish before any stats were recorded"))?;
         std::fs::create_dir_all(&self.dir)
             .map_err(|source| Error::Io { context: format!("creating {}", self.dir.display()), source })?;
         let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
