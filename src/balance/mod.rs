@@ -562,7 +562,10 @@ fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: us
                 best = Some((new_peak, ids, s, at));
             }
         }
-        let (new_peak, _, s, at) = best.ok_or_else(|| Error::data("balancing window", format!("its {nslices} slices of {} rows in all have no room for sample {i}", capacity.iter().sum::<usize>())))?;
+        let (new_peak, _, s, at) = best.ok_or_else(|| {
+            let rows: usize = capacity.iter().sum();
+            Error::data("balancing window", format!("its {nslices} slices of {rows} rows in all have no room for sample {i}"))
+        })?;
         let row = &mut load[s * cells..(s + 1) * cells];
         for &(c, n) in sample {
             row[c as usize] += n;
