@@ -20,6 +20,8 @@
 //! Every call returns [`KernelError`], the crate's one error type; the pipeline's errors pass
 //! through it (`From<sparsecore_prep::Error>`), so `?` works across both crates.
 
+#![deny(missing_docs)]
+
 mod buffers;
 pub mod dynamic;
 pub mod error;

@@ -15,16 +15,21 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Where in the n-th batch update the proxy strikes (see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Crash {
+    /// The server gets the update's first bytes only, then is killed.
     MidRequest,
+    /// The server runs the whole update, then is killed before its reply reaches the client.
     AfterApply,
     /// Not a crash: another client's raw RESP request (a concurrent writer) reaches the server
     /// just before the update, i.e. between the update's read and its write.
     WriteFirst(Vec<u8>),
 }
 
+/// The proxy: clients connect to `port` instead of the server's.
 pub struct FaultProxy {
+    /// The loopback port clients connect to.
     pub port: u16,
     /// Set once the crash has happened.
     pub crashed: Arc<AtomicBool>,
@@ -131,6 +136,7 @@ impl FaultProxy {
         FaultProxy { port, crashed }
     }
 
+    /// The proxy's `redis://` URL, for a client that should go through it.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
     }

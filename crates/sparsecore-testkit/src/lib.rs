@@ -10,6 +10,8 @@
 //!   that injects faults, for the dynamic-table tests and benches.
 //! - [`TempDir`]: scratch directories removed on drop.
 
+#![deny(missing_docs)]
+
 pub mod case;
 pub mod fault_proxy;
 pub mod model;

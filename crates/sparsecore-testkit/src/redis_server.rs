@@ -23,9 +23,12 @@ pub enum Persistence {
     AofAlways,
 }
 
+/// A running server, killed and its directory removed on drop.
 pub struct RedisServer {
     child: Option<Child>,
+    /// Its loopback port.
     pub port: u16,
+    /// Its working directory (persistence files and `redis.log`).
     pub dir: PathBuf,
     persistence: Persistence,
 }
@@ -84,19 +87,23 @@ impl RedisServer {
         s.write_all(b"PING\r\n").is_ok() && matches!(s.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
     }
 
+    /// Its `redis://` URL.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
     }
 
+    /// Its log so far (for a failing test's message).
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default()
     }
 
+    /// Its process id; the server must be running.
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("running").id()
     }
 
     /// SIGKILL: no shutdown save, no goodbye to clients.
+    /// Kills it (SIGKILL) and waits for it, if it runs.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -116,6 +123,7 @@ impl RedisServer {
         self.spawn();
     }
 
+    /// Its working directory.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
