@@ -306,8 +306,7 @@ fn one_heavy_sample_bounds_the_balance() {
 }
 
 /// The swap pass after the greedy brings the worst cell to (or within 0.5% of) the lower bound
-/// on these windows; the greedy alone stopped 0.5–3.5% above it (criteo at W = 4: 150 against
-/// a bound of 145).
+/// on these windows, where the greedy alone stops above it (BENCHMARKS.md, "Balanced batches").
 #[test]
 fn balanced_windows_reach_the_lower_bound() {
     use sparsecore_prep::balance::lower_bound;
@@ -343,8 +342,8 @@ fn balanced_windows_reach_the_lower_bound() {
 /// `Refinement::EveryStack` then lowers each stack's own worst cell with no stack's buffer
 /// rising: on criteo (26 stacks competing for the same samples) the sum over stacks of their
 /// worst `max_ids` falls, no stack's worst buffer rises, the worst cell relative to its limit
-/// stays where it was, and at 1/1/4 the worst cell reaches its lower bound (the worst cell
-/// alone stopped 2% above it: 152 against 149).
+/// stays where it was, and at 1/1/4 the worst cell reaches its lower bound, which the default
+/// refinement does not.
 #[test]
 fn every_stack_lowers_the_stacks_limits_and_no_buffer() {
     use sparsecore_prep::balance::{lower_bound, Balancer, Refinement};

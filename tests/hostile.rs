@@ -868,10 +868,9 @@ fn ten_gigabyte_suggested_coo_buffer_is_refused_without_allocating() {
 }
 
 /// A config can be valid and still need more memory than exists: L = G = 2^16 devices with
-/// C = 2^31 - 8 slots each is 2^47 elements per array. Sizing the output used to abort the
-/// process in the allocator; now the reservation fails first and `run` returns an error, with
-/// nothing written, no memory kept, and the `Output` (which held a batch of another config)
-/// empty.
+/// C = 2^31 - 8 slots each is 2^47 elements per array. The output's reservation fails before
+/// anything is written and `run` returns an error, with no memory kept and the `Output` (which
+/// held a batch of another config) empty.
 #[test]
 fn output_larger_than_the_machine_is_an_error_not_an_abort() {
     let cfg = config_with(|v| {

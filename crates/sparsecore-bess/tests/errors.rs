@@ -143,7 +143,7 @@ fn sizes_beyond_the_buffers_are_errors_not_overflows() {
 
 #[test]
 fn relation_ids_past_int32_are_refused_not_clamped() {
-    // The batches' `relation` column is Int32: each of these ids used to become 2147483647.
+    // The batches' `relation` column is Int32: clamped, each of these ids would be 2147483647.
     let mut t = synth::uniform(1000, 10, 20_000, 1);
     t.relation.iter_mut().for_each(|r| *r += 3_000_000_000);
     let stream = |t: &Triples| BessStream::builder().triples(t.clone()).n_entity(1000).shard_batch_size(64).seed(1);

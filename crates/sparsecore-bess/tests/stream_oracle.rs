@@ -501,9 +501,8 @@ fn samplers() -> [(StreamSampler, &'static str); 3] {
     [(StreamSampler::Random, "random"), (StreamSampler::Rigid { shuffle: false }, "rigid"), (StreamSampler::Rigid { shuffle: true }, "rigid-shuffle")]
 }
 
-/// What the digest test used to cover, and more negative setups: every batch sampler × every
-/// negative setup × annotations × (one host of 4 SparseCores, the second of two hosts of 2), on
-/// a skewed and a uniform graph, 3 steps each.
+/// Every batch sampler × every negative setup × annotations × (one host of 4 SparseCores, the
+/// second of two hosts of 2), on a skewed and a uniform graph, 3 steps each.
 #[test]
 fn every_sampler_and_negative_setup_matches_the_oracle() {
     let mut cases = 0;

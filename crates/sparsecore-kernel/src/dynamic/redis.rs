@@ -21,7 +21,7 @@
 //! (its writes reach the AOF wrapped in `MULTI`/`EXEC`, and a truncated block is dropped on
 //! load; an RDB snapshot is taken between commands), so a crash never leaves a half-applied
 //! batch. (`WATCH` would do the same, but Redis 7.0 checks each newly watched key against every
-//! key the client already watches, which is quadratic in the batch: 0.4 s per 4096-key batch.)
+//! key the client already watches, which is quadratic in the batch.)
 //!
 //! **Failures.** Connections have connect, read and write timeouts. A refused or dropped
 //! connection is [`StoreErrorKind::Connection`], a server that does not answer in time
