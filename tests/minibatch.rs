@@ -636,7 +636,10 @@ fn pass_one_never_fails_when_buckets_fit() {
     let rows: Vec<Vec<i32>> = (0..8).map(|r| vec![r]).collect();
     let rag = Rag::new("f0", &rows);
     let cfg = config(1, 1, false, true, &[table("t0", 64, 4, 4, None)], &[("f0", "t0")]);
-    assert!(run_highway(cfg, &[&rag]).is_ok());
+    let out = run_highway(cfg, &[&rag]).unwrap();
+    // The batch was split into minibatches, and nothing was dropped.
+    assert!(out.num_minibatches > 1, "{} minibatches", out.num_minibatches);
+    assert_eq!(out.stacks[0].stats.dropped_id_count, 0);
 }
 
 #[test]
