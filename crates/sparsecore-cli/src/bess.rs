@@ -30,6 +30,26 @@ use super::parse_layout;
 use super::stdio::outln;
 
 /// A failure of a `bess` command: its message, with context.
+/// `--sampler`'s names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Sampler {
+    /// besskge's RandomShardedBatchSampler: with replacement inside every shard pair.
+    Random,
+    /// besskge's RigidShardedBatchSampler: every triple in turn, padded.
+    Rigid,
+}
+
+/// `--corruption`'s names (besskge's `corruption_scheme`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CorruptionArg {
+    /// Heads.
+    H,
+    /// Tails.
+    T,
+    /// Heads for half of each block, tails for the other half.
+    Ht,
+}
+
 pub type CliResult<T> = std::result::Result<T, String>;
 
 /// Adds context to any displayable error.
@@ -90,14 +110,14 @@ pub struct BatchesArgs {
     #[arg(long, default_value_t = 0)]
     negatives: usize,
     /// Batch sampler: random (with replacement) or rigid (every triple in turn, padded).
-    #[arg(long, default_value = "random", value_parser = ["random", "rigid"])]
-    sampler: String,
+    #[arg(long, value_enum, default_value_t = Sampler::Random)]
+    sampler: Sampler,
     /// Rigid only: shuffle the positions every epoch (our seeded generator, not besskge's).
     #[arg(long)]
     shuffle: bool,
     /// Corruption scheme of the negatives: h, t or ht.
-    #[arg(long, default_value = "t", value_parser = ["h", "t", "ht"])]
-    corruption: String,
+    #[arg(long, value_enum, default_value_t = CorruptionArg::T)]
+    corruption: CorruptionArg,
     /// One negative list per SparseCore slice (and side) instead of one per triple.
     #[arg(long)]
     flat_negatives: bool,
@@ -352,11 +372,15 @@ fn batches(a: BatchesArgs) -> CliResult<()> {
     if a.steps == Some(0) {
         return Err("--steps 0: steps must be at least 1 (leave --steps out for one epoch)".into());
     }
-    let corruption = Corruption::parse(&a.corruption).ctx(|| "--corruption".to_string())?;
-    let sampler = match a.sampler.as_str() {
-        "rigid" => StreamSampler::Rigid { shuffle: a.shuffle },
-        _ if a.shuffle => return Err("--shuffle applies to --sampler rigid only".into()),
-        _ => StreamSampler::Random,
+    let corruption = match a.corruption {
+        CorruptionArg::H => Corruption::H,
+        CorruptionArg::T => Corruption::T,
+        CorruptionArg::Ht => Corruption::Ht,
+    };
+    let sampler = match a.sampler {
+        Sampler::Rigid => StreamSampler::Rigid { shuffle: a.shuffle },
+        Sampler::Random if a.shuffle => return Err("--shuffle applies to --sampler rigid only".into()),
+        Sampler::Random => StreamSampler::Random,
     };
     let pb = progress(None, "{spinner} [{elapsed_precise}] {wide_msg}");
     pb.set_message(format!("reading {} and partitioning the triples", a.triples.display()));

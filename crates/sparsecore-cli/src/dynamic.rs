@@ -18,11 +18,20 @@ pub enum Command {
     Load(LoadArgs),
 }
 
+/// `--backend`'s names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// In this process only.
+    Memory,
+    /// A Redis server, shared by every worker.
+    Redis,
+}
+
 #[derive(clap::Args)]
 pub struct LoadArgs {
     /// `memory` (this process only) or `redis`.
-    #[arg(long, default_value = "memory")]
-    backend: String,
+    #[arg(long, value_enum, default_value_t = Backend::Memory)]
+    backend: Backend,
     /// Redis URL (with `--backend redis`).
     #[arg(long, default_value = "redis://127.0.0.1:6379/")]
     url: String,
@@ -94,16 +103,15 @@ fn load(a: LoadArgs) -> Result<()> {
         dim: a.dim,
     };
     stream.validate()?;
-    let table: Box<dyn DynamicTable> = match a.backend.as_str() {
-        "memory" => Box::new(MemoryTable::new(spec)),
-        "redis" => {
+    let table: Box<dyn DynamicTable> = match a.backend {
+        Backend::Memory => Box::new(MemoryTable::new(spec)),
+        Backend::Redis => {
             let mut config = sparsecore_kernel::dynamic::RedisConfig::new(&a.url);
             config.namespace = a.namespace.clone();
             config.connect_timeout = Duration::from_millis(a.timeout_ms);
             config.io_timeout = Duration::from_millis(a.timeout_ms);
             Box::new(sparsecore_kernel::dynamic::RedisTable::open(spec, config)?)
         }
-        other => return Err(KernelError::parameter("backend", other, "expected memory or redis")),
     };
     let (mut lookup_time, mut update_time) = (Duration::ZERO, Duration::ZERO);
     let (mut looked_up, mut updated, mut applied, mut already) = (0u64, 0u64, 0u64, 0u64);
@@ -129,7 +137,10 @@ fn load(a: LoadArgs) -> Result<()> {
     }
     let rate = |n: u64, d: Duration| if d.is_zero() { 0.0 } else { n as f64 / d.as_secs_f64() };
     let line = serde_json::json!({
-        "backend": a.backend,
+        "backend": match a.backend {
+            Backend::Memory => "memory",
+            Backend::Redis => "redis",
+        },
         "worker": a.worker,
         "batches": a.batches,
         "applied": applied,

@@ -250,8 +250,8 @@ fn export_losses(ours: &FdoStats, back: &FdoStats, format: Format) -> Vec<String
     lost
 }
 
-/// What an import changed: values our stats cannot hold (int32 arrays, a non-negative drop
-/// count), which it clamped (as `npz::stats_from_arrays` does).
+/// What an import changed: a negative drop count, imported as 0 (as `npz::stats_from_arrays`
+/// does; counts outside int32 or negative fail the import instead).
 fn import_losses(arrays: &std::collections::BTreeMap<String, npz::NpyArray>) -> Vec<String> {
     let mut lost = Vec::new();
     for (key, a) in arrays {
@@ -262,13 +262,8 @@ fn import_losses(arrays: &std::collections::BTreeMap<String, npz::NpyArray>) -> 
                     lost.push(format!("{key} is negative ({v}), imported as 0"));
                 }
             }
-            Some(_) => {
-                let out = a.data.iter().filter(|&&v| v < i32::MIN as i64 || v > i32::MAX as i64).count();
-                if out > 0 {
-                    lost.push(format!("{key}: {out} value(s) outside int32, clamped to the int32 range"));
-                }
-            }
-            None => {}
+            // Counts outside int32, or negative, are errors of the import itself.
+            Some(_) | None => {}
         }
     }
     lost

@@ -1398,8 +1398,9 @@ fn fdo_export_and_import_summarise_and_warn_about_batches() {
     assert_eq!(warnings, Vec::<String>::new());
 }
 
-/// Other values the formats cannot hold are named too: a drop count past int64 on export, and
-/// on import values outside int32 and a negative drop count (clamped).
+/// Other values the formats cannot hold are named too: a drop count past int64 on export, and on
+/// import a negative drop count (imported as 0); a count outside int32 or negative fails the
+/// import, naming the member and the value, and writes nothing.
 #[test]
 fn fdo_export_and_import_warn_about_values_they_cannot_hold() {
     let dir = TempDir::new("fdo-values");
@@ -1426,13 +1427,22 @@ fn fdo_export_and_import_warn_about_values_they_cannot_hold() {
     );
 
     let odd = dir.join("odd.csv");
-    std::fs::write(&odd, "key,values\nx_max_ids,1 5000000000 -5000000000\nx_max_unique_ids,1 1 1\nx_id_drop_counters,-3\n").unwrap();
+    std::fs::write(&odd, "key,values\nx_max_ids,1 2 3\nx_max_unique_ids,1 1 1\nx_id_drop_counters,-3\n").unwrap();
     let back = dir.join("odd.json");
     let (stdout, warnings) = ok_with_stderr(&["fdo", "import", s(&odd), "--layout", "1/1/3", "-o", s(&back)]);
     assert!(stdout.starts_with(&format!("imported 1 stack (3 arrays) from {} (CSV) to {}: layout 1/1/3, batches 1", odd.display(), back.display())), "{stdout}");
     let w = |m: &str| format!("sparsecore-prep: warning: {}: {m}", odd.display());
-    assert_eq!(warnings, [w("x_id_drop_counters is negative (-3), imported as 0"), w("x_max_ids: 2 value(s) outside int32, clamped to the int32 range")]);
+    assert_eq!(warnings, [w("x_id_drop_counters is negative (-3), imported as 0")]);
     let got = read_json(&back);
-    assert_eq!(got["stacks"]["x"]["max_ids_per_partition"], json!([1, i32::MAX, i32::MIN]));
+    assert_eq!(got["stacks"]["x"]["max_ids_per_partition"], json!([1, 2, 3]));
     assert_eq!(got["stacks"]["x"]["dropped_id_count"], json!(0));
+
+    let (big, negative) = (dir.join("big.csv"), dir.join("negative.csv"));
+    std::fs::write(&big, "key,values\nx_max_ids,1 5000000000 3\n").unwrap();
+    std::fs::write(&negative, "key,values\nx_max_ids,1 -5 3\n").unwrap();
+    let e = fail(&["fdo", "import", s(&big), "--layout", "1/1/3", "-o", s(&dir.join("big.json"))]);
+    assert!(e.ends_with(&format!("{}: `x_max_ids` holds 5000000000, past the 32-bit counts stats hold", big.display())), "{e}");
+    let e = fail(&["fdo", "import", s(&negative), "--layout", "1/1/3", "-o", s(&dir.join("negative.json"))]);
+    assert!(e.contains("stack `x`") && e.contains("`max_ids_per_partition`[1] is -5: counts cannot be negative"), "{e}");
+    assert!(!dir.join("big.json").exists() && !dir.join("negative.json").exists());
 }
