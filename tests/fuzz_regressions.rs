@@ -283,3 +283,18 @@ fn merging_huge_counts_saturates() {
     assert_eq!(merged.stacks[" t0"].dropped_id_count, u64::MAX);
     assert_eq!(merged.stacks[" t0"].max_ids_per_partition, vec![2, 2, 15, 9]);
 }
+
+/// stats_import target: a reference CSV with a negative count was imported, and the JSON
+/// written from it did not read back (`from_json` refuses negative counts). Every reader now
+/// holds stats to the same rules, so whatever one accepts, the JSON reader accepts back.
+#[test]
+fn imported_negative_counts_are_refused_like_json_ones() {
+    let text = "key,values\nt0\u{f}\0\0\0_max_ids,-9";
+    let layout = LayoutKey { local_device_count: 1, global_device_count: 2, num_sc_per_device: 2 };
+    let arrays = csv::parse(text, "fuzz.csv").unwrap();
+    let e = npz::stats_from_arrays(layout, &arrays, "fuzz.csv").unwrap_err();
+    assert!(e.to_string().contains("`max_ids_per_partition`[0] is -9: counts cannot be negative"), "{e}");
+    let fine = csv::parse("key,values\nt0_max_ids,9", "fine.csv").unwrap();
+    let stats = npz::stats_from_arrays(layout, &fine, "fine.csv").unwrap();
+    assert_eq!(FdoStats::from_json(&stats.to_json()).unwrap(), stats);
+}
