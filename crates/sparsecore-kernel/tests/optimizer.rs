@@ -218,18 +218,23 @@ fn minibatched_updates_equal_single_pass_updates() {
     assert!(split >= 5, "only {split} of 20 batches were split into minibatches");
 }
 
-/// A count of minibatches past what preprocessing makes (it would have the kernels walk that
-/// many empty segments) is an error naming it.
-#[test]
-fn more_minibatches_than_preprocessing_makes_are_an_error() {
-    let c = case_with((1, 1, 4), "sum", 1, true, 4096);
+/// The case's batch preprocessed (ids only): its plan and output.
+fn preprocess(c: &Case) -> (sparsecore_prep::Plan, Output) {
     let inputs: Vec<RaggedInput<'_>> =
         c.feats.iter().zip(&c.config.features).map(|((v, sp, _), f)| RaggedInput::from_i64(&f.name, v, sp).unwrap()).collect();
     let refs: Vec<&dyn SampleSource> = inputs.iter().map(|i| i as &dyn SampleSource).collect();
     let mut prep = Preprocessor::new(c.config.clone()).unwrap();
     let mut out = Output::new();
     prep.run(&refs, &mut out).unwrap();
-    let plan = prep.plan().unwrap().clone();
+    (prep.plan().unwrap().clone(), out)
+}
+
+/// A count of minibatches past what preprocessing makes (it would have the kernels walk that
+/// many empty segments) is an error naming it.
+#[test]
+fn more_minibatches_than_preprocessing_makes_are_an_error() {
+    let c = case_with((1, 1, 4), "sum", 1, true, 4096);
+    let (plan, out) = preprocess(&c);
     let stack = &plan.stacks[0];
     let tables: Vec<Array2<f32>> = c.config.tables.iter().map(|t| Array2::zeros((t.vocabulary_size as usize, 8))).collect();
     let views: Vec<_> = stack.tables.iter().map(|&t| tables[t].view()).collect();
@@ -271,13 +276,7 @@ fn backward_errors_name_the_stack_and_change_nothing() {
     let mut c = case((1, 1, 4), "sum", 21);
     // Feature stacking: stacks `ta` (f0, f2) and `tb` (f1).
     c.config.config.stacking = sparsecore_prep::spec::Stacking::Feature;
-    let inputs: Vec<RaggedInput<'_>> =
-        c.feats.iter().zip(&c.config.features).map(|((v, sp, _), f)| RaggedInput::from_i64(&f.name, v, sp).unwrap()).collect();
-    let refs: Vec<&dyn SampleSource> = inputs.iter().map(|i| i as &dyn SampleSource).collect();
-    let mut prep = Preprocessor::new(c.config.clone()).unwrap();
-    let mut out = Output::new();
-    prep.run(&refs, &mut out).unwrap();
-    let plan = prep.plan().unwrap().clone();
+    let (plan, out) = preprocess(&c);
     let names: Vec<&str> = plan.stacks.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, ["ta", "tb"]);
     let (so, stack) = (&out.stacks[0], &plan.stacks[0]);
