@@ -254,16 +254,11 @@ fn export_losses(ours: &FdoStats, back: &FdoStats, format: Format) -> Vec<String
 /// does; counts outside int32 or negative fail the import instead).
 fn import_losses(arrays: &std::collections::BTreeMap<String, npz::NpyArray>) -> Vec<String> {
     let mut lost = Vec::new();
-    for (key, a) in arrays {
-        match npz::split_key(key) {
-            Some((_, 3)) => {
-                // The count is the largest value; a negative one cannot be a count.
-                if let Some(v) = a.data.iter().copied().max().filter(|&v| v < 0) {
-                    lost.push(format!("{key} is negative ({v}), imported as 0"));
-                }
-            }
-            // Counts outside int32, or negative, are errors of the import itself.
-            Some(_) | None => {}
+    // Only the drop counters: counts outside int32, or negative, are errors of the import.
+    for (key, a) in arrays.iter().filter(|(key, _)| matches!(npz::split_key(key), Some((_, 3)))) {
+        // The count is the largest value; a negative one cannot be a count.
+        if let Some(v) = a.data.iter().copied().max().filter(|&v| v < 0) {
+            lost.push(format!("{key} is negative ({v}), imported as 0"));
         }
     }
     lost
