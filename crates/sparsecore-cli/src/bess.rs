@@ -25,7 +25,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sparsecore_bess::{seed_words, BessStream, Corruption, Sharding, StreamSampler, Triples};
 use sparsecore_prep::io::{BatchReader, OutputFile};
 
-use super::outdir::clean_stale;
+use super::outdir::{clean_stale, resolved, same_file};
 use super::parse_layout;
 use super::stdio::outln;
 
@@ -321,40 +321,6 @@ fn progress(len: Option<u64>, template: &str) -> ProgressBar {
         pb.enable_steady_tick(Duration::from_millis(100));
     }
     pb
-}
-
-/// Whether two output paths name the same file: the same path once `.`, `..` and symlinks
-/// (of the file itself or of its directories) are resolved, or the same existing file (a hard
-/// link).
-fn same_file(a: &Path, b: &Path) -> bool {
-    #[cfg(unix)]
-    if let (Ok(ma), Ok(mb)) = (std::fs::metadata(a), std::fs::metadata(b)) {
-        use std::os::unix::fs::MetadataExt;
-        if (ma.dev(), ma.ino()) == (mb.dev(), mb.ino()) {
-            return true;
-        }
-    }
-    resolved(a) == resolved(b)
-}
-
-/// `p` absolute, with symlinks resolved as far as the file system has them: a file that does
-/// not exist yet is its resolved directory joined with its name, and a dangling symlink is
-/// followed (a few levels) to where it points.
-fn resolved(p: &Path) -> PathBuf {
-    let mut p = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
-    for _ in 0..8 {
-        if let Ok(c) = std::fs::canonicalize(&p) {
-            return c;
-        }
-        match std::fs::read_link(&p) {
-            Ok(target) => p = p.parent().map_or(target.clone(), |dir| dir.join(&target)),
-            Err(_) => break,
-        }
-    }
-    match (p.parent().map(std::fs::canonicalize), p.file_name()) {
-        (Some(Ok(dir)), Some(name)) => dir.join(name),
-        _ => p,
-    }
 }
 
 fn batches(a: BatchesArgs) -> CliResult<()> {

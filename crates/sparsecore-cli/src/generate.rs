@@ -88,7 +88,7 @@ pub fn run(a: Args) -> Result<()> {
     super::outdir::clean_stale(&a.out, false);
     super::outdir::clean_stale(&a.config_out, false);
     let (out, config_out) = (OutputFile::new(&a.out)?, OutputFile::new(&a.config_out)?);
-    if out.path() == config_out.path() {
+    if super::outdir::same_file(&a.out, &a.config_out) {
         return Err(Error::option("config-out", a.config_out.display().to_string(), "names the same file as --out"));
     }
     let pb = progress(Some(w.batches.len() as u64), "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} batches written to {wide_msg}");
