@@ -31,6 +31,32 @@ impl fmt::Display for LimitKind {
     }
 }
 
+/// What a [`Error::BatchTooLarge`] counted: each is bounded by the sort key's 26-bit payload
+/// (per device or per SparseCore) or by the stack's row offsets built from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum BatchCount {
+    /// One device's samples of the stack.
+    Samples,
+    /// One SparseCore's weighted ids: the reference's payload is their extraction index.
+    WeightedIds,
+    /// The stack's global samples, over all its features.
+    GlobalSamples,
+    /// A resolved plan's `row_offset`: the stack's global samples before one feature.
+    RowOffset,
+}
+
+impl fmt::Display for BatchCount {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BatchCount::Samples => "samples",
+            BatchCount::WeightedIds => "weighted ids in one SparseCore",
+            BatchCount::GlobalSamples => "global samples",
+            BatchCount::RowOffset => "global samples before this feature (row_offset)",
+        })
+    }
+}
+
 /// Everything that can go wrong between a config, a batch and its buffers.
 ///
 /// Variants are grouped by the stage that detects them: the config and planner (`spec`), the
@@ -160,8 +186,8 @@ pub enum Error {
     BatchTooLarge {
         /// Stack name.
         stack: String,
-        /// "samples" or "ids".
-        what: &'static str,
+        /// What was counted.
+        what: BatchCount,
         /// The observed count.
         count: u64,
         /// 2^26 - 1.

@@ -19,7 +19,7 @@
 
 use std::ops::Range;
 
-use crate::error::{Error, Result};
+use crate::error::{BatchCount, Error, Result};
 use crate::extracted::Extracted;
 use crate::gain::{flush_subnormal, unity_gain, weighted_divisor, weighted_gain};
 use crate::input::{DenseIds, FeatureView, Ids, Offsets, SampleSource};
@@ -104,7 +104,7 @@ pub fn extract_sc(
     if row_end as u64 > DATA_MASK + 1 {
         return Err(Error::BatchTooLarge {
             stack: ctx.name.to_string(),
-            what: "samples",
+            what: BatchCount::Samples,
             count: row_end as u64,
             limit: DATA_MASK,
         });
@@ -125,7 +125,7 @@ pub fn extract_sc(
         if total as u64 > DATA_MASK + 1 {
             return Err(Error::BatchTooLarge {
                 stack: ctx.name.to_string(),
-                what: "weighted ids in one SparseCore",
+                what: BatchCount::WeightedIds,
                 count: total as u64,
                 limit: DATA_MASK,
             });

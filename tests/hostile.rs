@@ -40,7 +40,7 @@ use sparsecore_prep::input::{
     ArrowListInput, CooInput, DenseIds, DenseInput, FeatureView, Ids, Offsets, RaggedInput, SampleSource,
 };
 use sparsecore_prep::spec::{Plan, PAD_GAIN_BITS, PAD_ID};
-use sparsecore_prep::{AllReduce, Config, Error, Output, Preprocessor};
+use sparsecore_prep::{AllReduce, BatchCount, Config, Error, Output, Preprocessor};
 
 use one_table::{
     assert_msg, assert_same_output, base, config, config_with, err, good_rows, prep, ragged, record_batch, some_rows,
@@ -674,7 +674,7 @@ fn batch_over_the_sort_key_limit_from_a_synthetic_source() {
     let (_, largest, _) = track(|| {
         expect_run_error(&config(), &[&good], &[&over], |e| {
             assert!(
-                matches!(e, Error::BatchTooLarge { stack, what: "samples", count: 67108864, limit: 67108863 } if stack == "t0"),
+                matches!(e, Error::BatchTooLarge { stack, what: BatchCount::Samples, count: 67108864, limit: 67108863 } if stack == "t0"),
                 "{e:?}"
             );
             assert_msg(e, &["stack `t0`", "67108864 samples", "CooFormat sorting key (67108863)"]);
@@ -696,12 +696,12 @@ fn batch_over_the_sort_key_limit_from_a_synthetic_source() {
     let (v16, s16) = ragged(&rows16);
     let good16 = RaggedInput::from_i32("f0", &v16, &s16).unwrap();
     expect_run_error(&cfg, &[&good16], &[&huge(1 << 27)], |e| {
-        assert!(matches!(e, Error::BatchTooLarge { what: "samples", count: 67108864, .. }), "{e:?}");
+        assert!(matches!(e, Error::BatchTooLarge { what: BatchCount::Samples, count: 67108864, .. }), "{e:?}");
     });
 
     // usize::MAX samples: the planner refuses the global batch.
     expect_run_error(&config(), &[&good], &[&huge(usize::MAX)], |e| {
-        assert!(matches!(e, Error::BatchTooLarge { what: "global samples", count: u64::MAX, .. }), "{e:?}");
+        assert!(matches!(e, Error::BatchTooLarge { what: BatchCount::GlobalSamples, count: u64::MAX, .. }), "{e:?}");
     });
 }
 
@@ -717,7 +717,7 @@ fn per_device_sample_count_overflow_is_an_error_not_a_panic() {
     let mut out = Output::new();
     let e = err(p.run(&[&a, &b], &mut out));
     assert!(
-        matches!(&e, Error::BatchTooLarge { stack, what: "samples", count: u64::MAX, limit: 67108863 } if stack == "t0"),
+        matches!(&e, Error::BatchTooLarge { stack, what: BatchCount::Samples, count: u64::MAX, limit: 67108863 } if stack == "t0"),
         "{e:?}"
     );
     assert_no_output(&out);

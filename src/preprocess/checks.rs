@@ -1,6 +1,6 @@
 //! The driver's checks: per-stack batch checks before the tasks run, and the limits after.
 
-use crate::error::{Error, LimitKind, Result};
+use crate::error::{BatchCount, Error, LimitKind, Result};
 use crate::input::SampleSource;
 use crate::spec::{Plan, StackPlan, DATA_MASK};
 
@@ -18,7 +18,7 @@ pub(super) fn check_batches(plan: &Plan, inputs: &[&dyn SampleSource], batch_per
                 .iter()
                 .fold(0u64, |sum, &f| sum.saturating_add((inputs[f].num_samples() / layout.local_devices) as u64));
             if bsd > DATA_MASK {
-                return Err(Error::BatchTooLarge { stack: stack.name.clone(), what: "samples", count: bsd, limit: DATA_MASK });
+                return Err(Error::BatchTooLarge { stack: stack.name.clone(), what: BatchCount::Samples, count: bsd, limit: DATA_MASK });
             }
             let bsd = bsd as usize;
             if !bsd.is_multiple_of(s) {

@@ -5,7 +5,7 @@ use sha2::{Digest, Sha256};
 
 use super::config::{Config, Stacking};
 use super::{round_up, ALIGNMENT, DATA_MASK, MAX_MINIBATCHING_BUCKETS};
-use crate::error::{Error, Result};
+use crate::error::{BatchCount, Error, Result};
 
 /// How the ids of one sample are turned into gains (SPEC Part 2, section 3.5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -404,7 +404,7 @@ impl Plan {
             if p.row_offset > MAX_STACK_SAMPLES {
                 return Err(Error::BatchTooLarge {
                     stack: p.stack.clone(),
-                    what: "global samples before this feature (row_offset)",
+                    what: BatchCount::RowOffset,
                     count: p.row_offset,
                     limit: MAX_STACK_SAMPLES,
                 });
@@ -578,7 +578,7 @@ fn check_limit(what: &'static str, name: &str, limit: &'static str, value: u64) 
 fn add_samples(stack: &str, offset: u64, batch: usize) -> Result<u64> {
     offset.checked_add(batch as u64).filter(|&o| o <= MAX_STACK_SAMPLES).ok_or_else(|| Error::BatchTooLarge {
         stack: stack.to_string(),
-        what: "global samples",
+        what: BatchCount::GlobalSamples,
         count: offset.saturating_add(batch as u64),
         limit: MAX_STACK_SAMPLES,
     })
