@@ -1,6 +1,9 @@
 //! The backward pass with each optimizer: one step through the buffers equals a dense per-row
-//! step whose gradient is accumulated naively from the input samples (SPEC 6.3); untouched rows
-//! never change; bad hyper-parameters are errors.
+//! step of the independent f64 reference (tests/reference) on a gradient accumulated naively
+//! from the input samples (SPEC 6.3), table and slots; untouched rows never change; bad
+//! hyper-parameters are errors.
+
+mod reference;
 
 use std::collections::BTreeMap;
 
@@ -64,6 +67,15 @@ fn physical(n: usize, r: usize, rotation: usize, offset: usize, v: usize) -> usi
     ((v % n + rotation) % n) * r + v / n + offset
 }
 
+/// The tolerance of an f32 step against the f64 reference, relative to the scale each value was
+/// computed at (`reference::step`'s: the sum of the magnitudes of its terms, at least the
+/// value's own). Seen up to 1.5e-5: the kernel's f32 gradient sums (mean and sqrtn gains, summed
+/// in another order) carry relative errors of ~1e-5 into the slots of small gradients, and
+/// Adam's f32 bias correction 1 − β₂ᵗ loses 3e-6. The absolute floor covers a gradient that
+/// cancels to 0 in f64 and to a residual of a few ulps in f32.
+const RTOL: f64 = 1e-4;
+const ATOL: f64 = 1e-7;
+
 /// Returns the number of minibatches, or `None` when tight limits overflowed one bucket.
 fn run(c: &Case, optimizer: Optimizer, seed: u64) -> Option<usize> {
     let inputs: Vec<RaggedInput<'_>> = c
@@ -100,9 +112,9 @@ fn run(c: &Case, optimizer: Optimizer, seed: u64) -> Option<usize> {
     let mut slots = Slots::new(&table, &optimizer);
     apply_gradients(&plan, so, out.num_minibatches, &dviews, &optimizer, &mut table, &mut slots).unwrap();
 
-    // Naive gradient: every (sample, id) of every feature, with its combiner gain.
+    // Naive gradient, in f64: every (sample, id) of every feature, with its combiner gain.
     let bsps = bsd / s;
-    let mut grad: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
+    let mut grad: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
     for &f in &stack.features {
         let fp = &plan.features[f];
         let (v, sp, w) = &c.feats[f];
@@ -114,37 +126,57 @@ fn run(c: &Case, optimizer: Optimizer, seed: u64) -> Option<usize> {
                 for j in 0..nsps {
                     let r = (d * s + sc) * nsps + j;
                     let (a, b) = (sp[r] as usize, sp[r + 1] as usize);
-                    let ws = &w[a..b];
+                    let ws: Vec<f64> = w[a..b].iter().map(|&x| f64::from(x)).collect();
                     let norm = match combiner.as_str() {
-                        "mean" => ws.iter().sum::<f32>(),
-                        "sqrtn" => ws.iter().map(|x| x * x).sum::<f32>().sqrt(),
+                        "mean" => ws.iter().sum::<f64>(),
+                        "sqrtn" => ws.iter().map(|x| x * x).sum::<f64>().sqrt(),
                         _ => 1.0,
                     };
-                    for (&id, &wi) in v[a..b].iter().zip(ws) {
+                    for (&id, &wi) in v[a..b].iter().zip(&ws) {
                         let row = physical(n, table.rows_per_shard, fp.shard_rotation as usize, fp.row_offset_in_shard as usize, id as usize);
                         let acc = grad.entry(row).or_insert_with(|| vec![0.0; 8]);
                         for k in 0..8 {
-                            acc[k] += wi / norm * dact_d[[sc * bsps + base + j, k]];
+                            acc[k] += wi / norm * f64::from(dact_d[[sc * bsps + base + j, k]]);
                         }
                     }
                 }
             }
         }
     }
-    // Dense per-row step with the same formula on the naive gradient.
-    let mut want = before.clone();
-    let mut want_slots = Slots::new(&want, &optimizer);
-    for (&row, g) in &grad {
-        let mut w = want.data.row_mut(row);
-        let mut slot_rows: Vec<&mut [f32]> = want_slots.values.iter_mut().map(|x| x.row_mut(row).into_slice().unwrap()).collect();
-        optimizer.apply(g, w.as_slice_mut().unwrap(), &mut slot_rows);
-    }
+    // Dense per-row step of the f64 reference on the naive gradient, from the reference's own
+    // initial slots: table and every slot variable compared, touched rows within the tolerance
+    // of f32 arithmetic, untouched rows (and their slots) unchanged to the bit.
+    let inits = reference::initial_slot_values(&optimizer);
+    assert_eq!(slots.values.len(), inits.len(), "{optimizer:?}: slot variables");
     for row in 0..table.data.nrows() {
+        let Some(g) = grad.get(&row) else {
+            for k in 0..8 {
+                assert_eq!(table.data[[row, k]].to_bits(), before.data[[row, k]].to_bits(), "untouched row {row} changed");
+                for (i, s) in slots.values.iter().enumerate() {
+                    assert_eq!(s[[row, k]].to_bits(), inits[i].to_bits(), "{optimizer:?} slot {i} of untouched row {row}: {}", s[[row, k]]);
+                }
+            }
+            continue;
+        };
+        let mut want: Vec<f64> = before.data.row(row).iter().map(|&x| f64::from(x)).collect();
+        let mut want_slots = reference::initial_slots(&optimizer, 8);
+        let scales = reference::step(&optimizer, g, &mut want, &mut want_slots);
         for k in 0..8 {
-            let (got, exp) = (table.data[[row, k]], want.data[[row, k]]);
-            assert!((got - exp).abs() <= 1e-4 * exp.abs().max(1.0), "{optimizer:?} row {row} col {k}: {got} vs {exp}");
-            if !grad.contains_key(&row) {
-                assert_eq!(got.to_bits(), before.data[[row, k]].to_bits(), "untouched row {row} changed");
+            let got = table.data[[row, k]];
+            let (want, scale) = (want[k], scales[0][k]);
+            assert!(
+                reference::near_scaled(got, want, scale, RTOL, ATOL),
+                "{optimizer:?} row {row} col {k}: {got} vs {want} (scale {scale}, g {})",
+                g[k]
+            );
+            for (i, s) in slots.values.iter().enumerate() {
+                let got = s[[row, k]];
+                let (want, scale) = (want_slots[i][k], scales[i + 1][k]);
+                assert!(
+                    reference::near_scaled(got, want, scale, RTOL, ATOL),
+                    "{optimizer:?} slot {i} row {row} col {k}: {got} vs {want} (scale {scale}, g {})",
+                    g[k]
+                );
             }
         }
     }
