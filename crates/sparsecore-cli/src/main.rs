@@ -6,6 +6,7 @@ mod bench;
 mod bess;
 mod demo;
 mod dynamic;
+mod error;
 mod fdo;
 mod generate;
 mod outdir;
