@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-/// Result alias of the command line.
+/// Every subcommand's `run` returns it, so `main` has one error type to print.
 pub type Result<T> = std::result::Result<T, CliError>;
 
 /// A failure of a subcommand. Messages are matched by the CLI tests: keep their words.
