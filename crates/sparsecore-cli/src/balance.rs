@@ -16,6 +16,7 @@ use sparsecore_prep::balance::{measure, BalanceReport, Balancer, Refinement, Sta
 use sparsecore_prep::io::{BatchReader, OutputFile};
 use sparsecore_prep::{Config, Error, Result};
 
+use super::error;
 use super::outdir::clean_stale;
 use super::stdio::outln;
 
@@ -223,7 +224,7 @@ pub fn aggregate(reports: &[BalanceReport], measured: &[(Vec<StackLoad>, Vec<Sta
     out
 }
 
-pub fn run(a: Args) -> Result<()> {
+pub fn run(a: Args) -> error::Result<()> {
     let config = Config::from_path(&a.config)?;
     let reader = BatchReader::open(&a.input)?;
     let schema = reader.schema();

@@ -8,6 +8,7 @@ use sparsecore_prep::input::{features_from_record_batch, ArrowListInput, SampleS
 use sparsecore_prep::io::BatchReader;
 use sparsecore_prep::{Config, Output, Preprocessor, Result};
 
+use super::error;
 use super::stdio::outln;
 use super::table;
 
@@ -33,7 +34,7 @@ pub struct Args {
     json: bool,
 }
 
-pub fn run(a: Args) -> Result<()> {
+pub fn run(a: Args) -> error::Result<()> {
     let config = Config::from_path(&a.config)?;
     let batches = BatchReader::open(&a.input)?.collect::<Result<Vec<_>>>()?;
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));

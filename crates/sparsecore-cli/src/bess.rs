@@ -25,11 +25,11 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sparsecore_bess::{seed_words, BessStream, Corruption, Sharding, StreamSampler, Triples};
 use sparsecore_prep::io::{BatchReader, OutputFile};
 
+use super::error::{CliError, Result};
 use super::outdir::{clean_stale, resolved, same_file};
 use super::parse_layout;
 use super::stdio::outln;
 
-/// A failure of a `bess` command: its message, with context.
 /// `--sampler`'s names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Sampler {
@@ -48,19 +48,6 @@ pub enum CorruptionArg {
     T,
     /// Heads for half of each block, tails for the other half.
     Ht,
-}
-
-pub type CliResult<T> = std::result::Result<T, String>;
-
-/// Adds context to any displayable error.
-trait Ctx<T> {
-    fn ctx(self, context: impl FnOnce() -> String) -> CliResult<T>;
-}
-
-impl<T, E: std::fmt::Display> Ctx<T> for std::result::Result<T, E> {
-    fn ctx(self, context: impl FnOnce() -> String) -> CliResult<T> {
-        self.map_err(|e| format!("{}: {e}", context()))
-    }
 }
 
 #[derive(clap::Subcommand)]
@@ -177,25 +164,26 @@ pub enum ShardCommand {
     },
 }
 
-pub fn run(command: Command) -> CliResult<()> {
+pub fn run(command: Command) -> Result<()> {
     match command {
         Command::Batches(a) => batches(a),
         Command::Shard { command: ShardCommand::Create { entities, shards, layout, seed, type_offsets, out } } => {
             let n = match (shards, layout) {
                 (Some(n), _) => n,
                 (None, Some((_, g, s))) => g * s,
-                (None, None) => return Err("bess shard create: give --shards N or --layout L/G/S".into()),
+                (None, None) => return Err(CliError::MissingArgument { command: "bess shard create", choices: "--shards N or --layout L/G/S" }),
             };
             let sharding = Sharding::create(entities, n, &seed_words(u128::from(seed)), type_offsets.as_deref())
-                .ctx(|| "creating the sharding".to_string())?;
+                .map_err(|source| CliError::CreateSharding { source: Box::new(source) })?;
             clean_stale(&out, false);
-            sharding.save_npz(&out).ctx(|| format!("writing {}", out.display()))?;
+            sharding.save_npz(&out).map_err(|source| CliError::ShardingFile { action: "writing", path: out.clone(), source: Box::new(source) })?;
             outln!("wrote {} ({} entities, seed {seed})", out.display(), entities);
             print_sharding(&sharding);
             Ok(())
         }
         Command::Shard { command: ShardCommand::Show { file } } => {
-            let sharding = Sharding::load_npz(&file).ctx(|| format!("reading {}", file.display()))?;
+            let sharding = Sharding::load_npz(&file)
+                .map_err(|source| CliError::ShardingFile { action: "reading", path: file.clone(), source: Box::new(source) })?;
             outln!("{}", file.display());
             print_sharding(&sharding);
             Ok(())
@@ -216,22 +204,27 @@ fn print_sharding(sh: &Sharding) {
 }
 
 /// Reads every record batch of the triples file into one set of triples.
-fn read_triples(path: &Path) -> CliResult<Triples> {
-    let reader = BatchReader::open(path).ctx(|| format!("triples {}", path.display()))?;
+fn read_triples(path: &Path) -> Result<Triples> {
+    let file = |source| CliError::TriplesFile { path: path.to_path_buf(), source };
+    let reader = BatchReader::open(path).map_err(file)?;
     let (mut head, mut relation, mut tail) = (Vec::new(), Vec::new(), Vec::new());
     for (i, batch) in reader.enumerate() {
-        let batch = batch.ctx(|| format!("triples {}", path.display()))?;
+        let batch = batch.map_err(file)?;
         let rows = head.len();
-        let t = Triples::from_record_batch(&batch)
-            .ctx(|| format!("triples {}, record batch {i} (rows {rows}..{})", path.display(), rows + batch.num_rows()))?;
+        let t = Triples::from_record_batch(&batch).map_err(|source| CliError::TriplesBatch {
+            path: path.to_path_buf(),
+            batch: i,
+            rows: rows..rows + batch.num_rows(),
+            source: Box::new(source),
+        })?;
         head.extend(t.head);
         relation.extend(t.relation);
         tail.extend(t.tail);
     }
     if head.is_empty() {
-        return Err(format!("triples {}: no triples", path.display()));
+        return Err(CliError::NoTriples { path: path.to_path_buf() });
     }
-    Triples::new(head, relation, tail).ctx(|| format!("triples {}", path.display()))
+    Triples::new(head, relation, tail).map_err(|source| CliError::Triples { path: path.to_path_buf(), source: Box::new(source) })
 }
 
 /// Per (local SparseCore slot, partition): the fewest and most ids over the steps.
@@ -261,14 +254,15 @@ impl Loads {
     }
 
     /// Counts one step's record batch: slot `k` is rows `k·R .. (k+1)·R`.
-    fn add(&mut self, rb: &RecordBatch, rows_per_slot: usize, partition_of: impl Fn(i64) -> usize) -> CliResult<()> {
+    fn add(&mut self, rb: &RecordBatch, rows_per_slot: usize, partition_of: impl Fn(i64) -> usize) -> Result<()> {
         let (slots, n) = (self.pos_max.len(), self.pos_max.first().map_or(0, Vec::len));
         let mut pos = vec![vec![0usize; n]; slots];
         let mut neg = vec![vec![0usize; n]; slots];
-        let count = |name: &str, into: &mut Vec<Vec<usize>>| -> CliResult<()> {
+        let count = |name: &str, into: &mut Vec<Vec<usize>>| -> Result<()> {
             let Some(col) = rb.column_by_name(name) else { return Ok(()) };
-            let list = col.as_list_opt::<i32>().ok_or_else(|| format!("column `{name}` is not a list"))?;
-            let values = list.values().as_primitive_opt::<Int64Type>().ok_or_else(|| format!("column `{name}` does not hold Int64"))?;
+            let column = |reason| CliError::Column { column: name.to_string(), reason };
+            let list = col.as_list_opt::<i32>().ok_or_else(|| column("is not a list"))?;
+            let values = list.values().as_primitive_opt::<Int64Type>().ok_or_else(|| column("does not hold Int64"))?;
             let offsets = list.value_offsets();
             for row in 0..list.len() {
                 let slot = row / rows_per_slot;
@@ -323,20 +317,15 @@ fn progress(len: Option<u64>, template: &str) -> ProgressBar {
     pb
 }
 
-fn batches(a: BatchesArgs) -> CliResult<()> {
+fn batches(a: BatchesArgs) -> Result<()> {
     let (l, g, s) = a.layout;
     // Checked before anything is read or written: both outputs go through a temporary next to
     // them, and the same file twice would end up holding the config alone.
     if same_file(&a.out, &a.config_out) {
-        return Err(format!(
-            "--out {} and --config-out {} are the same file ({}); give two different paths",
-            a.out.display(),
-            a.config_out.display(),
-            resolved(&a.out).display()
-        ));
+        return Err(CliError::SameFile { out: a.out.clone(), config_out: a.config_out.clone(), resolved: resolved(&a.out) });
     }
     if a.steps == Some(0) {
-        return Err("--steps 0: steps must be at least 1 (leave --steps out for one epoch)".into());
+        return Err(CliError::Argument { flag: "--steps", value: "0".into(), reason: "steps must be at least 1 (leave --steps out for one epoch)" });
     }
     let corruption = match a.corruption {
         CorruptionArg::H => Corruption::H,
@@ -345,7 +334,7 @@ fn batches(a: BatchesArgs) -> CliResult<()> {
     };
     let sampler = match a.sampler {
         Sampler::Rigid => StreamSampler::Rigid { shuffle: a.shuffle },
-        Sampler::Random if a.shuffle => return Err("--shuffle applies to --sampler rigid only".into()),
+        Sampler::Random if a.shuffle => return Err(CliError::OnlyWith { flag: "--shuffle", requires: "--sampler rigid" }),
         Sampler::Random => StreamSampler::Random,
     };
     let pb = progress(None, "{spinner} [{elapsed_precise}] {wide_msg}");
@@ -372,10 +361,12 @@ fn batches(a: BatchesArgs) -> CliResult<()> {
         builder = builder.steps(steps);
     }
     if let Some(path) = &a.sharding {
-        let sh = Sharding::load_npz(path).ctx(|| format!("sharding {}", path.display()))?;
+        let sh = Sharding::load_npz(path)
+            .map_err(|source| CliError::ShardingFile { action: "sharding", path: path.clone(), source: Box::new(source) })?;
         builder = builder.sharding(Arc::new(sh));
     }
-    let mut stream = builder.build().ctx(|| format!("triples {}", a.triples.display()))?;
+    let triples_err = |source| CliError::Triples { path: a.triples.clone(), source: Box::new(source) };
+    let mut stream = builder.build().map_err(triples_err)?;
     pb.finish_and_clear();
 
     let counts = *stream.counts();
@@ -389,30 +380,31 @@ fn batches(a: BatchesArgs) -> CliResult<()> {
     clean_stale(&a.out, false);
     clean_stale(&a.config_out, false);
     // Both files are written whole or not at all, and only once both are complete.
-    let out = OutputFile::new(&a.out).map_err(|e| e.to_string())?;
-    let config_out = OutputFile::new(&a.config_out).map_err(|e| e.to_string())?;
+    let out = OutputFile::new(&a.out)?;
+    let config_out = OutputFile::new(&a.config_out)?;
     let pb = progress(Some(steps as u64), "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} steps written to {wide_msg} (ETA {eta})");
     pb.set_message(a.out.display().to_string());
     let mut loads = Loads::new(slots, n);
     let mut rows = 0u64;
-    let mut write = || -> CliResult<()> {
-        let file = out.create().map_err(|e| e.to_string())?;
-        let mut writer = FileWriter::try_new(BufWriter::new(file), &schema).ctx(|| format!("writing {}", a.out.display()))?;
+    let mut write = || -> Result<()> {
+        let arrow = |source| CliError::WriteArrow { path: a.out.clone(), source };
+        let file = out.create()?;
+        let mut writer = FileWriter::try_new(BufWriter::new(file), &schema).map_err(arrow)?;
         for batch in stream.by_ref() {
-            let batch = batch.ctx(|| format!("triples {}", a.triples.display()))?;
+            let batch = batch.map_err(triples_err)?;
             loads.add(&batch.record_batch, counts.rows_per_sparsecore, |id| layout.partition_of(id))?;
             rows += batch.record_batch.num_rows() as u64;
-            writer.write(&batch.record_batch).ctx(|| format!("writing {}", a.out.display()))?;
+            writer.write(&batch.record_batch).map_err(arrow)?;
             pb.inc(1);
         }
-        writer.finish().ctx(|| format!("writing {}", a.out.display()))?;
-        std::fs::write(config_out.path(), &config_json).ctx(|| format!("writing {}", config_out.path().display()))
+        writer.finish().map_err(arrow)?;
+        std::fs::write(config_out.path(), &config_json).map_err(|source| CliError::Write { path: config_out.path().to_path_buf(), source })
     };
     let written = write();
     pb.finish_and_clear();
     written?;
-    out.commit().map_err(|e| e.to_string())?;
-    config_out.commit().map_err(|e| e.to_string())?;
+    out.commit()?;
+    config_out.commit()?;
 
     outln!(
         "wrote {steps} steps ({rows} rows, {} per SparseCore slice) of {n_triples} triples to {} and the config to {}",

@@ -7,13 +7,14 @@ use arrow_ipc::reader::FileReader;
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::{Config, Error, Output, Preprocessor};
 
+use super::error;
 use super::stdio::outln;
 use super::table;
 
 const CONFIG: &str = include_str!("../../../testdata/demo/criteo_256.json");
 const BATCH: &[u8] = include_bytes!("../../../testdata/demo/criteo_256.arrow");
 
-pub fn run(threads: Option<usize>) -> Result<(), Error> {
+pub fn run(threads: Option<usize>) -> error::Result<()> {
     let config = Config::from_json(CONFIG)?;
     let mut reader = FileReader::try_new(Cursor::new(BATCH), None)
         .map_err(|source| Error::Arrow { context: "bundled demo batch".into(), source })?;

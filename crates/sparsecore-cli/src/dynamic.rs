@@ -9,6 +9,7 @@ use sparsecore_kernel::dynamic::{DynamicTable, DynamicTableSpec, Initializer, Lo
 use sparsecore_kernel::Optimizer;
 use sparsecore_kernel::{KernelError, Result};
 
+use super::error;
 use super::stdio::outln;
 
 #[derive(clap::Subcommand)]
@@ -86,9 +87,9 @@ pub fn optimizer(name: &str, lr: f32) -> Result<Optimizer> {
     }
 }
 
-pub fn run(command: Command) -> Result<()> {
+pub fn run(command: Command) -> error::Result<()> {
     match command {
-        Command::Load(a) => load(a),
+        Command::Load(a) => Ok(load(a)?),
     }
 }
 

@@ -6,6 +6,7 @@ use clap::Subcommand;
 use sparsecore_prep::fdo::{csv, npz, tune, FdoStats, LayoutKey};
 use sparsecore_prep::{Config, Error, Result};
 
+use super::error;
 use super::stdio::{outln, warning};
 use super::outdir::clean_stale;
 use super::{parse_layout, write_config};
@@ -63,7 +64,7 @@ fn ext(p: &Path) -> String {
     p.extension().map(|e| e.to_string_lossy().to_ascii_lowercase()).unwrap_or_default()
 }
 
-pub fn run(c: Command) -> Result<()> {
+pub fn run(c: Command) -> error::Result<()> {
     match c {
         Command::Merge { inputs, out } => {
             let mut merged: Option<FdoStats> = None;

@@ -11,6 +11,7 @@ use sparsecore_prep::spec::Stacking;
 use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 use sparsecore_prep::{Error, Result};
 
+use super::error;
 use super::stdio::outln;
 use super::{io_err, parse_layout};
 
@@ -60,7 +61,7 @@ fn parse_stacking(s: &str) -> std::result::Result<Stacking, String> {
     }
 }
 
-pub fn run(a: Args) -> Result<()> {
+pub fn run(a: Args) -> error::Result<()> {
     let mut spec = WorkloadSpec::new(a.profile);
     spec.batch_size = a.batch_size.unwrap_or(spec.batch_size);
     spec.num_batches = a.num_batches;
@@ -89,7 +90,7 @@ pub fn run(a: Args) -> Result<()> {
     super::outdir::clean_stale(&a.config_out, false);
     let (out, config_out) = (OutputFile::new(&a.out)?, OutputFile::new(&a.config_out)?);
     if super::outdir::same_file(&a.out, &a.config_out) {
-        return Err(Error::option("config-out", a.config_out.display().to_string(), "names the same file as --out"));
+        return Err(Error::option("config-out", a.config_out.display().to_string(), "names the same file as --out").into());
     }
     let pb = progress(Some(w.batches.len() as u64), "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} batches written to {wide_msg}");
     let write = || -> Result<()> {

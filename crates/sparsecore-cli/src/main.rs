@@ -6,6 +6,7 @@ mod bench;
 mod bess;
 mod demo;
 mod dynamic;
+mod error;
 mod fdo;
 mod generate;
 mod outdir;
@@ -101,20 +102,8 @@ fn run() -> i32 {
             Ok(false) => return 1,
             Err(e) => Err(e),
         },
-        Command::Dynamic { command } => match dynamic::run(command) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                stdio::write_stderr(format_args!("sparsecore-prep: error: {e}\n"));
-                return 1;
-            }
-        },
-        Command::Bess { command } => match bess::run(command) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                stdio::write_stderr(format_args!("sparsecore-prep: error: {e}\n"));
-                return 1;
-            }
-        },
+        Command::Dynamic { command } => dynamic::run(command),
+        Command::Bess { command } => bess::run(command),
     };
     match result {
         Ok(()) => 0,

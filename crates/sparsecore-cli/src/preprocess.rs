@@ -17,6 +17,7 @@ use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::io::BatchReader;
 use sparsecore_prep::{Config, Error, Output, Preprocessor, Result, StackOutput};
 
+use super::error;
 use super::balance::{balanced_at, Origin};
 use super::outdir::{clean_stale, some_names, Staged};
 use super::stdio::outln;
@@ -237,7 +238,7 @@ fn summary(stats: &FdoStats, plan: &Option<PlanAndIds>, buffers: bool) {
     table::print(&table::rows(plan, &per_stack, ids, buffers), plan.layout.sc_per_device);
 }
 
-pub fn run(a: Args) -> Result<()> {
+pub fn run(a: Args) -> error::Result<()> {
     let config = Config::from_path(&a.config)?;
     // Before any work: refuses an --out it must not write into, and stages the outputs.
     let staged = Staged::prepare(&a.out, a.overwrite)?;
@@ -288,7 +289,7 @@ pub fn run(a: Args) -> Result<()> {
     Ok(())
 }
 
-pub fn run_stats(a: StatsArgs) -> Result<()> {
+pub fn run_stats(a: StatsArgs) -> error::Result<()> {
     let config = Config::from_path(&a.config)?;
     let (stats, plan) = stream(config, &a.config, &a.input, a.shard, a.threads, None, true, |_, _, _| Ok(()))?;
     match &a.out {

@@ -24,6 +24,7 @@ use sparsecore_prep::fdo::{write_atomic, FdoStats, LayoutKey};
 use sparsecore_prep::spec::Stacking;
 use sparsecore_prep::{Config, Error, Plan, Result, StackStats};
 
+use super::error;
 use super::outdir::clean_stale;
 use super::stdio::outln;
 
@@ -84,17 +85,18 @@ struct Limits {
     buffer_per_sc: u64,
 }
 
-pub fn run(a: Args) -> Result<()> {
+pub fn run(a: Args) -> error::Result<()> {
     let format = Format::of(&a.out)?;
     if a.stats.is_empty() {
-        return Err(Error::option("stats", "none", "give at least one --stats FILE to draw"));
+        return Err(Error::option("stats", "none", "give at least one --stats FILE to draw").into());
     }
     if !a.labels.is_empty() && a.labels.len() != a.stats.len() {
         return Err(Error::option(
             "label",
             a.labels.len(),
             format!("{} --label for {} --stats; give one per stats file, in the same order, or none", a.labels.len(), a.stats.len()),
-        ));
+        )
+        .into());
     }
     let labels = if a.labels.is_empty() { default_labels(&a.stats) } else { a.labels.clone() };
     let mut runs = Vec::with_capacity(a.stats.len());
@@ -105,7 +107,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     let stacks: Vec<String> = runs.iter().flat_map(|r| r.stats.stacks.keys().cloned()).collect::<BTreeSet<_>>().into_iter().collect();
     if stacks.is_empty() {
-        return Err(Error::option("stats", a.stats[0].display(), "no stack in any of the stats files; nothing to draw"));
+        return Err(Error::option("stats", a.stats[0].display(), "no stack in any of the stats files; nothing to draw").into());
     }
     let limits = match &a.config {
         Some(path) => Some(config_limits(path, a.batch_size, &runs, &stacks)?),

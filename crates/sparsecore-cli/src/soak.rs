@@ -30,6 +30,7 @@ use sparsecore_prep::{Config, Error, Output, Preprocessor, Result};
 use sparsecore_testkit::model;
 use sparsecore_testkit::model::{Batch, Feature, FlatBatch};
 
+use super::error;
 use super::stdio::outln;
 
 /// Options of `soak`: the run's length, its random stream, and how often to pay for a check.
@@ -146,9 +147,9 @@ struct Tally {
 }
 
 /// Runs the soak; `Ok(false)` means a mismatch or RSS growth (the details are printed).
-pub fn run(a: Args) -> Result<bool> {
+pub fn run(a: Args) -> error::Result<bool> {
     if !(a.minutes.is_finite() && a.minutes >= 0.0) {
-        return Err(Error::option("minutes", a.minutes, "a finite number of minutes, at least 0"));
+        return Err(Error::option("minutes", a.minutes, "a finite number of minutes, at least 0").into());
     }
     let config = Config::from_json(CONFIG)?;
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));

@@ -14,6 +14,8 @@
 //! - bad input exits 1 with one line naming what is wrong (entity id out of range with its
 //!   column, row and value; missing column; wrong type; an empty shard pair; a sharding of the
 //!   wrong shard count), and writes nothing;
+//! - the errors the command line words itself (no --shards or --layout, a sharding that cannot
+//!   be created or read, a triples file without rows) are exact lines naming the flag or file;
 //! - progress on a terminal only, and a closed stdout ends quietly.
 
 use sparsecore_testkit::TempDir;
@@ -475,6 +477,37 @@ fn zero_steps_are_refused_before_anything_is_written() {
     let e = fails(&["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--steps", "0", "--out", s(&out), "--config-out", s(&cfg)]);
     assert!(e.contains("--steps 0: steps must be at least 1"), "{e}");
     assert_eq!(listing(&dir), ["triples.arrow"]);
+}
+
+/// The errors only the command line words (which flags, which file), each as one exact line.
+#[test]
+fn shard_and_triples_errors_name_the_flags_and_the_file() {
+    let dir = TempDir::new("clierr");
+    let tr = triples_file(&dir);
+    let npz = dir.join("sh.npz");
+    let line = |e: &str| format!("sparsecore-prep: error: {e}\n");
+    let e = fails(&["bess", "shard", "create", "--entities", "64", "--out", s(&npz)]);
+    assert_eq!(e, line("bess shard create: give --shards N or --layout L/G/S"));
+    let e = fails(&["bess", "shard", "create", "--entities", "0", "--shards", "4", "--out", s(&npz)]);
+    assert_eq!(e, line("creating the sharding: invalid `n_entity` = 0: must be at least 1"));
+    assert!(!npz.exists());
+    // The triples file is no .npz, read as a sharding by `shard show` and by `--sharding`.
+    let e = fails(&["bess", "shard", "show", s(&tr)]);
+    assert!(e.starts_with(&format!("sparsecore-prep: error: reading {}: ", s(&tr))), "{e}");
+    let (out, cfg) = (dir.join("o.arrow"), dir.join("c.json"));
+    let batches = |triples: &Path, extra: &[&str]| {
+        let mut args = vec!["bess", "batches", "--triples", s(triples), "--entities", "64", "--shard-batch-size", "8", "--out", s(&out), "--config-out", s(&cfg)];
+        args.extend_from_slice(extra);
+        fails(&args)
+    };
+    let e = batches(&tr, &["--sharding", s(&tr)]);
+    assert!(e.starts_with(&format!("sparsecore-prep: error: sharding {}: ", s(&tr))), "{e}");
+    // A file with its columns but no rows.
+    let empty = dir.join("empty.arrow");
+    write_ipc(&empty, &[triples_batch(vec![], vec![], vec![])]);
+    let e = batches(&empty, &[]);
+    assert_eq!(e, line(&format!("triples {}: no triples", s(&empty))));
+    assert_eq!(listing(&dir), ["empty.arrow", "triples.arrow"]);
 }
 
 /// The review's repro: under `ulimit -v 3000000` (3 GB of address space), 10 M negatives per
