@@ -5,8 +5,10 @@
 # tests.)
 #
 # The blocks run in a scratch worktree of HEAD (so they may write data.arrow, out/ and friends
-# freely), sharing this checkout's target/ directory, so nothing is built twice. The one line CI
-# already runs verbatim as its main step, README's test command, is not run again here.
+# freely), sharing this checkout's target/ directory, so nothing is built twice
+# (SPARSECORE_README_TARGET names another: .ci/run gives the blocks their own, so that they build
+# beside its other stages instead of waiting for target/'s lock). The one line CI already runs
+# verbatim as its main step, README's test command, is not run again here.
 #
 # Usage: bash scripts/check_readme.sh        (needs python3; the pyarrow check uses the venv
 #        scripts/ci_python.sh sets up, or the reference's from ../shared/peer/setup.sh)
@@ -18,8 +20,10 @@ work=$(mktemp -d)
 cleanup() { git worktree remove --force "$work/tree" >/dev/null 2>&1 || true; rm -rf "$work"; }
 trap cleanup EXIT
 git worktree add --detach --quiet "$work/tree" HEAD
-ln -s "$repo/target" "$work/tree/target"
-export CARGO_TARGET_DIR="$repo/target"
+target_dir="${SPARSECORE_README_TARGET:-$repo/target}"
+mkdir -p "$target_dir"
+ln -s "$target_dir" "$work/tree/target"
+export CARGO_TARGET_DIR="$target_dir"
 
 # The ```sh blocks of README.md, one script each, minus the test command.
 python3 - "$repo/README.md" "$work" "$test_command" <<'PY'
