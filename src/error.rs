@@ -31,6 +31,28 @@ impl fmt::Display for LimitKind {
     }
 }
 
+/// The kind of config entry an [`Error::InvalidConfig`] or [`Error::InvalidLimit`] names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ConfigItem {
+    /// An entry of `tables`.
+    Table,
+    /// An entry of `features`.
+    Feature,
+    /// A stack of tables (or of features, under feature stacking).
+    Stack,
+}
+
+impl fmt::Display for ConfigItem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ConfigItem::Table => "table",
+            ConfigItem::Feature => "feature",
+            ConfigItem::Stack => "stack",
+        })
+    }
+}
+
 /// What a [`Error::BatchTooLarge`] counted: each is bounded by the sort key's 26-bit payload
 /// (per device or per SparseCore) or by the stack's row offsets built from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -94,8 +116,8 @@ pub enum Error {
     /// The config is inconsistent: an unknown table, a duplicate name, a bad combiner, ...
     #[error("invalid config: {what} `{name}`: {reason}")]
     InvalidConfig {
-        /// "table", "feature" or "stack".
-        what: &'static str,
+        /// Which kind of entry.
+        what: ConfigItem,
         /// Its name.
         name: String,
         /// What is wrong with it.
@@ -105,8 +127,8 @@ pub enum Error {
     /// A table or stack limit is unusable (zero, or too large for the 32-bit buffers).
     #[error("invalid limit for {what} `{name}`: {limit} = {value}; {reason}")]
     InvalidLimit {
-        /// "table" or "stack".
-        what: &'static str,
+        /// A table or a stack.
+        what: ConfigItem,
         /// Its name.
         name: String,
         /// Which limit.
@@ -418,7 +440,7 @@ impl Error {
     }
 
     /// An [`Error::InvalidConfig`].
-    pub fn config(what: &'static str, name: impl Into<String>, reason: impl Into<String>) -> Self {
+    pub fn config(what: ConfigItem, name: impl Into<String>, reason: impl Into<String>) -> Self {
         Error::InvalidConfig { what, name: name.into(), reason: reason.into() }
     }
 

@@ -25,7 +25,7 @@ use sparsecore_prep::input::{
     features_from_record_batch, ArrowListInput, CooInput, DenseIds, DenseInput, FeatureView, Ids, Offsets, RaggedInput,
 };
 use sparsecore_prep::spec::{DeviceLayout, Plan};
-use sparsecore_prep::{BatchCount, Config, Error, LimitKind, Output, Preprocessor};
+use sparsecore_prep::{BatchCount, Config, ConfigItem, Error, LimitKind, Output, Preprocessor};
 
 use one_table::{
     assert_msg, assert_same_output, base, config, config_with, err, good_rows, prep, ragged, record_batch, some_rows,
@@ -170,7 +170,7 @@ fn no_features() {
 fn feature_with_unknown_table() {
     let e = build_err(|v| v["features"][0]["table"] = json!("nope"));
     assert!(
-        matches!(&e, Error::InvalidConfig { what: "feature", name, .. } if name == "f0"),
+        matches!(&e, Error::InvalidConfig { what: ConfigItem::Feature, name, .. } if name == "f0"),
         "{e:?}"
     );
     assert_msg(&e, &["feature `f0`", "unknown table `nope`", "t0"]);
@@ -182,14 +182,14 @@ fn duplicate_table_name() {
         let t = v["tables"][0].clone();
         v["tables"].as_array_mut().unwrap().push(t);
     });
-    assert!(matches!(&e, Error::InvalidConfig { what: "table", name, .. } if name == "t0"), "{e:?}");
+    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Table, name, .. } if name == "t0"), "{e:?}");
     assert_msg(&e, &["table `t0`", "duplicate table name"]);
 }
 
 #[test]
 fn duplicate_feature_name() {
     let e = build_err(|v| v["features"].as_array_mut().unwrap().push(json!({"name": "f0", "table": "t0"})));
-    assert!(matches!(&e, Error::InvalidConfig { what: "feature", name, .. } if name == "f0"), "{e:?}");
+    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Feature, name, .. } if name == "f0"), "{e:?}");
     assert_msg(&e, &["feature `f0`", "duplicate feature name"]);
 }
 
@@ -197,7 +197,7 @@ fn duplicate_feature_name() {
 fn unknown_combiner() {
     for bad in ["avg", "Sum", ""] {
         let e = build_err(|v| v["tables"][0]["combiner"] = json!(bad));
-        assert!(matches!(&e, Error::InvalidConfig { what: "table", name, .. } if name == "t0"), "{e:?}");
+        assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Table, name, .. } if name == "t0"), "{e:?}");
         assert_msg(&e, &["table `t0`", "unknown combiner", &format!("{bad:?}"), "sum", "mean", "sqrtn"]);
     }
 }
@@ -205,11 +205,11 @@ fn unknown_combiner() {
 #[test]
 fn vocabulary_size_zero_or_too_large() {
     let e = build_err(|v| v["tables"][0]["vocabulary_size"] = json!(0));
-    assert!(matches!(&e, Error::InvalidConfig { what: "table", name, .. } if name == "t0"), "{e:?}");
+    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Table, name, .. } if name == "t0"), "{e:?}");
     assert_msg(&e, &["table `t0`", "vocabulary_size 0", "1..=2147483647"]);
 
     let e = build_err(|v| v["tables"][0]["vocabulary_size"] = json!(1u64 << 31));
-    assert!(matches!(&e, Error::InvalidConfig { what: "table", name, .. } if name == "t0"), "{e:?}");
+    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Table, name, .. } if name == "t0"), "{e:?}");
     assert_msg(&e, &["table `t0`", "vocabulary_size 2147483648", "1..=2147483647"]);
 }
 
@@ -217,14 +217,14 @@ fn vocabulary_size_zero_or_too_large() {
 fn padded_stack_vocabulary_over_32_bits() {
     // 2^31 - 1 rounds up to 2^31 with 8 * N = 32: the column ids no longer fit.
     let e = build_err(|v| v["tables"][0]["vocabulary_size"] = json!(i32::MAX));
-    assert!(matches!(&e, Error::InvalidConfig { what: "stack", name, .. } if name == "t0"), "{e:?}");
+    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Stack, name, .. } if name == "t0"), "{e:?}");
     assert_msg(&e, &["stack `t0`", "2147483648", "2147483647"]);
 }
 
 #[test]
 fn embedding_dim_zero() {
     let e = build_err(|v| v["tables"][0]["embedding_dim"] = json!(0));
-    assert!(matches!(&e, Error::InvalidConfig { what: "table", name, .. } if name == "t0"), "{e:?}");
+    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Table, name, .. } if name == "t0"), "{e:?}");
     assert_msg(&e, &["table `t0`", "embedding_dim 0", "1..=2147483647"]);
 }
 
@@ -238,7 +238,7 @@ fn table_limits_zero_or_too_large() {
     ] {
         let e = build_err(|v| v["tables"][0][key] = json!(value));
         match &e {
-            Error::InvalidLimit { what: "table", name, limit, value: got, .. } => {
+            Error::InvalidLimit { what: ConfigItem::Table, name, limit, value: got, .. } => {
                 assert_eq!(name, "t0");
                 assert_eq!(*limit, key);
                 assert_eq!(*got, value);
@@ -266,7 +266,7 @@ fn auto_stack_limits_zero() {
             v["features"].as_array_mut().unwrap().push(json!({"name": "f1", "table": "t1"}));
         });
         match &e {
-            Error::InvalidLimit { what: "stack", name, limit, value: 0, .. } => {
+            Error::InvalidLimit { what: ConfigItem::Stack, name, limit, value: 0, .. } => {
                 assert_eq!(name, "t0_t1");
                 assert_eq!(*limit, key);
             }
@@ -341,7 +341,7 @@ fn theoretical_buffer_size_overflow_is_an_error_not_a_panic() {
 #[test]
 fn stack_suggested_size_for_unknown_stack() {
     let e = build_err(|v| v["config"]["stack_suggested_coo_buffer_size_per_device"] = json!({"nope": 64}));
-    assert!(matches!(&e, Error::InvalidConfig { what: "stack", name, .. } if name == "nope"), "{e:?}");
+    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Stack, name, .. } if name == "nope"), "{e:?}");
     assert_msg(&e, &["stack `nope`", "stack_suggested_coo_buffer_size_per_device"]);
 }
 

@@ -40,7 +40,7 @@ use sparsecore_prep::input::{
     ArrowListInput, CooInput, DenseIds, DenseInput, FeatureView, Ids, Offsets, RaggedInput, SampleSource,
 };
 use sparsecore_prep::spec::{Plan, PAD_GAIN_BITS, PAD_ID};
-use sparsecore_prep::{AllReduce, BatchCount, Config, Error, Output, Preprocessor};
+use sparsecore_prep::{AllReduce, BatchCount, Config, ConfigItem, Error, Output, Preprocessor};
 
 use one_table::{
     assert_msg, assert_same_output, base, config, config_with, err, good_rows, prep, ragged, record_batch, some_rows,
@@ -822,7 +822,7 @@ fn limits_of_zero() {
     for key in ["max_ids_per_partition", "max_unique_ids_per_partition"] {
         let e = err(Preprocessor::new(config_with(|v| v["tables"][0][key] = json!(0))));
         assert!(
-            matches!(&e, Error::InvalidLimit { what: "table", name, limit, value: 0, .. } if name == "t0" && *limit == key),
+            matches!(&e, Error::InvalidLimit { what: ConfigItem::Table, name, limit, value: 0, .. } if name == "t0" && *limit == key),
             "{e:?}"
         );
         assert_msg(&e, &["table `t0`", &format!("{key} = 0"), "1..=2147483647"]);
@@ -912,18 +912,18 @@ type Patch = Box<dyn Fn(&mut Value)>;
 #[test]
 fn inconsistent_tables_and_features() {
     // (patch, what, name, message fragment)
-    let cases: Vec<(Patch, &str, &str, &str)> = vec![
+    let cases: Vec<(Patch, ConfigItem, &str, &str)> = vec![
         (
             Box::new(|v: &mut Value| v["features"].as_array_mut().unwrap().push(json!({"name": "f0", "table": "t0"}))),
-            "feature",
+            ConfigItem::Feature,
             "f0",
             "duplicate feature name",
         ),
-        (Box::new(|v: &mut Value| v["features"][0]["table"] = json!("nope")), "feature", "f0", "unknown table `nope`"),
-        (Box::new(|v: &mut Value| v["tables"][0]["embedding_dim"] = json!(0)), "table", "t0", "embedding_dim 0"),
-        (Box::new(|v: &mut Value| v["tables"][0]["vocabulary_size"] = json!(0)), "table", "t0", "vocabulary_size 0"),
-        (Box::new(|v: &mut Value| v["tables"][0]["vocabulary_size"] = json!(u64::MAX)), "table", "t0", "18446744073709551615"),
-        (Box::new(|v: &mut Value| v["tables"][0]["vocabulary_size"] = json!(i32::MAX)), "stack", "t0", "2147483648"),
+        (Box::new(|v: &mut Value| v["features"][0]["table"] = json!("nope")), ConfigItem::Feature, "f0", "unknown table `nope`"),
+        (Box::new(|v: &mut Value| v["tables"][0]["embedding_dim"] = json!(0)), ConfigItem::Table, "t0", "embedding_dim 0"),
+        (Box::new(|v: &mut Value| v["tables"][0]["vocabulary_size"] = json!(0)), ConfigItem::Table, "t0", "vocabulary_size 0"),
+        (Box::new(|v: &mut Value| v["tables"][0]["vocabulary_size"] = json!(u64::MAX)), ConfigItem::Table, "t0", "18446744073709551615"),
+        (Box::new(|v: &mut Value| v["tables"][0]["vocabulary_size"] = json!(i32::MAX)), ConfigItem::Stack, "t0", "2147483648"),
     ];
     for (patch, what, name, fragment) in cases {
         let e = err(Preprocessor::new(config_with(patch)));

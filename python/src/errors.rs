@@ -13,8 +13,8 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::BoundObject;
 use pyo3::types::{PyDict, PyType};
-use sparsecore_kernel::KernelError;
-use sparsecore_prep::{Error, LimitKind};
+use sparsecore_kernel::{KernelError, PlanItem};
+use sparsecore_prep::{ConfigItem, Error, LimitKind};
 
 /// The package's exception classes, with the standard exception each derives from (raised
 /// instead if the class cannot be found, which only a broken installation causes).
@@ -154,7 +154,13 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
 fn kernel_as_pipeline(e: KernelError) -> std::result::Result<Error, KernelError> {
     Ok(match e {
         KernelError::InvalidInput { what, reason } => Error::InvalidInput { feature: what, reason },
-        KernelError::Plan { kind, name, reason } => Error::InvalidConfig { what: kind, name, reason },
+        KernelError::Plan { kind, name, reason } => match kind {
+            PlanItem::Stack => Error::InvalidConfig { what: ConfigItem::Stack, name, reason },
+            PlanItem::Feature => Error::InvalidConfig { what: ConfigItem::Feature, name, reason },
+            PlanItem::Table => Error::InvalidConfig { what: ConfigItem::Table, name, reason },
+            // Python binds no dynamic tables; a kind added later still names itself.
+            other => Error::data(format!("{other} `{name}`"), reason),
+        },
         KernelError::Parameter { name, value, reason } => Error::InvalidOption { option: name, value, reason },
         KernelError::InvalidWeight { feature, row, value } => Error::InvalidWeight { feature, row, value },
         KernelError::Context { context, source } => kernel_as_pipeline(*source)?.context(context),

@@ -12,7 +12,7 @@ use rayon::ThreadPool;
 use sparsecore_prep::fdo::{tune, FdoStats};
 use sparsecore_prep::input::{CooInput, Ids, SampleSource};
 use sparsecore_prep::spec::{FeatureConfig, Options, Placement, ResolvedStack, Stacking, TableConfig};
-use sparsecore_prep::{Config, Output, Plan, Preprocessor, PreprocessorBuilder};
+use sparsecore_prep::{Config, ConfigItem, Output, Plan, Preprocessor, PreprocessorBuilder};
 
 use std::sync::Arc;
 
@@ -324,7 +324,7 @@ pub(crate) fn resolved_plan(
         match tables.iter().find(|t| &t.name == table) {
             Some(t) if t.vocabulary_size != *vocab || t.embedding_dim != *dim => {
                 return Err(sparsecore_prep::Error::config(
-                    "table",
+                    ConfigItem::Table,
                     table,
                     format!(
                         "two table specs share this name with different shapes ({}x{} and {vocab}x{dim})",

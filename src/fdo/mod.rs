@@ -15,7 +15,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::{ConfigItem, Error, Result};
 use crate::io::OutputFile;
 use crate::fields::{self, Nested, Section};
 use crate::output::Output;
@@ -88,7 +88,7 @@ impl FdoStats {
                 let only_ours: Vec<&str> = self.stacks.keys().filter(|k| !other.stacks.contains_key(*k)).map(|s| s.as_str()).collect();
                 let only_theirs: Vec<&str> = other.stacks.keys().filter(|k| !self.stacks.contains_key(*k)).map(|s| s.as_str()).collect();
                 return Err(Error::config(
-                    "stack",
+                    ConfigItem::Stack,
                     only_ours.first().or(only_theirs.first()).copied().unwrap_or(""),
                     format!(
                         "stats cover different stacks: only in the first: [{}]; only in the second: [{}]",
@@ -101,7 +101,7 @@ impl FdoStats {
         for (name, st) in &other.stacks {
             let mine = self.stacks.entry(name.clone()).or_default();
             if !mine.max_ids_per_partition.is_empty() && mine.max_ids_per_partition.len() != st.max_ids_per_partition.len() {
-                return Err(Error::config("stack", name, "stats arrays have different lengths"));
+                return Err(Error::config(ConfigItem::Stack, name, "stats arrays have different lengths"));
             }
             merge_stack(mine, st);
         }
@@ -154,7 +154,7 @@ impl FdoStats {
             ];
             for (field, values) in arrays {
                 if let Some((i, v)) = values.iter().enumerate().find(|(_, &v)| v < 0) {
-                    return Err(Error::config("stack", name, format!("stats field `{field}`[{i}] is {v}: counts cannot be negative")));
+                    return Err(Error::config(ConfigItem::Stack, name, format!("stats field `{field}`[{i}] is {v}: counts cannot be negative")));
                 }
             }
         }
@@ -372,7 +372,7 @@ pub fn tune(config: &Config, stats: &FdoStats, headroom: f64) -> Result<(Config,
                 .get_or_insert_with(BTreeMap::new)
                 .insert(name.clone(), new_suggested);
         } else {
-            return Err(Error::config("stack", name, "in the stats but not a table of the config"));
+            return Err(Error::config(ConfigItem::Stack, name, "in the stats but not a table of the config"));
         }
     }
     if let Some((ids, uniq)) = auto_limits {

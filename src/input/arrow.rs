@@ -7,7 +7,7 @@ use arrow_array::{Array, Float32Array, Int32Array, Int64Array, LargeListArray, L
 
 use super::hash::{for_each_key, HashBuffers, OwnedIds, RAW_KEY_TYPES};
 use super::{FeatureView, Ids, Offsets, SampleSource};
-use crate::error::{Error, Result};
+use crate::error::{ConfigItem, Error, Result};
 use crate::spec::Config;
 
 const IDS_TYPES: &str =
@@ -206,7 +206,7 @@ pub fn features_from_record_batch_reusing<'a>(
                         .tables
                         .iter()
                         .find(|t| t.name == f.table)
-                        .ok_or_else(|| Error::config("feature", &f.name, format!("table `{}` is not in the config", f.table)))?;
+                        .ok_or_else(|| Error::config(ConfigItem::Feature, &f.name, format!("table `{}` is not in the config", f.table)))?;
                     ArrowListInput::hashed(&f.name, column, ids, weights, h.seed, table.vocabulary_size, buffers)
                 }
             }

@@ -31,7 +31,7 @@
 use arrow_array::{Array, BinaryArray, Int32Array, Int64Array, LargeBinaryArray, LargeStringArray, StringArray};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::error::{Error, Result};
+use crate::error::{ConfigItem, Error, Result};
 
 /// The algorithm's name, as written in documentation and benchmark reports.
 pub const HASH_ALGORITHM: &str = "xxh3-64";
@@ -152,7 +152,7 @@ impl HashBuffers {
         vocabulary_size: u64,
     ) -> Result<OwnedIds> {
         if vocabulary_size == 0 {
-            return Err(Error::config("feature", feature, "hashed into a table of vocabulary_size 0"));
+            return Err(Error::config(ConfigItem::Feature, feature, "hashed into a table of vocabulary_size 0"));
         }
         let hi = range.1;
         if vocabulary_size <= 1 << 31 {
@@ -164,7 +164,7 @@ impl HashBuffers {
             Ok(OwnedIds::I32(buf))
         } else {
             if vocabulary_size > i64::MAX as u64 {
-                return Err(Error::config("feature", feature, format!("hashed into a vocabulary_size of {vocabulary_size} > {}", i64::MAX)));
+                return Err(Error::config(ConfigItem::Feature, feature, format!("hashed into a vocabulary_size of {vocabulary_size} > {}", i64::MAX)));
             }
             let mut buf = self.free64.pop().unwrap_or_default();
             buf.clear();

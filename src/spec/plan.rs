@@ -5,7 +5,7 @@ use sha2::{Digest, Sha256};
 
 use super::config::{Config, Stacking};
 use super::{round_up, ALIGNMENT, DATA_MASK, MAX_MINIBATCHING_BUCKETS};
-use crate::error::{BatchCount, Error, Result};
+use crate::error::{BatchCount, ConfigItem, Error, Result};
 
 /// How the ids of one sample are turned into gains (SPEC Part 2, section 3.5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -323,7 +323,7 @@ impl Plan {
         if let Some(overrides) = &opts.stack_suggested_coo_buffer_size_per_device {
             for (name, &size) in overrides {
                 let stack = stacks.iter_mut().find(|s| &s.name == name).ok_or_else(|| {
-                    Error::config("stack", name, "named in stack_suggested_coo_buffer_size_per_device but not planned")
+                    Error::config(ConfigItem::Stack, name, "named in stack_suggested_coo_buffer_size_per_device but not planned")
                 })?;
                 stack.suggested_coo_buffer_size_per_device = Some(size);
             }
@@ -386,20 +386,20 @@ impl Plan {
         let feature_tables = validate_features(config)?;
         for (i, t) in config.tables.iter().enumerate() {
             if config.tables[..i].iter().any(|u| u.name == t.name) {
-                return Err(Error::config("table", &t.name, "duplicate table name"));
+                return Err(Error::config(ConfigItem::Table, &t.name, "duplicate table name"));
             }
             if t.vocabulary_size == 0 || t.vocabulary_size > i32::MAX as u64 {
-                return Err(Error::config("table", &t.name, format!("vocabulary_size {} must be in 1..=2147483647", t.vocabulary_size)));
+                return Err(Error::config(ConfigItem::Table, &t.name, format!("vocabulary_size {} must be in 1..=2147483647", t.vocabulary_size)));
             }
         }
         let mut features = Vec::with_capacity(placements.len());
         for ((f, &t), p) in config.features.iter().zip(&feature_tables).zip(placements) {
             let table = &config.tables[t];
             let stack = stacks.iter().position(|s| s.name == p.stack).ok_or_else(|| {
-                Error::config("feature", &f.name, format!("placed in stack `{}`, which is not among the given stacks", p.stack))
+                Error::config(ConfigItem::Feature, &f.name, format!("placed in stack `{}`, which is not among the given stacks", p.stack))
             })?;
             let col_offset = u32::try_from(p.col_offset).ok().filter(|&c| c <= i32::MAX as u32).ok_or_else(|| {
-                Error::config("feature", &f.name, format!("col_offset {} exceeds the 32-bit column ids (2147483647)", p.col_offset))
+                Error::config(ConfigItem::Feature, &f.name, format!("col_offset {} exceeds the 32-bit column ids (2147483647)", p.col_offset))
             })?;
             if p.row_offset > MAX_STACK_SAMPLES {
                 return Err(Error::BatchTooLarge {
@@ -410,7 +410,7 @@ impl Plan {
                 });
             }
             if p.col_shift >= n {
-                return Err(Error::config("feature", &f.name, format!("col_shift {} must be below the {n} SparseCores", p.col_shift)));
+                return Err(Error::config(ConfigItem::Feature, &f.name, format!("col_shift {} must be below the {n} SparseCores", p.col_shift)));
             }
             features.push(FeaturePlan {
                 name: f.name.clone(),
@@ -451,7 +451,7 @@ impl Plan {
             for w in members.windows(2) {
                 if features[w[0]].row_offset == features[w[1]].row_offset {
                     return Err(Error::config(
-                        "stack",
+                        ConfigItem::Stack,
                         &rs.name,
                         format!(
                             "features `{}` and `{}` have the same row_offset {}",
@@ -461,7 +461,7 @@ impl Plan {
                 }
             }
             let combiner = Combiner::parse(&rs.combiner).ok_or_else(|| {
-                Error::config("stack", &rs.name, format!("unknown combiner {:?}; expected \"sum\", \"mean\" or \"sqrtn\"", rs.combiner))
+                Error::config(ConfigItem::Stack, &rs.name, format!("unknown combiner {:?}; expected \"sum\", \"mean\" or \"sqrtn\"", rs.combiner))
             })?;
             // Every column id of the stack is below the largest col_offset + padded vocabulary.
             let vocab = members.iter().map(|&i| features[i].col_offset as u64 + features[i].padded_vocab_size).max().unwrap_or(0);
@@ -483,9 +483,9 @@ impl Plan {
                 features: members,
                 tables,
                 combiner,
-                max_ids_per_partition: check_limit("stack", &rs.name, "max_ids_per_partition", rs.max_ids_per_partition)?,
+                max_ids_per_partition: check_limit(ConfigItem::Stack, &rs.name, "max_ids_per_partition", rs.max_ids_per_partition)?,
                 max_unique_ids_per_partition: check_limit(
-                    "stack",
+                    ConfigItem::Stack,
                     &rs.name,
                     "max_unique_ids_per_partition",
                     rs.max_unique_ids_per_partition,
@@ -560,7 +560,7 @@ impl Plan {
     }
 }
 
-fn check_limit(what: &'static str, name: &str, limit: &'static str, value: u64) -> Result<u32> {
+fn check_limit(what: ConfigItem, name: &str, limit: &'static str, value: u64) -> Result<u32> {
     if value == 0 || value > i32::MAX as u64 {
         return Err(Error::InvalidLimit {
             what,
@@ -592,7 +592,7 @@ const MAX_STACK_SAMPLES: u64 = DATA_MASK << 30;
 fn check_stack_vocab(stack: &str, vocab: u64) -> Result<()> {
     if vocab > i32::MAX as u64 {
         return Err(Error::config(
-            "stack",
+            ConfigItem::Stack,
             stack,
             format!("padded vocabulary {vocab} exceeds the 32-bit column ids (2147483647)"),
         ));
@@ -605,26 +605,26 @@ fn validate_tables(config: &Config) -> Result<Vec<Combiner>> {
     let mut combiners = Vec::with_capacity(config.tables.len());
     for (i, t) in config.tables.iter().enumerate() {
         if config.tables[..i].iter().any(|u| u.name == t.name) {
-            return Err(Error::config("table", &t.name, "duplicate table name"));
+            return Err(Error::config(ConfigItem::Table, &t.name, "duplicate table name"));
         }
         if t.vocabulary_size == 0 || t.vocabulary_size > i32::MAX as u64 {
             return Err(Error::config(
-                "table",
+                ConfigItem::Table,
                 &t.name,
                 format!("vocabulary_size {} must be in 1..=2147483647", t.vocabulary_size),
             ));
         }
         if t.embedding_dim == 0 || t.embedding_dim > i32::MAX as u64 {
             return Err(Error::config(
-                "table",
+                ConfigItem::Table,
                 &t.name,
                 format!("embedding_dim {} must be in 1..=2147483647", t.embedding_dim),
             ));
         }
-        check_limit("table", &t.name, "max_ids_per_partition", t.max_ids_per_partition)?;
-        check_limit("table", &t.name, "max_unique_ids_per_partition", t.max_unique_ids_per_partition)?;
+        check_limit(ConfigItem::Table, &t.name, "max_ids_per_partition", t.max_ids_per_partition)?;
+        check_limit(ConfigItem::Table, &t.name, "max_unique_ids_per_partition", t.max_unique_ids_per_partition)?;
         let c = Combiner::parse(&t.combiner).ok_or_else(|| {
-            Error::config("table", &t.name, format!("unknown combiner {:?}; expected \"sum\", \"mean\" or \"sqrtn\"", t.combiner))
+            Error::config(ConfigItem::Table, &t.name, format!("unknown combiner {:?}; expected \"sum\", \"mean\" or \"sqrtn\"", t.combiner))
         })?;
         combiners.push(c);
     }
@@ -636,11 +636,11 @@ fn validate_features(config: &Config) -> Result<Vec<usize>> {
     let mut tables = Vec::with_capacity(config.features.len());
     for (i, f) in config.features.iter().enumerate() {
         if config.features[..i].iter().any(|g| g.name == f.name) {
-            return Err(Error::config("feature", &f.name, "duplicate feature name"));
+            return Err(Error::config(ConfigItem::Feature, &f.name, "duplicate feature name"));
         }
         let t = config.table_index(&f.table).ok_or_else(|| {
             let known: Vec<&str> = config.tables.iter().map(|t| t.name.as_str()).collect();
-            Error::config("feature", &f.name, format!("unknown table `{}` (tables: {})", f.table, known.join(", ")))
+            Error::config(ConfigItem::Feature, &f.name, format!("unknown table `{}` (tables: {})", f.table, known.join(", ")))
         })?;
         tables.push(t);
     }
@@ -787,8 +787,8 @@ fn plan_auto_stack(
         let l = config.config.stack_limits.unwrap_or_default();
         (l.max_ids_per_partition, l.max_unique_ids_per_partition)
     };
-    let max_ids = check_limit("stack", &name, "max_ids_per_partition", max_ids)?;
-    let max_unique = check_limit("stack", &name, "max_unique_ids_per_partition", max_unique)?;
+    let max_ids = check_limit(ConfigItem::Stack, &name, "max_ids_per_partition", max_ids)?;
+    let max_unique = check_limit(ConfigItem::Stack, &name, "max_unique_ids_per_partition", max_unique)?;
     Ok(StackPlan {
         combiner: combiners[features[members[0]].table_index],
         name,

@@ -15,7 +15,7 @@ use sparsecore_prep::balance::Refinement;
 use sparsecore_prep::fdo::FdoStats;
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::io::BatchReader;
-use sparsecore_prep::{Config, Error, Output, Preprocessor, Result, StackOutput};
+use sparsecore_prep::{Config, ConfigItem, Error, Output, Preprocessor, Result, StackOutput};
 
 use super::error;
 use super::balance::{balanced_at, Origin};
@@ -121,7 +121,7 @@ impl StackFile {
         let arrow = |source| Error::Arrow { context: format!("writing {}", self.path.display()), source };
         if so.row_pointers_per_device() != self.rp || so.coo_buffer_size_per_device() != self.c {
             return Err(Error::config(
-                "stack",
+                ConfigItem::Stack,
                 &so.name,
                 format!("buffer sizes changed between batches (writing {})", self.path.display()),
             ));
@@ -251,7 +251,7 @@ pub fn run(a: Args) -> error::Result<()> {
                 let f = StackFile::create(staged.dir(), &a.out, so)?;
                 if let Some((other, _)) = files.iter().find(|(_, g)| g.file_name == f.file_name) {
                     return Err(Error::config(
-                        "stack",
+                        ConfigItem::Stack,
                         &so.name,
                         format!("its output file {} would also be stack `{other}`'s", f.path.display()),
                     ));

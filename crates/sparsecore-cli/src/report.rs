@@ -22,7 +22,7 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use sparsecore_prep::fdo::{write_atomic, FdoStats, LayoutKey};
 use sparsecore_prep::spec::Stacking;
-use sparsecore_prep::{Config, Error, Plan, Result, StackStats};
+use sparsecore_prep::{Config, ConfigItem, Error, Plan, Result, StackStats};
 
 use super::error;
 use super::outdir::clean_stale;
@@ -169,7 +169,7 @@ fn check_shapes(stats: &FdoStats, path: &Path) -> Result<()> {
         for (field, got, want, formula) in arrays {
             if got != want {
                 return Err(Error::config(
-                    "stack",
+                    ConfigItem::Stack,
                     name,
                     format!("stats {}: {field} has {got} values but layout {l} needs {formula} = {want}", path.display()),
                 ));
@@ -224,7 +224,7 @@ fn config_limits(path: &Path, batch_size: Option<usize>, runs: &[Run], stacks: &
             let planned: Vec<&str> = plan.stacks.iter().map(|s| s.name.as_str()).collect();
             let run = runs.iter().find(|r| r.stats.stacks.contains_key(name)).map(|r| r.path.display().to_string()).unwrap_or_default();
             return Err(Error::config(
-                "stack",
+                ConfigItem::Stack,
                 name,
                 format!("in stats {run} but not a stack of config {} (its stacks: {})", path.display(), planned.join(", ")),
             ));

@@ -21,7 +21,7 @@ use super::Optimizer;
 use sparsecore_prep::spec::{Plan, StackPlan};
 use sparsecore_prep::StackOutput;
 
-use crate::error::{KernelError, Result};
+use crate::error::{KernelError, PlanItem, Result};
 use crate::segments::for_each_segment;
 
 /// One stack's four buffers, borrowed: each `[L · RP]` or `[L · C]`, device-major, exactly as
@@ -80,14 +80,14 @@ struct Geometry<'p> {
 /// order (device, SparseCore, minibatch, partition), as [`crate::sparse_dense_matmul`] reads
 /// them; padding slots belong to no segment.
 fn geometry<'p>(plan: &'p Plan, b: &StackBuffers<'_>, num_minibatches: usize, table_dim: (usize, usize)) -> Result<Geometry<'p>> {
-    let sp = plan.stack(b.stack).ok_or_else(|| KernelError::plan("stack", b.stack, "not in the plan"))?;
+    let sp = plan.stack(b.stack).ok_or_else(|| KernelError::plan(PlanItem::Stack, b.stack, "not in the plan"))?;
     let layout = plan.layout;
     let (n, s_count, l) = (layout.num_partitions(), layout.sc_per_device, layout.local_devices);
     let rows = sp.stack_vocab_size as usize / n;
     let dim = sp.stack_embedding_dim as usize;
     if table_dim != (n * rows, dim) {
         return Err(KernelError::plan(
-            "stack",
+            PlanItem::Stack,
             &sp.name,
             format!("table of shape {table_dim:?}, expected [N · R, D] = [{}, {dim}] ({n} shards of {rows} rows)", n * rows),
         ));
@@ -297,7 +297,7 @@ pub fn apply_gradients_into(
     if slots.len() != names.len() || slots.iter().any(|s| s.dim() != table.dim()) {
         let got: Vec<_> = slots.iter().map(|s| s.dim()).collect();
         return Err(KernelError::plan(
-            "stack",
+            PlanItem::Stack,
             stack,
             format!(
                 "the optimizer needs {} slot variables ({}) of the table's shape {:?}, got {} of shapes {got:?}",

@@ -24,8 +24,8 @@ pub enum KernelError {
     /// A stack, table or feature that the plan does not have, or that belongs elsewhere.
     #[error("invalid config: {kind} `{name}`: {reason}")]
     Plan {
-        /// `stack`, `feature`, `table` or `dynamic table`.
-        kind: &'static str,
+        /// Which kind of entry.
+        kind: PlanItem,
         /// Its name (or index).
         name: String,
         /// What does not match.
@@ -106,13 +106,38 @@ impl KernelError {
     }
 
     /// A [`KernelError::Plan`].
-    pub fn plan(kind: &'static str, name: impl Into<String>, reason: impl Into<String>) -> Self {
+    pub fn plan(kind: PlanItem, name: impl Into<String>, reason: impl Into<String>) -> Self {
         KernelError::Plan { kind, name: name.into(), reason: reason.into() }
     }
 
     /// A [`KernelError::Parameter`].
     pub fn parameter(name: &'static str, value: impl fmt::Display, reason: impl Into<String>) -> Self {
         KernelError::Parameter { name, value: value.to_string(), reason: reason.into() }
+    }
+}
+
+/// The kind of entry a [`KernelError::Plan`] names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PlanItem {
+    /// A stack of the plan (a stacked table).
+    Stack,
+    /// A feature of the plan.
+    Feature,
+    /// A table of the config.
+    Table,
+    /// A dynamic table's spec (raw keys, rows created lazily).
+    DynamicTable,
+}
+
+impl fmt::Display for PlanItem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PlanItem::Stack => "stack",
+            PlanItem::Feature => "feature",
+            PlanItem::Table => "table",
+            PlanItem::DynamicTable => "dynamic table",
+        })
     }
 }
 

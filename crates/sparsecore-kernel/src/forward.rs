@@ -4,7 +4,7 @@
 use ndarray::{s, Array2, ArrayView2};
 
 use super::StackedTable;
-use crate::error::{KernelError, Result};
+use crate::error::{KernelError, PlanItem, Result};
 use sparsecore_prep::StackOutput;
 use sparsecore_prep::spec::Plan;
 
@@ -20,12 +20,12 @@ pub(crate) fn for_each_slot(
     table: &StackedTable,
     mut f: impl FnMut(usize, usize, usize, usize, f32) -> Result<()>,
 ) -> Result<()> {
-    let sp = plan.stack(&out.name).ok_or_else(|| KernelError::plan("stack", &out.name, "not in the plan"))?;
+    let sp = plan.stack(&out.name).ok_or_else(|| KernelError::plan(PlanItem::Stack, &out.name, "not in the plan"))?;
     let layout = plan.layout;
     let (n, s_count) = (layout.num_partitions(), layout.sc_per_device);
     if table.num_shards != n || table.dim != sp.stack_embedding_dim as usize || table.stack != sp.name {
         return Err(KernelError::plan(
-            "stack",
+            PlanItem::Stack,
             &sp.name,
             format!(
                 "table has {} shards of dim {} for stack `{}`, expected {n} shards of dim {}",
@@ -76,7 +76,7 @@ pub(crate) fn check_table_shape(sp: &sparsecore_prep::spec::StackPlan, n: usize,
     let d = sp.stack_embedding_dim as usize;
     if table.rows_per_shard != r || table.data.dim() != (n * r, d) {
         return Err(KernelError::plan(
-            "stack",
+            PlanItem::Stack,
             &sp.name,
             format!(
                 "table of {} rows per shard and data of shape {:?}, expected {r} rows per shard and [N · R, D] = [{}, {d}]",
@@ -96,7 +96,7 @@ pub(crate) fn check_table_shape(sp: &sparsecore_prep::spec::StackPlan, n: usize,
 /// `num_minibatches` is [`crate::Output::num_minibatches`]; with minibatching enabled the row
 /// pointers are absolute and segments are (SparseCore, minibatch) pairs.
 pub fn sparse_dense_matmul(plan: &Plan, out: &StackOutput, num_minibatches: usize, table: &StackedTable) -> Result<Vec<Array2<f32>>> {
-    let sp = plan.stack(&out.name).ok_or_else(|| KernelError::plan("stack", &out.name, "not in the plan"))?;
+    let sp = plan.stack(&out.name).ok_or_else(|| KernelError::plan(PlanItem::Stack, &out.name, "not in the plan"))?;
     let bsd = (sp.total_sample_count / plan.layout.global_devices as u64) as usize;
     let mut acts: Vec<Array2<f32>> = (0..plan.layout.local_devices).map(|_| Array2::zeros((bsd, table.dim))).collect();
     for_each_slot(plan, out, num_minibatches, table, |d, row, p, e, gain| {
@@ -110,7 +110,7 @@ pub fn sparse_dense_matmul(plan: &Plan, out: &StackOutput, num_minibatches: usiz
 /// `_get_activation_for_feature`): for each SparseCore, the feature's rows of its slice, and
 /// the table's own columns. Returns `[S · rows, dim]`.
 pub fn feature_activations(plan: &Plan, feature: usize, device_act: ArrayView2<'_, f32>) -> Result<Array2<f32>> {
-    let f = plan.features.get(feature).ok_or_else(|| KernelError::plan("feature", feature.to_string(), "no such feature"))?;
+    let f = plan.features.get(feature).ok_or_else(|| KernelError::plan(PlanItem::Feature, feature.to_string(), "no such feature"))?;
     let layout = plan.layout;
     let s_count = layout.sc_per_device;
     let per_sc = device_act.nrows() / s_count;
@@ -118,7 +118,7 @@ pub fn feature_activations(plan: &Plan, feature: usize, device_act: ArrayView2<'
     let rows = f.global_batch_size / layout.num_partitions();
     let dim = f.embedding_dim as usize;
     if base + rows > per_sc || dim > device_act.ncols() {
-        return Err(KernelError::plan("feature", &f.name, "activations do not cover this feature"));
+        return Err(KernelError::plan(PlanItem::Feature, &f.name, "activations do not cover this feature"));
     }
     let mut out = Array2::<f32>::zeros((s_count * rows, dim));
     for sc in 0..s_count {
@@ -145,7 +145,7 @@ pub fn feature_activations(plan: &Plan, feature: usize, device_act: ArrayView2<'
 /// Errors name the stack or the feature: a stack not in the plan, a feature index out of
 /// range or of another stack, a gradient of the wrong shape.
 pub fn stack_feature_gradients(plan: &Plan, stack: &str, feature_grads: &[(usize, ArrayView2<'_, f32>)]) -> Result<Array2<f32>> {
-    let sp = plan.stack(stack).ok_or_else(|| KernelError::plan("stack", stack, "not in the plan"))?;
+    let sp = plan.stack(stack).ok_or_else(|| KernelError::plan(PlanItem::Stack, stack, "not in the plan"))?;
     let layout = plan.layout;
     let s_count = layout.sc_per_device;
     let n = layout.num_partitions();
@@ -154,10 +154,10 @@ pub fn stack_feature_gradients(plan: &Plan, stack: &str, feature_grads: &[(usize
     let stack_dim = sp.stack_embedding_dim as usize;
     let mut out = Array2::<f32>::zeros((bsd, stack_dim));
     for (feature, grad) in feature_grads {
-        let f = plan.features.get(*feature).ok_or_else(|| KernelError::plan("feature", feature.to_string(), "no such feature"))?;
+        let f = plan.features.get(*feature).ok_or_else(|| KernelError::plan(PlanItem::Feature, feature.to_string(), "no such feature"))?;
         if !sp.features.contains(feature) {
             let other = plan.stacks.get(f.stack).map_or("?", |s| s.name.as_str());
-            return Err(KernelError::plan("feature", &f.name, format!("belongs to stack `{other}`, not `{stack}`")));
+            return Err(KernelError::plan(PlanItem::Feature, &f.name, format!("belongs to stack `{other}`, not `{stack}`")));
         }
         let base = (f.row_offset / n as u64) as usize;
         let rows = f.global_batch_size / n;
@@ -169,7 +169,7 @@ pub fn stack_feature_gradients(plan: &Plan, stack: &str, feature_grads: &[(usize
             ));
         }
         if base + rows > per_sc || dim > stack_dim {
-            return Err(KernelError::plan("feature", &f.name, format!("does not fit the activations of stack `{stack}`")));
+            return Err(KernelError::plan(PlanItem::Feature, &f.name, format!("does not fit the activations of stack `{stack}`")));
         }
         for sc in 0..s_count {
             let mut dst = out.slice_mut(s![sc * per_sc + base..sc * per_sc + base + rows, ..dim]);

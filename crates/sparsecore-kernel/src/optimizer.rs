@@ -8,7 +8,7 @@ use ndarray::{Array1, Array2, ArrayView2};
 
 use super::forward::for_each_slot;
 use super::StackedTable;
-use crate::error::{KernelError, Result};
+use crate::error::{KernelError, PlanItem, Result};
 use sparsecore_prep::StackOutput;
 use sparsecore_prep::spec::Plan;
 
@@ -237,7 +237,7 @@ pub fn row_gradients(
     activation_grads: &[ArrayView2<'_, f32>],
 ) -> Result<BTreeMap<usize, Array1<f32>>> {
     if table.stack != out.name {
-        return Err(KernelError::plan("stack", &out.name, format!("the table given is stack `{}`'s, not this stack's", table.stack)));
+        return Err(KernelError::plan(PlanItem::Stack, &out.name, format!("the table given is stack `{}`'s, not this stack's", table.stack)));
     }
     if activation_grads.len() != plan.layout.local_devices {
         return Err(KernelError::input(
@@ -292,13 +292,13 @@ pub fn apply_gradients(
     optimizer.validate()?;
     // Rows are updated as slices: a column-major (Fortran-order) table or slot has none.
     if !table.data.is_standard_layout() || slots.values.iter().any(|s| !s.is_standard_layout()) {
-        return Err(KernelError::plan("stack", &table.stack, "the table and its slot variables must be row-major (C order) arrays"));
+        return Err(KernelError::plan(PlanItem::Stack, &table.stack, "the table and its slot variables must be row-major (C order) arrays"));
     }
     let names = optimizer.slot_names();
     if slots.values.len() != names.len() || slots.values.iter().any(|s| s.dim() != table.data.dim()) {
         let got: Vec<_> = slots.values.iter().map(|s| s.dim()).collect();
         return Err(KernelError::plan(
-            "stack",
+            PlanItem::Stack,
             &table.stack,
             format!(
                 "the optimizer needs {} slot variables ({}) of the table's shape {:?}, got {} of shapes {got:?} (Slots::new makes them)",

@@ -8,7 +8,7 @@
 
 use ndarray::{Array2, ArrayView2};
 
-use crate::error::{KernelError, Result};
+use crate::error::{KernelError, PlanItem, Result};
 use sparsecore_prep::spec::{Plan, StackPlan};
 
 /// One stack's table in the kernels' layout: `[N · R, D]`, shard-major.
@@ -27,7 +27,7 @@ pub struct StackedTable {
 }
 
 fn stack_of<'p>(plan: &'p Plan, stack: &str) -> Result<&'p StackPlan> {
-    plan.stack(stack).ok_or_else(|| KernelError::plan("stack", stack, "not in the plan"))
+    plan.stack(stack).ok_or_else(|| KernelError::plan(PlanItem::Stack, stack, "not in the plan"))
 }
 
 impl StackedTable {
@@ -36,7 +36,7 @@ impl StackedTable {
     pub fn from_tables(plan: &Plan, stack: &str, tables: &[ArrayView2<'_, f32>]) -> Result<Self> {
         let sp = stack_of(plan, stack)?;
         if tables.len() != sp.tables.len() {
-            return Err(KernelError::plan("stack", stack, format!("{} tables given for {} member tables", tables.len(), sp.tables.len())));
+            return Err(KernelError::plan(PlanItem::Stack, stack, format!("{} tables given for {} member tables", tables.len(), sp.tables.len())));
         }
         let n = plan.layout.num_partitions();
         let v = sp.stack_vocab_size as usize;
@@ -49,13 +49,13 @@ impl StackedTable {
             let (vocab, dim) = (f.vocabulary_size as usize, table_dim(plan, t));
             if table.dim() != (vocab, dim) {
                 return Err(KernelError::plan(
-                    "table",
+                    PlanItem::Table,
                     &f.table,
                     format!("array of shape {:?}, expected [vocabulary_size, embedding_dim] = [{vocab}, {dim}]", table.dim()),
                 ));
             }
         }
-        let too_large = || KernelError::plan("stack", stack, format!("a stacked table of {v} x {d} floats does not fit in memory"));
+        let too_large = || KernelError::plan(PlanItem::Stack, stack, format!("a stacked table of {v} x {d} floats does not fit in memory"));
         let len = v.checked_mul(d).ok_or_else(too_large)?;
         let mut zeros: Vec<f32> = Vec::new();
         zeros.try_reserve_exact(len).map_err(|_| too_large())?;
@@ -112,7 +112,7 @@ fn member<'p>(plan: &'p Plan, sp: &StackPlan, t: usize) -> Result<&'p sparsecore
         .iter()
         .map(|&f| &plan.features[f])
         .find(|f| f.table_index == t)
-        .ok_or_else(|| KernelError::plan("stack", &sp.name, format!("table index {t} is not a member")))
+        .ok_or_else(|| KernelError::plan(PlanItem::Stack, &sp.name, format!("table index {t} is not a member")))
 }
 
 fn table_dim(plan: &Plan, t: usize) -> usize {

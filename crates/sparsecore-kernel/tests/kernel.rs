@@ -5,7 +5,7 @@
 
 use ndarray::Array2;
 use sparsecore_prep::input::{FeatureView, Ids, Offsets, RaggedInput, SampleSource};
-use sparsecore_kernel::{feature_activations, sparse_dense_matmul, KernelError, StackedTable};
+use sparsecore_kernel::{feature_activations, sparse_dense_matmul, KernelError, PlanItem, StackedTable};
 use sparsecore_prep::spec::Combiner;
 use sparsecore_prep::{Config, Output, Preprocessor};
 
@@ -343,11 +343,11 @@ fn stack_feature_gradients_errors_name_the_stack_or_feature() {
     // Feature stacking: stack `ta` holds f0 and f2 (dim 16), `tb` holds f1 (dim 4).
     let g16 = Array2::<f32>::ones((16, 16));
     let e = stack_feature_gradients(&plan, "nope", &[(0, g16.view())]).unwrap_err();
-    assert!(matches!(&e, KernelError::Plan { kind: "stack", name, .. } if name == "nope"), "{e:?}");
+    assert!(matches!(&e, KernelError::Plan { kind: PlanItem::Stack, name, .. } if name == "nope"), "{e:?}");
     let e = stack_feature_gradients(&plan, "ta", &[(9, g16.view())]).unwrap_err();
-    assert!(matches!(&e, KernelError::Plan { kind: "feature", name, .. } if name == "9"), "{e:?}");
+    assert!(matches!(&e, KernelError::Plan { kind: PlanItem::Feature, name, .. } if name == "9"), "{e:?}");
     let e = stack_feature_gradients(&plan, "ta", &[(1, g16.view())]).unwrap_err();
-    assert!(matches!(&e, KernelError::Plan { kind: "feature", name, .. } if name == "f1"), "{e:?}");
+    assert!(matches!(&e, KernelError::Plan { kind: PlanItem::Feature, name, .. } if name == "f1"), "{e:?}");
     assert!(e.to_string().contains("tb"), "{e}");
     let wrong = Array2::<f32>::ones((16, 4));
     let e = stack_feature_gradients(&plan, "ta", &[(2, wrong.view())]).unwrap_err();

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use ndarray::{Array2, ShapeBuilder};
 use sparsecore_prep::input::{RaggedInput, SampleSource};
 use sparsecore_kernel::{apply_gradients, Optimizer, Slots, StackedTable};
-use sparsecore_kernel::KernelError;
+use sparsecore_kernel::{KernelError, PlanItem};
 use sparsecore_prep::{Config, Error, Output, Preprocessor};
 
 fn lcg(seed: u64) -> impl FnMut(u64) -> u64 {
@@ -553,7 +553,7 @@ fn backward_errors_name_the_stack_and_change_nothing() {
     let mut slots = Slots::new(&table, &adagrad);
     let (table0, slots0) = (table.clone(), slots.clone());
     let stack_named = |e: &KernelError, name: &str| match e {
-        KernelError::Plan { kind: "stack", name: n, .. } => n == name,
+        KernelError::Plan { kind: PlanItem::Stack, name: n, .. } => n == name,
         KernelError::InvalidInput { what, .. } => what == name,
         _ => false,
     };

@@ -37,7 +37,7 @@ use std::collections::BTreeMap;
 use ndarray::Array2;
 
 use super::Optimizer;
-use crate::error::{KernelError, Result};
+use crate::error::{KernelError, PlanItem, Result};
 
 /// How a key's row is initialised on first sight. Pure functions of the key: racing workers and
 /// different backends always create identical rows.
@@ -104,17 +104,17 @@ impl DynamicTableSpec {
     /// A table of `dim`-wide rows with the slots `optimizer` needs.
     pub fn new(name: &str, dim: usize, optimizer: &Optimizer, init: Initializer) -> Result<Self> {
         if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')) {
-            return Err(KernelError::plan("dynamic table", name, "names use only ASCII letters, digits, `_`, `-` and `.`"));
+            return Err(KernelError::plan(PlanItem::DynamicTable, name, "names use only ASCII letters, digits, `_`, `-` and `.`"));
         }
         if dim == 0 || dim > 1 << 20 {
-            return Err(KernelError::plan("dynamic table", name, format!("dim = {dim}, must be in 1..=1048576")));
+            return Err(KernelError::plan(PlanItem::DynamicTable, name, format!("dim = {dim}, must be in 1..=1048576")));
         }
         let finite = match init {
             Initializer::Constant(v) => v.is_finite(),
             Initializer::Uniform { scale, .. } => scale.is_finite(),
         };
         if !finite {
-            return Err(KernelError::plan("dynamic table", name, format!("initializer {init:?} is not finite")));
+            return Err(KernelError::plan(PlanItem::DynamicTable, name, format!("initializer {init:?} is not finite")));
         }
         Ok(DynamicTableSpec {
             name: name.to_string(),
@@ -144,7 +144,7 @@ impl DynamicTableSpec {
         optimizer.validate()?;
         if optimizer.slot_names() != self.slot_names.as_slice() {
             return Err(KernelError::plan(
-                "dynamic table",
+                PlanItem::DynamicTable,
                 &self.name,
                 format!("has slots {:?}; the optimizer needs {:?}", self.slot_names, optimizer.slot_names()),
             ));

@@ -35,7 +35,7 @@ use std::time::Duration;
 use redis::{Client, Connection, RedisError, Value};
 
 use super::{check_entry, Applied, DynamicTable, DynamicTableSpec, Entry, Snapshot};
-use crate::error::{KernelError, Result, StoreErrorKind};
+use crate::error::{KernelError, PlanItem, Result, StoreErrorKind};
 use crate::Optimizer;
 
 /// Where the table lives and how long to wait for it.
@@ -136,10 +136,10 @@ impl RedisTable {
     /// Opens the table (connecting once, so that a wrong URL or a down server is reported here).
     pub fn open(spec: DynamicTableSpec, config: RedisConfig) -> Result<Self> {
         if !ok_name(&config.namespace) {
-            return Err(KernelError::plan("dynamic table", &spec.name, format!("namespace {:?}: use only ASCII letters, digits, `_`, `-` and `.`", config.namespace)));
+            return Err(KernelError::plan(PlanItem::DynamicTable, &spec.name, format!("namespace {:?}: use only ASCII letters, digits, `_`, `-` and `.`", config.namespace)));
         }
         if config.connect_timeout.is_zero() || config.io_timeout.is_zero() || config.keys_per_command == 0 {
-            return Err(KernelError::plan("dynamic table", &spec.name, "Redis timeouts and keys_per_command must be positive"));
+            return Err(KernelError::plan(PlanItem::DynamicTable, &spec.name, "Redis timeouts and keys_per_command must be positive"));
         }
         let client = Client::open(config.url.as_str()).map_err(|e| KernelError::DynamicStore {
             table: spec.name.clone(),
