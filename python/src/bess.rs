@@ -910,6 +910,9 @@ pymethods_with_getters! { PyBatchSampler, |b, py| {
 ///   seed: one seed for the sharding, batch and negative samplers; or
 ///     ``seeds=(sharding, batch, negative)``.
 ///   steps: steps to yield, at least 1 (default: one epoch).
+///   max_step_bytes: refuse (``BessError``, before anything is drawn) a
+///     configuration whose step needs more bytes than this (default: only what
+///     the allocator refuses).
 ///   inverse_triples: append ``(t, r + n_relation, h)``; ``n_relation``
 ///     defaults to the largest relation id + 1.
 ///   sharding: reuse a :class:`Sharding` (e.g. a besskge one loaded from
@@ -931,7 +934,7 @@ impl PyBessStream {
     #[pyo3(signature = (triples, n_entity, shard_batch_size, *, devices=(1, 1, 4), host=0, col_shift=0, embedding_dim=16,
                         negatives=0, negative_sampler="random", type_offsets=None, neg_heads=None, neg_tails=None,
                         corruption_scheme="t", flat_negatives=false, sampler="random", shuffle=false, seed=None, seeds=None,
-                        steps=None, inverse_triples=false, n_relation=None, sharding=None, annotations=false))]
+                        steps=None, max_step_bytes=None, inverse_triples=false, n_relation=None, sharding=None, annotations=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -954,6 +957,7 @@ impl PyBessStream {
         seed: Option<&Bound<'_, PyAny>>,
         seeds: Option<(Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>)>,
         steps: Option<usize>,
+        max_step_bytes: Option<usize>,
         inverse_triples: bool,
         n_relation: Option<usize>,
         sharding: Option<PyRef<'_, PySharding>>,
@@ -998,6 +1002,9 @@ impl PyBessStream {
         if let Some(t) = steps {
             b = b.steps(t);
         }
+        if let Some(bytes) = max_step_bytes {
+            b = b.max_step_bytes(bytes);
+        }
         if let Some(r) = n_relation {
             b = b.n_relation(r);
         }
@@ -1040,6 +1047,13 @@ impl PyBessStream {
     #[getter]
     fn steps(&self) -> usize {
         self.inner.steps()
+    }
+
+    /// The bytes a step needs, at least (what `max_step_bytes` is compared with): to size a cap
+    /// from a small run before a large one.
+    #[getter]
+    fn step_bytes(&self) -> u128 {
+        self.inner.step_bytes()
     }
 
     /// N = G·S: the number of SparseCores, and of shards.

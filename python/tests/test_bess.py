@@ -562,6 +562,18 @@ except bess.TooLargeError as e:
   assert "the allocator refuses that much" in out.stdout
 
 
+def test_max_step_bytes_refuses_a_larger_step():
+  h, r, t = _graph(64, 3, 2000)
+  stream = lambda cap: bess.BessStream((h, r, t), n_entity=64, shard_batch_size=8, negatives=2, steps=1, max_step_bytes=cap)
+  # 4 slices * (rows*12 + B*20 + NEG*8) bytes: B = 8 lists of 2 negatives from each of 4 shards, NEG = 64
+  # negative rows, one output row each (as in the test above).
+  need = 4 * (64 * 12 + 8 * 20 + 64 * 8)
+  with pytest.raises(bess.TooLargeError) as e:
+    stream(need - 1)
+  assert e.value.bytes == need and f"more than max_step_bytes = {need - 1}" in e.value.reason
+  assert stream(need).step_bytes == need
+
+
 def test_stub_declares_the_public_api():
   """bess.pyi declares every name of bess.__all__, and every public method and property of the
   native classes."""

@@ -124,6 +124,10 @@ pub struct BatchesArgs {
     /// Steps to draw, at least 1 (default: one epoch).
     #[arg(long)]
     steps: Option<usize>,
+    /// Refuse a configuration whose step needs more than this many bytes (its columns and the
+    /// samplers' scratch), before anything is drawn; default: only what the allocator refuses.
+    #[arg(long, value_name = "BYTES")]
+    max_step_bytes: Option<usize>,
     /// Arrow IPC file to write.
     #[arg(long)]
     out: PathBuf,
@@ -359,6 +363,9 @@ fn batches(a: BatchesArgs) -> Result<()> {
     }
     if let Some(steps) = a.steps {
         builder = builder.steps(steps);
+    }
+    if let Some(bytes) = a.max_step_bytes {
+        builder = builder.max_step_bytes(bytes);
     }
     if let Some(path) = &a.sharding {
         let sh = Sharding::load_npz(path)

@@ -535,6 +535,33 @@ fn a_step_the_process_cannot_hold_is_an_error_not_an_abort() {
     assert_eq!(listing(&dir), ["triples.arrow"]);
 }
 
+/// `--max-step-bytes` refuses the same stream up front, whatever the allocator would give, and
+/// a cap at the step's exact size lets it through.
+#[test]
+fn max_step_bytes_refuses_a_larger_step_before_anything_is_written() {
+    let dir = TempDir::new("maxstep");
+    let tr = triples_file(&dir);
+    let (out, cfg) = (dir.join("o.arrow"), dir.join("c.json"));
+    let run = |cap: &str| {
+        Command::new(BIN)
+            .args(["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--negatives", "2"])
+            .args(["--steps", "1", "--max-step-bytes", cap, "--out", s(&out), "--config-out", s(&cfg)])
+            .output()
+            .unwrap()
+    };
+    // As in the test above: 4 slices · (rows · 12 + B · 20 + NEG · 8) bytes, with B = 8 lists of
+    // K = 2 negatives from each of the 4 shards, NEG = 64 negative rows, one output row each.
+    let bytes = 4 * (64 * 12 + 8 * 20 + 64 * 8);
+    let o = run(&(bytes - 1).to_string());
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(&format!("needs {bytes} bytes")) && stderr.contains(&format!("more than max_step_bytes = {}", bytes - 1)), "{stderr}");
+    assert_eq!(listing(&dir), ["triples.arrow"]);
+    let o = run(&bytes.to_string());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(listing(&dir), ["c.json", "o.arrow", "triples.arrow"]);
+}
+
 #[test]
 fn batches_help_says_how_rows_and_the_shard_batch_size_are_laid_out() {
     let help = ok(&["bess", "batches", "--help"]);
