@@ -143,9 +143,9 @@ pub const TOKEN_ENV: &str = "SPARSECORE_PREP_ALLREDUCE_TOKEN";
 /// most one exchange ahead, so a job needs 2; more are refused (the sender retries).
 pub const INBOX_KEYS: usize = 64;
 /// Pending keys older than this many completed exchanges of this host expire.
-pub const STEP_WINDOW: u64 = 4;
+pub(crate) const STEP_WINDOW: u64 = 4;
 /// Most connections served at once; more are closed at once (counted).
-pub const MAX_CONNECTIONS: usize = 64;
+pub(crate) const MAX_CONNECTIONS: usize = 64;
 /// A served connection that sends nothing for this long is closed.
 const IDLE: Duration = Duration::from_secs(5);
 /// Completed keys remembered, so that a late duplicate cannot start a new pending key.
@@ -183,7 +183,7 @@ pub struct AllReduceCounters {
     pub inbox_full: u64,
     /// Pending keys dropped because they were older than the step window.
     pub expired: u64,
-    /// Connections closed at once because [`MAX_CONNECTIONS`] were being served.
+    /// Connections closed at once because the most a host serves at once (64) were being served.
     pub connections_refused: u64,
 }
 
@@ -453,7 +453,7 @@ impl Undelivered {
 /// (HMAC-SHA256 over a per-connection challenge, source and destination rank, sequence number,
 /// key and value): frames that are malformed, from unknown ranks, badly authenticated, replayed
 /// or duplicated are dropped and counted ([`TcpAllReduce::counters`]) and never change a result.
-/// At most [`INBOX_KEYS`] keys wait in the inbox, and those older than [`STEP_WINDOW`] exchanges
+/// At most [`INBOX_KEYS`] keys wait in the inbox, and those older than 4 of this host's exchanges
 /// expire. A peer that is missing, dies or is too slow is an [`Error::AllReduce`] naming it.
 pub struct TcpAllReduce {
     peers: Vec<SocketAddr>,

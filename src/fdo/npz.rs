@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use super::{FdoStats, LayoutKey};
 
 /// The reference's key suffixes, in its field order.
-pub const SUFFIXES: [&str; 4] = ["_max_ids", "_max_unique_ids", "_required_buffer_size", "_id_drop_counters"];
+pub(crate) const SUFFIXES: [&str; 4] = ["_max_ids", "_max_unique_ids", "_required_buffer_size", "_id_drop_counters"];
 
 /// The `.npy` magic string.
 const MAGIC: &[u8] = b"\x93NUMPY";
