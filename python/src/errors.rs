@@ -158,8 +158,9 @@ fn kernel_as_pipeline(e: KernelError) -> std::result::Result<Error, KernelError>
             PlanItem::Stack => Error::InvalidConfig { what: ConfigItem::Stack, name, reason },
             PlanItem::Feature => Error::InvalidConfig { what: ConfigItem::Feature, name, reason },
             PlanItem::Table => Error::InvalidConfig { what: ConfigItem::Table, name, reason },
-            // Python binds no dynamic tables; a kind added later still names itself.
-            other => Error::data(format!("{other} `{name}`"), reason),
+            // Python binds no dynamic tables: such an error (or a kind added later) stays the
+            // kernel's own, with its own message and class.
+            other => return Err(KernelError::Plan { kind: other, name, reason }),
         },
         KernelError::Parameter { name, value, reason } => Error::InvalidOption { option: name, value, reason },
         KernelError::InvalidWeight { feature, row, value } => Error::InvalidWeight { feature, row, value },

@@ -166,9 +166,9 @@ impl Optimizer {
                 }
             }
             Optimizer::Adam { lr, beta1, beta2, epsilon, step } => {
-                let t = step as i32 + 1;
-                let c2 = (1.0 - beta2.powi(t)).sqrt();
-                let alpha = lr * c2 / (1.0 - beta1.powi(t));
+                let t = u64::from(step) + 1;
+                let c2 = (1.0 - pow_steps(beta2, t)).sqrt();
+                let alpha = lr * c2 / (1.0 - pow_steps(beta1, t));
                 let eps = epsilon * c2;
                 let (m, rest) = slots.split_at_mut(1);
                 let (m, v) = (&mut m[0], &mut rest[0]);
@@ -197,7 +197,7 @@ impl Optimizer {
             Optimizer::Laprop { lr, b1, b2, eps, step } => {
                 let decay = match step {
                     None => b2,
-                    Some(s) => b2 * (1.0 - b2.powi(s as i32)) / (1.0 - b2.powi(s as i32 + 1)),
+                    Some(s) => b2 * (1.0 - pow_steps(b2, u64::from(s))) / (1.0 - pow_steps(b2, u64::from(s) + 1)),
                 };
                 let (mu, rest) = slots.split_at_mut(1);
                 let (mu, nu) = (&mut mu[0], &mut rest[0]);
@@ -210,6 +210,16 @@ impl Optimizer {
                 }
             }
         }
+    }
+}
+
+/// `base` to the power of a step count. `powi` (repeated squaring, the bits the kernels have
+/// always given) while the count fits its `i32`; past that, where a step of 2^31 or more used to
+/// wrap to a negative power, `powf` (any base below 1 has long reached 0 there).
+fn pow_steps(base: f32, n: u64) -> f32 {
+    match i32::try_from(n) {
+        Ok(n) => base.powi(n),
+        Err(_) => base.powf(n as f32),
     }
 }
 

@@ -115,7 +115,8 @@ fn every_optimizer_updates_row_and_slots_once_per_key() {
         }
         let snap = t.export().unwrap();
         for (i, &k) in keys.iter().enumerate() {
-            // The initializer's row (pinned by `initializer_is_pinned`), then two reference steps.
+            // The initializer's row (not what this test checks: `initializer_is_pinned` pins its
+            // values on other keys), then two reference steps.
             let mut row = [0f32; 3];
             UNIFORM.init_row(k, &mut row);
             let mut w: Vec<f64> = row.iter().map(|&x| f64::from(x)).collect();

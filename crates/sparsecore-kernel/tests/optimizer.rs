@@ -202,8 +202,11 @@ fn optimizers() -> Vec<Optimizer> {
 fn one_step_equals_dense_per_row_step() {
     for (i, (layout, combiner)) in [((1, 1, 4), "sum"), ((2, 2, 2), "mean"), ((1, 2, 4), "sqrtn")].into_iter().enumerate() {
         let c = case(layout, combiner, 11 + i as u64);
+        // As in the property test below: Adam and LaProp compare on exact (sum) gradients only.
+        let exact = case(layout, "sum", 11 + i as u64);
         for opt in optimizers() {
-            assert_eq!(run(&c, opt, 5 + i as u64), Some(1));
+            let scale_invariant = matches!(opt, Optimizer::Adam { .. } | Optimizer::Laprop { .. });
+            assert_eq!(run(if scale_invariant { &exact } else { &c }, opt, 5 + i as u64), Some(1));
         }
     }
 }
@@ -234,7 +237,9 @@ proptest::proptest! {
         let scale_invariant = matches!(opt, Optimizer::Adam { .. } | Optimizer::Laprop { .. });
         let combiner = if scale_invariant { "sum" } else { combiner };
         let c = case_with(layout, combiner, seed, minibatching, if minibatching { 6 } else { 4096 });
-        let _ = run(&c, opt, seed ^ 0xABCD);
+        // Only tight minibatching limits may overflow (`None`); every other case is checked.
+        let checked = run(&c, opt, seed ^ 0xABCD);
+        proptest::prop_assert!(minibatching || checked.is_some());
     }
 }
 
@@ -519,6 +524,34 @@ fn laprop_on_literal_values() {
         &steps,
         &[(&[0.805064111422, -0.805064111422], &[&[1.94935885673, -1.94935885673], &[0.200000047684, 0.0125000029802]])],
     );
+}
+
+/// Python passes any step below 2^32. Past 2^31 a step used to wrap to a negative power (and
+/// 2^31 − 1 overflowed the `+ 1`); there β^t is 0 in f32 and f64 alike, so Adam's bias correction
+/// is 1 and LaProp's decay is b2, its value without a step.
+#[test]
+fn steps_past_two_to_the_31_are_the_limit_of_the_bias_correction() {
+    // Adam from zero moments, g = [2, −0.5]: m = (1 − β₁)·g = [0.200000048, −0.050000012],
+    //   v = (1 − β₂)·g² = [0.0039999485, 0.000249996781]; w = [1, −1] − 0.1·m/(√v + 1e-8) = [0.683770168, −0.683770318].
+    let adam = |step| Optimizer::Adam { lr: 0.1, beta1: 0.9, beta2: 0.999, epsilon: 1e-8, step };
+    for step in [(1 << 31) - 2, (1 << 31) - 1, 1 << 31, u32::MAX] {
+        let steps = literal_steps(&[1.0, -1.0], &[(adam(step), &[2.0, -0.5])]);
+        check_steps(
+            &format!("adam at step {step}"),
+            &steps,
+            &[(&[0.683770168203, -0.683770318205], &[&[0.200000047684, -0.0500000119209], &[0.00399994850159, 0.000249996781349]])],
+        );
+    }
+    // LaProp: the same row as `laprop_on_literal_values` without a step.
+    let laprop = |step| Optimizer::Laprop { lr: 0.1, b1: 0.9, b2: 0.95, eps: 1e-30, step };
+    for step in [(1 << 31) - 1, 1 << 31, u32::MAX] {
+        let steps = literal_steps(&[1.0, -1.0], &[(laprop(Some(step)), &[2.0, -0.5])]);
+        check_steps(
+            &format!("laprop at step {step}"),
+            &steps,
+            &[(&[0.805064111422, -0.805064111422], &[&[1.94935885673, -1.94935885673], &[0.200000047684, 0.0125000029802]])],
+        );
+    }
 }
 
 #[test]

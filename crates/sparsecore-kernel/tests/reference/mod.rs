@@ -5,8 +5,10 @@
 //! update functions of jax-tpu-embedding's `sparse_dense_matmul_grad_with_*` primitives, with
 //! the hyper-parameters of its `*OptimizerSpec.get_hyperparameters(step)` (Adam's bias
 //! correction, LaProp's decay rate) and the slot initial values of its specs' defaults; the
-//! same formulas as `numpy_step` in python/tests/test_kernels.py. Only the `Optimizer` enum's
-//! fields are read here; no kernel code computes anything.
+//! same formulas as `numpy_step` in python/tests/test_kernels.py, except FTRL with
+//! `multiply_linear_by_lr` (and its L1 clip at l1·λ), which `numpy_step` lacks and which
+//! follows the primitive's code. Only the `Optimizer` enum's fields are read here; no kernel code
+//! computes anything.
 #![allow(dead_code)]
 
 use sparsecore_kernel::Optimizer;
