@@ -5,10 +5,15 @@
 # tests.)
 #
 # The blocks run in a scratch worktree of HEAD (so they may write data.arrow, out/ and friends
-# freely), sharing this checkout's target/ directory, so nothing is built twice
-# (SPARSECORE_README_TARGET names another: .ci/run gives the blocks their own, so that they build
-# beside its other stages instead of waiting for target/'s lock). The one line CI already runs
-# verbatim as its main step, README's test command, is not run again here.
+# freely), building in this checkout's target/ directory, or in SPARSECORE_README_TARGET's:
+# .ci/run gives the blocks their own, so that they build beside its other stages instead of
+# waiting for target/'s lock (their release programs' feature sets share little with the Python
+# build's release profile anyway). The one line CI already runs verbatim as its main step,
+# README's test command, is not run again here.
+#
+# For .ci/run, which starts this in the background in a session of its own: the process group
+# to stop is written to SPARSECORE_README_GROUP_FILE, and the pyarrow check waits until
+# SPARSECORE_README_WAIT_FILE (the venv setup's exit status) is written.
 #
 # Usage: bash scripts/check_readme.sh        (needs python3; the pyarrow check uses the venv
 #        scripts/ci_python.sh sets up, or the reference's from ../shared/peer/setup.sh)
@@ -16,8 +21,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
 test_command='bash scripts/ci_redis.sh && cargo test'
+[ -z "${SPARSECORE_README_GROUP_FILE:-}" ] || echo "$$" >"$SPARSECORE_README_GROUP_FILE"
 work=$(mktemp -d)
-cleanup() { git worktree remove --force "$work/tree" >/dev/null 2>&1 || true; rm -rf "$work"; }
+# The last block's Redis is stopped too, in case the blocks were stopped between its start and
+# its shutdown (a daemon is no child of theirs).
+cleanup() {
+  redis-cli -p 6399 shutdown nosave >/dev/null 2>&1 || true
+  git worktree remove --force "$work/tree" >/dev/null 2>&1 || true
+  rm -rf "$work"
+}
 trap cleanup EXIT
 git worktree add --detach --quiet "$work/tree" HEAD
 target_dir="${SPARSECORE_README_TARGET:-$repo/target}"
@@ -49,6 +61,9 @@ for block in "$work"/block_*.sh; do
 done
 
 # docs/output.md's pyarrow snippet, on the out/ directory the CLI block wrote.
+if [ -n "${SPARSECORE_README_WAIT_FILE:-}" ]; then
+  while [ ! -s "$SPARSECORE_README_WAIT_FILE" ]; do sleep 1; done
+fi
 # The Python stage's venv (as .ci/run leaves it), else the reference's own.
 py=""
 for venv in "${SPARSECORE_PY_VENV:-$HOME/.cache/sparsecore-python-venv}" "$HOME/.cache/sparsecore-peer-venv"; do
