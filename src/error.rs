@@ -127,7 +127,7 @@ pub enum Error {
     /// A table or stack limit is unusable (zero, or too large for the 32-bit buffers).
     #[error("invalid limit for {what} `{name}`: {limit} = {value}; {reason}")]
     InvalidLimit {
-        /// A table or a stack.
+        /// A table or a stack (limits belong to no feature).
         what: ConfigItem,
         /// Its name.
         name: String,

@@ -910,7 +910,7 @@ pymethods_with_getters! { PyBatchSampler, |b, py| {
 ///   seed: one seed for the sharding, batch and negative samplers; or
 ///     ``seeds=(sharding, batch, negative)``.
 ///   steps: steps to yield, at least 1 (default: one epoch).
-///   max_step_bytes: refuse (``BessError``, before anything is drawn) a
+///   max_step_bytes: refuse (``TooLargeError``, before anything is drawn) a
 ///     configuration whose step needs more bytes than this (default: only what
 ///     the allocator refuses).
 ///   inverse_triples: append ``(t, r + n_relation, h)``; ``n_relation``

@@ -565,8 +565,8 @@ except bess.TooLargeError as e:
 def test_max_step_bytes_refuses_a_larger_step():
   h, r, t = _graph(64, 3, 2000)
   stream = lambda cap: bess.BessStream((h, r, t), n_entity=64, shard_batch_size=8, negatives=2, steps=1, max_step_bytes=cap)
-  # 4 slices * (rows*12 + B*20 + NEG*8) bytes: B = 8 lists of 2 negatives from each of 4 shards, NEG = 64
-  # negative rows, one output row each (as in the test above).
+  # 4 slices * (rows*12 + T*20 + NEG*8) bytes: T = 8 triples per SparseCore, 8 lists of 2 negatives from each
+  # of 4 shards, NEG = 64 negative rows, one output row each (as in the test above).
   need = 4 * (64 * 12 + 8 * 20 + 64 * 8)
   with pytest.raises(bess.TooLargeError) as e:
     stream(need - 1)

@@ -22,10 +22,10 @@ use arrow_array::types::Int64Type;
 use arrow_array::{Array, RecordBatch};
 use arrow_ipc::writer::FileWriter;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use sparsecore_bess::{seed_words, BessStream, Corruption, Sharding, StreamSampler, Triples};
+use sparsecore_bess::{seed_words, BessError, BessStream, Corruption, Sharding, StreamSampler, Triples};
 use sparsecore_prep::io::{BatchReader, OutputFile};
 
-use super::error::{CliError, Result};
+use super::error::{CliError, ColumnProblem, Result, ShardingUse};
 use super::outdir::{clean_stale, resolved, same_file};
 use super::parse_layout;
 use super::stdio::outln;
@@ -180,14 +180,14 @@ pub fn run(command: Command) -> Result<()> {
             let sharding = Sharding::create(entities, n, &seed_words(u128::from(seed)), type_offsets.as_deref())
                 .map_err(|source| CliError::CreateSharding { source: Box::new(source) })?;
             clean_stale(&out, false);
-            sharding.save_npz(&out).map_err(|source| CliError::ShardingFile { action: "writing", path: out.clone(), source: Box::new(source) })?;
+            sharding.save_npz(&out).map_err(|source| CliError::ShardingFile { action: ShardingUse::Write, path: out.clone(), source: Box::new(source) })?;
             outln!("wrote {} ({} entities, seed {seed})", out.display(), entities);
             print_sharding(&sharding);
             Ok(())
         }
         Command::Shard { command: ShardCommand::Show { file } } => {
             let sharding = Sharding::load_npz(&file)
-                .map_err(|source| CliError::ShardingFile { action: "reading", path: file.clone(), source: Box::new(source) })?;
+                .map_err(|source| CliError::ShardingFile { action: ShardingUse::Read, path: file.clone(), source: Box::new(source) })?;
             outln!("{}", file.display());
             print_sharding(&sharding);
             Ok(())
@@ -265,8 +265,8 @@ impl Loads {
         let count = |name: &str, into: &mut Vec<Vec<usize>>| -> Result<()> {
             let Some(col) = rb.column_by_name(name) else { return Ok(()) };
             let column = |reason| CliError::Column { column: name.to_string(), reason };
-            let list = col.as_list_opt::<i32>().ok_or_else(|| column("is not a list"))?;
-            let values = list.values().as_primitive_opt::<Int64Type>().ok_or_else(|| column("does not hold Int64"))?;
+            let list = col.as_list_opt::<i32>().ok_or_else(|| column(ColumnProblem::NotAList))?;
+            let values = list.values().as_primitive_opt::<Int64Type>().ok_or_else(|| column(ColumnProblem::NotInt64))?;
             let offsets = list.value_offsets();
             for row in 0..list.len() {
                 let slot = row / rows_per_slot;
@@ -369,11 +369,14 @@ fn batches(a: BatchesArgs) -> Result<()> {
     }
     if let Some(path) = &a.sharding {
         let sh = Sharding::load_npz(path)
-            .map_err(|source| CliError::ShardingFile { action: "sharding", path: path.clone(), source: Box::new(source) })?;
+            .map_err(|source| CliError::ShardingFile { action: ShardingUse::Batches, path: path.clone(), source: Box::new(source) })?;
         builder = builder.sharding(Arc::new(sh));
     }
     let triples_err = |source| CliError::Triples { path: a.triples.clone(), source: Box::new(source) };
-    let mut stream = builder.build().map_err(triples_err)?;
+    let mut stream = builder.build().map_err(|e| match (e, a.max_step_bytes) {
+        (BessError::TooLarge { what, bytes, .. }, Some(cap)) if bytes > cap as u128 => CliError::StepTooLarge { cap, what, bytes },
+        (e, _) => triples_err(e),
+    })?;
     pb.finish_and_clear();
 
     let counts = *stream.counts();

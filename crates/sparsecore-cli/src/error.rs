@@ -35,6 +35,18 @@ pub enum CliError {
         reason: &'static str,
     },
 
+    /// A stream whose step needs more memory than `--max-step-bytes` allows: the flag's own
+    /// words, not the library's builder parameter, and no blame on the triples file.
+    #[error("--max-step-bytes {cap}: {what} needs {bytes} bytes")]
+    StepTooLarge {
+        /// The cap given.
+        cap: usize,
+        /// The step, with the parameters its size follows from.
+        what: String,
+        /// The bytes it needs, at least.
+        bytes: u128,
+    },
+
     /// A flag given without the choice it refines.
     #[error("{flag} applies to {requires} only")]
     OnlyWith {
@@ -114,8 +126,8 @@ pub enum CliError {
     /// A sharding file could not be read or written.
     #[error("{action} {}: {source}", path.display())]
     ShardingFile {
-        /// `reading`, `writing`, or `sharding` (the `--sharding` file of `bess batches`).
-        action: &'static str,
+        /// What the file was for.
+        action: ShardingUse,
         /// The `.npz` file.
         path: PathBuf,
         /// BESS's error.
@@ -156,7 +168,46 @@ pub enum CliError {
     Column {
         /// The column name.
         column: String,
-        /// What it is not (`is not a list`, `does not hold Int64`).
-        reason: &'static str,
+        /// What it is not.
+        reason: ColumnProblem,
     },
+}
+
+/// What a [`CliError::ShardingFile`] was being used for; its message starts with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShardingUse {
+    /// `bess shard show` (and `convert`) reading it.
+    Read,
+    /// `bess shard create` writing it.
+    Write,
+    /// `bess batches --sharding` loading it for the stream.
+    Batches,
+}
+
+impl std::fmt::Display for ShardingUse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ShardingUse::Read => "reading",
+            ShardingUse::Write => "writing",
+            ShardingUse::Batches => "sharding",
+        })
+    }
+}
+
+/// How a [`CliError::Column`] differs from the list of Int64 ids its name promises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColumnProblem {
+    /// Not a list array.
+    NotAList,
+    /// A list whose values are not Int64.
+    NotInt64,
+}
+
+impl std::fmt::Display for ColumnProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ColumnProblem::NotAList => "is not a list",
+            ColumnProblem::NotInt64 => "does not hold Int64",
+        })
+    }
 }

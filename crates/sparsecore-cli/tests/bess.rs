@@ -549,13 +549,21 @@ fn max_step_bytes_refuses_a_larger_step_before_anything_is_written() {
             .output()
             .unwrap()
     };
-    // As in the test above: 4 slices · (rows · 12 + B · 20 + NEG · 8) bytes, with B = 8 lists of
-    // K = 2 negatives from each of the 4 shards, NEG = 64 negative rows, one output row each.
+    // As in the test above: 4 slices · (rows · 12 + T · 20 + NEG · 8) bytes, with T = 8 triples per
+    // SparseCore and 8 lists of K = 2 negatives from each of the 4 shards: NEG = 64 negative rows,
+    // one output row each.
     let bytes = 4 * (64 * 12 + 8 * 20 + 64 * 8);
     let o = run(&(bytes - 1).to_string());
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains(&format!("needs {bytes} bytes")) && stderr.contains(&format!("more than max_step_bytes = {}", bytes - 1)), "{stderr}");
+    assert_eq!(
+        stderr,
+        format!(
+            "sparsecore-prep: error: --max-step-bytes {}: a step of layout 1/1/4 (4 SparseCores on this host), shard batch size 8 \
+             (8 triples per SparseCore) and 8 negative lists of 2 per shard (64 negative rows per SparseCore; negatives = 2) needs {bytes} bytes\n",
+            bytes - 1
+        )
+    );
     assert_eq!(listing(&dir), ["triples.arrow"]);
     let o = run(&bytes.to_string());
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
