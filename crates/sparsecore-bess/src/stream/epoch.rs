@@ -185,12 +185,16 @@ fn fill<R: Row + Default>(phys: &[R], part: &PartitionedTriples, g: &Geometry, o
 
 #[inline(always)]
 fn fill_sizes<R: Row + Default>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
-    // Blocks of a few rows as fixed-size arrays (unrolled, no loop bookkeeping).
+    // Blocks of a power of two of rows (`ppp = shard_bs / n`, as a rule) as fixed-size arrays:
+    // unrolled, with no loop bookkeeping, and the positions of a step loaded once.
     match g.ppp {
         1 => fill_diagonals::<R, 1>(phys, part, g, order, rows, bools),
         2 => fill_diagonals::<R, 2>(phys, part, g, order, rows, bools),
         4 => fill_diagonals::<R, 4>(phys, part, g, order, rows, bools),
         8 => fill_diagonals::<R, 8>(phys, part, g, order, rows, bools),
+        16 => fill_diagonals::<R, 16>(phys, part, g, order, rows, bools),
+        32 => fill_diagonals::<R, 32>(phys, part, g, order, rows, bools),
+        64 => fill_diagonals::<R, 64>(phys, part, g, order, rows, bools),
         _ => fill_diagonals::<R, 0>(phys, part, g, order, rows, bools),
     }
 }
@@ -288,8 +292,8 @@ mod tests {
     /// switched off): every column and mask of every step, over several epochs, in sequence,
     /// backwards (which replays the generator from its seed), repeated and jumping; tiny
     /// partitions, a skewed graph (most positions padding) and a uniform one; n = 4 and 16,
-    /// one host and later hosts of two and four; blocks of 1, 3, 4 and 16 rows; no
-    /// negatives, flat ones and per-triple ones (slices of more rows than triples).
+    /// one host and later hosts of two and four; blocks of every fixed size (1 to 64 rows) and
+    /// of 3; no negatives, flat ones and per-triple ones (slices of more rows than triples).
     #[test]
     fn epoch_table_equals_the_per_step_rows() {
         let (mut checked, mut tabled) = (0, 0);
@@ -302,7 +306,7 @@ mod tests {
                 ("uniform", synth::uniform(n_entity, 5, 30 * n * n, 6)),
             ];
             for (graph, triples) in graphs {
-                for shard_bs in [n, 3 * n, 4 * n, 16 * n] {
+                for shard_bs in [n, 2 * n, 3 * n, 4 * n, 8 * n, 16 * n, 32 * n, 64 * n] {
                     for (negatives, flat) in [(0, true), (2, true), (1, false)] {
                         let make = || {
                             BessStream::builder()
