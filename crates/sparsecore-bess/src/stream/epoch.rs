@@ -169,6 +169,11 @@ struct Geometry {
 /// in L1 or L2 while it is read). Each partition's rows are first laid out cyclically over
 /// all the positions (a copy), so that a position's row is one load, with no reduction by
 /// the count; the window of positions is the same for every block of a step.
+///
+/// Why two copies: with AVX2 a block's loads at its positions (clamped to the copy, so with no
+/// bounds checks) vectorize, and the gather takes about half the instructions; a copy compiled
+/// for x86-64-v3 runs when the CPU has it ([`sparsecore_prep::isa::v3`]). Both copies write the
+/// same rows.
 fn fill<R: Row + Default>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
     #[cfg(target_arch = "x86_64")]
     if sparsecore_prep::isa::v3() {
