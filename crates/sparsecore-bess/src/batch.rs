@@ -516,6 +516,20 @@ impl BatchSampler {
         }
     }
 
+    /// Rigid shuffle's order of the epoch of `step`, as [`Self::sample_rows_into`] reads it:
+    /// the generator advances exactly as there. `None`, having drawn nothing, where that does
+    /// not apply (other samplers, and where [`Self::sample_rows_into`] does not).
+    pub(crate) fn epoch_order(&mut self, step: usize) -> Option<&[usize]> {
+        if self.geometry.batches_per_step != 1 || self.rows.is_empty() {
+            return None;
+        }
+        let (len, steps) = (self.len, self.steps_per_epoch());
+        match &mut self.state {
+            State::Rigid { shuffle: Some(sh) } => Some(epoch_permutation(sh, step, steps, len)),
+            _ => None,
+        }
+    }
+
     /// One call of the sampler: besskge's `__getitem__`. Random ignores `step` (its stream
     /// continues from the previous call); Rigid takes the positions of step `step`
     /// (`step mod steps_per_epoch` within the epoch `step / steps_per_epoch`).

@@ -8,6 +8,7 @@ use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, Lis
 use arrow_buffer::{ArrowNativeType, BooleanBuffer, BooleanBufferBuilder, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
+use super::epoch::{EpochStep, EpochTable};
 use super::rigid::{Cursor, Rigid};
 use super::table::{with_rows, Decode, Row, Table};
 use super::{CellCounts, HEAD, NEGATIVE, TAIL};
@@ -142,6 +143,8 @@ pub(super) struct PosScratch {
     pub(super) row_at: Vec<u32>,
     /// Rigid's run copy: where the last step's windows fell in every partition.
     pub(super) rigid_cursor: Cursor,
+    /// Rigid shuffle: the rows of the epoch last drawn.
+    pub(super) epoch: EpochTable,
     /// The previous batch's column values (`head`, `tail`, `relation`): taken back when the
     /// caller has dropped that batch, so steady-state batches write into warm memory.
     pub(super) values: [Option<Buffer>; 3],
@@ -319,7 +322,7 @@ fn packed_mask(row_mask: &[bool], local: usize, (t, r): (usize, usize)) -> Array
 /// `56 − 7j` for j = 0..8), give terms at bits `56 + 8k − 7j`: all distinct (`8·Δk = 7·Δj` has
 /// no other solution in range), so nothing carries, and the top byte holds exactly the terms
 /// `j = k`, bool `k` at bit `56 + k` (`packed_bools_are_the_bools` checks it).
-fn pack_bools(bools: &[bool]) -> BooleanBuffer {
+pub(super) fn pack_bools(bools: &[bool]) -> BooleanBuffer {
     let mut bytes = Vec::with_capacity(bools.len().div_ceil(8));
     let chunks = bools.chunks_exact(8);
     let rest = chunks.remainder();
@@ -378,6 +381,9 @@ impl Parts<'_> {
             return self.rigid_positives(rt, step, scratch);
         }
         if !keep_sidx {
+            if let Some(done) = self.epoch_positives(sampler, step, scratch)? {
+                return Ok(done);
+            }
             if let Some(done) = self.placed_positives(sampler, step, scratch)? {
                 return Ok(done);
             }
@@ -475,6 +481,38 @@ impl Parts<'_> {
         let lists = |ids| id_list(&sh.pos_offsets, ids);
         let relation = Arc::new(Int32Array::new(keep(vr, relation), sh.pos_valid.clone()));
         Ok(Some((vec![lists(keep(vh, head))?, lists(keep(vt, tail))?, relation, mask], rigid)))
+    }
+
+    /// [`Self::positives`] of Rigid with shuffle from its epoch table ([`EpochTable`], built
+    /// at the epoch's first step drawn), where the table fits its bounds. `None` (nothing
+    /// drawn) elsewhere: other samplers, and where the sampler's rows do not apply
+    /// ([`BatchSampler::sample_rows_into`]).
+    fn epoch_positives(&self, sampler: &mut BatchSampler, step: usize, scratch: &mut PosScratch) -> Result<Option<(Vec<ArrayRef>, bool)>> {
+        let lay = self.layout;
+        let (ppp, t, r) = (self.counts.ppp, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        let windows = sampler.steps_per_epoch();
+        #[cfg(test)]
+        if scratch.epoch.off {
+            return Ok(None);
+        }
+        if !EpochTable::fits(self.table, lay, ppp, windows) {
+            return Ok(None);
+        }
+        let part = sampler.partitioned().clone();
+        let Some(order) = sampler.epoch_order(step) else { return Ok(None) };
+        let local = lay.local_sparsecores();
+        let PosScratch { epoch, values, .. } = scratch;
+        let [vh, vt, vr] = values;
+        let mut head: Vec<i64> = reuse(vh, local * t);
+        let mut tail: Vec<i64> = reuse(vt, local * t);
+        let mut relation: Vec<i32> = reuse(vr, local * r);
+        let st = EpochStep { step, windows, ppp, order };
+        let bits = epoch.step(self.table, &part, lay, &st, (t, r), &mut head, &mut tail, &mut relation);
+        let sh = self.shared;
+        let mask: ArrayRef = if r == t { Arc::new(BooleanArray::new(bits, None)) } else { slice_mask(local, (t, r), |slot, b| b.append_buffer(&bits.slice(slot * t, t))) };
+        let lists = |ids| id_list(&sh.pos_offsets, ids);
+        let relation = Arc::new(Int32Array::new(keep(vr, relation), sh.pos_valid.clone()));
+        Ok(Some((vec![lists(keep(vh, head))?, lists(keep(vt, tail))?, relation, mask], true)))
     }
 
     /// [`Self::positives`] of Rigid without shuffle: slices of its step table, or each block

@@ -44,6 +44,7 @@ use crate::rng::seed_words;
 use crate::sharding::Sharding;
 
 mod columns;
+mod epoch;
 mod prefetch;
 mod rigid;
 mod table;

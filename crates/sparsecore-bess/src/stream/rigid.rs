@@ -21,11 +21,12 @@ use crate::rng::{FastMod, Mod63};
 /// `Int32` relation), and a table holds every padded position about twice (see [`Order`]):
 /// uniform graphs, which pad little, need 2–3 rows per triple at any `n`, the power-law graph
 /// of MEASUREMENTS.md about 11 at n = 16 (5.5 positions per triple); at n = 64 its blocks are
-/// padded to the hub pair's size (55 positions per triple) and it copies runs instead.
-const SLICES_MAX_ROWS_PER_TRIPLE: usize = 12;
+/// padded to the hub pair's size (55 positions per triple) and it copies runs instead. Rigid
+/// shuffle's epoch table (`super::epoch`) takes the same bounds, in its packed rows.
+pub(super) const SLICES_MAX_ROWS_PER_TRIPLE: usize = 12;
 
 /// The most bytes a [`RigidSlices`] may take, whatever the graph's size.
-const SLICES_MAX_BYTES: usize = 1 << 30;
+pub(super) const SLICES_MAX_BYTES: usize = 1 << 30;
 
 /// About how many rows ahead of the one it copies the run copy prefetches (whole blocks).
 const PREFETCH_ROWS: usize = 32;
