@@ -298,11 +298,13 @@ mod tests {
     /// backwards (which replays the generator from its seed), repeated and jumping; tiny
     /// partitions, a skewed graph (most positions padding) and a uniform one; n = 4 and 16,
     /// one host and later hosts of two and four; blocks of every fixed size (1 to 64 rows) and
-    /// of 3; no negatives, flat ones and per-triple ones (slices of more rows than triples).
+    /// of 3; no negatives, flat ones and per-triple ones (slices of more rows than triples, with
+    /// blocks of up to 4 rows). About 10,700 steps, 220 configurations on the table: 14 s in a
+    /// debug build, where the first version's 28,749 steps took two minutes of CI.
     #[test]
     fn epoch_table_equals_the_per_step_rows() {
         let (mut checked, mut tabled) = (0, 0);
-        for (l, g, s, host) in [(1, 1, 4, 0), (1, 2, 2, 1), (4, 4, 4, 0), (1, 4, 4, 2), (1, 4, 4, 3)] {
+        for (l, g, s, host) in [(1, 1, 4, 0), (1, 2, 2, 1), (4, 4, 4, 0), (1, 4, 4, 3)] {
             let n = g * s;
             let n_entity = 40 * n;
             let graphs = [
@@ -313,6 +315,12 @@ mod tests {
             for (graph, triples) in graphs {
                 for shard_bs in [n, 2 * n, 3 * n, 4 * n, 8 * n, 16 * n, 32 * n, 64 * n] {
                     for (negatives, flat) in [(0, true), (2, true), (1, false)] {
+                        // Per-triple negatives (n rows a triple) only with blocks of up to 4 rows: their
+                        // draws do not touch the table, and with larger blocks they took most of the
+                        // test's two minutes in a debug build.
+                        if !flat && shard_bs > 4 * n {
+                            continue;
+                        }
                         let make = || {
                             BessStream::builder()
                                 .triples(triples.clone())
@@ -337,7 +345,7 @@ mod tests {
                         tabled += usize::from(used);
                         // In sequence over three epochs (their ends, where epochs are long),
                         // backwards across an epoch's start, repeated and jumping.
-                        let mut steps: Vec<usize> = (0..(3 * w + 2).min(120)).collect();
+                        let mut steps: Vec<usize> = (0..(3 * w + 2).min(24)).collect();
                         steps.extend((w.saturating_sub(3)..w + 3).chain(2 * w - 2..2 * w + 2).chain(3 * w - 1..3 * w + 1));
                         steps.extend((w.saturating_sub(3)..w + 2).rev());
                         steps.extend([4 * w + 1, 4 * w + 1, 0, w, 2 * w - 1, 1, 5 * w, 3]);
