@@ -47,6 +47,24 @@ fn count(f: impl FnOnce()) -> usize {
     ALLOCATIONS.load(Ordering::SeqCst)
 }
 
+/// Threads of this process (Linux), else `None`.
+fn threads_alive() -> Option<usize> {
+    std::fs::read_dir("/proc/self/task").ok().map(|d| d.count())
+}
+
+/// Waits (up to 10 s) until at most `n` threads are alive. The counter counts every thread's
+/// allocations, and a dropped preprocessor's pool lets its workers exit on their own time (right
+/// after the drop, 1 to 4 of them are still alive here). A worker's teardown can allocate (most
+/// likely crossbeam's epoch state handing its pending garbage on): once, on a loaded machine, 6
+/// allocations fell into the count of the case after one with 3 workers.
+fn wait_for_threads(n: Option<usize>) {
+    let Some(n) = n else { return };
+    let start = std::time::Instant::now();
+    while threads_alive().is_some_and(|alive| alive > n) && start.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 fn steady_state(profile: Profile, batch: usize, weights: bool, threads: usize) {
     let mut spec = WorkloadSpec::new(profile);
     spec.batch_size = batch;
@@ -57,6 +75,8 @@ fn steady_state(profile: Profile, batch: usize, weights: bool, threads: usize) {
     let features: Vec<Vec<_>> = w.batches.iter().map(|b| features_from_record_batch(&w.config, b).unwrap()).collect();
     let inputs: Vec<Vec<&dyn SampleSource>> =
         features.iter().map(|fs| fs.iter().map(|f| f as &dyn SampleSource).collect()).collect();
+    // After generating the workload, which starts rayon's global pool the first time.
+    let before = threads_alive();
     let mut prep = Preprocessor::builder(w.config.clone()).threads(threads).build().unwrap();
     let mut out = Output::new();
     // Warm up: the first batches size every buffer (the next batches may be larger).
@@ -74,6 +94,8 @@ fn steady_state(profile: Profile, batch: usize, weights: bool, threads: usize) {
         }
     });
     assert_eq!(n, 0, "{} allocations in steady state ({}, weights {weights}, {threads} threads)", n, profile.name());
+    drop(prep);
+    wait_for_threads(before);
 }
 
 /// One test function: the counter is process-wide, so a second test running beside this one
