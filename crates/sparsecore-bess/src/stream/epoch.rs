@@ -17,7 +17,7 @@ use arrow_buffer::BooleanBuffer;
 
 use super::columns::{decode_slots, pack_bools};
 use super::rigid::{SLICES_MAX_BYTES, SLICES_MAX_ROWS_PER_TRIPLE};
-use super::table::{with_rows, Row, Table};
+use super::table::{with_rows, Row, RowBuffers, Table};
 use crate::layout::SparseCoreLayout;
 use crate::partition::PartitionedTriples;
 
@@ -27,9 +27,8 @@ use crate::partition::PartitionedTriples;
 pub(super) struct EpochTable {
     /// The epoch the rows are of.
     epoch: Option<usize>,
-    /// `W · L · T` rows of the table's type (one buffer per type, see [`Held`]): step `w`'s
-    /// `L` slots from row `w·L·T` on.
-    rows: (Vec<u32>, Vec<u64>, Vec<[u32; 3]>),
+    /// `W · L · T` rows of the table's type: step `w`'s `L` slots from row `w·L·T` on.
+    rows: RowBuffers,
     /// The rows' mask, as bits in the same order.
     mask: Option<BooleanBuffer>,
     /// The mask as bools while it is built.
@@ -39,29 +38,6 @@ pub(super) struct EpochTable {
     /// Tests: take the per-step path.
     #[cfg(test)]
     pub(super) off: bool,
-}
-
-/// A row type whose epoch rows an [`EpochTable`] keeps.
-trait Held: Row + Default {
-    fn held(e: &mut EpochTable) -> &mut Vec<Self>;
-}
-
-impl Held for u32 {
-    fn held(e: &mut EpochTable) -> &mut Vec<Self> {
-        &mut e.rows.0
-    }
-}
-
-impl Held for u64 {
-    fn held(e: &mut EpochTable) -> &mut Vec<Self> {
-        &mut e.rows.1
-    }
-}
-
-impl Held for [u32; 3] {
-    fn held(e: &mut EpochTable) -> &mut Vec<Self> {
-        &mut e.rows.2
-    }
 }
 
 /// A step of Rigid shuffle as the epoch table reads it.
@@ -112,7 +88,7 @@ impl EpochTable {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn step_rows<R: Held>(
+    fn step_rows<R: Row>(
         &mut self,
         phys: &[R],
         table: &Table,
@@ -128,7 +104,7 @@ impl EpochTable {
         let windows = st.windows.max(1);
         let epoch = st.step / windows;
         let stride = local * t;
-        let mut rows = std::mem::take(R::held(self));
+        let mut rows = std::mem::take(R::buffer(&mut self.rows));
         if self.epoch != Some(epoch) || self.mask.is_none() || rows.len() != windows * stride {
             self.epoch = None;
             self.order.clear();
@@ -142,7 +118,7 @@ impl EpochTable {
         }
         let at = (st.step % windows) * stride;
         decode_slots(&rows[at..at + stride], table.decode, &table.shard_ids, (n, st.ppp, r), (first_sc, st.step), (head, tail, relation));
-        *R::held(self) = rows;
+        *R::buffer(&mut self.rows) = rows;
         self.mask.as_ref().map_or_else(|| BooleanBuffer::new_unset(stride), |m| m.slice(at, stride))
     }
 }
@@ -174,11 +150,11 @@ struct Geometry {
 /// bounds checks) vectorize, and the gather takes about half the instructions; a copy compiled
 /// for x86-64-v3 runs when the CPU has it ([`sparsecore_prep::isa::v3`]). Both copies write the
 /// same rows.
-fn fill<R: Row + Default>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
+fn fill<R: Row>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
     #[cfg(target_arch = "x86_64")]
     if sparsecore_prep::isa::v3() {
         #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-        fn v3<R: Row + Default>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
+        fn v3<R: Row>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
             fill_sizes(phys, part, g, order, rows, bools);
         }
         // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
@@ -189,7 +165,7 @@ fn fill<R: Row + Default>(phys: &[R], part: &PartitionedTriples, g: &Geometry, o
 }
 
 #[inline(always)]
-fn fill_sizes<R: Row + Default>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
+fn fill_sizes<R: Row>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
     // Blocks of a power of two of rows (`ppp = shard_bs / n`, as a rule) as fixed-size arrays:
     // unrolled, with no loop bookkeeping, and the positions of a step loaded once.
     match g.ppp {
@@ -206,7 +182,7 @@ fn fill_sizes<R: Row + Default>(phys: &[R], part: &PartitionedTriples, g: &Geome
 
 /// [`fill`] for blocks of `P` rows (0: any number, `g.ppp`).
 #[inline(always)]
-fn fill_diagonals<R: Row + Default, const P: usize>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
+fn fill_diagonals<R: Row, const P: usize>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
     let (n, t) = (g.n, g.t);
     let ppp = if P == 0 { g.ppp } else { P };
     let len = g.windows * ppp;
@@ -263,7 +239,7 @@ fn fill_diagonals<R: Row + Default, const P: usize>(phys: &[R], part: &Partition
 /// A block's rows and mask from the partition's row at every position (`at_pos`) and its
 /// count `c`.
 #[inline(always)]
-fn block<R: Row + Default>(to: &mut [R], m: &mut [bool], pos: &[u32], at_pos: &[R], c: u32) {
+fn block<R: Row>(to: &mut [R], m: &mut [bool], pos: &[u32], at_pos: &[R], c: u32) {
     // Every position is below `at_pos.len()`; clamped, it needs no bounds check.
     let Some(last) = at_pos.len().checked_sub(1) else { return };
     for ((o, m), &v) in to.iter_mut().zip(m).zip(pos) {

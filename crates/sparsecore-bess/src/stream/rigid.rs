@@ -11,7 +11,7 @@
 use arrow_buffer::{BooleanBuffer, Buffer, ScalarBuffer};
 
 use super::columns::decode_slots;
-use super::table::{with_rows, Decode, Row, Table};
+use super::table::{with_rows, Decode, Row, RowBuffers, Table};
 use crate::layout::SparseCoreLayout;
 use crate::partition::PartitionedTriples;
 use crate::rng::{FastMod, Mod63};
@@ -86,31 +86,7 @@ pub(super) struct Cursor {
     /// Per partition, the window's block (see [`RunColumns::seek`]).
     start: Vec<u64>,
     /// The step's rows of the triple table in the columns' row order, before they are decoded
-    /// (one buffer per row type, see [`Staged`]).
-    staged: (Vec<u32>, Vec<u64>, Vec<[u32; 3]>),
-}
-
-/// A row type whose staging buffer a [`Cursor`] keeps between steps.
-trait Staged: Row + Default {
-    fn staged(cur: &mut Cursor) -> &mut Vec<Self>;
-}
-
-impl Staged for u32 {
-    fn staged(cur: &mut Cursor) -> &mut Vec<Self> {
-        &mut cur.staged.0
-    }
-}
-
-impl Staged for u64 {
-    fn staged(cur: &mut Cursor) -> &mut Vec<Self> {
-        &mut cur.staged.1
-    }
-}
-
-impl Staged for [u32; 3] {
-    fn staged(cur: &mut Cursor) -> &mut Vec<Self> {
-        &mut cur.staged.2
-    }
+    staged: RowBuffers,
 }
 
 /// In a [`Cursor::start`]: the window's rows wrap around the partition's end.
@@ -470,7 +446,7 @@ impl Rigid {
     /// cost as much per block as the rows themselves (the shards' offsets set up per block, a
     /// loop too short to vectorize).
     #[allow(clippy::too_many_arguments)]
-    fn copy_columns<R: Staged>(
+    fn copy_columns<R: Row>(
         &self,
         cols: &RunColumns,
         cur: &mut Cursor,
@@ -487,7 +463,7 @@ impl Rigid {
     ) {
         let (n, ppp) = (lay.num_sparsecores(), self.ppp);
         let (local, first_sc) = (lay.local_sparsecores(), lay.global_sparsecore(0));
-        let mut staged = std::mem::take(R::staged(cur));
+        let mut staged = std::mem::take(R::buffer(&mut cur.staged));
         staged.resize(local * t, R::default());
         let blocks = Blocks { n, local, first_sc, step, t, ppp };
         let (start, wraps) = (&cur.start[..], (&cols.offset[..], &cols.count[..]));
@@ -500,7 +476,7 @@ impl Rigid {
             _ => stage_blocks::<R, 0>(start, wraps, phys, blocks, &mut staged, mask),
         }
         decode_slots(&staged, decode, shard_ids, (n, ppp, r), (first_sc, step), (head, tail, relation));
-        *R::staged(cur) = staged;
+        *R::buffer(&mut cur.staged) = staged;
     }
 
     /// [`Self::copy_step`] through the [`Run`]s.

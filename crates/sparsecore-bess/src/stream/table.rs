@@ -24,11 +24,22 @@ pub(super) struct Codec {
 }
 
 /// One row of the table.
-pub(super) trait Row: Copy {
+pub(super) trait Row: Copy + Default {
     /// (local head, relation, local tail).
     fn fields(self, c: Codec) -> (u32, u32, u32);
     /// Prefetches the row's cache lines.
     fn prefetch(&self);
+    /// This row type's buffer among `buffers`.
+    fn buffer(buffers: &mut RowBuffers) -> &mut Vec<Self>;
+}
+
+/// One reusable buffer per row type, kept between steps by code that is generic over the
+/// table's row type but must not allocate per step (Rigid's staged rows, the epoch table).
+#[derive(Debug, Clone, Default)]
+pub(super) struct RowBuffers {
+    narrow: Vec<u32>,
+    wide: Vec<u64>,
+    unpacked: Vec<[u32; 3]>,
 }
 
 #[inline(always)]
@@ -47,6 +58,9 @@ impl Row for u32 {
     fn prefetch(&self) {
         prefetch(self);
     }
+    fn buffer(buffers: &mut RowBuffers) -> &mut Vec<Self> {
+        &mut buffers.narrow
+    }
 }
 
 impl Row for u64 {
@@ -57,6 +71,9 @@ impl Row for u64 {
     #[inline(always)]
     fn prefetch(&self) {
         prefetch(self);
+    }
+    fn buffer(buffers: &mut RowBuffers) -> &mut Vec<Self> {
+        &mut buffers.wide
     }
 }
 
@@ -70,6 +87,9 @@ impl Row for [u32; 3] {
     fn prefetch(&self) {
         prefetch(&self[0]);
         prefetch(&self[2]);
+    }
+    fn buffer(buffers: &mut RowBuffers) -> &mut Vec<Self> {
+        &mut buffers.unpacked
     }
 }
 
