@@ -329,7 +329,7 @@ fn batches(a: BatchesArgs) -> Result<()> {
         return Err(CliError::SameFile { out: a.out.clone(), config_out: a.config_out.clone(), resolved: resolved(&a.out) });
     }
     if a.steps == Some(0) {
-        return Err(CliError::Argument { flag: "--steps", value: "0".into(), reason: "steps must be at least 1 (leave --steps out for one epoch)" });
+        return Err(CliError::Argument { flag: "--steps", value: "0".into(), reason: "steps must be at least 1 (leave --steps out for one epoch)".into() });
     }
     let corruption = match a.corruption {
         CorruptionArg::H => Corruption::H,

@@ -24,7 +24,8 @@ pub enum CliError {
     #[error(transparent)]
     Kernel(#[from] sparsecore_kernel::KernelError),
 
-    /// A flag's value that clap accepts by its type but that is out of range.
+    /// A flag's value that clap accepts by its type but that is out of range, or that does not
+    /// fit the other flags or the files they name.
     #[error("{flag} {value}: {reason}")]
     Argument {
         /// The flag, with its dashes (`--steps`).
@@ -32,7 +33,16 @@ pub enum CliError {
         /// The value given.
         value: String,
         /// What is allowed instead.
-        reason: &'static str,
+        reason: String,
+    },
+
+    /// A stack the command cannot use as the config and its files give it.
+    #[error("stack `{stack}`: {reason}")]
+    Stack {
+        /// The stack's name.
+        stack: String,
+        /// What is wrong, naming the files involved.
+        reason: String,
     },
 
     /// A stream whose step needs more memory than `--max-step-bytes` allows: the flag's own

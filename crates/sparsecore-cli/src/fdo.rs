@@ -4,9 +4,9 @@ use std::path::{Path, PathBuf};
 
 use clap::Subcommand;
 use sparsecore_prep::fdo::{csv, npz, tune, FdoStats, LayoutKey};
-use sparsecore_prep::{Config, Error, Result};
+use sparsecore_prep::{Config, Error};
 
-use super::error;
+use super::error::{self, CliError};
 use super::stdio::{outln, warning};
 use super::outdir::clean_stale;
 use super::{parse_layout, write_config};
@@ -108,7 +108,7 @@ pub fn run(c: Command) -> error::Result<()> {
         }
         Command::Import { input, layout, out } => {
             let key = LayoutKey { local_device_count: layout.0, global_device_count: layout.1, num_sc_per_device: layout.2 };
-            let format = Format::of(&input, "input")?;
+            let format = Format::of(&input, "--input")?;
             let name = input.display().to_string();
             // What `npz::import` / `csv::import` do, keeping the arrays for the summary and the
             // warnings.
@@ -137,7 +137,7 @@ pub fn run(c: Command) -> error::Result<()> {
             Ok(())
         }
         Command::Export { input, out } => {
-            let format = Format::of(&out, "out")?;
+            let format = Format::of(&out, "--out")?;
             let stats = FdoStats::from_path(&input)?;
             clean_stale(&out, false);
             match format {
@@ -187,12 +187,16 @@ enum Format {
 }
 
 impl Format {
-    /// By the file's extension; `option` names the argument in the error.
-    fn of(path: &Path, option: &'static str) -> Result<Format> {
+    /// By the file's extension; `flag` names the argument in the error.
+    fn of(path: &Path, flag: &'static str) -> error::Result<Format> {
         match ext(path).as_str() {
             "npz" => Ok(Format::Npz),
             "csv" => Ok(Format::Csv),
-            other => Err(Error::option(option, path.display(), format!("unknown extension {other:?}; expected .npz or .csv"))),
+            other => Err(CliError::Argument {
+                flag,
+                value: path.display().to_string(),
+                reason: format!("unknown extension {other:?}; expected .npz or .csv"),
+            }),
         }
     }
 

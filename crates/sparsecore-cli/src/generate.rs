@@ -11,7 +11,7 @@ use sparsecore_prep::spec::Stacking;
 use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 use sparsecore_prep::{Error, Result};
 
-use super::error;
+use super::error::{self, CliError};
 use super::stdio::outln;
 use super::{io_err, parse_layout};
 
@@ -90,7 +90,7 @@ pub fn run(a: Args) -> error::Result<()> {
     super::outdir::clean_stale(&a.config_out, false);
     let (out, config_out) = (OutputFile::new(&a.out)?, OutputFile::new(&a.config_out)?);
     if super::outdir::same_file(&a.out, &a.config_out) {
-        return Err(Error::option("config-out", a.config_out.display().to_string(), "names the same file as --out").into());
+        return Err(CliError::SameFile { out: a.out.clone(), config_out: a.config_out.clone(), resolved: super::outdir::resolved(&a.out) });
     }
     let pb = progress(Some(w.batches.len() as u64), "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} batches written to {wide_msg}");
     let write = || -> Result<()> {

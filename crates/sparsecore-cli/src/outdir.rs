@@ -32,6 +32,7 @@ use std::path::{Path, PathBuf};
 use sparsecore_prep::io::tmp_path;
 use sparsecore_prep::{Error, Result};
 
+use super::error::{self, CliError};
 use super::io_err;
 
 /// How the staged outputs reach `--out`.
@@ -202,8 +203,8 @@ fn clean_stale_inside(dir: &Path) -> Vec<PathBuf> {
 impl Staged {
     /// Checks `out` and creates the staging directory; fails before any work is done if `out`
     /// cannot take the outputs.
-    pub fn prepare(out: &Path, overwrite: bool) -> Result<Staged> {
-        let refuse = |reason: String| Error::option("out", out.display(), reason);
+    pub fn prepare(out: &Path, overwrite: bool) -> error::Result<Staged> {
+        let refuse = |reason: String| CliError::Argument { flag: "--out", value: out.display().to_string(), reason };
         // Temporaries of killed runs go first: they must not make `out` look non-empty.
         let resolved = std::fs::canonicalize(out).unwrap_or_else(|_| out.to_path_buf());
         let mut stale = clean_stale(&resolved, true);
@@ -217,7 +218,7 @@ impl Staged {
                 }
                 (out.to_path_buf(), Mode::Create)
             }
-            Err(source) => return Err(Error::Io { context: format!("output directory {}", out.display()), source }),
+            Err(source) => return Err(Error::Io { context: format!("output directory {}", out.display()), source }.into()),
             Ok(m) if !m.is_dir() => return Err(refuse("not a directory".into())),
             Ok(_) => {
                 let target = std::fs::canonicalize(out).map_err(io_err(format!("output directory {}", out.display())))?;

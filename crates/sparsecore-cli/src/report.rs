@@ -22,9 +22,9 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use sparsecore_prep::fdo::{write_atomic, FdoStats, LayoutKey};
 use sparsecore_prep::spec::Stacking;
-use sparsecore_prep::{Config, ConfigItem, Error, Plan, Result, StackStats};
+use sparsecore_prep::{Config, Error, Plan, Result, StackStats};
 
-use super::error;
+use super::error::{self, CliError};
 use super::outdir::clean_stale;
 use super::stdio::outln;
 
@@ -59,12 +59,16 @@ enum Format {
 }
 
 impl Format {
-    fn of(path: &Path) -> Result<Format> {
+    fn of(path: &Path) -> error::Result<Format> {
         let ext = path.extension().map(|e| e.to_string_lossy().to_ascii_lowercase()).unwrap_or_default();
         match ext.as_str() {
             "svg" => Ok(Format::Svg),
             "html" | "htm" => Ok(Format::Html),
-            other => Err(Error::option("out", path.display(), format!("unknown extension {other:?}; expected .svg or .html"))),
+            other => Err(CliError::Argument {
+                flag: "--out",
+                value: path.display().to_string(),
+                reason: format!("unknown extension {other:?}; expected .svg or .html"),
+            }),
         }
     }
 }
@@ -88,15 +92,14 @@ struct Limits {
 pub fn run(a: Args) -> error::Result<()> {
     let format = Format::of(&a.out)?;
     if a.stats.is_empty() {
-        return Err(Error::option("stats", "none", "give at least one --stats FILE to draw").into());
+        return Err(CliError::MissingArgument { command: "report", choices: "at least one --stats FILE to draw" });
     }
     if !a.labels.is_empty() && a.labels.len() != a.stats.len() {
-        return Err(Error::option(
-            "label",
-            a.labels.len(),
-            format!("{} --label for {} --stats; give one per stats file, in the same order, or none", a.labels.len(), a.stats.len()),
-        )
-        .into());
+        return Err(CliError::Argument {
+            flag: "--label",
+            value: a.labels.join(", "),
+            reason: format!("{} --label for {} --stats; give one per stats file, in the same order, or none", a.labels.len(), a.stats.len()),
+        });
     }
     let labels = if a.labels.is_empty() { default_labels(&a.stats) } else { a.labels.clone() };
     let mut runs = Vec::with_capacity(a.stats.len());
@@ -107,7 +110,11 @@ pub fn run(a: Args) -> error::Result<()> {
     }
     let stacks: Vec<String> = runs.iter().flat_map(|r| r.stats.stacks.keys().cloned()).collect::<BTreeSet<_>>().into_iter().collect();
     if stacks.is_empty() {
-        return Err(Error::option("stats", a.stats[0].display(), "no stack in any of the stats files; nothing to draw").into());
+        return Err(CliError::Argument {
+            flag: "--stats",
+            value: a.stats[0].display().to_string(),
+            reason: "no stack in any of the stats files; nothing to draw".into(),
+        });
     }
     let limits = match &a.config {
         Some(path) => Some(config_limits(path, a.batch_size, &runs, &stacks)?),
@@ -156,7 +163,7 @@ fn default_labels(paths: &[PathBuf]) -> Vec<String> {
 
 /// The arrays must have the lengths the layout gives them (L·N per partition, L·S per
 /// SparseCore), or the cells would be drawn under the wrong partitions.
-fn check_shapes(stats: &FdoStats, path: &Path) -> Result<()> {
+fn check_shapes(stats: &FdoStats, path: &Path) -> error::Result<()> {
     let l = stats.layout;
     let partitions = l.local_device_count * l.global_device_count * l.num_sc_per_device;
     let scs = l.local_device_count * l.num_sc_per_device;
@@ -168,11 +175,10 @@ fn check_shapes(stats: &FdoStats, path: &Path) -> Result<()> {
         ];
         for (field, got, want, formula) in arrays {
             if got != want {
-                return Err(Error::config(
-                    ConfigItem::Stack,
-                    name,
-                    format!("stats {}: {field} has {got} values but layout {l} needs {formula} = {want}", path.display()),
-                ));
+                return Err(CliError::Stack {
+                    stack: name.clone(),
+                    reason: format!("stats {}: {field} has {got} values but layout {l} needs {formula} = {want}", path.display()),
+                });
             }
         }
     }
@@ -181,24 +187,28 @@ fn check_shapes(stats: &FdoStats, path: &Path) -> Result<()> {
 
 /// Plans the config and takes each drawn stack's limits and buffer from the plan. The config's
 /// layout must be the stats' layout, and every stack in the stats a stack of the plan.
-fn config_limits(path: &Path, batch_size: Option<usize>, runs: &[Run], stacks: &[String]) -> Result<BTreeMap<String, Limits>> {
+fn config_limits(path: &Path, batch_size: Option<usize>, runs: &[Run], stacks: &[String]) -> error::Result<BTreeMap<String, Limits>> {
     let config = Config::from_path(path)?;
     let o = &config.config;
     let batch = match (batch_size, o.stacking) {
         (Some(b), _) => {
             let slices = o.local_device_count * o.num_sc_per_device;
             if b == 0 || slices == 0 || !b.is_multiple_of(slices) {
-                return Err(Error::option("batch-size", b, format!("local samples per feature: a positive multiple of the {slices} local SparseCores")));
+                return Err(CliError::Argument {
+                    flag: "--batch-size",
+                    value: b.to_string(),
+                    reason: format!("local samples per feature: a positive multiple of the {slices} local SparseCores"),
+                });
             }
             b
         }
         (None, Stacking::Feature) => o.local_device_count.max(1) * o.num_sc_per_device.max(1),
         (None, Stacking::Auto) => {
-            return Err(Error::option(
-                "batch-size",
-                "none",
-                format!("config {} uses auto stacking, whose stacks depend on the batch size: give --batch-size", path.display()),
-            ))
+            return Err(CliError::Argument {
+                flag: "--config",
+                value: path.display().to_string(),
+                reason: "uses auto stacking, whose stacks depend on the batch size: give --batch-size".into(),
+            })
         }
     };
     // The layout first: a config of another layout may not even plan with these stats' sizes.
@@ -209,11 +219,11 @@ fn config_limits(path: &Path, batch_size: Option<usize>, runs: &[Run], stacks: &
     };
     for r in runs {
         if r.stats.layout != key {
-            return Err(Error::option(
-                "config",
-                path.display(),
-                format!("its layout L/G/S is {key} but stats {} were measured on {}", r.path.display(), r.stats.layout),
-            ));
+            return Err(CliError::Argument {
+                flag: "--config",
+                value: path.display().to_string(),
+                reason: format!("its layout L/G/S is {key} but stats {} were measured on {}", r.path.display(), r.stats.layout),
+            });
         }
     }
     let plan = Plan::for_local_batches(&config, &vec![batch; config.features.len()])
@@ -223,11 +233,10 @@ fn config_limits(path: &Path, batch_size: Option<usize>, runs: &[Run], stacks: &
         let Some(s) = plan.stack(name) else {
             let planned: Vec<&str> = plan.stacks.iter().map(|s| s.name.as_str()).collect();
             let run = runs.iter().find(|r| r.stats.stacks.contains_key(name)).map(|r| r.path.display().to_string()).unwrap_or_default();
-            return Err(Error::config(
-                ConfigItem::Stack,
-                name,
-                format!("in stats {run} but not a stack of config {} (its stacks: {})", path.display(), planned.join(", ")),
-            ));
+            return Err(CliError::Stack {
+                stack: name.clone(),
+                reason: format!("in stats {run} but not a stack of config {} (its stacks: {})", path.display(), planned.join(", ")),
+            });
         };
         limits.insert(
             name.clone(),

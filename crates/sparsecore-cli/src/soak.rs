@@ -25,12 +25,12 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use sparsecore_prep::input::SampleSource;
-use sparsecore_prep::{Config, Error, Output, Preprocessor, Result};
+use sparsecore_prep::{Config, Output, Preprocessor, Result};
 
 use sparsecore_testkit::model;
 use sparsecore_testkit::model::{Batch, Feature, FlatBatch};
 
-use super::error;
+use super::error::{self, CliError};
 use super::stdio::outln;
 
 /// Options of `soak`: the run's length, its random stream, and how often to pay for a check.
@@ -149,7 +149,7 @@ struct Tally {
 /// Runs the soak; `Ok(false)` means a mismatch or RSS growth (the details are printed).
 pub fn run(a: Args) -> error::Result<bool> {
     if !(a.minutes.is_finite() && a.minutes >= 0.0) {
-        return Err(Error::option("minutes", a.minutes, "a finite number of minutes, at least 0").into());
+        return Err(CliError::Argument { flag: "--minutes", value: a.minutes.to_string(), reason: "a finite number of minutes, at least 0".into() });
     }
     let config = Config::from_json(CONFIG)?;
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
