@@ -4,29 +4,13 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use sparsecore_prep::{Output, Preprocessor};
-use sparsecore_testkit::workload::{generate, Profile, Workload, WorkloadSpec};
-
-fn workload(profile: Profile, batch: usize) -> Workload {
-    let mut spec = WorkloadSpec::new(profile);
-    spec.batch_size = batch;
-    spec.layout = if profile == Profile::Criteo { (4, 4, 4) } else { (1, 1, 4) };
-    generate(&spec).expect("workload")
-}
-
-/// The profiles and (smaller than default) batch sizes every bench runs.
-const PROFILES: [(Profile, usize); 5] = [
-    (Profile::Criteo, 4096),
-    (Profile::Long, 2048),
-    (Profile::LargeVocab, 2048),
-    (Profile::HighMultivalency, 2048),
-    (Profile::ModerateMultivalency, 4096),
-];
+use sparsecore_testkit::workload::{bench_workload, BENCH_PROFILES};
 
 fn end_to_end(c: &mut Criterion) {
     let mut group = c.benchmark_group("end_to_end");
     group.sample_size(10);
-    for (profile, batch) in PROFILES {
-        let w = workload(profile, batch);
+    for (profile, batch) in BENCH_PROFILES {
+        let w = bench_workload(profile, batch).expect("workload");
         let batch = &w.batches[0];
         group.throughput(Throughput::Elements(w.total_ids()));
         for threads in [1, 2] {

@@ -10,28 +10,12 @@ use sparsecore_prep::group::{sort_and_group, Entry, Limits, ScStats, SortScratch
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::key::KeyFormat;
 use sparsecore_prep::{Output, Preprocessor};
-use sparsecore_testkit::workload::{generate, Profile, Workload, WorkloadSpec};
-
-fn workload(profile: Profile, batch: usize) -> Workload {
-    let mut spec = WorkloadSpec::new(profile);
-    spec.batch_size = batch;
-    spec.layout = if profile == Profile::Criteo { (4, 4, 4) } else { (1, 1, 4) };
-    generate(&spec).expect("workload")
-}
-
-/// The profiles and (smaller than default) batch sizes every bench runs.
-const PROFILES: [(Profile, usize); 5] = [
-    (Profile::Criteo, 4096),
-    (Profile::Long, 2048),
-    (Profile::LargeVocab, 2048),
-    (Profile::HighMultivalency, 2048),
-    (Profile::ModerateMultivalency, 4096),
-];
+use sparsecore_testkit::workload::{bench_workload, BENCH_PROFILES};
 
 /// Each stage on SparseCore 0 of each profile's largest stack, one thread.
 fn stages(c: &mut Criterion) {
-    for (profile, batch) in PROFILES {
-        let w = workload(profile, batch);
+    for (profile, batch) in BENCH_PROFILES {
+        let w = bench_workload(profile, batch).expect("workload");
         let batch = &w.batches[0];
         let mut prep = Preprocessor::builder(w.config.clone()).threads(1).build().unwrap();
         let mut out = Output::new();

@@ -272,6 +272,26 @@ fn raw_key(id: i64, feature: usize) -> String {
     format!("{:08x}", (id as u32).wrapping_mul(0x9E37_79B1) ^ salt)
 }
 
+/// The profiles and batch sizes the criterion benches of the pipeline and of its stages run:
+/// smaller than the profiles' defaults so that a bench's samples stay short, and the same in
+/// both benches so that their figures can be read against each other.
+pub const BENCH_PROFILES: [(Profile, usize); 5] = [
+    (Profile::Criteo, 4096),
+    (Profile::Long, 2048),
+    (Profile::LargeVocab, 2048),
+    (Profile::HighMultivalency, 2048),
+    (Profile::ModerateMultivalency, 4096),
+];
+
+/// The benches' workload of `profile` with `batch` samples: criteo at 4/4/4 (its 26 stacks
+/// spread over 64 SparseCores, as the reference benchmark runs it), the others at 1/1/4.
+pub fn bench_workload(profile: Profile, batch: usize) -> Result<Workload> {
+    let mut spec = WorkloadSpec::new(profile);
+    spec.batch_size = batch;
+    spec.layout = if profile == Profile::Criteo { (4, 4, 4) } else { (1, 1, 4) };
+    generate(&spec)
+}
+
 /// Generates a workload. The same spec always gives the same bytes (for one build of the crate).
 pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
     let (l, g, s) = spec.layout;
