@@ -474,6 +474,7 @@ impl std::fmt::Debug for TcpAllReduce {
 
 /// Builds a [`TcpAllReduce`]: [`TcpAllReduce::builder`].
 #[derive(Debug)]
+#[must_use = "a builder does nothing until `build` is called"]
 pub struct TcpAllReduceBuilder {
     rank: usize,
     peers: Vec<SocketAddr>,

@@ -275,8 +275,8 @@ mod tests {
     /// partitions, a skewed graph (most positions padding) and a uniform one; n = 4 and 16,
     /// one host and later hosts of two and four; blocks of every fixed size (1 to 64 rows) and
     /// of 3; no negatives, flat ones and per-triple ones (slices of more rows than triples, with
-    /// blocks of up to 4 rows). About 10,700 steps, 220 configurations on the table: 14 s in a
-    /// debug build, where the first version's 28,749 steps took two minutes of CI.
+    /// blocks of up to 4 rows). The grid is kept to what tells the paths apart, because CI runs
+    /// this test twice in a debug build.
     #[test]
     fn epoch_table_equals_the_per_step_rows() {
         let (mut checked, mut tabled) = (0, 0);
@@ -292,8 +292,8 @@ mod tests {
                 for shard_bs in [n, 2 * n, 3 * n, 4 * n, 8 * n, 16 * n, 32 * n, 64 * n] {
                     for (negatives, flat) in [(0, true), (2, true), (1, false)] {
                         // Per-triple negatives (n rows a triple) only with blocks of up to 4 rows: their
-                        // draws do not touch the table, and with larger blocks they took most of the
-                        // test's two minutes in a debug build.
+                        // draws do not touch the table, and with larger blocks they would be most of
+                        // the test's time.
                         if !flat && shard_bs > 4 * n {
                             continue;
                         }
