@@ -1,12 +1,13 @@
 //! Runtime choice of instruction set for the hot loops.
 //!
 //! The crate is built for the baseline x86-64 (SSE2), so that one binary or wheel runs on any
-//! x86-64 machine. The radix sort, the split and the ragged extraction are also compiled a
-//! second time for x86-64-v3 (AVX2, BMI1/2, FMA, LZCNT, POPCNT; every x86 server CPU since
-//! 2013-2015) and picked at run time, per call, from the CPU's feature flags (one cached load).
-//! Those three places are where v3 pays: wider vectors for the key arithmetic, and shifts by a
-//! register count (BMI2) that free the count register in the scatter loops (BENCHMARKS.md has
-//! the measurements).
+//! x86-64 machine. The hot loops where v3 pays are also compiled a second time for x86-64-v3
+//! (AVX2, BMI1/2, FMA, LZCNT, POPCNT; every x86 server CPU since 2013-2015) and picked at run
+//! time, per call, from the CPU's feature flags (one cached load): the radix sort and the split
+//! (`group::sort`), the ragged extraction (`extract`) and balancing's bitmap of seen columns
+//! (`balance::count`), through `dispatch_v3!`; and, through [`v3`], the BESS crate's PCG64
+//! draws and row copies. Wider vectors serve the key arithmetic, and shifts by a register count
+//! (BMI2) free the count register in the scatter loops (BENCHMARKS.md has the measurements).
 //!
 //! Both versions run the same source, so their outputs are the same bytes: the vector forms
 //! compute the same integer arithmetic, and no floating-point reduction is reordered (gains
