@@ -139,7 +139,7 @@ pub fn extract_sc(
         local_bits: ctx.local_bits,
         row_span,
         weighted: ctx.weighted,
-        sum_combiner: ctx.combiner == Combiner::Sum,
+        combiner: ctx.combiner,
     };
     out.reset(KeyFormat::for_sparsecore(shape, || weighted_ids), first_row as u32, row_span as u32);
     scratch.last_payload = 0;

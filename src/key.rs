@@ -19,6 +19,7 @@
 //! is what [`Gains`] says: the sample row relative to the SparseCore's first row, or the
 //! extraction index. [`encode_key`] / [`decode_key`] give the reference's own format, for tests.
 
+use crate::spec::Combiner;
 #[cfg(test)]
 use crate::spec::{DATA_BITS, DATA_MASK};
 
@@ -121,8 +122,8 @@ pub struct KeySetShape {
     pub row_span: usize,
     /// Whether any feature of the stack has weights.
     pub weighted: bool,
-    /// Whether the combiner is sum.
-    pub sum_combiner: bool,
+    /// The stack's combiner: without weights, only the sum's gains are all 1.0.
+    pub combiner: Combiner,
 }
 
 impl KeyFormat {
@@ -132,7 +133,7 @@ impl KeyFormat {
     pub fn for_sparsecore(shape: KeySetShape, weighted_ids: impl FnOnce() -> usize) -> Self {
         let row_bits = bits_for(shape.row_span.saturating_sub(1) as u64);
         let (gains, data_bits) = if !shape.weighted {
-            (if shape.sum_combiner { Gains::Unit } else { Gains::PerRow }, row_bits)
+            (if shape.combiner == Combiner::Sum { Gains::Unit } else { Gains::PerRow }, row_bits)
         } else if shape.nbits + shape.local_bits + row_bits <= 32 + MAX_CHUNK_BITS {
             // The key and row fit beside the gain (in one `u64` up to 32 key bits, split into
             // 32-bit chunks by the sort up to `32 + MAX_CHUNK_BITS`).
@@ -320,9 +321,9 @@ mod tests {
 
     #[test]
     fn layout_decision() {
-        let shape = KeySetShape { nbits: 2, local_bits: 18, row_span: 1024, weighted: false, sum_combiner: true };
+        let shape = KeySetShape { nbits: 2, local_bits: 18, row_span: 1024, weighted: false, combiner: Combiner::Sum };
         assert_eq!(KeyFormat::for_sparsecore(shape, || unreachable!()), format(2, 18, 10, Gains::Unit));
-        let mean = KeySetShape { sum_combiner: false, ..shape };
+        let mean = KeySetShape { combiner: Combiner::Mean, ..shape };
         assert_eq!(KeyFormat::for_sparsecore(mean, || unreachable!()).gains, Gains::PerRow);
         let weighted = KeySetShape { weighted: true, ..shape };
         assert_eq!(KeyFormat::for_sparsecore(weighted, || unreachable!()), format(2, 18, 10, Gains::InKey));
