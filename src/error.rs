@@ -139,15 +139,20 @@ pub enum Error {
         reason: String,
     },
 
-    /// The suggested COO buffer size exceeds what the limits can ever fill.
+    /// The suggested COO buffer size exceeds what the limits can ever fill. The message holds
+    /// the reference's abort line word for word (a case that records it matches on it), which
+    /// names the stack by its first feature, then our own account of the numbers.
     #[error(
-        "stack `{stack}`: Suggested Coo Buffer Size is larger than the theoretical max: \
-         {suggested} (rounded to {rounded}) vs {theoretical}; lower \
-         suggested_coo_buffer_size_per_device or raise max_ids_per_partition"
+        "stack `{stack}`: Check failed: suggested_value <= theoretical_max Suggested Coo Buffer Size is larger than the \
+         theoretical max for table {feature}: {rounded} vs {theoretical}. Adjust the suggested size or the \
+         max_ids_per_partition values. (suggested_coo_buffer_size_per_device {suggested}, rounded up to {rounded}, \
+         a multiple of 8 * num_sc_per_device; lower it or raise max_ids_per_partition)"
     )]
     SuggestedBufferTooLarge {
         /// Stack name.
         stack: String,
+        /// First feature of the stack, by which the reference's words name it.
+        feature: String,
         /// The configured suggestion.
         suggested: u64,
         /// The suggestion rounded up to a multiple of 8 * S.
@@ -156,14 +161,19 @@ pub enum Error {
         theoretical: u64,
     },
 
-    /// The COO buffer size does not fit the 32-bit buffers (or is zero).
+    /// The COO buffer size does not fit the 32-bit buffers (or is zero). The message holds the
+    /// reference's abort line word for word, as for [`Error::SuggestedBufferTooLarge`].
     #[error(
-        "stack `{stack}`: COO buffer size per device {size} must be in (0, 2147483647); \
-         lower max_ids_per_partition or set suggested_coo_buffer_size_per_device"
+        "stack `{stack}`: Check failed: computed_coo_buffer_size_per_device > 0 && computed_coo_buffer_size_per_device < \
+         INT_MAX Computed Coo Buffer Size ({size}) for table {feature} is out of the valid range (0, INT_MAX). (COO \
+         buffer size per device {size} must be in (0, 2147483647); lower max_ids_per_partition or set \
+         suggested_coo_buffer_size_per_device)"
     )]
     BufferSizeOutOfRange {
         /// Stack name.
         stack: String,
+        /// First feature of the stack, by which the reference's words name it.
+        feature: String,
         /// The computed size.
         size: u64,
     },
@@ -227,10 +237,13 @@ pub enum Error {
         suggestion: Option<String>,
     },
 
-    /// A stack's per-device batch does not split evenly over the SparseCores.
+    /// A stack's per-device batch does not split evenly over the SparseCores. The message holds
+    /// the reference's abort line word for word, which names the stack by its first feature.
     #[error(
-        "stack `{stack}` (first feature `{feature}`): batch_size_for_device ({batch}) must be \
-         divisible by num_sc_per_device ({sc_per_device})"
+        "stack `{stack}` (first feature `{feature}`): Check failed: batch_size_for_device % num_sc_per_device == 0 \
+         ({} vs. 0) batch_size_for_device ({batch}) for stacked table '{feature}' must be divisible by \
+         num_sc_per_device ({sc_per_device}).",
+        (*.batch).checked_rem(*.sc_per_device).unwrap_or(0)
     )]
     BatchNotDivisible {
         /// Stack name.
@@ -460,12 +473,15 @@ fn did_you_mean(suggestion: &Option<String>) -> String {
     suggestion.as_ref().map(|s| format!("; did you mean `{s}`?")).unwrap_or_default()
 }
 
-/// The message of [`Error::BatchTooSmall`]: the reference's words, preceded by "empty batch"
-/// when there are no samples at all (the usual cause, and not what the reference's words say).
+/// The message of [`Error::BatchTooSmall`]: the reference's abort line word for word, preceded
+/// by "empty batch" when there are no samples at all (the usual cause, and not what the
+/// reference's words say), then the numbers in our words.
 fn batch_too_small(batch: usize, sc_per_device: usize, features: usize) -> String {
     let empty = if batch == 0 { "empty batch (no samples): " } else { "" };
+    let needed = sc_per_device.saturating_mul(features);
     format!(
-        "{empty}Batch size must be greater or equal to the number of features stacked together (per \
-         feature slice): per-device batch {batch} < num_sc_per_device {sc_per_device} * {features} features"
+        "{empty}Check failed: batch_size_for_device >= feature_slices_per_device * stacked_table_metadata.size() ({batch} vs. \
+         {needed}) Batch size must be greater or equal to the number of features stacked together (per feature slice). \
+         (per-device batch {batch} < num_sc_per_device {sc_per_device} * {features} features)"
     )
 }

@@ -214,11 +214,35 @@ fn vocabulary_size_zero_or_too_large() {
 }
 
 #[test]
-fn padded_stack_vocabulary_over_32_bits() {
-    // 2^31 - 1 rounds up to 2^31 with 8 * N = 32: the column ids no longer fit.
-    let e = build_err(|v| v["tables"][0]["vocabulary_size"] = json!(i32::MAX));
-    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Stack, name, .. } if name == "t0"), "{e:?}");
-    assert_msg(&e, &["stack `t0`", "2147483648", "2147483647"]);
+fn padded_stack_vocabulary_of_two_to_the_31_is_planned() {
+    // 2^31 - 1 rounds up to 2^31 with 8 * N = 32. The reference plans it (its column ids are
+    // ids of the one table, all below 2^31), so we do too: testdata/reference_cases holds its
+    // output for such a table, and `tests/golden.rs` compares ours with it.
+    let prep = Preprocessor::new(config_with(|v| v["tables"][0]["vocabulary_size"] = json!(i32::MAX))).expect("planned");
+    let rows: Vec<Vec<i32>> = vec![vec![i32::MAX - 1], vec![0], vec![1 << 30], vec![]];
+    let (values, splits) = ragged(&rows);
+    let f0 = RaggedInput::from_i32("f0", &values, &splits).unwrap();
+    let mut prep = prep;
+    prep.run(&[&f0], &mut Output::new()).expect("preprocessed");
+    assert_eq!(prep.plan().unwrap().stacks[0].stack_vocab_size, 1 << 31);
+}
+
+#[test]
+fn table_past_the_32_bit_column_offset_is_refused() {
+    // Auto stacking puts `big` (2^31 - 1 rows, padded to 2^31) first: `small` would start at
+    // column 2^31, which the reference refuses (a C++ int) and so do we.
+    let e = build_err(|v| {
+        v["config"]["stacking"] = json!("auto");
+        v["tables"] = json!([
+            {"name": "big", "vocabulary_size": i32::MAX, "embedding_dim": 8, "combiner": "sum",
+             "max_ids_per_partition": 16, "max_unique_ids_per_partition": 16},
+            {"name": "small", "vocabulary_size": 100, "embedding_dim": 8, "combiner": "sum",
+             "max_ids_per_partition": 16, "max_unique_ids_per_partition": 16}
+        ]);
+        v["features"] = json!([{"name": "f0", "table": "big"}, {"name": "f1", "table": "small"}]);
+    });
+    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Stack, .. }), "{e:?}");
+    assert_msg(&e, &["table `small` would start at column 2147483648", "2147483647"]);
 }
 
 #[test]
@@ -281,12 +305,22 @@ fn suggested_buffer_larger_than_theoretical_max() {
     // T = roundup(16, 8) * S * N = 16 * 4 * 4 = 256.
     let e = build_err(|v| v["tables"][0]["suggested_coo_buffer_size_per_device"] = json!(1000));
     match &e {
-        Error::SuggestedBufferTooLarge { stack, suggested: 1000, rounded: 1024, theoretical: 256 } => {
-            assert_eq!(stack, "t0")
+        Error::SuggestedBufferTooLarge { stack, feature, suggested: 1000, rounded: 1024, theoretical: 256 } => {
+            assert_eq!((stack.as_str(), feature.as_str()), ("t0", "f0"))
         }
         other => panic!("expected SuggestedBufferTooLarge, got {other:?}"),
     }
-    assert_msg(&e, &["Suggested Coo Buffer Size is larger than the theoretical max", "t0", "1000", "1024", "256"]);
+    // The reference's abort line, word for word (a golden case matches on its first 200
+    // characters), then the suggestion as given.
+    assert_msg(
+        &e,
+        &[
+            "Check failed: suggested_value <= theoretical_max Suggested Coo Buffer Size is larger than the theoretical max for \
+             table f0: 1024 vs 256. Adjust the suggested size or the max_ids_per_partition values.",
+            "stack `t0`",
+            "suggested_coo_buffer_size_per_device 1000",
+        ],
+    );
     // The spec's examples that are accepted: 48 -> 64, 96 -> 96, 256 -> 256.
     for ok in [48, 96, 256] {
         assert!(Preprocessor::new(config_with(|v| v["tables"][0]["suggested_coo_buffer_size_per_device"] = json!(ok)))
@@ -297,7 +331,7 @@ fn suggested_buffer_larger_than_theoretical_max() {
 #[test]
 fn suggested_buffer_zero() {
     let e = build_err(|v| v["tables"][0]["suggested_coo_buffer_size_per_device"] = json!(0));
-    assert!(matches!(&e, Error::BufferSizeOutOfRange { stack, size: 0 } if stack == "t0"), "{e:?}");
+    assert!(matches!(&e, Error::BufferSizeOutOfRange { stack, feature, size: 0 } if stack == "t0" && feature == "f0"), "{e:?}");
     assert_msg(&e, &["stack `t0`", "size per device 0", "(0, 2147483647)"]);
 }
 
@@ -306,10 +340,13 @@ fn computed_buffer_size_over_31_bits() {
     // roundup(2^31 - 1, 8) * 4 * 4 = 2^35.
     let e = build_err(|v| v["tables"][0]["max_ids_per_partition"] = json!(i32::MAX));
     assert!(
-        matches!(&e, Error::BufferSizeOutOfRange { stack, size: 34359738368 } if stack == "t0"),
+        matches!(&e, Error::BufferSizeOutOfRange { stack, feature, size: 34359738368 } if stack == "t0" && feature == "f0"),
         "{e:?}"
     );
-    assert_msg(&e, &["stack `t0`", "34359738368", "2147483647", "max_ids_per_partition"]);
+    // The reference's abort line, word for word.
+    let line = "Check failed: computed_coo_buffer_size_per_device > 0 && computed_coo_buffer_size_per_device < INT_MAX Computed \
+                Coo Buffer Size (34359738368) for table f0 is out of the valid range (0, INT_MAX).";
+    assert_msg(&e, &["stack `t0`", line, "2147483647", "max_ids_per_partition"]);
 }
 
 // Regression: `size_buffers` (src/spec/plan.rs) computes `roundup(max_ids, 8) * S * N` in unchecked u64
@@ -330,7 +367,7 @@ fn theoretical_buffer_size_overflow_is_an_error_not_a_panic() {
         Ok(Ok(())) => panic!("expected BufferSizeOutOfRange, got Ok"),
         Ok(Err(e)) => {
             assert!(
-                matches!(&e, Error::BufferSizeOutOfRange { stack, size } if stack == "t0" && *size >= i32::MAX as u64),
+                matches!(&e, Error::BufferSizeOutOfRange { stack, size, .. } if stack == "t0" && *size >= i32::MAX as u64),
                 "{e:?}"
             );
             assert_msg(&e, &["stack `t0`", "2147483647"]);
@@ -349,7 +386,7 @@ fn stack_suggested_size_for_unknown_stack() {
 fn stack_suggested_size_too_large_for_known_stack() {
     let e = build_err(|v| v["config"]["stack_suggested_coo_buffer_size_per_device"] = json!({"t0": 4096}));
     assert!(
-        matches!(&e, Error::SuggestedBufferTooLarge { stack, suggested: 4096, rounded: 4096, theoretical: 256 } if stack == "t0"),
+        matches!(&e, Error::SuggestedBufferTooLarge { stack, suggested: 4096, rounded: 4096, theoretical: 256, .. } if stack == "t0"),
         "{e:?}"
     );
     assert_msg(&e, &["Suggested Coo Buffer Size is larger than the theoretical max", "t0", "4096", "256"]);
@@ -514,7 +551,10 @@ fn batch_not_divisible_by_sparsecores() {
         }
         other => panic!("expected BatchNotDivisible, got {other:?}"),
     }
-    assert_msg(&e, &["must be divisible by num_sc_per_device", "t0", "f0", "(6)", "(4)"]);
+    // The reference's abort line, word for word (a golden case matches on its first 200 characters).
+    let line = "Check failed: batch_size_for_device % num_sc_per_device == 0 (2 vs. 0) batch_size_for_device (6) for stacked \
+                table 'f0' must be divisible by num_sc_per_device (4).";
+    assert_msg(&e, &["stack `t0`", line]);
 }
 
 #[test]
@@ -532,7 +572,7 @@ fn batch_not_divisible_names_first_feature_of_stack() {
         matches!(&e, Error::BatchNotDivisible { stack, feature, batch: 7, sc_per_device: 4 } if stack == "t0" && feature == "a"),
         "{e:?}"
     );
-    assert_msg(&e, &["must be divisible by num_sc_per_device", "`a`", "(7)"]);
+    assert_msg(&e, &["stack `t0`", "(3 vs. 0) batch_size_for_device (7) for stacked table 'a' must be divisible"]);
 }
 
 #[test]
@@ -546,7 +586,10 @@ fn batch_smaller_than_sparsecores_times_features() {
         matches!(&e, Error::BatchTooSmall { stack, batch: 4, sc_per_device: 4, features: 2 } if stack == "t0"),
         "{e:?}"
     );
-    assert_msg(&e, &["stack `t0`", "greater or equal to the number of features", "batch 4", "num_sc_per_device 4", "2 features"]);
+    // The reference's abort line, word for word, then the numbers in our words.
+    let line = "Check failed: batch_size_for_device >= feature_slices_per_device * stacked_table_metadata.size() (4 vs. 8) Batch \
+                size must be greater or equal to the number of features stacked together (per feature slice).";
+    assert_msg(&e, &["stack `t0`", line, "batch 4", "num_sc_per_device 4", "2 features"]);
 }
 
 #[test]

@@ -34,6 +34,14 @@ fn golden_minibatching_cases() {
     common::run_dir(&root, "golden_mb", check_case);
 }
 
+/// Cases the reference dumped during our own differential campaign (testdata/reference_cases,
+/// with a README of what each pins).
+#[test]
+fn reference_cases() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/reference_cases");
+    common::run_dir(&root, "reference cases", check_case);
+}
+
 #[test]
 fn golden_dir_from_env() {
     if let Some(dir) = std::env::var_os("GOLDEN_DIR") {

@@ -8,7 +8,10 @@ use crate::output::Output;
 use crate::spec::Plan;
 
 /// Merges task results into the per-stack statistics, in a fixed order, and reports the first
-/// error (by stack, device, SparseCore).
+/// error (by stack, device, SparseCore). A limit is checked SparseCore by SparseCore, max ids
+/// before max unique ids, as the reference checks them: when one SparseCore passes only the
+/// unique limit and a later one only the ids limit, the error names the unique limit, as the
+/// reference's abort does (with one thread; with several, its SparseCores race).
 pub(super) fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output, mode: Mode) -> Result<()> {
     for stack_tasks in tasks.iter_mut() {
         if let Some(e) = stack_tasks.iter_mut().find_map(|t| t.error.take()) {
@@ -20,9 +23,9 @@ pub(super) fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output, m
     let s = layout.sc_per_device;
     for ((stack, so), stack_tasks) in plan.stacks.iter().zip(out.stacks.iter_mut()).zip(tasks.iter()) {
         let stats = &mut so.stats;
-        // (observed, device, sc, partition) of the largest count per limit.
-        let mut worst_ids = (0u32, 0, 0, 0);
-        let mut worst_unique = (0u32, 0, 0, 0);
+        // (observed, device, sc, partition) of each limit's count on the first SparseCore that
+        // passes a limit.
+        let mut first_over = None;
         for (i, task) in stack_tasks.iter().enumerate() {
             let d = i / s;
             let row = &mut stats.max_ids_per_partition[d * n..(d + 1) * n];
@@ -35,18 +38,15 @@ pub(super) fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output, m
             }
             stats.required_buffer_size_per_sc[i] = task.stats.required().min(i32::MAX as u64) as i32;
             stats.dropped_id_count += task.stats.dropped + task.overflow;
-            let (ids, p) = task.stats.max_ids();
-            if ids > worst_ids.0 {
-                worst_ids = (ids, d, i % s, p);
-            }
-            let (uniq, p) = task.stats.max_unique();
-            if uniq > worst_unique.0 {
-                worst_unique = (uniq, d, i % s, p);
+            let (ids, pi) = task.stats.max_ids();
+            let (uniq, pu) = task.stats.max_unique();
+            if first_over.is_none() && (ids > stack.max_ids_per_partition || uniq > stack.max_unique_ids_per_partition) {
+                first_over = Some(((ids, d, i % s, pi), (uniq, d, i % s, pu)));
             }
         }
-        if !plan.allow_id_dropping && mode == Mode::Buffers {
+        if let (false, Mode::Buffers, Some((ids, unique))) = (plan.allow_id_dropping, mode, first_over) {
             // (Pass 1 of minibatching never fails on limits; the bucketed pass may.)
-            check_limits(stack, worst_ids, worst_unique)?;
+            check_limits(stack, ids, unique)?;
         }
     }
     Ok(())

@@ -313,7 +313,7 @@ impl Plan {
             let stack_index = stacks.len();
             let stack = match opts.stacking {
                 Stacking::Feature => {
-                    plan_feature_stack(config, &mut features, group[0], combiners[group[0]], stack_index)?
+                    plan_feature_stack(config, &mut features, group[0], combiners[group[0]], stack_index, n)?
                 }
                 Stacking::Auto => plan_auto_stack(config, &mut features, &group, &combiners, n, stack_index)?,
             };
@@ -330,7 +330,8 @@ impl Plan {
         }
 
         for stack in &mut stacks {
-            size_buffers(stack, &layout, opts.enable_minibatching)?;
+            let feature = first_feature(stack, &features);
+            size_buffers(stack, &feature, &layout, opts.enable_minibatching)?;
         }
 
         Ok(Plan {
@@ -465,7 +466,7 @@ impl Plan {
             })?;
             // Every column id of the stack is below the largest col_offset + padded vocabulary.
             let vocab = members.iter().map(|&i| features[i].col_offset as u64 + features[i].padded_vocab_size).max().unwrap_or(0);
-            check_stack_vocab(&rs.name, vocab)?;
+            check_stack_vocab(&rs.name, vocab, n)?;
             let mut tables: Vec<usize> = Vec::new();
             for &i in &members {
                 if !tables.contains(&features[i].table_index) {
@@ -499,7 +500,8 @@ impl Plan {
             });
         }
         for stack in &mut planned {
-            size_buffers(stack, &layout, opts.enable_minibatching)?;
+            let feature = first_feature(stack, &features);
+            size_buffers(stack, &feature, &layout, opts.enable_minibatching)?;
         }
         Ok(Plan {
             layout,
@@ -587,14 +589,30 @@ fn add_samples(stack: &str, offset: u64, batch: usize) -> Result<u64> {
 /// Most global samples a stack can have: 2^26 - 1 per device times at most 2^30 devices.
 const MAX_STACK_SAMPLES: u64 = DATA_MASK << 30;
 
-/// Column ids are 32-bit in the reference and in the buffers, so a stack's padded vocabulary
-/// must fit them.
-fn check_stack_vocab(stack: &str, vocab: u64) -> Result<()> {
-    if vocab > i32::MAX as u64 {
+/// A stack's padded vocabulary must keep its column ids in 32 bits and its rows per shard (the
+/// embedding ids written to the buffers) in an `i32`. The reference itself bounds only what it
+/// passes as a C++ `int`: a table of 2^31 - 1 rows pads to 2^31 and is planned, while a table
+/// whose `col_offset` would pass 2^31 - 1 is refused (`check_col_offset`).
+fn check_stack_vocab(stack: &str, vocab: u64, n: u64) -> Result<()> {
+    let limit = (1u64 << 32).min((1u64 << 31).saturating_mul(n));
+    if vocab > limit {
         return Err(Error::config(
             ConfigItem::Stack,
             stack,
-            format!("padded vocabulary {vocab} exceeds the 32-bit column ids (2147483647)"),
+            format!("padded vocabulary {vocab} exceeds what 32-bit column ids and rows per shard hold ({limit})"),
+        ));
+    }
+    Ok(())
+}
+
+/// A table's first column in its stack is a C++ `int` in the reference, which refuses the
+/// stack when it does not fit.
+fn check_col_offset(stack: &str, table: &str, col_offset: u64) -> Result<()> {
+    if col_offset > i32::MAX as u64 {
+        return Err(Error::config(
+            ConfigItem::Stack,
+            stack,
+            format!("table `{table}` would start at column {col_offset}: col_offset exceeds the 32-bit column ids (2147483647)"),
         ));
     }
     Ok(())
@@ -654,6 +672,7 @@ fn plan_feature_stack(
     table: usize,
     combiner: Combiner,
     stack_index: usize,
+    n: u64,
 ) -> Result<StackPlan> {
     let t = &config.tables[table];
     let mut members: Vec<usize> = (0..features.len()).filter(|&i| features[i].table_index == table).collect();
@@ -666,7 +685,7 @@ fn plan_feature_stack(
         offset = add_samples(&t.name, offset, f.global_batch_size)?;
     }
     let padded_vocab = features[members[0]].padded_vocab_size;
-    check_stack_vocab(&t.name, padded_vocab)?;
+    check_stack_vocab(&t.name, padded_vocab, n)?;
     let padded_dim = features[members[0]].padded_embedding_dim;
     Ok(StackPlan {
         name: t.name.clone(),
@@ -759,12 +778,13 @@ fn plan_auto_stack(
     let mut settings = Vec::with_capacity(group.len());
     for &t in group {
         let padded_vocab = round_up(config.tables[t].vocabulary_size, 8 * n);
+        check_col_offset(&name, &config.tables[t].name, row_offset_in_shard * n)?;
         settings.push((t, row_offset_in_shard, rotation));
         row_offset_in_shard += padded_vocab / n;
         rotation = (rotation + s) % n;
         stack_vocab += padded_vocab;
     }
-    check_stack_vocab(&name, stack_vocab)?;
+    check_stack_vocab(&name, stack_vocab, n)?;
     let mut members = Vec::new();
     let mut offset = 0u64;
     for (i, f) in features.iter_mut().enumerate() {
@@ -805,8 +825,15 @@ fn plan_auto_stack(
     })
 }
 
-/// SPEC 3.2: row pointers per device and the COO buffer size C.
-fn size_buffers(stack: &mut StackPlan, layout: &DeviceLayout, minibatching: bool) -> Result<()> {
+/// The name by which the reference's buffer checks name a stack: its first feature's (the stack's
+/// own name when it has none).
+fn first_feature(stack: &StackPlan, features: &[FeaturePlan]) -> String {
+    stack.features.first().and_then(|&f| features.get(f)).map_or_else(|| stack.name.clone(), |f| f.name.clone())
+}
+
+/// SPEC 3.2: row pointers per device and the COO buffer size C. `feature` names the stack in
+/// errors as the reference does.
+fn size_buffers(stack: &mut StackPlan, feature: &str, layout: &DeviceLayout, minibatching: bool) -> Result<()> {
     let s = layout.sc_per_device as u64;
     let n = layout.num_partitions() as u64;
     let mb = if minibatching { MAX_MINIBATCHING_BUCKETS as u64 } else { 1 };
@@ -824,6 +851,7 @@ fn size_buffers(stack: &mut StackPlan, layout: &DeviceLayout, minibatching: bool
             if rounded > theoretical {
                 return Err(Error::SuggestedBufferTooLarge {
                     stack: stack.name.clone(),
+                    feature: feature.to_string(),
                     suggested,
                     rounded,
                     theoretical,
@@ -833,7 +861,7 @@ fn size_buffers(stack: &mut StackPlan, layout: &DeviceLayout, minibatching: bool
         }
     };
     if size == 0 || size >= i32::MAX as u64 {
-        return Err(Error::BufferSizeOutOfRange { stack: stack.name.clone(), size });
+        return Err(Error::BufferSizeOutOfRange { stack: stack.name.clone(), feature: feature.to_string(), size });
     }
     stack.coo_buffer_size_per_device = size as usize;
     Ok(())
