@@ -360,7 +360,7 @@ pub enum Error {
 
     /// A partition received more ids than its limit and `allow_id_dropping` is off.
     #[error(
-        "stack `{stack}`: Observed {kind}: {observed} (device {device}, SparseCore {sc}, \
+        "stack `{stack}`: Observed {kind}: {observed} (device {device}, SparseCore {sparsecore}, \
          partition {partition}) is greater than the set {kind}: {limit}. Use `allow_id_dropping` \
          or increase the limit"
     )]
@@ -376,7 +376,7 @@ pub enum Error {
         /// Local device where it was observed.
         device: usize,
         /// Local SparseCore where it was observed.
-        sc: usize,
+        sparsecore: usize,
         /// Destination partition (global SparseCore).
         partition: usize,
     },

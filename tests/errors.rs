@@ -1160,7 +1160,7 @@ fn max_ids_per_partition_exceeded() {
     let hot: Vec<i32> = (0..10).map(|i| 4 * i).collect();
     let e = err(run_ragged(config(), &hot_rows(&hot)));
     match &e {
-        Error::LimitExceeded { stack, kind: LimitKind::MaxIds, observed: 20, limit: 16, device: 0, sc: 0, partition: 0 } => {
+        Error::LimitExceeded { stack, kind: LimitKind::MaxIds, observed: 20, limit: 16, device: 0, sparsecore: 0, partition: 0 } => {
             assert_eq!(stack, "t0")
         }
         other => panic!("expected LimitExceeded(MaxIds), got {other:?}"),
@@ -1180,7 +1180,7 @@ fn max_unique_ids_per_partition_exceeded() {
     let cfg = config_with(|v| v["tables"][0]["max_unique_ids_per_partition"] = json!(4));
     let e = err(run_ragged(cfg, &hot_rows(&hot)));
     match &e {
-        Error::LimitExceeded { stack, kind: LimitKind::MaxUniqueIds, observed: 5, limit: 4, device: 0, sc: 0, partition: 0 } => {
+        Error::LimitExceeded { stack, kind: LimitKind::MaxUniqueIds, observed: 5, limit: 4, device: 0, sparsecore: 0, partition: 0 } => {
             assert_eq!(stack, "t0")
         }
         other => panic!("expected LimitExceeded(MaxUniqueIds), got {other:?}"),
@@ -1211,7 +1211,7 @@ fn limit_exceeded_reports_device_sparsecore_and_partition() {
     let rows: Vec<Vec<i32>> = (0..16).map(|r| if r == 12 || r == 13 { hot.clone() } else { vec![r] }).collect();
     let e = err(run_ragged(cfg, &rows));
     assert!(
-        matches!(&e, Error::LimitExceeded { kind: LimitKind::MaxIds, observed: 18, limit: 16, device: 1, sc: 2, partition: 3, .. }),
+        matches!(&e, Error::LimitExceeded { kind: LimitKind::MaxIds, observed: 18, limit: 16, device: 1, sparsecore: 2, partition: 3, .. }),
         "{e:?}"
     );
     assert_msg(&e, &["device 1", "SparseCore 2", "partition 3"]);

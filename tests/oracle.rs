@@ -866,8 +866,8 @@ fn check_is_discriminating() {
     let err = model::run_crate(&strict, &batch, 0, 1).unwrap_err();
     assert!(matches!(err, Error::LimitExceeded { .. }), "{err}");
     model::check(&strict, &batch, 0, Err(&err)).unwrap();
-    let Error::LimitExceeded { stack, kind, observed, limit, device, sc, partition } = err else { unreachable!() };
-    let other = Error::LimitExceeded { stack, kind, observed: observed + 1, limit, device, sc, partition };
+    let Error::LimitExceeded { stack, kind, observed, limit, device, sparsecore, partition } = err else { unreachable!() };
+    let other = Error::LimitExceeded { stack, kind, observed: observed + 1, limit, device, sparsecore, partition };
     assert!(model::check(&strict, &batch, 0, Err(&other)).is_err(), "check accepted another observed count");
     assert!(model::check(&strict, &batch, 0, Ok(&out)).is_err(), "check accepted Ok for an error");
     let wrong = Error::IdOutOfRange { feature: "x".into(), table: "a".into(), row: 0, id: 40, vocabulary_size: 40 };

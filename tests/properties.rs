@@ -1315,7 +1315,7 @@ fn dropping_respects_limits() {
             }
             match (want, out) {
                 (None, Ok(_)) => {}
-                (Some((name, kind, obs, lim)), Err(Error::LimitExceeded { stack, kind: k, observed, limit, device, sc, partition })) => {
+                (Some((name, kind, obs, lim)), Err(Error::LimitExceeded { stack, kind: k, observed, limit, device, sparsecore: sc, partition })) => {
                     errors.set(errors.get() + 1);
                     prop_assert_eq!((&stack, k, observed, limit), (&name, kind, obs, lim));
                     // The location is one where the observed count occurs.

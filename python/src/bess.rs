@@ -73,7 +73,8 @@ pub fn to_py(py: Python<'_>, e: BessError) -> PyErr {
         BessError::ColumnType { column, found } => raise(py, "ColumnTypeError", message, fields!(py; column, found)),
         BessError::NullValue { column, row } => raise(py, "NullValueError", message, fields!(py; column, row)),
         BessError::EmptyPartition { sampler, partition } => raise(py, "EmptyPartitionError", message, fields!(py; sampler, partition)),
-        BessError::ZeroTriplesPerBlock { shard_bs, ppp, n_shard, duplicate_batch, corruption, minimum } => {
+        // Python's attribute keeps besskge's name `ppp`.
+        BessError::ZeroTriplesPerBlock { shard_bs, positive_per_partition: ppp, n_shard, duplicate_batch, corruption, minimum } => {
             raise(py, "ZeroTriplesPerBlockError", message, fields!(py; shard_bs, ppp, n_shard, duplicate_batch, corruption, minimum))
         }
         BessError::ShardCountMismatch { n_shard, num_sparsecores, global_devices, sc_per_device } => {
@@ -783,9 +784,9 @@ pub struct PyBatchSampler {
 
 pymethods_with_getters! { PyBatchSampler, |b, py| {
     /// Triples per partition block per batch.
-    positive_per_partition: usize = b.geometry().ppp;
+    positive_per_partition: usize = b.geometry().positive_per_partition;
     /// `batches_per_step * positive_per_partition`.
-    partition_sample_size: usize = b.geometry().pss;
+    partition_sample_size: usize = b.geometry().partition_sample_size;
     /// Steps in one epoch.
     steps_per_epoch: usize = b.steps_per_epoch();
     /// Fraction of Rigid's positions over one epoch that are padding.
@@ -1033,7 +1034,7 @@ impl PyBessStream {
     fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.inner.counts();
         let d = PyDict::new(py);
-        d.set_item("positive_per_partition", c.ppp)?;
+        d.set_item("positive_per_partition", c.positive_per_partition)?;
         d.set_item("triples_per_sparsecore", c.triples_per_sparsecore)?;
         d.set_item("positive_ids_per_partition", c.positive_ids_per_partition)?;
         d.set_item("negative_ids_per_partition", c.negative_ids_per_partition)?;

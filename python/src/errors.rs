@@ -93,7 +93,7 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         raise(py, Class::Config, message.clone(), &[("field", field_name.and_then(f)), ("location", location.and_then(|l| field(py, l)))])
     };
     match e.root() {
-        Error::LimitExceeded { stack, kind, observed, limit, device, sc, partition } => {
+        Error::LimitExceeded { stack, kind, observed, limit, device, sparsecore, partition } => {
             let kind = match kind {
                 LimitKind::MaxIds => "max_ids_per_partition",
                 LimitKind::MaxUniqueIds => "max_unique_ids_per_partition",
@@ -108,7 +108,7 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
                     ("observed", field(py, *observed)),
                     ("limit", field(py, *limit)),
                     ("device", field(py, *device)),
-                    ("sparsecore", field(py, *sc)),
+                    ("sparsecore", field(py, *sparsecore)),
                     ("partition", field(py, *partition)),
                 ],
             )

@@ -119,10 +119,10 @@ pub struct Bucketed {
     pub entries: Vec<Entry>,
     /// `starts[g * 64 + b] .. starts[g * 64 + b + 1]` are the entries of partition g, bucket b.
     pub starts: Vec<u32>,
-    /// De-duplicated ids per (partition, bucket), before dropping.
-    pub ids: Vec<u32>,
-    /// Distinct ids per (partition, bucket), before dropping.
-    pub unique: Vec<u32>,
+    /// Count of de-duplicated ids per (partition, bucket), before dropping.
+    pub id_counts: Vec<u32>,
+    /// Count of distinct ids per (partition, bucket), before dropping.
+    pub unique_counts: Vec<u32>,
     /// Occurrences dropped by the per-bucket limits.
     pub dropped: u64,
     /// This SparseCore's split bits.
@@ -136,8 +136,8 @@ impl Bucketed {
     /// Largest per-(partition, bucket) count of ids and of distinct ids, with the partition of
     /// each.
     pub fn max_counts(&self) -> ((u32, usize), (u32, usize)) {
-        let ids = max_with_index(&self.ids);
-        let uniq = max_with_index(&self.unique);
+        let ids = max_with_index(&self.id_counts);
+        let uniq = max_with_index(&self.unique_counts);
         ((ids.0, ids.1 / BUCKETS), (uniq.0, uniq.1 / BUCKETS))
     }
 }
@@ -150,7 +150,7 @@ pub fn bucket_pass(pass1: &[CountedEntry], nbits: u32, buckets: &BucketFn, limit
     const B: usize = BUCKETS;
     let n = 1usize << nbits;
     let mask = (n - 1) as u32;
-    for v in [&mut out.ids, &mut out.unique] {
+    for v in [&mut out.id_counts, &mut out.unique_counts] {
         v.clear();
         v.resize(n * B, 0);
     }
@@ -168,13 +168,13 @@ pub fn bucket_pass(pass1: &[CountedEntry], nbits: u32, buckets: &BucketFn, limit
         }
         prev_col = col as u64;
         let idx = (col & mask) as usize * B + b as usize;
-        out.ids[idx] += 1;
-        out.unique[idx] += new_col as u32;
+        out.id_counts[idx] += 1;
+        out.unique_counts[idx] += new_col as u32;
         if limits.drop {
             if new_col {
-                dropping_col = out.unique[idx] > limits.max_unique;
+                dropping_col = out.unique_counts[idx] > limits.max_unique;
             }
-            if out.ids[idx] > limits.max_ids || dropping_col {
+            if out.id_counts[idx] > limits.max_ids || dropping_col {
                 out.dropped += ce.count as u64;
                 continue;
             }
@@ -185,8 +185,8 @@ pub fn bucket_pass(pass1: &[CountedEntry], nbits: u32, buckets: &BucketFn, limit
     // Split bits of this SparseCore.
     out.split = 0;
     for g in 0..n {
-        out.split |= split_bits(&out.ids[g * B..(g + 1) * B], limits.max_ids);
-        out.split |= split_bits(&out.unique[g * B..(g + 1) * B], limits.max_unique);
+        out.split |= split_bits(&out.id_counts[g * B..(g + 1) * B], limits.max_ids);
+        out.split |= split_bits(&out.unique_counts[g * B..(g + 1) * B], limits.max_unique);
     }
     // Stable counting sort of the kept entries by (partition, bucket).
     out.starts.clear();

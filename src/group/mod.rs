@@ -44,10 +44,10 @@ pub struct Limits {
 /// Statistics of one SparseCore for one stack.
 #[derive(Debug, Default, Clone)]
 pub struct ScStats {
-    /// De-duplicated ids sent to each partition (before dropping).
-    pub ids: Vec<u32>,
-    /// Distinct ids sent to each partition (before dropping).
-    pub unique: Vec<u32>,
+    /// Count of de-duplicated ids sent to each partition (before dropping).
+    pub id_counts: Vec<u32>,
+    /// Count of distinct ids sent to each partition (before dropping).
+    pub unique_counts: Vec<u32>,
     /// Ids dropped by the limits (every raw occurrence).
     pub dropped: u64,
 }
@@ -55,17 +55,17 @@ pub struct ScStats {
 impl ScStats {
     /// Buffer this SparseCore needs: Σ over partitions of ids rounded up to 8.
     pub fn required(&self) -> u64 {
-        self.ids.iter().map(|&n| round_up(n as u64, ALIGNMENT as u64)).sum()
+        self.id_counts.iter().map(|&n| round_up(n as u64, ALIGNMENT as u64)).sum()
     }
 
     /// Largest per-partition id count and its partition.
     pub fn max_ids(&self) -> (u32, usize) {
-        max_with_index(&self.ids)
+        max_with_index(&self.id_counts)
     }
 
     /// Largest per-partition distinct-id count and its partition.
     pub fn max_unique(&self) -> (u32, usize) {
-        max_with_index(&self.unique)
+        max_with_index(&self.unique_counts)
     }
 }
 

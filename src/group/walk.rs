@@ -21,10 +21,10 @@ pub fn sort_and_group(ex: &mut Extracted, scratch: &mut SortScratch, limits: Lim
 /// after its sort, while it is in cache.
 pub fn sort_and_walk<S: EntrySink>(ex: &mut Extracted, scratch: &mut SortScratch, limits: Limits, sink: S, stats: &mut ScStats) -> S {
     let n = 1usize << ex.format.nbits;
-    stats.ids.clear();
-    stats.ids.resize(n, 0);
-    stats.unique.clear();
-    stats.unique.resize(n, 0);
+    stats.id_counts.clear();
+    stats.id_counts.resize(n, 0);
+    stats.unique_counts.clear();
+    stats.unique_counts.resize(n, 0);
     stats.dropped = 0;
     // Gains come from per-index arrays (weights), packed beside the key (weights, narrow),
     // per-row arrays (unity mean/sqrtn), or are all 1.0 (unity sum).
@@ -114,7 +114,7 @@ fn walk<S: EntrySink, const GAINS: u8, const DROP: bool>(
     stats: &mut ScStats,
 ) -> S {
     let n = 1usize << ex.format.nbits;
-    let (ids, unique) = (&mut stats.ids[..n], &mut stats.unique[..n]);
+    let (ids, unique) = (&mut stats.id_counts[..n], &mut stats.unique_counts[..n]);
     if !DROP && GAINS != PER_INDEX {
         // The common case gets a walk over whole partitions (see `walk_partitions`).
         let mut st = PartitionCursor::new(ex.format);

@@ -29,11 +29,11 @@ pub(super) fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output, m
         for (i, task) in stack_tasks.iter().enumerate() {
             let d = i / s;
             let row = &mut stats.max_ids_per_partition[d * n..(d + 1) * n];
-            for (m, &v) in row.iter_mut().zip(&task.stats.ids) {
+            for (m, &v) in row.iter_mut().zip(&task.stats.id_counts) {
                 *m = (*m).max(v as i32);
             }
             let row = &mut stats.max_unique_ids_per_partition[d * n..(d + 1) * n];
-            for (m, &v) in row.iter_mut().zip(&task.stats.unique) {
+            for (m, &v) in row.iter_mut().zip(&task.stats.unique_counts) {
                 *m = (*m).max(v as i32);
             }
             stats.required_buffer_size_per_sc[i] = task.stats.required().min(i32::MAX as u64) as i32;

@@ -54,7 +54,7 @@ pub(super) fn check_limits(stack: &StackPlan, ids: Worst, unique: Worst) -> Resu
         (LimitKind::MaxUniqueIds, unique, stack.max_unique_ids_per_partition),
     ] {
         if observed > limit {
-            return Err(Error::LimitExceeded { stack: stack.name.clone(), kind, observed, limit, device, sc, partition });
+            return Err(Error::LimitExceeded { stack: stack.name.clone(), kind, observed, limit, device, sparsecore: sc, partition });
         }
     }
     Ok(())

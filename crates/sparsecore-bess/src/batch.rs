@@ -27,12 +27,13 @@ pub struct Geometry {
     pub shard_bs: usize,
     /// Batches per step (per call).
     pub batches_per_step: usize,
-    /// Triples per partition block per batch (`positive_per_partition`).
-    pub ppp: usize,
-    /// `bps * ppp` (`partition_sample_size`).
-    pub pss: usize,
-    /// Last-axis length after duplication: `2 * ppp` with `duplicate_batch`, else `ppp`.
-    pub q: usize,
+    /// Triples per partition block per batch (besskge's `positive_per_partition`, `ppp`).
+    pub positive_per_partition: usize,
+    /// `bps * ppp` (besskge's `partition_sample_size`, `pss`).
+    pub partition_sample_size: usize,
+    /// Last-axis length after duplication (besskge's `q`): `2 * ppp` with `duplicate_batch`,
+    /// else `ppp`.
+    pub block_len: usize,
     /// Whether each block is followed by a copy of itself.
     pub duplicate_batch: bool,
 }
@@ -64,10 +65,26 @@ impl Geometry {
             while ppp_of(minimum) == 0 {
                 minimum += 1;
             }
-            return Err(BessError::ZeroTriplesPerBlock { shard_bs, ppp, n_shard: n, duplicate_batch, corruption: corruption.as_str(), minimum });
+            return Err(BessError::ZeroTriplesPerBlock {
+                shard_bs,
+                positive_per_partition: ppp,
+                n_shard: n,
+                duplicate_batch,
+                corruption: corruption.as_str(),
+                minimum,
+            });
         }
         let pss = batches_per_step.checked_mul(ppp).ok_or_else(|| BessError::param("batches_per_step", batches_per_step, "too large"))?;
-        Ok(Geometry { n_shard: n, mode: part.mode, shard_bs, batches_per_step, ppp, pss, q: if duplicate_batch { 2 * ppp } else { ppp }, duplicate_batch })
+        Ok(Geometry {
+            n_shard: n,
+            mode: part.mode,
+            shard_bs,
+            batches_per_step,
+            positive_per_partition: ppp,
+            partition_sample_size: pss,
+            block_len: if duplicate_batch { 2 * ppp } else { ppp },
+            duplicate_batch,
+        })
     }
 
     /// The block shape: `[n, n]` for shard pairs, `[n]` otherwise.
@@ -312,10 +329,10 @@ impl BatchSampler {
             Vec::new()
         };
         let max = part.triple_counts.iter().copied().max().unwrap_or(0).max(0) as usize;
-        let steps = max.div_ceil(geometry.pss);
+        let steps = max.div_ceil(geometry.partition_sample_size);
         let len = match state {
             State::Random(_) => steps,
-            State::Rigid { .. } => steps * geometry.pss,
+            State::Rigid { .. } => steps * geometry.partition_sample_size,
         };
         Ok(BatchSampler { part, geometry, negative, return_triple_idx: options.return_triple_idx, state, fast, len, raw: Vec::new(), rows })
     }
@@ -349,7 +366,7 @@ impl BatchSampler {
     pub fn steps_per_epoch(&self) -> usize {
         match self.state {
             State::Random(_) => self.len(),
-            State::Rigid { .. } => self.len() / self.geometry.pss,
+            State::Rigid { .. } => self.len() / self.geometry.partition_sample_size,
         }
     }
 
@@ -380,7 +397,7 @@ impl BatchSampler {
         let g = self.geometry;
         let p_count = g.partitions();
         let (counts, offsets) = (&self.part.triple_counts, &self.part.triple_offsets);
-        let total = g.batches_per_step * p_count * g.ppp;
+        let total = g.batches_per_step * p_count * g.positive_per_partition;
         idx.clear();
         mask.clear();
         idx.reserve(total);
@@ -400,11 +417,11 @@ impl BatchSampler {
                     }
                 };
                 if total >= PARALLEL_MIN {
-                    idx.par_chunks_mut(g.ppp).enumerate().for_each(|(block, x)| reduce(block % p_count, x));
+                    idx.par_chunks_mut(g.positive_per_partition).enumerate().for_each(|(block, x)| reduce(block % p_count, x));
                 } else {
                     // Partitions in turn, counted rather than divided (a division per block
                     // costs more than reducing a small block).
-                    for (x, p) in idx.chunks_mut(g.ppp).zip((0..p_count).cycle()) {
+                    for (x, p) in idx.chunks_mut(g.positive_per_partition).zip((0..p_count).cycle()) {
                         reduce(p, x);
                     }
                 }
@@ -413,14 +430,14 @@ impl BatchSampler {
             State::Rigid { shuffle } => {
                 let n_rows = self.part.len() as i64;
                 let epoch_step = step % steps.max(1);
-                let window = epoch_step * g.pss..(epoch_step + 1) * g.pss;
+                let window = epoch_step * g.partition_sample_size..(epoch_step + 1) * g.partition_sample_size;
                 let shuffled = shuffle.as_mut().map(|sh| &epoch_permutation(sh, step, steps, len)[window.clone()]);
                 // Written into slices (no capacity check per value): block by block, the
                 // `ppp` positions of one partition.
                 idx.resize(total, 0);
                 mask.resize(total, false);
                 let last = n_rows - 1;
-                let blocks = idx.chunks_exact_mut(g.ppp).zip(mask.chunks_exact_mut(g.ppp));
+                let blocks = idx.chunks_exact_mut(g.positive_per_partition).zip(mask.chunks_exact_mut(g.positive_per_partition));
                 // (batch, partition) of each block, counted rather than divided.
                 let mut at = (0, 0);
                 for (ix, mk) in blocks {
@@ -435,7 +452,7 @@ impl BatchSampler {
                     match shuffled {
                         // Sequential positions: the remainder steps by one and wraps.
                         None => {
-                            let first = window.start + s * g.ppp;
+                            let first = window.start + s * g.positive_per_partition;
                             let mut r = self.fast[p].reduce_u63(first as u64) as i64;
                             for (j, (o, m)) in ix.iter_mut().zip(mk.iter_mut()).enumerate() {
                                 *o = (off + r).min(last);
@@ -448,7 +465,8 @@ impl BatchSampler {
                         }
                         Some(w) => {
                             let f = self.fast[p];
-                            for ((o, m), &gpos) in ix.iter_mut().zip(mk.iter_mut()).zip(&w[s * g.ppp..(s + 1) * g.ppp]) {
+                            let block = s * g.positive_per_partition..(s + 1) * g.positive_per_partition;
+                            for ((o, m), &gpos) in ix.iter_mut().zip(mk.iter_mut()).zip(&w[block]) {
                                 *o = (off + f.reduce_u63(gpos as u64) as i64).min(last);
                                 *m = (gpos as i64) < c;
                             }
@@ -484,7 +502,7 @@ impl BatchSampler {
         if g.batches_per_step != 1 || self.rows.is_empty() {
             return None;
         }
-        let (p_count, ppp) = (g.partitions(), g.ppp);
+        let (p_count, ppp) = (g.partitions(), g.positive_per_partition);
         let (len, steps) = (self.len, self.steps_per_epoch());
         let parts = &self.rows;
         let out = &mut out[..blocks * ppp];
@@ -542,11 +560,13 @@ impl BatchSampler {
             if !g.duplicate_batch {
                 return v;
             }
-            v.chunks(g.ppp).flat_map(|c| c.iter().chain(c.iter()).copied()).collect()
+            v.chunks(g.positive_per_partition).flat_map(|c| c.iter().chain(c.iter()).copied()).collect()
         };
         let idx = dup(idx);
-        let mask = mask.map(|m| if g.duplicate_batch { m.chunks(g.ppp).flat_map(|c| c.iter().chain(c.iter()).copied()).collect() } else { m });
-        shape.push(g.q);
+        let mask = mask.map(|m| {
+            if g.duplicate_batch { m.chunks(g.positive_per_partition).flat_map(|c| c.iter().chain(c.iter()).copied()).collect() } else { m }
+        });
+        shape.push(g.block_len);
         let t = &self.part.triples;
         let col = |c: usize| -> Vec<i32> { idx.iter().map(|&i| t[[i as usize, c]] as i32).collect() };
         let mk = |v: Vec<i32>| ArrayD::from_shape_vec(IxDyn(&shape), v).expect("shape matches");

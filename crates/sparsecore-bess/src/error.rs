@@ -90,15 +90,15 @@ pub enum BessError {
 
     /// The batch geometry gives zero positive triples per partition block.
     #[error(
-        "shard batch size {shard_bs} gives {ppp} triples per block (n = {n_shard} shards, \
+        "shard batch size {shard_bs} gives {positive_per_partition} triples per block (n = {n_shard} shards, \
          duplicate_batch = {duplicate_batch}, corruption `{corruption}`); use a shard batch size \
          of at least {minimum}"
     )]
     ZeroTriplesPerBlock {
         /// The shard batch size given.
         shard_bs: usize,
-        /// Triples per partition block it gives.
-        ppp: usize,
+        /// Triples per partition block it gives (besskge's `ppp`).
+        positive_per_partition: usize,
         /// Number of shards.
         n_shard: usize,
         /// Whether batches are duplicated.

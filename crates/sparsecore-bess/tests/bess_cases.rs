@@ -228,14 +228,14 @@ fn run_case(dir: &Path) -> R<()> {
     };
     let mut sampler = BatchSampler::new(part.clone(), options, Some(negative)).map_err(e)?;
     let es = &exp["sampler"];
-    check_int("positive_per_partition", &es["positive_per_partition"], sampler.geometry().ppp)?;
-    check_int("partition_sample_size", &es["partition_sample_size"], sampler.geometry().pss)?;
+    check_int("positive_per_partition", &es["positive_per_partition"], sampler.geometry().positive_per_partition)?;
+    check_int("partition_sample_size", &es["partition_sample_size"], sampler.geometry().partition_sample_size)?;
     check_int("len", &es["len"], sampler.len())?;
     let steps = exp["steps"].as_array().ok_or("no steps")?;
     if steps.len() as u64 != s["n_steps"].as_u64().unwrap_or(u64::MAX) {
         return Err("steps and n_steps differ".into());
     }
-    let pss = sampler.geometry().pss;
+    let pss = sampler.geometry().partition_sample_size;
     for (k, st) in steps.iter().enumerate() {
         let idx: Vec<usize> = st["idx"].as_array().ok_or("no idx")?.iter().map(|x| x.as_u64().unwrap_or(0) as usize).collect();
         let step = match idx[..] {

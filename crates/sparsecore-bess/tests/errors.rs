@@ -99,7 +99,7 @@ fn empty_shard_pair() {
 fn zero_triples_per_block() {
     let t = synth::uniform(100, 3, 500, 1);
     let e = BessStream::builder().triples(t.clone()).n_entity(100).shard_batch_size(0).build().unwrap_err();
-    assert!(matches!(e, BessError::ZeroTriplesPerBlock { shard_bs: 0, ppp: 0, minimum: 1, .. }), "{e:?}");
+    assert!(matches!(e, BessError::ZeroTriplesPerBlock { shard_bs: 0, positive_per_partition: 0, minimum: 1, .. }), "{e:?}");
     // 4 shards, "ht": ceil(4 / 4) = 1, rounded down to even = 0; 5 gives 2.
     let e = BessStream::builder().triples(t.clone()).n_entity(100).shard_batch_size(4).corruption(Corruption::Ht).build().unwrap_err();
     assert_eq!(

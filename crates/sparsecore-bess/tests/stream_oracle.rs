@@ -200,7 +200,7 @@ struct Oracle {
     first: usize,
     sc_per_device: usize,
     col_shift: i64,
-    ppp: usize,
+    positive_per_partition: usize,
     corruption: Corruption,
     annotations: bool,
 }
@@ -238,7 +238,7 @@ impl Oracle {
         let sampler = |kind: SamplerKind| {
             let options = BatchOptions { shard_bs: case.shard_bs, batches_per_step: 1, duplicate_batch: false, return_triple_idx: true, kind };
             let s = BatchSampler::positives_only(part.clone(), options, case.corruption).expect("batch sampler");
-            assert_eq!(s.geometry().ppp, ppp, "{}: ppp", case.name);
+            assert_eq!(s.geometry().positive_per_partition, ppp, "{}: ppp", case.name);
             Positives::Sampler(Box::new(s))
         };
         let positives = match case.sampler {
@@ -270,7 +270,7 @@ impl Oracle {
             first: case.host * l * s,
             sc_per_device: s,
             col_shift: i64::from(case.col_shift),
-            ppp,
+            positive_per_partition: ppp,
             corruption: case.corruption,
             annotations: case.annotations,
         }
@@ -278,7 +278,7 @@ impl Oracle {
 
     /// Step `step`'s `sample_idx` over `[head shard i][tail shard j][q]`, and Rigid's mask.
     fn positives(&mut self, step: usize) -> (Vec<i64>, Option<Vec<bool>>) {
-        let (n, ppp) = (self.n, self.ppp);
+        let (n, ppp) = (self.n, self.positive_per_partition);
         match &mut self.positives {
             Positives::Sampler(s) => {
                 let b = s.sample(step).expect("batch");
@@ -312,7 +312,7 @@ impl Oracle {
     }
 
     fn expect(&mut self, step: usize) -> Expected {
-        let (n, ppp) = (self.n, self.ppp);
+        let (n, ppp) = (self.n, self.positive_per_partition);
         let (idx, mask) = self.positives(step);
         let tail_shard = |g: usize, i: usize| (i + g + step) % n;
         let at = |i: usize, j: usize, q: usize| (i * n + j) * ppp + q;
@@ -346,7 +346,7 @@ impl Oracle {
         let r = t.max(neg_rows);
         let max_ids = 2 * ppp + b * k;
         let counts = CellCounts {
-            ppp,
+            positive_per_partition: ppp,
             triples_per_sparsecore: t,
             positive_ids_per_partition: 2 * ppp,
             negative_ids_per_partition: b * k,

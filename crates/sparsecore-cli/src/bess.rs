@@ -425,7 +425,7 @@ fn batches(a: BatchesArgs) -> Result<()> {
     outln!(
         "layout {l}/{g}/{s}, host {}: {n} shards, ppp {} triples per shard-pair block per step, COO buffer {} per device",
         a.host,
-        counts.ppp,
+        counts.positive_per_partition,
         counts.coo_buffer_size_per_device
     );
     print_loads(&loads, &counts, n, |k| layout.global_sparsecore(k), steps);

@@ -792,7 +792,7 @@ pub fn compare_errors(want: &ModelError, got: &Error) -> Result<(), String> {
         }
         (
             ModelError::LimitExceeded { stack, kind, observed, limit, device, sc, partition },
-            Error::LimitExceeded { stack: s2, kind: k2, observed: o2, limit: l2, device: d2, sc: c2, partition: p2 },
+            Error::LimitExceeded { stack: s2, kind: k2, observed: o2, limit: l2, device: d2, sparsecore: c2, partition: p2 },
         ) => stack == s2 && kind == k2 && observed == o2 && limit == l2 && device == d2 && sc == c2 && partition == p2,
         _ => false,
     };

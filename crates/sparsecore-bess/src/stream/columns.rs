@@ -155,7 +155,7 @@ pub(super) struct PosScratch {
 /// per slot in `relation`.
 struct Blocks<F> {
     n: usize,
-    ppp: usize,
+    positive_per_partition: usize,
     r: usize,
     local: usize,
     of: F,
@@ -173,7 +173,7 @@ fn gather<R: Row, F: Fn(usize, usize) -> (usize, usize)>(
     bl: &Blocks<F>,
     (head, tail, relation): (&mut [i64], &mut [i64], &mut [i32]),
 ) {
-    let (n, ppp) = (bl.n, bl.ppp);
+    let (n, ppp) = (bl.n, bl.positive_per_partition);
     let t = n * ppp;
     let blocks = bl.local * n;
     // N is a power of two: block `b` is (slot b >> log2 N, head shard b & (N − 1)).
@@ -376,7 +376,7 @@ impl Parts<'_> {
     pub(super) fn positives(&self, sampler: &mut BatchSampler, step: usize, scratch: &mut PosScratch, keep_sidx: bool) -> Result<(Vec<ArrayRef>, bool)> {
         let lay = self.layout;
         let n = lay.num_sparsecores();
-        let (ppp, t, r) = (self.counts.ppp, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        let (ppp, t, r) = (self.counts.positive_per_partition, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
         if let (Some(rt), false) = (self.rigid, keep_sidx) {
             return self.rigid_positives(rt, step, scratch);
         }
@@ -417,7 +417,7 @@ impl Parts<'_> {
         let mut tail: Vec<i64> = reuse(vt, local * t);
         let mut relation: Vec<i32> = reuse(vr, rows);
         let tb = self.table;
-        let blocks = Blocks { n, ppp, r, local, of: |slot, i| block(first + slot, i) };
+        let blocks = Blocks { n, positive_per_partition: ppp, r, local, of: |slot, i| block(first + slot, i) };
         with_rows!(tb, rows => gather(rows, tb.decode, &tb.shard_ids, bess_idx, &blocks, (&mut head, &mut tail, &mut relation)));
         let sh = self.shared;
         let head = keep(vh, head);
@@ -451,7 +451,7 @@ impl Parts<'_> {
     fn placed_positives(&self, sampler: &mut BatchSampler, step: usize, scratch: &mut PosScratch) -> Result<Option<(Vec<ArrayRef>, bool)>> {
         let lay = self.layout;
         let n = lay.num_sparsecores();
-        let (ppp, t, r) = (self.counts.ppp, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        let (ppp, t, r) = (self.counts.positive_per_partition, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
         let (local, first) = (lay.local_sparsecores(), lay.global_sparsecore(0));
         let PosScratch { row_mask, row_at, values, .. } = scratch;
         row_at.resize(local * t + AHEAD, 0);
@@ -489,7 +489,7 @@ impl Parts<'_> {
     /// ([`BatchSampler::sample_rows_into`]).
     fn epoch_positives(&self, sampler: &mut BatchSampler, step: usize, scratch: &mut PosScratch) -> Result<Option<(Vec<ArrayRef>, bool)>> {
         let lay = self.layout;
-        let (ppp, t, r) = (self.counts.ppp, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        let (ppp, t, r) = (self.counts.positive_per_partition, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
         let windows = sampler.steps_per_epoch();
         #[cfg(test)]
         if scratch.epoch.off {
@@ -506,7 +506,7 @@ impl Parts<'_> {
         let mut head: Vec<i64> = reuse(vh, local * t);
         let mut tail: Vec<i64> = reuse(vt, local * t);
         let mut relation: Vec<i32> = reuse(vr, local * r);
-        let st = EpochStep { step, windows, ppp, order };
+        let st = EpochStep { step, windows, positive_per_partition: ppp, order };
         let bits = epoch.step(self.table, &part, lay, &st, (t, r), &mut head, &mut tail, &mut relation);
         let sh = self.shared;
         let mask: ArrayRef = if r == t { Arc::new(BooleanArray::new(bits, None)) } else { slice_mask(local, (t, r), |slot, b| b.append_buffer(&bits.slice(slot * t, t))) };
@@ -584,7 +584,7 @@ impl Parts<'_> {
     pub(super) fn negative_columns(&self, negs: &[i32], nmask: Option<&[bool]>, values: &mut Option<Buffer>) -> Result<Vec<ArrayRef>> {
         let lay = self.layout;
         let n = lay.num_sparsecores();
-        let (ppp, r) = (self.counts.ppp, self.counts.rows_per_sparsecore);
+        let (ppp, r) = (self.counts.positive_per_partition, self.counts.rows_per_sparsecore);
         let local = lay.local_sparsecores();
         let rows = local * r;
         let (b, k) = (self.neg_b, self.neg_k);

@@ -47,7 +47,7 @@ pub(super) struct EpochStep<'a> {
     /// Steps per epoch, `W`.
     pub(super) windows: usize,
     /// Positions per block, `ppp`.
-    pub(super) ppp: usize,
+    pub(super) positive_per_partition: usize,
     /// The epoch's order of its `W·ppp` positions.
     pub(super) order: &'a [usize],
 }
@@ -111,13 +111,20 @@ impl EpochTable {
             self.order.extend(st.order.iter().map(|&v| v as u32));
             rows.resize(windows * stride, R::default());
             self.bools.resize(windows * stride, false);
-            let geometry = Geometry { n, local, first_sc, ppp: st.ppp, t, windows, epoch };
+            let geometry = Geometry { n, local, first_sc, positive_per_partition: st.positive_per_partition, t, windows, epoch };
             fill(phys, part, &geometry, &self.order, &mut rows, &mut self.bools);
             self.mask = Some(pack_bools(&self.bools));
             self.epoch = Some(epoch);
         }
         let at = (st.step % windows) * stride;
-        decode_slots(&rows[at..at + stride], table.decode, &table.shard_ids, (n, st.ppp, r), (first_sc, st.step), (head, tail, relation));
+        decode_slots(
+            &rows[at..at + stride],
+            table.decode,
+            &table.shard_ids,
+            (n, st.positive_per_partition, r),
+            (first_sc, st.step),
+            (head, tail, relation),
+        );
         *R::buffer(&mut self.rows) = rows;
         self.mask.as_ref().map_or_else(|| BooleanBuffer::new_unset(stride), |m| m.slice(at, stride))
     }
@@ -129,7 +136,7 @@ struct Geometry {
     n: usize,
     local: usize,
     first_sc: usize,
-    ppp: usize,
+    positive_per_partition: usize,
     t: usize,
     windows: usize,
     epoch: usize,
@@ -168,7 +175,7 @@ fn fill<R: Row>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u3
 fn fill_sizes<R: Row>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
     // Blocks of a power of two of rows (`ppp = shard_bs / n`, as a rule) as fixed-size arrays:
     // unrolled, with no loop bookkeeping, and the positions of a step loaded once.
-    match g.ppp {
+    match g.positive_per_partition {
         1 => fill_diagonals::<R, 1>(phys, part, g, order, rows, bools),
         2 => fill_diagonals::<R, 2>(phys, part, g, order, rows, bools),
         4 => fill_diagonals::<R, 4>(phys, part, g, order, rows, bools),
@@ -180,13 +187,13 @@ fn fill_sizes<R: Row>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order
     }
 }
 
-/// [`fill`] for blocks of `P` rows (0: any number, `g.ppp`).
+/// [`fill`] for blocks of `P` rows (0: any number, `g.positive_per_partition`).
 #[inline(always)]
 fn fill_diagonals<R: Row, const P: usize>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
     let (n, t) = (g.n, g.t);
-    let ppp = if P == 0 { g.ppp } else { P };
+    let ppp = if P == 0 { g.positive_per_partition } else { P };
     let len = g.windows * ppp;
-    if n == 0 || ppp == 0 || g.ppp != ppp || t != n * ppp || order.len() != len {
+    if n == 0 || ppp == 0 || g.positive_per_partition != ppp || t != n * ppp || order.len() != len {
         return;
     }
     let stride = g.local * t;
@@ -316,7 +323,7 @@ mod tests {
                         let w = table.batch_sampler().steps_per_epoch();
                         // Rigid shuffle reads empty partitions by the sampler's index arrays, and
                         // epochs past the bounds by the per-step path.
-                        let fits = super::EpochTable::fits(&table.table, &table.layout, table.counts.ppp, w);
+                        let fits = super::EpochTable::fits(&table.table, &table.layout, table.counts.positive_per_partition, w);
                         let used = fits && table.partitioned().triple_counts.iter().all(|&c| c > 0);
                         tabled += usize::from(used);
                         // In sequence over three epochs (their ends, where epochs are long),

@@ -101,8 +101,8 @@ pub enum NegativeKind {
 /// The per-cell counts the config's limits are made of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CellCounts {
-    /// Triples per shard-pair block (`positive_per_partition`).
-    pub ppp: usize,
+    /// Triples per shard-pair block (besskge's `positive_per_partition`, `ppp`).
+    pub positive_per_partition: usize,
     /// Triples per SparseCore slice, `T = n·ppp`.
     pub triples_per_sparsecore: usize,
     /// Positive ids per (SparseCore, partition): `2·ppp` (heads and tails).
@@ -375,7 +375,7 @@ impl BessStreamBuilder {
         };
         let options = BatchOptions { shard_bs, batches_per_step: 1, duplicate_batch: false, return_triple_idx: true, kind };
         let sampler = BatchSampler::positives_only(part.clone(), options, self.corruption)?;
-        let ppp = sampler.geometry().ppp;
+        let ppp = sampler.geometry().positive_per_partition;
         let neg_words = seed_words(u128::from(self.seeds.2));
         let negative = match (&self.negative_kind, self.negatives) {
             (NegativeKind::TripleBased { .. }, _) => {
@@ -448,7 +448,7 @@ impl BessStreamBuilder {
         let max_ids = 2 * ppp + b * k;
         let coo = s * n * max_ids.div_ceil(8) * 8;
         let counts = CellCounts {
-            ppp,
+            positive_per_partition: ppp,
             triples_per_sparsecore: t,
             positive_ids_per_partition: 2 * ppp,
             negative_ids_per_partition: b * k,
@@ -678,7 +678,8 @@ impl BessStream {
             }
             Some(ns) => {
                 let (mut columns, rigid) = parts.positives(sampler, step, pos, true)?;
-                let si = ArrayD::from_shape_vec(IxDyn(&[1, n, n, parts.counts.ppp]), pos.sidx.clone()).expect("n * n * ppp indices");
+                let shape = [1, n, n, parts.counts.positive_per_partition];
+                let si = ArrayD::from_shape_vec(IxDyn(&shape), pos.sidx.clone()).expect("n * n * ppp indices");
                 let no = ns.sample(part, &si)?;
                 let flat_neg = no.negative.as_slice().expect("standard layout");
                 let flat_mask = no.mask.as_ref().map(|m| m.as_slice().expect("standard layout"));
@@ -692,7 +693,7 @@ impl BessStream {
         };
         let record_batch = RecordBatch::try_new(self.schema.clone(), std::mem::take(&mut columns))?;
         let n = self.layout.num_sparsecores();
-        let ppp = self.counts.ppp;
+        let ppp = self.counts.positive_per_partition;
         let sample_idx = keep.then(|| ArrayD::from_shape_vec(IxDyn(&[n, n, ppp]), self.scratch.pos.sidx.clone()).expect("n * n * ppp indices"));
         let triple_mask = (keep && rigid).then(|| self.scratch.pos.smask.clone());
         Ok(StreamBatch { step, record_batch, sample_idx, triple_mask, negative })

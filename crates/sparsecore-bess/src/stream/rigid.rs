@@ -41,7 +41,7 @@ pub(super) struct Rigid {
     columns: Option<RunColumns>,
     /// The smallest partition: a window whose positions all lie below it has no padding.
     min_count: usize,
-    ppp: usize,
+    positive_per_partition: usize,
     windows: usize,
     /// Every step's columns, when small enough.
     pub(super) slices: Option<RigidSlices>,
@@ -262,7 +262,7 @@ struct Blocks {
     first_sc: usize,
     step: usize,
     t: usize,
-    ppp: usize,
+    positive_per_partition: usize,
 }
 
 /// Copies every block of the host, whose windows `start` gives (see [`RunColumns::seek`]),
@@ -279,7 +279,7 @@ struct Blocks {
 /// a head shard's are copied (a slot's worth of rows ahead).
 #[inline(never)]
 fn stage_blocks<R: Row, const P: usize>(start: &[u64], (offset, count): (&[u32], &[u32]), phys: &[R], bl: Blocks, staged: &mut [R], mut mask: Option<&mut [u64]>) {
-    let ppp = if P == 0 { bl.ppp } else { P };
+    let ppp = if P == 0 { bl.positive_per_partition } else { P };
     let (n, t) = (bl.n, bl.t);
     if ppp == 0 || n == 0 || t != n * ppp || start.len() != n * n {
         return;
@@ -385,19 +385,19 @@ impl Rigid {
             .collect();
         let min_count = parts.iter().map(|p| p.count).min().unwrap_or(0);
         let columns = RunColumns::new(&parts, with_rows!(table, rows => rows.len()), ppp);
-        let mut rigid = Rigid { parts, columns, min_count, ppp, windows: windows.max(1), slices: None };
+        let mut rigid = Rigid { parts, columns, min_count, positive_per_partition: ppp, windows: windows.max(1), slices: None };
         rigid.slices = with_rows!(table, rows => RigidSlices::build(&rigid, rows, table.decode, lay));
         rigid
     }
 
     /// The first position of step `step`'s window in every partition.
     fn first(&self, step: usize) -> usize {
-        (step % self.windows) * self.ppp
+        (step % self.windows) * self.positive_per_partition
     }
 
     /// Whether some block of step `step` holds padding.
     pub(super) fn padded(&self, step: usize) -> bool {
-        self.first(step) + self.ppp > self.min_count
+        self.first(step) + self.positive_per_partition > self.min_count
     }
 
     /// Writes step `step`'s positives in the host's row order: `head` and `tail` (`T` per
@@ -418,7 +418,7 @@ impl Rigid {
         padded: bool,
     ) -> Option<BooleanBuffer> {
         if let Some(cols) = &self.columns {
-            cols.seek(cursor, self.first(step), self.ppp);
+            cols.seek(cursor, self.first(step), self.positive_per_partition);
             let bits = lay.local_sparsecores() * t;
             let mut words = vec![0u64; if padded { bits.div_ceil(64) } else { 0 }];
             let mask = padded.then_some(&mut words[..]);
@@ -461,11 +461,11 @@ impl Rigid {
         relation: &mut [i32],
         mask: Option<&mut [u64]>,
     ) {
-        let (n, ppp) = (lay.num_sparsecores(), self.ppp);
+        let (n, ppp) = (lay.num_sparsecores(), self.positive_per_partition);
         let (local, first_sc) = (lay.local_sparsecores(), lay.global_sparsecore(0));
         let mut staged = std::mem::take(R::buffer(&mut cur.staged));
         staged.resize(local * t, R::default());
-        let blocks = Blocks { n, local, first_sc, step, t, ppp };
+        let blocks = Blocks { n, local, first_sc, step, t, positive_per_partition: ppp };
         let (start, wraps) = (&cur.start[..], (&cols.offset[..], &cols.count[..]));
         // A block's rows in fixed-size moves where its size is a small power of two.
         match ppp {
@@ -492,7 +492,7 @@ impl Rigid {
         relation: &mut [i32],
         mut mask: Option<&mut [bool]>,
     ) {
-        let (n, ppp) = (lay.num_sparsecores(), self.ppp);
+        let (n, ppp) = (lay.num_sparsecores(), self.positive_per_partition);
         let first_sc = lay.global_sparsecore(0);
         let first = self.first(step);
         let local = lay.local_sparsecores();
@@ -565,7 +565,7 @@ pub(super) struct RigidSlices {
 
 impl RigidSlices {
     fn build<R: Row>(rigid: &Rigid, phys: &[R], decode: Decode, lay: &SparseCoreLayout) -> Option<Self> {
-        let (n, local, first_sc, ppp) = (lay.num_sparsecores(), lay.local_sparsecores(), lay.global_sparsecore(0), rigid.ppp);
+        let (n, local, first_sc, ppp) = (lay.num_sparsecores(), lay.local_sparsecores(), lay.global_sparsecore(0), rigid.positive_per_partition);
         let t = n * ppp;
         let windows = rigid.windows;
         let gcd = |mut a: usize, mut b: usize| {
