@@ -12,7 +12,7 @@ use std::path::Path;
 use sparsecore_prep::fdo::csv;
 use sparsecore_prep::fdo::npz::{self, NpyArray};
 use sparsecore_prep::fdo::{tune, FdoClient, FdoStats, FileFdoClient, LayoutKey, FDO_FORMAT_VERSION};
-use sparsecore_prep::{Config, Error, Preprocessor, StackStats};
+use sparsecore_prep::{Config, Error, NpzBound, Preprocessor, StackStats};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -361,6 +361,84 @@ fn npy_headers_that_declare_more_than_there_is_are_errors() {
     write_raw_npz(&p, &[("t_max_ids", huge)]);
     let e = npz::import(&p, layout(1, 1, 4)).unwrap_err().to_string();
     assert!(e.contains("huge.npz/t_max_ids") && e.contains("data bytes"), "{e}");
+}
+
+/// A deflate bomb: `t_max_ids.npy`, a valid `(4,)` int64 array (header 128 bytes, data 32) followed
+/// by `mib` MiB of zeros, in one deflated member; the file is about a thousandth of that.
+fn write_deflate_bomb(path: &Path, mib: usize) {
+    let mut zip = zip::ZipWriter::new(std::fs::File::create(path).unwrap());
+    let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
+    zip.start_file("t_max_ids.npy", opts).unwrap();
+    zip.write_all(&npy_bytes("<i8", "(4,)", &i64_bytes(&[1, 2, 3, 4]))).unwrap();
+    let zeros = vec![0u8; 1 << 20];
+    for _ in 0..mib {
+        zip.write_all(&zeros).unwrap();
+    }
+    zip.finish().unwrap();
+}
+
+// Regression: each member was inflated whole before its header was looked at, so a 1.5 MB file
+// took 1.6 GB of memory (and a 25 MB one aborted the process).
+#[test]
+fn npz_deflate_bombs_are_refused_before_they_are_inflated() {
+    let dir = TempDir::new("npz-bomb");
+    let p = dir.join("bomb.npz");
+    write_deflate_bomb(&p, 16);
+    assert!(std::fs::metadata(&p).unwrap().len() < 200_000, "the bomb is small on disk");
+    let start = std::time::Instant::now();
+    let e = npz::import(&p, layout(1, 1, 4)).unwrap_err();
+    let took = start.elapsed();
+    let name = p.display().to_string();
+    match &e {
+        Error::NpzMemberTooLarge { file, member, size, bound, limit } => {
+            assert_eq!((file.as_str(), member.as_str(), *size, *bound, *limit), (name.as_str(), "t_max_ids", 16_777_376, NpzBound::Declared, 160));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(e.to_string(), format!("{name}: member `t_max_ids`: 16777376 bytes decompressed, more than its .npy header declares: 160"));
+    assert!(took < std::time::Duration::from_secs(2), "refused in {took:?}");
+    // Without the zeros the same member reads.
+    write_deflate_bomb(&p, 0);
+    assert_eq!(npz::read_npz(&p).unwrap()["t_max_ids"], arr1(&[1, 2, 3, 4]));
+}
+
+/// `read_npy_member` reads a header, then exactly the data it declares: a member above the limit,
+/// with a header past 64 KiB, or with even one byte more than declared is refused, naming the
+/// file, member, size and limit; a short one is left to `decode_npy`, which counts its bytes.
+#[test]
+fn npz_members_are_read_to_what_their_header_declares() {
+    let good = npy_bytes("<i8", "(4,)", &i64_bytes(&[5, 6, 7, 8]));
+    assert_eq!(good.len(), 160);
+    assert_eq!(npz::read_npy_member(&good[..], 160, 160, "f.npz", "t").unwrap(), good);
+
+    let e = npz::read_npy_member(&good[..], 160, 159, "f.npz", "t").unwrap_err();
+    assert!(matches!(e, Error::NpzMemberTooLarge { size: 160, bound: NpzBound::Member, limit: 159, .. }), "{e:?}");
+    assert_eq!(e.to_string(), "f.npz: member `t`: 160 bytes decompressed, past the limit on one member of 159");
+
+    let mut longer = good.clone();
+    longer.push(0);
+    let e = npz::read_npy_member(&longer[..], 161, 1 << 20, "f.npz", "t").unwrap_err();
+    assert!(matches!(e, Error::NpzMemberTooLarge { size: 161, bound: NpzBound::Declared, limit: 160, .. }), "{e:?}");
+    // A reader that yields more than the size it was given for the member is refused the same way.
+    let e = npz::read_npy_member(&longer[..], 160, 1 << 20, "f.npz", "t").unwrap_err();
+    assert!(matches!(e, Error::NpzMemberTooLarge { size: 161, bound: NpzBound::Declared, limit: 160, .. }), "{e:?}");
+
+    let mut long = b"\x93NUMPY\x02\x00".to_vec();
+    long.extend_from_slice(&0x8000_0000u32.to_le_bytes());
+    let e = npz::read_npy_member(&long[..], 1 << 20, 1 << 30, "f.npz", "t").unwrap_err();
+    assert!(matches!(e, Error::NpzMemberTooLarge { size: 2_147_483_648, bound: NpzBound::Header, limit: 65_536, .. }), "{e:?}");
+    assert_eq!(e.to_string(), "f.npz: member `t`: 2147483648 bytes of .npy header, past the header limit of 65536");
+
+    let short = &good[..150];
+    let bytes = npz::read_npy_member(short, 150, 1 << 20, "f.npz", "t").unwrap();
+    assert_eq!(bytes.len(), 150);
+    let e = npz::decode_npy(&bytes, "f.npz/t").unwrap_err();
+    assert_eq!(e.to_string(), "f.npz/t: 22 data bytes for 4 values");
+    // A dtype this module does not read: only the header is read, and decode_npy names the dtype.
+    let float = npy_bytes("<f8", "(1000,)", &[0u8; 8000]);
+    let bytes = npz::read_npy_member(&float[..], 8128, 1 << 20, "f.npz", "x").unwrap();
+    assert_eq!(bytes.len(), 128);
+    assert_eq!(npz::decode_npy(&bytes, "f.npz/x").unwrap_err().to_string(), "f.npz/x: dtype '<f8' is not int64 or int32");
 }
 
 /// After k recorded steps the reference stores `[k, len]` matrices (and `[k, 1]` drop
