@@ -743,6 +743,17 @@ fn fdo_merge_and_tune_refuse_another_layout() {
     let b = dir.join("g2.json");
     write_json(&b, &other);
     let merged = dir.join("merged.json");
+    // Arrays of 1/1/4's lengths under layout 1/2/4: the file is refused, named.
+    let line = fail(&["fdo", "merge", s(&a), s(&b), "-o", s(&merged)]);
+    assert_mentions(&line, &["g2.json: invalid config: stack `t00`: stats field `max_ids_per_partition` has 4 values, expected L·G·S = 1·2·4 = 8"]);
+    // With 1·2·4 = 8 partitions (and L·S = 4 SparseCores as before), it is stats of another layout.
+    for st in other["stacks"].as_object_mut().unwrap().values_mut() {
+        for k in ["max_ids_per_partition", "max_unique_ids_per_partition"] {
+            let v = st[k].as_array().unwrap().clone();
+            st[k] = json!([v.clone(), v].concat());
+        }
+    }
+    write_json(&b, &other);
     let line = fail(&["fdo", "merge", s(&a), s(&b), "-o", s(&merged)]);
     assert_mentions(&line, &["1/1/4", "1/2/4", "g2.json", "stats.json"]);
     assert_not_written(&merged);
