@@ -53,6 +53,29 @@ impl fmt::Display for ConfigItem {
     }
 }
 
+/// Which bound an [`Error::NpzMemberTooLarge`] broke.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum NpzBound {
+    /// The most one member may decompress to.
+    Member,
+    /// What the member's own `.npy` header declares (header plus data): bytes past it are no
+    /// part of the array.
+    Declared,
+    /// The most a `.npy` header may take (numpy's own headers take a few hundred bytes).
+    Header,
+}
+
+impl fmt::Display for NpzBound {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            NpzBound::Member => "decompressed, past the limit on one member of",
+            NpzBound::Declared => "decompressed, more than its .npy header declares:",
+            NpzBound::Header => "of .npy header, past the header limit of",
+        })
+    }
+}
+
 /// What a [`Error::BatchTooLarge`] counted: each is bounded by the sort key's 26-bit payload
 /// (per device or per SparseCore) or by the stack's row offsets built from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -332,6 +355,23 @@ pub enum Error {
         what: String,
         /// What is wrong.
         reason: String,
+    },
+
+    /// An `.npz` member is larger than its reader accepts. The zip's declared size is what one
+    /// member decompresses to, so it is checked before a byte is inflated: a deflate bomb (a
+    /// small array followed by gigabytes of zeros, about 1000:1) would otherwise be read whole.
+    #[error("{file}: member `{member}`: {size} bytes {bound} {limit}")]
+    NpzMemberTooLarge {
+        /// The `.npz` file.
+        file: String,
+        /// The member, by the name `np.load` gives it (without `.npy`).
+        member: String,
+        /// Its size in bytes: decompressed, or of its `.npy` header.
+        size: u64,
+        /// Which bound it broke.
+        bound: NpzBound,
+        /// The bound in bytes.
+        limit: u64,
     },
 
     /// An Arrow column named by the config is absent from the record batch.

@@ -83,7 +83,7 @@ pub mod io;
 
 pub use allreduce::{AllReduce, AllReduceCounters, InProcessAllReduce, LocalAllReduce, TcpAllReduce, TcpAllReduceBuilder};
 pub use group::bucket::BucketFn;
-pub use error::{BatchCount, ConfigItem, Error, LimitKind, Result};
+pub use error::{BatchCount, ConfigItem, Error, LimitKind, NpzBound, Result};
 pub use fdo::FdoStats;
 pub use input::{features_from_record_batch, ArrowListInput, CooInput, DenseInput, RaggedInput, SampleSource};
 pub use output::{Output, StackOutput};

@@ -12,7 +12,7 @@ use std::path::Path;
 use sparsecore_prep::fdo::csv;
 use sparsecore_prep::fdo::npz::{self, NpyArray};
 use sparsecore_prep::fdo::{tune, FdoClient, FdoStats, FileFdoClient, LayoutKey, FDO_FORMAT_VERSION};
-use sparsecore_prep::{Config, Error, Preprocessor, StackStats};
+use sparsecore_prep::{Config, ConfigItem, Error, NpzBound, Preprocessor, StackStats};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -197,6 +197,80 @@ fn merge_refuses_other_layouts_and_stack_sets() {
     assert_eq!(a2, before, "a refused merge changes nothing");
 }
 
+// Regression: `from_json` accepted arrays of any length, and `merge` checked only one array's
+// length (naming neither field nor lengths) and widened the others.
+#[test]
+fn stats_arrays_must_have_the_lengths_of_their_layout() {
+    // Layout 1/1/4: L·G·S = 4 partitions, L·S = 4 SparseCores.
+    let json = |ids: &str, uniq: &str, req: &str| {
+        format!(
+            r#"{{"version": 1, "layout": {{"local_device_count": 1, "global_device_count": 1, "num_sc_per_device": 4}}, "batches": 1,
+                "stacks": {{"t": {{"max_ids_per_partition": {ids}, "max_unique_ids_per_partition": {uniq},
+                "required_buffer_size_per_sc": {req}, "dropped_id_count": 0}}}}}}"#
+        )
+    };
+    let e = FdoStats::from_json(&json("[1, 2, 3, 4, 5, 6, 7]", "[1]", "[8, 8]")).unwrap_err();
+    match &e {
+        Error::InvalidConfig { what: ConfigItem::Stack, name, reason } => {
+            assert_eq!(name, "t");
+            assert_eq!(reason, "stats field `max_ids_per_partition` has 7 values, expected L·G·S = 1·1·4 = 4 (or none, for a field not recorded)");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(e.to_string(), "invalid config: stack `t`: stats field `max_ids_per_partition` has 7 values, expected L·G·S = 1·1·4 = 4 (or none, for a field not recorded)");
+    let e = FdoStats::from_json(&json("[1, 2, 3, 4]", "[1]", "[8, 8]")).unwrap_err();
+    assert_eq!(e.to_string(), "invalid config: stack `t`: stats field `max_unique_ids_per_partition` has 1 values, expected L·G·S = 1·1·4 = 4 (or none, for a field not recorded)");
+    let e = FdoStats::from_json(&json("[1, 2, 3, 4]", "[1, 1, 1, 1]", "[8, 8]")).unwrap_err();
+    assert_eq!(e.to_string(), "invalid config: stack `t`: stats field `required_buffer_size_per_sc` has 2 values, expected L·S = 1·4 = 4 (or none, for a field not recorded)");
+    // A file is named.
+    let dir = TempDir::new("stats-lengths");
+    let p = dir.join("short.json");
+    std::fs::write(&p, json("[1, 2, 3, 4]", "[1, 1, 1, 1]", "[8, 8]")).unwrap();
+    let e = FdoStats::from_path(&p).unwrap_err();
+    assert!(matches!(e.root(), Error::InvalidConfig { what: ConfigItem::Stack, .. }), "{e:?}");
+    assert!(e.to_string().starts_with(&format!("stats {}: invalid config: stack `t`: stats field `required_buffer_size_per_sc` has 2 values", p.display())), "{e}");
+    // A field that was not recorded is empty.
+    let s = FdoStats::from_json(&json("[1, 2, 3, 4]", "[]", "[]")).unwrap();
+    assert_eq!(s.stacks["t"], stack(&[1, 2, 3, 4], &[], &[], 0));
+
+    // Layout 2/2/4: 16 partitions, 8 SparseCores.
+    let mut s = sample_stats();
+    s.stacks.get_mut("items").unwrap().required_buffer_size_per_sc = vec![8; 16];
+    let e = s.validate().unwrap_err();
+    assert_eq!(e.to_string(), "invalid config: stack `items`: stats field `required_buffer_size_per_sc` has 16 values, expected L·S = 2·4 = 8 (or none, for a field not recorded)");
+
+    // A layout whose partition count does not fit in 64 bits.
+    let mut s = FdoStats::new(layout(1 << 32, 1 << 32, 1));
+    s.stacks.insert("t".into(), stack(&[1], &[], &[], 0));
+    let e = s.validate().unwrap_err();
+    assert_eq!(e.to_string(), "invalid option `layout` = 4294967296/4294967296/1: L·G·S = 4294967296·4294967296·1 partitions does not fit in 64 bits");
+
+    // Merging: the other side's arrays are checked too, and a refused merge changes nothing.
+    let mut a = FdoStats::new(layout(1, 1, 4));
+    a.batches = 1;
+    a.stacks.insert("t".into(), stack(&[1, 1, 1, 1], &[1, 1, 1, 1], &[8, 8, 8, 8], 0));
+    let mut wide = a.clone();
+    wide.stacks.get_mut("t").unwrap().max_unique_ids_per_partition = vec![1, 1, 1, 1, 9, 9, 9, 9];
+    let mut merged = a.clone();
+    let e = merged.merge(&wide).unwrap_err();
+    assert_eq!(e.to_string(), "invalid config: stack `t`: stats field `max_unique_ids_per_partition` has 8 values, expected L·G·S = 1·1·4 = 4 (or none, for a field not recorded)");
+    assert_eq!(merged, a);
+    let mut short = a.clone();
+    short.stacks.get_mut("t").unwrap().required_buffer_size_per_sc = vec![8];
+    let e = merged.merge(&short).unwrap_err();
+    let required = "invalid config: stack `t`: stats field `required_buffer_size_per_sc` has 1 values, expected L·S = 1·4 = 4 (or none, for a field not recorded)";
+    assert_eq!(e.to_string(), required);
+    let e = short.merge(&a).unwrap_err();
+    assert_eq!(e.to_string(), required);
+    // A field one side did not record takes the other side's values.
+    let mut partial = FdoStats::new(layout(1, 1, 4));
+    partial.batches = 2;
+    partial.stacks.insert("t".into(), stack(&[5, 0, 0, 0], &[], &[], 3));
+    partial.merge(&a).unwrap();
+    assert_eq!(partial.stacks["t"], stack(&[5, 1, 1, 1], &[1, 1, 1, 1], &[8, 8, 8, 8], 3));
+    assert_eq!(partial.batches, 3);
+}
+
 // ---------------------------------------------------------------------------------------------
 // NPZ and CSV
 // ---------------------------------------------------------------------------------------------
@@ -282,8 +356,12 @@ fn reference_npz_files_merge_to_the_golden_maxima() {
     assert!(ours.starts_with(b"\x93NUMPY\x01\x00") && (ours.len() - 32).is_multiple_of(64), "{ours:?}");
     assert_eq!(npz::decode_npy(&npy_bytes("<i8", "(4,)", &i64_bytes(&[20, 10, 40, 30])), "numpy").unwrap(), npz::decode_npy(&ours, "ours").unwrap());
 
-    let mut merged = npz::import(&f0, layout(1, 1, 4)).unwrap();
-    let other = npz::import(&f1, layout(1, 1, 4)).unwrap();
+    // The golden arrays hold 4 partitions and 1 SparseCore: layout 1/4/1. Under another layout
+    // the file is refused, naming the array that does not fit.
+    let e = npz::import(&f1, layout(1, 1, 4)).unwrap_err();
+    assert_eq!(e.to_string(), "invalid config: stack `t_one`: stats field `required_buffer_size_per_sc` has 1 values, expected L·S = 1·4 = 4 (or none, for a field not recorded)");
+    let mut merged = npz::import(&f0, layout(1, 4, 1)).unwrap();
+    let other = npz::import(&f1, layout(1, 4, 1)).unwrap();
     assert_eq!(other.stacks["t_one"].max_ids_per_partition, vec![20, 10, 40, 30]);
     merged.merge(&other).unwrap();
     assert_eq!(merged.stacks["t_one"].max_ids_per_partition, vec![20, 20, 40, 40]);
@@ -363,6 +441,84 @@ fn npy_headers_that_declare_more_than_there_is_are_errors() {
     assert!(e.contains("huge.npz/t_max_ids") && e.contains("data bytes"), "{e}");
 }
 
+/// A deflate bomb: `t_max_ids.npy`, a valid `(4,)` int64 array (header 128 bytes, data 32) followed
+/// by `mib` MiB of zeros, in one deflated member; the file is about a thousandth of that.
+fn write_deflate_bomb(path: &Path, mib: usize) {
+    let mut zip = zip::ZipWriter::new(std::fs::File::create(path).unwrap());
+    let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
+    zip.start_file("t_max_ids.npy", opts).unwrap();
+    zip.write_all(&npy_bytes("<i8", "(4,)", &i64_bytes(&[1, 2, 3, 4]))).unwrap();
+    let zeros = vec![0u8; 1 << 20];
+    for _ in 0..mib {
+        zip.write_all(&zeros).unwrap();
+    }
+    zip.finish().unwrap();
+}
+
+// Regression: each member was inflated whole before its header was looked at, so a 1.5 MB file
+// took 1.6 GB of memory (and a 25 MB one aborted the process).
+#[test]
+fn npz_deflate_bombs_are_refused_before_they_are_inflated() {
+    let dir = TempDir::new("npz-bomb");
+    let p = dir.join("bomb.npz");
+    write_deflate_bomb(&p, 16);
+    assert!(std::fs::metadata(&p).unwrap().len() < 200_000, "the bomb is small on disk");
+    let start = std::time::Instant::now();
+    let e = npz::import(&p, layout(1, 1, 4)).unwrap_err();
+    let took = start.elapsed();
+    let name = p.display().to_string();
+    match &e {
+        Error::NpzMemberTooLarge { file, member, size, bound, limit } => {
+            assert_eq!((file.as_str(), member.as_str(), *size, *bound, *limit), (name.as_str(), "t_max_ids", 16_777_376, NpzBound::Declared, 160));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(e.to_string(), format!("{name}: member `t_max_ids`: 16777376 bytes decompressed, more than its .npy header declares: 160"));
+    assert!(took < std::time::Duration::from_secs(2), "refused in {took:?}");
+    // Without the zeros the same member reads.
+    write_deflate_bomb(&p, 0);
+    assert_eq!(npz::read_npz(&p).unwrap()["t_max_ids"], arr1(&[1, 2, 3, 4]));
+}
+
+/// `read_npy_member` reads a header, then exactly the data it declares: a member above the limit,
+/// with a header past 64 KiB, or with even one byte more than declared is refused, naming the
+/// file, member, size and limit; a short one is left to `decode_npy`, which counts its bytes.
+#[test]
+fn npz_members_are_read_to_what_their_header_declares() {
+    let good = npy_bytes("<i8", "(4,)", &i64_bytes(&[5, 6, 7, 8]));
+    assert_eq!(good.len(), 160);
+    assert_eq!(npz::read_npy_member(&good[..], 160, 160, "f.npz", "t").unwrap(), good);
+
+    let e = npz::read_npy_member(&good[..], 160, 159, "f.npz", "t").unwrap_err();
+    assert!(matches!(e, Error::NpzMemberTooLarge { size: 160, bound: NpzBound::Member, limit: 159, .. }), "{e:?}");
+    assert_eq!(e.to_string(), "f.npz: member `t`: 160 bytes decompressed, past the limit on one member of 159");
+
+    let mut longer = good.clone();
+    longer.push(0);
+    let e = npz::read_npy_member(&longer[..], 161, 1 << 20, "f.npz", "t").unwrap_err();
+    assert!(matches!(e, Error::NpzMemberTooLarge { size: 161, bound: NpzBound::Declared, limit: 160, .. }), "{e:?}");
+    // A reader that yields more than the size it was given for the member is refused the same way.
+    let e = npz::read_npy_member(&longer[..], 160, 1 << 20, "f.npz", "t").unwrap_err();
+    assert!(matches!(e, Error::NpzMemberTooLarge { size: 161, bound: NpzBound::Declared, limit: 160, .. }), "{e:?}");
+
+    let mut long = b"\x93NUMPY\x02\x00".to_vec();
+    long.extend_from_slice(&0x8000_0000u32.to_le_bytes());
+    let e = npz::read_npy_member(&long[..], 1 << 20, 1 << 30, "f.npz", "t").unwrap_err();
+    assert!(matches!(e, Error::NpzMemberTooLarge { size: 2_147_483_648, bound: NpzBound::Header, limit: 65_536, .. }), "{e:?}");
+    assert_eq!(e.to_string(), "f.npz: member `t`: 2147483648 bytes of .npy header, past the header limit of 65536");
+
+    let short = &good[..150];
+    let bytes = npz::read_npy_member(short, 150, 1 << 20, "f.npz", "t").unwrap();
+    assert_eq!(bytes.len(), 150);
+    let e = npz::decode_npy(&bytes, "f.npz/t").unwrap_err();
+    assert_eq!(e.to_string(), "f.npz/t: 22 data bytes for 4 values");
+    // A dtype this module does not read: only the header is read, and decode_npy names the dtype.
+    let float = npy_bytes("<f8", "(1000,)", &[0u8; 8000]);
+    let bytes = npz::read_npy_member(&float[..], 8128, 1 << 20, "f.npz", "x").unwrap();
+    assert_eq!(bytes.len(), 128);
+    assert_eq!(npz::decode_npy(&bytes, "f.npz/x").unwrap_err().to_string(), "f.npz/x: dtype '<f8' is not int64 or int32");
+}
+
 /// After k recorded steps the reference stores `[k, len]` matrices (and `[k, 1]` drop
 /// counters); importing reduces them to the column-wise max, and the batch count to k.
 #[test]
@@ -414,7 +570,7 @@ fn csv_repeated_keys_stack_rows() {
     let dir = TempDir::new("csv-rows");
     let p = dir.join("x.csv");
     std::fs::write(&p, text).unwrap();
-    let s = csv::import(&p, layout(1, 1, 4)).unwrap();
+    let s = csv::import(&p, layout(1, 4, 1)).unwrap();
     assert_eq!(s.stacks["t_one"].max_ids_per_partition, vec![20, 20, 40, 40]);
     assert_eq!(s.stacks["t_one"].required_buffer_size_per_sc, vec![128]);
     assert_eq!(s.batches, 2);

@@ -180,7 +180,9 @@ fn ipc_block_with_negative_body_length_is_an_error() {
 
 /// stats_import target, `crash-b7502b5f03e2f88fc3475ce153c10b6944e45da0`: our stats JSON with a
 /// stack named " t0". (The fuzzer's file also held a misspelled `max_unique_ids_p'r_partition`,
-/// which stats parsing ignored then and rejects now: `misspelled_stats_fields_are_errors`.) The CSV reader trimmed keys, so exporting these stats to the reference's
+/// which stats parsing ignored then and rejects now: `misspelled_stats_fields_are_errors`; and a
+/// `max_unique_ids_per_partition` of 1 value where layout 1/2/2 gives 4, which
+/// `FdoStats::validate` now refuses: here it has 4.) The CSV reader trimmed keys, so exporting these stats to the reference's
 /// CSV and importing them back renamed the stack to "t0".
 const STACK_NAME_WITH_SPACE: &str = r#"{
  "version": 1,
@@ -199,7 +201,10 @@ const STACK_NAME_WITH_SPACE: &str = r#"{
     9
    ],
    "max_unique_ids_per_partition": [
- 9
+ 9,
+ 1,
+ 9,
+ 1
    ],
    "required_buffer_size_per_sc": [
     195,
@@ -290,7 +295,8 @@ fn merging_huge_counts_saturates() {
 #[test]
 fn imported_negative_counts_are_refused_like_json_ones() {
     let text = "key,values\nt0\u{f}\0\0\0_max_ids,-9";
-    let layout = LayoutKey { local_device_count: 1, global_device_count: 2, num_sc_per_device: 2 };
+    // One partition, as the one value needs (the fuzzer's layout 1/2/2 gives 4, now refused).
+    let layout = LayoutKey { local_device_count: 1, global_device_count: 1, num_sc_per_device: 1 };
     let arrays = csv::parse(text, "fuzz.csv").unwrap();
     let e = npz::stats_from_arrays(layout, &arrays, "fuzz.csv").unwrap_err();
     assert!(e.to_string().contains("`max_ids_per_partition`[0] is -9: counts cannot be negative"), "{e}");

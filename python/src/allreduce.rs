@@ -280,13 +280,11 @@ impl NativeTcpAllReduce {
         if host_count == 0 || host_id >= host_count {
             return Err(config("host_id", format!("host_id {host_id} must be in [0, host_count {host_count})")));
         }
-        let others: Vec<usize> = (0..host_count).filter(|&h| h != host_id).collect();
+        // The address count is checked before anything is sized by host_count, so a mistyped
+        // host_count is a ConfigError, never an allocation of one entry per claimed host.
         let any_order = peer_addresses.len() + 1 == host_count;
-        let given: Vec<&String> = if peer_addresses.len() == host_count && host_count > 1 {
-            others.iter().map(|&h| &peer_addresses[h]).collect()
-        } else if any_order {
-            peer_addresses.iter().collect()
-        } else {
+        let in_host_order = peer_addresses.len() == host_count && host_count > 1;
+        if !any_order && !in_host_order {
             return Err(config(
                 "peer_addresses",
                 format!(
@@ -296,6 +294,11 @@ impl NativeTcpAllReduce {
                     host_count - 1
                 ),
             ));
+        }
+        let given: Vec<&String> = if in_host_order {
+            peer_addresses.iter().enumerate().filter(|&(h, _)| h != host_id).map(|(_, a)| a).collect()
+        } else {
+            peer_addresses.iter().collect()
         };
         let timeout = Duration::try_from_secs_f64(timeout)
             .ok()

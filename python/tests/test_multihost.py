@@ -478,6 +478,13 @@ def test_get_all_reduce_interface_arguments(monkeypatch):
   assert e.value.field == "peer_addresses"
   with pytest.raises(scp.ConfigError, match="host_id 2 must be in"):
     scp.get_all_reduce_interface(["127.0.0.1:1"], 0, host_id=2, host_count=2)
+  # A mistyped host_count is refused by the address count before anything is sized by it (it
+  # used to abort the interpreter allocating one entry per claimed host).
+  with pytest.raises(scp.ConfigError, match="0 peer addresses for host_count 1099511627776") as e:
+    scp.get_all_reduce_interface([], 0, host_id=0, host_count=2**40)
+  assert e.value.field == "peer_addresses"
+  with pytest.raises(scp.ConfigError, match="2 peer addresses for host_count 1099511627776"):
+    scp.get_all_reduce_interface(["127.0.0.1:1", "127.0.0.1:2"], 0, host_id=5, host_count=2**40)
   with pytest.raises(scp.ConfigError, match="not-a-host"):
     scp.get_all_reduce_interface(["not-a-host"], 0, host_id=0, host_count=2)
   with pytest.raises(scp.ConfigError, match="timeout"):

@@ -98,12 +98,12 @@ impl FdoStats {
                 ));
             }
         }
+        // Both sides' arrays have their layout's lengths (or none), and the layouts are equal:
+        // the element-wise max below never widens an array, and a refused merge changes nothing.
+        self.validate()?;
+        other.validate()?;
         for (name, st) in &other.stacks {
-            let mine = self.stacks.entry(name.clone()).or_default();
-            if !mine.max_ids_per_partition.is_empty() && mine.max_ids_per_partition.len() != st.max_ids_per_partition.len() {
-                return Err(Error::config(ConfigItem::Stack, name, "stats arrays have different lengths"));
-            }
-            merge_stack(mine, st);
+            merge_stack(self.stacks.entry(name.clone()).or_default(), st);
         }
         self.batches = self.batches.saturating_add(other.batches);
         Ok(())
@@ -135,24 +135,39 @@ impl FdoStats {
     }
 
     /// Checks what a stats file (ours, or the reference's imported) must hold: a layout of at
-    /// least one device and SparseCore, and no negative count (a damaged file, which would tune
-    /// a limit below zero or draw a bar below the axis). The error names the stack, the field,
-    /// the position and the value. Array lengths are not checked here: the reference's files
-    /// hold the required buffer in another shape than ours, and may omit a field.
+    /// least one device and SparseCore; arrays of the layout's lengths (`[L·G·S]` per partition,
+    /// `[L·S]` per SparseCore, docs/stats.md), since a value at another position would be read
+    /// as another partition's, tuned and merged as such; and no negative count (a damaged file,
+    /// which would tune a limit below zero or draw a bar below the axis). An empty array is a
+    /// field that was not recorded (a reference dump may omit one). The error names the stack,
+    /// the field, and the length and the expected one, or the position and the value.
     pub fn validate(&self) -> Result<()> {
         let l = &self.layout;
-        for (field, v) in [("local_device_count", l.local_device_count), ("global_device_count", l.global_device_count), ("num_sc_per_device", l.num_sc_per_device)] {
+        let (ld, gd, sc) = (l.local_device_count, l.global_device_count, l.num_sc_per_device);
+        for (field, v) in [("local_device_count", ld), ("global_device_count", gd), ("num_sc_per_device", sc)] {
             if v == 0 {
                 return Err(Error::option("layout", format!("{field} = 0"), "an FDO stats file's layout counts devices and SparseCores: at least 1 each"));
             }
         }
+        let Some(partitions) = ld.checked_mul(gd).and_then(|n| n.checked_mul(sc)) else {
+            return Err(Error::option("layout", l, format!("L·G·S = {ld}·{gd}·{sc} partitions does not fit in {} bits", usize::BITS)));
+        };
+        // Cannot overflow: L·S divides L·G·S.
+        let scs = ld * sc;
         for (name, st) in &self.stacks {
             let arrays = [
-                ("max_ids_per_partition", &st.max_ids_per_partition),
-                ("max_unique_ids_per_partition", &st.max_unique_ids_per_partition),
-                ("required_buffer_size_per_sc", &st.required_buffer_size_per_sc),
+                ("max_ids_per_partition", &st.max_ids_per_partition, partitions, format!("L·G·S = {ld}·{gd}·{sc}")),
+                ("max_unique_ids_per_partition", &st.max_unique_ids_per_partition, partitions, format!("L·G·S = {ld}·{gd}·{sc}")),
+                ("required_buffer_size_per_sc", &st.required_buffer_size_per_sc, scs, format!("L·S = {ld}·{sc}")),
             ];
-            for (field, values) in arrays {
+            for (field, values, expected, formula) in &arrays {
+                if !values.is_empty() && values.len() != *expected {
+                    let len = values.len();
+                    let reason = format!("stats field `{field}` has {len} values, expected {formula} = {expected} (or none, for a field not recorded)");
+                    return Err(Error::config(ConfigItem::Stack, name, reason));
+                }
+            }
+            for (field, values, ..) in arrays {
                 if let Some((i, v)) = values.iter().enumerate().find(|(_, &v)| v < 0) {
                     return Err(Error::config(ConfigItem::Stack, name, format!("stats field `{field}`[{i}] is {v}: counts cannot be negative")));
                 }
@@ -168,7 +183,7 @@ impl FdoStats {
             .map_err(|source| Error::Io { context: format!("reading stats {}", path.display()), source })?;
         Self::from_json(&text).map_err(|e| match e {
             Error::Json { source, .. } => Error::Json { context: format!("stats {}", path.display()), source },
-            other => other,
+            other => other.context(format!("stats {}", path.display())),
         })
     }
 
@@ -189,10 +204,13 @@ fn layout_mismatch(ours: &str, a: &LayoutKey, theirs: &str, b: &LayoutKey) -> Er
     Error::option("layout", b, format!("{ours} has layout L/G/S = {a} but {theirs} has layout {b}; stats of different layouts do not combine"))
 }
 
+/// Element-wise max and summed drops. The arrays have equal lengths or one side has none (a
+/// field not recorded, or a stack new to `into`): validated stats, or a batch's output.
 fn merge_stack(into: &mut StackStats, from: &StackStats) {
     fn max_into(a: &mut Vec<i32>, b: &[i32]) {
-        if a.len() < b.len() {
-            a.resize(b.len(), 0);
+        if a.is_empty() {
+            a.extend_from_slice(b);
+            return;
         }
         for (x, &y) in a.iter_mut().zip(b) {
             *x = (*x).max(y);

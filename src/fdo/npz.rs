@@ -17,7 +17,7 @@ use ndarray_npy::npy::header::{Header, ReadHeaderError};
 use ndarray_npy::{ReadableElement, WriteNpyExt};
 use py_literal::Value as PyValue;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, NpzBound, Result};
 
 use super::{FdoStats, LayoutKey};
 
@@ -29,6 +29,16 @@ const MAGIC: &[u8] = b"\x93NUMPY";
 
 /// numpy's own limit on dimensions (`NPY_MAXDIMS` of numpy 2); more is a malformed file.
 const MAX_NDIM: usize = 64;
+
+/// The most a `.npy` header may take, after its fixed 10 or 12 bytes. numpy's `np.load` refuses
+/// headers above 10000 bytes unless told otherwise, and one of 64 dimensions of 20 digits each
+/// takes under 2 KiB; this bound only keeps a hostile declared length from being read.
+pub const MAX_NPY_HEADER_BYTES: u64 = 1 << 16;
+
+/// The most one member of a stats `.npz` may decompress to. A stats array holds one count per
+/// partition (or SparseCore) and recorded step; this is far above any real dump, and it bounds
+/// what a member whose header declares a huge array can make [`read_npz`] allocate.
+pub const MAX_STATS_MEMBER_BYTES: u64 = 1 << 30;
 
 fn bad(path: &str, what: String) -> Error {
     Error::data(path, what)
@@ -99,6 +109,28 @@ fn shape_text(shape: &[usize]) -> String {
     }
 }
 
+/// The number of values of a shape, if ndarray can hold it: the product of the non-zero lengths
+/// fits in isize (a shape such as (0, 2^62, 2^62) holds no values but could not be written back).
+fn value_count(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d.max(1))).filter(|&n| n <= isize::MAX as usize)?;
+    Some(shape.iter().product())
+}
+
+/// The dtype as read (`|` on a multi-byte integer, "byte order not applicable", is read as
+/// little-endian) and its width in bytes, for the int64 and int32 this module reads.
+fn int_descr(descr: &PyValue) -> Option<(PyValue, usize)> {
+    let descr = match descr {
+        PyValue::String(s) if s.starts_with('|') => PyValue::String(s.replacen('|', "<", 1)),
+        other => other.clone(),
+    };
+    let width = match &descr {
+        PyValue::String(s) if s == "<i8" || s == ">i8" => 8,
+        PyValue::String(s) if s == "<i4" || s == ">i4" => 4,
+        _ => return None,
+    };
+    Some((descr, width))
+}
+
 /// Encodes an int64 array as `.npy` (little-endian, C order; format 1.0 as numpy writes it).
 pub fn encode_npy(a: &NpyArray) -> Vec<u8> {
     let mut out = Vec::with_capacity(128 + 8 * a.data.len());
@@ -133,24 +165,10 @@ pub fn decode_npy(bytes: &[u8], name: &str) -> Result<NpyArray> {
     if shape.len() > MAX_NDIM {
         return Err(bad(name, format!("{} dimensions (numpy allows at most {MAX_NDIM})", shape.len())));
     }
-    // What ndarray can hold: the product of the non-zero lengths fits in isize (a shape such
-    // as (0, 2^62, 2^62) holds no values but could not be written back).
     let too_large = || bad(name, format!("shape {} is too large", shape_text(&shape)));
-    shape
-        .iter()
-        .try_fold(1usize, |a, &d| a.checked_mul(d.max(1)))
-        .filter(|&n| n <= isize::MAX as usize)
-        .ok_or_else(too_large)?;
-    let count: usize = shape.iter().product();
-    // '|' ("byte order not applicable") on a multi-byte integer is read as little-endian.
-    let descr = match &header.type_descriptor {
-        PyValue::String(s) if s.starts_with('|') => PyValue::String(s.replacen('|', "<", 1)),
-        other => other.clone(),
-    };
-    let width = match &descr {
-        PyValue::String(s) if s == "<i8" || s == ">i8" => 8,
-        PyValue::String(s) if s == "<i4" || s == ">i4" => 4,
-        _ => return Err(bad(name, format!("dtype {} is not int64 or int32", one_line(&header.type_descriptor.to_string(), 100)))),
+    let count = value_count(&shape).ok_or_else(too_large)?;
+    let Some((descr, width)) = int_descr(&header.type_descriptor) else {
+        return Err(bad(name, format!("dtype {} is not int64 or int32", one_line(&header.type_descriptor.to_string(), 100))));
     };
     let need = count.checked_mul(width).ok_or_else(too_large)?;
     if body.len() < need {
@@ -172,19 +190,71 @@ pub fn decode_npy(bytes: &[u8], name: &str) -> Result<NpyArray> {
     Ok(NpyArray { shape, data })
 }
 
-/// Reads every array of an `.npz` file.
+/// Reads the `.npy` bytes of one `.npz` member for [`decode_npy`]: its header, then exactly the
+/// data bytes the header declares, never more. `size` is what the zip says the member
+/// decompresses to; a member above `limit`, with a header above [`MAX_NPY_HEADER_BYTES`], or
+/// larger than its header declares is refused before its data is inflated, since deflate lets a
+/// small file declare and hold gigabytes. Whatever else is wrong (no magic string, a bad header,
+/// a dtype other than int64 or int32, too few data bytes) is left to [`decode_npy`] to name: for
+/// such a member only the bytes up to the end of its header are read.
+pub fn read_npy_member(mut member: impl Read, size: u64, limit: u64, file: &str, key: &str) -> Result<Vec<u8>> {
+    let refuse = |size: u64, bound: NpzBound, limit: u64| Error::NpzMemberTooLarge { file: file.into(), member: key.into(), size, bound, limit };
+    if size > limit {
+        return Err(refuse(size, NpzBound::Member, limit));
+    }
+    let io = |source| Error::Io { context: format!("reading {file}/{key}"), source };
+    let mut bytes = Vec::new();
+    let mut read_up_to = |bytes: &mut Vec<u8>, end: u64| -> Result<()> {
+        let more = end.saturating_sub(bytes.len() as u64);
+        (&mut member).take(more).read_to_end(bytes).map(|_| ()).map_err(io)
+    };
+    // The fixed part: magic string, version, header length (2 bytes in format 1.0, 4 after).
+    read_up_to(&mut bytes, 12)?;
+    let header_end = match (bytes.starts_with(MAGIC), bytes.get(6)) {
+        (true, Some(1)) if bytes.len() >= 10 => 10 + u64::from(u16::from_le_bytes([bytes[8], bytes[9]])),
+        (true, Some(2 | 3)) if bytes.len() >= 12 => 12 + u64::from(u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]])),
+        _ => return Ok(bytes),
+    };
+    let header_len = header_end - if bytes[6] == 1 { 10 } else { 12 };
+    if header_len > MAX_NPY_HEADER_BYTES {
+        return Err(refuse(header_len, NpzBound::Header, MAX_NPY_HEADER_BYTES));
+    }
+    read_up_to(&mut bytes, header_end)?;
+    let header = match Header::from_reader(&mut &bytes[..]) {
+        Ok(h) if h.shape.len() <= MAX_NDIM => h,
+        _ => return Ok(bytes),
+    };
+    let data = value_count(&header.shape).zip(int_descr(&header.type_descriptor)).and_then(|(n, (_, w))| n.checked_mul(w));
+    let Some(declared) = data.and_then(|d| header_end.checked_add(d as u64)) else {
+        return Ok(bytes);
+    };
+    if size > declared {
+        return Err(refuse(size, NpzBound::Declared, declared));
+    }
+    read_up_to(&mut bytes, declared)?;
+    // One more read: zip checks the member's CRC when it reaches the end, and a reader that
+    // does not stop at the declared size must not make a longer member pass.
+    let mut past = [0u8; 1];
+    if member.read(&mut past).map_err(io)? != 0 {
+        return Err(refuse(declared + 1, NpzBound::Declared, declared));
+    }
+    Ok(bytes)
+}
+
+/// Reads every array of an `.npz` file. A member may decompress to at most
+/// [`MAX_STATS_MEMBER_BYTES`], and to no more than its `.npy` header declares.
 pub fn read_npz(path: &Path) -> Result<BTreeMap<String, NpyArray>> {
     let name = path.display().to_string();
     let file = std::fs::File::open(path).map_err(|source| Error::Io { context: format!("opening {name}"), source })?;
     let mut zip = zip::ZipArchive::new(file).map_err(|e| bad(&name, format!("not a zip archive: {}", zip_problem(e))))?;
     let mut out = BTreeMap::new();
     for i in 0..zip.len() {
-        let mut f = zip.by_index(i).map_err(|e| bad(&name, format!("member {i}: {}", zip_problem(e))))?;
+        let f = zip.by_index(i).map_err(|e| bad(&name, format!("member {i}: {}", zip_problem(e))))?;
         let member = f.name().map_err(|e| bad(&name, format!("member {i}: {}", zip_problem(e))))?.into_owned();
         // np.load's names: a single `.npy` suffix is dropped.
         let key = member.strip_suffix(".npy").unwrap_or(&member).to_string();
-        let mut bytes = Vec::new();
-        f.read_to_end(&mut bytes).map_err(|source| Error::Io { context: format!("reading {name}/{key}"), source })?;
+        let size = f.size();
+        let bytes = read_npy_member(f, size, MAX_STATS_MEMBER_BYTES, &name, &key)?;
         out.insert(key.clone(), decode_npy(&bytes, &format!("{name}/{key}"))?);
     }
     Ok(out)

@@ -6,11 +6,10 @@
 //! high-degree entities from piling up on one shard.
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::Path;
 
 use ndarray::Array2;
-use sparsecore_prep::fdo::npz::{decode_npy, write_npz, NpyArray};
+use sparsecore_prep::fdo::npz::{decode_npy, read_npy_member, write_npz, NpyArray, MAX_NPY_HEADER_BYTES};
 
 use crate::error::{BessError, Result};
 use crate::rng::NumpyRng;
@@ -39,6 +38,11 @@ pub struct Sharding {
 
 /// Most shards a sharding may have (far above any SparseCore count; a bound on memory).
 pub const MAX_SHARDS: usize = 1 << 24;
+
+/// The most one member of a sharding `.npz` may decompress to: the largest array a valid
+/// sharding holds, `shard_and_idx_to_entity` of `n · ceil(E / n) < E + n` int64 slots with
+/// `E <= i32::MAX` and `n <= MAX_SHARDS`, plus its `.npy` header.
+pub const MAX_SHARDING_MEMBER_BYTES: u64 = (i32::MAX as u64 + MAX_SHARDS as u64) * 8 + 12 + MAX_NPY_HEADER_BYTES;
 
 /// `type(x)` = number of offsets `<= x`, minus one (numpy's `digitize(x, offsets) - 1`).
 pub(crate) fn type_of(offsets: &[i64], x: i64) -> i64 {
@@ -188,11 +192,13 @@ impl Sharding {
         let mut zip = zip::ZipArchive::new(file).map_err(|e| bad(format!("not a zip archive: {e}")))?;
         let mut arrays: BTreeMap<String, NpyArray> = BTreeMap::new();
         for i in 0..zip.len() {
-            let mut f = zip.by_index(i).map_err(|e| bad(format!("member {i}: {e}")))?;
+            let f = zip.by_index(i).map_err(|e| bad(format!("member {i}: {e}")))?;
             let member = f.name().map_err(|e| bad(format!("member {i}: {e}")))?.into_owned();
             let key = member.strip_suffix(".npy").unwrap_or(&member).to_string();
-            let mut bytes = Vec::new();
-            f.read_to_end(&mut bytes).map_err(|source| BessError::Io { context: format!("reading {name}/{key}"), source })?;
+            // A deflated member can declare and hold gigabytes in a small file: the header and
+            // then only the data it declares are read (an object array's: only its header).
+            let size = f.size();
+            let bytes = read_npy_member(f, size, MAX_SHARDING_MEMBER_BYTES, &name, &key)?;
             // besskge saves absent type tables as a pickled `None` (an object array).
             let head = &bytes[..bytes.len().min(256)];
             if String::from_utf8_lossy(head).contains("'descr': '|O'") {

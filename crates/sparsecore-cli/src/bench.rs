@@ -23,15 +23,26 @@ pub struct Args {
     /// Worker threads (default: one per CPU).
     #[arg(long)]
     threads: Option<usize>,
-    /// Timed passes.
-    #[arg(long, default_value_t = 5)]
+    /// Timed passes (at most 100000).
+    #[arg(long, default_value_t = 5, value_parser = parse_passes)]
     repeat: usize,
-    /// Untimed passes first.
-    #[arg(long, default_value_t = 1)]
+    /// Untimed passes first (at most 100000).
+    #[arg(long, default_value_t = 1, value_parser = parse_passes)]
     warmup: usize,
     /// Print one JSON line (run_peer.py's fields) instead of a report.
     #[arg(long)]
     json: bool,
+}
+
+/// The most passes of either kind: a median settles within tens, and a count past this is a
+/// mistyped one that would run for days (every timed pass is kept).
+const MAX_PASSES: usize = 100_000;
+
+fn parse_passes(s: &str) -> std::result::Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n <= MAX_PASSES => Ok(n),
+        _ => Err(format!("expected a number of passes from 0 to {MAX_PASSES}, got {s:?}")),
+    }
 }
 
 pub fn run(a: Args) -> error::Result<()> {
@@ -57,7 +68,7 @@ pub fn run(a: Args) -> error::Result<()> {
     for _ in 0..a.warmup {
         pass(&mut prep)?;
     }
-    let mut times = Vec::with_capacity(a.repeat);
+    let mut times = Vec::new();
     for _ in 0..a.repeat {
         times.push(pass(&mut prep)?);
     }

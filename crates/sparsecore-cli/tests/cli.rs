@@ -743,6 +743,17 @@ fn fdo_merge_and_tune_refuse_another_layout() {
     let b = dir.join("g2.json");
     write_json(&b, &other);
     let merged = dir.join("merged.json");
+    // Arrays of 1/1/4's lengths under layout 1/2/4: the file is refused, named.
+    let line = fail(&["fdo", "merge", s(&a), s(&b), "-o", s(&merged)]);
+    assert_mentions(&line, &["g2.json: invalid config: stack `t00`: stats field `max_ids_per_partition` has 4 values, expected L·G·S = 1·2·4 = 8"]);
+    // With 1·2·4 = 8 partitions (and L·S = 4 SparseCores as before), it is stats of another layout.
+    for st in other["stacks"].as_object_mut().unwrap().values_mut() {
+        for k in ["max_ids_per_partition", "max_unique_ids_per_partition"] {
+            let v = st[k].as_array().unwrap().clone();
+            st[k] = json!([v.clone(), v].concat());
+        }
+    }
+    write_json(&b, &other);
     let line = fail(&["fdo", "merge", s(&a), s(&b), "-o", s(&merged)]);
     assert_mentions(&line, &["1/1/4", "1/2/4", "g2.json", "stats.json"]);
     assert_not_written(&merged);
@@ -1280,6 +1291,41 @@ fn every_subcommand_ends_quietly_on_a_closed_stdout() {
         let e = fail(&["soak", &format!("--minutes={bad}"), "--threads", "1"]);
         assert!(e.contains("--minutes ") && e.contains("a finite number of minutes, at least 0"), "{bad}: {e}");
     }
+}
+
+/// Counts that no machine could hold or run to the end are errors naming the flag, the value and
+/// the bound, refused before anything is generated or timed; they ended in a "capacity
+/// overflow" panic (or ran until an allocation aborted).
+#[test]
+fn counts_past_what_a_command_can_hold_are_errors_not_panics() {
+    let dir = TempDir::new("huge-counts");
+    let (data, cfg) = small(&dir);
+    let (out, config_out) = (dir.join("g.arrow"), dir.join("g.json"));
+    let generate_with =
+        |flag: &str, value: &str| fail(&["generate", "--profile", "criteo", "--out", s(&out), "--config-out", s(&config_out), flag, value]);
+    let started = std::time::Instant::now();
+    // criteo: 16384 samples per batch, 26 features of one int64 id (8 bytes) and its offset (4).
+    assert_eq!(
+        generate_with("--num-batches", "18446744073709551615"),
+        "sparsecore-prep: error: invalid option `num-batches` = 18446744073709551615: batches of 16384 samples take at least \
+         94296213929941075621969920 bytes (312 per sample), more than a process can address (9223372036854775807)"
+    );
+    assert_eq!(
+        generate_with("--batch-size", "4611686018427387904"),
+        "sparsecore-prep: error: invalid option `batch-size` = 4611686018427387904: at most 2147483647 samples: every sample has at \
+         least one id, and a list column's offsets are int32"
+    );
+    assert!(!out.exists() && !config_out.exists(), "nothing written");
+    let o = run(&["bench", "--config", s(&cfg), "--input", s(&data), "--repeat", "18446744073709551615"]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "a usage error: {stderr}");
+    assert!(
+        stderr.contains("invalid value '18446744073709551615' for '--repeat <REPEAT>': expected a number of passes from 0 to 100000, got \"18446744073709551615\""),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let took = started.elapsed();
+    assert!(took < std::time::Duration::from_secs(20), "three refusals took {took:?}");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ pub fn sparse_dense_matmul(plan: &Plan, out: &StackOutput, num_minibatches: usiz
     let bsd = (sp.total_sample_count / plan.layout.global_devices as u64) as usize;
     let mut acts: Vec<Array2<f32>> = (0..plan.layout.local_devices).map(|_| Array2::zeros((bsd, table.dim))).collect();
     for_each_slot(plan, out, num_minibatches, table, |d, row, p, e, gain| {
-        acts[d].row_mut(row).scaled_add(gain, &table.shard(p).row(e));
+        acts[d].row_mut(row).scaled_add(gain, &table.shard(p)?.row(e));
         Ok(())
     })?;
     Ok(acts)

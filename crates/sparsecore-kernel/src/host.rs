@@ -147,13 +147,22 @@ impl PartitionedTable {
         Ok(())
     }
 
-    /// The whole table (array 0) or slot `a - 1`, reassembled.
-    pub fn to_dense(&self, a: usize) -> Array2<f32> {
+    /// The whole table (array 0) or slot `a - 1`, reassembled. `a` must be below one plus the
+    /// number of slot variables the table was split with.
+    pub fn to_dense(&self, a: usize) -> Result<Array2<f32>> {
+        let arrays = self.replicas.first().map_or(0, Vec::len);
+        if a >= arrays {
+            let reason = match arrays {
+                0 | 1 => "must be 0 (the table): the table was split without slot variables".to_string(),
+                _ => format!("must be below {arrays}: 0 is the table, 1..={} its slot variables", arrays - 1),
+            };
+            return Err(KernelError::parameter("array", a, reason));
+        }
         let mut out = Array2::zeros((self.rows, self.dim));
         for r in 0..self.rows {
             out.row_mut(r).assign(&self.gather(a, r));
         }
-        out
+        Ok(out)
     }
 }
 

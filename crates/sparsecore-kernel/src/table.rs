@@ -87,15 +87,49 @@ impl StackedTable {
     }
 
     /// Device `d`'s operand: its `S` shards, SparseCore-major, `[S · R, D]` (shard `g` belongs to
-    /// device `g / S`).
-    pub fn device(&self, d: usize, sc_per_device: usize) -> ArrayView2<'_, f32> {
-        let rows = sc_per_device * self.rows_per_shard;
-        self.data.slice(ndarray::s![d * rows..(d + 1) * rows, ..])
+    /// device `g / S`). `S` must divide the `N` shards and `d` be below `N / S`.
+    pub fn device(&self, d: usize, sc_per_device: usize) -> Result<ArrayView2<'_, f32>> {
+        let n = self.num_shards;
+        if sc_per_device == 0 || !n.is_multiple_of(sc_per_device) {
+            let reason = format!("must divide the {n} shards of stack `{}` (N = G · S)", self.stack);
+            return Err(KernelError::parameter("sc_per_device", sc_per_device, reason));
+        }
+        let devices = n / sc_per_device;
+        if d >= devices {
+            return Err(KernelError::parameter(
+                "device",
+                d,
+                format!("must be below the {devices} devices of stack `{}` ({n} shards, {sc_per_device} per device)", self.stack),
+            ));
+        }
+        self.rows(d * sc_per_device, sc_per_device)
     }
 
-    /// Shard `g`'s rows, `[R, D]`.
-    pub fn shard(&self, g: usize) -> ArrayView2<'_, f32> {
-        self.data.slice(ndarray::s![g * self.rows_per_shard..(g + 1) * self.rows_per_shard, ..])
+    /// Shard `g`'s rows, `[R, D]`. `g` must be below the `N` shards.
+    pub fn shard(&self, g: usize) -> Result<ArrayView2<'_, f32>> {
+        if g >= self.num_shards {
+            return Err(KernelError::parameter("shard", g, format!("must be below the {} shards of stack `{}`", self.num_shards, self.stack)));
+        }
+        self.rows(g, 1)
+    }
+
+    /// The rows of `count` shards from shard `first`. The fields are public, so `data` may hold
+    /// fewer rows than `N · R` says: that is an error, not an out-of-bounds slice.
+    fn rows(&self, first: usize, count: usize) -> Result<ArrayView2<'_, f32>> {
+        let r = self.rows_per_shard;
+        match (first.checked_mul(r), (first + count).checked_mul(r)) {
+            (Some(lo), Some(hi)) if hi <= self.data.nrows() => Ok(self.data.slice(ndarray::s![lo..hi, ..])),
+            _ => Err(KernelError::input(
+                "stacked table",
+                format!(
+                    "stack `{}`: data of {} rows, fewer than N · R = {} · {r} (shards {first}..{})",
+                    self.stack,
+                    self.data.nrows(),
+                    self.num_shards,
+                    first + count
+                ),
+            )),
+        }
     }
 }
 

@@ -58,7 +58,7 @@ fn partitioned_lookup_and_update_equal_the_unsplit_table_and_the_reference_step(
                         assert_eq!(t.row(r).unwrap(), dense.row(r), "{partition:?} R={replicas} lookup of row {r}");
                     }
                     t.apply_gradients(&grads, &opt).unwrap();
-                    let got: Vec<Array2<f32>> = (0..=slots.values.len()).map(|k| t.to_dense(k)).collect();
+                    let got: Vec<Array2<f32>> = (0..=slots.values.len()).map(|k| t.to_dense(k).unwrap()).collect();
                     assert_eq!(got.len(), 1 + want_slots[0].len(), "{opt:?}: slot count");
                     for r in 0..rows {
                         for c in 0..dim {
@@ -108,8 +108,8 @@ fn strided_gradients_update_as_contiguous_ones() {
         let mut b = PartitionedTable::new(dense.view(), &slots, partition, 2).unwrap();
         a.apply_gradients(&strided, &opt).unwrap();
         b.apply_gradients(&contiguous, &opt).unwrap();
-        assert_eq!(a.to_dense(0), b.to_dense(0));
-        assert_ne!(a.to_dense(0), dense);
+        assert_eq!(a.to_dense(0).unwrap(), b.to_dense(0).unwrap());
+        assert_ne!(a.to_dense(0).unwrap(), dense);
     }
 }
 
@@ -129,10 +129,60 @@ fn device_operands_are_their_shards_sparsecore_major() {
     // 4 shards of 3 rows, S = 2: device 1 holds shards 2 and 3.
     let data = Array2::from_shape_fn((12, 2), |(r, c)| (r * 10 + c) as f32);
     let t = StackedTable { stack: "s".into(), num_shards: 4, rows_per_shard: 3, dim: 2, data };
-    let dev1 = t.device(1, 2);
+    let dev1 = t.device(1, 2).unwrap();
     assert_eq!(dev1.nrows(), 6);
-    assert_eq!(dev1.row(0), t.shard(2).row(0));
-    assert_eq!(dev1.row(5), t.shard(3).row(2));
+    assert_eq!(dev1.row(0), t.shard(2).unwrap().row(0));
+    assert_eq!(dev1.row(5), t.shard(3).unwrap().row(2));
+    assert_eq!(dev1.row(5).to_vec(), [110.0, 111.0]);
+    assert_eq!(t.shard(3).unwrap().row(2).to_vec(), [110.0, 111.0]);
+}
+
+// Regression: an out-of-range device, shard or array panicked (ndarray's slice or index
+// bounds) where every other entry point returns an error.
+#[test]
+fn out_of_range_devices_shards_and_arrays_are_errors() {
+    use sparsecore_kernel::KernelError;
+    // 4 shards of 3 rows.
+    let data = Array2::from_shape_fn((12, 2), |(r, c)| (r * 10 + c) as f32);
+    let t = StackedTable { stack: "s".into(), num_shards: 4, rows_per_shard: 3, dim: 2, data };
+    let e = t.device(1, 4).unwrap_err();
+    assert!(matches!(&e, KernelError::Parameter { name: "device", value, .. } if value == "1"), "{e:?}");
+    assert_eq!(e.to_string(), "invalid option `device` = 1: must be below the 1 devices of stack `s` (4 shards, 4 per device)");
+    let e = t.device(2, 2).unwrap_err();
+    assert_eq!(e.to_string(), "invalid option `device` = 2: must be below the 2 devices of stack `s` (4 shards, 2 per device)");
+    let e = t.device(0, 3).unwrap_err();
+    assert_eq!(e.to_string(), "invalid option `sc_per_device` = 3: must divide the 4 shards of stack `s` (N = G · S)");
+    let e = t.device(0, 0).unwrap_err();
+    assert_eq!(e.to_string(), "invalid option `sc_per_device` = 0: must divide the 4 shards of stack `s` (N = G · S)");
+    let e = t.shard(4).unwrap_err();
+    assert!(matches!(&e, KernelError::Parameter { name: "shard", value, .. } if value == "4"), "{e:?}");
+    assert_eq!(e.to_string(), "invalid option `shard` = 4: must be below the 4 shards of stack `s`");
+    assert_eq!(t.device(3, 1).unwrap().row(2).to_vec(), [110.0, 111.0]);
+    // Public fields set by hand: data of 8 rows where 4 shards of 3 need 12.
+    let short = StackedTable { data: Array2::zeros((8, 2)), ..t.clone() };
+    assert_eq!(short.shard(1).unwrap().nrows(), 3);
+    let e = short.shard(2).unwrap_err();
+    assert_eq!(e.to_string(), "`stacked table`: invalid input: stack `s`: data of 8 rows, fewer than N · R = 4 · 3 (shards 2..3)");
+    let e = short.device(1, 2).unwrap_err();
+    assert_eq!(e.to_string(), "`stacked table`: invalid input: stack `s`: data of 8 rows, fewer than N · R = 4 · 3 (shards 2..4)");
+
+    // A table split without slot variables holds array 0 only; with Adagrad's, arrays 0 and 1.
+    let dense = Array2::from_shape_fn((3, 2), |(r, c)| (r * 10 + c) as f32);
+    let stacked = StackedTable { stack: "s".into(), num_shards: 1, rows_per_shard: 3, dim: 2, data: dense.clone() };
+    let cases = [
+        (Optimizer::Sgd { lr: 0.1 }, 1usize, "invalid option `array` = 1: must be 0 (the table): the table was split without slot variables"),
+        (Optimizer::Adagrad { lr: 0.1 }, 2, "invalid option `array` = 2: must be below 2: 0 is the table, 1..=1 its slot variables"),
+    ];
+    for (opt, arrays, message) in cases {
+        let slots = Slots::new(&stacked, &opt);
+        for partition in [Partition::Token, Partition::Encoding] {
+            let p = PartitionedTable::new(dense.view(), &slots, partition, 2).unwrap();
+            assert_eq!(p.to_dense(0).unwrap().row(2).to_vec(), [20.0, 21.0]);
+            let e = p.to_dense(arrays).unwrap_err();
+            assert!(matches!(&e, KernelError::Parameter { name: "array", .. }), "{e:?}");
+            assert_eq!(e.to_string(), message, "{partition:?}");
+        }
+    }
 }
 
 #[test]

@@ -295,7 +295,9 @@ pub fn bench_workload(profile: Profile, batch: usize) -> Result<Workload> {
 /// Generates a workload. The same spec always gives the same bytes (for one build of the crate).
 pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
     let (l, g, s) = spec.layout;
-    let local_scs = l * s;
+    let local_scs = l.checked_mul(s).ok_or_else(|| {
+        Error::option("layout", format!("{l}/{g}/{s}"), format!("L * S = {l} * {s} local SparseCores does not fit in {} bits", usize::BITS))
+    })?;
     if spec.batch_size == 0 || !spec.batch_size.is_multiple_of(local_scs) {
         return Err(Error::option(
             "batch-size",
@@ -303,7 +305,32 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
             format!("must be a positive multiple of L * S = {local_scs}"),
         ));
     }
+    // Every sample has at least one id, and a list column's offsets are int32.
+    if spec.batch_size > i32::MAX as usize {
+        return Err(Error::option(
+            "batch-size",
+            spec.batch_size,
+            format!("at most {} samples: every sample has at least one id, and a list column's offsets are int32", i32::MAX),
+        ));
+    }
     let (mut tables, feats) = build(spec.profile);
+    // The batches are held in memory until they are returned: a workload whose least size (one
+    // id per sample and feature, with its offset and weight) is past what a process can address
+    // is refused before anything is drawn, instead of running until an allocation aborts.
+    let id_bytes: u128 = if spec.raw_keys { 8 + 4 } else if spec.int32_ids { 4 } else { 8 };
+    let per_sample = feats.len() as u128 * (id_bytes + 4 + if spec.weights { 4 + 4 } else { 0 });
+    let least = spec.num_batches as u128 * spec.batch_size as u128 * per_sample;
+    if least > isize::MAX as u128 {
+        return Err(Error::option(
+            "num-batches",
+            spec.num_batches,
+            format!(
+                "batches of {} samples take at least {least} bytes ({per_sample} per sample), more than a process can address ({})",
+                spec.batch_size,
+                isize::MAX
+            ),
+        ));
+    }
     let mut rng = StdRng::seed_from_u64(spec.seed);
 
     if spec.raw_keys && spec.int32_ids {
@@ -325,11 +352,13 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
     }
     let schema = Arc::new(Schema::new(fields));
 
-    let mut batches = Vec::with_capacity(spec.num_batches);
+    // Not sized from the counts: a count that passes the bound above can still be more than
+    // the allocator gives, which would abort the process at once.
+    let mut batches = Vec::new();
     for _ in 0..spec.num_batches {
         let mut columns: Vec<ArrayRef> = Vec::new();
         for (fi, f) in feats.iter().enumerate() {
-            let mut lengths = Vec::with_capacity(spec.batch_size);
+            let mut lengths = Vec::new();
             for _ in 0..spec.batch_size {
                 lengths.push(match f.lengths {
                     Lengths::Uniform(lo, hi) => rng.random_range(lo..=hi),
@@ -340,6 +369,13 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
                 });
             }
             let total: usize = lengths.iter().sum();
+            if total > i32::MAX as usize {
+                return Err(Error::option(
+                    "batch-size",
+                    spec.batch_size,
+                    format!("feature `{}` drew {total} ids in one batch, past the int32 offsets of a list column ({})", f.name, i32::MAX),
+                ));
+            }
             let ids: Vec<i64> = (0..total).map(|_| f.ids.draw(&mut rng)).collect();
             let offsets = OffsetBuffer::<i32>::from_lengths(lengths.iter().copied());
             let values: ArrayRef = if spec.raw_keys {
