@@ -17,6 +17,9 @@
 //! `(id · 0x9E3779B1 mod 2³²) xor 0x5bd1e995·(feature + 1)` (a bijection on 32-bit ids, so
 //! distinct ids stay distinct keys), in a `List<Utf8>` column, and every feature declares
 //! `"hash": {"seed": <feature index>}`. The config's limits are measured on the hashed ids.
+//!
+//! With `minibatching: Some(k)`, `enable_minibatching` is on and the limits are the measured ones
+//! over k: under exact limits no batch needs a split, so the bucketed pass would never run.
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -33,7 +36,7 @@ use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::spec::HashConfig;
 use sparsecore_prep::Output;
 use sparsecore_prep::Preprocessor;
-use sparsecore_prep::spec::{Config, FeatureConfig, Options, StackLimits, Stacking, TableConfig};
+use sparsecore_prep::spec::{Config, FeatureConfig, Options, StackLimits, Stacking, TableConfig, MAX_MINIBATCHING_BUCKETS};
 
 /// A named workload shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,6 +115,11 @@ pub struct WorkloadSpec {
     pub int32_ids: bool,
     /// Criteo-style hex string keys (`List<Utf8>`) on hashed features instead of ids.
     pub raw_keys: bool,
+    /// `Some(k)`: minibatching on, under each table's measured limits divided by k (rounded up),
+    /// so that k ≥ 2 makes the busiest SparseCores split their batch. Too large a k puts a single
+    /// bucket over a limit, which is `Error::LimitExceeded` at run time, not here: only running
+    /// the batches knows their buckets.
+    pub minibatching: Option<u64>,
 }
 
 impl WorkloadSpec {
@@ -127,6 +135,7 @@ impl WorkloadSpec {
             stacking: Stacking::Feature,
             int32_ids: false,
             raw_keys: false,
+            minibatching: None,
         }
     }
 }
@@ -283,13 +292,20 @@ pub const BENCH_PROFILES: [(Profile, usize); 5] = [
     (Profile::ModerateMultivalency, 4096),
 ];
 
-/// The benches' workload of `profile` with `batch` samples: criteo at 4/4/4 (its 26 stacks
-/// spread over 64 SparseCores, as the reference benchmark runs it), the others at 1/1/4.
-pub fn bench_workload(profile: Profile, batch: usize) -> Result<Workload> {
+/// The benches' spec of `profile` with `batch` samples: criteo at 4/4/4 (its 26 stacks spread
+/// over 64 SparseCores, as the reference benchmark runs it), the others at 1/1/4. Benches that
+/// change one more field (weights, raw keys, minibatching) start from it, so that their figures
+/// differ from [`bench_workload`]'s by that field alone.
+pub fn bench_spec(profile: Profile, batch: usize) -> WorkloadSpec {
     let mut spec = WorkloadSpec::new(profile);
     spec.batch_size = batch;
     spec.layout = if profile == Profile::Criteo { (4, 4, 4) } else { (1, 1, 4) };
-    generate(&spec)
+    spec
+}
+
+/// The benches' workload of `profile` with `batch` samples ([`bench_spec`]).
+pub fn bench_workload(profile: Profile, batch: usize) -> Result<Workload> {
+    generate(&bench_spec(profile, batch))
 }
 
 /// Generates a workload. The same spec always gives the same bytes (for one build of the crate).
@@ -335,6 +351,9 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
 
     if spec.raw_keys && spec.int32_ids {
         return Err(Error::option("int32-ids", true, "raw keys are strings; int32 ids do not apply"));
+    }
+    if spec.minibatching == Some(0) {
+        return Err(Error::option("minibatching", 0, "the limits' divisor must be at least 1"));
     }
     let id_type = if spec.raw_keys {
         DataType::Utf8
@@ -450,6 +469,22 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
         t.max_ids_per_partition = ids.max(1) as u64;
         t.max_unique_ids_per_partition = uniq.max(1) as u64;
         t.suggested_coo_buffer_size_per_device = Some(round_up(req.max(1), 8 * s as u64));
+    }
+    if let Some(k) = spec.minibatching {
+        options.enable_minibatching = true;
+        // Once split, each (SparseCore, minibatch, partition) pads its entries to a multiple of 8
+        // on its own, so the measured size gets 8 slots more per such triple: without them the
+        // split would drop ids at the buffer's end. Capped at the plan's theoretical size, above
+        // which it refuses a suggested one.
+        let n = (g * s) as u64;
+        let triples = s as u64 * MAX_MINIBATCHING_BUCKETS as u64 * n;
+        for t in &mut tables {
+            t.max_ids_per_partition = t.max_ids_per_partition.div_ceil(k);
+            t.max_unique_ids_per_partition = t.max_unique_ids_per_partition.div_ceil(k);
+            let theoretical = round_up(t.max_ids_per_partition, 8) * triples;
+            t.suggested_coo_buffer_size_per_device =
+                t.suggested_coo_buffer_size_per_device.map(|c| (c + 8 * triples).min(theoretical));
+        }
     }
     if spec.stacking == Stacking::Auto {
         options.stacking = Stacking::Auto;
