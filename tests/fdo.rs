@@ -797,3 +797,24 @@ fn tuned_config_holds_the_measured_batches() {
     }
     assert_eq!(replay, stats, "same batches, same stats");
 }
+
+/// The reference's `set_required_buffer_size_per_device(table, size, S)` stores S values
+/// whatever L is; imported under L = 2 they stand for both local devices (each SparseCore's
+/// share of one device's size), and a length that is neither S nor L·S is still refused.
+#[test]
+fn required_sizes_set_per_device_import_for_every_local_device() {
+    let layout = LayoutKey { local_device_count: 2, global_device_count: 2, num_sc_per_device: 4 };
+    let arrays: BTreeMap<String, NpyArray> = [
+        ("t_max_ids".to_string(), arr1(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16])),
+        ("t_required_buffer_size".to_string(), arr1(&[40, 40, 48, 40])),
+    ]
+    .into_iter()
+    .collect();
+    let stats = npz::stats_from_arrays(layout, &arrays, "set.npz").unwrap();
+    assert_eq!(stats.stacks["t"].required_buffer_size_per_sc, vec![40, 40, 48, 40, 40, 40, 48, 40]);
+
+    let mut odd = arrays.clone();
+    odd.insert("t_required_buffer_size".to_string(), arr1(&[40, 40, 48]));
+    let e = npz::stats_from_arrays(layout, &odd, "odd.npz").unwrap_err();
+    assert!(e.to_string().contains("`required_buffer_size_per_sc` has 3 values, expected L·S = 2·4 = 8"), "{e}");
+}

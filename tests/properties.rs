@@ -1299,18 +1299,24 @@ fn dropping_respects_limits() {
         let (n, s) = (scn.g * scn.s, scn.s);
 
         if !scn.drop {
-            // The first stack (plan order) with an exceeded limit is reported, ids before unique.
+            // The first stack (plan order) with an exceeded limit is reported; within it, the
+            // first SparseCore (device-major) that exceeds one, ids before unique, with that
+            // SparseCore's own largest count (as the reference checks them).
             let mut want: Option<(String, LimitKind, u32, u32)> = None;
-            for st in &stacks {
-                let (ids, uniq, _) = naive_stats(&scn, &fs, st);
-                let (mi, mu) = (*ids.iter().max().unwrap() as u32, *uniq.iter().max().unwrap() as u32);
-                if mi > st.max_ids {
-                    want = Some((st.name.clone(), LimitKind::MaxIds, mi, st.max_ids));
-                } else if mu > st.max_unique {
-                    want = Some((st.name.clone(), LimitKind::MaxUniqueIds, mu, st.max_unique));
-                }
-                if want.is_some() {
-                    break;
+            'stacks: for st in &stacks {
+                for d in 0..scn.l {
+                    for sc in 0..s {
+                        let (ids, uniq) = naive_counts(&model_sc(&scn, &fs, st, d, sc), n);
+                        let (mi, mu) = (ids.iter().copied().max().unwrap_or(0), uniq.iter().copied().max().unwrap_or(0));
+                        if mi > st.max_ids {
+                            want = Some((st.name.clone(), LimitKind::MaxIds, mi, st.max_ids));
+                        } else if mu > st.max_unique {
+                            want = Some((st.name.clone(), LimitKind::MaxUniqueIds, mu, st.max_unique));
+                        }
+                        if want.is_some() {
+                            break 'stacks;
+                        }
+                    }
                 }
             }
             match (want, out) {

@@ -120,9 +120,12 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::InvalidInput { feature, .. } | Error::MissingColumn { feature, .. } | Error::BatchNotDivisible { feature, .. } => {
             invalid_input(py, feature, None, None::<i64>, message)
         }
-        Error::BatchTooSmall { .. } | Error::BatchTooLarge { .. } | Error::InputCount { .. } | Error::Arrow { .. } | Error::InvalidData { .. } => {
-            raise(py, Class::InvalidInput, message, &[])
-        }
+        Error::BatchTooSmall { .. }
+        | Error::BatchTooLarge { .. }
+        | Error::InputCount { .. }
+        | Error::Arrow { .. }
+        | Error::InvalidData { .. }
+        | Error::NpzMemberTooLarge { .. } => raise(py, Class::InvalidInput, message, &[]),
         Error::ColumnType { feature, column, .. } => {
             raise(py, Class::InputType, message, &[("feature", f(feature)), ("column", f(column))])
         }

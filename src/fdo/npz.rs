@@ -302,6 +302,17 @@ pub fn stats_from_arrays(layout: LayoutKey, arrays: &BTreeMap<String, NpyArray>,
         }
         stats.batches = stats.batches.max(if a.shape.len() >= 2 { a.shape[0] as u64 } else { 1 });
     }
+    // The reference's `set_required_buffer_size_per_device(table, size, S)` stores S values (each
+    // SparseCore's share of one device's size) whatever L is; every local device needs that size,
+    // so they stand for each of the L devices.
+    let (l, s) = (layout.local_device_count, layout.num_sc_per_device);
+    if l > 1 {
+        for st in stats.stacks.values_mut() {
+            if st.required_buffer_size_per_sc.len() == s {
+                st.required_buffer_size_per_sc = st.required_buffer_size_per_sc.repeat(l);
+            }
+        }
+    }
     stats.validate()?;
     Ok(stats)
 }

@@ -280,14 +280,18 @@ pub fn preprocess_with_plan(plan: &Plan, batch: &Batch) -> Result<Vec<StackResul
         };
         let drop = plan.allow_id_dropping;
         let limits = (stack.max_ids_per_partition, stack.max_unique_ids_per_partition);
-        // (observed, device, sc, partition) of the first largest count, per limit.
-        let mut worst_ids = (0u32, 0usize, 0usize, 0usize);
-        let mut worst_unique = (0u32, 0usize, 0usize, 0usize);
+        // (observed, device, sc, partition) of each limit's largest count on the first
+        // SparseCore (device-major) that exceeds a limit: the reference checks SparseCore by
+        // SparseCore, ids before unique ids.
+        let mut first_over: Option<((u32, usize, usize, usize), (u32, usize, usize, usize))> = None;
         for (d, ex_d) in ex.iter().enumerate() {
             for (sc, ex_sc) in ex_d.iter().enumerate() {
                 let grouped = group(ex_sc, n, drop, limits);
                 // Statistics (SPEC 3.7): counted after merging, before dropping.
                 let mut required = 0usize;
+                // This SparseCore's first largest count per limit: (observed, device, sc, partition).
+                let mut worst_ids = (0u32, d, sc, 0usize);
+                let mut worst_unique = (0u32, d, sc, 0usize);
                 for p in 0..n {
                     let ids = grouped.observed_ids[p];
                     let uniq = grouped.observed_unique[p];
@@ -302,6 +306,9 @@ pub fn preprocess_with_plan(plan: &Plan, batch: &Batch) -> Result<Vec<StackResul
                     if uniq > worst_unique.0 {
                         worst_unique = (uniq, d, sc, p);
                     }
+                }
+                if first_over.is_none() && (worst_ids.0 > limits.0 || worst_unique.0 > limits.1) {
+                    first_over = Some((worst_ids, worst_unique));
                 }
                 res.required_buffer_size_per_sc[d * s + sc] = required.min(i32::MAX as usize) as i32;
                 res.dropped_id_count += grouped.dropped;
@@ -323,7 +330,7 @@ pub fn preprocess_with_plan(plan: &Plan, batch: &Batch) -> Result<Vec<StackResul
                 res.overflowed_id_count += filled.overflow;
             }
         }
-        if !drop && limit_error.is_none() {
+        if let (false, None, Some((worst_ids, worst_unique))) = (drop, &limit_error, first_over) {
             let (max_ids, max_unique) = limits;
             if worst_ids.0 > max_ids {
                 let (observed, device, sc, partition) = worst_ids;
