@@ -283,7 +283,7 @@ pub fn preprocess_with_plan(plan: &Plan, batch: &Batch) -> Result<Vec<StackResul
         // (observed, device, sc, partition) of each limit's largest count on the first
         // SparseCore (device-major) that exceeds a limit: the reference checks SparseCore by
         // SparseCore, ids before unique ids.
-        let mut first_over: Option<((u32, usize, usize, usize), (u32, usize, usize, usize))> = None;
+        let mut first_over: Option<(Worst, Worst)> = None;
         for (d, ex_d) in ex.iter().enumerate() {
             for (sc, ex_sc) in ex_d.iter().enumerate() {
                 let grouped = group(ex_sc, n, drop, limits);
@@ -363,6 +363,9 @@ pub fn preprocess_with_plan(plan: &Plan, batch: &Batch) -> Result<Vec<StackResul
         None => Ok(results),
     }
 }
+
+/// A limit's largest count on one SparseCore: (observed, device, SparseCore, partition).
+type Worst = (u32, usize, usize, usize);
 
 /// What the model needs per stack beyond the plan.
 struct StackInfo {
