@@ -1,22 +1,16 @@
 //! Sharding files built to exhaust memory are refused before they are inflated.
 
+mod common;
+
 use std::io::Write;
 
 use sparsecore_bess::{BessError, Sharding};
-use sparsecore_prep::fdo::npz::{encode_npy, NpyArray};
 use sparsecore_prep::{Error, NpzBound};
 
 /// A sharding `.npz` of 50 entities on 4 shards whose `entity_to_shard` member holds its 50
 /// values followed by `mib` MiB of zeros, every member deflated.
 fn write_sharding(path: &std::path::Path, s: &Sharding, mib: usize) {
-    let int = |shape: Vec<usize>, data: Vec<i64>| encode_npy(&NpyArray { shape, data });
-    let members = [
-        ("n_shard.npy", int(vec![], vec![4])),
-        ("entity_to_shard.npy", int(vec![50], s.entity_to_shard.clone())),
-        ("entity_to_idx.npy", int(vec![50], s.entity_to_idx.clone())),
-        ("shard_and_idx_to_entity.npy", int(vec![4, 13], s.shard_and_idx_to_entity.iter().copied().collect())),
-        ("shard_counts.npy", int(vec![4], s.shard_counts.clone())),
-    ];
+    let members = common::sharding_members(s);
     let mut zip = zip::ZipWriter::new(std::fs::File::create(path).unwrap());
     let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
     let zeros = vec![0u8; 1 << 20];

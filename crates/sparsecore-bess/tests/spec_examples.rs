@@ -1,5 +1,7 @@
 //! SPEC.md's worked examples (sections 2-5), and the sharding file round trip.
 
+mod common;
+
 use std::sync::Arc;
 
 use ndarray::{arr2, Array2};
@@ -141,22 +143,13 @@ fn besskge_untyped_sharding_files_hold_pickled_nones() {
     // besskge's `Sharding.save` of an untyped sharding writes the two type fields as pickled
     // `None` object arrays; they are read as "untyped".
     use std::io::Write;
-    use sparsecore_prep::fdo::npz::{encode_npy, NpyArray};
     let s = Sharding::create(50, 4, &[9], None).unwrap();
     let dir = std::env::temp_dir().join(format!("bess-npz-none-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("besskge.npz");
     let mut zip = zip::ZipWriter::new(std::fs::File::create(&path).unwrap());
     let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
-    let int = |shape: Vec<usize>, data: Vec<i64>| encode_npy(&NpyArray { shape, data });
-    let members = [
-        ("n_shard.npy", int(vec![], vec![4])),
-        ("entity_to_shard.npy", int(vec![50], s.entity_to_shard.clone())),
-        ("entity_to_idx.npy", int(vec![50], s.entity_to_idx.clone())),
-        ("shard_and_idx_to_entity.npy", int(vec![4, 13], s.shard_and_idx_to_entity.iter().copied().collect())),
-        ("shard_counts.npy", int(vec![4], s.shard_counts.clone())),
-    ];
-    for (name, bytes) in members {
+    for (name, bytes) in common::sharding_members(&s) {
         zip.start_file(name, opts).unwrap();
         zip.write_all(&bytes).unwrap();
     }
