@@ -21,13 +21,15 @@ fn check_plan(config: &Config, plan: &Plan) {
         assert!(f.stack < plan.stacks.len(), "feature {} has no stack", f.name);
         assert!(plan.stacks[f.stack].features.contains(&i), "stack of {} does not list it", f.name);
         assert!(f.padded_vocab_size >= f.vocabulary_size && f.padded_vocab_size % (8 * n) == 0, "{f:?}");
+        assert!(f.col_offset <= i32::MAX as u32, "{f:?}");
     }
     for stack in &plan.stacks {
         let c = stack.coo_buffer_size_per_device;
         assert!(c > 0 && c < i32::MAX as usize && c % (8 * s) == 0, "stack {}: C = {c}", stack.name);
         let mb = if plan.enable_minibatching { 64 } else { 1 };
         assert_eq!(stack.row_pointers_per_device, layout.row_pointers_per_segment() * s * mb);
-        assert!(stack.stack_vocab_size <= i32::MAX as u64);
+        // Column ids fit 32 bits and rows per shard an i32; a table starts below 2^31.
+        assert!(stack.stack_vocab_size <= (1u64 << 32).min((1u64 << 31) * n), "stack {}: vocab {}", stack.name, stack.stack_vocab_size);
         let mut offset = 0u64;
         let mut members = stack.features.clone();
         members.sort_by_key(|&f| plan.features[f].row_offset);
