@@ -23,9 +23,10 @@ pub(super) fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output, m
     let s = layout.sc_per_device;
     for ((stack, so), stack_tasks) in plan.stacks.iter().zip(out.stacks.iter_mut()).zip(tasks.iter()) {
         let stats = &mut so.stats;
-        // (observed, device, sc, partition) of each limit's count on the first SparseCore that
-        // passes a limit.
-        let mut first_over = None;
+        // (Pass 1 of minibatching never fails on limits; the bucketed pass may.) Every task's
+        // statistics are merged before the first SparseCore's limit error is returned.
+        let check = !plan.allow_id_dropping && mode == Mode::Buffers;
+        let mut first_error = None;
         for (i, task) in stack_tasks.iter().enumerate() {
             let d = i / s;
             let row = &mut stats.max_ids_per_partition[d * n..(d + 1) * n];
@@ -38,15 +39,13 @@ pub(super) fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output, m
             }
             stats.required_buffer_size_per_sc[i] = task.stats.required().min(i32::MAX as u64) as i32;
             stats.dropped_id_count += task.stats.dropped + task.overflow;
-            let (ids, pi) = task.stats.max_ids();
-            let (uniq, pu) = task.stats.max_unique();
-            if first_over.is_none() && (ids > stack.max_ids_per_partition || uniq > stack.max_unique_ids_per_partition) {
-                first_over = Some(((ids, d, i % s, pi), (uniq, d, i % s, pu)));
+            if check && first_error.is_none() {
+                let ((ids, pi), (uniq, pu)) = (task.stats.max_ids(), task.stats.max_unique());
+                first_error = check_limits(stack, (ids, d, i % s, pi), (uniq, d, i % s, pu)).err();
             }
         }
-        if let (false, Mode::Buffers, Some((ids, unique))) = (plan.allow_id_dropping, mode, first_over) {
-            // (Pass 1 of minibatching never fails on limits; the bucketed pass may.)
-            check_limits(stack, ids, unique)?;
+        if let Some(e) = first_error {
+            return Err(e);
         }
     }
     Ok(())
