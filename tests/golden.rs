@@ -14,12 +14,16 @@ use std::path::Path;
 use sparsecore_testkit::case::Case;
 use sparsecore_prep::Preprocessor;
 
-/// Runs one case from `input.json` alone; `Err` describes the first mismatch.
+/// Runs one case from `input.json` alone; `Err` describes the first mismatch. One thread runs
+/// the tasks in order on the calling thread and two run them on a pool: both are checked.
 fn check_case(dir: &Path) -> Result<(), String> {
     let case = Case::from_path(dir).map_err(|e| format!("loading: {e}"))?;
     let expected = common::load_json(&dir.join("expected.json"));
-    let builder = Preprocessor::builder(case.config.clone()).global_batch_sizes(case.global_batch_sizes()).threads(2);
-    common::run_and_check(&case, builder, &expected)
+    for threads in [1, 2] {
+        let builder = Preprocessor::builder(case.config.clone()).global_batch_sizes(case.global_batch_sizes()).threads(threads);
+        common::run_and_check(&case, builder, &expected).map_err(|e| format!("{threads} thread(s): {e}"))?;
+    }
+    Ok(())
 }
 
 #[test]

@@ -2,7 +2,7 @@
 
 use super::minibatch;
 use super::workspace::Workspaces;
-use super::Preprocessor;
+use super::{Preprocessor, Workers};
 use crate::allreduce::AllReduce;
 use crate::error::{Error, Result};
 use crate::group::bucket::BucketFn;
@@ -33,7 +33,8 @@ impl PreprocessorBuilder {
     }
 
     /// Runs on a dedicated pool of `n` threads (default: rayon's global pool, one thread per
-    /// CPU). The output is identical for every `n`.
+    /// CPU); `n = 1` runs on the calling thread, with no pool and no hand-over per batch. The
+    /// output is identical for every `n`.
     pub fn threads(mut self, n: usize) -> Self {
         self.threads = Some(n);
         self
@@ -81,10 +82,11 @@ impl PreprocessorBuilder {
                 "all_reduce_interface must be provided when minibatching is enabled for multi-host",
             ));
         }
-        let pool = match self.threads {
-            None => None,
+        let workers = match self.threads {
+            None => Workers::Global,
             Some(0) => return Err(Error::option("threads", 0, "must be at least 1")),
-            Some(n) => Some(
+            Some(1) => Workers::CallerThread,
+            Some(n) => Workers::Pool(
                 rayon::ThreadPoolBuilder::new()
                     .num_threads(n)
                     .thread_name(|i| format!("sparsecore-prep-{i}"))
@@ -92,7 +94,7 @@ impl PreprocessorBuilder {
                     .map_err(|e| Error::option("threads", n, format!("cannot start the thread pool: {e}")))?,
             ),
         };
-        let workers = pool.as_ref().map_or_else(rayon::current_num_threads, |p| p.current_num_threads());
+        let workspaces = Workspaces::new(workers.count());
         Ok(Preprocessor {
             config: self.config,
             global_batch_sizes: self.global_batch_sizes,
@@ -100,8 +102,8 @@ impl PreprocessorBuilder {
             plan: self.plan,
             plan_local_sizes: Vec::new(),
             local_sizes: Vec::new(),
-            pool,
-            workspaces: Workspaces::new(workers),
+            workers,
+            workspaces,
             tasks: Vec::new(),
             batch_per_sc: Vec::new(),
             minibatching: self.minibatching,

@@ -13,14 +13,14 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::checks::check_limits;
-use super::task::Task;
+use super::task::{Schedule, Task};
 use crate::allreduce::{AllReduce, LocalAllReduce};
 use crate::error::Result;
 use crate::fill::{pad_slots, Segment, SegmentWriter};
 use crate::group::bucket::{minibatch_ranges, BucketFn, BUCKETS};
 use crate::group::{bucket_pass, EntrySink, Limits};
 use crate::output::{Output, StackOutput};
-use crate::spec::Plan;
+use crate::spec::{Plan, StackPlan};
 
 /// Minibatching settings of a preprocessor.
 #[derive(Clone, Default)]
@@ -43,6 +43,7 @@ pub(super) fn finish(
     out: &mut Output,
     tasks: &mut [Vec<Task>],
     settings: &Settings,
+    schedule: Schedule,
 ) -> Result<()> {
     let local = LocalAllReduce;
     let all_reduce: &dyn AllReduce = settings.all_reduce.as_deref().unwrap_or(&local);
@@ -60,22 +61,32 @@ pub(super) fn finish(
     }
     if !required {
         out.num_minibatches = 1;
-        out.stacks.par_iter_mut().zip(tasks.par_iter_mut()).zip(batch_per_sc.par_iter()).for_each(
-            |((so, st), &bsps)| fill_one_minibatch(plan, so, st, bsps as u32),
-        );
+        let fill = |((so, st), &bsps): ((&mut StackOutput, &mut Vec<Task>), &usize)| fill_one_minibatch(plan, so, st, bsps as u32);
+        match schedule {
+            Schedule::Parallel => out.stacks.par_iter_mut().zip(tasks.par_iter_mut()).zip(batch_per_sc.par_iter()).for_each(fill),
+            Schedule::InOrder => out.stacks.iter_mut().zip(tasks.iter_mut()).zip(batch_per_sc).for_each(fill),
+        }
         return Ok(());
     }
 
     // Pass 2, per SparseCore: counters per (partition, bucket), drops, split bits.
     let nbits = plan.layout.partition_bits();
-    plan.stacks.par_iter().zip(tasks.par_iter_mut()).for_each(|(stack, st)| {
+    let bucket = |(stack, st): (&StackPlan, &mut Vec<Task>)| {
         let limits = Limits {
             max_ids: stack.max_ids_per_partition,
             max_unique: stack.max_unique_ids_per_partition,
             drop: plan.allow_id_dropping,
         };
-        st.par_iter_mut().for_each(|t| bucket_pass(&t.pass1, nbits, &settings.bucket_fn, limits, &mut t.bucketed));
-    });
+        let one = |t: &mut Task| bucket_pass(&t.pass1, nbits, &settings.bucket_fn, limits, &mut t.bucketed);
+        match schedule {
+            Schedule::Parallel => st.par_iter_mut().for_each(one),
+            Schedule::InOrder => st.iter_mut().for_each(one),
+        }
+    };
+    match schedule {
+        Schedule::Parallel => plan.stacks.par_iter().zip(tasks.par_iter_mut()).for_each(bucket),
+        Schedule::InOrder => plan.stacks.iter().zip(tasks.iter_mut()).for_each(bucket),
+    }
     if !plan.allow_id_dropping {
         let s = plan.layout.sc_per_device;
         for (stack, st) in plan.stacks.iter().zip(tasks.iter()) {
@@ -89,9 +100,11 @@ pub(super) fn finish(
     let split = all_reduce.all_reduce_or_u64(key.wrapping_add(1), split)?;
     let ranges = minibatch_ranges(split);
     out.num_minibatches = ranges.len();
-    out.stacks.par_iter_mut().zip(tasks.par_iter_mut()).zip(batch_per_sc.par_iter()).for_each(
-        |((so, st), &bsps)| fill_minibatches(plan, so, st, bsps as u32, &ranges),
-    );
+    let fill = |((so, st), &bsps): ((&mut StackOutput, &mut Vec<Task>), &usize)| fill_minibatches(plan, so, st, bsps as u32, &ranges);
+    match schedule {
+        Schedule::Parallel => out.stacks.par_iter_mut().zip(tasks.par_iter_mut()).zip(batch_per_sc.par_iter()).for_each(fill),
+        Schedule::InOrder => out.stacks.iter_mut().zip(tasks.iter_mut()).zip(batch_per_sc).for_each(fill),
+    }
     Ok(())
 }
 

@@ -13,7 +13,7 @@ use crate::output::Output;
 use crate::spec::{Config, Plan};
 use assemble::assemble;
 use checks::check_batches;
-use task::{run_stacks, Task};
+use task::{run_stacks, Schedule, Task};
 use workspace::Workspaces;
 
 mod assemble;
@@ -34,6 +34,37 @@ enum Mode {
     StatsOnly,
     /// Minibatching's first pass: stats, and the merged entries kept for a later fill.
     Pass1,
+}
+
+/// Where a preprocessor's tasks run.
+#[derive(Debug)]
+enum Workers {
+    /// rayon's global pool (no [`PreprocessorBuilder::threads`]).
+    Global,
+    /// The calling thread alone (`threads(1)`), with no pool: a pool of one would hand every
+    /// batch to its thread and put the caller to sleep until it is done, and waking it again
+    /// cost more than a small batch's whole work on a VM (BENCHMARKS.md, "Small batches").
+    CallerThread,
+    /// A dedicated pool (`threads(n)`, n ≥ 2).
+    Pool(rayon::ThreadPool),
+}
+
+impl Workers {
+    fn schedule(&self) -> Schedule {
+        match self {
+            Workers::Global | Workers::Pool(_) => Schedule::Parallel,
+            Workers::CallerThread => Schedule::InOrder,
+        }
+    }
+
+    /// Threads that may run tasks at once, one workspace each.
+    fn count(&self) -> usize {
+        match self {
+            Workers::Global => rayon::current_num_threads(),
+            Workers::CallerThread => 1,
+            Workers::Pool(pool) => pool.current_num_threads(),
+        }
+    }
 }
 
 /// Turns batches of ids into per-SparseCore CSR-wrapped COO buffers.
@@ -69,7 +100,7 @@ pub struct Preprocessor {
     plan: Option<Plan>,
     plan_local_sizes: Vec<usize>,
     local_sizes: Vec<usize>,
-    pool: Option<rayon::ThreadPool>,
+    workers: Workers,
     workspaces: Workspaces,
     /// Per stack, per local SparseCore (device-major).
     tasks: Vec<Vec<Task>>,
@@ -162,7 +193,7 @@ impl Preprocessor {
         self.local_sizes = sizes;
         planned?;
 
-        let Preprocessor { plan, pool, workspaces, tasks, batch_per_sc, minibatching, .. } = self;
+        let Preprocessor { plan, workers, workspaces, tasks, batch_per_sc, minibatching, .. } = self;
         let plan = plan.as_ref().expect("planned above");
         check_batches(plan, inputs, batch_per_sc)?;
         let batch_per_sc = &batch_per_sc[..];
@@ -174,19 +205,20 @@ impl Preprocessor {
             t.resize_with(local_scs, Task::default);
         }
 
-        let mut work = || run_stacks(plan, inputs, batch_per_sc, out, tasks, workspaces, mode);
-        match pool {
-            Some(pool) => pool.install(work),
-            None => work(),
+        let schedule = workers.schedule();
+        let mut work = || run_stacks(plan, inputs, batch_per_sc, out, tasks, workspaces, mode, schedule);
+        match workers {
+            Workers::Pool(pool) => pool.install(work),
+            Workers::Global | Workers::CallerThread => work(),
         }
         workspaces.equalize();
 
         assemble(plan, tasks, out, mode)?;
         if mode == Mode::Pass1 {
-            let mut work = || minibatch::finish(plan, batch_per_sc, out, tasks, minibatching);
-            match pool {
-                Some(pool) => pool.install(&mut work)?,
-                None => work()?,
+            let mut work = || minibatch::finish(plan, batch_per_sc, out, tasks, minibatching, schedule);
+            match workers {
+                Workers::Pool(pool) => pool.install(&mut work)?,
+                Workers::Global | Workers::CallerThread => work()?,
             }
         }
         Ok(())

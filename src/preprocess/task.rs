@@ -11,7 +11,7 @@ use crate::fill::{Segment, SegmentWriter};
 use crate::group::{sort_and_walk, Bucketed, CountedEntry, Entry, EntrySink, Limits, ScStats};
 use crate::input::SampleSource;
 use crate::key::KeyFormat;
-use crate::output::Output;
+use crate::output::{Output, StackOutput};
 use crate::spec::{Plan, StackPlan};
 
 /// What one (stack, local SparseCore) task leaves for the merge.
@@ -35,7 +35,18 @@ impl EntrySink for Discard {
     fn add_to_last(&mut self, _: f32) {}
 }
 
+/// How a batch's tasks run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Schedule {
+    /// As rayon tasks on the current pool.
+    Parallel,
+    /// One after another on the calling thread: with one worker, handing the batch to a pool
+    /// thread and waking the caller afterwards cost more than a small batch's whole work.
+    InOrder,
+}
+
 /// Runs every (stack, device, SparseCore) task; errors are parked in the tasks.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn run_stacks(
     plan: &Plan,
     inputs: &[&dyn SampleSource],
@@ -44,54 +55,86 @@ pub(super) fn run_stacks(
     tasks: &mut [Vec<Task>],
     workspaces: &Workspaces,
     mode: Mode,
+    schedule: Schedule,
+) {
+    let run = |((so, stack_tasks), (stack, &bsps)): ((&mut StackOutput, &mut Vec<Task>), (&StackPlan, &usize))| {
+        run_stack(plan, inputs, workspaces, mode, schedule, so, stack_tasks, stack, bsps)
+    };
+    match schedule {
+        Schedule::Parallel => out
+            .stacks
+            .par_iter_mut()
+            .zip(tasks.par_iter_mut())
+            .zip(plan.stacks.par_iter().zip(batch_per_sc.par_iter()))
+            .for_each(run),
+        Schedule::InOrder => out.stacks.iter_mut().zip(tasks.iter_mut()).zip(plan.stacks.iter().zip(batch_per_sc)).for_each(run),
+    }
+}
+
+/// Runs one stack's tasks, one per local SparseCore.
+#[allow(clippy::too_many_arguments)]
+fn run_stack(
+    plan: &Plan,
+    inputs: &[&dyn SampleSource],
+    workspaces: &Workspaces,
+    mode: Mode,
+    schedule: Schedule,
+    so: &mut StackOutput,
+    stack_tasks: &mut [Task],
+    stack: &StackPlan,
+    bsps: usize,
 ) {
     let layout = plan.layout;
     let rpb = layout.row_pointers_per_segment();
-    out.stacks
-        .par_iter_mut()
-        .zip(tasks.par_iter_mut())
-        .zip(plan.stacks.par_iter().zip(batch_per_sc.par_iter()))
-        .for_each(|((so, stack_tasks), (stack, &bsps))| {
-            let cs = stack.coo_buffer_size_per_sc(&layout);
-            let weighted = stack.features.iter().any(|&f| inputs[f].has_weights());
-            let ctx = StackCtx {
-                name: &stack.name,
-                layout,
-                combiner: stack.combiner,
-                weighted,
-                validate_ids: plan.validate_ids,
-                batch_per_sc: bsps,
-                local_bits: KeyFormat::local_bits_for(layout.partition_bits(), stack.stack_vocab_size, plan.validate_ids),
-            };
-            let limits = Limits {
-                max_ids: stack.max_ids_per_partition,
-                max_unique: stack.max_unique_ids_per_partition,
-                // Pass 1 of minibatching never drops (SPEC 5.4); only its bucketed pass may.
-                drop: plan.allow_id_dropping && !plan.enable_minibatching,
-            };
-            let job = StackJob { plan, stack, ctx: &ctx, limits, inputs, workspaces };
-            let s = layout.sc_per_device;
-            match mode {
-                Mode::Buffers => so
-                    .row_pointers
-                    .par_chunks_mut(rpb)
-                    .zip(so.embedding_ids.par_chunks_mut(cs))
-                    .zip(so.sample_ids.par_chunks_mut(cs))
-                    .zip(so.gains.par_chunks_mut(cs))
-                    .zip(stack_tasks.par_iter_mut())
-                    .enumerate()
-                    .for_each(|(i, ((((rp, emb), smp), gains), task))| {
-                        let seg = Segment { row_pointers: rp, embedding_ids: emb, sample_ids: smp, gains };
-                        run_task(&job, i / s, i % s, Destination::Segment(seg), task);
-                    }),
-                Mode::StatsOnly => stack_tasks.par_iter_mut().enumerate().for_each(|(i, task)| {
-                    run_task(&job, i / s, i % s, Destination::Stats, task);
-                }),
-                Mode::Pass1 => stack_tasks.par_iter_mut().enumerate().for_each(|(i, task)| {
-                    run_task(&job, i / s, i % s, Destination::Entries, task);
-                }),
-            }
-        });
+    let cs = stack.coo_buffer_size_per_sc(&layout);
+    let weighted = stack.features.iter().any(|&f| inputs[f].has_weights());
+    let ctx = StackCtx {
+        name: &stack.name,
+        layout,
+        combiner: stack.combiner,
+        weighted,
+        validate_ids: plan.validate_ids,
+        batch_per_sc: bsps,
+        local_bits: KeyFormat::local_bits_for(layout.partition_bits(), stack.stack_vocab_size, plan.validate_ids),
+    };
+    let limits = Limits {
+        max_ids: stack.max_ids_per_partition,
+        max_unique: stack.max_unique_ids_per_partition,
+        // Pass 1 of minibatching never drops (SPEC 5.4); only its bucketed pass may.
+        drop: plan.allow_id_dropping && !plan.enable_minibatching,
+    };
+    let job = StackJob { plan, stack, ctx: &ctx, limits, inputs, workspaces };
+    let s = layout.sc_per_device;
+    let into_segment = |(i, ((((rp, emb), smp), gains), task)): (usize, ((((&mut [i32], &mut [i32]), &mut [i32]), &mut [f32]), &mut Task))| {
+        let seg = Segment { row_pointers: rp, embedding_ids: emb, sample_ids: smp, gains };
+        run_task(&job, i / s, i % s, Destination::Segment(seg), task);
+    };
+    let elsewhere = |(i, task): (usize, &mut Task)| {
+        let destination = if mode == Mode::StatsOnly { Destination::Stats } else { Destination::Entries };
+        run_task(&job, i / s, i % s, destination, task);
+    };
+    match (mode, schedule) {
+        (Mode::Buffers, Schedule::Parallel) => so
+            .row_pointers
+            .par_chunks_mut(rpb)
+            .zip(so.embedding_ids.par_chunks_mut(cs))
+            .zip(so.sample_ids.par_chunks_mut(cs))
+            .zip(so.gains.par_chunks_mut(cs))
+            .zip(stack_tasks.par_iter_mut())
+            .enumerate()
+            .for_each(into_segment),
+        (Mode::Buffers, Schedule::InOrder) => so
+            .row_pointers
+            .chunks_mut(rpb)
+            .zip(so.embedding_ids.chunks_mut(cs))
+            .zip(so.sample_ids.chunks_mut(cs))
+            .zip(so.gains.chunks_mut(cs))
+            .zip(stack_tasks.iter_mut())
+            .enumerate()
+            .for_each(into_segment),
+        (Mode::StatsOnly | Mode::Pass1, Schedule::Parallel) => stack_tasks.par_iter_mut().enumerate().for_each(elsewhere),
+        (Mode::StatsOnly | Mode::Pass1, Schedule::InOrder) => stack_tasks.iter_mut().enumerate().for_each(elsewhere),
+    }
 }
 
 /// What every task of one stack shares.
