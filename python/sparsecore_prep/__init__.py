@@ -446,6 +446,14 @@ def _check_options(sharding_strategy, num_sc_per_device) -> None:
                       field="sharding_strategy")
   if num_sc_per_device is None:
     raise ConfigError("num_sc_per_device must be given (there is no TPU to detect it from)", field="num_sc_per_device")
+  # The reference's Python functions take only the SparseCore counts of the TPUs it knows (2 and
+  # 4), with this message; its C++ layer, and `Preprocessor` here, take any power of two.
+  if num_sc_per_device not in _REFERENCE_SC_PER_DEVICE:
+    raise ConfigError(f"Invalid num_sc_per_device: {num_sc_per_device}", field="num_sc_per_device")
+
+
+# SparseCores per device of the TPUs the reference knows (v5p: 4; v6e and 7x: 2).
+_REFERENCE_SC_PER_DEVICE = (2, 4)
 
 
 def _run_native(specs, local_device_count, global_device_count, num_sc_per_device, sharding_strategy,

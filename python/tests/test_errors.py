@@ -319,6 +319,11 @@ def test_option_errors_are_config_errors():
   with pytest.raises(scp.ConfigError) as e:
     scp.preprocess_sparse_dense_matmul_input(ids, None, specs, 1, 1, None)
   assert e.value.field == "num_sc_per_device"
+  # As the reference's functions: only the SparseCore counts of real TPUs, with its message.
+  for bad in (1, 8, 3):
+    with pytest.raises(ValueError, match=f"^Invalid num_sc_per_device: {bad}$") as e:
+      scp.preprocess_sparse_dense_matmul_input(ids, None, specs, 1, 1, bad)
+    assert isinstance(e.value, scp.ConfigError) and e.value.field == "num_sc_per_device"
 
 
 # -----------------------------------------------------------------------------
