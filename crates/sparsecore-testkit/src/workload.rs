@@ -303,6 +303,49 @@ pub fn bench_spec(profile: Profile, batch: usize) -> WorkloadSpec {
     spec
 }
 
+/// The bench paths that [`BENCH_PROFILES`]' workloads leave out, each on one profile at its
+/// bench batch size and otherwise that profile's [`bench_spec`]: weights on `long`, whose 100 ids
+/// per sample repeat within a sample, so gains are merged; raw keys on `criteo`, the data they
+/// come from; minibatching on `moderate-multivalency`, whose ids spread over the buckets evenly
+/// enough that halved limits split its batch (in 4) without putting a single bucket over a limit.
+pub fn bench_paths() -> [(&'static str, WorkloadSpec); 3] {
+    let spec = |profile: Profile| {
+        let (_, batch) = BENCH_PROFILES.into_iter().find(|&(p, _)| p == profile).unwrap_or((profile, profile.default_batch_size()));
+        bench_spec(profile, batch)
+    };
+    let mut weights = spec(Profile::Long);
+    weights.weights = true;
+    let mut raw_keys = spec(Profile::Criteo);
+    raw_keys.raw_keys = true;
+    let mut minibatching = spec(Profile::ModerateMultivalency);
+    minibatching.minibatching = Some(2);
+    [("long/weights", weights), ("criteo/raw-keys", raw_keys), ("moderate-multivalency/minibatching", minibatching)]
+}
+
+/// Checks that a bench path measures what it names: its first batch has ids, drops none, and,
+/// under minibatching, splits. A limit too tight for minibatching would make its case a single
+/// pass, and a buffer too small would drop ids. The bench runs this before timing; a test runs
+/// it on every path, since CI builds the benches but does not run them.
+pub fn check_bench_path(name: &str, spec: &WorkloadSpec, workload: &Workload) -> std::result::Result<(), String> {
+    let batch = workload.batches.first().ok_or_else(|| format!("{name}: no batch"))?;
+    if workload.total_ids() == 0 {
+        return Err(format!("{name}: no ids counted"));
+    }
+    let mut out = Output::new();
+    Preprocessor::builder(workload.config.clone())
+        .threads(1)
+        .build()
+        .and_then(|mut prep| prep.run_record_batch(batch, &mut out))
+        .map_err(|e| format!("{name}: {e}"))?;
+    if spec.minibatching.is_some() && out.num_minibatches < 2 {
+        return Err(format!("{name}: {} minibatch(es), expected a split", out.num_minibatches));
+    }
+    match out.stacks.iter().find(|s| s.stats.dropped_id_count != 0) {
+        Some(s) => Err(format!("{name}: stack {}: {} ids dropped", s.name, s.stats.dropped_id_count)),
+        None => Ok(()),
+    }
+}
+
 /// The benches' workload of `profile` with `batch` samples ([`bench_spec`]).
 pub fn bench_workload(profile: Profile, batch: usize) -> Result<Workload> {
     generate(&bench_spec(profile, batch))
