@@ -1,9 +1,10 @@
 """Times our drop-in call against the reference's on the same numpy inputs.
 
-    python python/bench.py [--workloads criteo long] [--repeat 11] [--warmup 2] [--json]
+    python python/bench.py [--workloads criteo long] [--batch-size B] [--repeat 11] [--warmup 2] [--json]
 
-Workloads are `../shared/peer/make_workload.py`'s `criteo` and `long` profiles (default sizes,
-layout 1/1/4, no weights), generated into `target/peer/` once. Their Arrow batches become what
+Workloads are `../shared/peer/make_workload.py`'s `criteo` and `long` profiles (default sizes, or
+B samples a batch with `--batch-size`, as a data loader calls it per batch; layout 1/1/4, no
+weights), generated into `target/peer/` once. Their Arrow batches become what
 the reference takes: ragged numpy object arrays of int32 ids, one per feature (as
 `run_peer.py` builds them), and the reference's own FeatureSpecs, stacked by
 `prepare_feature_specs_for_training`. Both calls get exactly these objects, and both timings
@@ -34,13 +35,15 @@ sys.path.insert(0, os.path.join(HERE, "tests"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def workload(name: str) -> tuple[str, str]:
+def workload(name: str, batch_size: int | None) -> tuple[str, str]:
   out = os.path.join(ROOT, "target", "peer")
   os.makedirs(out, exist_ok=True)
-  arrow, cfg = os.path.join(out, f"bench_{name}.arrow"), os.path.join(out, f"bench_{name}.json")
+  stem = f"bench_{name}" if batch_size is None else f"bench_{name}_b{batch_size}"
+  arrow, cfg = os.path.join(out, f"{stem}.arrow"), os.path.join(out, f"{stem}.json")
   if not (os.path.exists(arrow) and os.path.exists(cfg)):
+    size = [] if batch_size is None else ["--batch-size", str(batch_size)]
     subprocess.run([sys.executable, os.path.join(SHARED, "peer", "make_workload.py"), "--profile", name,
-                    "--out", arrow, "--config-out", cfg], check=True, stdout=subprocess.DEVNULL)
+                    "--out", arrow, "--config-out", cfg, *size], check=True, stdout=subprocess.DEVNULL)
   return arrow, cfg
 
 
@@ -75,6 +78,7 @@ def case_of(config: dict, rows: int) -> dict:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--workloads", nargs="+", default=["criteo", "long"])
+  p.add_argument("--batch-size", type=int, default=None, help="samples a batch (default: the profile's)")
   p.add_argument("--repeat", type=int, default=11)
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--json", action="store_true", help="one JSON line per workload instead of a table")
@@ -88,7 +92,7 @@ def main(argv=None) -> int:
   if not args.json:
     print(f"{'workload':<10} {'ids':>10} {'reference ms':>13} {'ours ms':>9} {'speed-up':>9} {'CPU ms ref/ours':>17}")
   for name in args.workloads:
-    arrow, cfg_path = workload(name)
+    arrow, cfg_path = workload(name, args.batch_size)
     with open(cfg_path) as fh:
       config = json.load(fh)
     feats, rows = numpy_inputs(arrow, config)

@@ -87,7 +87,7 @@ pub use error::{BatchCount, ConfigItem, Error, LimitKind, NpzBound, Result};
 pub use fdo::FdoStats;
 pub use input::{features_from_record_batch, ArrowListInput, CooInput, DenseInput, RaggedInput, SampleSource};
 pub use output::{Output, StackOutput};
-pub use preprocess::{Preprocessor, PreprocessorBuilder};
+pub use preprocess::{Preprocessor, PreprocessorBuilder, SMALL_BATCH_IDS};
 pub use spec::{Config, Plan};
 pub use stats::StackStats;
 

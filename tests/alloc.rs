@@ -77,7 +77,9 @@ fn steady_state(profile: Profile, batch: usize, weights: bool, threads: usize) {
         features.iter().map(|fs| fs.iter().map(|f| f as &dyn SampleSource).collect()).collect();
     // After generating the workload, which starts rayon's global pool the first time.
     let before = threads_alive();
-    let mut prep = Preprocessor::builder(w.config.clone()).threads(threads).build().unwrap();
+    // Every batch on the workers, however small: the steady state of each worker's workspace
+    // is what this counts.
+    let mut prep = Preprocessor::builder(w.config.clone()).threads(threads).small_batch_ids(0).build().unwrap();
     let mut out = Output::new();
     // Warm up: the first batches size every buffer (the next batches may be larger).
     for inp in &inputs {

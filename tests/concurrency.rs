@@ -237,9 +237,9 @@ fn one_shared_preprocessor_gives_every_thread_its_solo_result() {
         let (batches, expected) = workload(&cfg);
         check_workload_covers(&batches, &expected, minibatching);
         // With a dedicated pool of 2 threads, and on rayon's global pool.
-        let calls = run_shared(Preprocessor::builder(cfg.clone()).threads(2), &batches, &expected);
+        let calls = run_shared(Preprocessor::builder(cfg.clone()).threads(2).small_batch_ids(0), &batches, &expected);
         assert_eq!(calls, THREADS * CALLS_PER_THREAD);
-        let calls = run_shared(Preprocessor::builder(cfg.clone()), &batches, &expected);
+        let calls = run_shared(Preprocessor::builder(cfg.clone()).small_batch_ids(0), &batches, &expected);
         assert_eq!(calls, THREADS * CALLS_PER_THREAD);
     }
 }
@@ -307,10 +307,77 @@ fn a_source_that_uses_rayon_itself_does_not_panic() {
     let plain = RaggedInput::from_i32("f0", &ids, &splits).unwrap();
     let expected = Preprocessor::builder(cfg.clone()).threads(1).build().unwrap().run_new(&[&plain]).unwrap();
     let source = ParallelView(RaggedInput::from_i32("f0", &ids, &splits).unwrap());
-    let mut p = Preprocessor::builder(cfg).threads(4).build().unwrap();
+    // On the pool however small the batch, so that the tasks run on workers that `view()` reenters.
+    let mut p = Preprocessor::builder(cfg).threads(4).small_batch_ids(0).build().unwrap();
     let mut out = Output::new();
     for _ in 0..20 {
         p.run(&[&source], &mut out).unwrap();
         assert!(outcome(Ok(()), &out) == outcome(Ok(()), &expected));
     }
+}
+
+/// A source that records whether its view was taken on a pool thread (named `sparsecore-prep-i`
+/// by `threads(n)`).
+struct ThreadRecorder<'a>(RaggedInput<'a>, Mutex<Vec<bool>>);
+
+impl SampleSource for ThreadRecorder<'_> {
+    fn num_samples(&self) -> usize {
+        self.0.num_samples()
+    }
+    fn has_weights(&self) -> bool {
+        self.0.has_weights()
+    }
+    fn view(&self) -> FeatureView<'_> {
+        let on_pool = std::thread::current().name().is_some_and(|n| n.starts_with("sparsecore-prep-"));
+        self.1.lock().unwrap().push(on_pool);
+        self.0.view()
+    }
+}
+
+// A small batch runs on the calling thread, in order, whatever the preprocessor's threads (a
+// pool's hand-over and wake-up cost more than its work); `small_batch_ids(0)` sends it to the
+// pool; a batch of at least `SMALL_BATCH_IDS` ids goes to the pool by default. The output is
+// the same each way.
+#[test]
+fn small_batches_run_on_the_calling_thread() {
+    let v = json!({
+        "config": {"local_device_count": 2, "global_device_count": 2, "num_sc_per_device": 4},
+        "tables": [{"name": "t0", "vocabulary_size": 100000, "embedding_dim": 16, "combiner": "sum",
+                    "max_ids_per_partition": 100000, "max_unique_ids_per_partition": 100000}],
+        "features": [{"name": "f0", "table": "t0"}]
+    });
+    let cfg = Config::from_json(&v.to_string()).unwrap();
+    let batch = |ids_per_row: usize| {
+        let ids: Vec<i32> = (0..64 * ids_per_row).map(|i| ((i * 7919) % 100000) as i32).collect();
+        let splits: Vec<i32> = (0..=64).map(|r| (r * ids_per_row) as i32).collect();
+        (ids, splits)
+    };
+    // (whether the preprocessor says it runs on the caller, whether any view was on the pool, output)
+    let run = |p: &mut Preprocessor, ids: &[i32], splits: &[i32]| {
+        let source = ThreadRecorder(RaggedInput::from_i32("f0", ids, splits).unwrap(), Mutex::new(Vec::new()));
+        let on_caller = p.runs_on_caller_thread(&[&source]);
+        let out = p.run_new(&[&source]).unwrap();
+        let on_pool = source.1.into_inner().unwrap().into_iter().any(|b| b);
+        (on_caller, on_pool, out)
+    };
+    let (small_ids, small_splits) = batch(2);
+    let (large_ids, large_splits) = batch(sparsecore_prep::SMALL_BATCH_IDS / 64);
+    let small = RaggedInput::from_i32("f0", &small_ids, &small_splits).unwrap();
+    let expected_small = Preprocessor::builder(cfg.clone()).threads(1).build().unwrap().run_new(&[&small]).unwrap();
+
+    let mut pooled = Preprocessor::builder(cfg.clone()).threads(2).build().unwrap();
+    let (on_caller, on_pool, out) = run(&mut pooled, &small_ids, &small_splits);
+    assert!(on_caller && !on_pool, "a batch of 128 ids ran on the pool");
+    assert!(outcome(Ok(()), &out) == outcome(Ok(()), &expected_small));
+    let (on_caller, on_pool, _) = run(&mut pooled, &large_ids, &large_splits);
+    assert!(!on_caller && on_pool, "a batch of {} ids did not run on the pool", large_ids.len());
+
+    let mut always = Preprocessor::builder(cfg.clone()).threads(2).small_batch_ids(0).build().unwrap();
+    let (on_caller, on_pool, out) = run(&mut always, &small_ids, &small_splits);
+    assert!(!on_caller && on_pool, "small_batch_ids(0) still ran a small batch on the calling thread");
+    assert!(outcome(Ok(()), &out) == outcome(Ok(()), &expected_small));
+
+    let mut one = Preprocessor::builder(cfg).threads(1).build().unwrap();
+    let (on_caller, on_pool, _) = run(&mut one, &large_ids, &large_splits);
+    assert!(on_caller && !on_pool, "threads(1) ran a batch on a pool");
 }

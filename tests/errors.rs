@@ -1225,7 +1225,7 @@ fn limit_exceeded_reports_device_sparsecore_and_partition() {
 fn errors_leave_output_and_preprocessor_reusable() {
     for threads in [None, Some(2)] {
         let cfg = config();
-        let mut builder = Preprocessor::builder(cfg.clone());
+        let mut builder = Preprocessor::builder(cfg.clone()).small_batch_ids(0);
         if let Some(n) = threads {
             builder = builder.threads(n);
         }

@@ -134,7 +134,7 @@ fn expect_error_state<B: ?Sized>(
     let mut expected = Output::new();
     run(&mut prep(cfg.clone()), good, &mut expected).expect("the good batch runs");
     for threads in [1, 2] {
-        let mut p = Preprocessor::builder(cfg.clone()).threads(threads).build().unwrap();
+        let mut p = Preprocessor::builder(cfg.clone()).threads(threads).small_batch_ids(0).build().unwrap();
         let mut out = Output::new();
         for _ in 0..2 {
             check(&err(run(&mut p, bad, &mut out)));

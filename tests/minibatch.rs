@@ -1513,7 +1513,7 @@ fn check_scenario(sc: &Scen, tally: &Tally) -> Result<(), TestCaseError> {
     // The minibatching runs, on 1 and 2 threads.
     let mb_cfg = config(g, s, false, true, &tables(&|t| (limits[&t].0, limits[&t].1, None)), &features);
     let run = |threads: usize| {
-        run_builder(Preprocessor::builder(mb_cfg.clone()).bucket_fn(bucket_fn()).threads(threads), &rag_refs, None)
+        run_builder(Preprocessor::builder(mb_cfg.clone()).bucket_fn(bucket_fn()).threads(threads).small_batch_ids(0), &rag_refs, None)
     };
     let out = run(1).map_err(|e| fail(format!("minibatching run (limits {limits:?}): {e}")))?;
     let out2 = run(2).map_err(|e| fail(format!("minibatching run on 2 threads: {e}")))?;

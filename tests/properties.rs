@@ -722,8 +722,9 @@ fn model_segment(kept: &[Pair], n: usize, cs: usize, bsps: usize) -> SegModel {
 // Running and comparing
 // ---------------------------------------------------------------------------------------------
 
+/// Runs on `threads` (None: rayon's global pool), every batch on the threads however small.
 fn run(cfg: &Config, threads: Option<usize>, inputs: &[&dyn SampleSource]) -> (Result<Output, Error>, Option<Plan>) {
-    let mut b = Preprocessor::builder(cfg.clone());
+    let mut b = Preprocessor::builder(cfg.clone()).small_batch_ids(0);
     if let Some(t) = threads {
         b = b.threads(t);
     }

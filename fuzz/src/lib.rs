@@ -142,7 +142,9 @@ fn run_checked(
     let mut out1 = Output::new();
     let r1 = one.install(|| p1.run(inputs, &mut out1)).map(|()| out1);
 
-    let mut p2 = build().expect("the first build succeeded, so the second must");
+    // Every batch on the pool's two threads, however small (the default runs small batches on
+    // the calling thread, in order, as the one-thread run does).
+    let mut p2 = prepare(Preprocessor::builder(config.clone())).small_batch_ids(0).build().expect("the first build succeeded, so the second must");
     p2.set_batch_number(batch_number);
     let mut out2 = Output::new();
     for pass in 0..2 {

@@ -609,6 +609,9 @@ unsafe fn gather_with(
     }
     true
 }
+/// Fewer ragged rows than this (over all features) are gathered on the calling thread.
+const GATHER_ON_CALLER_MAX_ROWS: usize = 2048;
+
 /// Gathers the ragged features among `leaves` on `pool` (the package's, see `threads`), into `scratch` (one buffer per
 /// leaf, resized to fit; its memory is reused from call to call, so a steady stream of batches
 /// does not fault in fresh pages for the gathered ids each time). `None` where a feature needs
@@ -629,17 +632,18 @@ pub fn gather_all<'py>(
     use rayon::prelude::*;
     let array_type = ArrayType(Arr::type_object_raw(py));
     scratch.resize_with(leaves.len(), Default::default);
-    let gathered = pool.install(|| {
-        scratch
-            .par_iter_mut()
-            .zip(leaves.par_iter())
-            .map(|(buf, &(ids, weights))| match ids {
-                // SAFETY: see the function's documentation.
-                Some(ids) => unsafe { gather_raw(ids, weights, array_type, buf) },
-                None => false,
-            })
-            .collect::<Vec<bool>>()
-    });
+    let gather = |(buf, &(ids, weights)): (&mut Gathered, &(Option<RawObjects>, Option<RawObjects>))| match ids {
+        // SAFETY: see the function's documentation.
+        Some(ids) => unsafe { gather_raw(ids, weights, array_type, buf) },
+        None => false,
+    };
+    let rows: usize = leaves.iter().filter_map(|(ids, _)| ids.map(|o| o.len)).sum();
+    // Few rows are gathered on this thread: the pool's hand-over and wake-up would cost more.
+    let gathered: Vec<bool> = if rows < GATHER_ON_CALLER_MAX_ROWS {
+        scratch.iter_mut().zip(leaves).map(gather).collect()
+    } else {
+        pool.install(|| scratch.par_iter_mut().zip(leaves.par_iter()).map(gather).collect())
+    };
     gathered
         .into_iter()
         .zip(scratch.iter_mut())

@@ -80,6 +80,11 @@ fn run_detached(
     slot: Option<&AllReduceSlot>,
 ) -> PyResult<()> {
     let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
+    // A small batch runs on this thread, with no parallel work: the pool's hand-over and wake-up
+    // would cost more than the batch (`SMALL_BATCH_IDS`).
+    if prep.runs_on_caller_thread(&inputs) {
+        return py.detach(|| prep.run(&inputs, out)).map_err(|e| to_py_error(py, e, slot));
+    }
     py.detach(|| pool.install(|| prep.run(&inputs, out))).map_err(|e| to_py_error(py, e, slot))
 }
 
@@ -222,10 +227,17 @@ impl NativePreprocessor {
         let on = self.live(py)?;
         let (prep, out) = (&mut self.prep, &mut self.out);
         self.pool.refill(out);
-        let mut run = || prep.run_record_batch(&rb, out);
+        let features = sparsecore_prep::input::features_from_record_batch(prep.config(), &rb).map_err(|e| {
+            out.clear();
+            to_py_error(py, e, self.slot.as_deref())
+        })?;
+        let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
+        // The package's pool only for a batch the preprocessor runs in parallel (see `run_detached`).
+        let small = prep.runs_on_caller_thread(&inputs);
+        let mut run = || prep.run(&inputs, out);
         py.detach(|| match &on {
-            Some(pool) => pool.install(run),
-            None => run(),
+            Some(pool) if !small => pool.install(run),
+            _ => run(),
         })
         .map_err(|e| to_py_error(py, e, self.slot.as_deref()))?;
         results(py, &mut self.out, &self.pool, has_leading_dimension)

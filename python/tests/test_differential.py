@@ -57,7 +57,8 @@ def random_weights(rng: np.random.Generator, n: int) -> np.ndarray:
   return (rng.integers(-8, 65, size=n) / 16.0).astype(np.float32)
 
 
-def make_case(seed: int) -> dict:
+def make_case(seed: int, scale: int = 1) -> dict:
+  """A random case; `scale` multiplies every feature's batch (same draws otherwise)."""
   r = random.Random(seed)
   rng = np.random.default_rng(seed)
   l, g = r.choice(LAYOUTS)
@@ -86,7 +87,7 @@ def make_case(seed: int) -> dict:
   features = []
   for i in range(r.randint(1, 4)):
     t = tables[r.randrange(num_tables)] if i >= num_tables else tables[i]
-    local = l * s * r.randint(1, 6)
+    local = l * s * r.randint(1, 6) * scale
     dense = r.random() < 0.35
     if dense:
       valency = r.randint(1, 6)
@@ -174,6 +175,26 @@ def test_random_cases_match_the_reference(worker):
         f"{auto} auto-stacked)")
   # The generator must really exercise these paths.
   assert dropped >= NUM_CASES // 10 and weighted >= NUM_CASES // 4 and auto >= NUM_CASES // 4
+
+
+def test_large_random_cases_match_the_reference(worker):
+  # Batches of 8,192 ids and more run on the package's threads, and 2,048 ragged rows and more
+  # are gathered there; smaller ones (every case above) run on the calling thread.
+  parallel = gathered = 0
+  for seed in range(SEED + 900000, SEED + 900016):
+    case = make_case(seed, scale=32)
+    want = worker.run(case)
+    got = run_ours(case)
+    try:
+      compare(case, want, got)
+    except AssertionError as e:
+      raise AssertionError(f"large case seed {seed} ({describe(case)}): {e}") from None
+    ragged = [f["ids"] for f in case["features"] if f["ids"].dtype == object]
+    ids = sum(sum(len(r) for r in f) for f in ragged) + sum(f["ids"].size for f in case["features"] if f["ids"].dtype != object)
+    parallel += ids >= 8192  # sparsecore_prep::SMALL_BATCH_IDS
+    gathered += sum(len(f) for f in ragged) >= 2048
+  print(f"differential (large): 16/16 cases identical, {parallel} run on the threads, {gathered} gathered there")
+  assert parallel >= 2 and gathered >= 2
 
 
 def test_random_coo_cases_match_the_reference(worker):

@@ -2,7 +2,7 @@
 
 use super::minibatch;
 use super::workspace::Workspaces;
-use super::{Preprocessor, Workers};
+use super::{Preprocessor, Workers, SMALL_BATCH_IDS};
 use crate::allreduce::AllReduce;
 use crate::error::{Error, Result};
 use crate::group::bucket::BucketFn;
@@ -14,6 +14,7 @@ use crate::spec::{Config, Plan};
 pub struct PreprocessorBuilder {
     config: Config,
     threads: Option<usize>,
+    small_batch_ids: usize,
     global_batch_sizes: Option<Vec<usize>>,
     minibatching: minibatch::Settings,
     plan: Option<Plan>,
@@ -21,7 +22,14 @@ pub struct PreprocessorBuilder {
 
 impl PreprocessorBuilder {
     pub(super) fn new(config: Config) -> Self {
-        PreprocessorBuilder { config, threads: None, global_batch_sizes: None, minibatching: minibatch::Settings::default(), plan: None }
+        PreprocessorBuilder {
+            config,
+            threads: None,
+            small_batch_ids: SMALL_BATCH_IDS,
+            global_batch_sizes: None,
+            minibatching: minibatch::Settings::default(),
+            plan: None,
+        }
     }
 
     /// Runs every batch on this plan (from [`Plan::from_resolved`]) instead of planning the
@@ -37,6 +45,15 @@ impl PreprocessorBuilder {
     /// output is identical for every `n`.
     pub fn threads(mut self, n: usize) -> Self {
         self.threads = Some(n);
+        self
+    }
+
+    /// Runs a batch of fewer than `ids` ids (duplicates included) on the calling thread, its
+    /// tasks one after another, whatever [`PreprocessorBuilder::threads`] says (default
+    /// [`SMALL_BATCH_IDS`]); 0 sends every batch to the threads. The output is the same either
+    /// way.
+    pub fn small_batch_ids(mut self, ids: usize) -> Self {
+        self.small_batch_ids = ids;
         self
     }
 
@@ -103,6 +120,7 @@ impl PreprocessorBuilder {
             plan_local_sizes: Vec::new(),
             local_sizes: Vec::new(),
             workers,
+            small_batch_ids: self.small_batch_ids,
             workspaces,
             tasks: Vec::new(),
             batch_per_sc: Vec::new(),

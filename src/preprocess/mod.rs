@@ -36,6 +36,19 @@ enum Mode {
     Pass1,
 }
 
+/// The default of [`PreprocessorBuilder::small_batch_ids`]: a batch of fewer ids runs on the
+/// calling thread, its tasks one after another, whatever [`PreprocessorBuilder::threads`] says,
+/// because handing it to a pool thread and waking the caller afterwards costs more than its
+/// whole work. Measured on a 2-vCPU VM, the crossover lay between 6,400 and 26,000 ids
+/// (BENCHMARKS.md, "Small batches"); on a machine with faster wake-ups it lies lower, so the
+/// default stays at the low end.
+pub const SMALL_BATCH_IDS: usize = 8192;
+
+/// The ids of a batch, duplicates included.
+fn batch_ids(inputs: &[&dyn SampleSource]) -> usize {
+    inputs.iter().map(|s| s.view().num_ids()).fold(0usize, usize::saturating_add)
+}
+
 /// Where a preprocessor's tasks run.
 #[derive(Debug)]
 enum Workers {
@@ -101,6 +114,8 @@ pub struct Preprocessor {
     plan_local_sizes: Vec<usize>,
     local_sizes: Vec<usize>,
     workers: Workers,
+    /// Batches of fewer ids run on the calling thread.
+    small_batch_ids: usize,
     workspaces: Workspaces,
     /// Per stack, per local SparseCore (device-major).
     tasks: Vec<Vec<Task>>,
@@ -193,7 +208,7 @@ impl Preprocessor {
         self.local_sizes = sizes;
         planned?;
 
-        let Preprocessor { plan, workers, workspaces, tasks, batch_per_sc, minibatching, .. } = self;
+        let Preprocessor { plan, workers, small_batch_ids, workspaces, tasks, batch_per_sc, minibatching, .. } = self;
         let plan = plan.as_ref().expect("planned above");
         check_batches(plan, inputs, batch_per_sc)?;
         let batch_per_sc = &batch_per_sc[..];
@@ -205,23 +220,31 @@ impl Preprocessor {
             t.resize_with(local_scs, Task::default);
         }
 
-        let schedule = workers.schedule();
+        let schedule = if batch_ids(inputs) < *small_batch_ids { Schedule::InOrder } else { workers.schedule() };
         let mut work = || run_stacks(plan, inputs, batch_per_sc, out, tasks, workspaces, mode, schedule);
-        match workers {
-            Workers::Pool(pool) => pool.install(work),
-            Workers::Global | Workers::CallerThread => work(),
+        match (schedule, &*workers) {
+            (Schedule::Parallel, Workers::Pool(pool)) => pool.install(work),
+            _ => work(),
         }
         workspaces.equalize();
 
         assemble(plan, tasks, out, mode)?;
         if mode == Mode::Pass1 {
             let mut work = || minibatch::finish(plan, batch_per_sc, out, tasks, minibatching, schedule);
-            match workers {
-                Workers::Pool(pool) => pool.install(&mut work)?,
-                Workers::Global | Workers::CallerThread => work()?,
+            match (schedule, &*workers) {
+                (Schedule::Parallel, Workers::Pool(pool)) => pool.install(&mut work)?,
+                _ => work()?,
             }
         }
         Ok(())
+    }
+
+    /// Whether [`Preprocessor::run`] runs this batch on the calling thread (`threads(1)`, or a
+    /// batch of fewer ids than [`PreprocessorBuilder::small_batch_ids`]) rather than on a pool. A caller that
+    /// puts every call on a pool of its own, as the Python package does to survive `fork`, can
+    /// skip that hand-over for such batches: the call then starts no parallel work.
+    pub fn runs_on_caller_thread(&self, inputs: &[&dyn SampleSource]) -> bool {
+        matches!(self.workers, Workers::CallerThread) || batch_ids(inputs) < self.small_batch_ids
     }
 
     /// Preprocesses one batch into a new [`Output`].

@@ -71,6 +71,10 @@ pub(super) fn run_stacks(
     }
 }
 
+/// One SparseCore's slices of a stack's buffers (row pointers, embedding ids, sample ids, gains),
+/// zipped with its task.
+type SegmentParts<'a> = ((((&'a mut [i32], &'a mut [i32]), &'a mut [i32]), &'a mut [f32]), &'a mut Task);
+
 /// Runs one stack's tasks, one per local SparseCore.
 #[allow(clippy::too_many_arguments)]
 fn run_stack(
@@ -105,7 +109,7 @@ fn run_stack(
     };
     let job = StackJob { plan, stack, ctx: &ctx, limits, inputs, workspaces };
     let s = layout.sc_per_device;
-    let into_segment = |(i, ((((rp, emb), smp), gains), task)): (usize, ((((&mut [i32], &mut [i32]), &mut [i32]), &mut [f32]), &mut Task))| {
+    let into_segment = |(i, ((((rp, emb), smp), gains), task)): (usize, SegmentParts<'_>)| {
         let seg = Segment { row_pointers: rp, embedding_ids: emb, sample_ids: smp, gains };
         run_task(&job, i / s, i % s, Destination::Segment(seg), task);
     };
