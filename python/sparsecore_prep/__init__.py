@@ -722,8 +722,10 @@ class Preprocessor:
   Args:
     config: our config (SPEC Part 1, section 1.1) as a dict, JSON text or a
       path to a JSON file.
-    threads: a dedicated pool of this many threads (default: one shared pool
-      with one thread per CPU).
+    threads: a dedicated pool of this many threads; 1 runs on the calling
+      thread, with no pool (default: one shared pool with one thread per
+      CPU). A batch of fewer than 8,192 ids runs on the calling thread
+      whatever the count: a pool's hand-over costs more than such a batch.
     has_leading_dimension: shape arrays ``[L, ...]`` instead of flat.
     all_reduce_interface: the hosts' all-reduce for multi-host minibatching,
       as in :func:`preprocess_sparse_dense_matmul_input` (see
