@@ -7,6 +7,10 @@ from typing import Any
 import numpy as np
 
 __version__: str
+# A call on fewer ids runs on the calling thread (the crate's SMALL_BATCH_IDS).
+SMALL_BATCH_IDS: int
+# Fewer ragged rows than this are gathered on the calling thread.
+GATHER_ON_CALLER_MAX_ROWS: int
 
 _Dicts = tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]
 _Results = tuple[

@@ -609,18 +609,23 @@ unsafe fn gather_with(
     }
     true
 }
-/// Fewer ragged rows than this (over all features) are gathered on the calling thread.
-const GATHER_ON_CALLER_MAX_ROWS: usize = 2048;
+
+/// Fewer ragged rows than this (over all features) are gathered on the calling thread, where the
+/// pool's hand-over would cost more than reading them. It counts rows, not ids, because only the
+/// rows are known before reading them: a few very long rows are gathered serially, which costs
+/// little when they are slices of one array (read in place) and a copy of their ids otherwise.
+pub const GATHER_ON_CALLER_MAX_ROWS: usize = 2048;
 
 /// Gathers the ragged features among `leaves` on `pool` (the package's, see `threads`), into `scratch` (one buffer per
 /// leaf, resized to fit; its memory is reused from call to call, so a steady stream of batches
 /// does not fault in fresh pages for the gathered ids each time). `None` where a feature needs
 /// the checked path (or is not ragged).
 ///
-/// The workers read the object arrays' items and the items' numpy structs without the Python
-/// API. That is sound because the calling thread holds the GIL and blocks until they finish:
-/// no Python code runs anywhere in the meantime, so nothing can be freed or resized, and every
-/// object read is kept alive by `leaves`, which the caller owns.
+/// The workers (or, for few rows, the calling thread itself) read the object arrays' items and
+/// the items' numpy structs without the Python API. That is sound because the calling thread
+/// holds the GIL and does nothing else until the reads finish: no Python code runs anywhere in
+/// the meantime, so nothing can be freed or resized, and every object read is kept alive by
+/// `leaves`, which the caller owns.
 pub fn gather_all<'py>(
     py: Python<'py>,
     pool: &rayon::ThreadPool,

@@ -88,6 +88,23 @@ fn run_detached(
     py.detach(|| pool.install(|| prep.run(&inputs, out))).map_err(|e| to_py_error(py, e, slot))
 }
 
+/// Reads `batch`'s features and runs `run` on them: on `pool` (the package's, when the
+/// preprocessor has none of its own) only if the preprocessor would run them in parallel, since a
+/// small batch runs on the calling thread anyway and the hand-over would cost more than it.
+fn on_pool_if_parallel<T: Send>(
+    pool: Option<&ThreadPool>,
+    prep: &mut Preprocessor,
+    batch: &arrow_array::RecordBatch,
+    run: impl FnOnce(&mut Preprocessor, &[&dyn SampleSource]) -> sparsecore_prep::Result<T> + Send,
+) -> sparsecore_prep::Result<T> {
+    let features = sparsecore_prep::input::features_from_record_batch(prep.config(), batch)?;
+    let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
+    match pool {
+        Some(pool) if !prep.runs_on_caller_thread(&inputs) => pool.install(|| run(prep, &inputs)),
+        _ => run(prep, &inputs),
+    }
+}
+
 /// `builder` agreeing across hosts through `slot`, if any.
 fn with_slot(builder: PreprocessorBuilder, slot: &Option<Arc<AllReduceSlot>>) -> PreprocessorBuilder {
     match slot {
@@ -133,7 +150,8 @@ impl NativePreprocessor {
     /// pool to run it on (None: its own).
     fn live(&mut self, py: Python<'_>) -> PyResult<Option<std::sync::Arc<ThreadPool>>> {
         let pid = std::process::id();
-        if self.pid != pid && self.threads.is_some() {
+        // `threads=1` has no pool (it runs on the calling thread), so a child can keep it.
+        if self.pid != pid && self.threads.is_some_and(|n| n > 1) {
             let config = Config::from_json(&self.config_json).map_err(|e| to_py(py, e))?;
             let mut fresh = Self::build(py, config, self.threads, &self.slot)?;
             fresh.set_batch_number(self.batch_number);
@@ -227,19 +245,12 @@ impl NativePreprocessor {
         let on = self.live(py)?;
         let (prep, out) = (&mut self.prep, &mut self.out);
         self.pool.refill(out);
-        let features = sparsecore_prep::input::features_from_record_batch(prep.config(), &rb).map_err(|e| {
-            out.clear();
-            to_py_error(py, e, self.slot.as_deref())
-        })?;
-        let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
-        // The package's pool only for a batch the preprocessor runs in parallel (see `run_detached`).
-        let small = prep.runs_on_caller_thread(&inputs);
-        let mut run = || prep.run(&inputs, out);
-        py.detach(|| match &on {
-            Some(pool) if !small => pool.install(run),
-            _ => run(),
-        })
-        .map_err(|e| to_py_error(py, e, self.slot.as_deref()))?;
+        // Without the GIL: reading the columns hashes raw keys.
+        py.detach(|| on_pool_if_parallel(on.as_deref(), prep, &rb, |prep, inputs| prep.run(inputs, out)))
+            .map_err(|e| {
+                out.clear();
+                to_py_error(py, e, self.slot.as_deref())
+            })?;
         results(py, &mut self.out, &self.pool, has_leading_dimension)
     }
 
@@ -248,18 +259,14 @@ impl NativePreprocessor {
         let rb = arrow_input::record_batch(batch)?;
         let on = self.live(py)?;
         let (prep, out) = (&mut self.prep, &mut self.out);
-        let mut run = || -> sparsecore_prep::Result<FdoStats> {
-            let features = sparsecore_prep::input::features_from_record_batch(prep.config(), &rb)?;
-            let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
-            prep.run_stats(&inputs, out)?;
-            let plan = prep.plan().expect("a successful run has a plan");
-            let mut stats = FdoStats::new(plan.layout);
-            stats.record(plan, out)?;
-            Ok(stats)
-        };
-        py.detach(|| match &on {
-            Some(pool) => pool.install(run),
-            None => run(),
+        py.detach(|| {
+            on_pool_if_parallel(on.as_deref(), prep, &rb, |prep, inputs| {
+                prep.run_stats(inputs, out)?;
+                let plan = prep.plan().expect("a successful run has a plan");
+                let mut stats = FdoStats::new(plan.layout);
+                stats.record(plan, out)?;
+                Ok(stats)
+            })
         })
         .map(|inner| NativeFdoStats { inner })
         .map_err(|e| to_py(py, e))

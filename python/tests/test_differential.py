@@ -58,7 +58,8 @@ def random_weights(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 def make_case(seed: int, scale: int = 1) -> dict:
-  """A random case; `scale` multiplies every feature's batch (same draws otherwise)."""
+  """A random case; `scale` multiplies every feature's batch (the layout, tables and limits
+  come from the same draws; the ids do not)."""
   r = random.Random(seed)
   rng = np.random.default_rng(seed)
   l, g = r.choice(LAYOUTS)
@@ -191,8 +192,8 @@ def test_large_random_cases_match_the_reference(worker):
       raise AssertionError(f"large case seed {seed} ({describe(case)}): {e}") from None
     ragged = [f["ids"] for f in case["features"] if f["ids"].dtype == object]
     ids = sum(sum(len(r) for r in f) for f in ragged) + sum(f["ids"].size for f in case["features"] if f["ids"].dtype != object)
-    parallel += ids >= 8192  # sparsecore_prep::SMALL_BATCH_IDS
-    gathered += sum(len(f) for f in ragged) >= 2048
+    parallel += ids >= scp._native.SMALL_BATCH_IDS
+    gathered += sum(len(f) for f in ragged) >= scp._native.GATHER_ON_CALLER_MAX_ROWS
   print(f"differential (large): 16/16 cases identical, {parallel} run on the threads, {gathered} gathered there")
   assert parallel >= 2 and gathered >= 2
 

@@ -301,8 +301,9 @@ def run_threads(n, work):
 
 @pytest.mark.parametrize("path", CASES, ids=os.path.basename)
 def test_threads_through_preprocessor_with_a_python_all_reduce_object(path):
-  # Each host has a pool of its own (threads=1): hosts that share one pool would wait for each
-  # other inside it, as would any hosts of one job that share too few threads.
+  # Each host runs on its own thread (threads=1, no pool): hosts that shared one pool would wait
+  # for each other inside it on a batch large enough to run there, as would any hosts of one job
+  # that share too few threads.
   from test_api import arrow_config, record_batch
   meta, hosts = load_case(path)
   group = ThreadOr(meta["hosts"])

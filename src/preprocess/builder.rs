@@ -41,8 +41,9 @@ impl PreprocessorBuilder {
     }
 
     /// Runs on a dedicated pool of `n` threads (default: rayon's global pool, one thread per
-    /// CPU); `n = 1` runs on the calling thread, with no pool and no hand-over per batch. The
-    /// output is identical for every `n`.
+    /// CPU); `n = 1` runs on the calling thread, with no pool and no hand-over per batch. Small
+    /// batches run on the calling thread whatever `n` ([`PreprocessorBuilder::small_batch_ids`]).
+    /// The output is identical for every `n`.
     pub fn threads(mut self, n: usize) -> Self {
         self.threads = Some(n);
         self
@@ -50,8 +51,8 @@ impl PreprocessorBuilder {
 
     /// Runs a batch of fewer than `ids` ids (duplicates included) on the calling thread, its
     /// tasks one after another, whatever [`PreprocessorBuilder::threads`] says (default
-    /// [`SMALL_BATCH_IDS`]); 0 sends every batch to the threads. The output is the same either
-    /// way.
+    /// [`SMALL_BATCH_IDS`]); 0 sends every batch to the pool (but for `threads(1)`, which has
+    /// none). The output is the same either way.
     pub fn small_batch_ids(mut self, ids: usize) -> Self {
         self.small_batch_ids = ids;
         self

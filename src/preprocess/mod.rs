@@ -39,9 +39,8 @@ enum Mode {
 /// The default of [`PreprocessorBuilder::small_batch_ids`]: a batch of fewer ids runs on the
 /// calling thread, its tasks one after another, whatever [`PreprocessorBuilder::threads`] says,
 /// because handing it to a pool thread and waking the caller afterwards costs more than its
-/// whole work. Measured on a 2-vCPU VM, the crossover lay between 6,400 and 26,000 ids
-/// (BENCHMARKS.md, "Small batches"); on a machine with faster wake-ups it lies lower, so the
-/// default stays at the low end.
+/// whole work. It sits at the low end of the crossover measured on a VM (BENCHMARKS.md, "Small
+/// batches"), since faster wake-ups move the crossover lower.
 pub const SMALL_BATCH_IDS: usize = 8192;
 
 /// The ids of a batch, duplicates included.
@@ -92,18 +91,19 @@ impl Workers {
 ///
 /// `Preprocessor` is `Send + Sync`, but its calls take `&mut self`: they reuse the cached plan
 /// and per-task results, so calls on one preprocessor cannot overlap.
-/// - To share one between threads, put it in a `Mutex`. Calls then take turns, each already
-///   parallel inside (on its own pool with [`PreprocessorBuilder::threads`], otherwise on
-///   rayon's global pool). Under minibatching, call [`Preprocessor::set_batch_number`] and the
-///   run under the same lock, or another thread's number may key this step's cross-host
-///   agreement.
+/// - To share one between threads, put it in a `Mutex`. Calls then take turns, each parallel
+///   inside (on its own pool with [`PreprocessorBuilder::threads`], otherwise on rayon's global
+///   pool), except with `threads(1)` and for batches under
+///   [`PreprocessorBuilder::small_batch_ids`], which run on the calling thread. Under
+///   minibatching, call [`Preprocessor::set_batch_number`] and the run under the same lock, or
+///   another thread's number may key this step's cross-host agreement.
 /// - To preprocess several batches at the same time, give each thread its own preprocessor.
 ///
 /// Either way each result is byte-identical to the same batch run alone (tests/concurrency.rs).
-/// Scratch memory belongs to the pool's worker threads (one workspace each, used by one task at
-/// a time), so preprocessors sharing a pool share those workspaces; a task that finds its
-/// worker's workspace in use (a `SampleSource` whose `view()` runs rayon work of its own lets
-/// rayon start another task on the waiting worker) takes a temporary one.
+/// Each preprocessor holds one scratch workspace per thread that may run its tasks, found by
+/// rayon's thread index (the calling thread takes the first), each used by one task at a time;
+/// a task that finds its workspace in use (a `SampleSource` whose `view()` runs rayon work of its
+/// own lets rayon start another task on the waiting worker) takes a temporary one.
 #[derive(Debug)]
 pub struct Preprocessor {
     config: Config,

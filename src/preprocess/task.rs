@@ -117,25 +117,23 @@ fn run_stack(
         let destination = if mode == Mode::StatsOnly { Destination::Stats } else { Destination::Entries };
         run_task(&job, i / s, i % s, destination, task);
     };
+    // Each SparseCore's slice of the four buffers beside its task, by `$chunks` (`chunks_mut` or
+    // rayon's `par_chunks_mut`) and `$iter` (`iter_mut` or `par_iter_mut`): one chain for both
+    // schedules.
+    macro_rules! segments {
+        ($chunks:ident, $iter:ident) => {
+            so.row_pointers
+                .$chunks(rpb)
+                .zip(so.embedding_ids.$chunks(cs))
+                .zip(so.sample_ids.$chunks(cs))
+                .zip(so.gains.$chunks(cs))
+                .zip(stack_tasks.$iter())
+                .enumerate()
+        };
+    }
     match (mode, schedule) {
-        (Mode::Buffers, Schedule::Parallel) => so
-            .row_pointers
-            .par_chunks_mut(rpb)
-            .zip(so.embedding_ids.par_chunks_mut(cs))
-            .zip(so.sample_ids.par_chunks_mut(cs))
-            .zip(so.gains.par_chunks_mut(cs))
-            .zip(stack_tasks.par_iter_mut())
-            .enumerate()
-            .for_each(into_segment),
-        (Mode::Buffers, Schedule::InOrder) => so
-            .row_pointers
-            .chunks_mut(rpb)
-            .zip(so.embedding_ids.chunks_mut(cs))
-            .zip(so.sample_ids.chunks_mut(cs))
-            .zip(so.gains.chunks_mut(cs))
-            .zip(stack_tasks.iter_mut())
-            .enumerate()
-            .for_each(into_segment),
+        (Mode::Buffers, Schedule::Parallel) => segments!(par_chunks_mut, par_iter_mut).for_each(into_segment),
+        (Mode::Buffers, Schedule::InOrder) => segments!(chunks_mut, iter_mut).for_each(into_segment),
         (Mode::StatsOnly | Mode::Pass1, Schedule::Parallel) => stack_tasks.par_iter_mut().enumerate().for_each(elsewhere),
         (Mode::StatsOnly | Mode::Pass1, Schedule::InOrder) => stack_tasks.iter_mut().enumerate().for_each(elsewhere),
     }

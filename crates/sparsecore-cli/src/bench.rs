@@ -20,7 +20,7 @@ pub struct Args {
     /// Arrow IPC or Parquet input.
     #[arg(long)]
     input: PathBuf,
-    /// Worker threads (default: one per CPU).
+    /// Worker threads (default: one per CPU); a batch of fewer than 8,192 ids runs on one.
     #[arg(long)]
     threads: Option<usize>,
     /// Timed passes (at most 100000).

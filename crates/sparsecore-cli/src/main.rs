@@ -35,7 +35,7 @@ enum Command {
     /// Preprocess the bundled demo batch (criteo-like, 26 features, 256 samples, with weights)
     /// and print a per-stack table of stats and buffer usage.
     Demo {
-        /// Worker threads (default: one per CPU).
+        /// Worker threads (default: one per CPU); a batch of fewer than 8,192 ids runs on one.
         #[arg(long)]
         threads: Option<usize>,
     },

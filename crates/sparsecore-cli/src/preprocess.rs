@@ -42,7 +42,7 @@ pub struct Args {
     /// Process record batches i, i+N, ... only.
     #[arg(long, value_parser = parse_shard)]
     shard: Option<(usize, usize)>,
-    /// Worker threads (default: one per CPU).
+    /// Worker threads (default: one per CPU); a batch of fewer than 8,192 ids runs on one.
     #[arg(long)]
     threads: Option<usize>,
     /// Balance each window of W input batches (as `balance --window W`) before preprocessing it.
@@ -67,7 +67,7 @@ pub struct StatsArgs {
     /// Process record batches i, i+N, ... only.
     #[arg(long, value_parser = parse_shard)]
     shard: Option<(usize, usize)>,
-    /// Worker threads (default: one per CPU).
+    /// Worker threads (default: one per CPU); a batch of fewer than 8,192 ids runs on one.
     #[arg(long)]
     threads: Option<usize>,
 }
