@@ -156,7 +156,8 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
 /// and fields as before the kernel had an error type of its own), or itself when there is none.
 fn kernel_as_pipeline(e: KernelError) -> std::result::Result<Error, KernelError> {
     Ok(match e {
-        KernelError::InvalidInput { what, reason } => Error::InvalidInput { feature: what, reason },
+        // The exception's `feature` field has held the subject's name since before subjects were typed.
+        KernelError::InvalidInput { subject, reason } => Error::InvalidInput { feature: subject.name().to_string(), reason },
         KernelError::Plan { kind, name, reason } => match kind {
             PlanItem::Stack => Error::InvalidConfig { what: ConfigItem::Stack, name, reason },
             PlanItem::Feature => Error::InvalidConfig { what: ConfigItem::Feature, name, reason },

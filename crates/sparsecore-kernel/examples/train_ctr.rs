@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use arrow_array::{Array, ArrayRef, Float32Array, Int64Array, ListArray, RecordBatch};
 use ndarray::{Array1, Array2, ArrayView2, Axis};
-use sparsecore_kernel::{apply_gradients, feature_activations, sparse_dense_matmul, stack_feature_gradients, KernelError, Optimizer, Result, Slots, StackedTable};
+use sparsecore_kernel::{apply_gradients, feature_activations, sparse_dense_matmul, stack_feature_gradients, KernelError, Optimizer, Result, Slots, StackedTable, Subject};
 use sparsecore_prep::spec::Plan;
 use sparsecore_prep::{Config, Error, Output, Preprocessor};
 use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
@@ -279,7 +279,7 @@ fn labels(batch: &RecordBatch) -> Result<Array1<f32>> {
     let col = batch
         .column_by_name("label")
         .and_then(|c| c.as_any().downcast_ref::<Float32Array>())
-        .ok_or_else(|| KernelError::input("label", "no Float32 `label` column"))?;
+        .ok_or_else(|| KernelError::input(Subject::Column("label".into()), "no Float32 column"))?;
     Ok(Array1::from(col.values().to_vec()))
 }
 

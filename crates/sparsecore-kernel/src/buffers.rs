@@ -21,7 +21,7 @@ use super::Optimizer;
 use sparsecore_prep::spec::{Plan, StackPlan};
 use sparsecore_prep::StackOutput;
 
-use crate::error::{KernelError, PlanItem, Result};
+use crate::error::{KernelError, PlanItem, Result, Subject};
 use crate::segments::for_each_segment;
 
 /// One stack's four buffers, borrowed: each `[L · RP]` or `[L · C]`, device-major, exactly as
@@ -96,7 +96,7 @@ fn geometry<'p>(plan: &'p Plan, b: &StackBuffers<'_>, num_minibatches: usize, ta
     if c == 0 || b.row_pointers.len() != l * rp_len || [b.embedding_ids.len(), b.sample_ids.len(), b.gains.len()].iter().any(|&x| x != l * c)
     {
         return Err(KernelError::input(
-            &sp.name,
+            Subject::Stack(sp.name.clone()),
             format!(
                 "buffers of {} row pointers and {}/{}/{} ids/samples/gains, expected {} and {} ({l} devices)",
                 b.row_pointers.len(),
@@ -129,12 +129,12 @@ impl Geometry<'_> {
         let (e, smp) = (b.embedding_ids[i], b.sample_ids[i]);
         if e < 0 || e as usize >= self.rows {
             KernelError::input(
-                &self.sp.name,
+                Subject::Stack(self.sp.name.clone()),
                 format!("embedding id {e} at device {} slot {} is outside the shard of {} rows", s.device, i - s.device * c, self.rows),
             )
         } else {
             KernelError::input(
-                &self.sp.name,
+                Subject::Stack(self.sp.name.clone()),
                 format!("sample id {smp} at device {} slot {} is outside the {} samples", s.device, i - s.device * c, self.bsps),
             )
         }
@@ -200,7 +200,7 @@ fn axpy_any(y: &mut [f32], x: &[f32], a: f32) {
 }
 
 fn contiguous<'a>(what: &str, stack: &str, a: &'a ArrayView2<'_, f32>) -> Result<&'a [f32]> {
-    a.as_slice().ok_or_else(|| KernelError::input(stack, format!("{what} must be a C-contiguous (row-major) array")))
+    a.as_slice().ok_or_else(|| KernelError::input(Subject::Stack(stack.to_string()), format!("{what} must be a C-contiguous (row-major) array")))
 }
 
 /// The forward pass of one stack into `activations` (`[L · bsd, D]`, device-major, overwritten):
@@ -220,12 +220,12 @@ pub fn sparse_dense_matmul_into(
     let (l, s_count, dim, bsps) = (plan.layout.local_devices, plan.layout.sc_per_device, geo.dim, geo.bsps);
     if activations.dim() != (l * geo.bsd, dim) {
         return Err(KernelError::input(
-            &geo.sp.name,
+            Subject::Stack(geo.sp.name.clone()),
             format!("activations of shape {:?}, expected [L · bsd, D] = [{}, {dim}]", activations.dim(), l * geo.bsd),
         ));
     }
     let t = contiguous("the table", &geo.sp.name, &table)?;
-    let out = activations.as_slice_mut().ok_or_else(|| KernelError::input(&geo.sp.name, "activations must be C-contiguous"))?;
+    let out = activations.as_slice_mut().ok_or_else(|| KernelError::input(Subject::Stack(geo.sp.name.clone()), "activations must be C-contiguous"))?;
     if dim == 0 || bsps == 0 {
         out.fill(0.0);
         return Ok(());
@@ -311,7 +311,7 @@ pub fn apply_gradients_into(
     let (l, dim, rows) = (plan.layout.local_devices, geo.dim, geo.rows);
     if activation_grads.dim() != (l * geo.bsd, dim) {
         return Err(KernelError::input(
-            stack,
+            Subject::Stack(stack.to_string()),
             format!("activation gradients of shape {:?}, expected the activations' [L · bsd, D] = [{}, {dim}]", activation_grads.dim(), l * geo.bsd),
         ));
     }
@@ -343,10 +343,10 @@ pub fn apply_gradients_into(
         })
         .collect::<Result<_>>()?;
     // Phase 2: per shard, each touched row's gradient, then the optimizer step.
-    let w = table.as_slice_mut().ok_or_else(|| KernelError::input(stack, "the table must be C-contiguous"))?;
+    let w = table.as_slice_mut().ok_or_else(|| KernelError::input(Subject::Stack(stack.to_string()), "the table must be C-contiguous"))?;
     let mut slot_slices = Vec::with_capacity(slots.len());
     for s in slots.iter_mut() {
-        slot_slices.push(s.as_slice_mut().ok_or_else(|| KernelError::input(stack, "slot variables must be C-contiguous"))?);
+        slot_slices.push(s.as_slice_mut().ok_or_else(|| KernelError::input(Subject::Stack(stack.to_string()), "slot variables must be C-contiguous"))?);
     }
     let shard_len = rows * dim;
     let mut slot_shards: Vec<Vec<&mut [f32]>> = (0..n).map(|_| Vec::with_capacity(slot_slices.len())).collect();

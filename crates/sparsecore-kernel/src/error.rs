@@ -13,10 +13,10 @@ pub type Result<T> = std::result::Result<T, KernelError>;
 pub enum KernelError {
     /// An array (table, slot variables, activations, gradients, offsets, weights) or a row that
     /// does not fit the plan or the table.
-    #[error("`{what}`: invalid input: {reason}")]
+    #[error("{subject}: invalid input: {reason}")]
     InvalidInput {
-        /// The stack, table or feature (or "host table").
-        what: String,
+        /// What the array or row belongs to.
+        subject: Subject,
         /// What is wrong, with the shapes or indices involved.
         reason: String,
     },
@@ -101,8 +101,8 @@ impl KernelError {
     }
 
     /// A [`KernelError::InvalidInput`].
-    pub fn input(what: impl Into<String>, reason: impl Into<String>) -> Self {
-        KernelError::InvalidInput { what: what.into(), reason: reason.into() }
+    pub fn input(subject: Subject, reason: impl Into<String>) -> Self {
+        KernelError::InvalidInput { subject, reason: reason.into() }
     }
 
     /// A [`KernelError::Plan`].
@@ -113,6 +113,48 @@ impl KernelError {
     /// A [`KernelError::Parameter`].
     pub fn parameter(name: &'static str, value: impl fmt::Display, reason: impl Into<String>) -> Self {
         KernelError::Parameter { name, value: value.to_string(), reason: reason.into() }
+    }
+}
+
+/// What a [`KernelError::InvalidInput`] is about.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Subject {
+    /// A stack of the plan: its buffers, table, slot variables, activations or gradients.
+    Stack(String),
+    /// A feature of the plan, or of a dynamic table's key batch.
+    Feature(String),
+    /// A dynamic table (raw keys, rows created lazily).
+    DynamicTable(String),
+    /// A host table split across replicas ([`crate::PartitionedTable`]).
+    HostTable,
+    /// A column of the caller's data (a label column, say).
+    Column(String),
+    /// An argument of the call, by name.
+    Argument(&'static str),
+}
+
+impl Subject {
+    /// The name it carries (the argument's name; "host table" for a host table).
+    pub fn name(&self) -> &str {
+        match self {
+            Subject::Stack(n) | Subject::Feature(n) | Subject::DynamicTable(n) | Subject::Column(n) => n,
+            Subject::HostTable => "host table",
+            Subject::Argument(n) => n,
+        }
+    }
+}
+
+impl fmt::Display for Subject {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Subject::Stack(n) => write!(f, "stack `{n}`"),
+            Subject::Feature(n) => write!(f, "feature `{n}`"),
+            Subject::DynamicTable(n) => write!(f, "dynamic table `{n}`"),
+            Subject::HostTable => f.write_str("host table"),
+            Subject::Column(n) => write!(f, "column `{n}`"),
+            Subject::Argument(n) => write!(f, "argument `{n}`"),
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 use ndarray::{s, Array2, ArrayView2};
 
 use super::StackedTable;
-use crate::error::{KernelError, PlanItem, Result};
+use crate::error::{KernelError, PlanItem, Result, Subject};
 use sparsecore_prep::StackOutput;
 use sparsecore_prep::spec::Plan;
 
@@ -43,7 +43,7 @@ pub(crate) fn for_each_slot(
         || out.row_pointers.len() != l * rp_len
         || [out.embedding_ids.len(), out.sample_ids.len(), out.gains.len()].iter().any(|&n| n != l * c)
     {
-        return Err(KernelError::input(&sp.name, "the output has no buffers of the plan's sizes (a stats-only run?)"));
+        return Err(KernelError::input(Subject::Stack(sp.name.clone()), "the output has no buffers of the plan's sizes (a stats-only run?)"));
     }
     for d in 0..layout.local_devices {
         let emb = &out.embedding_ids[d * c..(d + 1) * c];
@@ -54,12 +54,12 @@ pub(crate) fn for_each_slot(
                 let (e, smp_id) = (emb[i], smp[i]);
                 if e < 0 || e as usize >= table.rows_per_shard {
                     return Err(KernelError::input(
-                        &sp.name,
+                        Subject::Stack(sp.name.clone()),
                         format!("embedding id {e} at device {d} slot {i} is outside the shard of {} rows", table.rows_per_shard),
                     ));
                 }
                 if smp_id < 0 || smp_id as usize >= bsps {
-                    return Err(KernelError::input(&sp.name, format!("sample id {smp_id} at device {d} slot {i} is outside the {bsps} samples")));
+                    return Err(KernelError::input(Subject::Stack(sp.name.clone()), format!("sample id {smp_id} at device {d} slot {i} is outside the {bsps} samples")));
                 }
                 f(d, sc * bsps + smp_id as usize, p, e as usize, gains[i])?;
             }
@@ -164,7 +164,7 @@ pub fn stack_feature_gradients(plan: &Plan, stack: &str, feature_grads: &[(usize
         let dim = f.embedding_dim as usize;
         if grad.dim() != (s_count * rows, dim) {
             return Err(KernelError::input(
-                &f.name,
+                Subject::Feature(f.name.clone()),
                 format!("activation gradient of shape {:?}, expected [S · rows, embedding_dim] = [{}, {dim}]", grad.dim(), s_count * rows),
             ));
         }

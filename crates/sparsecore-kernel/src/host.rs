@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use ndarray::{s, Array1, Array2, ArrayView2};
 
 use super::optimizer::{Optimizer, Slots};
-use crate::error::{KernelError, Result};
+use crate::error::{KernelError, Result, Subject};
 
 /// How a table is split across replicas.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,7 +93,7 @@ impl PartitionedTable {
     /// The table's row `r` (a lookup).
     pub fn row(&self, r: usize) -> Result<Array1<f32>> {
         if r >= self.rows {
-            return Err(KernelError::input("host table", format!("row {r} is outside the table of {} rows", self.rows)));
+            return Err(KernelError::input(Subject::HostTable, format!("row {r} is outside the table of {} rows", self.rows)));
         }
         Ok(self.gather(0, r))
     }
@@ -109,7 +109,7 @@ impl PartitionedTable {
         let have = self.replicas.first().map_or(0, |r| r.len() - 1);
         if have != names.len() {
             return Err(KernelError::input(
-                "host table",
+                Subject::HostTable,
                 format!(
                     "split with {have} slot variables, but the optimizer needs {} ({})",
                     names.len(),
@@ -118,13 +118,13 @@ impl PartitionedTable {
             ));
         }
         if let Some((&r, g)) = grads.iter().find(|(&r, g)| r >= self.rows || g.len() != self.dim) {
-            return Err(KernelError::input("host table", format!("gradient for row {r} of length {} does not fit {}x{}", g.len(), self.rows, self.dim)));
+            return Err(KernelError::input(Subject::HostTable, format!("gradient for row {r} of length {} does not fit {}x{}", g.len(), self.rows, self.dim)));
         }
         let n = self.replicas.len();
         let c = self.dim.div_ceil(n);
         for (&r, g) in grads {
             if r >= self.rows || g.len() != self.dim {
-                return Err(KernelError::input("host table", format!("gradient for row {r} of length {} does not fit {}x{}", g.len(), self.rows, self.dim)));
+                return Err(KernelError::input(Subject::HostTable, format!("gradient for row {r} of length {} does not fit {}x{}", g.len(), self.rows, self.dim)));
             }
             // A strided view of a caller's array is copied; a contiguous one is read in place.
             let g: std::borrow::Cow<'_, [f32]> = match g.as_slice() {

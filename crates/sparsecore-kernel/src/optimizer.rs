@@ -8,7 +8,7 @@ use ndarray::{Array1, Array2, ArrayView2};
 
 use super::forward::for_each_slot;
 use super::StackedTable;
-use crate::error::{KernelError, PlanItem, Result};
+use crate::error::{KernelError, PlanItem, Result, Subject};
 use sparsecore_prep::StackOutput;
 use sparsecore_prep::spec::Plan;
 
@@ -251,7 +251,7 @@ pub fn row_gradients(
     }
     if activation_grads.len() != plan.layout.local_devices {
         return Err(KernelError::input(
-            &table.stack,
+            Subject::Stack(table.stack.clone()),
             format!("{} activation gradients for {} local devices (one per device)", activation_grads.len(), plan.layout.local_devices),
         ));
     }
@@ -260,7 +260,7 @@ pub fn row_gradients(
         let bsd = (sp.total_sample_count / plan.layout.global_devices as u64) as usize;
         if let Some((d, g)) = activation_grads.iter().enumerate().find(|(_, g)| g.dim() != (bsd, table.dim)) {
             return Err(KernelError::input(
-                &table.stack,
+                Subject::Stack(table.stack.clone()),
                 format!("activation gradient of device {d} has shape {:?}, expected the activations' [{bsd}, {}]", g.dim(), table.dim),
             ));
         }
@@ -270,7 +270,7 @@ pub fn row_gradients(
         let dact = &activation_grads[d];
         if act_row >= dact.nrows() || dact.ncols() != table.dim {
             return Err(KernelError::input(
-                &table.stack,
+                Subject::Stack(table.stack.clone()),
                 format!("activation gradient of device {d} is {:?}, expected [>{act_row}, {}]", dact.dim(), table.dim),
             ));
         }

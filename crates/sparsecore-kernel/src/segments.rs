@@ -3,7 +3,7 @@
 
 use sparsecore_prep::spec::{Plan, ALIGNMENT, MAX_MINIBATCHING_BUCKETS};
 
-use crate::error::{KernelError, Result};
+use crate::error::{KernelError, Result, Subject};
 
 /// Calls `f(sparsecore, partition, start, end)` for every (SparseCore, minibatch, partition)
 /// segment of one device's buffer of `capacity` slots, in buffer order; slots `start..end`
@@ -20,7 +20,7 @@ pub(crate) fn for_each_segment(
 ) -> Result<()> {
     if plan.enable_minibatching && num_minibatches > MAX_MINIBATCHING_BUCKETS {
         return Err(KernelError::input(
-            "num_minibatches",
+            Subject::Argument("num_minibatches"),
             format!("{num_minibatches} minibatches: preprocessing makes at most {MAX_MINIBATCHING_BUCKETS}"),
         ));
     }

@@ -8,7 +8,7 @@
 
 use ndarray::{Array2, ArrayView2};
 
-use crate::error::{KernelError, PlanItem, Result};
+use crate::error::{KernelError, PlanItem, Result, Subject};
 use sparsecore_prep::spec::{Plan, StackPlan};
 
 /// One stack's table in the kernels' layout: `[N · R, D]`, shard-major.
@@ -120,10 +120,9 @@ impl StackedTable {
         match (first.checked_mul(r), (first + count).checked_mul(r)) {
             (Some(lo), Some(hi)) if hi <= self.data.nrows() => Ok(self.data.slice(ndarray::s![lo..hi, ..])),
             _ => Err(KernelError::input(
-                "stacked table",
+                Subject::Stack(self.stack.clone()),
                 format!(
-                    "stack `{}`: data of {} rows, fewer than N · R = {} · {r} (shards {first}..{})",
-                    self.stack,
+                    "stacked table data of {} rows, fewer than N · R = {} · {r} (shards {first}..{})",
                     self.data.nrows(),
                     self.num_shards,
                     first + count

@@ -162,9 +162,9 @@ fn out_of_range_devices_shards_and_arrays_are_errors() {
     let short = StackedTable { data: Array2::zeros((8, 2)), ..t.clone() };
     assert_eq!(short.shard(1).unwrap().nrows(), 3);
     let e = short.shard(2).unwrap_err();
-    assert_eq!(e.to_string(), "`stacked table`: invalid input: stack `s`: data of 8 rows, fewer than N · R = 4 · 3 (shards 2..3)");
+    assert_eq!(e.to_string(), "stack `s`: invalid input: stacked table data of 8 rows, fewer than N · R = 4 · 3 (shards 2..3)");
     let e = short.device(1, 2).unwrap_err();
-    assert_eq!(e.to_string(), "`stacked table`: invalid input: stack `s`: data of 8 rows, fewer than N · R = 4 · 3 (shards 2..4)");
+    assert_eq!(e.to_string(), "stack `s`: invalid input: stacked table data of 8 rows, fewer than N · R = 4 · 3 (shards 2..4)");
 
     // A table split without slot variables holds array 0 only; with Adagrad's, arrays 0 and 1.
     let dense = Array2::from_shape_fn((3, 2), |(r, c)| (r * 10 + c) as f32);

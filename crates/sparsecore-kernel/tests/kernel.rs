@@ -5,7 +5,7 @@
 
 use ndarray::Array2;
 use sparsecore_prep::input::{FeatureView, Ids, Offsets, RaggedInput, SampleSource};
-use sparsecore_kernel::{feature_activations, sparse_dense_matmul, KernelError, PlanItem, StackedTable};
+use sparsecore_kernel::{feature_activations, sparse_dense_matmul, KernelError, PlanItem, StackedTable, Subject};
 use sparsecore_prep::spec::Combiner;
 use sparsecore_prep::{Config, Output, Preprocessor};
 
@@ -351,7 +351,7 @@ fn stack_feature_gradients_errors_name_the_stack_or_feature() {
     assert!(e.to_string().contains("tb"), "{e}");
     let wrong = Array2::<f32>::ones((16, 4));
     let e = stack_feature_gradients(&plan, "ta", &[(2, wrong.view())]).unwrap_err();
-    assert!(matches!(&e, KernelError::InvalidInput { what, .. } if what == "f2"), "{e:?}");
+    assert!(matches!(&e, KernelError::InvalidInput { subject: Subject::Feature(f), .. } if f == "f2"), "{e:?}");
     assert!(e.to_string().contains("[16, 16]"), "{e}");
     // The right shape is accepted.
     assert_eq!(stack_feature_gradients(&plan, "ta", &[(2, g16.view())]).unwrap().sum(), 256.0);

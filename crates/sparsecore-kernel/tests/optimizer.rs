@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use ndarray::{Array2, ShapeBuilder};
 use sparsecore_prep::input::{RaggedInput, SampleSource};
 use sparsecore_kernel::{apply_gradients, Optimizer, Slots, StackedTable};
-use sparsecore_kernel::{KernelError, PlanItem};
+use sparsecore_kernel::{KernelError, PlanItem, Subject};
 use sparsecore_prep::{Config, Error, Output, Preprocessor};
 
 fn lcg(seed: u64) -> impl FnMut(u64) -> u64 {
@@ -278,7 +278,7 @@ fn more_minibatches_than_preprocessing_makes_are_an_error() {
     let table = StackedTable::from_tables(&plan, &stack.name, &views).unwrap();
     assert!(sparsecore_kernel::sparse_dense_matmul(&plan, &out.stacks[0], out.num_minibatches, &table).is_ok());
     let e = sparsecore_kernel::sparse_dense_matmul(&plan, &out.stacks[0], 1 << 40, &table).unwrap_err();
-    assert!(matches!(&e, KernelError::InvalidInput { what, .. } if what == "num_minibatches"), "{e:?}");
+    assert!(matches!(&e, KernelError::InvalidInput { subject: Subject::Argument("num_minibatches"), .. }), "{e:?}");
     assert!(e.to_string().contains("1099511627776 minibatches: preprocessing makes at most 64"), "{e}");
 }
 
@@ -587,7 +587,7 @@ fn backward_errors_name_the_stack_and_change_nothing() {
     let (table0, slots0) = (table.clone(), slots.clone());
     let stack_named = |e: &KernelError, name: &str| match e {
         KernelError::Plan { kind: PlanItem::Stack, name: n, .. } => n == name,
-        KernelError::InvalidInput { what, .. } => what == name,
+        KernelError::InvalidInput { subject: Subject::Stack(n), .. } => n == name,
         _ => false,
     };
 

@@ -37,7 +37,7 @@ use std::collections::BTreeMap;
 use ndarray::Array2;
 
 use super::Optimizer;
-use crate::error::{KernelError, PlanItem, Result};
+use crate::error::{KernelError, PlanItem, Result, Subject};
 
 /// How a key's row is initialised on first sight. Pure functions of the key: racing workers and
 /// different backends always create identical rows.
@@ -159,7 +159,7 @@ impl DynamicTableSpec {
         let expected = keys.len().checked_mul(self.dim);
         if expected != Some(grads.len()) {
             return Err(KernelError::input(
-                &self.name,
+                Subject::DynamicTable(self.name.clone()),
                 format!(
                     "{} gradient values for {} keys of dim {} (expected {})",
                     grads.len(),
@@ -172,7 +172,7 @@ impl DynamicTableSpec {
         let mut sorted = keys.to_vec();
         sorted.sort_unstable();
         if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-            return Err(KernelError::input(&self.name, format!("key {:#018x} appears twice in one update; sum its gradients first", w[0])));
+            return Err(KernelError::input(Subject::DynamicTable(self.name.clone()), format!("key {:#018x} appears twice in one update; sum its gradients first", w[0])));
         }
         Ok(())
     }
@@ -180,7 +180,7 @@ impl DynamicTableSpec {
     /// Checks a lookup's output size.
     pub fn check_rows(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
         if keys.len().checked_mul(self.dim) != Some(rows.len()) {
-            return Err(KernelError::input(&self.name, format!("row buffer of {} values for {} keys of dim {}", rows.len(), keys.len(), self.dim)));
+            return Err(KernelError::input(Subject::DynamicTable(self.name.clone()), format!("row buffer of {} values for {} keys of dim {}", rows.len(), keys.len(), self.dim)));
         }
         Ok(())
     }
@@ -293,7 +293,7 @@ pub trait DynamicTable: Send + Sync {
 pub(crate) fn check_entry(spec: &DynamicTableSpec, key: u64, e: &Entry) -> Result<()> {
     if e.row.len() != spec.dim || e.slots.len() != spec.slot_names.len() || e.slots.iter().any(|s| s.len() != spec.dim) {
         return Err(KernelError::input(
-            &spec.name,
+            Subject::DynamicTable(spec.name.clone()),
             format!(
                 "entry {key:#018x} has a row of {} and {} slots, the table has dim {} and {} slots",
                 e.row.len(),

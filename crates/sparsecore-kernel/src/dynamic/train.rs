@@ -7,7 +7,7 @@ use arrow_array::Array;
 use ndarray::{Array2, ArrayView2};
 
 use super::{Applied, DynamicTable};
-use crate::error::{KernelError, Result};
+use crate::error::{KernelError, Result, Subject};
 use sparsecore_prep::input::RawKeyRows;
 use crate::Optimizer;
 use sparsecore_prep::spec::Combiner;
@@ -33,14 +33,14 @@ impl KeyBatch {
     /// `keys.len()`) and optional per-key weights. `feature` labels errors.
     pub fn new(feature: &str, keys: &[u64], offsets: &[usize], weights: Option<&[f32]>, combiner: Combiner) -> Result<Self> {
         if offsets.first() != Some(&0) || offsets.last() != Some(&keys.len()) || offsets.windows(2).any(|w| w[0] > w[1]) {
-            return Err(KernelError::input(feature, format!("offsets must rise from 0 to the {} keys", keys.len())));
+            return Err(KernelError::input(Subject::Feature(feature.to_string()), format!("offsets must rise from 0 to the {} keys", keys.len())));
         }
         if keys.len() > u32::MAX as usize {
-            return Err(KernelError::input(feature, format!("{} keys in one batch; at most {} are supported", keys.len(), u32::MAX)));
+            return Err(KernelError::input(Subject::Feature(feature.to_string()), format!("{} keys in one batch; at most {} are supported", keys.len(), u32::MAX)));
         }
         if let Some(w) = weights {
             if w.len() != keys.len() {
-                return Err(KernelError::input(feature, format!("{} weights for {} keys", w.len(), keys.len())));
+                return Err(KernelError::input(Subject::Feature(feature.to_string()), format!("{} weights for {} keys", w.len(), keys.len())));
             }
         }
         let mut positions: HashMap<u64, u32> = HashMap::with_capacity(keys.len());
@@ -107,13 +107,13 @@ impl KeyBatch {
     pub fn validate(&self, table: &str) -> Result<()> {
         let n = self.index.len();
         if self.offsets.first() != Some(&0) || self.offsets.last() != Some(&n) || self.offsets.windows(2).any(|w| w[0] > w[1]) {
-            return Err(KernelError::input(table, format!("key batch offsets must rise from 0 to its {n} ids")));
+            return Err(KernelError::input(Subject::DynamicTable(table.to_string()), format!("key batch offsets must rise from 0 to its {n} ids")));
         }
         if self.gains.len() != n {
-            return Err(KernelError::input(table, format!("key batch has {} gains for {n} ids", self.gains.len())));
+            return Err(KernelError::input(Subject::DynamicTable(table.to_string()), format!("key batch has {} gains for {n} ids", self.gains.len())));
         }
         if let Some(&i) = self.index.iter().find(|&&i| i as usize >= self.unique.len()) {
-            return Err(KernelError::input(table, format!("key batch index {i} is outside its {} unique keys", self.unique.len())));
+            return Err(KernelError::input(Subject::DynamicTable(table.to_string()), format!("key batch index {i} is outside its {} unique keys", self.unique.len())));
         }
         Ok(())
     }
@@ -148,7 +148,7 @@ pub fn dynamic_backward(
     let dim = table.spec().dim;
     if activation_grads.dim() != (batch.num_samples(), dim) {
         return Err(KernelError::input(
-            &table.spec().name,
+            Subject::DynamicTable(table.spec().name.clone()),
             format!("activation gradient is {:?}, expected [{}, {dim}]", activation_grads.dim(), batch.num_samples()),
         ));
     }
