@@ -157,17 +157,25 @@ def run_ours(case):
   return ref.plain(scp.preprocess_sparse_dense_matmul_input(feats, weights, specs, **ref.call_options(case)))
 
 
+def check_case(worker, case: dict, label: str) -> dict:
+  """The reference's output of `case`, after checking ours against it (`label` names the case
+  in a failure)."""
+  want = worker.run(case)
+  got = run_ours(case)
+  try:
+    compare(case, want, got)
+  except AssertionError as e:
+    raise AssertionError(f"{label} ({describe(case)}): {e}") from None
+  return want
+
+
 def test_random_cases_match_the_reference(worker):
   seeds = [SEED + i for i in range(NUM_CASES)]
   checked = dropped = weighted = auto = 0
   for seed in seeds:
     case = make_case(seed)
-    want = worker.run(case)  # never aborts: limits are generous unless dropping is allowed
-    got = run_ours(case)
-    try:
-      compare(case, want, got)
-    except AssertionError as e:
-      raise AssertionError(f"case seed {seed} ({describe(case)}): {e}") from None
+    # Never aborts: limits are generous unless dropping is allowed.
+    want = check_case(worker, case, f"case seed {seed}")
     checked += 1
     dropped += any(want["id_drop_counters"].values())
     weighted += case["features"][0]["weights"] is not None
@@ -184,12 +192,7 @@ def test_large_random_cases_match_the_reference(worker):
   parallel = gathered = 0
   for seed in range(SEED + 900000, SEED + 900016):
     case = make_case(seed, scale=32)
-    want = worker.run(case)
-    got = run_ours(case)
-    try:
-      compare(case, want, got)
-    except AssertionError as e:
-      raise AssertionError(f"large case seed {seed} ({describe(case)}): {e}") from None
+    check_case(worker, case, f"large case seed {seed}")
     ragged = [f["ids"] for f in case["features"] if f["ids"].dtype == object]
     ids = sum(sum(len(r) for r in f) for f in ragged) + sum(f["ids"].size for f in case["features"] if f["ids"].dtype != object)
     parallel += ids >= scp._native.SMALL_BATCH_IDS
@@ -203,12 +206,7 @@ def test_random_coo_cases_match_the_reference(worker):
   checked = dropped = auto = empty = 0
   for seed in seeds:
     case = make_coo_case(seed)
-    want = worker.run(case)
-    got = run_ours(case)
-    try:
-      compare(case, want, got)
-    except AssertionError as e:
-      raise AssertionError(f"COO case seed {seed} ({describe(case)}): {e}") from None
+    want = check_case(worker, case, f"COO case seed {seed}")
     checked += 1
     dropped += any(want["id_drop_counters"].values())
     auto += case["stacking"] == "auto"
