@@ -13,7 +13,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::checks::check_limits;
-use super::task::{Schedule, Task};
+use super::task::{for_each_stack, Schedule, Task};
 use crate::allreduce::{AllReduce, LocalAllReduce};
 use crate::error::Result;
 use crate::fill::{pad_slots, Segment, SegmentWriter};
@@ -61,11 +61,7 @@ pub(super) fn finish(
     }
     if !required {
         out.num_minibatches = 1;
-        let fill = |((so, st), &bsps): ((&mut StackOutput, &mut Vec<Task>), &usize)| fill_one_minibatch(plan, so, st, bsps as u32);
-        match schedule {
-            Schedule::Parallel => out.stacks.par_iter_mut().zip(tasks.par_iter_mut()).zip(batch_per_sc.par_iter()).for_each(fill),
-            Schedule::InOrder => out.stacks.iter_mut().zip(tasks.iter_mut()).zip(batch_per_sc).for_each(fill),
-        }
+        for_each_stack(schedule, out, tasks, batch_per_sc, |_, so, st, bsps| fill_one_minibatch(plan, so, st, bsps as u32));
         return Ok(());
     }
 
@@ -100,11 +96,7 @@ pub(super) fn finish(
     let split = all_reduce.all_reduce_or_u64(key.wrapping_add(1), split)?;
     let ranges = minibatch_ranges(split);
     out.num_minibatches = ranges.len();
-    let fill = |((so, st), &bsps): ((&mut StackOutput, &mut Vec<Task>), &usize)| fill_minibatches(plan, so, st, bsps as u32, &ranges);
-    match schedule {
-        Schedule::Parallel => out.stacks.par_iter_mut().zip(tasks.par_iter_mut()).zip(batch_per_sc.par_iter()).for_each(fill),
-        Schedule::InOrder => out.stacks.iter_mut().zip(tasks.iter_mut()).zip(batch_per_sc).for_each(fill),
-    }
+    for_each_stack(schedule, out, tasks, batch_per_sc, |_, so, st, bsps| fill_minibatches(plan, so, st, bsps as u32, &ranges));
     Ok(())
 }
 

@@ -57,17 +57,24 @@ pub(super) fn run_stacks(
     mode: Mode,
     schedule: Schedule,
 ) {
-    let run = |((so, stack_tasks), (stack, &bsps)): ((&mut StackOutput, &mut Vec<Task>), (&StackPlan, &usize))| {
-        run_stack(plan, inputs, workspaces, mode, schedule, so, stack_tasks, stack, bsps)
-    };
+    for_each_stack(schedule, out, tasks, batch_per_sc, |i, so, stack_tasks, bsps| {
+        run_stack(plan, inputs, workspaces, mode, schedule, so, stack_tasks, &plan.stacks[i], bsps)
+    });
+}
+
+/// Calls `f(stack index, its output, its tasks, its stacked batch per SparseCore)` for every
+/// stack, by `schedule`: the one walk over stacks that the tasks and minibatching's fills share.
+pub(super) fn for_each_stack(
+    schedule: Schedule,
+    out: &mut Output,
+    tasks: &mut [Vec<Task>],
+    batch_per_sc: &[usize],
+    f: impl Fn(usize, &mut StackOutput, &mut [Task], usize) + Sync + Send,
+) {
+    let each = |(i, ((so, st), &bsps)): (usize, ((&mut StackOutput, &mut Vec<Task>), &usize))| f(i, so, st, bsps);
     match schedule {
-        Schedule::Parallel => out
-            .stacks
-            .par_iter_mut()
-            .zip(tasks.par_iter_mut())
-            .zip(plan.stacks.par_iter().zip(batch_per_sc.par_iter()))
-            .for_each(run),
-        Schedule::InOrder => out.stacks.iter_mut().zip(tasks.iter_mut()).zip(plan.stacks.iter().zip(batch_per_sc)).for_each(run),
+        Schedule::Parallel => out.stacks.par_iter_mut().zip(tasks.par_iter_mut()).zip(batch_per_sc.par_iter()).enumerate().for_each(each),
+        Schedule::InOrder => out.stacks.iter_mut().zip(tasks.iter_mut()).zip(batch_per_sc).enumerate().for_each(each),
     }
 }
 
