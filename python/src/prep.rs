@@ -69,8 +69,9 @@ fn stats_into(
     Ok(())
 }
 
-/// Runs `prep` on `sources` with the GIL released, on `pool`; `slot` is the all-reduce it was
-/// built with (its failures become `AllReduceError`s).
+/// Runs `prep` on `sources` with the GIL released (on `pool` if it runs them in parallel, see
+/// [`on_pool_if_parallel`]); `slot` is the all-reduce it was built with (its failures become
+/// `AllReduceError`s).
 fn run_detached(
     py: Python<'_>,
     pool: &ThreadPool,
@@ -80,18 +81,28 @@ fn run_detached(
     slot: Option<&AllReduceSlot>,
 ) -> PyResult<()> {
     let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
-    // A small batch runs on this thread, with no parallel work: the pool's hand-over and wake-up
-    // would cost more than the batch (`SMALL_BATCH_IDS`).
-    if prep.runs_on_caller_thread(&inputs) {
-        return py.detach(|| prep.run(&inputs, out)).map_err(|e| to_py_error(py, e, slot));
-    }
-    py.detach(|| pool.install(|| prep.run(&inputs, out))).map_err(|e| to_py_error(py, e, slot))
+    py.detach(|| on_pool_if_parallel(Some(pool), prep, &inputs, |prep, inputs| prep.run(inputs, out)))
+        .map_err(|e| to_py_error(py, e, slot))
 }
 
-/// Reads `batch`'s features and runs `run` on them: on `pool` (the package's, when the
-/// preprocessor has none of its own) only if the preprocessor would run them in parallel, since a
-/// small batch runs on the calling thread anyway and the hand-over would cost more than it.
+/// Runs `run` on `inputs`: on `pool` (the package's, when the preprocessor has none of its own)
+/// only if the preprocessor would run them in parallel, since a small batch runs on the calling
+/// thread anyway and the hand-over would cost more than the batch (`SMALL_BATCH_IDS`).
 fn on_pool_if_parallel<T: Send>(
+    pool: Option<&ThreadPool>,
+    prep: &mut Preprocessor,
+    inputs: &[&dyn SampleSource],
+    run: impl FnOnce(&mut Preprocessor, &[&dyn SampleSource]) -> sparsecore_prep::Result<T> + Send,
+) -> sparsecore_prep::Result<T> {
+    match pool {
+        Some(pool) if !prep.runs_on_caller_thread(inputs) => pool.install(|| run(prep, inputs)),
+        _ => run(prep, inputs),
+    }
+}
+
+/// [`on_pool_if_parallel`] on the features of a record batch (read there, without the GIL: reading
+/// them hashes raw keys).
+fn batch_on_pool_if_parallel<T: Send>(
     pool: Option<&ThreadPool>,
     prep: &mut Preprocessor,
     batch: &arrow_array::RecordBatch,
@@ -99,10 +110,7 @@ fn on_pool_if_parallel<T: Send>(
 ) -> sparsecore_prep::Result<T> {
     let features = sparsecore_prep::input::features_from_record_batch(prep.config(), batch)?;
     let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
-    match pool {
-        Some(pool) if !prep.runs_on_caller_thread(&inputs) => pool.install(|| run(prep, &inputs)),
-        _ => run(prep, &inputs),
-    }
+    on_pool_if_parallel(pool, prep, &inputs, run)
 }
 
 /// `builder` agreeing across hosts through `slot`, if any.
@@ -245,8 +253,7 @@ impl NativePreprocessor {
         let on = self.live(py)?;
         let (prep, out) = (&mut self.prep, &mut self.out);
         self.pool.refill(out);
-        // Without the GIL: reading the columns hashes raw keys.
-        py.detach(|| on_pool_if_parallel(on.as_deref(), prep, &rb, |prep, inputs| prep.run(inputs, out)))
+        py.detach(|| batch_on_pool_if_parallel(on.as_deref(), prep, &rb, |prep, inputs| prep.run(inputs, out)))
             .map_err(|e| {
                 out.clear();
                 to_py_error(py, e, self.slot.as_deref())
@@ -260,7 +267,7 @@ impl NativePreprocessor {
         let on = self.live(py)?;
         let (prep, out) = (&mut self.prep, &mut self.out);
         py.detach(|| {
-            on_pool_if_parallel(on.as_deref(), prep, &rb, |prep, inputs| {
+            batch_on_pool_if_parallel(on.as_deref(), prep, &rb, |prep, inputs| {
                 prep.run_stats(inputs, out)?;
                 let plan = prep.plan().expect("a successful run has a plan");
                 let mut stats = FdoStats::new(plan.layout);
