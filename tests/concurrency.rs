@@ -269,12 +269,11 @@ fn independent_preprocessors_run_at_the_same_time() {
     }
 }
 
-/// A source that runs rayon work of its own when asked for its view (a lazily decoded column,
-/// say), so that rayon may start another of the preprocessor's tasks on the same worker while
-/// this one waits.
-struct ParallelView<'a>(RaggedInput<'a>);
+/// A source that runs `on_view` each time it is asked for its view, as user code in `view()`
+/// may (a lazily decoded column, say).
+struct OnView<'a, F: Fn() + Sync>(RaggedInput<'a>, F);
 
-impl SampleSource for ParallelView<'_> {
+impl<F: Fn() + Sync> SampleSource for OnView<'_, F> {
     fn num_samples(&self) -> usize {
         self.0.num_samples()
     }
@@ -282,8 +281,7 @@ impl SampleSource for ParallelView<'_> {
         self.0.has_weights()
     }
     fn view(&self) -> FeatureView<'_> {
-        use rayon::prelude::*;
-        (0..16u64).into_par_iter().for_each(|i| std::thread::sleep(std::time::Duration::from_micros(200 * (i % 3))));
+        (self.1)();
         self.0.view()
     }
 }
@@ -306,31 +304,18 @@ fn a_source_that_uses_rayon_itself_does_not_panic() {
     let splits: Vec<i32> = (0..=64).map(|r| 2 * r).collect();
     let plain = RaggedInput::from_i32("f0", &ids, &splits).unwrap();
     let expected = Preprocessor::builder(cfg.clone()).threads(1).build().unwrap().run_new(&[&plain]).unwrap();
-    let source = ParallelView(RaggedInput::from_i32("f0", &ids, &splits).unwrap());
+    // Rayon work of its own in `view()`, so that rayon may start another of the preprocessor's
+    // tasks on the same worker while this one waits.
+    let source = OnView(RaggedInput::from_i32("f0", &ids, &splits).unwrap(), || {
+        use rayon::prelude::*;
+        (0..16u64).into_par_iter().for_each(|i| std::thread::sleep(std::time::Duration::from_micros(200 * (i % 3))));
+    });
     // On the pool however small the batch, so that the tasks run on workers that `view()` reenters.
     let mut p = Preprocessor::builder(cfg).threads(4).small_batch_ids(0).build().unwrap();
     let mut out = Output::new();
     for _ in 0..20 {
         p.run(&[&source], &mut out).unwrap();
         assert!(outcome(Ok(()), &out) == outcome(Ok(()), &expected));
-    }
-}
-
-/// A source that records whether its view was taken on a pool thread (named `sparsecore-prep-i`
-/// by `threads(n)`).
-struct ThreadRecorder<'a>(RaggedInput<'a>, Mutex<Vec<bool>>);
-
-impl SampleSource for ThreadRecorder<'_> {
-    fn num_samples(&self) -> usize {
-        self.0.num_samples()
-    }
-    fn has_weights(&self) -> bool {
-        self.0.has_weights()
-    }
-    fn view(&self) -> FeatureView<'_> {
-        let on_pool = std::thread::current().name().is_some_and(|n| n.starts_with("sparsecore-prep-"));
-        self.1.lock().unwrap().push(on_pool);
-        self.0.view()
     }
 }
 
@@ -354,10 +339,14 @@ fn small_batches_run_on_the_calling_thread() {
     };
     // (whether the preprocessor says it runs on the caller, whether any view was on the pool, output)
     let run = |p: &mut Preprocessor, ids: &[i32], splits: &[i32]| {
-        let source = ThreadRecorder(RaggedInput::from_i32("f0", ids, splits).unwrap(), Mutex::new(Vec::new()));
+        // Whether each view was taken on a pool thread (named `sparsecore-prep-i` by `threads(n)`).
+        let seen = Mutex::new(Vec::new());
+        let source = OnView(RaggedInput::from_i32("f0", ids, splits).unwrap(), || {
+            seen.lock().unwrap().push(std::thread::current().name().is_some_and(|n| n.starts_with("sparsecore-prep-")));
+        });
         let on_caller = p.runs_on_caller_thread(&[&source]);
         let out = p.run_new(&[&source]).unwrap();
-        let on_pool = source.1.into_inner().unwrap().into_iter().any(|b| b);
+        let on_pool = seen.into_inner().unwrap().into_iter().any(|b| b);
         (on_caller, on_pool, out)
     };
     let (small_ids, small_splits) = batch(2);
