@@ -11,7 +11,13 @@ use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 fn balance(c: &mut Criterion) {
     let mut group = c.benchmark_group("balance");
     group.sample_size(10);
-    for profile in [Profile::Criteo, Profile::Long, Profile::LargeVocab, Profile::HighMultivalency, Profile::ModerateMultivalency] {
+    for profile in [
+        Profile::Criteo,
+        Profile::Long,
+        Profile::LargeVocab,
+        Profile::HighMultivalency,
+        Profile::ModerateMultivalency,
+    ] {
         let mut spec = WorkloadSpec::new(profile);
         spec.layout = (1, 1, 4);
         spec.batch_size = 512;
@@ -20,10 +26,14 @@ fn balance(c: &mut Criterion) {
         for t in &mut w.config.tables {
             t.max_ids_per_partition *= 2;
             t.max_unique_ids_per_partition *= 2;
-            t.suggested_coo_buffer_size_per_device = t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
+            t.suggested_coo_buffer_size_per_device =
+                t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
         }
         group.throughput(Throughput::Elements(w.total_ids()));
-        let mut prep = Preprocessor::builder(w.config.clone()).threads(1).build().unwrap();
+        let mut prep = Preprocessor::builder(w.config.clone())
+            .threads(1)
+            .build()
+            .unwrap();
         let mut out = Output::new();
         group.bench_function(format!("{}/preprocess", profile.name()), |b| {
             b.iter(|| {

@@ -5,7 +5,9 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use sparsecore_prep::{Output, Preprocessor};
-use sparsecore_testkit::workload::{bench_paths, bench_workload, check_bench_path, generate, BENCH_PROFILES};
+use sparsecore_testkit::workload::{
+    bench_paths, bench_workload, check_bench_path, generate, BENCH_PROFILES,
+};
 
 fn end_to_end(c: &mut Criterion) {
     let mut group = c.benchmark_group("end_to_end");
@@ -15,7 +17,10 @@ fn end_to_end(c: &mut Criterion) {
         let batch = &w.batches[0];
         group.throughput(Throughput::Elements(w.total_ids()));
         for threads in [1, 2] {
-            let mut prep = Preprocessor::builder(w.config.clone()).threads(threads).build().unwrap();
+            let mut prep = Preprocessor::builder(w.config.clone())
+                .threads(threads)
+                .build()
+                .unwrap();
             let mut out = Output::new();
             group.bench_function(format!("{}/threads={threads}", profile.name()), |b| {
                 b.iter(|| prep.run_record_batch(batch, &mut out).unwrap())
@@ -37,8 +42,13 @@ fn paths(c: &mut Criterion) {
         let mut out = Output::new();
         group.throughput(Throughput::Elements(w.total_ids()));
         for threads in [1, 2] {
-            let mut prep = Preprocessor::builder(w.config.clone()).threads(threads).build().unwrap();
-            group.bench_function(format!("{name}/threads={threads}"), |b| b.iter(|| prep.run_record_batch(batch, &mut out).unwrap()));
+            let mut prep = Preprocessor::builder(w.config.clone())
+                .threads(threads)
+                .build()
+                .unwrap();
+            group.bench_function(format!("{name}/threads={threads}"), |b| {
+                b.iter(|| prep.run_record_batch(batch, &mut out).unwrap())
+            });
         }
     }
     group.finish();

@@ -34,7 +34,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err("usage: balance_profile PROFILE HOSTS WINDOW PASSES balance|preprocess [every-stack|unique-ids]".into());
     };
     let profile: Profile = profile.parse()?;
-    let (hosts, window, passes): (usize, usize, usize) = (hosts.parse()?, window.parse()?, passes.parse()?);
+    let (hosts, window, passes): (usize, usize, usize) =
+        (hosts.parse()?, window.parse()?, passes.parse()?);
     let mut spec = WorkloadSpec::new(profile);
     spec.layout = (1, hosts, 4);
     spec.batch_size = 128 * 4;
@@ -44,7 +45,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for t in &mut workload.config.tables {
         t.max_ids_per_partition *= 2;
         t.max_unique_ids_per_partition *= 2;
-        t.suggested_coo_buffer_size_per_device = t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
+        t.suggested_coo_buffer_size_per_device =
+            t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
     }
     let (config, batches) = (workload.config, workload.batches);
     match mode.as_str() {

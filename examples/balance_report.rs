@@ -32,14 +32,20 @@ fn tuned(config: &Config, batches: &[RecordBatch]) -> sparsecore_prep::Result<(u
         let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as _).collect();
         prep.run_stats(&inputs, &mut out)?;
         let plan = prep.plan().expect("planned").clone();
-        stats.get_or_insert_with(|| FdoStats::new(plan.layout)).record(&plan, &out)?;
+        stats
+            .get_or_insert_with(|| FdoStats::new(plan.layout))
+            .record(&plan, &out)?;
     }
     let Some(stats) = stats else {
         return Ok((0, 0, 0));
     };
     let (config, _) = tune(config, &stats, 1.0)?;
     Ok(config.tables.iter().fold((0, 0, 0), |(a, b, c), t| {
-        (a + t.max_ids_per_partition, b + t.max_unique_ids_per_partition, c + t.suggested_coo_buffer_size_per_device.unwrap_or(0))
+        (
+            a + t.max_ids_per_partition,
+            b + t.max_unique_ids_per_partition,
+            c + t.suggested_coo_buffer_size_per_device.unwrap_or(0),
+        )
     }))
 }
 use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
@@ -51,7 +57,8 @@ fn with_headroom(config: &mut Config) {
     for t in &mut config.tables {
         t.max_ids_per_partition *= 2;
         t.max_unique_ids_per_partition *= 2;
-        t.suggested_coo_buffer_size_per_device = t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
+        t.suggested_coo_buffer_size_per_device =
+            t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
     }
 }
 
@@ -69,19 +76,36 @@ fn fastest(f: &mut dyn FnMut() -> sparsecore_prep::Result<()>) -> sparsecore_pre
 }
 
 /// The largest `max_ids_per_partition` of any stack in any of `batches`, from the pipeline.
-fn worst(prep: &mut Preprocessor, config: &Config, out: &mut Output, batches: &[RecordBatch]) -> sparsecore_prep::Result<i32> {
+fn worst(
+    prep: &mut Preprocessor,
+    config: &Config,
+    out: &mut Output,
+    batches: &[RecordBatch],
+) -> sparsecore_prep::Result<i32> {
     let mut m = 0;
     for b in batches {
         let features = features_from_record_batch(config, b)?;
         let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as _).collect();
         prep.run_stats(&inputs, out)?;
-        m = m.max(out.stacks.iter().map(|s| s.stats.max_ids()).max().unwrap_or(0));
+        m = m.max(
+            out.stacks
+                .iter()
+                .map(|s| s.stats.max_ids())
+                .max()
+                .unwrap_or(0),
+        );
     }
     Ok(m)
 }
 
 /// One row per window size of the first table: before and after, the bound, and the cost.
-fn load_rows(name: &str, layout: &str, config: &Config, batches: &[RecordBatch], refinement: Refinement) -> sparsecore_prep::Result<()> {
+fn load_rows(
+    name: &str,
+    layout: &str,
+    config: &Config,
+    batches: &[RecordBatch],
+    refinement: Refinement,
+) -> sparsecore_prep::Result<()> {
     let mut prep = Preprocessor::builder(config.clone()).threads(1).build()?;
     let mut out = Output::new();
     let preprocess = fastest(&mut || {
@@ -120,7 +144,13 @@ fn load_rows(name: &str, layout: &str, config: &Config, batches: &[RecordBatch],
 }
 
 /// One row per window size of the second table: tuned limits and buffers before and after.
-fn fdo_rows(name: &str, layout: &str, config: &Config, batches: &[RecordBatch], refinement: Refinement) -> sparsecore_prep::Result<()> {
+fn fdo_rows(
+    name: &str,
+    layout: &str,
+    config: &Config,
+    batches: &[RecordBatch],
+    refinement: Refinement,
+) -> sparsecore_prep::Result<()> {
     let before = tuned(config, batches)?;
     for window in [1usize, 4, 8] {
         let mut balancer = Balancer::new(config.clone())?.refinement(refinement);
@@ -129,7 +159,10 @@ fn fdo_rows(name: &str, layout: &str, config: &Config, batches: &[RecordBatch], 
             balanced.extend(balancer.balance(chunk)?.batches);
         }
         let after = tuned(config, &balanced)?;
-        println!("| {name} | {layout} | {window} | {} → {} | {} → {} | {} → {} |", before.0, after.0, before.1, after.1, before.2, after.2);
+        println!(
+            "| {name} | {layout} | {window} | {} → {} | {} → {} | {} → {} |",
+            before.0, after.0, before.1, after.1, before.2, after.2
+        );
     }
     Ok(())
 }
@@ -139,7 +172,10 @@ const FDO_HEADER: &str =
     "| profile | L/G/S | W | Σ max_ids before → after | Σ max_unique before → after | Σ buffer/device before → after |\n|---|---|---|---|---|---|";
 
 /// The batches of an Arrow IPC file and its config.
-fn read_workload(input: &str, config: &str) -> Result<(Config, Vec<RecordBatch>), Box<dyn std::error::Error>> {
+fn read_workload(
+    input: &str,
+    config: &str,
+) -> Result<(Config, Vec<RecordBatch>), Box<dyn std::error::Error>> {
     let config = Config::from_path(config)?;
     let reader = arrow_ipc::reader::FileReader::try_new(std::fs::File::open(input)?, None)?;
     let batches = reader.collect::<Result<Vec<_>, _>>()?;
@@ -148,7 +184,12 @@ fn read_workload(input: &str, config: &str) -> Result<(Config, Vec<RecordBatch>)
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
     let refinement = if args.iter().any(|a| a == "--unique-ids") {
         Refinement::UniqueIds
     } else if args.iter().any(|a| a == "--every-stack") {
@@ -160,7 +201,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let (config, batches) = read_workload(&input, &config)?;
         let label = flag("--label").unwrap_or(input);
         let o = &config.config;
-        let layout = format!("{}/{}/{}", o.local_device_count, o.global_device_count, o.num_sc_per_device);
+        let layout = format!(
+            "{}/{}/{}",
+            o.local_device_count, o.global_device_count, o.num_sc_per_device
+        );
         println!("{LOAD_HEADER}");
         load_rows(&label, &layout, &config, &batches, refinement)?;
         println!("\n{FDO_HEADER}");
@@ -169,11 +213,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let per_sc: usize = args.iter().find_map(|a| a.parse().ok()).unwrap_or(128);
     let workloads = || {
-        [Profile::Criteo, Profile::Long, Profile::LargeVocab, Profile::HighMultivalency, Profile::ModerateMultivalency]
-            .into_iter()
-            .flat_map(|profile| [(1, 1, 4), (1, 4, 4)].map(|layout| (profile, layout)))
+        [
+            Profile::Criteo,
+            Profile::Long,
+            Profile::LargeVocab,
+            Profile::HighMultivalency,
+            Profile::ModerateMultivalency,
+        ]
+        .into_iter()
+        .flat_map(|profile| [(1, 1, 4), (1, 4, 4)].map(|layout| (profile, layout)))
     };
-    let generated = |profile: Profile, layout: (usize, usize, usize)| -> sparsecore_prep::Result<(Config, Vec<RecordBatch>)> {
+    let generated = |profile: Profile,
+                     layout: (usize, usize, usize)|
+     -> sparsecore_prep::Result<(Config, Vec<RecordBatch>)> {
         let mut spec = WorkloadSpec::new(profile);
         spec.layout = layout;
         spec.batch_size = per_sc * layout.0 * layout.2;
@@ -185,13 +237,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("{LOAD_HEADER}");
     for (profile, layout) in workloads() {
         let (config, batches) = generated(profile, layout)?;
-        load_rows(profile.name(), &format!("{}/{}/{}", layout.0, layout.1, layout.2), &config, &batches, refinement)?;
+        load_rows(
+            profile.name(),
+            &format!("{}/{}/{}", layout.0, layout.1, layout.2),
+            &config,
+            &batches,
+            refinement,
+        )?;
     }
-    println!("\n`fdo tune --headroom 1.0` on the stats of the same 8 batches, summed over the tables:\n");
+    println!(
+        "\n`fdo tune --headroom 1.0` on the stats of the same 8 batches, summed over the tables:\n"
+    );
     println!("{FDO_HEADER}");
     for (profile, layout) in workloads() {
         let (config, batches) = generated(profile, layout)?;
-        fdo_rows(profile.name(), &format!("{}/{}/{}", layout.0, layout.1, layout.2), &config, &batches, refinement)?;
+        fdo_rows(
+            profile.name(),
+            &format!("{}/{}/{}", layout.0, layout.1, layout.2),
+            &config,
+            &batches,
+            refinement,
+        )?;
     }
     Ok(())
 }

@@ -50,8 +50,18 @@ impl LocalAllReduce {
     /// vector is host `r`. Each exchange waits at most `timeout` for the other members, then
     /// fails with [`Error::AllReduce`] naming the members it did not hear from.
     pub fn group(hosts: usize, timeout: Duration) -> Vec<InProcessAllReduce> {
-        let shared = Arc::new(GroupState { hosts, slots: Mutex::new(HashMap::new()), cv: Condvar::new() });
-        (0..hosts).map(|rank| InProcessAllReduce { rank, timeout, shared: shared.clone() }).collect()
+        let shared = Arc::new(GroupState {
+            hosts,
+            slots: Mutex::new(HashMap::new()),
+            cv: Condvar::new(),
+        });
+        (0..hosts)
+            .map(|rank| InProcessAllReduce {
+                rank,
+                timeout,
+                shared: shared.clone(),
+            })
+            .collect()
     }
 }
 
@@ -81,7 +91,9 @@ pub struct InProcessAllReduce {
 /// "wait for ever", such as `Duration::MAX`) waits a century instead of overflowing.
 fn deadline_after(timeout: Duration) -> Instant {
     let now = Instant::now();
-    now.checked_add(timeout).or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600))).unwrap_or(now)
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(now)
 }
 
 impl InProcessAllReduce {
@@ -93,18 +105,29 @@ impl InProcessAllReduce {
     fn exchange(&self, key: u64, value: u64) -> Result<u64> {
         let deadline = deadline_after(self.timeout);
         let g = &*self.shared;
-        let poisoned = || Error::AllReduce { key, reason: "group lock poisoned".into() };
+        let poisoned = || Error::AllReduce {
+            key,
+            reason: "group lock poisoned".into(),
+        };
         let mut slots = g.slots.lock().map_err(|_| poisoned())?;
         {
-            let slot = slots.entry(key).or_insert_with(|| GroupSlot { values: vec![None; g.hosts], read: 0 });
+            let slot = slots.entry(key).or_insert_with(|| GroupSlot {
+                values: vec![None; g.hosts],
+                read: 0,
+            });
             if slot.values[self.rank].is_some() {
-                return Err(Error::AllReduce { key, reason: format!("host {} contributed twice", self.rank) });
+                return Err(Error::AllReduce {
+                    key,
+                    reason: format!("host {} contributed twice", self.rank),
+                });
             }
             slot.values[self.rank] = Some(value);
         }
         g.cv.notify_all();
         loop {
-            let slot = slots.get_mut(&key).expect("a slot stays until every member read it");
+            let slot = slots
+                .get_mut(&key)
+                .expect("a slot stays until every member read it");
             if slot.values.iter().all(Option::is_some) {
                 let or = slot.values.iter().fold(0u64, |a, v| a | v.unwrap_or(0));
                 slot.read += 1;
@@ -115,14 +138,26 @@ impl InProcessAllReduce {
             }
             let now = Instant::now();
             if now >= deadline {
-                let missing: Vec<String> =
-                    slot.values.iter().enumerate().filter(|(_, v)| v.is_none()).map(|(r, _)| r.to_string()).collect();
+                let missing: Vec<String> = slot
+                    .values
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, v)| v.is_none())
+                    .map(|(r, _)| r.to_string())
+                    .collect();
                 return Err(Error::AllReduce {
                     key,
-                    reason: format!("timed out after {:?} waiting for hosts {}", self.timeout, missing.join(", ")),
+                    reason: format!(
+                        "timed out after {:?} waiting for hosts {}",
+                        self.timeout,
+                        missing.join(", ")
+                    ),
                 });
             }
-            slots = g.cv.wait_timeout(slots, deadline - now).map_err(|_| poisoned())?.0;
+            slots =
+                g.cv.wait_timeout(slots, deadline - now)
+                    .map_err(|_| poisoned())?
+                    .0;
         }
     }
 }
@@ -252,8 +287,17 @@ struct Shared {
     conns: Mutex<HashMap<u64, TcpStream>>,
 }
 
-fn mac(token: &[u8], challenge: &[u8], src: u32, dst: u32, seq: u64, key: u64, value: u64) -> HmacSha256 {
-    let mut m = <HmacSha256 as KeyInit>::new_from_slice(token).expect("HMAC takes keys of any length");
+fn mac(
+    token: &[u8],
+    challenge: &[u8],
+    src: u32,
+    dst: u32,
+    seq: u64,
+    key: u64,
+    value: u64,
+) -> HmacSha256 {
+    let mut m =
+        <HmacSha256 as KeyInit>::new_from_slice(token).expect("HMAC takes keys of any length");
     m.update(DOMAIN);
     m.update(challenge);
     m.update(&src.to_le_bytes());
@@ -267,7 +311,10 @@ fn mac(token: &[u8], challenge: &[u8], src: u32, dst: u32, seq: u64, key: u64, v
 /// 16 unpredictable bytes: /dev/urandom, else std's randomly keyed hasher over time and a counter.
 fn challenge() -> [u8; 16] {
     let mut c = [0u8; 16];
-    if std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut c)).is_ok() {
+    if std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut c))
+        .is_ok()
+    {
         return c;
     }
     use std::hash::{BuildHasher, Hasher};
@@ -275,14 +322,26 @@ fn challenge() -> [u8; 16] {
     for half in c.chunks_mut(8) {
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
         h.write_u64(N.fetch_add(1, Ordering::Relaxed));
-        h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
         half.copy_from_slice(&h.finish().to_le_bytes());
     }
     c
 }
 
 /// Encodes one authenticated frame.
-fn frame(token: &[u8], challenge: &[u8], src: u32, dst: u32, seq: u64, key: u64, value: u64) -> [u8; FRAME] {
+fn frame(
+    token: &[u8],
+    challenge: &[u8],
+    src: u32,
+    dst: u32,
+    seq: u64,
+    key: u64,
+    value: u64,
+) -> [u8; FRAME] {
     let mut f = [0u8; FRAME];
     f[..4].copy_from_slice(FRAME_MAGIC);
     f[4..8].copy_from_slice(&src.to_le_bytes());
@@ -290,7 +349,11 @@ fn frame(token: &[u8], challenge: &[u8], src: u32, dst: u32, seq: u64, key: u64,
     f[12..20].copy_from_slice(&seq.to_le_bytes());
     f[20..28].copy_from_slice(&key.to_le_bytes());
     f[28..36].copy_from_slice(&value.to_le_bytes());
-    f[36..].copy_from_slice(&mac(token, challenge, src, dst, seq, key, value).finalize().into_bytes());
+    f[36..].copy_from_slice(
+        &mac(token, challenge, src, dst, seq, key, value)
+            .finalize()
+            .into_bytes(),
+    );
     f
 }
 
@@ -328,11 +391,15 @@ fn serve_conn(shared: &Shared, stream: &mut TcpStream) {
         }
         let u32_at = |i: usize| u32::from_le_bytes(buf[i..i + 4].try_into().expect("4 bytes"));
         let u64_at = |i: usize| u64::from_le_bytes(buf[i..i + 8].try_into().expect("8 bytes"));
-        let (src, dst, seq, key, value) = (u32_at(4), u32_at(8), u64_at(12), u64_at(20), u64_at(28));
+        let (src, dst, seq, key, value) =
+            (u32_at(4), u32_at(8), u64_at(12), u64_at(20), u64_at(28));
         let ack = if src >= shared.hosts || src == shared.rank || dst != shared.rank {
             bump(&shared.counters.unknown_rank);
             ACK_REJECTED
-        } else if mac(&shared.token, &ch, src, dst, seq, key, value).verify_slice(&buf[36..]).is_err() {
+        } else if mac(&shared.token, &ch, src, dst, seq, key, value)
+            .verify_slice(&buf[36..])
+            .is_err()
+        {
             bump(&shared.counters.bad_mac);
             ACK_REJECTED
         } else if seq <= last_seq {
@@ -356,7 +423,9 @@ fn serve_conn(shared: &Shared, stream: &mut TcpStream) {
 /// Files an authentic value: never overrides, never grows past [`INBOX_KEYS`] keys. Every
 /// [`ACK_OK`] it returns is counted in `acks_in_flight` until [`ack_written`].
 fn file(shared: &Shared, src: u32, key: u64, value: u64) -> u8 {
-    let Ok(mut inbox) = shared.inbox.lock() else { return ACK_BUSY };
+    let Ok(mut inbox) = shared.inbox.lock() else {
+        return ACK_BUSY;
+    };
     if inbox.done.contains(&key) {
         bump(&shared.counters.duplicate);
         inbox.acks_in_flight += 1;
@@ -376,7 +445,13 @@ fn file(shared: &Shared, src: u32, key: u64, value: u64) -> u8 {
             return ACK_BUSY;
         }
         None => {
-            inbox.pending.insert(key, Pending { values: HashMap::from([(src, value)]), born });
+            inbox.pending.insert(
+                key,
+                Pending {
+                    values: HashMap::from([(src, value)]),
+                    born,
+                },
+            );
         }
     }
     inbox.acks_in_flight += 1;
@@ -404,7 +479,9 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let id = next_id;
         next_id += 1;
         {
-            let Ok(mut conns) = shared.conns.lock() else { break };
+            let Ok(mut conns) = shared.conns.lock() else {
+                break;
+            };
             if conns.len() >= MAX_CONNECTIONS {
                 bump(&shared.counters.connections_refused);
                 continue; // dropped: closed
@@ -415,13 +492,15 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             };
         }
         let sh = shared.clone();
-        let spawned = std::thread::Builder::new().name(format!("sparsecore-allreduce-{}-conn", shared.rank)).spawn(move || {
-            serve_conn(&sh, &mut stream);
-            let _ = stream.shutdown(std::net::Shutdown::Both);
-            if let Ok(mut conns) = sh.conns.lock() {
-                conns.remove(&id);
-            }
-        });
+        let spawned = std::thread::Builder::new()
+            .name(format!("sparsecore-allreduce-{}-conn", shared.rank))
+            .spawn(move || {
+                serve_conn(&sh, &mut stream);
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+                if let Ok(mut conns) = sh.conns.lock() {
+                    conns.remove(&id);
+                }
+            });
         if spawned.is_err() {
             if let Ok(mut conns) = shared.conns.lock() {
                 conns.remove(&id);
@@ -440,8 +519,14 @@ struct Undelivered {
 
 impl Undelivered {
     fn io(what: &str, e: std::io::Error) -> Self {
-        let timed_out = matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut);
-        Undelivered { reason: format!("{what}: {e}"), timed_out }
+        let timed_out = matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        );
+        Undelivered {
+            reason: format!("{what}: {e}"),
+            timed_out,
+        }
     }
 }
 
@@ -468,7 +553,10 @@ pub struct TcpAllReduce {
 
 impl std::fmt::Debug for TcpAllReduce {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TcpAllReduce").field("rank", &self.shared.rank).field("peers", &self.peers).finish()
+        f.debug_struct("TcpAllReduce")
+            .field("rank", &self.shared.rank)
+            .field("peers", &self.peers)
+            .finish()
     }
 }
 
@@ -517,28 +605,48 @@ impl TcpAllReduceBuilder {
 
     /// Binds (unless a listener was given) and starts serving.
     pub fn build(self) -> Result<TcpAllReduce> {
-        let TcpAllReduceBuilder { rank, mut peers, timeout, token, listener, any_order } = self;
+        let TcpAllReduceBuilder {
+            rank,
+            mut peers,
+            timeout,
+            token,
+            listener,
+            any_order,
+        } = self;
         if rank >= peers.len() {
-            return Err(Error::option("rank", rank, format!("must index the {} peer addresses", peers.len())));
+            return Err(Error::option(
+                "rank",
+                rank,
+                format!("must index the {} peer addresses", peers.len()),
+            ));
         }
         if peers.len() > u32::MAX as usize {
-            return Err(Error::option("peers", peers.len(), "at most 2^32 - 1 hosts"));
+            return Err(Error::option(
+                "peers",
+                peers.len(),
+                "at most 2^32 - 1 hosts",
+            ));
         }
         let listener = match listener {
             Some(l) => l,
             None => {
                 let addr = peers[rank];
-                TcpListener::bind(addr)
-                    .map_err(|source| Error::Io { context: format!("all-reduce: listening on {addr}"), source })?
+                TcpListener::bind(addr).map_err(|source| Error::Io {
+                    context: format!("all-reduce: listening on {addr}"),
+                    source,
+                })?
             }
         };
-        let local = listener
-            .local_addr()
-            .map_err(|source| Error::Io { context: "all-reduce: reading the listener address".into(), source })?;
+        let local = listener.local_addr().map_err(|source| Error::Io {
+            context: "all-reduce: reading the listener address".into(),
+            source,
+        })?;
         peers[rank] = local;
-        let token = token
-            .filter(|t| !t.is_empty())
-            .or_else(|| std::env::var_os(TOKEN_ENV).filter(|t| !t.is_empty()).map(|t| t.into_encoded_bytes()));
+        let token = token.filter(|t| !t.is_empty()).or_else(|| {
+            std::env::var_os(TOKEN_ENV)
+                .filter(|t| !t.is_empty())
+                .map(|t| t.into_encoded_bytes())
+        });
         let token = token.unwrap_or_else(|| {
             static WARN: std::sync::Once = std::sync::Once::new();
             WARN.call_once(|| {
@@ -563,16 +671,33 @@ impl TcpAllReduceBuilder {
         let handle = std::thread::Builder::new()
             .name(format!("sparsecore-allreduce-{rank}"))
             .spawn(move || accept_loop(listener, sh))
-            .map_err(|source| Error::Io { context: "all-reduce: starting the listener thread".into(), source })?;
+            .map_err(|source| Error::Io {
+                context: "all-reduce: starting the listener thread".into(),
+                source,
+            })?;
         let learned = any_order.then(|| Mutex::new(vec![None; peers.len()]));
-        Ok(TcpAllReduce { peers, learned, timeout, shared, listener: Some(handle), local })
+        Ok(TcpAllReduce {
+            peers,
+            learned,
+            timeout,
+            shared,
+            listener: Some(handle),
+            local,
+        })
     }
 }
 
 impl TcpAllReduce {
     /// A builder for host `rank` of the job whose hosts listen on `peers`.
     pub fn builder(rank: usize, peers: Vec<SocketAddr>) -> TcpAllReduceBuilder {
-        TcpAllReduceBuilder { rank, peers, timeout: Duration::from_secs(60), token: None, listener: None, any_order: false }
+        TcpAllReduceBuilder {
+            rank,
+            peers,
+            timeout: Duration::from_secs(60),
+            token: None,
+            listener: None,
+            any_order: false,
+        }
     }
 
     /// Listens on `peers[rank]` and talks to the others, waiting at most `timeout` per exchange;
@@ -583,8 +708,16 @@ impl TcpAllReduce {
 
     /// Like [`TcpAllReduce::new`] with an already bound listener (e.g. bound to port 0 first, so
     /// that tests can learn every peer's address before starting).
-    pub fn with_listener(rank: usize, listener: TcpListener, peers: Vec<SocketAddr>, timeout: Duration) -> Result<Self> {
-        Self::builder(rank, peers).timeout(timeout).listener(listener).build()
+    pub fn with_listener(
+        rank: usize,
+        listener: TcpListener,
+        peers: Vec<SocketAddr>,
+        timeout: Duration,
+    ) -> Result<Self> {
+        Self::builder(rank, peers)
+            .timeout(timeout)
+            .listener(listener)
+            .build()
     }
 
     /// This host's listening address.
@@ -634,7 +767,9 @@ impl TcpAllReduce {
     /// peer that died reads alike whether we timed out waiting for its value or failed to send
     /// it ours (which of the two happens first is a race).
     fn describe_rank(&self, r: usize) -> String {
-        match (0..self.peers.len()).find(|&slot| slot != self.shared.rank as usize && self.rank_at(slot) == Some(r)) {
+        match (0..self.peers.len())
+            .find(|&slot| slot != self.shared.rank as usize && self.rank_at(slot) == Some(r))
+        {
             Some(slot) => format!("peer {r} at {}", self.peers[slot]),
             None => format!("peer {r} (address not known yet)"),
         }
@@ -643,15 +778,27 @@ impl TcpAllReduce {
     /// The rank to address at `peers[slot]`, given the rank its hello announced.
     fn check_rank(&self, slot: usize, theirs: usize) -> std::result::Result<usize, String> {
         let Some(learned) = &self.learned else {
-            return if theirs == slot { Ok(slot) } else { Err(format!("it is rank {theirs} of its job, not rank {slot}")) };
+            return if theirs == slot {
+                Ok(slot)
+            } else {
+                Err(format!("it is rank {theirs} of its job, not rank {slot}"))
+            };
         };
         let me = self.shared.rank as usize;
         if theirs >= self.peers.len() || theirs == me {
-            return Err(format!("it says it is rank {theirs}, not one of this {}-host job's other ranks", self.peers.len()));
+            return Err(format!(
+                "it says it is rank {theirs}, not one of this {}-host job's other ranks",
+                self.peers.len()
+            ));
         }
-        let mut l = learned.lock().map_err(|_| "rank table lock poisoned".to_string())?;
+        let mut l = learned
+            .lock()
+            .map_err(|_| "rank table lock poisoned".to_string())?;
         if let Some(other) = (0..l.len()).find(|&o| o != slot && l[o] == Some(theirs)) {
-            return Err(format!("it says it is rank {theirs}, as the peer at {} did", self.peers[other]));
+            return Err(format!(
+                "it says it is rank {theirs}, as the peer at {} did",
+                self.peers[other]
+            ));
         }
         l[slot] = Some(theirs);
         Ok(theirs)
@@ -659,34 +806,60 @@ impl TcpAllReduce {
 
     /// Delivers one value to the peer at `peers[r]`: connect, read its hello, send a frame, read
     /// the ack.
-    fn deliver(&self, r: usize, key: u64, value: u64, deadline: Instant) -> std::result::Result<(), Undelivered> {
+    fn deliver(
+        &self,
+        r: usize,
+        key: u64,
+        value: u64,
+        deadline: Instant,
+    ) -> std::result::Result<(), Undelivered> {
         let addr = self.peers[r];
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(Undelivered { reason: "deadline passed".into(), timed_out: true });
+            return Err(Undelivered {
+                reason: "deadline passed".into(),
+                timed_out: true,
+            });
         }
         let step = left.min(Duration::from_secs(2));
         let failed = |what: &'static str| move |e: std::io::Error| Undelivered::io(what, e);
         let mut s = TcpStream::connect_timeout(&addr, step).map_err(failed("connecting"))?;
-        s.set_read_timeout(Some(step)).map_err(failed("talking to it"))?;
-        s.set_write_timeout(Some(step)).map_err(failed("talking to it"))?;
+        s.set_read_timeout(Some(step))
+            .map_err(failed("talking to it"))?;
+        s.set_write_timeout(Some(step))
+            .map_err(failed("talking to it"))?;
         let _ = s.set_nodelay(true);
         let mut hello = [0u8; HELLO];
-        s.read_exact(&mut hello).map_err(failed("reading its hello"))?;
-        let refused = |reason: String| Undelivered { reason, timed_out: false };
+        s.read_exact(&mut hello)
+            .map_err(failed("reading its hello"))?;
+        let refused = |reason: String| Undelivered {
+            reason,
+            timed_out: false,
+        };
         if &hello[..4] != HELLO_MAGIC || hello[4..8] != VERSION.to_le_bytes() {
             return Err(refused("it does not speak this all-reduce protocol".into()));
         }
         let their_rank = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes"));
         let dst = self.check_rank(r, their_rank as usize).map_err(refused)?;
-        let f = frame(&self.shared.token, &hello[12..], self.shared.rank, dst as u32, 1, key, value);
+        let f = frame(
+            &self.shared.token,
+            &hello[12..],
+            self.shared.rank,
+            dst as u32,
+            1,
+            key,
+            value,
+        );
         s.write_all(&f).map_err(failed("talking to it"))?;
         let mut ack = [0u8; 1];
-        s.read_exact(&mut ack).map_err(failed("reading its acknowledgement"))?;
+        s.read_exact(&mut ack)
+            .map_err(failed("reading its acknowledgement"))?;
         match ack[0] {
             ACK_OK => Ok(()),
             ACK_BUSY => Err(refused("its inbox was full".into())),
-            _ => Err(refused("it rejected our message (do all hosts use the same token?)".into())),
+            _ => Err(refused(
+                "it rejected our message (do all hosts use the same token?)".into(),
+            )),
         }
     }
 
@@ -695,13 +868,19 @@ impl TcpAllReduce {
         let me = self.shared.rank as usize;
         let mut undelivered: Vec<usize> = (0..self.peers.len()).filter(|&r| r != me).collect();
         let mut why: HashMap<usize, String> = HashMap::new();
-        let poisoned = || Error::AllReduce { key, reason: "inbox lock poisoned".into() };
+        let poisoned = || Error::AllReduce {
+            key,
+            reason: "inbox lock poisoned".into(),
+        };
         {
             // Reserve the key so that the flood cap never refuses the key being waited for.
             let mut inbox = self.shared.inbox.lock().map_err(|_| poisoned())?;
             let born = inbox.completed;
             inbox.done.retain(|&k| k != key);
-            inbox.pending.entry(key).or_insert_with(|| Pending { values: HashMap::new(), born });
+            inbox.pending.entry(key).or_insert_with(|| Pending {
+                values: HashMap::new(),
+                born,
+            });
         }
         loop {
             undelivered.retain(|&r| match self.deliver(r, key, value, deadline) {
@@ -717,9 +896,16 @@ impl TcpAllReduce {
                 }
             });
             let mut inbox = self.shared.inbox.lock().map_err(|_| poisoned())?;
-            let heard: Vec<u32> = inbox.pending.get(&key).map(|p| p.values.keys().copied().collect()).unwrap_or_default();
+            let heard: Vec<u32> = inbox
+                .pending
+                .get(&key)
+                .map(|p| p.values.keys().copied().collect())
+                .unwrap_or_default();
             if heard.len() == self.peers.len() - 1 && undelivered.is_empty() {
-                let or = inbox.pending.get(&key).map_or(value, |p| p.values.values().fold(value, |a, &b| a | b));
+                let or = inbox
+                    .pending
+                    .get(&key)
+                    .map_or(value, |p| p.values.values().fold(value, |a, &b| a | b));
                 inbox.finish(key, &self.shared.counters);
                 // The peers' acks for what we heard go out before we return (each is one byte
                 // to a socket just read from; bounded all the same, by the serving timeout).
@@ -729,7 +915,12 @@ impl TcpAllReduce {
                     if left.is_zero() {
                         break;
                     }
-                    inbox = self.shared.cv.wait_timeout(inbox, left).map_err(|_| poisoned())?.0;
+                    inbox = self
+                        .shared
+                        .cv
+                        .wait_timeout(inbox, left)
+                        .map_err(|_| poisoned())?
+                        .0;
                 }
                 return Ok(or);
             }
@@ -745,12 +936,25 @@ impl TcpAllReduce {
                     reason += &format!(" waiting for {}", silent.join(", "));
                 }
                 for r in &undelivered {
-                    reason += &format!("; cannot reach {}: {}", self.describe_slot(*r), why.get(r).map_or("", |s| s));
+                    reason += &format!(
+                        "; cannot reach {}: {}",
+                        self.describe_slot(*r),
+                        why.get(r).map_or("", |s| s)
+                    );
                 }
                 return Err(Error::AllReduce { key, reason });
             }
-            let wait = if undelivered.is_empty() { deadline - now } else { Duration::from_millis(10).min(deadline - now) };
-            drop(self.shared.cv.wait_timeout(inbox, wait).map_err(|_| poisoned())?);
+            let wait = if undelivered.is_empty() {
+                deadline - now
+            } else {
+                Duration::from_millis(10).min(deadline - now)
+            };
+            drop(
+                self.shared
+                    .cv
+                    .wait_timeout(inbox, wait)
+                    .map_err(|_| poisoned())?,
+            );
         }
     }
 }
@@ -789,10 +993,23 @@ mod tests {
     }
 
     /// `n` hosts on bound loopback listeners, each builder finished by `configure(rank, ..)`.
-    fn group(n: usize, configure: impl Fn(usize, TcpAllReduceBuilder) -> TcpAllReduceBuilder) -> Vec<TcpAllReduce> {
-        let listeners: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    fn group(
+        n: usize,
+        configure: impl Fn(usize, TcpAllReduceBuilder) -> TcpAllReduceBuilder,
+    ) -> Vec<TcpAllReduce> {
+        let listeners: Vec<TcpListener> = (0..n)
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
         let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
-        listeners.into_iter().enumerate().map(|(r, l)| configure(r, TcpAllReduce::builder(r, addrs.clone()).listener(l)).build().unwrap()).collect()
+        listeners
+            .into_iter()
+            .enumerate()
+            .map(|(r, l)| {
+                configure(r, TcpAllReduce::builder(r, addrs.clone()).listener(l))
+                    .build()
+                    .unwrap()
+            })
+            .collect()
     }
 
     #[test]
@@ -823,8 +1040,17 @@ mod tests {
         let tcp = hosts(2, Duration::MAX);
         let in_process = LocalAllReduce::group(2, Duration::MAX);
         let ors: Vec<u64> = std::thread::scope(|s| {
-            let mut handles: Vec<_> = tcp.iter().enumerate().map(|(r, h)| s.spawn(move || h.all_reduce_or_u64(5, 1 << r).unwrap())).collect();
-            handles.extend(in_process.iter().enumerate().map(|(r, h)| s.spawn(move || h.all_reduce_or_u64(5, 4 << r).unwrap())));
+            let mut handles: Vec<_> = tcp
+                .iter()
+                .enumerate()
+                .map(|(r, h)| s.spawn(move || h.all_reduce_or_u64(5, 1 << r).unwrap()))
+                .collect();
+            handles.extend(
+                in_process
+                    .iter()
+                    .enumerate()
+                    .map(|(r, h)| s.spawn(move || h.all_reduce_or_u64(5, 4 << r).unwrap())),
+            );
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         assert_eq!(ors, vec![3, 3, 12, 12]);
@@ -832,45 +1058,79 @@ mod tests {
 
     #[test]
     fn peers_in_any_order_learn_their_ranks() {
-        let listeners: Vec<TcpListener> = (0..4).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+        let listeners: Vec<TcpListener> = (0..4)
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
         let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
         let hs: Vec<TcpAllReduce> = listeners
             .into_iter()
             .enumerate()
             .map(|(r, l)| {
                 // This host's entry stays at `r`; the others are rotated out of rank order.
-                let mut others: Vec<SocketAddr> = (0..4).filter(|&o| o != r).map(|o| addrs[o]).collect();
+                let mut others: Vec<SocketAddr> =
+                    (0..4).filter(|&o| o != r).map(|o| addrs[o]).collect();
                 others.rotate_left(1 + r % 2);
                 let mut peers = others;
                 peers.insert(r, addrs[r]);
-                TcpAllReduce::builder(r, peers).timeout(Duration::from_secs(10)).token("t").listener(l).peers_in_any_order().build().unwrap()
+                TcpAllReduce::builder(r, peers)
+                    .timeout(Duration::from_secs(10))
+                    .token("t")
+                    .listener(l)
+                    .peers_in_any_order()
+                    .build()
+                    .unwrap()
             })
             .collect();
         let ors: Vec<u64> = std::thread::scope(|s| {
-            let handles: Vec<_> = hs.iter().enumerate().map(|(r, h)| s.spawn(move || h.all_reduce_or_u64(3, 1 << r).unwrap())).collect();
+            let handles: Vec<_> = hs
+                .iter()
+                .enumerate()
+                .map(|(r, h)| s.spawn(move || h.all_reduce_or_u64(3, 1 << r).unwrap()))
+                .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         assert_eq!(ors, vec![15; 4]);
         // The same lists without the flag: a peer at another rank's position is refused.
-        let listeners: Vec<TcpListener> = (0..3).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+        let listeners: Vec<TcpListener> = (0..3)
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
         let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
         let swapped = vec![addrs[0], addrs[2], addrs[1]];
         let hs: Vec<TcpAllReduce> = listeners
             .into_iter()
             .enumerate()
-            .map(|(r, l)| TcpAllReduce::builder(r, swapped.clone()).timeout(Duration::from_millis(800)).token("t").listener(l).build().unwrap())
+            .map(|(r, l)| {
+                TcpAllReduce::builder(r, swapped.clone())
+                    .timeout(Duration::from_millis(800))
+                    .token("t")
+                    .listener(l)
+                    .build()
+                    .unwrap()
+            })
             .collect();
         let e = hs[0].all_reduce_or_bool(1, true).unwrap_err();
-        assert!(e.to_string().contains("it is rank 2 of its job, not rank 1"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("it is rank 2 of its job, not rank 1"),
+            "{e}"
+        );
     }
 
     #[test]
     fn missing_peer_is_a_timeout_error() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         // A peer address nobody listens on.
-        let dead = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-        let h = TcpAllReduce::with_listener(0, listener, vec!["127.0.0.1:0".parse().unwrap(), dead], Duration::from_millis(300))
+        let dead = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
             .unwrap();
+        let h = TcpAllReduce::with_listener(
+            0,
+            listener,
+            vec!["127.0.0.1:0".parse().unwrap(), dead],
+            Duration::from_millis(300),
+        )
+        .unwrap();
         let t = Instant::now();
         let e = h.all_reduce_or_bool(4, true).unwrap_err();
         assert!(t.elapsed() < Duration::from_secs(5));
@@ -886,7 +1146,10 @@ mod tests {
         let e = hs[0].all_reduce_or_bool(8, true).unwrap_err();
         assert!(matches!(&e, Error::AllReduce { key: 8, .. }), "{e:?}");
         let text = e.to_string();
-        assert!(text.contains(&format!("waiting for peer 1 at {}", hs[1].local)), "{text}");
+        assert!(
+            text.contains(&format!("waiting for peer 1 at {}", hs[1].local)),
+            "{text}"
+        );
         assert!(!text.contains("cannot reach"), "{text}");
     }
 
@@ -894,9 +1157,14 @@ mod tests {
     fn a_wrong_token_is_named_whatever_the_last_attempt_before_the_deadline_met() {
         // Both hosts reject each other's messages until the deadline; the attempts just before
         // it get almost no time, and their timeouts must not replace the rejection.
-        let hs = group(2, |r, b| b.timeout(Duration::from_millis(400)).token(format!("t{r}")));
+        let hs = group(2, |r, b| {
+            b.timeout(Duration::from_millis(400)).token(format!("t{r}"))
+        });
         let errs: Vec<Error> = std::thread::scope(|s| {
-            let js: Vec<_> = hs.iter().map(|h| s.spawn(move || h.all_reduce_or_bool(12, true).unwrap_err())).collect();
+            let js: Vec<_> = hs
+                .iter()
+                .map(|h| s.spawn(move || h.all_reduce_or_bool(12, true).unwrap_err()))
+                .collect();
             js.into_iter().map(|j| j.join().unwrap()).collect()
         });
         for (r, e) in errs.iter().enumerate() {
@@ -911,7 +1179,10 @@ mod tests {
     fn an_in_process_group_ors_and_names_a_missing_member() {
         let group = LocalAllReduce::group(3, Duration::from_secs(10));
         let ors: Vec<u64> = std::thread::scope(|s| {
-            let hs: Vec<_> = group.iter().map(|g| s.spawn(move || g.all_reduce_or_u64(5, 1 << g.rank()).unwrap())).collect();
+            let hs: Vec<_> = group
+                .iter()
+                .map(|g| s.spawn(move || g.all_reduce_or_u64(5, 1 << g.rank()).unwrap()))
+                .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
         assert_eq!(ors, vec![7, 7, 7]);

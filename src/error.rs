@@ -476,7 +476,10 @@ impl Error {
     /// Wraps the error with context (a file name, a batch index), keeping its kind reachable
     /// through [`Error::root`].
     pub fn context(self, context: impl Into<String>) -> Self {
-        Error::Context { context: context.into(), source: Box::new(self) }
+        Error::Context {
+            context: context.into(),
+            source: Box::new(self),
+        }
     }
 
     /// The innermost error, below any [`Error::Context`] wrappers.
@@ -488,36 +491,61 @@ impl Error {
     }
 
     /// An [`Error::InvalidOption`].
-    pub fn option(option: &'static str, value: impl fmt::Display, reason: impl Into<String>) -> Self {
-        Error::InvalidOption { option, value: value.to_string(), reason: reason.into() }
+    pub fn option(
+        option: &'static str,
+        value: impl fmt::Display,
+        reason: impl Into<String>,
+    ) -> Self {
+        Error::InvalidOption {
+            option,
+            value: value.to_string(),
+            reason: reason.into(),
+        }
     }
 
     /// An [`Error::InvalidConfig`].
     pub fn config(what: ConfigItem, name: impl Into<String>, reason: impl Into<String>) -> Self {
-        Error::InvalidConfig { what, name: name.into(), reason: reason.into() }
+        Error::InvalidConfig {
+            what,
+            name: name.into(),
+            reason: reason.into(),
+        }
     }
 
     /// An [`Error::InvalidInput`].
     pub fn input(feature: impl Into<String>, reason: impl Into<String>) -> Self {
-        Error::InvalidInput { feature: feature.into(), reason: reason.into() }
+        Error::InvalidInput {
+            feature: feature.into(),
+            reason: reason.into(),
+        }
     }
 
     /// An [`Error::InvalidData`].
     pub fn data(what: impl Into<String>, reason: impl Into<String>) -> Self {
-        Error::InvalidData { what: what.into(), reason: reason.into() }
+        Error::InvalidData {
+            what: what.into(),
+            reason: reason.into(),
+        }
     }
 }
 
 /// "; did you mean `x`?" for [`Error::UnknownField`].
 fn did_you_mean(suggestion: &Option<String>) -> String {
-    suggestion.as_ref().map(|s| format!("; did you mean `{s}`?")).unwrap_or_default()
+    suggestion
+        .as_ref()
+        .map(|s| format!("; did you mean `{s}`?"))
+        .unwrap_or_default()
 }
 
 /// The message of [`Error::BatchTooSmall`]: the reference's abort line word for word, preceded
 /// by "empty batch" when there are no samples at all (the usual cause, and not what the
 /// reference's words say), then the numbers in our words.
 fn batch_too_small(batch: usize, sc_per_device: usize, features: usize) -> String {
-    let empty = if batch == 0 { "empty batch (no samples): " } else { "" };
+    let empty = if batch == 0 {
+        "empty batch (no samples): "
+    } else {
+        ""
+    };
     let needed = sc_per_device.saturating_mul(features);
     format!(
         "{empty}Check failed: batch_size_for_device >= feature_slices_per_device * stacked_table_metadata.size() ({batch} vs. \

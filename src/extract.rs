@@ -141,7 +141,11 @@ pub fn extract_sc(
         weighted: ctx.weighted,
         combiner: ctx.combiner,
     };
-    out.reset(KeyFormat::for_sparsecore(shape, || weighted_ids), first_row as u32, row_span as u32);
+    out.reset(
+        KeyFormat::for_sparsecore(shape, || weighted_ids),
+        first_row as u32,
+        row_span as u32,
+    );
     scratch.last_payload = 0;
 
     for &f in members {
@@ -188,14 +192,23 @@ fn slice_ids(view: &FeatureView<'_>, rows: Range<usize>) -> Option<usize> {
             let (a, b) = (at(rows.start)?, at(rows.end)?);
             (b >= a && a >= 0).then(|| (b - a) as usize)
         }
-        FeatureView::Dense { ids: DenseIds::I32(a), .. } => (rows.end <= a.nrows()).then(|| rows.len() * a.ncols()),
-        FeatureView::Dense { ids: DenseIds::I64(a), .. } => (rows.end <= a.nrows()).then(|| rows.len() * a.ncols()),
+        FeatureView::Dense {
+            ids: DenseIds::I32(a),
+            ..
+        } => (rows.end <= a.nrows()).then(|| rows.len() * a.ncols()),
+        FeatureView::Dense {
+            ids: DenseIds::I64(a),
+            ..
+        } => (rows.end <= a.nrows()).then(|| rows.len() * a.ncols()),
         FeatureView::Coo { indices, ids } => {
             let nnz = ids.len();
             if indices.len() != 2 * nnz {
                 return None;
             }
-            Some(coo_first_row_at_least(indices, nnz, rows.end).saturating_sub(coo_first_row_at_least(indices, nnz, rows.start)))
+            Some(
+                coo_first_row_at_least(indices, nnz, rows.end)
+                    .saturating_sub(coo_first_row_at_least(indices, nnz, rows.start)),
+            )
         }
     }
 }
@@ -216,7 +229,10 @@ fn coo_first_row_at_least(indices: &[i64], nnz: usize, row: usize) -> usize {
 }
 
 fn bad_row(feature: &str, what: &str, r: usize) -> Error {
-    Error::input(feature, format!("{what} offsets of sample row {r} are out of bounds or decreasing"))
+    Error::input(
+        feature,
+        format!("{what} offsets of sample row {r} are out of bounds or decreasing"),
+    )
 }
 
 /// Where the fast path writes keys, resolved once per slice.
@@ -252,7 +268,8 @@ struct RowEncoder {
 impl RowEncoder {
     #[inline(always)]
     fn key(self, id: u64, data: u32) -> u64 {
-        self.format.encode(col_of(id as u32, self.shift, self.mask, self.offset), data)
+        self.format
+            .encode(col_of(id as u32, self.shift, self.mask, self.offset), data)
     }
 }
 
@@ -270,7 +287,10 @@ impl<E: KeyWord> KeyWriter for KeyVec<'_, E> {
     }
     #[inline(always)]
     fn or_payload(&mut self, range: Range<usize>, data: u32) -> bool {
-        self.0.get_mut(range).map(|keys| keys.iter_mut().for_each(|k| *k |= E::from_u64(data as u64))).is_some()
+        self.0
+            .get_mut(range)
+            .map(|keys| keys.iter_mut().for_each(|k| *k |= E::from_u64(data as u64)))
+            .is_some()
     }
     #[inline(always)]
     fn or_running_payload(&mut self, base: usize, marks: &[u32], first: u32) {
@@ -287,11 +307,20 @@ impl<E: KeyWord> KeyWriter for KeyVec<'_, E> {
 /// `enc.vocab` (validation is one flag, the offending id is looked up only on error).
 #[inline(always)]
 #[allow(unsafe_code)]
-fn write_keys<E: KeyWord, T: InputInt>(v: &mut Vec<E>, ids: &[T], enc: RowEncoder, payloads: impl Iterator<Item = u32>) -> bool {
+fn write_keys<E: KeyWord, T: InputInt>(
+    v: &mut Vec<E>,
+    ids: &[T],
+    enc: RowEncoder,
+    payloads: impl Iterator<Item = u32>,
+) -> bool {
     v.reserve(ids.len());
     let len = v.len();
     let mut bad = false;
-    for ((slot, &id), data) in v.spare_capacity_mut()[..ids.len()].iter_mut().zip(ids).zip(payloads) {
+    for ((slot, &id), data) in v.spare_capacity_mut()[..ids.len()]
+        .iter_mut()
+        .zip(ids)
+        .zip(payloads)
+    {
         let id = id.to_i64() as u64;
         bad |= id >= enc.vocab;
         slot.write(E::from_u64(enc.key(id, data)));
@@ -353,40 +382,90 @@ impl SliceExtractor<'_, '_> {
         // built-in inputs never do, but a malformed custom one must give an error, not a panic.
         let available = match &view {
             FeatureView::Ragged { offsets, .. } => offsets.rows(),
-            FeatureView::Dense { ids: DenseIds::I32(a), .. } => a.nrows(),
-            FeatureView::Dense { ids: DenseIds::I64(a), .. } => a.nrows(),
+            FeatureView::Dense {
+                ids: DenseIds::I32(a),
+                ..
+            } => a.nrows(),
+            FeatureView::Dense {
+                ids: DenseIds::I64(a),
+                ..
+            } => a.nrows(),
             FeatureView::Coo { .. } => usize::MAX,
         };
-        let view_weighted = matches!(view, FeatureView::Ragged { weights: Some(_), .. } | FeatureView::Dense { weights: Some(_), .. });
+        let view_weighted = matches!(
+            view,
+            FeatureView::Ragged {
+                weights: Some(_),
+                ..
+            } | FeatureView::Dense {
+                weights: Some(_),
+                ..
+            }
+        );
         if view_weighted && !self.ctx.weighted {
-            return Err(Error::input(&self.plan.name, "the input's view carries weights but has_weights() is false"));
+            return Err(Error::input(
+                &self.plan.name,
+                "the input's view carries weights but has_weights() is false",
+            ));
         }
         if rows.end > available {
             return Err(Error::input(
                 &self.plan.name,
-                format!("the input reports more samples than its data holds ({} > {available})", rows.end),
+                format!(
+                    "the input reports more samples than its data holds ({} > {available})",
+                    rows.end
+                ),
             ));
         }
         match view {
             // The hot path: unweighted ragged rows in an unweighted stack.
-            FeatureView::Ragged { ids, offsets, weights: None } if !self.ctx.weighted => match (ids, offsets) {
+            FeatureView::Ragged {
+                ids,
+                offsets,
+                weights: None,
+            } if !self.ctx.weighted => match (ids, offsets) {
                 (Ids::I32(v), Offsets::I32(o)) => self.ragged_unity(v, o, rows),
                 (Ids::I32(v), Offsets::I64(o)) => self.ragged_unity(v, o, rows),
                 (Ids::I64(v), Offsets::I32(o)) => self.ragged_unity(v, o, rows),
                 (Ids::I64(v), Offsets::I64(o)) => self.ragged_unity(v, o, rows),
             },
-            FeatureView::Ragged { ids: Ids::I32(v), offsets, weights } => self.ragged(v, offsets, weights, rows),
-            FeatureView::Ragged { ids: Ids::I64(v), offsets, weights } => self.ragged(v, offsets, weights, rows),
-            FeatureView::Dense { ids: DenseIds::I32(a), weights } => self.dense(a, weights, rows),
-            FeatureView::Dense { ids: DenseIds::I64(a), weights } => self.dense(a, weights, rows),
-            FeatureView::Coo { indices, ids: Ids::I32(v) } => self.coo(indices, v, rows),
-            FeatureView::Coo { indices, ids: Ids::I64(v) } => self.coo(indices, v, rows),
+            FeatureView::Ragged {
+                ids: Ids::I32(v),
+                offsets,
+                weights,
+            } => self.ragged(v, offsets, weights, rows),
+            FeatureView::Ragged {
+                ids: Ids::I64(v),
+                offsets,
+                weights,
+            } => self.ragged(v, offsets, weights, rows),
+            FeatureView::Dense {
+                ids: DenseIds::I32(a),
+                weights,
+            } => self.dense(a, weights, rows),
+            FeatureView::Dense {
+                ids: DenseIds::I64(a),
+                weights,
+            } => self.dense(a, weights, rows),
+            FeatureView::Coo {
+                indices,
+                ids: Ids::I32(v),
+            } => self.coo(indices, v, rows),
+            FeatureView::Coo {
+                indices,
+                ids: Ids::I64(v),
+            } => self.coo(indices, v, rows),
         }
     }
 
     /// Unweighted ragged rows: one pass, keys written straight into the right-width vector.
     /// Compiled twice (see [`crate::isa`]).
-    fn ragged_unity<T: InputInt, O: InputInt>(&mut self, ids: &[T], offsets: &[O], rows: Range<usize>) -> Result<()> {
+    fn ragged_unity<T: InputInt, O: InputInt>(
+        &mut self,
+        ids: &[T],
+        offsets: &[O],
+        rows: Range<usize>,
+    ) -> Result<()> {
         let extractor = self;
         crate::isa::dispatch_v3!(<T: InputInt, O: InputInt> (extractor: &mut SliceExtractor<'_, '_>, ids: &[T], offsets: &[O], rows: Range<usize>) -> Result<()> {
             extractor.ragged_unity_body(ids, offsets, rows)
@@ -394,7 +473,12 @@ impl SliceExtractor<'_, '_> {
     }
 
     #[inline(always)]
-    fn ragged_unity_body<T: InputInt, O: InputInt>(&mut self, ids: &[T], offsets: &[O], rows: Range<usize>) -> Result<()> {
+    fn ragged_unity_body<T: InputInt, O: InputInt>(
+        &mut self,
+        ids: &[T],
+        offsets: &[O],
+        rows: Range<usize>,
+    ) -> Result<()> {
         if rows.is_empty() {
             return Ok(());
         }
@@ -487,7 +571,9 @@ impl SliceExtractor<'_, '_> {
         }
         if let Some((r, a)) = broken {
             // An earlier row's bad id comes first, as it would row by row.
-            if let Some(k) = if bad { first_bad() } else { None }.filter(|&k| k < a.saturating_sub(lo)) {
+            if let Some(k) =
+                if bad { first_bad() } else { None }.filter(|&k| k < a.saturating_sub(lo))
+            {
                 return Err(self.bad_id_at(&offsets[first_row..r], first_row, lo + k, ids));
             }
             return Err(bad_row(&self.plan.name, "ids", r));
@@ -502,9 +588,18 @@ impl SliceExtractor<'_, '_> {
     /// `IdOutOfRange` for the id at `ids[k]`, naming the row that holds it: `starts` are the
     /// (checked, non-decreasing) first offsets of rows `first_row..`.
     #[cold]
-    fn bad_id_at<T: InputInt, O: InputInt>(&self, starts: &[O], first_row: usize, k: usize, ids: &[T]) -> Error {
+    fn bad_id_at<T: InputInt, O: InputInt>(
+        &self,
+        starts: &[O],
+        first_row: usize,
+        k: usize,
+        ids: &[T],
+    ) -> Error {
         // The last row starting at or before k (rows before it are empty or end before k).
-        let r = first_row + starts.partition_point(|o| o.to_usize() <= k).saturating_sub(1);
+        let r = first_row
+            + starts
+                .partition_point(|o| o.to_usize() <= k)
+                .saturating_sub(1);
         self.out_of_range(r, ids[k].to_i64())
     }
 
@@ -517,16 +612,23 @@ impl SliceExtractor<'_, '_> {
     ) -> Result<()> {
         if let Some((_, woff)) = weights {
             if woff.rows() < rows.end {
-                return Err(Error::input(&self.plan.name, format!("weights have {} rows, ids {}", woff.rows(), offsets.rows())));
+                return Err(Error::input(
+                    &self.plan.name,
+                    format!("weights have {} rows, ids {}", woff.rows(), offsets.rows()),
+                ));
             }
         }
         for r in rows {
             let (a, b) = offsets.range(r);
-            let row_ids = ids.get(a..b).ok_or_else(|| bad_row(&self.plan.name, "ids", r))?;
+            let row_ids = ids
+                .get(a..b)
+                .ok_or_else(|| bad_row(&self.plan.name, "ids", r))?;
             match weights {
                 Some((w, woff)) => {
                     let (wa, wb) = woff.range(r);
-                    let wrow = w.get(wa..wb).ok_or_else(|| bad_row(&self.plan.name, "weights", r))?;
+                    let wrow = w
+                        .get(wa..wb)
+                        .ok_or_else(|| bad_row(&self.plan.name, "weights", r))?;
                     self.weighted_row(r, row_ids, wrow)?
                 }
                 None => self.row(r, row_ids)?,
@@ -545,7 +647,11 @@ impl SliceExtractor<'_, '_> {
             if w.dim() != ids.dim() {
                 return Err(Error::input(
                     &self.plan.name,
-                    format!("weights shape {:?} differs from ids shape {:?}", w.dim(), ids.dim()),
+                    format!(
+                        "weights shape {:?} differs from ids shape {:?}",
+                        w.dim(),
+                        ids.dim()
+                    ),
                 ));
             }
         }
@@ -554,7 +660,9 @@ impl SliceExtractor<'_, '_> {
             let weight_row = weights.as_ref().map(|w| w.row(r));
             match (id_row.as_slice(), weight_row.as_ref().map(|w| w.as_slice())) {
                 (Some(row_ids), None) => self.row(r, row_ids)?,
-                (Some(row_ids), Some(Some(row_weights))) => self.weighted_row(r, row_ids, row_weights)?,
+                (Some(row_ids), Some(Some(row_weights))) => {
+                    self.weighted_row(r, row_ids, row_weights)?
+                }
                 // Rows that are not contiguous (a strided view) are copied into scratch first.
                 _ => {
                     let mut row_ids = std::mem::take(&mut self.scratch.row_ids);
@@ -582,7 +690,10 @@ impl SliceExtractor<'_, '_> {
     fn coo<T: InputInt>(&mut self, indices: &[i64], ids: &[T], rows: Range<usize>) -> Result<()> {
         let nnz = ids.len();
         if indices.len() != 2 * nnz {
-            return Err(Error::input(&self.plan.name, format!("indices hold {} values for {nnz} ids", indices.len())));
+            return Err(Error::input(
+                &self.plan.name,
+                format!("indices hold {} values for {nnz} ids", indices.len()),
+            ));
         }
         self.check_coo_share(indices, nnz)?;
         let mut k = coo_first_row_at_least(indices, nnz, rows.start);
@@ -592,7 +703,10 @@ impl SliceExtractor<'_, '_> {
                 break;
             }
             if r < rows.start {
-                return Err(Error::input(&self.plan.name, format!("indices are not sorted by row at entry {k}")));
+                return Err(Error::input(
+                    &self.plan.name,
+                    format!("indices are not sorted by row at entry {k}"),
+                ));
             }
             let mut e = k + 1;
             while e < nnz && indices[2 * e] as usize == r {
@@ -619,13 +733,18 @@ impl SliceExtractor<'_, '_> {
             if row as u64 >= self.samples as u64 {
                 return Err(Error::input(
                     &self.plan.name,
-                    format!("indices[{k}] has row {row}, outside the batch of {}", self.samples),
+                    format!(
+                        "indices[{k}] has row {row}, outside the batch of {}",
+                        self.samples
+                    ),
                 ));
             }
             if row < prev {
                 return Err(Error::input(
                     &self.plan.name,
-                    format!("indices are not sorted by row: entry {k} has row {row} after row {prev}"),
+                    format!(
+                        "indices are not sorted by row: entry {k} has row {row} after row {prev}"
+                    ),
                 ));
             }
             prev = row;
@@ -677,7 +796,11 @@ impl SliceExtractor<'_, '_> {
     #[inline(always)]
     fn encoder(&self) -> RowEncoder {
         RowEncoder {
-            vocab: if self.ctx.validate_ids { self.plan.vocabulary_size } else { u64::MAX },
+            vocab: if self.ctx.validate_ids {
+                self.plan.vocabulary_size
+            } else {
+                u64::MAX
+            },
             shift: self.plan.col_shift,
             mask: self.mask,
             offset: self.plan.col_offset,
@@ -703,10 +826,19 @@ impl SliceExtractor<'_, '_> {
     fn weighted_row<T: InputInt>(&mut self, r: usize, ids: &[T], weights: &[f32]) -> Result<()> {
         let n = ids.len();
         if weights.len() != n {
-            return Err(Error::WeightsShape { feature: self.plan.name.clone(), row: r, ids: n, weights: weights.len() });
+            return Err(Error::WeightsShape {
+                feature: self.plan.name.clone(),
+                row: r,
+                ids: n,
+                weights: weights.len(),
+            });
         }
         if let Some(&w) = weights.iter().find(|w| !w.is_finite()) {
-            return Err(Error::InvalidWeight { feature: self.plan.name.clone(), row: r, value: w });
+            return Err(Error::InvalidWeight {
+                feature: self.plan.name.clone(),
+                row: r,
+                value: w,
+            });
         }
         let combiner = self.ctx.combiner;
         // Weights are flushed on the way in, sums and quotients on the way out.
@@ -727,7 +859,11 @@ impl SliceExtractor<'_, '_> {
                 let keys = &mut self.out.wide_keys;
                 keys.reserve(n);
                 let len = keys.len();
-                for ((slot, &id), &w) in keys.spare_capacity_mut()[..n].iter_mut().zip(ids).zip(weights) {
+                for ((slot, &id), &w) in keys.spare_capacity_mut()[..n]
+                    .iter_mut()
+                    .zip(ids)
+                    .zip(weights)
+                {
                     let id = id.to_i64() as u64;
                     bad |= id >= enc.vocab;
                     slot.write((enc.key(id, data) << 32) | gain(w).to_bits() as u64);
@@ -751,10 +887,16 @@ impl SliceExtractor<'_, '_> {
             } else {
                 write_keys(&mut self.out.wide_keys, ids, enc, first as u32..)
             };
-            self.out.index_rows.extend(weights.iter().map(|&w| (row_id, gain(w))));
+            self.out
+                .index_rows
+                .extend(weights.iter().map(|&w| (row_id, gain(w))));
         }
         if bad && check {
-            let id = ids.iter().map(|v| v.to_i64()).find(|&id| id as u64 >= vocab).unwrap_or_default();
+            let id = ids
+                .iter()
+                .map(|v| v.to_i64())
+                .find(|&id| id as u64 >= vocab)
+                .unwrap_or_default();
             return Err(self.out_of_range(r, id));
         }
         Ok(())
@@ -769,7 +911,12 @@ impl SliceExtractor<'_, '_> {
         if self.ctx.validate_ids && id as u64 >= self.plan.vocabulary_size {
             return Err(self.out_of_range(r, id));
         }
-        Ok(col_of(id as u32, self.plan.col_shift, self.mask, self.plan.col_offset))
+        Ok(col_of(
+            id as u32,
+            self.plan.col_shift,
+            self.mask,
+            self.plan.col_offset,
+        ))
     }
 }
 

@@ -39,7 +39,9 @@ pub(crate) fn check(value: &Value, section: &'static Section) -> Result<()> {
 
 /// Checks `value` (an object of kind `section`), which `location` names (`None`: the document).
 fn check_at(value: &Value, section: &'static Section, location: Option<&str>) -> Result<()> {
-    let Value::Object(map) = value else { return Ok(()) }; // wrong types are serde's to report
+    let Value::Object(map) = value else {
+        return Ok(());
+    }; // wrong types are serde's to report
     let here = location.unwrap_or(section.what);
     for (key, field) in map {
         let Some((_, nested)) = section.fields.iter().find(|(name, _)| name == key) else {
@@ -60,7 +62,11 @@ fn check_at(value: &Value, section: &'static Section, location: Option<&str>) ->
             }
             Nested::ArrayOf(inner) => {
                 for (i, item) in field.as_array().into_iter().flatten().enumerate() {
-                    check_at(item, inner, Some(&name_of(item, inner, &format!("{key}[{i}]"))))?;
+                    check_at(
+                        item,
+                        inner,
+                        Some(&name_of(item, inner, &format!("{key}[{i}]"))),
+                    )?;
                 }
             }
             Nested::MapOf(inner) => {
@@ -75,7 +81,11 @@ fn check_at(value: &Value, section: &'static Section, location: Option<&str>) ->
 
 /// "table `t03`" when the object carries its name, else its position ("tables[3]").
 fn name_of(item: &Value, section: &Section, position: &str) -> String {
-    match section.named_by.and_then(|k| item.get(k)).and_then(Value::as_str) {
+    match section
+        .named_by
+        .and_then(|k| item.get(k))
+        .and_then(Value::as_str)
+    {
         Some(name) => format!("{} `{name}`", section.what),
         None => position.to_string(),
     }
@@ -96,20 +106,51 @@ fn closest<'a>(key: &str, known: impl Iterator<Item = &'a str>) -> Option<String
 mod tests {
     use super::*;
 
-    static INNER: Section = Section { what: "table", named_by: Some("name"), fields: &[("name", Nested::Leaf), ("max_ids_per_partition", Nested::Leaf)] };
-    static TOP: Section = Section { what: "the config", named_by: None, fields: &[("tables", Nested::ArrayOf(&INNER)), ("limits", Nested::MapOf(&INNER))] };
+    static INNER: Section = Section {
+        what: "table",
+        named_by: Some("name"),
+        fields: &[
+            ("name", Nested::Leaf),
+            ("max_ids_per_partition", Nested::Leaf),
+        ],
+    };
+    static TOP: Section = Section {
+        what: "the config",
+        named_by: None,
+        fields: &[
+            ("tables", Nested::ArrayOf(&INNER)),
+            ("limits", Nested::MapOf(&INNER)),
+        ],
+    };
 
     #[test]
     fn unknown_fields_are_named_with_where_they_are_and_what_was_meant() {
-        let v: Value = serde_json::from_str(r#"{"tables": [{"name": "t0"}, {"name": "t03", "max_ids_per_partitions": 4}]}"#).unwrap();
+        let v: Value = serde_json::from_str(
+            r#"{"tables": [{"name": "t0"}, {"name": "t03", "max_ids_per_partitions": 4}]}"#,
+        )
+        .unwrap();
         let e = check(&v, &TOP).unwrap_err();
         assert_eq!(e.to_string(), "unknown field `max_ids_per_partitions` in table `t03`; did you mean `max_ids_per_partition`?");
         let v: Value = serde_json::from_str(r#"{"tables": [{"nmae": "x"}]}"#).unwrap();
-        assert_eq!(check(&v, &TOP).unwrap_err().to_string(), "unknown field `nmae` in tables[0]; did you mean `name`?");
+        assert_eq!(
+            check(&v, &TOP).unwrap_err().to_string(),
+            "unknown field `nmae` in tables[0]; did you mean `name`?"
+        );
         let v: Value = serde_json::from_str(r#"{"limits": {"s0": {"frobnicate": 1}}}"#).unwrap();
-        assert_eq!(check(&v, &TOP).unwrap_err().to_string(), "unknown field `frobnicate` in table `s0`");
+        assert_eq!(
+            check(&v, &TOP).unwrap_err().to_string(),
+            "unknown field `frobnicate` in table `s0`"
+        );
         let v: Value = serde_json::from_str(r#"{"tabels": []}"#).unwrap();
-        assert_eq!(check(&v, &TOP).unwrap_err().to_string(), "unknown field `tabels` in the config; did you mean `tables`?");
-        assert!(check(&serde_json::from_str(r#"{"tables": [{"name": "t0", "max_ids_per_partition": 1}]}"#).unwrap(), &TOP).is_ok());
+        assert_eq!(
+            check(&v, &TOP).unwrap_err().to_string(),
+            "unknown field `tabels` in the config; did you mean `tables`?"
+        );
+        assert!(check(
+            &serde_json::from_str(r#"{"tables": [{"name": "t0", "max_ids_per_partition": 1}]}"#)
+                .unwrap(),
+            &TOP
+        )
+        .is_ok());
     }
 }

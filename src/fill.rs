@@ -82,7 +82,11 @@ impl<'a> SegmentWriter<'a> {
     /// A writer for `seg`; `num_partitions` is N, `batch_per_sc` the per-SparseCore stacked
     /// batch (sample ids are rows modulo it) and `row_lo` the SparseCore's first row.
     pub fn new(seg: Segment<'a>, num_partitions: usize, batch_per_sc: u32, row_lo: u32) -> Self {
-        let capacity = seg.embedding_ids.len().min(seg.sample_ids.len()).min(seg.gains.len());
+        let capacity = seg
+            .embedding_ids
+            .len()
+            .min(seg.sample_ids.len())
+            .min(seg.gains.len());
         SegmentWriter {
             row_pointers: seg.row_pointers,
             embedding_ids: seg.embedding_ids,
@@ -146,7 +150,11 @@ impl<'a> SegmentWriter<'a> {
             return;
         }
         let offset = row.wrapping_sub(self.row_lo);
-        let sample = if offset < self.batch_per_sc { offset } else { row % self.batch_per_sc };
+        let sample = if offset < self.batch_per_sc {
+            offset
+        } else {
+            row % self.batch_per_sc
+        };
         // SAFETY: `capacity` is the minimum of the three slices' lengths (set in `new`, the slices
         // are never replaced), and i < capacity.
         unsafe {
@@ -162,7 +170,11 @@ impl<'a> SegmentWriter<'a> {
     /// Writes the padding triple into `[from, to)`.
     #[inline]
     fn pad(&mut self, from: usize, to: usize) {
-        pad_slots(&mut self.embedding_ids[from..to], &mut self.sample_ids[from..to], &mut self.gains[from..to]);
+        pad_slots(
+            &mut self.embedding_ids[from..to],
+            &mut self.sample_ids[from..to],
+            &mut self.gains[from..to],
+        );
     }
 
     /// Ends partition `p` at the cursor and pads the cursor to the next multiple of 8.
@@ -201,7 +213,12 @@ impl<'a> SegmentWriter<'a> {
 impl EntrySink for SegmentWriter<'_> {
     #[inline(always)]
     fn push(&mut self, e: Entry) {
-        self.write((e.col & self.mask) as usize, e.col >> self.nbits, e.row, e.gain);
+        self.write(
+            (e.col & self.mask) as usize,
+            e.col >> self.nbits,
+            e.row,
+            e.gain,
+        );
     }
 
     #[inline(always)]
@@ -245,9 +262,18 @@ impl EntrySink for SegmentWriter<'_> {
     /// gain, chosen by a select; unit gains are counted in an integer register.
     #[inline(always)]
     #[allow(unsafe_code)]
-    fn walk_block<K: KeyWord>(&mut self, keys: &[K], b: Block, last: u64, gain: impl Fn(u64, u32) -> f32) -> (u64, u32, u32) {
+    fn walk_block<K: KeyWord>(
+        &mut self,
+        keys: &[K],
+        b: Block,
+        last: u64,
+        gain: impl Fn(u64, u32) -> f32,
+    ) -> (u64, u32, u32) {
         let start = self.cursor;
-        if b.row_lo != self.row_lo || self.row_span > self.batch_per_sc || keys.len() > self.capacity - start {
+        if b.row_lo != self.row_lo
+            || self.row_span > self.batch_per_sc
+            || keys.len() > self.capacity - start
+        {
             // Payloads that are not this segment's samples, or no room: the plain walk.
             return walk_block_plain(self, keys, b, last, gain);
         }
@@ -255,7 +281,11 @@ impl EntrySink for SegmentWriter<'_> {
         // entry of this segment, and cannot equal a key of this partition anyway).
         let mut last = if start == 0 { u64::MAX } else { last };
         let dmask = (1u64 << b.data_bits) - 1;
-        let (emb, smp, gains) = (self.embedding_ids.as_mut_ptr(), self.sample_ids.as_mut_ptr(), self.gains.as_mut_ptr());
+        let (emb, smp, gains) = (
+            self.embedding_ids.as_mut_ptr(),
+            self.sample_ids.as_mut_ptr(),
+            self.gains.as_mut_ptr(),
+        );
         let (mut i, mut count, mut acc, mut unique) = (start, self.count, self.last_gain, 0u32);
         for &k in keys {
             let element = k.to_u64();
@@ -271,7 +301,11 @@ impl EntrySink for SegmentWriter<'_> {
                 let g = gain(element, data);
                 let merged = merge(acc, g);
                 // Selected as bits: a float select tends to become a branch.
-                f32::from_bits(std::hint::select_unpredictable(dup, merged.to_bits(), g.to_bits()))
+                f32::from_bits(std::hint::select_unpredictable(
+                    dup,
+                    merged.to_bits(),
+                    g.to_bits(),
+                ))
             };
             acc = g;
             let j = i - dup as usize;
@@ -280,7 +314,8 @@ impl EntrySink for SegmentWriter<'_> {
             // `start`, and start + keys.len() <= capacity (checked above), so j < capacity, the length of
             // all three slices.
             unsafe {
-                emb.add(j).write(((key >> b.data_bits) & b.local_mask) as i32);
+                emb.add(j)
+                    .write(((key >> b.data_bits) & b.local_mask) as i32);
                 // The sample is the payload: rows of this segment (row_lo matches) and below
                 // batch_per_sc (`row_span` does).
                 smp.add(j).write(data as i32);
@@ -299,7 +334,12 @@ impl EntrySink for SegmentWriter<'_> {
 
 /// Fills `seg` from `entries` (sorted by partition) and returns how many entries did not fit.
 #[cfg(any(test, feature = "internals"))]
-pub fn fill_segment(entries: &[Entry], num_partitions: usize, batch_per_sc: u32, seg: Segment<'_>) -> u64 {
+pub fn fill_segment(
+    entries: &[Entry],
+    num_partitions: usize,
+    batch_per_sc: u32,
+    seg: Segment<'_>,
+) -> u64 {
     let mut w = SegmentWriter::new(seg, num_partitions, batch_per_sc, 0);
     for &e in entries {
         w.push(e);
@@ -311,13 +351,23 @@ pub fn fill_segment(entries: &[Entry], num_partitions: usize, batch_per_sc: u32,
 mod tests {
     use super::*;
 
-    fn run(entries: &[Entry], n: usize, bsps: u32, cs: usize) -> (Vec<i32>, Vec<i32>, Vec<i32>, Vec<f32>, u64) {
+    fn run(
+        entries: &[Entry],
+        n: usize,
+        bsps: u32,
+        cs: usize,
+    ) -> (Vec<i32>, Vec<i32>, Vec<i32>, Vec<f32>, u64) {
         let mut rp = vec![-1; n.max(8)];
         let mut emb = vec![-1; cs];
         let mut smp = vec![-1; cs];
         let mut g = vec![-1.0; cs];
         let dropped = {
-            let seg = Segment { row_pointers: &mut rp, embedding_ids: &mut emb, sample_ids: &mut smp, gains: &mut g };
+            let seg = Segment {
+                row_pointers: &mut rp,
+                embedding_ids: &mut emb,
+                sample_ids: &mut smp,
+                gains: &mut g,
+            };
             fill_segment(entries, n, bsps, seg)
         };
         (rp, emb, smp, g, dropped)
@@ -329,7 +379,13 @@ mod tests {
     fn spec_fill_buffer_sc() {
         // SPEC 3.8 FillBuffer: one SC, N = 4, two entries per partition, bsps 2, Cs 40.
         let entries: Vec<Entry> = (0..4u32)
-            .flat_map(|p| (0..2u32).map(move |row| Entry { col: p, row, gain: 1.0 }))
+            .flat_map(|p| {
+                (0..2u32).map(move |row| Entry {
+                    col: p,
+                    row,
+                    gain: 1.0,
+                })
+            })
             .collect();
         let (rp, emb, smp, g, dropped) = run(&entries, 4, 2, 40);
         assert_eq!(rp, vec![2, 10, 18, 26, 32, 32, 32, 32]);
@@ -350,22 +406,53 @@ mod tests {
         // Runs of equal keys (local id in the high half, sample in the low): the writer's
         // branch-free walk against the plain one, for unit gains (including a count past
         // 2^24, where summing ones in f32 stops growing) and for given gains.
-        let runs: [(u64, u64, usize); 5] = [(0, 0, 1), (1, 1, 3), (2, 2, (1 << 24) + 3), (3, 3, 2), (5, 4, 2)];
-        let keys: Vec<u64> = runs.iter().flat_map(|&(local, row, n)| std::iter::repeat_n(local << 3 | row, n)).collect();
+        let runs: [(u64, u64, usize); 5] = [
+            (0, 0, 1),
+            (1, 1, 3),
+            (2, 2, (1 << 24) + 3),
+            (3, 3, 2),
+            (5, 4, 2),
+        ];
+        let keys: Vec<u64> = runs
+            .iter()
+            .flat_map(|&(local, row, n)| std::iter::repeat_n(local << 3 | row, n))
+            .collect();
         let gain = |element: u64, _data: u32| if element >> 3 == 5 { 1.5 } else { 0.25 };
         for unit in [true, false] {
-            let block = Block { high: 0, element_shift: 0, data_bits: 3, local_mask: 7, nbits: 0, partition: 0, row_lo: 0, unit };
+            let block = Block {
+                high: 0,
+                element_shift: 0,
+                data_bits: 3,
+                local_mask: 7,
+                nbits: 0,
+                partition: 0,
+                row_lo: 0,
+                unit,
+            };
             let written = |fast: bool| {
-                let mut bufs = (vec![0i32; 8], vec![0i32; 16], vec![0i32; 16], vec![0f32; 16]);
-                let seg = Segment { row_pointers: &mut bufs.0, embedding_ids: &mut bufs.1, sample_ids: &mut bufs.2, gains: &mut bufs.3 };
+                let mut bufs = (
+                    vec![0i32; 8],
+                    vec![0i32; 16],
+                    vec![0i32; 16],
+                    vec![0f32; 16],
+                );
+                let seg = Segment {
+                    row_pointers: &mut bufs.0,
+                    embedding_ids: &mut bufs.1,
+                    sample_ids: &mut bufs.2,
+                    gains: &mut bufs.3,
+                };
                 let mut w = SegmentWriter::new(seg, 1, 8, 0).with_row_span(8);
                 // Two blocks, split inside a run.
                 let (a, b) = keys.split_at(2);
                 let mut last = u64::MAX;
                 let mut totals = (0, 0);
                 for part in [a, b] {
-                    let (l, ids, unique) =
-                        if fast { w.walk_block(part, block, last, gain) } else { walk_block_plain(&mut w, part, block, last, gain) };
+                    let (l, ids, unique) = if fast {
+                        w.walk_block(part, block, last, gain)
+                    } else {
+                        walk_block_plain(&mut w, part, block, last, gain)
+                    };
                     last = l;
                     totals = (totals.0 + ids, totals.1 + unique);
                 }
@@ -395,7 +482,11 @@ mod tests {
         let mut entries = Vec::new();
         for base in [0u32, 10, 20] {
             for r in 0..4u32 {
-                entries.push(Entry { col: base + r, row: r, gain: 1.0 });
+                entries.push(Entry {
+                    col: base + r,
+                    row: r,
+                    gain: 1.0,
+                });
             }
         }
         let (rp, emb, smp, _, dropped) = run(&entries, 1, 4, 8);
@@ -408,9 +499,23 @@ mod tests {
     #[test]
     fn overflow_mid_partitions_sets_remaining_pointers_to_segment_size() {
         // N = 2, Cs = 8: partition 0 takes 7 slots, partition 1's two entries start at 8 = Cs.
-        let mut entries: Vec<Entry> = (0..7u32).map(|r| Entry { col: 0, row: r, gain: 1.0 }).collect();
-        entries.push(Entry { col: 1, row: 0, gain: 1.0 });
-        entries.push(Entry { col: 3, row: 1, gain: 1.0 });
+        let mut entries: Vec<Entry> = (0..7u32)
+            .map(|r| Entry {
+                col: 0,
+                row: r,
+                gain: 1.0,
+            })
+            .collect();
+        entries.push(Entry {
+            col: 1,
+            row: 0,
+            gain: 1.0,
+        });
+        entries.push(Entry {
+            col: 3,
+            row: 1,
+            gain: 1.0,
+        });
         let (rp, emb, _, _, dropped) = run(&entries, 2, 8, 8);
         assert_eq!(rp, vec![7, 8, 8, 8, 8, 8, 8, 8]);
         assert_eq!(dropped, 2);

@@ -13,7 +13,11 @@ use crate::spec::Combiner;
 #[inline(always)]
 pub(crate) fn flush_subnormal(x: f32) -> f32 {
     let bits = x.to_bits();
-    f32::from_bits(if bits & 0x7f80_0000 == 0 { bits & 0x8000_0000 } else { bits })
+    f32::from_bits(if bits & 0x7f80_0000 == 0 {
+        bits & 0x8000_0000
+    } else {
+        bits
+    })
 }
 
 /// The gain of a duplicate (row, column) pair merged into the entry before it: one f32 add,
@@ -31,7 +35,11 @@ pub(crate) fn weighted_divisor(combiner: Combiner, weights: impl Iterator<Item =
     match combiner {
         Combiner::Sum => 1.0f32,
         Combiner::Mean => weights.fold(0.0f32, |acc, w| flush_subnormal(acc + w)),
-        Combiner::Sqrtn => weights.fold(0.0f32, |acc, w| flush_subnormal((acc as f64 + (w as f64) * (w as f64)) as f32)).sqrt(),
+        Combiner::Sqrtn => weights
+            .fold(0.0f32, |acc, w| {
+                flush_subnormal((acc as f64 + (w as f64) * (w as f64)) as f32)
+            })
+            .sqrt(),
     }
 }
 

@@ -27,7 +27,8 @@ pub enum FileFormat {
 
 /// Record batches of a file, in order.
 pub struct BatchReader {
-    inner: Box<dyn Iterator<Item = std::result::Result<RecordBatch, arrow_schema::ArrowError>> + Send>,
+    inner:
+        Box<dyn Iterator<Item = std::result::Result<RecordBatch, arrow_schema::ArrowError>> + Send>,
     schema: SchemaRef,
     format: FileFormat,
     path: String,
@@ -45,9 +46,15 @@ impl BatchReader {
         let io_err = |what: &str| {
             let name = name.clone();
             let what = what.to_string();
-            move |source| Error::Io { context: format!("{what} {name}"), source }
+            move |source| Error::Io {
+                context: format!("{what} {name}"),
+                source,
+            }
         };
-        let arrow_err = |source| Error::Arrow { context: format!("reading {name}"), source };
+        let arrow_err = |source| Error::Arrow {
+            context: format!("reading {name}"),
+            source,
+        };
         let mut file = File::open(path).map_err(io_err("opening"))?;
         let mut magic = [0u8; 6];
         let n = read_up_to(&mut file, &mut magic).map_err(io_err("reading"))?;
@@ -79,10 +86,15 @@ impl BatchReader {
                     (Box::new(r), schema)
                 }
                 FileFormat::ArrowStream => {
-                    let r = StreamReader::try_new(BufReader::new(file), None).map_err(|source| Error::Arrow {
-                        context: format!("{name} is neither Parquet nor an Arrow IPC file or stream"),
-                        source,
-                    })?;
+                    let r =
+                        StreamReader::try_new(BufReader::new(file), None).map_err(|source| {
+                            Error::Arrow {
+                                context: format!(
+                                    "{name} is neither Parquet nor an Arrow IPC file or stream"
+                                ),
+                                source,
+                            }
+                        })?;
                     let schema = r.schema();
                     (Box::new(r), schema)
                 }
@@ -95,36 +107,66 @@ impl BatchReader {
                     };
                     let meta = ArrowReaderMetadata::load(&file, Default::default()).map_err(pq)?;
                     let schema = meta.schema().clone();
-                    let groups: Vec<usize> =
-                        meta.metadata().row_groups().iter().map(|g| g.num_rows().max(0) as usize).collect();
+                    let groups: Vec<usize> = meta
+                        .metadata()
+                        .row_groups()
+                        .iter()
+                        .map(|g| g.num_rows().max(0) as usize)
+                        .collect();
                     num_batches = Some(groups.len());
-                    let iter = groups.into_iter().enumerate().filter(|&(_, rows)| rows > 0).flat_map(move |(i, rows)| {
-                        let opened = file
-                            .try_clone()
-                            .map_err(|e| arrow_schema::ArrowError::IoError(e.to_string(), e))
-                            .and_then(|f| {
-                                ParquetRecordBatchReaderBuilder::new_with_metadata(f, meta.clone())
+                    let iter = groups
+                        .into_iter()
+                        .enumerate()
+                        .filter(|&(_, rows)| rows > 0)
+                        .flat_map(move |(i, rows)| {
+                            let opened = file
+                                .try_clone()
+                                .map_err(|e| arrow_schema::ArrowError::IoError(e.to_string(), e))
+                                .and_then(|f| {
+                                    ParquetRecordBatchReaderBuilder::new_with_metadata(
+                                        f,
+                                        meta.clone(),
+                                    )
                                     .with_row_groups(vec![i])
                                     .with_batch_size(rows)
                                     .build()
-                                    .map_err(|e| arrow_schema::ArrowError::ExternalError(Box::new(e)))
-                            });
-                        let boxed: Box<dyn Iterator<Item = std::result::Result<RecordBatch, arrow_schema::ArrowError>> + Send> =
-                            match opened {
+                                    .map_err(|e| {
+                                        arrow_schema::ArrowError::ExternalError(Box::new(e))
+                                    })
+                                });
+                            let boxed: Box<
+                                dyn Iterator<
+                                        Item = std::result::Result<
+                                            RecordBatch,
+                                            arrow_schema::ArrowError,
+                                        >,
+                                    > + Send,
+                            > = match opened {
                                 Ok(r) => Box::new(r),
                                 Err(e) => Box::new(std::iter::once(Err(e))),
                             };
-                        boxed
-                    });
+                            boxed
+                        });
                     (Box::new(iter), schema)
                 }
             };
             Ok((inner, schema, num_batches))
         });
         let (inner, schema, num_batches) = opened.unwrap_or_else(|panic| {
-            Err(Error::Arrow { context: format!("reading {name}"), source: arrow_schema::ArrowError::ParseError(panic) })
+            Err(Error::Arrow {
+                context: format!("reading {name}"),
+                source: arrow_schema::ArrowError::ParseError(panic),
+            })
         })?;
-        Ok(BatchReader { inner, schema, format, path: name, index: 0, num_batches, poisoned: false })
+        Ok(BatchReader {
+            inner,
+            schema,
+            format,
+            path: name,
+            index: 0,
+            num_batches,
+            poisoned: false,
+        })
     }
 
     /// The file's schema.
@@ -158,7 +200,10 @@ impl Iterator for BatchReader {
         };
         let i = self.index;
         self.index += 1;
-        Some(item.map_err(|source| Error::Arrow { context: format!("{}: record batch {i}", self.path), source }))
+        Some(item.map_err(|source| Error::Arrow {
+            context: format!("{}: record batch {i}", self.path),
+            source,
+        }))
     }
 }
 
@@ -171,7 +216,11 @@ impl Iterator for BatchReader {
 ///
 /// Framing that arrow-ipc itself reports as an error (a bad magic, a truncated stream, a
 /// message that is not a flatbuffer) is left to it, so that its messages stay the same.
-fn check_ipc<R: Read + Seek>(r: &mut R, len: u64, format: FileFormat) -> std::result::Result<(), String> {
+fn check_ipc<R: Read + Seek>(
+    r: &mut R,
+    len: u64,
+    format: FileFormat,
+) -> std::result::Result<(), String> {
     let io = |e: std::io::Error| e.to_string();
     if format == FileFormat::ArrowStream {
         let mut pos = 0u64;
@@ -194,7 +243,9 @@ fn check_ipc<R: Read + Seek>(r: &mut R, len: u64, format: FileFormat) -> std::re
             let mut meta = vec![0u8; meta_len as usize];
             r.read_exact(&mut meta).map_err(io)?;
             pos += meta_len as u64;
-            let Ok(message) = root_as_message(&meta) else { return Ok(()) };
+            let Ok(message) = root_as_message(&meta) else {
+                return Ok(());
+            };
             let body = message.bodyLength();
             if body < 0 || body as u64 > len.saturating_sub(pos) {
                 return Ok(()); // arrow-ipc reports it, after a bounded read
@@ -220,18 +271,30 @@ fn check_ipc<R: Read + Seek>(r: &mut R, len: u64, format: FileFormat) -> std::re
     }
     let data_end = len - TAIL;
     if footer_len as u64 > data_end - HEAD {
-        return Err(format!("footer length {footer_len} exceeds the {} bytes between header and trailer", data_end - HEAD));
+        return Err(format!(
+            "footer length {footer_len} exceeds the {} bytes between header and trailer",
+            data_end - HEAD
+        ));
     }
     let data_end = data_end - footer_len as u64;
     let mut footer = vec![0u8; footer_len as usize];
     r.seek(SeekFrom::Start(data_end)).map_err(io)?;
     r.read_exact(&mut footer).map_err(io)?;
-    let footer = root_as_footer(&footer).map_err(|e| format!("footer is not an IPC footer: {e}"))?;
-    for (what, blocks) in [("dictionary", footer.dictionaries()), ("record batch", footer.recordBatches())] {
+    let footer =
+        root_as_footer(&footer).map_err(|e| format!("footer is not an IPC footer: {e}"))?;
+    for (what, blocks) in [
+        ("dictionary", footer.dictionaries()),
+        ("record batch", footer.recordBatches()),
+    ] {
         for (i, block) in blocks.iter().flatten().enumerate() {
-            let (offset, meta_len, body) = (block.offset(), block.metaDataLength(), block.bodyLength());
+            let (offset, meta_len, body) =
+                (block.offset(), block.metaDataLength(), block.bodyLength());
             let end = (offset >= 0 && meta_len >= 8 && body >= 0)
-                .then(|| (offset as u64).checked_add(meta_len as u64)?.checked_add(body as u64))
+                .then(|| {
+                    (offset as u64)
+                        .checked_add(meta_len as u64)?
+                        .checked_add(body as u64)
+                })
                 .flatten();
             if end.is_none_or(|end| end > data_end) {
                 return Err(format!(
@@ -243,8 +306,8 @@ fn check_ipc<R: Read + Seek>(r: &mut R, len: u64, format: FileFormat) -> std::re
             r.seek(SeekFrom::Start(offset as u64)).map_err(io)?;
             r.read_exact(&mut meta).map_err(io)?;
             let prefix = if meta[..4] == [0xff; 4] { 8 } else { 4 };
-            let message =
-                root_as_message(&meta[prefix..]).map_err(|e| format!("{what} block {i}: metadata is not an IPC message: {e}"))?;
+            let message = root_as_message(&meta[prefix..])
+                .map_err(|e| format!("{what} block {i}: metadata is not an IPC message: {e}"))?;
             check_message(&message, body as u64).map_err(|e| format!("{what} block {i}: {e}"))?;
         }
     }
@@ -256,7 +319,9 @@ fn check_ipc<R: Read + Seek>(r: &mut R, len: u64, format: FileFormat) -> std::re
 fn check_message(message: &Message<'_>, body: u64) -> std::result::Result<(), String> {
     let batch = match message.header_type() {
         MessageHeader::RecordBatch => message.header_as_record_batch(),
-        MessageHeader::DictionaryBatch => message.header_as_dictionary_batch().and_then(|d| d.data()),
+        MessageHeader::DictionaryBatch => {
+            message.header_as_dictionary_batch().and_then(|d| d.data())
+        }
         _ => None,
     };
     let Some(batch) = batch else { return Ok(()) };
@@ -265,12 +330,18 @@ fn check_message(message: &Message<'_>, body: u64) -> std::result::Result<(), St
     }
     for (j, node) in batch.nodes().iter().flatten().enumerate() {
         if node.length() < 0 || node.null_count() < 0 {
-            return Err(format!("field node {j}: negative length {} or null count {}", node.length(), node.null_count()));
+            return Err(format!(
+                "field node {j}: negative length {} or null count {}",
+                node.length(),
+                node.null_count()
+            ));
         }
     }
     for (j, buffer) in batch.buffers().iter().flatten().enumerate() {
         let (offset, length) = (buffer.offset(), buffer.length());
-        let end = (offset >= 0 && length >= 0).then(|| (offset as u64).checked_add(length as u64)).flatten();
+        let end = (offset >= 0 && length >= 0)
+            .then(|| (offset as u64).checked_add(length as u64))
+            .flatten();
         if end.is_none_or(|end| end > body) {
             return Err(format!("buffer {j} (offset {offset}, {length} bytes) lies outside the {body}-byte message body"));
         }
@@ -303,11 +374,19 @@ impl OutputFile {
         let given = path.as_ref().to_path_buf();
         let is_link = std::fs::symlink_metadata(&given).is_ok_and(|m| m.file_type().is_symlink());
         // A dangling symlink is replaced like a missing file.
-        let target = if is_link { std::fs::canonicalize(&given).unwrap_or_else(|_| given.clone()) } else { given.clone() };
+        let target = if is_link {
+            std::fs::canonicalize(&given).unwrap_or_else(|_| given.clone())
+        } else {
+            given.clone()
+        };
         let tmp = match std::fs::metadata(&target) {
             Ok(m) if m.is_dir() => {
-                let source = std::io::Error::new(std::io::ErrorKind::IsADirectory, "is a directory");
-                return Err(Error::Io { context: format!("writing {}", given.display()), source });
+                let source =
+                    std::io::Error::new(std::io::ErrorKind::IsADirectory, "is a directory");
+                return Err(Error::Io {
+                    context: format!("writing {}", given.display()),
+                    source,
+                });
             }
             Ok(m) if !m.is_file() => None,
             _ => Some(tmp_path(&target)),
@@ -323,15 +402,23 @@ impl OutputFile {
 
     /// Creates (or truncates) [`Self::path`] for writing.
     pub fn create(&self) -> Result<File> {
-        File::create(self.path()).map_err(|source| Error::Io { context: format!("creating {}", self.path().display()), source })
+        File::create(self.path()).map_err(|source| Error::Io {
+            context: format!("creating {}", self.path().display()),
+            source,
+        })
     }
 
     /// Renames the temporary over the path: the file appears whole.
     pub fn commit(mut self) -> Result<()> {
-        let Some(tmp) = self.tmp.take() else { return Ok(()) };
+        let Some(tmp) = self.tmp.take() else {
+            return Ok(());
+        };
         std::fs::rename(&tmp, &self.target).map_err(|source| {
             let _ = std::fs::remove_file(&tmp);
-            Error::Io { context: format!("renaming {} to {}", tmp.display(), self.given.display()), source }
+            Error::Io {
+                context: format!("renaming {} to {}", tmp.display(), self.given.display()),
+                source,
+            }
         })
     }
 }
@@ -347,7 +434,10 @@ impl Drop for OutputFile {
 /// The temporary name used while `path` is being written: a sibling, so that the rename stays
 /// on one file system, named by the process so that concurrent writers do not collide.
 pub fn tmp_path(path: &Path) -> PathBuf {
-    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    let mut name = path
+        .file_name()
+        .map(|n| n.to_os_string())
+        .unwrap_or_default();
     name.push(format!(".tmp-{}", std::process::id()));
     path.with_file_name(name)
 }

@@ -24,7 +24,8 @@ pub fn v3() -> bool {
     static CHOICE: AtomicU8 = AtomicU8::new(0);
     match CHOICE.load(Ordering::Relaxed) {
         0 => {
-            let v3 = cpu_has_v3() && std::env::var("SPARSECORE_PREP_ISA").map_or(true, |v| v != "baseline");
+            let v3 = cpu_has_v3()
+                && std::env::var("SPARSECORE_PREP_ISA").map_or(true, |v| v != "baseline");
             CHOICE.store(if v3 { 2 } else { 1 }, Ordering::Relaxed);
             v3
         }

@@ -133,15 +133,30 @@ impl KeyFormat {
     pub fn for_sparsecore(shape: KeySetShape, weighted_ids: impl FnOnce() -> usize) -> Self {
         let row_bits = bits_for(shape.row_span.saturating_sub(1) as u64);
         let (gains, data_bits) = if !shape.weighted {
-            (if shape.combiner == Combiner::Sum { Gains::Unit } else { Gains::PerRow }, row_bits)
+            (
+                if shape.combiner == Combiner::Sum {
+                    Gains::Unit
+                } else {
+                    Gains::PerRow
+                },
+                row_bits,
+            )
         } else if shape.nbits + shape.local_bits + row_bits <= 32 + MAX_CHUNK_BITS {
             // The key and row fit beside the gain (in one `u64` up to 32 key bits, split into
             // 32-bit chunks by the sort up to `32 + MAX_CHUNK_BITS`).
             (Gains::InKey, row_bits)
         } else {
-            (Gains::PerIndex, bits_for(weighted_ids().saturating_sub(1) as u64))
+            (
+                Gains::PerIndex,
+                bits_for(weighted_ids().saturating_sub(1) as u64),
+            )
         };
-        KeyFormat { nbits: shape.nbits, local_bits: shape.local_bits, data_bits, gains }
+        KeyFormat {
+            nbits: shape.nbits,
+            local_bits: shape.local_bits,
+            data_bits,
+            gains,
+        }
     }
 
     /// Local-id bits for a stack: all `32 - nbits` when ids are not range-checked (any 32-bit
@@ -255,7 +270,12 @@ mod tests {
     use super::*;
 
     fn format(nbits: u32, local_bits: u32, data_bits: u32, gains: Gains) -> KeyFormat {
-        KeyFormat { nbits, local_bits, data_bits, gains }
+        KeyFormat {
+            nbits,
+            local_bits,
+            data_bits,
+            gains,
+        }
     }
 
     #[test]
@@ -294,11 +314,18 @@ mod tests {
                 cols.push((col, data));
             }
         }
-        let mut a: Vec<u64> = cols.iter().map(|&(c, d)| encode_key(0, c, d, nbits)).collect();
+        let mut a: Vec<u64> = cols
+            .iter()
+            .map(|&(c, d)| encode_key(0, c, d, nbits))
+            .collect();
         let mut b: Vec<u64> = cols.iter().map(|&(c, d)| l.encode(c, d)).collect();
         a.sort_unstable();
         b.sort_unstable();
-        let da: Vec<_> = a.iter().map(|&k| decode_key(k, nbits)).map(|(_, c, d)| (c, d)).collect();
+        let da: Vec<_> = a
+            .iter()
+            .map(|&k| decode_key(k, nbits))
+            .map(|(_, c, d)| (c, d))
+            .collect();
         let db: Vec<_> = b.iter().map(|&k| l.decode(k)).collect();
         assert_eq!(da, db);
     }
@@ -311,9 +338,15 @@ mod tests {
         assert_eq!(format(2, 18, 16, Gains::PerRow).min_chunk_bits(), Some(4));
         assert_eq!(format(2, 18, 16, Gains::PerRow).storage(), KeyStorage::Wide);
         assert_eq!(format(2, 18, 11, Gains::InKey).min_chunk_bits(), None);
-        assert_eq!(format(2, 18, 11, Gains::InKey).storage(), KeyStorage::GainBelowKey);
+        assert_eq!(
+            format(2, 18, 11, Gains::InKey).storage(),
+            KeyStorage::GainBelowKey
+        );
         assert_eq!(format(2, 18, 16, Gains::InKey).min_chunk_bits(), Some(4));
-        assert_eq!(format(2, 18, 16, Gains::InKey).storage(), KeyStorage::GainBesideKey);
+        assert_eq!(
+            format(2, 18, 16, Gains::InKey).storage(),
+            KeyStorage::GainBesideKey
+        );
         assert_eq!(format(9, 23, 26, Gains::Unit).min_chunk_bits(), None);
         let l = format(0, 0, 0, Gains::Unit);
         assert_eq!(l.decode(l.encode(0, 0)), (0, 0));
@@ -321,14 +354,42 @@ mod tests {
 
     #[test]
     fn layout_decision() {
-        let shape = KeySetShape { nbits: 2, local_bits: 18, row_span: 1024, weighted: false, combiner: Combiner::Sum };
-        assert_eq!(KeyFormat::for_sparsecore(shape, || unreachable!()), format(2, 18, 10, Gains::Unit));
-        let mean = KeySetShape { combiner: Combiner::Mean, ..shape };
-        assert_eq!(KeyFormat::for_sparsecore(mean, || unreachable!()).gains, Gains::PerRow);
-        let weighted = KeySetShape { weighted: true, ..shape };
-        assert_eq!(KeyFormat::for_sparsecore(weighted, || unreachable!()), format(2, 18, 10, Gains::InKey));
+        let shape = KeySetShape {
+            nbits: 2,
+            local_bits: 18,
+            row_span: 1024,
+            weighted: false,
+            combiner: Combiner::Sum,
+        };
+        assert_eq!(
+            KeyFormat::for_sparsecore(shape, || unreachable!()),
+            format(2, 18, 10, Gains::Unit)
+        );
+        let mean = KeySetShape {
+            combiner: Combiner::Mean,
+            ..shape
+        };
+        assert_eq!(
+            KeyFormat::for_sparsecore(mean, || unreachable!()).gains,
+            Gains::PerRow
+        );
+        let weighted = KeySetShape {
+            weighted: true,
+            ..shape
+        };
+        assert_eq!(
+            KeyFormat::for_sparsecore(weighted, || unreachable!()),
+            format(2, 18, 10, Gains::InKey)
+        );
         // 2 + 30 + 13 bits exceed 32 + MAX_CHUNK_BITS: the extraction index is the payload.
-        let wide = KeySetShape { local_bits: 30, row_span: 8192, ..weighted };
-        assert_eq!(KeyFormat::for_sparsecore(wide, || 100), format(2, 30, 7, Gains::PerIndex));
+        let wide = KeySetShape {
+            local_bits: 30,
+            row_span: 8192,
+            ..weighted
+        };
+        assert_eq!(
+            KeyFormat::for_sparsecore(wide, || 100),
+            format(2, 30, 7, Gains::PerIndex)
+        );
     }
 }

@@ -66,8 +66,8 @@ pub mod isa;
 mod reuse;
 internal_modules!(key);
 
-pub mod spec;
 pub mod input;
+pub mod spec;
 
 // The pipeline stages, in flow order, and the extracted keys they hand on.
 internal_modules!(extracted, extract, group, fill);
@@ -76,16 +76,21 @@ mod stats;
 
 // The driver and what sits on top of it.
 pub mod allreduce;
-mod preprocess;
 pub mod balance;
 pub mod fdo;
 pub mod io;
+mod preprocess;
 
-pub use allreduce::{AllReduce, AllReduceCounters, InProcessAllReduce, LocalAllReduce, TcpAllReduce, TcpAllReduceBuilder};
-pub use group::bucket::BucketFn;
+pub use allreduce::{
+    AllReduce, AllReduceCounters, InProcessAllReduce, LocalAllReduce, TcpAllReduce,
+    TcpAllReduceBuilder,
+};
 pub use error::{BatchCount, ConfigItem, Error, LimitKind, NpzBound, Result};
 pub use fdo::FdoStats;
-pub use input::{features_from_record_batch, ArrowListInput, CooInput, DenseInput, RaggedInput, SampleSource};
+pub use group::bucket::BucketFn;
+pub use input::{
+    features_from_record_batch, ArrowListInput, CooInput, DenseInput, RaggedInput, SampleSource,
+};
 pub use output::{Output, StackOutput};
 pub use preprocess::{Preprocessor, PreprocessorBuilder, SMALL_BATCH_IDS};
 pub use spec::{Config, Plan};

@@ -39,7 +39,14 @@ impl StackOutput {
         let l = plan.layout.local_devices;
         // A stats-only run writes no buffers: their sizes read as 0, so that the views and
         // the kernels see consistent (empty) arrays.
-        let (rp, c) = if buffers { (stack.row_pointers_per_device, stack.coo_buffer_size_per_device) } else { (0, 0) };
+        let (rp, c) = if buffers {
+            (
+                stack.row_pointers_per_device,
+                stack.coo_buffer_size_per_device,
+            )
+        } else {
+            (0, 0)
+        };
         // A valid config can still ask for more than any machine has (L * C grows with the
         // device count): reserve every array first, fallibly, and only then write, so that an
         // impossible size is an error instead of an allocation abort, and no page is touched.
@@ -59,8 +66,20 @@ impl StackOutput {
             .and_then(|()| reserve(&mut self.sample_ids, c_len, "sample_ids"))
             .and_then(|()| reserve(&mut self.gains, c_len, "gains"))
             .and_then(|()| reserve(&mut self.row_pointers, rp_len, "row_pointers"))
-            .and_then(|()| reserve(&mut self.stats.max_ids_per_partition, p_len, "max_ids_per_partition"))
-            .and_then(|()| reserve(&mut self.stats.max_unique_ids_per_partition, p_len, "max_unique_ids_per_partition"));
+            .and_then(|()| {
+                reserve(
+                    &mut self.stats.max_ids_per_partition,
+                    p_len,
+                    "max_ids_per_partition",
+                )
+            })
+            .and_then(|()| {
+                reserve(
+                    &mut self.stats.max_unique_ids_per_partition,
+                    p_len,
+                    "max_unique_ids_per_partition",
+                )
+            });
         if let Err((array, len)) = reserved {
             return Err(too_large(array, Some(len)));
         }
@@ -75,7 +94,8 @@ impl StackOutput {
         self.embedding_ids.resize(c, 0);
         self.sample_ids.resize(c, 0);
         self.gains.resize(c, 0.0);
-        self.stats.reset(l * plan.layout.num_partitions(), plan.layout.local_scs());
+        self.stats
+            .reset(l * plan.layout.num_partitions(), plan.layout.local_scs());
         Ok(())
     }
 
@@ -96,22 +116,38 @@ impl StackOutput {
 
     /// Row pointers as `[L, RP]` (the reference's `has_leading_dimension=True` shape).
     pub fn row_pointers_2d(&self) -> ArrayView2<'_, i32> {
-        view2(&self.row_pointers, self.local_devices, self.row_pointers_per_device)
+        view2(
+            &self.row_pointers,
+            self.local_devices,
+            self.row_pointers_per_device,
+        )
     }
 
     /// Embedding ids as `[L, C]`.
     pub fn embedding_ids_2d(&self) -> ArrayView2<'_, i32> {
-        view2(&self.embedding_ids, self.local_devices, self.coo_buffer_size_per_device)
+        view2(
+            &self.embedding_ids,
+            self.local_devices,
+            self.coo_buffer_size_per_device,
+        )
     }
 
     /// Sample ids as `[L, C]`.
     pub fn sample_ids_2d(&self) -> ArrayView2<'_, i32> {
-        view2(&self.sample_ids, self.local_devices, self.coo_buffer_size_per_device)
+        view2(
+            &self.sample_ids,
+            self.local_devices,
+            self.coo_buffer_size_per_device,
+        )
     }
 
     /// Gains as `[L, C]`.
     pub fn gains_2d(&self) -> ArrayView2<'_, f32> {
-        view2(&self.gains, self.local_devices, self.coo_buffer_size_per_device)
+        view2(
+            &self.gains,
+            self.local_devices,
+            self.coo_buffer_size_per_device,
+        )
     }
 }
 
@@ -119,14 +155,20 @@ impl StackOutput {
 /// that length.
 fn view2<T>(v: &[T], rows: usize, cols: usize) -> ArrayView2<'_, T> {
     match rows.checked_mul(cols) {
-        Some(n) if n == v.len() => ArrayView2::from_shape((rows, cols), v).unwrap_or_else(|_| ArrayView2::from_shape((0, 0), &v[..0]).expect("empty view")),
+        Some(n) if n == v.len() => ArrayView2::from_shape((rows, cols), v)
+            .unwrap_or_else(|_| ArrayView2::from_shape((0, 0), &v[..0]).expect("empty view")),
         _ => ArrayView2::from_shape((0, 0), &v[..0]).expect("empty view"),
     }
 }
 
 /// Reserves room for `len` elements without writing any; on failure, names the array.
-fn reserve<T>(v: &mut Vec<T>, len: usize, array: &'static str) -> Result<(), (&'static str, usize)> {
-    v.try_reserve_exact(len.saturating_sub(v.len())).map_err(|_| (array, len))
+fn reserve<T>(
+    v: &mut Vec<T>,
+    len: usize,
+    array: &'static str,
+) -> Result<(), (&'static str, usize)> {
+    v.try_reserve_exact(len.saturating_sub(v.len()))
+        .map_err(|_| (array, len))
 }
 
 /// Everything one batch produces.
@@ -196,7 +238,11 @@ impl Output {
 impl Clone for Output {
     /// Clones the batch (not the spare memory kept for the next one).
     fn clone(&self) -> Self {
-        Output { stacks: self.stacks.clone(), num_minibatches: self.num_minibatches, spare: Vec::new() }
+        Output {
+            stacks: self.stacks.clone(),
+            num_minibatches: self.num_minibatches,
+            spare: Vec::new(),
+        }
     }
 }
 

@@ -25,7 +25,10 @@ impl StackStats {
     /// Resets to zeros for `local_devices * num_partitions` partitions and
     /// `local_devices * sc_per_device` SparseCores, keeping the allocations.
     pub(crate) fn reset(&mut self, partitions: usize, scs: usize) {
-        for v in [&mut self.max_ids_per_partition, &mut self.max_unique_ids_per_partition] {
+        for v in [
+            &mut self.max_ids_per_partition,
+            &mut self.max_unique_ids_per_partition,
+        ] {
             v.clear();
             v.resize(partitions, 0);
         }
@@ -37,16 +40,30 @@ impl StackStats {
     /// The buffer size per device that would have held this batch without overflow:
     /// `max(required_buffer_size_per_sc) * S` (the reference's `get_required_buffer_size_per_device`).
     pub fn required_buffer_size_per_device(&self, sc_per_device: usize) -> u64 {
-        self.required_buffer_size_per_sc.iter().copied().max().unwrap_or(0).max(0) as u64 * sc_per_device as u64
+        self.required_buffer_size_per_sc
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(0) as u64
+            * sc_per_device as u64
     }
 
     /// Largest value of `max_ids_per_partition`.
     pub fn max_ids(&self) -> i32 {
-        self.max_ids_per_partition.iter().copied().max().unwrap_or(0)
+        self.max_ids_per_partition
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
     }
 
     /// Largest value of `max_unique_ids_per_partition`.
     pub fn max_unique_ids(&self) -> i32 {
-        self.max_unique_ids_per_partition.iter().copied().max().unwrap_or(0)
+        self.max_unique_ids_per_partition
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
     }
 }

@@ -9,8 +9,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
-use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 use sparsecore_prep::{Output, Preprocessor};
+use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 
 struct Counting;
 
@@ -60,23 +60,37 @@ fn threads_alive() -> Option<usize> {
 fn wait_for_threads(n: Option<usize>) {
     let Some(n) = n else { return };
     let start = std::time::Instant::now();
-    while threads_alive().is_some_and(|alive| alive > n) && start.elapsed() < std::time::Duration::from_secs(10) {
+    while threads_alive().is_some_and(|alive| alive > n)
+        && start.elapsed() < std::time::Duration::from_secs(10)
+    {
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
 
 /// `threads`: a pool of that many (None: rayon's global pool); `small_batch_ids`: the builder's
 /// bound below which a batch runs on the calling thread.
-fn steady_state(profile: Profile, batch: usize, weights: bool, threads: Option<usize>, small_batch_ids: usize) {
+fn steady_state(
+    profile: Profile,
+    batch: usize,
+    weights: bool,
+    threads: Option<usize>,
+    small_batch_ids: usize,
+) {
     let mut spec = WorkloadSpec::new(profile);
     spec.batch_size = batch;
     spec.num_batches = 3;
     spec.weights = weights;
     spec.layout = (2, 2, 4);
     let w = generate(&spec).unwrap();
-    let features: Vec<Vec<_>> = w.batches.iter().map(|b| features_from_record_batch(&w.config, b).unwrap()).collect();
-    let inputs: Vec<Vec<&dyn SampleSource>> =
-        features.iter().map(|fs| fs.iter().map(|f| f as &dyn SampleSource).collect()).collect();
+    let features: Vec<Vec<_>> = w
+        .batches
+        .iter()
+        .map(|b| features_from_record_batch(&w.config, b).unwrap())
+        .collect();
+    let inputs: Vec<Vec<&dyn SampleSource>> = features
+        .iter()
+        .map(|fs| fs.iter().map(|f| f as &dyn SampleSource).collect())
+        .collect();
     // After generating the workload, which starts rayon's global pool the first time.
     let before = threads_alive();
     let mut builder = Preprocessor::builder(w.config.clone()).small_batch_ids(small_batch_ids);
@@ -92,14 +106,24 @@ fn steady_state(profile: Profile, batch: usize, weights: bool, threads: Option<u
     for inp in &inputs {
         prep.run(inp, &mut out).unwrap();
     }
-    let first_checksum: i64 = out.stacks.iter().map(|s| s.embedding_ids.iter().map(|&v| v as i64).sum::<i64>()).sum();
+    let first_checksum: i64 = out
+        .stacks
+        .iter()
+        .map(|s| s.embedding_ids.iter().map(|&v| v as i64).sum::<i64>())
+        .sum();
     assert!(first_checksum != 0, "the workload produced no entries");
     let n = count(|| {
         for inp in &inputs {
             prep.run(inp, &mut out).unwrap();
         }
     });
-    assert_eq!(n, 0, "{} allocations in steady state ({}, weights {weights}, threads {threads:?})", n, profile.name());
+    assert_eq!(
+        n,
+        0,
+        "{} allocations in steady state ({}, weights {weights}, threads {threads:?})",
+        n,
+        profile.name()
+    );
     drop(prep);
     wait_for_threads(before);
 }

@@ -38,7 +38,9 @@ fn batch(skewed: bool) -> (Vec<i32>, Vec<i32>) {
 }
 
 fn run_host(rank: usize, all_reduce: Arc<dyn AllReduce>, skewed: bool) -> Result<Output, Error> {
-    let mut prep = Preprocessor::builder(config()).all_reduce(all_reduce).build()?;
+    let mut prep = Preprocessor::builder(config())
+        .all_reduce(all_reduce)
+        .build()?;
     prep.set_batch_number(7);
     let (values, splits) = batch(skewed);
     let f0 = RaggedInput::from_i32("f0", &values, &splits)?;
@@ -50,12 +52,18 @@ fn run_host(rank: usize, all_reduce: Arc<dyn AllReduce>, skewed: bool) -> Result
 
 #[test]
 fn hosts_agree_on_one_split() {
-    let listeners: Vec<TcpListener> = (0..2).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let listeners: Vec<TcpListener> = (0..2)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
     let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
     let hosts: Vec<Arc<dyn AllReduce>> = listeners
         .into_iter()
         .enumerate()
-        .map(|(r, l)| Arc::new(TcpAllReduce::with_listener(r, l, addrs.clone(), Duration::from_secs(20)).unwrap()) as Arc<dyn AllReduce>)
+        .map(|(r, l)| {
+            Arc::new(
+                TcpAllReduce::with_listener(r, l, addrs.clone(), Duration::from_secs(20)).unwrap(),
+            ) as Arc<dyn AllReduce>
+        })
         .collect();
     let outs: Vec<Output> = std::thread::scope(|s| {
         let handles: Vec<_> = hosts
@@ -68,8 +76,14 @@ fn hosts_agree_on_one_split() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert!(outs[0].num_minibatches > 1, "the skewed host needs minibatches");
-    assert_eq!(outs[0].num_minibatches, outs[1].num_minibatches, "both hosts use the agreed split");
+    assert!(
+        outs[0].num_minibatches > 1,
+        "the skewed host needs minibatches"
+    );
+    assert_eq!(
+        outs[0].num_minibatches, outs[1].num_minibatches,
+        "both hosts use the agreed split"
+    );
 
     // Alone, the balanced host would not split at all.
     let alone = {
@@ -89,10 +103,15 @@ fn hosts_agree_on_one_split() {
 #[test]
 fn a_missing_host_is_an_error_not_a_hang() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let nobody = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap(); // closed at once
+    let nobody = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap(); // closed at once
     let me = listener.local_addr().unwrap();
-    let h: Arc<dyn AllReduce> =
-        Arc::new(TcpAllReduce::with_listener(0, listener, vec![me, nobody], Duration::from_millis(500)).unwrap());
+    let h: Arc<dyn AllReduce> = Arc::new(
+        TcpAllReduce::with_listener(0, listener, vec![me, nobody], Duration::from_millis(500))
+            .unwrap(),
+    );
     let started = std::time::Instant::now();
     let e = run_host(0, h, true).unwrap_err();
     assert!(started.elapsed() < Duration::from_secs(10));
@@ -126,18 +145,33 @@ mod wire {
 const TOKEN: &[u8] = b"flood-test-secret";
 
 fn two_hosts(timeout: Duration) -> Vec<Arc<TcpAllReduce>> {
-    let listeners: Vec<TcpListener> = (0..2).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let listeners: Vec<TcpListener> = (0..2)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
     let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
     listeners
         .into_iter()
         .enumerate()
-        .map(|(r, l)| Arc::new(TcpAllReduce::builder(r, addrs.clone()).token(TOKEN).listener(l).timeout(timeout).build().unwrap()))
+        .map(|(r, l)| {
+            Arc::new(
+                TcpAllReduce::builder(r, addrs.clone())
+                    .token(TOKEN)
+                    .listener(l)
+                    .timeout(timeout)
+                    .build()
+                    .unwrap(),
+            )
+        })
         .collect()
 }
 
 fn exchange_both(hosts: &[Arc<TcpAllReduce>], key: u64) -> Vec<u64> {
     std::thread::scope(|s| {
-        let hs: Vec<_> = hosts.iter().enumerate().map(|(r, h)| s.spawn(move || h.all_reduce_or_u64(key, 1 << (3 * r)).unwrap())).collect();
+        let hs: Vec<_> = hosts
+            .iter()
+            .enumerate()
+            .map(|(r, h)| s.spawn(move || h.all_reduce_or_u64(key, 1 << (3 * r)).unwrap()))
+            .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
@@ -159,17 +193,35 @@ fn a_flood_of_fresh_keys_cannot_grow_the_inbox() {
         let key = x | (1 << 63); // never the job's keys below
         acks[wire::send(&mut c, &wire::frame(TOKEN, &ch, 1, 0, seq, key, u64::MAX)) as usize] += 1;
         if seq % 10_000 == 0 {
-            assert!(hosts[0].inbox_keys() <= CAP, "{} keys after {seq} frames", hosts[0].inbox_keys());
+            assert!(
+                hosts[0].inbox_keys() <= CAP,
+                "{} keys after {seq} frames",
+                hosts[0].inbox_keys()
+            );
         }
     }
     assert_eq!(hosts[0].inbox_keys(), CAP);
-    assert_eq!(acks, [CAP, 0, 100_000 - CAP], "accepted, rejected, refused as full");
+    assert_eq!(
+        acks,
+        [CAP, 0, 100_000 - CAP],
+        "accepted, rejected, refused as full"
+    );
     let (mut c2, ch2) = wire::open(hosts[0].local_addr());
     for seq in 1..=1_000u64 {
-        assert_eq!(wire::send(&mut c2, &wire::frame(b"wrong", &ch2, 1, 0, seq, seq, u64::MAX)), 1);
+        assert_eq!(
+            wire::send(
+                &mut c2,
+                &wire::frame(b"wrong", &ch2, 1, 0, seq, seq, u64::MAX)
+            ),
+            1
+        );
     }
     let counters = hosts[0].counters();
-    assert_eq!((counters.inbox_full, counters.bad_mac), (100_000 - CAP as u64, 1_000), "{counters:?}");
+    assert_eq!(
+        (counters.inbox_full, counters.bad_mac),
+        (100_000 - CAP as u64, 1_000),
+        "{counters:?}"
+    );
     // The job goes on: the flood's values never reach its keys, and they expire with its steps.
     for step in 0..5u64 {
         assert_eq!(exchange_both(&hosts, 2 * step), vec![1 | 8, 1 | 8]);
@@ -189,7 +241,10 @@ fn replayed_and_duplicate_frames_never_override() {
     assert_eq!(wire::send(&mut c, &f), 0);
     // ...replayed on the same connection, then a later frame with another value for that key.
     assert_eq!(wire::send(&mut c, &f), 1);
-    assert_eq!(wire::send(&mut c, &wire::frame(TOKEN, &ch, 1, 0, 2, 100, 1 << 40)), 0);
+    assert_eq!(
+        wire::send(&mut c, &wire::frame(TOKEN, &ch, 1, 0, 2, 100, 1 << 40)),
+        0
+    );
     let c0 = hosts[0].counters();
     assert_eq!((c0.replayed, c0.duplicate), (1, 1), "{c0:?}");
     // Host 0's exchange uses the first value (host 1 itself never runs key 100 here).
@@ -201,13 +256,25 @@ fn replayed_and_duplicate_frames_never_override() {
 #[test]
 fn a_peer_not_listening_yet_is_retried() {
     let l0 = TcpListener::bind("127.0.0.1:0").unwrap();
-    let late = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap(); // closed: refused for now
+    let late = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap(); // closed: refused for now
     let addrs = vec![l0.local_addr().unwrap(), late];
-    let h0 = TcpAllReduce::builder(0, addrs.clone()).token(TOKEN).listener(l0).timeout(Duration::from_secs(30)).build().unwrap();
+    let h0 = TcpAllReduce::builder(0, addrs.clone())
+        .token(TOKEN)
+        .listener(l0)
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
     let got = std::thread::scope(|s| {
         let first = s.spawn(|| h0.all_reduce_or_u64(6, 1).unwrap());
         std::thread::sleep(Duration::from_millis(300)); // host 0 is being refused meanwhile
-        let h1 = TcpAllReduce::builder(1, addrs.clone()).token(TOKEN).timeout(Duration::from_secs(30)).build().unwrap();
+        let h1 = TcpAllReduce::builder(1, addrs.clone())
+            .token(TOKEN)
+            .timeout(Duration::from_secs(30))
+            .build()
+            .unwrap();
         let second = h1.all_reduce_or_u64(6, 4).unwrap();
         (first.join().unwrap(), second)
     });

@@ -17,8 +17,14 @@ fn check_case(dir: &Path) -> Result<(), String> {
     let expected = common::load_json(&dir.join("expected.json"));
     let file = File::open(dir.join("batch.arrow")).map_err(|e| e.to_string())?;
     let mut reader = FileReader::try_new(file, None).map_err(|e| e.to_string())?;
-    let batch = reader.next().ok_or("no record batch")?.map_err(|e| e.to_string())?;
-    let mut prep = Preprocessor::builder(config).threads(2).build().map_err(|e| e.to_string())?;
+    let batch = reader
+        .next()
+        .ok_or("no record batch")?
+        .map_err(|e| e.to_string())?;
+    let mut prep = Preprocessor::builder(config)
+        .threads(2)
+        .build()
+        .map_err(|e| e.to_string())?;
     let mut out = Output::new();
     let result = prep.run_record_batch(&batch, &mut out);
     if let Some(err) = expected.get("error") {

@@ -4,10 +4,17 @@
 
 use arrow_array::RecordBatch;
 use sparsecore_prep::balance::{apply, balance, Outcome, SampleRef};
-use sparsecore_prep::{features_from_record_batch, Config, Error, Output, Preprocessor, SampleSource};
+use sparsecore_prep::{
+    features_from_record_batch, Config, Error, Output, Preprocessor, SampleSource,
+};
 use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 
-fn workload(profile: Profile, batch: usize, batches: usize, layout: (usize, usize, usize)) -> (Config, Vec<RecordBatch>) {
+fn workload(
+    profile: Profile,
+    batch: usize,
+    batches: usize,
+    layout: (usize, usize, usize),
+) -> (Config, Vec<RecordBatch>) {
     let mut spec = WorkloadSpec::new(profile);
     spec.batch_size = batch;
     spec.num_batches = batches;
@@ -32,19 +39,35 @@ fn permutation_is_a_bijection_and_columns_move_together() {
     let balanced = balance(&config, &window).unwrap();
     let mut seen: Vec<SampleRef> = balanced.permutation.iter().flatten().copied().collect();
     seen.sort();
-    let all: Vec<SampleRef> = window.iter().enumerate().flat_map(|(b, rb)| (0..rb.num_rows()).map(move |row| SampleRef { batch: b, row })).collect();
+    let all: Vec<SampleRef> = window
+        .iter()
+        .enumerate()
+        .flat_map(|(b, rb)| (0..rb.num_rows()).map(move |row| SampleRef { batch: b, row }))
+        .collect();
     assert_eq!(seen, all, "every sample of the window appears exactly once");
-    for (k, (out, perm)) in balanced.batches.iter().zip(&balanced.permutation).enumerate() {
+    for (k, (out, perm)) in balanced
+        .batches
+        .iter()
+        .zip(&balanced.permutation)
+        .enumerate()
+    {
         assert_eq!(out.num_rows(), window[k].num_rows());
         assert_eq!(out.schema(), window[k].schema());
         for (i, r) in perm.iter().enumerate() {
             for c in 0..out.num_columns() {
-                assert_eq!(out.column(c).slice(i, 1).to_data(), window[r.batch].column(c).slice(r.row, 1).to_data(), "batch {k} row {i} column {c}");
+                assert_eq!(
+                    out.column(c).slice(i, 1).to_data(),
+                    window[r.batch].column(c).slice(r.row, 1).to_data(),
+                    "batch {k} row {i} column {c}"
+                );
             }
         }
     }
     // The returned batches are exactly the window with the permutation applied.
-    assert_eq!(apply(&window, &balanced.permutation).unwrap(), balanced.batches);
+    assert_eq!(
+        apply(&window, &balanced.permutation).unwrap(),
+        balanced.batches
+    );
 }
 
 #[test]
@@ -56,9 +79,16 @@ fn no_batch_gets_worse_and_large_vocab_gets_better() {
         for chunk in window.chunks(w) {
             let balanced = balance(&config, chunk).unwrap();
             // W = 1: each batch against itself; W > 1: against the window's worst input batch.
-            let window_worst = chunk.iter().map(|b| worst_max_ids(&config, b)).max().unwrap();
+            let window_worst = chunk
+                .iter()
+                .map(|b| worst_max_ids(&config, b))
+                .max()
+                .unwrap();
             for (input, output) in chunk.iter().zip(&balanced.batches) {
-                let (b, a) = (worst_max_ids(&config, input), worst_max_ids(&config, output));
+                let (b, a) = (
+                    worst_max_ids(&config, input),
+                    worst_max_ids(&config, output),
+                );
                 let bound = if w == 1 { b } else { window_worst };
                 assert!(a <= bound, "W = {w}: a batch got worse ({bound} -> {a})");
                 before = before.max(b);
@@ -68,7 +98,10 @@ fn no_batch_gets_worse_and_large_vocab_gets_better() {
             assert_eq!(report.batches, chunk.len());
             assert_eq!(report.stacks.len(), report.before.len());
         }
-        assert!(after < before, "W = {w}: balancing large-vocab should lower the worst cell ({before} -> {after})");
+        assert!(
+            after < before,
+            "W = {w}: balancing large-vocab should lower the worst cell ({before} -> {after})"
+        );
     }
 }
 
@@ -85,13 +118,27 @@ fn balancing_is_deterministic() {
 fn bad_windows_are_typed_errors() {
     let (config, window) = workload(Profile::LargeVocab, 64, 2, (1, 1, 4));
     // Different schemas: drop a column from the second batch.
-    let narrower = window[1].project(&(1..window[1].num_columns()).collect::<Vec<_>>()).unwrap();
+    let narrower = window[1]
+        .project(&(1..window[1].num_columns()).collect::<Vec<_>>())
+        .unwrap();
     let e = balance(&config, &[window[0].clone(), narrower.clone()]).unwrap_err();
-    assert!(matches!(&e, Error::InvalidData { what, .. } if what == "balancing window") && e.to_string().contains("schema"), "{e}");
+    assert!(
+        matches!(&e, Error::InvalidData { what, .. } if what == "balancing window")
+            && e.to_string().contains("schema"),
+        "{e}"
+    );
     // Applying a permutation checks the same.
-    let rows = vec![vec![SampleRef { batch: 0, row: 0 }], vec![SampleRef { batch: 1, row: 0 }]];
+    let rows = vec![
+        vec![SampleRef { batch: 0, row: 0 }],
+        vec![SampleRef { batch: 1, row: 0 }],
+    ];
     let e = apply(&[window[0].clone(), narrower.clone()], &rows).unwrap_err();
-    assert!(matches!(e, Error::InvalidData { .. }) && e.to_string().contains("balancing window: batch 1 has another schema"), "{e}");
+    assert!(
+        matches!(e, Error::InvalidData { .. })
+            && e.to_string()
+                .contains("balancing window: batch 1 has another schema"),
+        "{e}"
+    );
     // A column the config needs is missing.
     let e = balance(&config, &[narrower]).unwrap_err();
     assert!(matches!(e, Error::MissingColumn { .. }), "{e:?}");
@@ -105,13 +152,21 @@ fn per_sample_activations_unpermuted_equal_the_original_batch() {
     use sparsecore_kernel::{feature_activations, sparse_dense_matmul, StackedTable};
     let (config, window) = workload(Profile::ModerateMultivalency, 256, 1, (1, 1, 4));
     let balanced = balance(&config, &window).unwrap();
-    assert!(balanced.report.reordered(), "the test needs a batch that balancing reorders");
+    assert!(
+        balanced.report.reordered(),
+        "the test needs a batch that balancing reorders"
+    );
     // Deterministic tables: row r of table t holds small exact values.
     let tables: Vec<Array2<f32>> = config
         .tables
         .iter()
         .enumerate()
-        .map(|(t, tc)| Array2::from_shape_fn((tc.vocabulary_size as usize, tc.embedding_dim as usize), |(r, c)| ((r * 7 + c * 3 + t) % 17) as f32 / 8.0))
+        .map(|(t, tc)| {
+            Array2::from_shape_fn(
+                (tc.vocabulary_size as usize, tc.embedding_dim as usize),
+                |(r, c)| ((r * 7 + c * 3 + t) % 17) as f32 / 8.0,
+            )
+        })
         .collect();
     let activations = |batch: &RecordBatch| {
         let mut prep = Preprocessor::new(config.clone()).unwrap();
@@ -135,7 +190,13 @@ fn per_sample_activations_unpermuted_equal_the_original_batch() {
     for ((f, a), (_, b)) in original.iter().zip(&moved) {
         for (i, from) in balanced.permutation[0].iter().enumerate() {
             let (x, y) = (b.row(i), a.row(from.row));
-            assert!(x.iter().zip(y.iter()).all(|(p, q)| p.to_bits() == q.to_bits()), "feature {f}: output row {i} (input row {})", from.row);
+            assert!(
+                x.iter()
+                    .zip(y.iter())
+                    .all(|(p, q)| p.to_bits() == q.to_bits()),
+                "feature {f}: output row {i} (input row {})",
+                from.row
+            );
         }
     }
 }
@@ -146,7 +207,13 @@ fn per_sample_activations_unpermuted_equal_the_original_batch() {
 #[test]
 fn counted_loads_equal_the_pipeline_statistics() {
     use sparsecore_prep::balance::{count_loads, lower_bound, measure};
-    for profile in [Profile::Criteo, Profile::Long, Profile::LargeVocab, Profile::HighMultivalency, Profile::ModerateMultivalency] {
+    for profile in [
+        Profile::Criteo,
+        Profile::Long,
+        Profile::LargeVocab,
+        Profile::HighMultivalency,
+        Profile::ModerateMultivalency,
+    ] {
         for layout in [(1, 1, 4), (1, 4, 4), (2, 2, 2)] {
             let batch = 32 * layout.0 * layout.2;
             let (config, window) = workload(profile, batch, 4, layout);
@@ -154,25 +221,59 @@ fn counted_loads_equal_the_pipeline_statistics() {
                 for chunk in window.chunks(w) {
                     let balanced = balance(&config, chunk).unwrap();
                     let report = &balanced.report;
-                    let (before, after) = (measure(&config, chunk).unwrap(), measure(&config, &balanced.batches).unwrap());
+                    let (before, after) = (
+                        measure(&config, chunk).unwrap(),
+                        measure(&config, &balanced.batches).unwrap(),
+                    );
                     assert_eq!(report.before.len(), before.len());
                     for (k, name) in report.stacks.iter().enumerate() {
                         let what = format!("{} {layout:?} W = {w} stack {name}", profile.name());
-                        assert_eq!(report.before[k].max_ids_per_partition, before[k].max_ids_per_partition, "{what}: before");
-                        assert_eq!(report.before[k].required_buffer, before[k].required_buffer, "{what}: before");
-                        assert_eq!(report.after[k].max_ids_per_partition, after[k].max_ids_per_partition, "{what}: after");
-                        assert_eq!(report.after[k].required_buffer, after[k].required_buffer, "{what}: after");
-                        assert!(report.lower_bound[k] as i32 <= after[k].max_ids_per_partition, "{what}: bound above the result");
-                        assert!(report.lower_bound[k] > 0, "{what}: a bound of 0 on a stack with ids");
+                        assert_eq!(
+                            report.before[k].max_ids_per_partition, before[k].max_ids_per_partition,
+                            "{what}: before"
+                        );
+                        assert_eq!(
+                            report.before[k].required_buffer, before[k].required_buffer,
+                            "{what}: before"
+                        );
+                        assert_eq!(
+                            report.after[k].max_ids_per_partition, after[k].max_ids_per_partition,
+                            "{what}: after"
+                        );
+                        assert_eq!(
+                            report.after[k].required_buffer, after[k].required_buffer,
+                            "{what}: after"
+                        );
+                        assert!(
+                            report.lower_bound[k] as i32 <= after[k].max_ids_per_partition,
+                            "{what}: bound above the result"
+                        );
+                        assert!(
+                            report.lower_bound[k] > 0,
+                            "{what}: a bound of 0 on a stack with ids"
+                        );
                     }
                     assert_eq!(lower_bound(&config, chunk).unwrap(), report.lower_bound);
                     // The balancer's own counts, unique ids included (its guard's), in both orders.
                     let what = format!("{} {layout:?} W = {w}", profile.name());
-                    assert_eq!(count_loads(&config, chunk).unwrap(), before, "{what}: counted before");
-                    assert_eq!(count_loads(&config, &balanced.batches).unwrap(), after, "{what}: counted after");
+                    assert_eq!(
+                        count_loads(&config, chunk).unwrap(),
+                        before,
+                        "{what}: counted before"
+                    );
+                    assert_eq!(
+                        count_loads(&config, &balanced.batches).unwrap(),
+                        after,
+                        "{what}: counted after"
+                    );
                     // Distinct from ids wherever samples share ids, so the test can tell them apart.
                     if matches!(profile, Profile::Long | Profile::HighMultivalency) {
-                        assert!(before.iter().any(|l| l.max_unique_ids_per_partition < l.max_ids_per_partition), "{what}");
+                        assert!(
+                            before
+                                .iter()
+                                .any(|l| l.max_unique_ids_per_partition < l.max_ids_per_partition),
+                            "{what}"
+                        );
                     }
                 }
             }
@@ -185,7 +286,12 @@ fn counted_loads_equal_the_pipeline_statistics() {
 /// `long` at W = 4 raised a stack's max unique ids from 671 to 681 and preprocessing failed.
 #[test]
 fn balanced_batches_fit_limits_their_inputs_fit() {
-    for profile in [Profile::Criteo, Profile::Long, Profile::LargeVocab, Profile::ModerateMultivalency] {
+    for profile in [
+        Profile::Criteo,
+        Profile::Long,
+        Profile::LargeVocab,
+        Profile::ModerateMultivalency,
+    ] {
         for layout in [(1, 1, 4), (1, 4, 4)] {
             let (config, window) = workload(profile, 128 * layout.0 * layout.2, 4, layout);
             let mut prep = Preprocessor::new(config.clone()).unwrap();
@@ -197,8 +303,12 @@ fn balanced_batches_fit_limits_their_inputs_fit() {
                 for chunk in window.chunks(w) {
                     let balanced = balance(&config, chunk).unwrap();
                     for (k, b) in balanced.batches.iter().enumerate() {
-                        prep.run_record_batch(b, &mut out)
-                            .unwrap_or_else(|e| panic!("{} {layout:?} W = {w}: balanced batch {k} no longer fits: {e}", profile.name()));
+                        prep.run_record_batch(b, &mut out).unwrap_or_else(|e| {
+                            panic!(
+                                "{} {layout:?} W = {w}: balanced batch {k} no longer fits: {e}",
+                                profile.name()
+                            )
+                        });
                     }
                 }
             }
@@ -231,7 +341,11 @@ fn a_window_of_differently_planned_batches_keeps_its_order() {
             for r in 0..rows {
                 // Samples early in the batch are heavier, so the input order is unbalanced.
                 let n = if r < rows / 4 { 3 } else { 1 };
-                lists.values().append_slice(&(0..n).map(|k| (r * 7 + k * 13 + salt) % 4096).collect::<Vec<_>>());
+                lists.values().append_slice(
+                    &(0..n)
+                        .map(|k| (r * 7 + k * 13 + salt) % 4096)
+                        .collect::<Vec<_>>(),
+                );
                 lists.append(true);
             }
             Arc::new(lists.finish())
@@ -239,11 +353,18 @@ fn a_window_of_differently_planned_batches_keeps_its_order() {
         RecordBatch::try_from_iter([("f0", column(0)), ("f1", column(5))]).unwrap()
     };
     let stacks = |rows: i64| {
-        let mut prep = Preprocessor::builder(config.clone()).threads(1).build().unwrap();
+        let mut prep = Preprocessor::builder(config.clone())
+            .threads(1)
+            .build()
+            .unwrap();
         let sizes = [rows as usize; 2];
         prep.plan_for(&sizes).unwrap().stacks.len()
     };
-    assert_ne!(stacks(8192), stacks(1024), "the test needs the two sizes planned differently");
+    assert_ne!(
+        stacks(8192),
+        stacks(1024),
+        "the test needs the two sizes planned differently"
+    );
     let window = [batch(8192), batch(1024)];
     let balanced = balance(&config, &window).unwrap();
     assert_eq!(balanced.report.outcome, Outcome::MixedPlans { batch: 1 });
@@ -276,7 +397,13 @@ fn one_heavy_sample_bounds_the_balance() {
     // the others 1 to 9 ids each, the heavier ones in the first slice.
     let mut lists = ListBuilder::new(Int64Builder::new());
     for r in 0..16i64 {
-        let ids: Vec<i64> = if r == 0 { (0..100).map(|k| 4 * k).collect() } else { (0..(10 - r.min(9))).map(|k| 1000 + 4 * (16 * r + k)).collect() };
+        let ids: Vec<i64> = if r == 0 {
+            (0..100).map(|k| 4 * k).collect()
+        } else {
+            (0..(10 - r.min(9)))
+                .map(|k| 1000 + 4 * (16 * r + k))
+                .collect()
+        };
         lists.values().append_slice(&ids);
         lists.append(true);
     }
@@ -285,11 +412,19 @@ fn one_heavy_sample_bounds_the_balance() {
     let window = [batch];
     let total: u32 = 100 + (1..16).map(|r| 10 - r.min(9)).sum::<u32>();
     // The heavy sample's slice holds three more samples, each sending at least one id there.
-    assert_eq!(lower_bound(&config, &window).unwrap(), vec![103], "the heavy sample and its cheapest company, not ⌈{total} / 4⌉");
+    assert_eq!(
+        lower_bound(&config, &window).unwrap(),
+        vec![103],
+        "the heavy sample and its cheapest company, not ⌈{total} / 4⌉"
+    );
     let balanced = balance(&config, &window).unwrap();
     let before = worst_max_ids(&config, &window[0]);
     let after = worst_max_ids(&config, &balanced.batches[0]);
-    assert_eq!(before, 100 + 9 + 8 + 7, "the input order stacks the three next heaviest with it");
+    assert_eq!(
+        before,
+        100 + 9 + 8 + 7,
+        "the input order stacks the three next heaviest with it"
+    );
     assert_eq!(balanced.report.lower_bound, vec![103]);
     // The heavy sample's slice takes the three lightest samples (one id each).
     assert_eq!(after, 103, "balanced: {:?}", balanced.report);
@@ -298,8 +433,17 @@ fn one_heavy_sample_bounds_the_balance() {
     // Those rows in the balanced order are at the bound already: nothing can be better, and
     // the report says so, naming the stack.
     let again = balance(&config, &balanced.batches).unwrap();
-    assert_eq!(again.report.outcome, Outcome::AtLowerBound { stack_index: 0 });
-    assert_eq!((again.report.outcome.name(), again.report.outcome.stack_index()), ("at_lower_bound", Some(0)));
+    assert_eq!(
+        again.report.outcome,
+        Outcome::AtLowerBound { stack_index: 0 }
+    );
+    assert_eq!(
+        (
+            again.report.outcome.name(),
+            again.report.outcome.stack_index()
+        ),
+        ("at_lower_bound", Some(0))
+    );
     assert_eq!(again.batches, balanced.batches);
     assert_eq!(again.report.before, again.report.after);
     assert_eq!(again.report.before[0].max_ids_per_partition, 103);
@@ -325,17 +469,37 @@ fn balanced_windows_reach_the_lower_bound() {
         for t in &mut config.tables {
             t.max_ids_per_partition *= 2;
             t.max_unique_ids_per_partition *= 2;
-            t.suggested_coo_buffer_size_per_device = t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
+            t.suggested_coo_buffer_size_per_device =
+                t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
         }
         let (mut worst, mut bound) = (0, 0);
         for chunk in window.chunks(w) {
             let balanced = balance(&config, chunk).unwrap();
-            assert!(balanced.report.reordered(), "{} {layout:?} W = {w}", profile.name());
-            worst = balanced.batches.iter().map(|b| worst_max_ids(&config, b)).max().unwrap().max(worst);
-            bound = lower_bound(&config, chunk).unwrap().into_iter().max().unwrap().max(bound);
+            assert!(
+                balanced.report.reordered(),
+                "{} {layout:?} W = {w}",
+                profile.name()
+            );
+            worst = balanced
+                .batches
+                .iter()
+                .map(|b| worst_max_ids(&config, b))
+                .max()
+                .unwrap()
+                .max(worst);
+            bound = lower_bound(&config, chunk)
+                .unwrap()
+                .into_iter()
+                .max()
+                .unwrap()
+                .max(bound);
         }
         let gap = worst as f64 / bound as f64 - 1.0;
-        assert!((0.0..=slack).contains(&gap), "{} {layout:?} W = {w}: worst {worst}, bound {bound}", profile.name());
+        assert!(
+            (0.0..=slack).contains(&gap),
+            "{} {layout:?} W = {w}: worst {worst}, bound {bound}",
+            profile.name()
+        );
     }
 }
 
@@ -352,30 +516,86 @@ fn every_stack_lowers_the_stacks_limits_and_no_buffer() {
         for t in &mut config.tables {
             t.max_ids_per_partition *= 2;
             t.max_unique_ids_per_partition *= 2;
-            t.suggested_coo_buffer_size_per_device = t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
+            t.suggested_coo_buffer_size_per_device =
+                t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
         }
-        let limits: Vec<f64> = config.tables.iter().map(|t| t.max_ids_per_partition as f64).collect();
+        let limits: Vec<f64> = config
+            .tables
+            .iter()
+            .map(|t| t.max_ids_per_partition as f64)
+            .collect();
         let (mut sums, mut worst, mut bound) = ([0i64; 2], [0i32; 2], 0);
         let mut relative = [0f64; 2];
         for chunk in window.chunks(1) {
-            let plain = Balancer::new(config.clone()).unwrap().balance(chunk).unwrap();
-            let every = Balancer::new(config.clone()).unwrap().refinement(Refinement::EveryStack).balance(chunk).unwrap();
+            let plain = Balancer::new(config.clone())
+                .unwrap()
+                .balance(chunk)
+                .unwrap();
+            let every = Balancer::new(config.clone())
+                .unwrap()
+                .refinement(Refinement::EveryStack)
+                .balance(chunk)
+                .unwrap();
             assert!(plain.report.reordered() && every.report.reordered());
             assert_eq!(plain.report.stacks, every.report.stacks);
             for (k, report) in [&plain.report, &every.report].into_iter().enumerate() {
-                sums[k] += report.after.iter().map(|l| l.max_ids_per_partition as i64).sum::<i64>();
-                worst[k] = worst[k].max(report.after.iter().map(|l| l.max_ids_per_partition).max().unwrap());
+                sums[k] += report
+                    .after
+                    .iter()
+                    .map(|l| l.max_ids_per_partition as i64)
+                    .sum::<i64>();
+                worst[k] = worst[k].max(
+                    report
+                        .after
+                        .iter()
+                        .map(|l| l.max_ids_per_partition)
+                        .max()
+                        .unwrap(),
+                );
                 // Stacks are one table each here, in table order.
-                relative[k] = relative[k].max(report.after.iter().zip(&limits).map(|(l, &m)| l.max_ids_per_partition as f64 / m).fold(0.0, f64::max));
+                relative[k] = relative[k].max(
+                    report
+                        .after
+                        .iter()
+                        .zip(&limits)
+                        .map(|(l, &m)| l.max_ids_per_partition as f64 / m)
+                        .fold(0.0, f64::max),
+                );
             }
             for (p, e) in plain.report.after.iter().zip(&every.report.after) {
-                assert!(e.required_buffer <= p.required_buffer, "{layout:?}: buffer {} -> {}", p.required_buffer, e.required_buffer);
+                assert!(
+                    e.required_buffer <= p.required_buffer,
+                    "{layout:?}: buffer {} -> {}",
+                    p.required_buffer,
+                    e.required_buffer
+                );
             }
-            bound = bound.max(lower_bound(&config, chunk).unwrap().into_iter().max().unwrap());
+            bound = bound.max(
+                lower_bound(&config, chunk)
+                    .unwrap()
+                    .into_iter()
+                    .max()
+                    .unwrap(),
+            );
         }
-        assert!(sums[1] < sums[0], "{layout:?}: Σ max_ids {} -> {}", sums[0], sums[1]);
-        assert!(relative[1] <= relative[0], "{layout:?}: worst relative cell {} -> {}", relative[0], relative[1]);
-        assert!(worst[1] <= worst[0], "{layout:?}: worst cell {} -> {}", worst[0], worst[1]);
+        assert!(
+            sums[1] < sums[0],
+            "{layout:?}: Σ max_ids {} -> {}",
+            sums[0],
+            sums[1]
+        );
+        assert!(
+            relative[1] <= relative[0],
+            "{layout:?}: worst relative cell {} -> {}",
+            relative[0],
+            relative[1]
+        );
+        assert!(
+            worst[1] <= worst[0],
+            "{layout:?}: worst cell {} -> {}",
+            worst[0],
+            worst[1]
+        );
         if layout == (1, 1, 4) {
             assert_eq!((worst[0], worst[1], bound), (152, 149, 149));
         }
@@ -393,13 +613,18 @@ fn balancing_lowers_the_buffer_second() {
         for t in &mut config.tables {
             t.max_ids_per_partition *= 2;
             t.max_unique_ids_per_partition *= 2;
-            t.suggested_coo_buffer_size_per_device = t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
+            t.suggested_coo_buffer_size_per_device =
+                t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
         }
         let report = balance(&config, &window).unwrap().report;
         assert!(report.reordered(), "{}", profile.name());
         let before: u64 = report.before.iter().map(|l| l.required_buffer).sum();
         let after: u64 = report.after.iter().map(|l| l.required_buffer).sum();
-        assert!(after < before || (!strictly && after == before), "{}: buffer {before} -> {after}", profile.name());
+        assert!(
+            after < before || (!strictly && after == before),
+            "{}: buffer {before} -> {after}",
+            profile.name()
+        );
     }
 }
 
@@ -414,30 +639,88 @@ fn balancing_lowers_the_buffer_second() {
 #[test]
 fn unique_ids_refinement_lowers_unique_ids_third() {
     use sparsecore_prep::balance::{measure, Balancer, Refinement, StackLoad};
-    for (profile, batches, expected) in [(Profile::LargeVocab, 1, (4292, 4187, 4161)), (Profile::Criteo, 8, (475, 480, 455))] {
+    for (profile, batches, expected) in [
+        (Profile::LargeVocab, 1, (4292, 4187, 4161)),
+        (Profile::Criteo, 8, (475, 480, 455)),
+    ] {
         let (mut config, window) = workload(profile, 512, batches, (1, 4, 4));
         for t in &mut config.tables {
             t.max_ids_per_partition *= 2;
             t.max_unique_ids_per_partition *= 2;
-            t.suggested_coo_buffer_size_per_device = t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
+            t.suggested_coo_buffer_size_per_device =
+                t.suggested_coo_buffer_size_per_device.map(|b| b * 2);
         }
-        let run = |refinement| Balancer::new(config.clone()).unwrap().refinement(refinement).balance(&window).unwrap();
+        let run = |refinement| {
+            Balancer::new(config.clone())
+                .unwrap()
+                .refinement(refinement)
+                .balance(&window)
+                .unwrap()
+        };
         let (every, unique) = (run(Refinement::EveryStack), run(Refinement::UniqueIds));
-        assert!(every.report.reordered() && unique.report.reordered(), "{}", profile.name());
+        assert!(
+            every.report.reordered() && unique.report.reordered(),
+            "{}",
+            profile.name()
+        );
         let input = measure(&config, &window).unwrap();
-        let (every_loads, unique_loads) = (measure(&config, &every.batches).unwrap(), measure(&config, &unique.batches).unwrap());
-        let sum = |loads: &[StackLoad]| loads.iter().map(|l| l.max_unique_ids_per_partition).sum::<i32>();
-        assert_eq!((sum(&input), sum(&every_loads), sum(&unique_loads)), expected, "{}", profile.name());
-        let limits: Vec<f64> = config.tables.iter().map(|t| t.max_ids_per_partition as f64).collect();
-        let relative = |loads: &[StackLoad]| loads.iter().zip(&limits).map(|(l, &m)| l.max_ids_per_partition as f64 / m).fold(0.0, f64::max);
-        assert!(relative(&unique_loads) <= relative(&every_loads), "{}", profile.name());
-        for ((e, u), name) in every_loads.iter().zip(&unique_loads).zip(&unique.report.stacks) {
-            assert!(u.max_ids_per_partition <= (e.max_ids_per_partition + 7) / 8 * 8, "{name}: max_ids {} -> {}", e.max_ids_per_partition, u.max_ids_per_partition);
-            assert!(u.required_buffer <= e.required_buffer, "{name}: buffer {} -> {}", e.required_buffer, u.required_buffer);
+        let (every_loads, unique_loads) = (
+            measure(&config, &every.batches).unwrap(),
+            measure(&config, &unique.batches).unwrap(),
+        );
+        let sum = |loads: &[StackLoad]| {
+            loads
+                .iter()
+                .map(|l| l.max_unique_ids_per_partition)
+                .sum::<i32>()
+        };
+        assert_eq!(
+            (sum(&input), sum(&every_loads), sum(&unique_loads)),
+            expected,
+            "{}",
+            profile.name()
+        );
+        let limits: Vec<f64> = config
+            .tables
+            .iter()
+            .map(|t| t.max_ids_per_partition as f64)
+            .collect();
+        let relative = |loads: &[StackLoad]| {
+            loads
+                .iter()
+                .zip(&limits)
+                .map(|(l, &m)| l.max_ids_per_partition as f64 / m)
+                .fold(0.0, f64::max)
+        };
+        assert!(
+            relative(&unique_loads) <= relative(&every_loads),
+            "{}",
+            profile.name()
+        );
+        for ((e, u), name) in every_loads
+            .iter()
+            .zip(&unique_loads)
+            .zip(&unique.report.stacks)
+        {
+            assert!(
+                u.max_ids_per_partition <= (e.max_ids_per_partition + 7) / 8 * 8,
+                "{name}: max_ids {} -> {}",
+                e.max_ids_per_partition,
+                u.max_ids_per_partition
+            );
+            assert!(
+                u.required_buffer <= e.required_buffer,
+                "{name}: buffer {} -> {}",
+                e.required_buffer,
+                u.required_buffer
+            );
         }
         // The report's counts are the pipeline's.
         for (r, m) in unique.report.after.iter().zip(&unique_loads) {
-            assert_eq!((r.max_ids_per_partition, r.required_buffer), (m.max_ids_per_partition, m.required_buffer));
+            assert_eq!(
+                (r.max_ids_per_partition, r.required_buffer),
+                (m.max_ids_per_partition, m.required_buffer)
+            );
         }
     }
 }

@@ -17,7 +17,10 @@ struct Lcg(u64);
 
 impl Lcg {
     fn next(&mut self, n: usize) -> usize {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((self.0 >> 33) as usize) % n.max(1)
     }
 }
@@ -46,12 +49,17 @@ where
             b.append(false);
             continue;
         }
-        let len = if s.unit { 1 } else { rng.next(if s.long { 41 } else { 6 }) };
+        let len = if s.unit {
+            1
+        } else {
+            rng.next(if s.long { 41 } else { 6 })
+        };
         for _ in 0..len {
             if s.value_nulls && rng.next(4) == 0 {
                 b.values().append_null();
             } else {
-                b.values().append_value(T::Native::from(rng.next(200) as u8));
+                b.values()
+                    .append_value(T::Native::from(rng.next(200) as u8));
             }
         }
         b.append(true);
@@ -88,12 +96,37 @@ impl<A: Array + 'static> IntoArrayRef for A {
 /// A column of every specialised type, and two that take Arrow's path (strings, and a list
 /// whose values have nulls).
 fn batch(rng: &mut Lcg, rows: usize, skip: usize, nulls: bool) -> RecordBatch {
-    let s = |unit, value_nulls| Shape { rows, skip, nulls, unit, long: false, value_nulls };
+    let s = |unit, value_nulls| Shape {
+        rows,
+        skip,
+        nulls,
+        unit,
+        long: false,
+        value_nulls,
+    };
     let columns: Vec<(&str, ArrayRef)> = vec![
         ("ids64", list::<i32, Int64Type>(rng, &s(false, false))),
         ("ids32", list::<i32, Int32Type>(rng, &s(false, false))),
-        ("long", list::<i32, Int64Type>(rng, &Shape { long: true, ..s(false, false) })),
-        ("large_long", list::<i64, Float32Type>(rng, &Shape { long: true, ..s(false, false) })),
+        (
+            "long",
+            list::<i32, Int64Type>(
+                rng,
+                &Shape {
+                    long: true,
+                    ..s(false, false)
+                },
+            ),
+        ),
+        (
+            "large_long",
+            list::<i64, Float32Type>(
+                rng,
+                &Shape {
+                    long: true,
+                    ..s(false, false)
+                },
+            ),
+        ),
         ("w32", list::<i32, Float32Type>(rng, &s(false, false))),
         ("w64", list::<i32, Float64Type>(rng, &s(false, false))),
         ("single", list::<i32, Int64Type>(rng, &s(true, false))),
@@ -104,15 +137,33 @@ fn batch(rng: &mut Lcg, rows: usize, skip: usize, nulls: bool) -> RecordBatch {
         ("i64", primitive::<Int64Type>(rng, &s(false, false))),
         ("f32", primitive::<Float32Type>(rng, &s(false, false))),
         ("f64", primitive::<Float64Type>(rng, &s(false, false))),
-        ("name", Arc::new(StringArray::from_iter((0..rows).map(|i| (!nulls || i % 3 != 0).then(|| format!("k{i}")))))),
+        (
+            "name",
+            Arc::new(StringArray::from_iter(
+                (0..rows).map(|i| (!nulls || i % 3 != 0).then(|| format!("k{i}"))),
+            )),
+        ),
     ];
-    let schema = Schema::new(columns.iter().map(|(n, a)| Field::new(*n, a.data_type().clone(), true)).collect::<Vec<_>>());
-    RecordBatch::try_new(Arc::new(schema), columns.into_iter().map(|(_, a)| a).collect()).unwrap()
+    let schema = Schema::new(
+        columns
+            .iter()
+            .map(|(n, a)| Field::new(*n, a.data_type().clone(), true))
+            .collect::<Vec<_>>(),
+    );
+    RecordBatch::try_new(
+        Arc::new(schema),
+        columns.into_iter().map(|(_, a)| a).collect(),
+    )
+    .unwrap()
 }
 
 /// A shuffle of every row of the window into batches of the input sizes.
 fn shuffle(rng: &mut Lcg, window: &[RecordBatch]) -> Vec<Vec<SampleRef>> {
-    let mut all: Vec<SampleRef> = window.iter().enumerate().flat_map(|(b, rb)| (0..rb.num_rows()).map(move |row| SampleRef { batch: b, row })).collect();
+    let mut all: Vec<SampleRef> = window
+        .iter()
+        .enumerate()
+        .flat_map(|(b, rb)| (0..rb.num_rows()).map(move |row| SampleRef { batch: b, row }))
+        .collect();
     for i in (1..all.len()).rev() {
         all.swap(i, rng.next(i + 1));
     }
@@ -147,7 +198,11 @@ fn assert_same(got: &[RecordBatch], want: &[RecordBatch], what: &str) {
         for c in 0..w.num_columns() {
             let (g, w) = (g.column(c), w.column(c));
             assert_eq!(g.to_data(), w.to_data(), "{what}: batch {k} column {c}");
-            assert_eq!(g.nulls(), w.nulls(), "{what}: batch {k} column {c} validity");
+            assert_eq!(
+                g.nulls(),
+                w.nulls(),
+                "{what}: batch {k} column {c} validity"
+            );
             assert_eq!(g.data_type(), w.data_type(), "{what}: batch {k} column {c}");
         }
     }
@@ -156,14 +211,40 @@ fn assert_same(got: &[RecordBatch], want: &[RecordBatch], what: &str) {
 #[test]
 fn specialised_columns_equal_interleave() {
     let mut rng = Lcg(7);
-    for (sizes, skip, nulls) in [(&[40][..], 0, false), (&[40][..], 3, true), (&[24, 24, 24][..], 5, true), (&[16, 32][..], 1, false)] {
-        let window: Vec<RecordBatch> = sizes.iter().map(|&n| batch(&mut rng, n, skip, nulls)).collect();
+    for (sizes, skip, nulls) in [
+        (&[40][..], 0, false),
+        (&[40][..], 3, true),
+        (&[24, 24, 24][..], 5, true),
+        (&[16, 32][..], 1, false),
+    ] {
+        let window: Vec<RecordBatch> = sizes
+            .iter()
+            .map(|&n| batch(&mut rng, n, skip, nulls))
+            .collect();
         let permutation = shuffle(&mut rng, &window);
         let what = format!("sizes {sizes:?} skip {skip} nulls {nulls}");
-        assert_same(&apply(&window, &permutation).unwrap(), &expected(&window, &permutation), &what);
+        assert_same(
+            &apply(&window, &permutation).unwrap(),
+            &expected(&window, &permutation),
+            &what,
+        );
         // Rows taken twice, and an empty output batch, are Arrow's to define too.
-        let odd = vec![vec![SampleRef { batch: 0, row: 2 }, SampleRef { batch: 0, row: 2 }, SampleRef { batch: sizes.len() - 1, row: 0 }], vec![]];
-        assert_same(&apply(&window, &odd).unwrap(), &expected(&window, &odd), &format!("{what}, repeated rows"));
+        let odd = vec![
+            vec![
+                SampleRef { batch: 0, row: 2 },
+                SampleRef { batch: 0, row: 2 },
+                SampleRef {
+                    batch: sizes.len() - 1,
+                    row: 0,
+                },
+            ],
+            vec![],
+        ];
+        assert_same(
+            &apply(&window, &odd).unwrap(),
+            &expected(&window, &odd),
+            &format!("{what}, repeated rows"),
+        );
     }
 }
 
@@ -197,10 +278,19 @@ fn reused_buffers_give_the_same_batches_and_spare_held_ones() {
 fn rows_outside_the_window_are_typed_errors() {
     let mut rng = Lcg(3);
     let window = vec![batch(&mut rng, 8, 0, false)];
-    for bad in [SampleRef { batch: 1, row: 0 }, SampleRef { batch: 0, row: 8 }] {
+    for bad in [
+        SampleRef { batch: 1, row: 0 },
+        SampleRef { batch: 0, row: 8 },
+    ] {
         let e = apply(&window, &[vec![bad]]).unwrap_err();
-        let named = format!("permutation: it names row {} of batch {}, which does not exist", bad.row, bad.batch);
-        assert!(matches!(e, sparsecore_prep::Error::InvalidData { .. }) && e.to_string() == named, "{e:?}");
+        let named = format!(
+            "permutation: it names row {} of batch {}, which does not exist",
+            bad.row, bad.batch
+        );
+        assert!(
+            matches!(e, sparsecore_prep::Error::InvalidData { .. }) && e.to_string() == named,
+            "{e:?}"
+        );
     }
 }
 
@@ -240,11 +330,27 @@ fn dropped_batches_lend_their_buffers_to_the_next_window() {
     let permutation = shuffle(&mut rng, &window);
     let mut reorder = Reorder::default();
     let first = reorder.apply(&window, &permutation).unwrap();
-    let names = ["ids64", "ids32", "long", "w32", "single", "large", "large_long", "i64", "f64"];
-    let before: Vec<*const u8> = names.iter().map(|n| values_ptr(first[1].column_by_name(n).unwrap())).collect();
+    let names = [
+        "ids64",
+        "ids32",
+        "long",
+        "w32",
+        "single",
+        "large",
+        "large_long",
+        "i64",
+        "f64",
+    ];
+    let before: Vec<*const u8> = names
+        .iter()
+        .map(|n| values_ptr(first[1].column_by_name(n).unwrap()))
+        .collect();
     drop(first);
     let second = reorder.apply(&window, &permutation).unwrap();
-    let after: Vec<*const u8> = names.iter().map(|n| values_ptr(second[1].column_by_name(n).unwrap())).collect();
+    let after: Vec<*const u8> = names
+        .iter()
+        .map(|n| values_ptr(second[1].column_by_name(n).unwrap()))
+        .collect();
     assert_eq!(before, after, "columns {names:?}");
     assert_same(&second, &expected(&window, &permutation), "reused");
 }

@@ -109,7 +109,11 @@ impl Batch {
         let s1: Vec<i32> = s1.into_iter().map(|s| s as i32).collect();
         let ids2 = Array2::from_shape_fn((n2, 3), |_| rng.skewed(300) as i32);
         let w2 = (rng.below(2) == 0).then(|| Array2::from_shape_fn((n2, 3), |_| rng.weight()));
-        Batch { f0: (v0, s0, w0), f1: (v1, s1), f2: (ids2, w2) }
+        Batch {
+            f0: (v0, s0, w0),
+            f1: (v1, s1),
+            f2: (ids2, w2),
+        }
     }
 
     /// Runs the batch through `p` into `out`.
@@ -137,9 +141,15 @@ type Outcome = Result<(usize, Vec<Stack>), String>;
 
 fn outcome(r: Result<(), Error>, out: &Output) -> Outcome {
     match r {
-        Ok(()) => Ok((out.num_minibatches, out.stacks.iter().map(flatten).collect())),
+        Ok(()) => Ok((
+            out.num_minibatches,
+            out.stacks.iter().map(flatten).collect(),
+        )),
         Err(e) => {
-            assert!(out.stacks.is_empty() && out.num_minibatches == 0, "a failed call left output: {e}");
+            assert!(
+                out.stacks.is_empty() && out.num_minibatches == 0,
+                "a failed call left output: {e}"
+            );
             Err(e.to_string())
         }
     }
@@ -159,7 +169,11 @@ fn flatten(s: &StackOutput) -> Stack {
 /// Every thread's batches, and what each gives alone on a fresh single-threaded preprocessor.
 fn workload(cfg: &Config) -> (Vec<Vec<Batch>>, Vec<Vec<Outcome>>) {
     let batches: Vec<Vec<Batch>> = (0..THREADS)
-        .map(|t| (0..CALLS_PER_THREAD).map(|c| Batch::new((t * 1000 + c) as u64, (t + c) % 11 == 5)).collect())
+        .map(|t| {
+            (0..CALLS_PER_THREAD)
+                .map(|c| Batch::new((t * 1000 + c) as u64, (t + c) % 11 == 5))
+                .collect()
+        })
         .collect();
     let expected = batches
         .iter()
@@ -167,7 +181,10 @@ fn workload(cfg: &Config) -> (Vec<Vec<Batch>>, Vec<Vec<Outcome>>) {
             thread
                 .iter()
                 .map(|b| {
-                    let mut p = Preprocessor::builder(cfg.clone()).threads(1).build().unwrap();
+                    let mut p = Preprocessor::builder(cfg.clone())
+                        .threads(1)
+                        .build()
+                        .unwrap();
                     let mut out = Output::new();
                     outcome(b.run(&mut p, &mut out), &out)
                 })
@@ -183,24 +200,51 @@ fn check_workload_covers(batches: &[Vec<Batch>], expected: &[Vec<Outcome>], mini
     let shapes: std::collections::BTreeSet<(usize, usize, usize, bool, bool)> = batches
         .iter()
         .flatten()
-        .map(|b| (b.f0.1.len(), b.f1.1.len(), b.f2.0.nrows(), b.f0.2.is_some(), b.f2.1.is_some()))
+        .map(|b| {
+            (
+                b.f0.1.len(),
+                b.f1.1.len(),
+                b.f2.0.nrows(),
+                b.f0.2.is_some(),
+                b.f2.1.is_some(),
+            )
+        })
         .collect();
     assert!(shapes.len() >= 30, "only {} batch shapes", shapes.len());
     let all: Vec<&Outcome> = expected.iter().flatten().collect();
     let failures = all.iter().filter(|o| o.is_err()).count();
-    assert!(failures >= 20 && failures < all.len() / 2, "{failures} failures of {}", all.len());
+    assert!(
+        failures >= 20 && failures < all.len() / 2,
+        "{failures} failures of {}",
+        all.len()
+    );
     let ok: Vec<&(usize, Vec<Stack>)> = all.iter().filter_map(|o| o.as_ref().ok()).collect();
     if minibatching {
         let split = ok.iter().filter(|(m, _)| *m > 1).count();
-        assert!(split > 0 && split < ok.len(), "{split} of {} calls split into minibatches", ok.len());
+        assert!(
+            split > 0 && split < ok.len(),
+            "{split} of {} calls split into minibatches",
+            ok.len()
+        );
     } else {
-        let dropping = ok.iter().filter(|(_, s)| s.iter().any(|st| !st.5.contains("dropped_id_count: 0"))).count();
-        assert!(dropping > 0 && dropping < ok.len(), "{dropping} of {} calls dropped ids", ok.len());
+        let dropping = ok
+            .iter()
+            .filter(|(_, s)| s.iter().any(|st| !st.5.contains("dropped_id_count: 0")))
+            .count();
+        assert!(
+            dropping > 0 && dropping < ok.len(),
+            "{dropping} of {} calls dropped ids",
+            ok.len()
+        );
     }
 }
 
 /// THREADS threads take turns on one preprocessor; each call's result must equal its solo run.
-fn run_shared(builder: PreprocessorBuilder, batches: &[Vec<Batch>], expected: &[Vec<Outcome>]) -> usize {
+fn run_shared(
+    builder: PreprocessorBuilder,
+    batches: &[Vec<Batch>],
+    expected: &[Vec<Outcome>],
+) -> usize {
     let shared = Arc::new(Mutex::new(builder.build().unwrap()));
     let barrier = Barrier::new(THREADS);
     let calls = std::sync::atomic::AtomicUsize::new(0);
@@ -221,7 +265,10 @@ fn run_shared(builder: PreprocessorBuilder, batches: &[Vec<Batch>], expected: &[
                         outcome(r, &out)
                     };
                     calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    assert!(got == *want, "thread {t}, call {c}: differs from the same batch run alone");
+                    assert!(
+                        got == *want,
+                        "thread {t}, call {c}: differs from the same batch run alone"
+                    );
                     std::thread::yield_now();
                 }
             });
@@ -237,9 +284,19 @@ fn one_shared_preprocessor_gives_every_thread_its_solo_result() {
         let (batches, expected) = workload(&cfg);
         check_workload_covers(&batches, &expected, minibatching);
         // With a dedicated pool of 2 threads, and on rayon's global pool.
-        let calls = run_shared(Preprocessor::builder(cfg.clone()).threads(2).small_batch_ids(0), &batches, &expected);
+        let calls = run_shared(
+            Preprocessor::builder(cfg.clone())
+                .threads(2)
+                .small_batch_ids(0),
+            &batches,
+            &expected,
+        );
         assert_eq!(calls, THREADS * CALLS_PER_THREAD);
-        let calls = run_shared(Preprocessor::builder(cfg.clone()).small_batch_ids(0), &batches, &expected);
+        let calls = run_shared(
+            Preprocessor::builder(cfg.clone()).small_batch_ids(0),
+            &batches,
+            &expected,
+        );
         assert_eq!(calls, THREADS * CALLS_PER_THREAD);
     }
 }
@@ -261,7 +318,10 @@ fn independent_preprocessors_run_at_the_same_time() {
                     barrier.wait();
                     for (c, (batch, want)) in mine.iter().zip(want).enumerate() {
                         let got = outcome(batch.run(&mut p, &mut out), &out);
-                        assert!(got == *want, "thread {t}, call {c}: differs from the same batch run alone");
+                        assert!(
+                            got == *want,
+                            "thread {t}, call {c}: differs from the same batch run alone"
+                        );
                     }
                 });
             }
@@ -303,15 +363,26 @@ fn a_source_that_uses_rayon_itself_does_not_panic() {
     let ids: Vec<i32> = (0..128).map(|i| (i * 37) % 1000).collect();
     let splits: Vec<i32> = (0..=64).map(|r| 2 * r).collect();
     let plain = RaggedInput::from_i32("f0", &ids, &splits).unwrap();
-    let expected = Preprocessor::builder(cfg.clone()).threads(1).build().unwrap().run_new(&[&plain]).unwrap();
+    let expected = Preprocessor::builder(cfg.clone())
+        .threads(1)
+        .build()
+        .unwrap()
+        .run_new(&[&plain])
+        .unwrap();
     // Rayon work of its own in `view()`, so that rayon may start another of the preprocessor's
     // tasks on the same worker while this one waits.
     let source = OnView(RaggedInput::from_i32("f0", &ids, &splits).unwrap(), || {
         use rayon::prelude::*;
-        (0..16u64).into_par_iter().for_each(|i| std::thread::sleep(std::time::Duration::from_micros(200 * (i % 3))));
+        (0..16u64)
+            .into_par_iter()
+            .for_each(|i| std::thread::sleep(std::time::Duration::from_micros(200 * (i % 3))));
     });
     // On the pool however small the batch, so that the tasks run on workers that `view()` reenters.
-    let mut p = Preprocessor::builder(cfg).threads(4).small_batch_ids(0).build().unwrap();
+    let mut p = Preprocessor::builder(cfg)
+        .threads(4)
+        .small_batch_ids(0)
+        .build()
+        .unwrap();
     let mut out = Output::new();
     for _ in 0..20 {
         p.run(&[&source], &mut out).unwrap();
@@ -333,7 +404,9 @@ fn small_batches_run_on_the_calling_thread() {
     });
     let cfg = Config::from_json(&v.to_string()).unwrap();
     let batch = |ids_per_row: usize| {
-        let ids: Vec<i32> = (0..64 * ids_per_row).map(|i| ((i * 7919) % 100000) as i32).collect();
+        let ids: Vec<i32> = (0..64 * ids_per_row)
+            .map(|i| ((i * 7919) % 100000) as i32)
+            .collect();
         let splits: Vec<i32> = (0..=64).map(|r| (r * ids_per_row) as i32).collect();
         (ids, splits)
     };
@@ -342,7 +415,11 @@ fn small_batches_run_on_the_calling_thread() {
         // Whether each view was taken on a pool thread (named `sparsecore-prep-i` by `threads(n)`).
         let seen = Mutex::new(Vec::new());
         let source = OnView(RaggedInput::from_i32("f0", ids, splits).unwrap(), || {
-            seen.lock().unwrap().push(std::thread::current().name().is_some_and(|n| n.starts_with("sparsecore-prep-")));
+            seen.lock().unwrap().push(
+                std::thread::current()
+                    .name()
+                    .is_some_and(|n| n.starts_with("sparsecore-prep-")),
+            );
         });
         let on_caller = p.runs_on_caller_thread(&[&source]);
         let out = p.run_new(&[&source]).unwrap();
@@ -352,18 +429,37 @@ fn small_batches_run_on_the_calling_thread() {
     let (small_ids, small_splits) = batch(2);
     let (large_ids, large_splits) = batch(sparsecore_prep::SMALL_BATCH_IDS / 64);
     let small = RaggedInput::from_i32("f0", &small_ids, &small_splits).unwrap();
-    let expected_small = Preprocessor::builder(cfg.clone()).threads(1).build().unwrap().run_new(&[&small]).unwrap();
+    let expected_small = Preprocessor::builder(cfg.clone())
+        .threads(1)
+        .build()
+        .unwrap()
+        .run_new(&[&small])
+        .unwrap();
 
-    let mut pooled = Preprocessor::builder(cfg.clone()).threads(2).build().unwrap();
+    let mut pooled = Preprocessor::builder(cfg.clone())
+        .threads(2)
+        .build()
+        .unwrap();
     let (on_caller, on_pool, out) = run(&mut pooled, &small_ids, &small_splits);
     assert!(on_caller && !on_pool, "a batch of 128 ids ran on the pool");
     assert!(outcome(Ok(()), &out) == outcome(Ok(()), &expected_small));
     let (on_caller, on_pool, _) = run(&mut pooled, &large_ids, &large_splits);
-    assert!(!on_caller && on_pool, "a batch of {} ids did not run on the pool", large_ids.len());
+    assert!(
+        !on_caller && on_pool,
+        "a batch of {} ids did not run on the pool",
+        large_ids.len()
+    );
 
-    let mut always = Preprocessor::builder(cfg.clone()).threads(2).small_batch_ids(0).build().unwrap();
+    let mut always = Preprocessor::builder(cfg.clone())
+        .threads(2)
+        .small_batch_ids(0)
+        .build()
+        .unwrap();
     let (on_caller, on_pool, out) = run(&mut always, &small_ids, &small_splits);
-    assert!(!on_caller && on_pool, "small_batch_ids(0) still ran a small batch on the calling thread");
+    assert!(
+        !on_caller && on_pool,
+        "small_batch_ids(0) still ran a small batch on the calling thread"
+    );
     assert!(outcome(Ok(()), &out) == outcome(Ok(()), &expected_small));
 
     let mut one = Preprocessor::builder(cfg).threads(1).build().unwrap();

@@ -14,22 +14,25 @@ mod one_table;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use arrow_array::builder::{Float32Builder, Float64Builder, Int32Builder, ListBuilder, StringBuilder};
+use arrow_array::builder::{
+    Float32Builder, Float64Builder, Int32Builder, ListBuilder, StringBuilder,
+};
 use arrow_array::types::{Float32Type, Float64Type, Int32Type, Int64Type};
 use arrow_array::{ArrayRef, Int32Array, LargeListArray, ListArray};
 use ndarray::{Array2, ArrayView2};
 use serde_json::{json, Value};
 
-use sparsecore_testkit::case::Case;
 use sparsecore_prep::input::{
-    features_from_record_batch, ArrowListInput, CooInput, DenseIds, DenseInput, FeatureView, Ids, Offsets, RaggedInput,
+    features_from_record_batch, ArrowListInput, CooInput, DenseIds, DenseInput, FeatureView, Ids,
+    Offsets, RaggedInput,
 };
 use sparsecore_prep::spec::{DeviceLayout, Plan};
 use sparsecore_prep::{BatchCount, Config, ConfigItem, Error, LimitKind, Output, Preprocessor};
+use sparsecore_testkit::case::Case;
 
 use one_table::{
-    assert_msg, assert_same_output, base, config, config_with, err, good_rows, prep, ragged, record_batch, some_rows,
-    Custom,
+    assert_msg, assert_same_output, base, config, config_with, err, good_rows, prep, ragged,
+    record_batch, some_rows, Custom,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -90,7 +93,10 @@ fn global_device_count_zero() {
         matches!(&e, Error::InvalidOption { option: "global_device_count", value, .. } if value == "0"),
         "{e:?}"
     );
-    assert_msg(&e, &["global_device_count", "= 0", "must be greater than 0"]);
+    assert_msg(
+        &e,
+        &["global_device_count", "= 0", "must be greater than 0"],
+    );
 }
 
 #[test]
@@ -103,13 +109,24 @@ fn global_device_count_below_local() {
         matches!(&e, Error::InvalidOption { option: "global_device_count", value, .. } if value == "1"),
         "{e:?}"
     );
-    assert_msg(&e, &["global_device_count", "= 1", "greater than or equal to local_device_count", "(2)"]);
+    assert_msg(
+        &e,
+        &[
+            "global_device_count",
+            "= 1",
+            "greater than or equal to local_device_count",
+            "(2)",
+        ],
+    );
 }
 
 #[test]
 fn num_sc_per_device_zero() {
     let e = build_err(|v| v["config"]["num_sc_per_device"] = json!(0));
-    assert!(matches!(&e, Error::InvalidOption { option: "num_sc_per_device", value, .. } if value == "0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidOption { option: "num_sc_per_device", value, .. } if value == "0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["num_sc_per_device", "= 0", "must be greater than 0"]);
 }
 
@@ -120,10 +137,25 @@ fn sparsecore_count_not_power_of_two() {
         v["config"]["global_device_count"] = json!(3);
     });
     assert!(
-        matches!(e, Error::NotPowerOfTwo { global_devices: 3, sc_per_device: 4, num_scs: 12 }),
+        matches!(
+            e,
+            Error::NotPowerOfTwo {
+                global_devices: 3,
+                sc_per_device: 4,
+                num_scs: 12
+            }
+        ),
         "{e:?}"
     );
-    assert_msg(&e, &["global_device_count 3", "num_sc_per_device 4", "= 12", "must be a power of 2"]);
+    assert_msg(
+        &e,
+        &[
+            "global_device_count 3",
+            "num_sc_per_device 4",
+            "= 12",
+            "must be a power of 2",
+        ],
+    );
 }
 
 // N = G * S is capped at 2^30; a power of two above the cap must name the cap, not claim that
@@ -131,20 +163,65 @@ fn sparsecore_count_not_power_of_two() {
 #[test]
 fn sparsecore_count_power_of_two_above_cap_names_the_cap() {
     let e = err(DeviceLayout::new(1, 1, 1 << 31));
-    assert!(matches!(e, Error::InvalidOption { option: "num_sc_per_device", .. }), "{e:?}");
+    assert!(
+        matches!(
+            e,
+            Error::InvalidOption {
+                option: "num_sc_per_device",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
     assert_msg(&e, &["2147483648", "1073741824"]);
 }
 
 #[test]
 fn device_layout_checks_directly() {
-    assert!(matches!(err(DeviceLayout::new(0, 1, 4)), Error::InvalidOption { option: "local_device_count", .. }));
-    assert!(matches!(err(DeviceLayout::new(1, 0, 4)), Error::InvalidOption { option: "global_device_count", .. }));
-    assert!(matches!(err(DeviceLayout::new(2, 1, 4)), Error::InvalidOption { option: "global_device_count", .. }));
-    assert!(matches!(err(DeviceLayout::new(1, 1, 0)), Error::InvalidOption { option: "num_sc_per_device", .. }));
-    assert!(matches!(err(DeviceLayout::new(3, 3, 4)), Error::NotPowerOfTwo { num_scs: 12, .. }));
+    assert!(matches!(
+        err(DeviceLayout::new(0, 1, 4)),
+        Error::InvalidOption {
+            option: "local_device_count",
+            ..
+        }
+    ));
+    assert!(matches!(
+        err(DeviceLayout::new(1, 0, 4)),
+        Error::InvalidOption {
+            option: "global_device_count",
+            ..
+        }
+    ));
+    assert!(matches!(
+        err(DeviceLayout::new(2, 1, 4)),
+        Error::InvalidOption {
+            option: "global_device_count",
+            ..
+        }
+    ));
+    assert!(matches!(
+        err(DeviceLayout::new(1, 1, 0)),
+        Error::InvalidOption {
+            option: "num_sc_per_device",
+            ..
+        }
+    ));
+    assert!(matches!(
+        err(DeviceLayout::new(3, 3, 4)),
+        Error::NotPowerOfTwo { num_scs: 12, .. }
+    ));
     // G * S overflowing usize must not panic.
     let e = err(DeviceLayout::new(1, usize::MAX, 2));
-    assert!(matches!(e, Error::InvalidOption { option: "num_sc_per_device", .. }), "{e:?}");
+    assert!(
+        matches!(
+            e,
+            Error::InvalidOption {
+                option: "num_sc_per_device",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
     assert_msg(&e, &[&usize::MAX.to_string(), "1073741824"]);
     assert!(DeviceLayout::new(2, 4, 2).is_ok());
 }
@@ -152,11 +229,20 @@ fn device_layout_checks_directly() {
 #[test]
 fn unknown_sharding_strategy() {
     let e = build_err(|v| v["config"]["sharding_strategy"] = json!("ROW"));
-    assert!(matches!(&e, Error::InvalidOption { option: "sharding_strategy", value, .. } if value == "ROW"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidOption { option: "sharding_strategy", value, .. } if value == "ROW"),
+        "{e:?}"
+    );
     assert_msg(&e, &["sharding_strategy", "ROW", "Only MOD is supported"]);
     // "mod" in any case is accepted.
-    assert!(Preprocessor::new(config_with(|v| v["config"]["sharding_strategy"] = json!("mod"))).is_ok());
-    assert!(Preprocessor::new(config_with(|v| v["config"]["sharding_strategy"] = json!("MOD"))).is_ok());
+    assert!(Preprocessor::new(config_with(
+        |v| v["config"]["sharding_strategy"] = json!("mod")
+    ))
+    .is_ok());
+    assert!(Preprocessor::new(config_with(
+        |v| v["config"]["sharding_strategy"] = json!("MOD")
+    ))
+    .is_ok());
 }
 
 #[test]
@@ -182,14 +268,25 @@ fn duplicate_table_name() {
         let t = v["tables"][0].clone();
         v["tables"].as_array_mut().unwrap().push(t);
     });
-    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Table, name, .. } if name == "t0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidConfig { what: ConfigItem::Table, name, .. } if name == "t0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["table `t0`", "duplicate table name"]);
 }
 
 #[test]
 fn duplicate_feature_name() {
-    let e = build_err(|v| v["features"].as_array_mut().unwrap().push(json!({"name": "f0", "table": "t0"})));
-    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Feature, name, .. } if name == "f0"), "{e:?}");
+    let e = build_err(|v| {
+        v["features"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"name": "f0", "table": "t0"}))
+    });
+    assert!(
+        matches!(&e, Error::InvalidConfig { what: ConfigItem::Feature, name, .. } if name == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "duplicate feature name"]);
 }
 
@@ -197,20 +294,42 @@ fn duplicate_feature_name() {
 fn unknown_combiner() {
     for bad in ["avg", "Sum", ""] {
         let e = build_err(|v| v["tables"][0]["combiner"] = json!(bad));
-        assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Table, name, .. } if name == "t0"), "{e:?}");
-        assert_msg(&e, &["table `t0`", "unknown combiner", &format!("{bad:?}"), "sum", "mean", "sqrtn"]);
+        assert!(
+            matches!(&e, Error::InvalidConfig { what: ConfigItem::Table, name, .. } if name == "t0"),
+            "{e:?}"
+        );
+        assert_msg(
+            &e,
+            &[
+                "table `t0`",
+                "unknown combiner",
+                &format!("{bad:?}"),
+                "sum",
+                "mean",
+                "sqrtn",
+            ],
+        );
     }
 }
 
 #[test]
 fn vocabulary_size_zero_or_too_large() {
     let e = build_err(|v| v["tables"][0]["vocabulary_size"] = json!(0));
-    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Table, name, .. } if name == "t0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidConfig { what: ConfigItem::Table, name, .. } if name == "t0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["table `t0`", "vocabulary_size 0", "1..=2147483647"]);
 
     let e = build_err(|v| v["tables"][0]["vocabulary_size"] = json!(1u64 << 31));
-    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Table, name, .. } if name == "t0"), "{e:?}");
-    assert_msg(&e, &["table `t0`", "vocabulary_size 2147483648", "1..=2147483647"]);
+    assert!(
+        matches!(&e, Error::InvalidConfig { what: ConfigItem::Table, name, .. } if name == "t0"),
+        "{e:?}"
+    );
+    assert_msg(
+        &e,
+        &["table `t0`", "vocabulary_size 2147483648", "1..=2147483647"],
+    );
 }
 
 #[test]
@@ -218,7 +337,10 @@ fn padded_stack_vocabulary_of_two_to_the_31_is_planned() {
     // 2^31 - 1 rounds up to 2^31 with 8 * N = 32. The reference plans it (its column ids are
     // ids of the one table, all below 2^31), so we do too: testdata/reference_cases holds its
     // output for such a table, and `tests/golden.rs` compares ours with it.
-    let prep = Preprocessor::new(config_with(|v| v["tables"][0]["vocabulary_size"] = json!(i32::MAX))).expect("planned");
+    let prep = Preprocessor::new(config_with(|v| {
+        v["tables"][0]["vocabulary_size"] = json!(i32::MAX)
+    }))
+    .expect("planned");
     let rows: Vec<Vec<i32>> = vec![vec![i32::MAX - 1], vec![0], vec![1 << 30], vec![]];
     let (values, splits) = ragged(&rows);
     let f0 = RaggedInput::from_i32("f0", &values, &splits).unwrap();
@@ -241,14 +363,32 @@ fn table_past_the_32_bit_column_offset_is_refused() {
         ]);
         v["features"] = json!([{"name": "f0", "table": "big"}, {"name": "f1", "table": "small"}]);
     });
-    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Stack, .. }), "{e:?}");
-    assert_msg(&e, &["table `small` would start at column 2147483648", "2147483647"]);
+    assert!(
+        matches!(
+            &e,
+            Error::InvalidConfig {
+                what: ConfigItem::Stack,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_msg(
+        &e,
+        &[
+            "table `small` would start at column 2147483648",
+            "2147483647",
+        ],
+    );
 }
 
 #[test]
 fn embedding_dim_zero() {
     let e = build_err(|v| v["tables"][0]["embedding_dim"] = json!(0));
-    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Table, name, .. } if name == "t0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidConfig { what: ConfigItem::Table, name, .. } if name == "t0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["table `t0`", "embedding_dim 0", "1..=2147483647"]);
 }
 
@@ -262,14 +402,23 @@ fn table_limits_zero_or_too_large() {
     ] {
         let e = build_err(|v| v["tables"][0][key] = json!(value));
         match &e {
-            Error::InvalidLimit { what: ConfigItem::Table, name, limit, value: got, .. } => {
+            Error::InvalidLimit {
+                what: ConfigItem::Table,
+                name,
+                limit,
+                value: got,
+                ..
+            } => {
                 assert_eq!(name, "t0");
                 assert_eq!(*limit, key);
                 assert_eq!(*got, value);
             }
             other => panic!("{key} = {value}: expected InvalidLimit, got {other:?}"),
         }
-        assert_msg(&e, &["table `t0`", &format!("{key} = {value}"), "1..=2147483647"]);
+        assert_msg(
+            &e,
+            &["table `t0`", &format!("{key} = {value}"), "1..=2147483647"],
+        );
     }
 }
 
@@ -278,8 +427,14 @@ fn auto_stack_limits_zero() {
     // Two tables with the same padded dim and combiner are auto-stacked into `t0_t1`, which
     // takes the stack limits.
     for (key, limits) in [
-        ("max_ids_per_partition", json!({"max_ids_per_partition": 0, "max_unique_ids_per_partition": 8})),
-        ("max_unique_ids_per_partition", json!({"max_ids_per_partition": 8, "max_unique_ids_per_partition": 0})),
+        (
+            "max_ids_per_partition",
+            json!({"max_ids_per_partition": 0, "max_unique_ids_per_partition": 8}),
+        ),
+        (
+            "max_unique_ids_per_partition",
+            json!({"max_ids_per_partition": 8, "max_unique_ids_per_partition": 0}),
+        ),
     ] {
         let e = build_err(|v| {
             v["config"]["stacking"] = json!("auto");
@@ -287,10 +442,19 @@ fn auto_stack_limits_zero() {
             let mut t1 = v["tables"][0].clone();
             t1["name"] = json!("t1");
             v["tables"].as_array_mut().unwrap().push(t1);
-            v["features"].as_array_mut().unwrap().push(json!({"name": "f1", "table": "t1"}));
+            v["features"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!({"name": "f1", "table": "t1"}));
         });
         match &e {
-            Error::InvalidLimit { what: ConfigItem::Stack, name, limit, value: 0, .. } => {
+            Error::InvalidLimit {
+                what: ConfigItem::Stack,
+                name,
+                limit,
+                value: 0,
+                ..
+            } => {
                 assert_eq!(name, "t0_t1");
                 assert_eq!(*limit, key);
             }
@@ -305,7 +469,13 @@ fn suggested_buffer_larger_than_theoretical_max() {
     // T = roundup(16, 8) * S * N = 16 * 4 * 4 = 256.
     let e = build_err(|v| v["tables"][0]["suggested_coo_buffer_size_per_device"] = json!(1000));
     match &e {
-        Error::SuggestedBufferTooLarge { stack, feature, suggested: 1000, rounded: 1024, theoretical: 256 } => {
+        Error::SuggestedBufferTooLarge {
+            stack,
+            feature,
+            suggested: 1000,
+            rounded: 1024,
+            theoretical: 256,
+        } => {
             assert_eq!((stack.as_str(), feature.as_str()), ("t0", "f0"))
         }
         other => panic!("expected SuggestedBufferTooLarge, got {other:?}"),
@@ -323,15 +493,20 @@ fn suggested_buffer_larger_than_theoretical_max() {
     );
     // The spec's examples that are accepted: 48 -> 64, 96 -> 96, 256 -> 256.
     for ok in [48, 96, 256] {
-        assert!(Preprocessor::new(config_with(|v| v["tables"][0]["suggested_coo_buffer_size_per_device"] = json!(ok)))
-            .is_ok());
+        assert!(Preprocessor::new(config_with(|v| v["tables"][0]
+            ["suggested_coo_buffer_size_per_device"] =
+            json!(ok)))
+        .is_ok());
     }
 }
 
 #[test]
 fn suggested_buffer_zero() {
     let e = build_err(|v| v["tables"][0]["suggested_coo_buffer_size_per_device"] = json!(0));
-    assert!(matches!(&e, Error::BufferSizeOutOfRange { stack, feature, size: 0 } if stack == "t0" && feature == "f0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::BufferSizeOutOfRange { stack, feature, size: 0 } if stack == "t0" && feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["stack `t0`", "size per device 0", "(0, 2147483647)"]);
 }
 
@@ -346,7 +521,10 @@ fn computed_buffer_size_over_31_bits() {
     // The reference's abort line, word for word.
     let line = "Check failed: computed_coo_buffer_size_per_device > 0 && computed_coo_buffer_size_per_device < INT_MAX Computed \
                 Coo Buffer Size (34359738368) for table f0 is out of the valid range (0, INT_MAX).";
-    assert_msg(&e, &["stack `t0`", line, "2147483647", "max_ids_per_partition"]);
+    assert_msg(
+        &e,
+        &["stack `t0`", line, "2147483647", "max_ids_per_partition"],
+    );
 }
 
 // Regression: `size_buffers` (src/spec/plan.rs) computes `roundup(max_ids, 8) * S * N` in unchecked u64
@@ -377,25 +555,48 @@ fn theoretical_buffer_size_overflow_is_an_error_not_a_panic() {
 
 #[test]
 fn stack_suggested_size_for_unknown_stack() {
-    let e = build_err(|v| v["config"]["stack_suggested_coo_buffer_size_per_device"] = json!({"nope": 64}));
-    assert!(matches!(&e, Error::InvalidConfig { what: ConfigItem::Stack, name, .. } if name == "nope"), "{e:?}");
-    assert_msg(&e, &["stack `nope`", "stack_suggested_coo_buffer_size_per_device"]);
+    let e = build_err(|v| {
+        v["config"]["stack_suggested_coo_buffer_size_per_device"] = json!({"nope": 64})
+    });
+    assert!(
+        matches!(&e, Error::InvalidConfig { what: ConfigItem::Stack, name, .. } if name == "nope"),
+        "{e:?}"
+    );
+    assert_msg(
+        &e,
+        &["stack `nope`", "stack_suggested_coo_buffer_size_per_device"],
+    );
 }
 
 #[test]
 fn stack_suggested_size_too_large_for_known_stack() {
-    let e = build_err(|v| v["config"]["stack_suggested_coo_buffer_size_per_device"] = json!({"t0": 4096}));
+    let e = build_err(|v| {
+        v["config"]["stack_suggested_coo_buffer_size_per_device"] = json!({"t0": 4096})
+    });
     assert!(
         matches!(&e, Error::SuggestedBufferTooLarge { stack, suggested: 4096, rounded: 4096, theoretical: 256, .. } if stack == "t0"),
         "{e:?}"
     );
-    assert_msg(&e, &["Suggested Coo Buffer Size is larger than the theoretical max", "t0", "4096", "256"]);
+    assert_msg(
+        &e,
+        &[
+            "Suggested Coo Buffer Size is larger than the theoretical max",
+            "t0",
+            "4096",
+            "256",
+        ],
+    );
 }
 
 #[test]
 fn malformed_json_config() {
-    let e = err(Config::from_json("{\"config\": {\"local_device_count\": 1,"));
-    assert!(matches!(&e, Error::Json { context, .. } if context == "config"), "{e:?}");
+    let e = err(Config::from_json(
+        "{\"config\": {\"local_device_count\": 1,",
+    ));
+    assert!(
+        matches!(&e, Error::Json { context, .. } if context == "config"),
+        "{e:?}"
+    );
     assert_msg(&e, &["config"]);
 
     // Missing required key.
@@ -408,7 +609,10 @@ fn malformed_json_config() {
     // Wrong types: a negative device count, an unknown stacking mode.
     let mut v = base();
     v["config"]["local_device_count"] = json!(-1);
-    assert!(matches!(err(Config::from_json(&v.to_string())), Error::Json { .. }));
+    assert!(matches!(
+        err(Config::from_json(&v.to_string())),
+        Error::Json { .. }
+    ));
     let mut v = base();
     v["config"]["stacking"] = json!("bogus");
     let e = err(Config::from_json(&v.to_string()));
@@ -422,7 +626,10 @@ fn missing_and_malformed_config_files() {
     std::fs::create_dir_all(&dir).unwrap();
     let missing = dir.join("does-not-exist.json");
     let e = err(Config::from_path(&missing));
-    assert!(matches!(&e, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound), "{e:?}");
+    assert!(
+        matches!(&e, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound),
+        "{e:?}"
+    );
     assert_msg(&e, &["does-not-exist.json"]);
 
     let bad = dir.join("bad.json");
@@ -444,7 +651,10 @@ fn multi_host_minibatching_needs_an_all_reduce() {
         v["config"]["enable_minibatching"] = json!(true);
         v["config"]["global_device_count"] = json!(2);
     });
-    assert!(matches!(&e, Error::InvalidOption { option: "enable_minibatching", value, .. } if value == "true"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidOption { option: "enable_minibatching", value, .. } if value == "true"),
+        "{e:?}"
+    );
     assert_msg(&e, &["all_reduce_interface must be provided", "multi-host"]);
     // A single host needs none.
     let cfg = config_with(|v| v["config"]["enable_minibatching"] = json!(true));
@@ -454,18 +664,41 @@ fn multi_host_minibatching_needs_an_all_reduce() {
 #[test]
 fn zero_threads() {
     let e = err(Preprocessor::builder(config()).threads(0).build());
-    assert!(matches!(&e, Error::InvalidOption { option: "threads", value, .. } if value == "0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidOption { option: "threads", value, .. } if value == "0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["threads", "= 0", "at least 1"]);
 }
 
 #[test]
 fn global_batch_sizes_of_wrong_length() {
-    let e = err(Preprocessor::builder(config()).global_batch_sizes(vec![8, 8]).build());
-    assert!(matches!(e, Error::InputCount { expected: 1, got: 2 }), "{e:?}");
+    let e = err(Preprocessor::builder(config())
+        .global_batch_sizes(vec![8, 8])
+        .build());
+    assert!(
+        matches!(
+            e,
+            Error::InputCount {
+                expected: 1,
+                got: 2
+            }
+        ),
+        "{e:?}"
+    );
     assert_msg(&e, &["expected 1", "got 2"]);
 
     let e = err(Plan::new(&config(), &[]));
-    assert!(matches!(e, Error::InputCount { expected: 1, got: 0 }), "{e:?}");
+    assert!(
+        matches!(
+            e,
+            Error::InputCount {
+                expected: 1,
+                got: 0
+            }
+        ),
+        "{e:?}"
+    );
 }
 
 #[test]
@@ -473,7 +706,16 @@ fn plan_for_local_batches_with_zero_local_devices() {
     let mut cfg = config();
     cfg.config.local_device_count = 0;
     let e = err(Plan::for_local_batches(&cfg, &[8]));
-    assert!(matches!(e, Error::InvalidOption { option: "local_device_count", .. }), "{e:?}");
+    assert!(
+        matches!(
+            e,
+            Error::InvalidOption {
+                option: "local_device_count",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
     assert_msg(&e, &["local_device_count", "greater than 0"]);
 }
 
@@ -507,8 +749,18 @@ fn huge_batch_under_auto_stacking_is_an_error_not_a_panic() {
 // overflow" instead of returning an error.
 #[test]
 fn huge_global_batch_sizes_are_an_error_not_a_panic() {
-    let cfg = config_with(|v| v["features"].as_array_mut().unwrap().push(json!({"name": "f1", "table": "t0"})));
-    let r = no_panic(|| Preprocessor::builder(cfg).global_batch_sizes(vec![usize::MAX, usize::MAX]).build().map(|_| ()));
+    let cfg = config_with(|v| {
+        v["features"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"name": "f1", "table": "t0"}))
+    });
+    let r = no_panic(|| {
+        Preprocessor::builder(cfg)
+            .global_batch_sizes(vec![usize::MAX, usize::MAX])
+            .build()
+            .map(|_| ())
+    });
     match r {
         Err(panic) => panic!("BUG: build panicked on huge global batch sizes: {panic}"),
         Ok(r) => {
@@ -530,11 +782,29 @@ fn wrong_number_of_inputs() {
     let mut out = Output::new();
 
     let e = err(p.run(&[], &mut out));
-    assert!(matches!(e, Error::InputCount { expected: 1, got: 0 }), "{e:?}");
+    assert!(
+        matches!(
+            e,
+            Error::InputCount {
+                expected: 1,
+                got: 0
+            }
+        ),
+        "{e:?}"
+    );
     assert_msg(&e, &["expected 1 feature inputs", "got 0"]);
 
     let e = err(p.run(&[&f0, &f0], &mut out));
-    assert!(matches!(e, Error::InputCount { expected: 1, got: 2 }), "{e:?}");
+    assert!(
+        matches!(
+            e,
+            Error::InputCount {
+                expected: 1,
+                got: 2
+            }
+        ),
+        "{e:?}"
+    );
     assert_msg(&e, &["expected 1 feature inputs", "got 2"]);
 
     p.run(&[&f0], &mut out).unwrap();
@@ -545,7 +815,12 @@ fn batch_not_divisible_by_sparsecores() {
     let rows: Vec<Vec<i32>> = (0..6).map(|r| vec![r]).collect();
     let e = err(run_ragged(config(), &rows));
     match &e {
-        Error::BatchNotDivisible { stack, feature, batch: 6, sc_per_device: 4 } => {
+        Error::BatchNotDivisible {
+            stack,
+            feature,
+            batch: 6,
+            sc_per_device: 4,
+        } => {
             assert_eq!(stack, "t0");
             assert_eq!(feature, "f0");
         }
@@ -572,12 +847,23 @@ fn batch_not_divisible_names_first_feature_of_stack() {
         matches!(&e, Error::BatchNotDivisible { stack, feature, batch: 7, sc_per_device: 4 } if stack == "t0" && feature == "a"),
         "{e:?}"
     );
-    assert_msg(&e, &["stack `t0`", "(3 vs. 0) batch_size_for_device (7) for stacked table 'a' must be divisible"]);
+    assert_msg(
+        &e,
+        &[
+            "stack `t0`",
+            "(3 vs. 0) batch_size_for_device (7) for stacked table 'a' must be divisible",
+        ],
+    );
 }
 
 #[test]
 fn batch_smaller_than_sparsecores_times_features() {
-    let cfg = config_with(|v| v["features"].as_array_mut().unwrap().push(json!({"name": "f1", "table": "t0"})));
+    let cfg = config_with(|v| {
+        v["features"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"name": "f1", "table": "t0"}))
+    });
     let (values, splits) = ragged(&[vec![1], vec![2]]);
     let f0 = RaggedInput::from_i32("f0", &values, &splits).unwrap();
     let f1 = RaggedInput::from_i32("f1", &values, &splits).unwrap();
@@ -589,13 +875,25 @@ fn batch_smaller_than_sparsecores_times_features() {
     // The reference's abort line, word for word, then the numbers in our words.
     let line = "Check failed: batch_size_for_device >= feature_slices_per_device * stacked_table_metadata.size() (4 vs. 8) Batch \
                 size must be greater or equal to the number of features stacked together (per feature slice).";
-    assert_msg(&e, &["stack `t0`", line, "batch 4", "num_sc_per_device 4", "2 features"]);
+    assert_msg(
+        &e,
+        &[
+            "stack `t0`",
+            line,
+            "batch 4",
+            "num_sc_per_device 4",
+            "2 features",
+        ],
+    );
 }
 
 #[test]
 fn empty_batch_is_too_small() {
     let e = err(run_ragged(config(), &[]));
-    assert!(matches!(&e, Error::BatchTooSmall { stack, batch: 0, sc_per_device: 4, features: 1 } if stack == "t0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::BatchTooSmall { stack, batch: 0, sc_per_device: 4, features: 1 } if stack == "t0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["stack `t0`", "batch 0", "1 features"]);
 }
 
@@ -608,10 +906,23 @@ fn batch_over_sort_key_limit() {
     let mut p = prep(config());
     let e = err(p.run(&[&input], &mut Output::new()));
     match &e {
-        Error::BatchTooLarge { stack, what: BatchCount::Samples, count: 67108864, limit: 67108863 } => assert_eq!(stack, "t0"),
+        Error::BatchTooLarge {
+            stack,
+            what: BatchCount::Samples,
+            count: 67108864,
+            limit: 67108863,
+        } => assert_eq!(stack, "t0"),
         other => panic!("expected BatchTooLarge, got {other:?}"),
     }
-    assert_msg(&e, &["stack `t0`", "67108864 samples", "CooFormat sorting key", "67108863"]);
+    assert_msg(
+        &e,
+        &[
+            "stack `t0`",
+            "67108864 samples",
+            "CooFormat sorting key",
+            "67108863",
+        ],
+    );
     // (2^26 - 4 samples would pass this check, but extracting them takes ~1 min in a debug build.)
 }
 
@@ -619,14 +930,27 @@ fn batch_over_sort_key_limit() {
 fn stacked_rows_over_sort_key_limit_via_global_batch_sizes() {
     // f1's row offset is f0's global batch (2^28), so its rows start at 2^28 / N = 2^26 on each
     // SparseCore: past the 26-bit payload.
-    let cfg = config_with(|v| v["features"].as_array_mut().unwrap().push(json!({"name": "f1", "table": "t0"})));
-    let mut p = Preprocessor::builder(cfg).global_batch_sizes(vec![1 << 28, 8]).build().unwrap();
+    let cfg = config_with(|v| {
+        v["features"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"name": "f1", "table": "t0"}))
+    });
+    let mut p = Preprocessor::builder(cfg)
+        .global_batch_sizes(vec![1 << 28, 8])
+        .build()
+        .unwrap();
     let (values, splits) = ragged(&good_rows());
     let f0 = RaggedInput::from_i32("f0", &values, &splits).unwrap();
     let f1 = RaggedInput::from_i32("f1", &values, &splits).unwrap();
     let e = err(p.run(&[&f0, &f1], &mut Output::new()));
     match &e {
-        Error::BatchTooLarge { stack, what: BatchCount::Samples, count, limit: 67108863 } => {
+        Error::BatchTooLarge {
+            stack,
+            what: BatchCount::Samples,
+            count,
+            limit: 67108863,
+        } => {
             assert_eq!(stack, "t0");
             assert!(*count > 67108864, "{count}");
         }
@@ -645,15 +969,29 @@ fn weighted_ids_over_sort_key_limit() {
     let n = (1usize << 26) + 1;
     let ids = one.broadcast((1, n)).unwrap();
     let weights = w.broadcast((1, n)).unwrap();
-    let input = DenseInput::from_i32(ids).with_weights("f0", weights).unwrap();
+    let input = DenseInput::from_i32(ids)
+        .with_weights("f0", weights)
+        .unwrap();
     let e = err(prep(cfg).run(&[&input], &mut Output::new()));
     match &e {
-        Error::BatchTooLarge { stack, what: BatchCount::WeightedIds, count: 67108865, limit: 67108863 } => {
+        Error::BatchTooLarge {
+            stack,
+            what: BatchCount::WeightedIds,
+            count: 67108865,
+            limit: 67108863,
+        } => {
             assert_eq!(stack, "t0");
         }
         other => panic!("expected BatchTooLarge, got {other:?}"),
     }
-    assert_msg(&e, &["stack `t0`", "67108865 weighted ids in one SparseCore", "67108863"]);
+    assert_msg(
+        &e,
+        &[
+            "stack `t0`",
+            "67108865 weighted ids in one SparseCore",
+            "67108863",
+        ],
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -663,7 +1001,13 @@ fn weighted_ids_over_sort_key_limit() {
 #[track_caller]
 fn assert_id_out_of_range(e: &Error, row: usize, id: i64) {
     match e {
-        Error::IdOutOfRange { feature, table, row: r, id: i, vocabulary_size: 1000 } => {
+        Error::IdOutOfRange {
+            feature,
+            table,
+            row: r,
+            id: i,
+            vocabulary_size: 1000,
+        } => {
             assert_eq!(feature, "f0");
             assert_eq!(table, "t0");
             assert_eq!(*r, row);
@@ -671,7 +1015,16 @@ fn assert_id_out_of_range(e: &Error, row: usize, id: i64) {
         }
         other => panic!("expected IdOutOfRange, got {other:?}"),
     }
-    assert_msg(e, &["feature `f0`", "table `t0`", &format!("row {row}"), &format!("id {id}"), "1000"]);
+    assert_msg(
+        e,
+        &[
+            "feature `f0`",
+            "table `t0`",
+            &format!("row {row}"),
+            &format!("id {id}"),
+            "1000",
+        ],
+    );
 }
 
 #[test]
@@ -703,7 +1056,11 @@ fn i64_max_id() {
     // i64 ids that would narrow to a valid i32 (2^32 + 1 -> 1) are rejected too.
     values[13] = (1i64 << 32) + 1;
     let input = RaggedInput::from_i64("f0", &values, &splits).unwrap();
-    assert_id_out_of_range(&err(prep(config()).run(&[&input], &mut Output::new())), 6, (1i64 << 32) + 1);
+    assert_id_out_of_range(
+        &err(prep(config()).run(&[&input], &mut Output::new())),
+        6,
+        (1i64 << 32) + 1,
+    );
 }
 
 #[test]
@@ -712,14 +1069,22 @@ fn bad_ids_in_dense_and_coo_inputs() {
     let mut ids = Array2::<i64>::from_shape_fn((8, 2), |(r, c)| (r as i64) + 100 * c as i64);
     ids[[3, 1]] = -7;
     let input = DenseInput::from_i64(ids.view());
-    assert_id_out_of_range(&err(prep(config()).run(&[&input], &mut Output::new())), 3, -7);
+    assert_id_out_of_range(
+        &err(prep(config()).run(&[&input], &mut Output::new())),
+        3,
+        -7,
+    );
 
     // COO: entry of row 4 has id 5000.
     let indices: Vec<i64> = (0..8).flat_map(|r| [r, 0]).collect();
     let mut values: Vec<i32> = (0..8).collect();
     values[4] = 5000;
     let input = CooInput::new("f0", &indices, Ids::I32(&values), 8).unwrap();
-    assert_id_out_of_range(&err(prep(config()).run(&[&input], &mut Output::new())), 4, 5000);
+    assert_id_out_of_range(
+        &err(prep(config()).run(&[&input], &mut Output::new())),
+        4,
+        5000,
+    );
 }
 
 #[test]
@@ -735,7 +1100,9 @@ fn bad_ids_without_validation_do_not_panic() {
         let r = no_panic(|| p.run(&[&input], &mut out));
         match r {
             Err(panic) => panic!("id {bad} with validate_ids = false panicked: {panic}"),
-            Ok(Err(Error::IdOutOfRange { .. })) => panic!("id {bad}: validate_ids = false still validated"),
+            Ok(Err(Error::IdOutOfRange { .. })) => {
+                panic!("id {bad}: validate_ids = false still validated")
+            }
             Ok(_) => {}
         }
     }
@@ -745,7 +1112,11 @@ fn bad_ids_without_validation_do_not_panic() {
     ids[[2, 1]] = i32::MAX;
     let input = DenseInput::from_i32(ids.view());
     let r = no_panic(|| prep(cfg.clone()).run(&[&input], &mut Output::new()).is_ok());
-    assert!(r.is_ok(), "dense with validate_ids = false panicked: {:?}", r.err());
+    assert!(
+        r.is_ok(),
+        "dense with validate_ids = false panicked: {:?}",
+        r.err()
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -788,7 +1159,17 @@ fn infinite_weights() {
 
 #[test]
 fn negative_and_zero_weights_are_accepted() {
-    let w: Vec<f32> = (0..16).map(|i| if i % 3 == 0 { -0.5 } else if i % 3 == 1 { 0.0 } else { -0.0 }).collect();
+    let w: Vec<f32> = (0..16)
+        .map(|i| {
+            if i % 3 == 0 {
+                -0.5
+            } else if i % 3 == 1 {
+                0.0
+            } else {
+                -0.0
+            }
+        })
+        .collect();
     for combiner in ["sum", "mean", "sqrtn"] {
         let cfg = config_with(|v| v["tables"][0]["combiner"] = json!(combiner));
         let r = run_weighted(cfg, &w);
@@ -800,8 +1181,13 @@ fn negative_and_zero_weights_are_accepted() {
 fn ragged_weights_of_different_length() {
     let (values, splits) = ragged(&good_rows());
     let w = vec![1.0f32; 15];
-    let e = err(RaggedInput::from_i32("f0", &values, &splits).unwrap().with_weights("f0", &w));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    let e = err(RaggedInput::from_i32("f0", &values, &splits)
+        .unwrap()
+        .with_weights("f0", &w));
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "15 weights for 16 ids"]);
 }
 
@@ -811,7 +1197,10 @@ fn dense_weights_of_another_shape() {
     for shape in [(8, 3), (8, 1), (4, 2), (2, 8)] {
         let w = Array2::<f32>::ones(shape);
         let e = err(DenseInput::from_i32(ids.view()).with_weights("f0", w.view()));
-        assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+        assert!(
+            matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+            "{e:?}"
+        );
         assert_msg(&e, &["feature `f0`", &format!("{shape:?}"), "(8, 2)"]);
     }
 }
@@ -821,9 +1210,19 @@ fn custom_dense_source_with_narrower_weights() {
     // A user-written source whose weights have fewer columns than its ids.
     let ids = Array2::<i32>::from_shape_fn((8, 2), |(r, c)| r as i32 + 100 * c as i32);
     let w = Array2::<f32>::ones((8, 1));
-    let input = Custom::new(8, true, FeatureView::Dense { ids: DenseIds::I32(ids.view()), weights: Some(w.view()) });
+    let input = Custom::new(
+        8,
+        true,
+        FeatureView::Dense {
+            ids: DenseIds::I32(ids.view()),
+            weights: Some(w.view()),
+        },
+    );
     let e = err(prep(config()).run(&[&input], &mut Output::new()));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "(8, 1)", "(8, 2)"]);
 }
 
@@ -831,7 +1230,12 @@ fn custom_dense_source_with_narrower_weights() {
 fn arrow_weights_rows_of_different_length() {
     let ids = list_i32(some_rows(&[vec![1, 2], vec![3], vec![4, 5], vec![6]]));
     // Same total length (6), same row count, but row 0 has 1 weight for 2 ids.
-    let weights = list_f32(some_rows(&[vec![1.0], vec![1.0, 1.0], vec![1.0, 1.0], vec![1.0]]));
+    let weights = list_f32(some_rows(&[
+        vec![1.0],
+        vec![1.0, 1.0],
+        vec![1.0, 1.0],
+        vec![1.0],
+    ]));
     let cfg = config_with(|v| v["features"][0]["weights_column"] = json!("w0"));
     let batch = record_batch(vec![("f0", ids), ("w0", weights)]);
     let e = err(prep(cfg).run_record_batch(&batch, &mut Output::new()));
@@ -846,8 +1250,16 @@ fn arrow_weights_rows_of_different_length() {
 fn arrow_weights_with_different_row_count() {
     let ids = list_i32(some_rows(&[vec![1], vec![2], vec![3], vec![4]]));
     let weights = list_f32(some_rows(&[vec![1.0], vec![1.0], vec![1.0, 1.0]]));
-    let e = err(ArrowListInput::new("f0", "f0", ids.as_ref(), Some(("w0", weights.as_ref()))));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    let e = err(ArrowListInput::new(
+        "f0",
+        "f0",
+        ids.as_ref(),
+        Some(("w0", weights.as_ref())),
+    ));
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "`w0`", "3 rows", "`f0`", "4"]);
 }
 
@@ -859,8 +1271,14 @@ fn arrow_weights_with_different_row_count() {
 fn row_splits_that_decrease() {
     let values = [1, 2, 3, 4];
     let e = err(RaggedInput::from_i32("f0", &values, &[0, 2, 1, 4]));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
-    assert_msg(&e, &["feature `f0`", "row_splits decrease at row 1", "2 then 1"]);
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
+    assert_msg(
+        &e,
+        &["feature `f0`", "row_splits decrease at row 1", "2 then 1"],
+    );
 
     let values64 = [1i64, 2, 3, 4];
     let e = err(RaggedInput::from_i64("f0", &values64, &[0, 3, 2, 4]));
@@ -872,7 +1290,10 @@ fn row_splits_that_decrease() {
 fn row_splits_that_overrun_the_values() {
     let values = [1, 2, 3, 4];
     let e = err(RaggedInput::from_i32("f0", &values, &[0, 2, 5]));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "row_splits end at 5", "4 values"]);
 
     let values64 = [1i64, 2];
@@ -885,7 +1306,10 @@ fn row_splits_that_overrun_the_values() {
 fn row_splits_empty_or_negative() {
     let values = [1, 2];
     let e = err(RaggedInput::from_i32("f0", &values, &[]));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "row_splits cannot be empty"]);
 
     let e = err(RaggedInput::from_i32("f0", &values, &[-1, 2]));
@@ -898,22 +1322,44 @@ fn coo_indices_unsorted_by_row() {
     let indices = [0i64, 0, 2, 0, 1, 0];
     let values = [1i32, 2, 3];
     let e = err(CooInput::new("f0", &indices, Ids::I32(&values), 4));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
-    assert_msg(&e, &["feature `f0`", "not sorted by row", "entry 2", "row 1 after row 2"]);
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
+    assert_msg(
+        &e,
+        &[
+            "feature `f0`",
+            "not sorted by row",
+            "entry 2",
+            "row 1 after row 2",
+        ],
+    );
 }
 
 #[test]
 fn coo_row_outside_batch() {
     let values = [1i32, 2];
     let e = err(CooInput::new("f0", &[0, 0, 4, 0], Ids::I32(&values), 4));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "indices[1] has row 4", "batch of 4"]);
 
     let e = err(CooInput::new("f0", &[-1, 0, 0, 0], Ids::I32(&values), 4));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "indices[0] has row -1", "batch of 4"]);
 
-    let e = err(CooInput::new("f0", &[i64::MIN, 0, 0, 0], Ids::I32(&values), 4));
+    let e = err(CooInput::new(
+        "f0",
+        &[i64::MIN, 0, 0, 0],
+        Ids::I32(&values),
+        4,
+    ));
     assert!(matches!(e, Error::InvalidInput { .. }), "{e:?}");
 }
 
@@ -921,8 +1367,14 @@ fn coo_row_outside_batch() {
 fn coo_indices_length_mismatch() {
     let values = [1i64, 2, 3];
     let e = err(CooInput::new("f0", &[0, 0, 1, 0], Ids::I64(&values), 4));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
-    assert_msg(&e, &["feature `f0`", "indices hold 4 values", "2 * nnz = 6"]);
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
+    assert_msg(
+        &e,
+        &["feature `f0`", "indices hold 4 values", "2 * nnz = 6"],
+    );
 
     let e = err(CooInput::new("f0", &[0, 0, 1], Ids::I64(&values[..1]), 4));
     assert!(matches!(e, Error::InvalidInput { .. }), "{e:?}");
@@ -936,7 +1388,15 @@ fn coo_indices_length_mismatch() {
 #[test]
 fn custom_source_with_inconsistent_sample_count_is_an_error_not_a_panic() {
     let (values, splits) = ragged(&good_rows()); // 8 rows
-    let input = Custom::new(16, false, FeatureView::Ragged { ids: Ids::I32(&values), offsets: Offsets::I32(&splits), weights: None });
+    let input = Custom::new(
+        16,
+        false,
+        FeatureView::Ragged {
+            ids: Ids::I32(&values),
+            offsets: Offsets::I32(&splits),
+            weights: None,
+        },
+    );
     let mut p = prep(config());
     let mut out = Output::new();
     let r = no_panic(|| p.run(&[&input], &mut out));
@@ -944,7 +1404,10 @@ fn custom_source_with_inconsistent_sample_count_is_an_error_not_a_panic() {
         Err(panic) => panic!("BUG: run panicked on a custom SampleSource: {panic}"),
         Ok(r) => {
             let e = err(r);
-            assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+            assert!(
+                matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+                "{e:?}"
+            );
         }
     }
 }
@@ -956,15 +1419,28 @@ fn custom_source_with_inconsistent_sample_count_is_an_error_not_a_panic() {
 fn custom_source_with_unvalidated_offsets_is_an_error_not_a_panic() {
     let values: Vec<i32> = (0..16).collect();
     let bad_splits: Vec<i32> = vec![0, 2, 1, 6, 8, 10, 12, 14, 40];
-    let input = Custom::new(8, false, FeatureView::Ragged { ids: Ids::I32(&values), offsets: Offsets::I32(&bad_splits), weights: None });
+    let input = Custom::new(
+        8,
+        false,
+        FeatureView::Ragged {
+            ids: Ids::I32(&values),
+            offsets: Offsets::I32(&bad_splits),
+            weights: None,
+        },
+    );
     let mut p = prep(config());
     let mut out = Output::new();
     let r = no_panic(|| p.run(&[&input], &mut out));
     match r {
-        Err(panic) => panic!("BUG: run panicked on unvalidated offsets from a custom SampleSource: {panic}"),
+        Err(panic) => {
+            panic!("BUG: run panicked on unvalidated offsets from a custom SampleSource: {panic}")
+        }
         Ok(r) => {
             let e = err(r);
-            assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+            assert!(
+                matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+                "{e:?}"
+            );
         }
     }
 }
@@ -983,7 +1459,11 @@ fn arrow_missing_ids_column() {
     let cfg = config();
     let e = err(features_from_record_batch(&cfg, &batch));
     match &e {
-        Error::MissingColumn { feature, column, available } => {
+        Error::MissingColumn {
+            feature,
+            column,
+            available,
+        } => {
             assert_eq!(feature, "f0");
             assert_eq!(column, "f0");
             assert_eq!(available, "other, x");
@@ -995,7 +1475,10 @@ fn arrow_missing_ids_column() {
     // Through the preprocessor, with an explicit column name.
     let cfg = config_with(|v| v["features"][0]["column"] = json!("ids_col"));
     let e = err(prep(cfg).run_record_batch(&batch, &mut Output::new()));
-    assert!(matches!(&e, Error::MissingColumn { column, .. } if column == "ids_col"), "{e:?}");
+    assert!(
+        matches!(&e, Error::MissingColumn { column, .. } if column == "ids_col"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "`ids_col`", "other, x"]);
 }
 
@@ -1021,7 +1504,12 @@ fn arrow_ids_column_of_list_utf8() {
     let batch = record_batch(vec![("f0", Arc::new(b.finish()) as ArrayRef)]);
     let e = err(prep(config()).run_record_batch(&batch, &mut Output::new()));
     match &e {
-        Error::ColumnType { feature, column, expected, found } => {
+        Error::ColumnType {
+            feature,
+            column,
+            expected,
+            found,
+        } => {
             assert_eq!(feature, "f0");
             assert_eq!(column, "f0");
             assert!(expected.contains("List<Int32>"), "{expected}");
@@ -1029,30 +1517,50 @@ fn arrow_ids_column_of_list_utf8() {
         }
         other => panic!("expected ColumnType, got {other:?}"),
     }
-    assert_msg(&e, &["feature `f0`", "column `f0`", "Utf8", "List<Int32>", "List<Int64>"]);
+    assert_msg(
+        &e,
+        &[
+            "feature `f0`",
+            "column `f0`",
+            "Utf8",
+            "List<Int32>",
+            "List<Int64>",
+        ],
+    );
 }
 
 #[test]
 fn arrow_ids_column_of_int32() {
-    let batch = record_batch(vec![("f0", Arc::new(Int32Array::from((0..8).collect::<Vec<i32>>())) as ArrayRef)]);
+    let batch = record_batch(vec![(
+        "f0",
+        Arc::new(Int32Array::from((0..8).collect::<Vec<i32>>())) as ArrayRef,
+    )]);
     let e = err(prep(config()).run_record_batch(&batch, &mut Output::new()));
     assert!(
         matches!(&e, Error::ColumnType { feature, column, found, .. } if feature == "f0" && column == "f0" && found == "Int32"),
         "{e:?}"
     );
-    assert_msg(&e, &["feature `f0`", "column `f0`", "type Int32", "List<Int32>"]);
+    assert_msg(
+        &e,
+        &["feature `f0`", "column `f0`", "type Int32", "List<Int32>"],
+    );
 }
 
 #[test]
 fn arrow_weights_column_of_list_float64() {
     let cfg = config_with(|v| v["features"][0]["weights_column"] = json!("w0"));
-    let weights: ArrayRef = Arc::new(ListArray::from_iter_primitive::<Float64Type, _, _>(some_rows(
-        &(0..8).map(|_| vec![1.0f64, 1.0]).collect::<Vec<_>>(),
-    )));
+    let weights: ArrayRef = Arc::new(ListArray::from_iter_primitive::<Float64Type, _, _>(
+        some_rows(&(0..8).map(|_| vec![1.0f64, 1.0]).collect::<Vec<_>>()),
+    ));
     let batch = record_batch(vec![("f0", good_arrow_ids()), ("w0", weights)]);
     let e = err(prep(cfg).run_record_batch(&batch, &mut Output::new()));
     match &e {
-        Error::ColumnType { feature, column, expected, found } => {
+        Error::ColumnType {
+            feature,
+            column,
+            expected,
+            found,
+        } => {
             assert_eq!(feature, "f0");
             assert_eq!(column, "w0");
             assert!(expected.contains("List<Float32>"), "{expected}");
@@ -1060,15 +1568,24 @@ fn arrow_weights_column_of_list_float64() {
         }
         other => panic!("expected ColumnType, got {other:?}"),
     }
-    assert_msg(&e, &["feature `f0`", "column `w0`", "Float64", "List<Float32>"]);
+    assert_msg(
+        &e,
+        &["feature `f0`", "column `w0`", "Float64", "List<Float32>"],
+    );
 
     // A weights column that is not a list at all.
     let mut fb = Float64Builder::new();
     fb.append_slice(&[1.0; 8]);
-    let batch = record_batch(vec![("f0", good_arrow_ids()), ("w0", Arc::new(fb.finish()) as ArrayRef)]);
+    let batch = record_batch(vec![
+        ("f0", good_arrow_ids()),
+        ("w0", Arc::new(fb.finish()) as ArrayRef),
+    ]);
     let cfg = config_with(|v| v["features"][0]["weights_column"] = json!("w0"));
     let e = err(prep(cfg).run_record_batch(&batch, &mut Output::new()));
-    assert!(matches!(&e, Error::ColumnType { column, found, .. } if column == "w0" && found == "Float64"), "{e:?}");
+    assert!(
+        matches!(&e, Error::ColumnType { column, found, .. } if column == "w0" && found == "Float64"),
+        "{e:?}"
+    );
 }
 
 #[test]
@@ -1077,7 +1594,10 @@ fn arrow_null_list() {
     rows[3] = None;
     let batch = record_batch(vec![("f0", list_i32(rows))]);
     let e = err(prep(config()).run_record_batch(&batch, &mut Output::new()));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "column `f0`", "1 null lists"]);
 
     // Null weights lists too.
@@ -1086,7 +1606,10 @@ fn arrow_null_list() {
     let cfg = config_with(|v| v["features"][0]["weights_column"] = json!("w0"));
     let batch = record_batch(vec![("f0", good_arrow_ids()), ("w0", list_f32(wrows))]);
     let e = err(prep(cfg).run_record_batch(&batch, &mut Output::new()));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["column `w0`", "null lists"]);
 }
 
@@ -1096,8 +1619,18 @@ fn arrow_null_value_inside_list() {
     rows[2] = Some(vec![Some(2), None]);
     let batch = record_batch(vec![("f0", list_i32(rows))]);
     let e = err(prep(config()).run_record_batch(&batch, &mut Output::new()));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
-    assert_msg(&e, &["feature `f0`", "column `f0`", "1 null values inside its lists"]);
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
+    assert_msg(
+        &e,
+        &[
+            "feature `f0`",
+            "column `f0`",
+            "1 null values inside its lists",
+        ],
+    );
 
     // A null weight.
     let mut wb = ListBuilder::new(Float32Builder::new());
@@ -1111,29 +1644,56 @@ fn arrow_null_value_inside_list() {
         wb.append(true);
     }
     let cfg = config_with(|v| v["features"][0]["weights_column"] = json!("w0"));
-    let batch = record_batch(vec![("f0", good_arrow_ids()), ("w0", Arc::new(wb.finish()) as ArrayRef)]);
+    let batch = record_batch(vec![
+        ("f0", good_arrow_ids()),
+        ("w0", Arc::new(wb.finish()) as ArrayRef),
+    ]);
     let e = err(prep(cfg).run_record_batch(&batch, &mut Output::new()));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["column `w0`", "null values"]);
 }
 
 #[test]
 fn arrow_bad_values_reported_with_feature() {
     // Id and weight validation also applies to Arrow input; LargeList<Int64> ids work.
-    let rows: Vec<Vec<i64>> = (0..8).map(|r| if r == 7 { vec![r, 1000] } else { vec![r, r + 100] }).collect();
-    let ids: ArrayRef = Arc::new(LargeListArray::from_iter_primitive::<Int64Type, _, _>(some_rows(&rows)));
+    let rows: Vec<Vec<i64>> = (0..8)
+        .map(|r| {
+            if r == 7 {
+                vec![r, 1000]
+            } else {
+                vec![r, r + 100]
+            }
+        })
+        .collect();
+    let ids: ArrayRef = Arc::new(LargeListArray::from_iter_primitive::<Int64Type, _, _>(
+        some_rows(&rows),
+    ));
     let batch = record_batch(vec![("f0", ids)]);
-    assert_id_out_of_range(&err(prep(config()).run_record_batch(&batch, &mut Output::new())), 7, 1000);
+    assert_id_out_of_range(
+        &err(prep(config()).run_record_batch(&batch, &mut Output::new())),
+        7,
+        1000,
+    );
 
     let mut wb = ListBuilder::new(Float32Builder::new());
     for r in 0..8 {
-        wb.values().append_slice(&[1.0, if r == 4 { f32::NAN } else { 1.0 }]);
+        wb.values()
+            .append_slice(&[1.0, if r == 4 { f32::NAN } else { 1.0 }]);
         wb.append(true);
     }
     let cfg = config_with(|v| v["features"][0]["weights_column"] = json!("w0"));
-    let batch = record_batch(vec![("f0", good_arrow_ids()), ("w0", Arc::new(wb.finish()) as ArrayRef)]);
+    let batch = record_batch(vec![
+        ("f0", good_arrow_ids()),
+        ("w0", Arc::new(wb.finish()) as ArrayRef),
+    ]);
     let e = err(prep(cfg).run_record_batch(&batch, &mut Output::new()));
-    assert!(matches!(&e, Error::InvalidWeight { feature, row: 4, .. } if feature == "f0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidWeight { feature, row: 4, .. } if feature == "f0"),
+        "{e:?}"
+    );
 
     // Sanity: the same batch without the NaN is fine.
     let mut ib = ListBuilder::new(Int32Builder::new());
@@ -1142,7 +1702,9 @@ fn arrow_bad_values_reported_with_feature() {
         ib.append(true);
     }
     let batch = record_batch(vec![("f0", Arc::new(ib.finish()) as ArrayRef)]);
-    assert!(prep(config()).run_record_batch(&batch, &mut Output::new()).is_ok());
+    assert!(prep(config())
+        .run_record_batch(&batch, &mut Output::new())
+        .is_ok());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1151,7 +1713,9 @@ fn arrow_bad_values_reported_with_feature() {
 
 /// 8 samples; SparseCore 0 takes samples 0 and 1, which both hold `hot` (ids in partition 0).
 fn hot_rows(hot: &[i32]) -> Vec<Vec<i32>> {
-    (0..8).map(|r| if r < 2 { hot.to_vec() } else { vec![r + 1] }).collect()
+    (0..8)
+        .map(|r| if r < 2 { hot.to_vec() } else { vec![r + 1] })
+        .collect()
 }
 
 #[test]
@@ -1160,14 +1724,35 @@ fn max_ids_per_partition_exceeded() {
     let hot: Vec<i32> = (0..10).map(|i| 4 * i).collect();
     let e = err(run_ragged(config(), &hot_rows(&hot)));
     match &e {
-        Error::LimitExceeded { stack, kind: LimitKind::MaxIds, observed: 20, limit: 16, device: 0, sparsecore: 0, partition: 0 } => {
+        Error::LimitExceeded {
+            stack,
+            kind: LimitKind::MaxIds,
+            observed: 20,
+            limit: 16,
+            device: 0,
+            sparsecore: 0,
+            partition: 0,
+        } => {
             assert_eq!(stack, "t0")
         }
         other => panic!("expected LimitExceeded(MaxIds), got {other:?}"),
     }
-    assert_msg(&e, &["stack `t0`", "Observed max ids per partition: 20", "is greater than the set max ids per partition", ": 16", "allow_id_dropping"]);
+    assert_msg(
+        &e,
+        &[
+            "stack `t0`",
+            "Observed max ids per partition: 20",
+            "is greater than the set max ids per partition",
+            ": 16",
+            "allow_id_dropping",
+        ],
+    );
 
-    let out = run_ragged(config_with(|v| v["config"]["allow_id_dropping"] = json!(true)), &hot_rows(&hot)).unwrap();
+    let out = run_ragged(
+        config_with(|v| v["config"]["allow_id_dropping"] = json!(true)),
+        &hot_rows(&hot),
+    )
+    .unwrap();
     let t0 = out.stack("t0").unwrap();
     assert_eq!(t0.stats.dropped_id_count, 4);
     assert_eq!(t0.stats.max_ids(), 20);
@@ -1180,12 +1765,28 @@ fn max_unique_ids_per_partition_exceeded() {
     let cfg = config_with(|v| v["tables"][0]["max_unique_ids_per_partition"] = json!(4));
     let e = err(run_ragged(cfg, &hot_rows(&hot)));
     match &e {
-        Error::LimitExceeded { stack, kind: LimitKind::MaxUniqueIds, observed: 5, limit: 4, device: 0, sparsecore: 0, partition: 0 } => {
+        Error::LimitExceeded {
+            stack,
+            kind: LimitKind::MaxUniqueIds,
+            observed: 5,
+            limit: 4,
+            device: 0,
+            sparsecore: 0,
+            partition: 0,
+        } => {
             assert_eq!(stack, "t0")
         }
         other => panic!("expected LimitExceeded(MaxUniqueIds), got {other:?}"),
     }
-    assert_msg(&e, &["stack `t0`", "Observed max unique ids per partition: 5", "is greater than the set max unique ids per partition", ": 4"]);
+    assert_msg(
+        &e,
+        &[
+            "stack `t0`",
+            "Observed max unique ids per partition: 5",
+            "is greater than the set max unique ids per partition",
+            ": 4",
+        ],
+    );
 
     let cfg = config_with(|v| {
         v["tables"][0]["max_unique_ids_per_partition"] = json!(4);
@@ -1208,10 +1809,29 @@ fn limit_exceeded_reports_device_sparsecore_and_partition() {
     // 16 samples; nsps = 16 / 8 = 2; device 1 SC 2 takes rows (1*4+2)*2 = 12, 13.
     // N = 8: partition 3 ids are 3 + 8k.
     let hot: Vec<i32> = (0..9).map(|k| 3 + 8 * k).collect();
-    let rows: Vec<Vec<i32>> = (0..16).map(|r| if r == 12 || r == 13 { hot.clone() } else { vec![r] }).collect();
+    let rows: Vec<Vec<i32>> = (0..16)
+        .map(|r| {
+            if r == 12 || r == 13 {
+                hot.clone()
+            } else {
+                vec![r]
+            }
+        })
+        .collect();
     let e = err(run_ragged(cfg, &rows));
     assert!(
-        matches!(&e, Error::LimitExceeded { kind: LimitKind::MaxIds, observed: 18, limit: 16, device: 1, sparsecore: 2, partition: 3, .. }),
+        matches!(
+            &e,
+            Error::LimitExceeded {
+                kind: LimitKind::MaxIds,
+                observed: 18,
+                limit: 16,
+                device: 1,
+                sparsecore: 2,
+                partition: 3,
+                ..
+            }
+        ),
         "{e:?}"
     );
     assert_msg(&e, &["device 1", "SparseCore 2", "partition 3"]);
@@ -1241,7 +1861,10 @@ fn errors_leave_output_and_preprocessor_reusable() {
         bad_rows[3][0] = -1;
         let (bv, bs) = ragged(&bad_rows);
         let bad_id = RaggedInput::from_i32("f0", &bv, &bs).unwrap();
-        assert!(matches!(p.run(&[&bad_id], &mut out), Err(Error::IdOutOfRange { .. })));
+        assert!(matches!(
+            p.run(&[&bad_id], &mut out),
+            Err(Error::IdOutOfRange { .. })
+        ));
         p.run(&[&good], &mut out).unwrap();
         assert_same_output(&out, &expected);
 
@@ -1249,7 +1872,10 @@ fn errors_leave_output_and_preprocessor_reusable() {
         let hot: Vec<i32> = (0..10).map(|i| 4 * i).collect();
         let (hv, hs) = ragged(&hot_rows(&hot));
         let hot_input = RaggedInput::from_i32("f0", &hv, &hs).unwrap();
-        assert!(matches!(p.run(&[&hot_input], &mut out), Err(Error::LimitExceeded { .. })));
+        assert!(matches!(
+            p.run(&[&hot_input], &mut out),
+            Err(Error::LimitExceeded { .. })
+        ));
         p.run(&[&good], &mut out).unwrap();
         assert_same_output(&out, &expected);
 
@@ -1257,21 +1883,36 @@ fn errors_leave_output_and_preprocessor_reusable() {
         // differently and fails later, then the good one again.
         let (dv, ds) = ragged(&(0..6).map(|r| vec![r]).collect::<Vec<_>>());
         let odd = RaggedInput::from_i32("f0", &dv, &ds).unwrap();
-        assert!(matches!(p.run(&[&odd], &mut out), Err(Error::BatchNotDivisible { .. })));
+        assert!(matches!(
+            p.run(&[&odd], &mut out),
+            Err(Error::BatchNotDivisible { .. })
+        ));
         let mut big_rows: Vec<Vec<i32>> = (0..16).map(|r| vec![r]).collect();
         big_rows[15] = vec![5000];
         let (lv, ls) = ragged(&big_rows);
         let big = RaggedInput::from_i32("f0", &lv, &ls).unwrap();
-        assert!(matches!(p.run(&[&big], &mut out), Err(Error::IdOutOfRange { row: 15, .. })));
+        assert!(matches!(
+            p.run(&[&big], &mut out),
+            Err(Error::IdOutOfRange { row: 15, .. })
+        ));
         p.run(&[&good], &mut out).unwrap();
         assert_same_output(&out, &expected);
 
         // Invalid weights, then unweighted again.
         let w = vec![f32::NAN; 16];
-        let weighted = RaggedInput::from_i32("f0", &gv, &gs).unwrap().with_weights("f0", &w).unwrap();
-        assert!(matches!(p.run(&[&weighted], &mut out), Err(Error::InvalidWeight { .. })));
+        let weighted = RaggedInput::from_i32("f0", &gv, &gs)
+            .unwrap()
+            .with_weights("f0", &w)
+            .unwrap();
+        assert!(matches!(
+            p.run(&[&weighted], &mut out),
+            Err(Error::InvalidWeight { .. })
+        ));
         // Wrong input count.
-        assert!(matches!(p.run(&[], &mut out), Err(Error::InputCount { .. })));
+        assert!(matches!(
+            p.run(&[], &mut out),
+            Err(Error::InputCount { .. })
+        ));
         p.run(&[&good], &mut out).unwrap();
         assert_same_output(&out, &expected);
     }
@@ -1285,11 +1926,17 @@ fn record_batch_errors_leave_preprocessor_reusable() {
     p.run_record_batch(&good, &mut out).unwrap();
     let expected = out.clone();
     let missing = record_batch(vec![("zzz", good_arrow_ids())]);
-    assert!(matches!(p.run_record_batch(&missing, &mut out), Err(Error::MissingColumn { .. })));
+    assert!(matches!(
+        p.run_record_batch(&missing, &mut out),
+        Err(Error::MissingColumn { .. })
+    ));
     let mut rows = some_rows(&good_rows());
     rows[0] = None;
     let nulls = record_batch(vec![("f0", list_i32(rows))]);
-    assert!(matches!(p.run_record_batch(&nulls, &mut out), Err(Error::InvalidInput { .. })));
+    assert!(matches!(
+        p.run_record_batch(&nulls, &mut out),
+        Err(Error::InvalidInput { .. })
+    ));
     p.run_record_batch(&good, &mut out).unwrap();
     assert_same_output(&out, &expected);
 }
@@ -1311,9 +1958,14 @@ fn case_missing_file_and_malformed_json() {
     assert_msg(&e, &["/nonexistent/sparsecore-prep/case"]);
 
     let e = err(Case::from_json("[1, 2"));
-    assert!(matches!(&e, Error::Json { context, .. } if context == "case"), "{e:?}");
+    assert!(
+        matches!(&e, Error::Json { context, .. } if context == "case"),
+        "{e:?}"
+    );
     // A feature without batch sizes.
-    let e = err(Case::from_json(&case_json(json!({"name": "f0", "table": "t0"}))));
+    let e = err(Case::from_json(&case_json(
+        json!({"name": "f0", "table": "t0"}),
+    )));
     assert!(matches!(e, Error::Json { .. }), "{e:?}");
     assert_msg(&e, &["local_batch_size"]);
 }
@@ -1321,7 +1973,8 @@ fn case_missing_file_and_malformed_json() {
 #[test]
 fn case_feature_errors() {
     let f = |extra: Value| {
-        let mut v = json!({"name": "f0", "table": "t0", "local_batch_size": 4, "global_batch_size": 4});
+        let mut v =
+            json!({"name": "f0", "table": "t0", "local_batch_size": 4, "global_batch_size": 4});
         for (k, x) in extra.as_object().unwrap() {
             v[k] = x.clone();
         }
@@ -1329,31 +1982,57 @@ fn case_feature_errors() {
     };
     // Unknown layout.
     let e = err(Case::from_json(&f(json!({"layout": "csr", "ids": [[1]]}))));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "unknown case layout", "csr"]);
     // No ids.
     let e = err(Case::from_json(&f(json!({"layout": "ragged"}))));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "no `ids`"]);
     // Weights rows of the wrong length / count.
-    let e = err(Case::from_json(&f(json!({"ids": [[1, 2], [3]], "weights": [[1.0, 1.0], [1.0, 1.0]]}))));
-    assert!(matches!(&e, Error::WeightsShape { feature, row: 1, ids: 1, weights: 2 } if feature == "f0"), "{e:?}");
+    let e = err(Case::from_json(&f(
+        json!({"ids": [[1, 2], [3]], "weights": [[1.0, 1.0], [1.0, 1.0]]}),
+    )));
+    assert!(
+        matches!(&e, Error::WeightsShape { feature, row: 1, ids: 1, weights: 2 } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "row 1", "2 weights for 1 ids"]);
-    let e = err(Case::from_json(&f(json!({"ids": [[1], [3]], "weights": [[1.0]]}))));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    let e = err(Case::from_json(&f(
+        json!({"ids": [[1], [3]], "weights": [[1.0]]}),
+    )));
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["1 weight rows for 2 id rows"]);
     // Dense rows of different lengths.
-    let e = err(Case::from_json(&f(json!({"layout": "dense", "ids": [[1, 2], [3]]}))));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    let e = err(Case::from_json(&f(
+        json!({"layout": "dense", "ids": [[1, 2], [3]]}),
+    )));
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "same length"]);
     // COO without indices / values, and with unsorted indices (rejected by `sources`).
     let e = err(Case::from_json(&f(json!({"layout": "coo", "values": [1]}))));
     assert_msg(&e, &["feature `f0`", "no `indices`"]);
-    let e = err(Case::from_json(&f(json!({"layout": "coo", "indices": [[0, 0]]}))));
+    let e = err(Case::from_json(&f(
+        json!({"layout": "coo", "indices": [[0, 0]]}),
+    )));
     assert_msg(&e, &["feature `f0`", "no `values`"]);
     let case = Case::from_json(&f(json!({"layout": "coo", "indices": [[1, 0], [0, 0]], "values": [1, 2], "dense_shape": [4, 2]})))
         .unwrap();
     let e = err(case.sources());
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["not sorted by row"]);
 }

@@ -13,12 +13,18 @@ use sparsecore_prep::{Error, Result};
 
 fn hex(text: &str) -> Vec<u8> {
     let digits: Vec<u8> = text.bytes().filter(u8::is_ascii_hexdigit).collect();
-    digits.chunks(2).map(|p| u8::from_str_radix(std::str::from_utf8(p).unwrap(), 16).unwrap()).collect()
+    digits
+        .chunks(2)
+        .map(|p| u8::from_str_radix(std::str::from_utf8(p).unwrap(), 16).unwrap())
+        .collect()
 }
 
 /// A scratch path named `name`, unique to this test process.
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sparsecore-fuzz-regressions-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "sparsecore-fuzz-regressions-{}",
+        std::process::id()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
 }
@@ -87,7 +93,11 @@ fn ipc_buffer_past_its_message_body_is_an_error() {
     let reason = arrow_reason(&e);
     assert!(reason.contains("buffer_past_body.arrow"), "{reason}");
     assert!(reason.contains("record batch block 0: buffer"), "{reason}");
-    assert!(reason.contains("offset 234195976716296") && reason.contains("outside the 176-byte message body"), "{reason}");
+    assert!(
+        reason.contains("offset 234195976716296")
+            && reason.contains("outside the 176-byte message body"),
+        "{reason}"
+    );
 }
 
 /// arrow_ipc target, `crash-6e9bc0ed7eadc1881eaf409f7aa79cfa26f6c27c`: an IPC stream whose
@@ -125,17 +135,32 @@ const OFFSETS_NOT_WHOLE_I32S: &str = "
 fn ipc_decoder_panic_is_an_error() {
     let e = read_all("offsets.arrows", &hex(OFFSETS_NOT_WHOLE_I32S)).unwrap_err();
     let reason = arrow_reason(&e);
-    assert!(reason.contains("offsets.arrows: record batch 0"), "{reason}");
-    assert!(reason.contains("malformed file: the decoder panicked"), "{reason}");
+    assert!(
+        reason.contains("offsets.arrows: record batch 0"),
+        "{reason}"
+    );
+    assert!(
+        reason.contains("malformed file: the decoder panicked"),
+        "{reason}"
+    );
 }
 
 /// A small valid IPC file: one `List<Int32>` column `f0` with rows [1, 2], [], [3].
 fn valid_file() -> Vec<u8> {
     let values = Int32Array::from(vec![1, 2, 3]);
     let field = Field::new_list_field(DataType::Int32, false);
-    let list = ListArray::new(field.into(), OffsetBuffer::new(vec![0, 2, 2, 3].into()), std::sync::Arc::new(values), None);
+    let list = ListArray::new(
+        field.into(),
+        OffsetBuffer::new(vec![0, 2, 2, 3].into()),
+        std::sync::Arc::new(values),
+        None,
+    );
     let schema = Schema::new(vec![Field::new("f0", list.data_type().clone(), false)]);
-    let batch = RecordBatch::try_new(schema.clone().into(), vec![std::sync::Arc::new(list) as ArrayRef]).unwrap();
+    let batch = RecordBatch::try_new(
+        schema.clone().into(),
+        vec![std::sync::Arc::new(list) as ArrayRef],
+    )
+    .unwrap();
     let mut bytes = Vec::new();
     let mut w = arrow_ipc::writer::FileWriter::try_new(&mut bytes, &schema).unwrap();
     w.write(&batch).unwrap();
@@ -158,7 +183,13 @@ fn ipc_footer_longer_than_the_file_is_an_error_not_a_2gib_allocation() {
     let n = bytes.len();
     bytes[n - 10..n - 6].copy_from_slice(&i32::MAX.to_le_bytes());
     let reason = arrow_reason(&read_all("long_footer.arrow", &bytes).unwrap_err());
-    assert!(reason.contains(&format!("footer length 2147483647 exceeds the {} bytes", n - 18)), "{reason}");
+    assert!(
+        reason.contains(&format!(
+            "footer length 2147483647 exceeds the {} bytes",
+            n - 18
+        )),
+        "{reason}"
+    );
 }
 
 #[test]
@@ -172,10 +203,18 @@ fn ipc_block_with_negative_body_length_is_an_error() {
     let block = footer.recordBatches().unwrap().get(0);
     let body = block.bodyLength().to_le_bytes();
     // The block is a 24-byte struct inside the footer: offset (i64), metaDataLength (i32, padded), bodyLength (i64).
-    let at = footer_at + bytes[footer_at..n - 10].windows(8).position(|w| w == body).unwrap();
+    let at = footer_at
+        + bytes[footer_at..n - 10]
+            .windows(8)
+            .position(|w| w == body)
+            .unwrap();
     bytes[at..at + 8].copy_from_slice(&(-1i64).to_le_bytes());
     let reason = arrow_reason(&read_all("negative_body.arrow", &bytes).unwrap_err());
-    assert!(reason.contains("record batch block 0") && reason.contains("body -1 bytes do not lie within"), "{reason}");
+    assert!(
+        reason.contains("record batch block 0")
+            && reason.contains("body -1 bytes do not lie within"),
+        "{reason}"
+    );
 }
 
 /// stats_import target, `crash-b7502b5f03e2f88fc3475ce153c10b6944e45da0`: our stats JSON with a
@@ -249,7 +288,10 @@ fn csv_export_refuses_names_that_cannot_be_keys() {
     let path = scratch("comma.csv");
     let e = csv::export(&path, &stats).unwrap_err();
     assert!(matches!(e, Error::InvalidData { .. }), "{e:?}");
-    assert!(e.to_string().contains("comma.csv") && e.to_string().contains("\"a,b\""), "{e}");
+    assert!(
+        e.to_string().contains("comma.csv") && e.to_string().contains("\"a,b\""),
+        "{e}"
+    );
     assert!(!path.exists());
 }
 
@@ -258,7 +300,8 @@ fn csv_export_refuses_names_that_cannot_be_keys() {
 /// target (its run had not reached it yet).
 #[test]
 fn npy_without_rows_sizes_nothing() {
-    let mut header = String::from("{'descr': '<i8', 'fortran_order': False, 'shape': (0, 1099511627776), }");
+    let mut header =
+        String::from("{'descr': '<i8', 'fortran_order': False, 'shape': (0, 1099511627776), }");
     while (10 + header.len() + 1) % 64 != 0 {
         header.push(' ');
     }
@@ -269,8 +312,13 @@ fn npy_without_rows_sizes_nothing() {
     let a = npz::decode_npy(&bytes, "t0_max_ids.npy").unwrap();
     assert_eq!(a.shape, vec![0, 1 << 40]);
     assert_eq!(a.max_over_rows(), Vec::<i64>::new());
-    let layout = LayoutKey { local_device_count: 1, global_device_count: 1, num_sc_per_device: 4 };
-    let stats = npz::stats_from_arrays(layout, &[("t0_max_ids".to_string(), a)].into(), "x.npz").unwrap();
+    let layout = LayoutKey {
+        local_device_count: 1,
+        global_device_count: 1,
+        num_sc_per_device: 4,
+    };
+    let stats =
+        npz::stats_from_arrays(layout, &[("t0_max_ids".to_string(), a)].into(), "x.npz").unwrap();
     assert!(stats.stacks["t0"].max_ids_per_partition.is_empty());
 }
 
@@ -280,13 +328,19 @@ fn npy_without_rows_sizes_nothing() {
 fn merging_huge_counts_saturates() {
     let text = STACK_NAME_WITH_SPACE
         .replace("\"batches\": 2", "\"batches\": 18446744073709551615")
-        .replace("\"dropped_id_count\": 0", "\"dropped_id_count\": 18446744073709551000");
+        .replace(
+            "\"dropped_id_count\": 0",
+            "\"dropped_id_count\": 18446744073709551000",
+        );
     let stats = FdoStats::from_json(&text).unwrap();
     let mut merged = stats.clone();
     merged.merge(&stats).unwrap();
     assert_eq!(merged.batches, u64::MAX);
     assert_eq!(merged.stacks[" t0"].dropped_id_count, u64::MAX);
-    assert_eq!(merged.stacks[" t0"].max_ids_per_partition, vec![2, 2, 15, 9]);
+    assert_eq!(
+        merged.stacks[" t0"].max_ids_per_partition,
+        vec![2, 2, 15, 9]
+    );
 }
 
 /// stats_import target: a reference CSV with a negative count was imported, and the JSON
@@ -296,10 +350,18 @@ fn merging_huge_counts_saturates() {
 fn imported_negative_counts_are_refused_like_json_ones() {
     let text = "key,values\nt0\u{f}\0\0\0_max_ids,-9";
     // One partition, as the one value needs (the fuzzer's layout 1/2/2 gives 4, now refused).
-    let layout = LayoutKey { local_device_count: 1, global_device_count: 1, num_sc_per_device: 1 };
+    let layout = LayoutKey {
+        local_device_count: 1,
+        global_device_count: 1,
+        num_sc_per_device: 1,
+    };
     let arrays = csv::parse(text, "fuzz.csv").unwrap();
     let e = npz::stats_from_arrays(layout, &arrays, "fuzz.csv").unwrap_err();
-    assert!(e.to_string().contains("`max_ids_per_partition`[0] is -9: counts cannot be negative"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("`max_ids_per_partition`[0] is -9: counts cannot be negative"),
+        "{e}"
+    );
     let fine = csv::parse("key,values\nt0_max_ids,9", "fine.csv").unwrap();
     let stats = npz::stats_from_arrays(layout, &fine, "fine.csv").unwrap();
     assert_eq!(FdoStats::from_json(&stats.to_json()).unwrap(), stats);

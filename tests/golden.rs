@@ -11,8 +11,8 @@ mod common;
 
 use std::path::Path;
 
-use sparsecore_testkit::case::Case;
 use sparsecore_prep::Preprocessor;
+use sparsecore_testkit::case::Case;
 
 /// Runs one case from `input.json` alone; `Err` describes the first mismatch. One thread runs
 /// the tasks in order on the calling thread and two run them on a pool (`small_batch_ids(0)`:
@@ -21,9 +21,12 @@ fn check_case(dir: &Path) -> Result<(), String> {
     let case = Case::from_path(dir).map_err(|e| format!("loading: {e}"))?;
     let expected = common::load_json(&dir.join("expected.json"));
     for threads in [1, 2] {
-        let builder =
-            Preprocessor::builder(case.config.clone()).global_batch_sizes(case.global_batch_sizes()).threads(threads).small_batch_ids(0);
-        common::run_and_check(&case, builder, &expected).map_err(|e| format!("{threads} thread(s): {e}"))?;
+        let builder = Preprocessor::builder(case.config.clone())
+            .global_batch_sizes(case.global_batch_sizes())
+            .threads(threads)
+            .small_batch_ids(0);
+        common::run_and_check(&case, builder, &expected)
+            .map_err(|e| format!("{threads} thread(s): {e}"))?;
     }
     Ok(())
 }

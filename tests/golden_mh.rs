@@ -53,17 +53,26 @@ impl MhCase {
     pub fn load(dir: &Path) -> Result<Self, String> {
         let meta = common::load_json(&dir.join("case.json"));
         let hosts = meta["hosts"].as_u64().ok_or("case.json: no `hosts`")? as usize;
-        let batch_number = meta["batch_number"].as_u64().ok_or("case.json: no `batch_number`")?;
+        let batch_number = meta["batch_number"]
+            .as_u64()
+            .ok_or("case.json: no `batch_number`")?;
         if hosts == 0 {
             return Err("case.json: 0 hosts".into());
         }
         for h in 0..hosts {
             let hd = dir.join(format!("host_{h}"));
             if !hd.join("input.json").is_file() || !hd.join("expected.json").is_file() {
-                return Err(format!("{} lacks input.json or expected.json", hd.display()));
+                return Err(format!(
+                    "{} lacks input.json or expected.json",
+                    hd.display()
+                ));
             }
         }
-        Ok(MhCase { dir: dir.to_path_buf(), hosts, batch_number })
+        Ok(MhCase {
+            dir: dir.to_path_buf(),
+            hosts,
+            batch_number,
+        })
     }
 
     pub fn host_dir(&self, h: usize) -> PathBuf {
@@ -73,7 +82,11 @@ impl MhCase {
 
 /// Runs host `h` of a case with `all_reduce` and compares with its `expected.json`; returns its
 /// number of minibatches.
-pub fn run_host(host_dir: &Path, batch_number: u64, all_reduce: Arc<dyn AllReduce>) -> Result<usize, String> {
+pub fn run_host(
+    host_dir: &Path,
+    batch_number: u64,
+    all_reduce: Arc<dyn AllReduce>,
+) -> Result<usize, String> {
     let case = Case::from_path(host_dir).map_err(|e| format!("loading: {e}"))?;
     let expected: Value = common::load_json(&host_dir.join("expected.json"));
     let builder = Preprocessor::builder(case.config.clone())
@@ -126,15 +139,27 @@ pub fn run_threads(case: &MhCase, all_reduces: Vec<Arc<dyn AllReduce>>) -> Resul
                 s.spawn(move || run_host(&dir, case.batch_number, ar))
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("host thread panicked".into()))).collect()
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("host thread panicked".into()))
+            })
+            .collect()
     });
     combine(results)
 }
 
 fn check_in_process(case: &MhCase) -> Result<(), String> {
     let group = LocalAllReduce::group(case.hosts, EXCHANGE_TIMEOUT);
-    run_threads(case, group.into_iter().map(|g| Arc::new(g) as Arc<dyn AllReduce>).collect())
-        .map_err(|e| format!("in-process: {e}"))
+    run_threads(
+        case,
+        group
+            .into_iter()
+            .map(|g| Arc::new(g) as Arc<dyn AllReduce>)
+            .collect(),
+    )
+    .map_err(|e| format!("in-process: {e}"))
 }
 
 /// A child process running one host; its stdout lines come through `lines`.
@@ -174,17 +199,27 @@ pub fn spawn_host(case_dir: &Path, rank: usize, extra_env: &[(&str, &str)]) -> H
         let _ = stderr.read_to_string(&mut s);
         s
     });
-    HostProcess { child, lines, stderr }
+    HostProcess {
+        child,
+        lines,
+        stderr,
+    }
 }
 
 /// Waits for a child's listening address (printed before it runs).
 pub fn read_addr(p: &HostProcess, deadline: Instant) -> Result<SocketAddr, String> {
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let line = p.lines.recv_timeout(left).map_err(|_| "no address from the host process".to_string())?;
+        let line = p
+            .lines
+            .recv_timeout(left)
+            .map_err(|_| "no address from the host process".to_string())?;
         // libtest may print "test host_process ... " on the same line first.
         if let Some((_, a)) = line.split_once(ADDR_LINE) {
-            return a.trim().parse().map_err(|e| format!("bad address line {line:?}: {e}"));
+            return a
+                .trim()
+                .parse()
+                .map_err(|e| format!("bad address line {line:?}: {e}"));
         }
     }
 }
@@ -201,7 +236,9 @@ pub fn send_peers(procs: &mut [HostProcess], addrs: &[SocketAddr]) {
 /// Waits for a child until `deadline` (killing it then); `Ok(())` on exit status 0, else its
 /// stderr's tail.
 pub fn wait_host(p: HostProcess, deadline: Instant) -> Result<(), String> {
-    let HostProcess { mut child, stderr, .. } = p;
+    let HostProcess {
+        mut child, stderr, ..
+    } = p;
     loop {
         match child.try_wait() {
             Ok(Some(status)) => {
@@ -209,7 +246,12 @@ pub fn wait_host(p: HostProcess, deadline: Instant) -> Result<(), String> {
                 if status.success() {
                     return Ok(());
                 }
-                let tail: String = err.lines().filter(|l| !l.trim().is_empty()).take(12).collect::<Vec<_>>().join(" | ");
+                let tail: String = err
+                    .lines()
+                    .filter(|l| !l.trim().is_empty())
+                    .take(12)
+                    .collect::<Vec<_>>()
+                    .join(" | ");
                 return Err(format!("exited with {status}: {tail}"));
             }
             Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
@@ -224,8 +266,11 @@ pub fn wait_host(p: HostProcess, deadline: Instant) -> Result<(), String> {
 
 fn check_processes(case: &MhCase) -> Result<(), String> {
     let deadline = Instant::now() + CASE_DEADLINE;
-    let mut procs: Vec<HostProcess> = (0..case.hosts).map(|h| spawn_host(&case.dir, h, &[])).collect();
-    let addrs: Result<Vec<SocketAddr>, String> = procs.iter().map(|p| read_addr(p, deadline)).collect();
+    let mut procs: Vec<HostProcess> = (0..case.hosts)
+        .map(|h| spawn_host(&case.dir, h, &[]))
+        .collect();
+    let addrs: Result<Vec<SocketAddr>, String> =
+        procs.iter().map(|p| read_addr(p, deadline)).collect();
     let addrs = match addrs {
         Ok(a) => a,
         Err(e) => {
@@ -237,7 +282,10 @@ fn check_processes(case: &MhCase) -> Result<(), String> {
         }
     };
     send_peers(&mut procs, &addrs);
-    let results: Vec<Result<usize, String>> = procs.into_iter().map(|p| wait_host(p, deadline).map(|_| 0)).collect();
+    let results: Vec<Result<usize, String>> = procs
+        .into_iter()
+        .map(|p| wait_host(p, deadline).map(|_| 0))
+        .collect();
     combine(results).map_err(|e| format!("processes over TCP: {e}"))
 }
 
@@ -245,7 +293,9 @@ fn check_processes(case: &MhCase) -> Result<(), String> {
 /// stdin after printing its own address) and panics on any mismatch. Otherwise does nothing.
 #[test]
 fn host_process() {
-    let Ok(spec) = std::env::var(HOST_ENV) else { return };
+    let Ok(spec) = std::env::var(HOST_ENV) else {
+        return;
+    };
     let (dir, rank) = spec.split_once('\n').expect("<dir>\\n<rank>");
     let rank: usize = rank.parse().expect("rank");
     let case = MhCase::load(Path::new(dir)).unwrap();
@@ -257,10 +307,19 @@ fn host_process() {
     }
     let mut line = String::new();
     std::io::stdin().read_line(&mut line).unwrap();
-    let peers: Vec<SocketAddr> = line.trim().split(',').map(|a| a.parse().expect("peer address")).collect();
+    let peers: Vec<SocketAddr> = line
+        .trim()
+        .split(',')
+        .map(|a| a.parse().expect("peer address"))
+        .collect();
     assert_eq!(peers.len(), case.hosts, "peer list");
-    let timeout = std::env::var(TIMEOUT_ENV).ok().map_or(EXCHANGE_TIMEOUT, |ms| Duration::from_millis(ms.parse().unwrap()));
-    let ar: Arc<dyn AllReduce> = Arc::new(TcpAllReduce::with_listener(rank, listener, peers.clone(), timeout).unwrap());
+    let timeout = std::env::var(TIMEOUT_ENV)
+        .ok()
+        .map_or(EXCHANGE_TIMEOUT, |ms| {
+            Duration::from_millis(ms.parse().unwrap())
+        });
+    let ar: Arc<dyn AllReduce> =
+        Arc::new(TcpAllReduce::with_listener(rank, listener, peers.clone(), timeout).unwrap());
     if let Err(e) = run_host(&case.host_dir(rank), case.batch_number, ar.clone()) {
         panic!("host {rank} of {}: {e}", case.dir.display());
     }
@@ -277,10 +336,17 @@ fn host_process() {
             panic!("the victim was not killed");
         }
         drop(out);
-        let err = run_step(&case.host_dir(rank), case.batch_number + 1, ar).expect_err("a step without the victim");
-        assert!(matches!(err, sparsecore_prep::Error::AllReduce { .. }), "host {rank}: {err:?}");
+        let err = run_step(&case.host_dir(rank), case.batch_number + 1, ar)
+            .expect_err("a step without the victim");
+        assert!(
+            matches!(err, sparsecore_prep::Error::AllReduce { .. }),
+            "host {rank}: {err:?}"
+        );
         let named = format!("peer {victim} at {}", peers[victim]);
-        assert!(err.to_string().contains(&named), "host {rank}: {err} does not name {named}");
+        assert!(
+            err.to_string().contains(&named),
+            "host {rank}: {err} does not name {named}"
+        );
         let mut out = std::io::stdout().lock();
         writeln!(out, "{FAILED_LINE}{err}").unwrap();
         out.flush().unwrap();
@@ -288,7 +354,11 @@ fn host_process() {
 }
 
 /// Runs host `host_dir`'s batch under another batch number, without comparing.
-fn run_step(host_dir: &Path, batch_number: u64, all_reduce: Arc<dyn AllReduce>) -> Result<Output, sparsecore_prep::Error> {
+fn run_step(
+    host_dir: &Path,
+    batch_number: u64,
+    all_reduce: Arc<dyn AllReduce>,
+) -> Result<Output, sparsecore_prep::Error> {
     let case = Case::from_path(host_dir)?;
     let mut prep = Preprocessor::builder(case.config.clone())
         .global_batch_sizes(case.global_batch_sizes())
@@ -303,12 +373,22 @@ fn run_step(host_dir: &Path, batch_number: u64, all_reduce: Arc<dyn AllReduce>) 
 
 /// Case directories (holding case.json) under `root`, sorted; a missing or empty root panics.
 pub fn mh_case_dirs(root: &Path) -> Vec<PathBuf> {
-    let entries = std::fs::read_dir(root)
-        .unwrap_or_else(|e| panic!("multi-host golden folder {} is missing: {e}", root.display()));
-    let mut dirs: Vec<PathBuf> =
-        entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.join("case.json").is_file()).collect();
+    let entries = std::fs::read_dir(root).unwrap_or_else(|e| {
+        panic!(
+            "multi-host golden folder {} is missing: {e}",
+            root.display()
+        )
+    });
+    let mut dirs: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("case.json").is_file())
+        .collect();
     dirs.sort();
-    assert!(!dirs.is_empty(), "no multi-host cases under {}", root.display());
+    assert!(
+        !dirs.is_empty(),
+        "no multi-host cases under {}",
+        root.display()
+    );
     dirs
 }
 
@@ -322,7 +402,11 @@ fn run_mh_dir(root: &Path, label: &str) {
             check_in_process(&case)?;
             let t1 = t.elapsed();
             check_processes(&case)?;
-            let _ = writeln!(std::io::stderr(), "{label}: {name} in-process {t1:.1?}, processes {:.1?}", t.elapsed() - t1);
+            let _ = writeln!(
+                std::io::stderr(),
+                "{label}: {name} in-process {t1:.1?}, processes {:.1?}",
+                t.elapsed() - t1
+            );
             Ok(())
         });
         if let Err(e) = result {
@@ -330,8 +414,17 @@ fn run_mh_dir(root: &Path, label: &str) {
         }
     }
     let passed = dirs.len() - failures.len();
-    let _ = writeln!(std::io::stderr(), "{label}: {passed}/{} cases passed", dirs.len());
-    assert!(failures.is_empty(), "{} case(s) failed:\n{}", failures.len(), failures.join("\n"));
+    let _ = writeln!(
+        std::io::stderr(),
+        "{label}: {passed}/{} cases passed",
+        dirs.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} case(s) failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 pub fn shared_root() -> PathBuf {
@@ -363,13 +456,25 @@ fn a_killed_host_is_named_by_every_other_host() {
     let victim = 2usize;
     let deadline = Instant::now() + CASE_DEADLINE;
     let v = victim.to_string();
-    let env = [(VICTIM_ENV, v.as_str()), (TIMEOUT_ENV, "3000"), ("SPARSECORE_PREP_ALLREDUCE_TOKEN", "kill-test-secret")];
-    let mut procs: Vec<HostProcess> = (0..case.hosts).map(|h| spawn_host(&case.dir, h, &env)).collect();
-    let addrs: Vec<SocketAddr> = procs.iter().map(|p| read_addr(p, deadline).unwrap()).collect();
+    let env = [
+        (VICTIM_ENV, v.as_str()),
+        (TIMEOUT_ENV, "3000"),
+        ("SPARSECORE_PREP_ALLREDUCE_TOKEN", "kill-test-secret"),
+    ];
+    let mut procs: Vec<HostProcess> = (0..case.hosts)
+        .map(|h| spawn_host(&case.dir, h, &env))
+        .collect();
+    let addrs: Vec<SocketAddr> = procs
+        .iter()
+        .map(|p| read_addr(p, deadline).unwrap())
+        .collect();
     send_peers(&mut procs, &addrs);
     // Wait until the victim finished its first step, then kill it.
     loop {
-        let line = procs[victim].lines.recv_timeout(deadline.saturating_duration_since(Instant::now())).expect("victim paused");
+        let line = procs[victim]
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("victim paused");
         if line.contains(PAUSED_LINE) {
             break;
         }
@@ -383,7 +488,10 @@ fn a_killed_host_is_named_by_every_other_host() {
             continue;
         }
         let mut said = None;
-        while let Ok(line) = p.lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        while let Ok(line) = p
+            .lines
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
             if let Some((_, e)) = line.split_once(FAILED_LINE) {
                 said = Some(e.to_string());
                 break;
@@ -392,11 +500,18 @@ fn a_killed_host_is_named_by_every_other_host() {
         // The child itself asserts that its error is an Error::AllReduce naming the victim.
         wait_host(p, deadline).unwrap_or_else(|e| panic!("host {h}: {e}"));
         let said = said.unwrap_or_else(|| panic!("host {h} reported no error"));
-        assert!(said.contains(&format!("peer {victim} at {}", addrs[victim])), "host {h}: {said}");
+        assert!(
+            said.contains(&format!("peer {victim} at {}", addrs[victim])),
+            "host {h}: {said}"
+        );
         errors.push(format!("host {h}: {said}"));
     }
     assert_eq!(errors.len(), case.hosts - 1);
-    let _ = writeln!(std::io::stderr(), "killed host {victim}:\n{}", errors.join("\n"));
+    let _ = writeln!(
+        std::io::stderr(),
+        "killed host {victim}:\n{}",
+        errors.join("\n")
+    );
 }
 
 /// The TCP all-reduce's wire format, as a stranger (or a test) would write it.
@@ -433,13 +548,22 @@ mod wire {
 fn a_stranger_cannot_change_a_four_host_run() {
     const TOKEN: &[u8] = b"the job's secret";
     let case = four_host_case();
-    let listeners: Vec<TcpListener> = (0..case.hosts).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let listeners: Vec<TcpListener> = (0..case.hosts)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
     let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
     let hosts: Vec<Arc<TcpAllReduce>> = listeners
         .into_iter()
         .enumerate()
         .map(|(r, l)| {
-            Arc::new(TcpAllReduce::builder(r, addrs.clone()).token(TOKEN).listener(l).timeout(EXCHANGE_TIMEOUT).build().unwrap())
+            Arc::new(
+                TcpAllReduce::builder(r, addrs.clone())
+                    .token(TOKEN)
+                    .listener(l)
+                    .timeout(EXCHANGE_TIMEOUT)
+                    .build()
+                    .unwrap(),
+            )
         })
         .collect();
     let keys = [2 * case.batch_number, 2 * case.batch_number + 1];
@@ -459,13 +583,41 @@ fn a_stranger_cannot_change_a_four_host_run() {
                         for (i, &key) in keys.iter().enumerate() {
                             let seq = 1 + i as u64;
                             // A wrong token (bad MAC), then a frame from outside the job.
-                            let f = wire::frame(b"a guessed token", &ch, peer, r as u32, seq, key, u64::MAX);
-                            assert_eq!(wire::send(&mut c, &f), Some(1), "a wrong token is rejected");
+                            let f = wire::frame(
+                                b"a guessed token",
+                                &ch,
+                                peer,
+                                r as u32,
+                                seq,
+                                key,
+                                u64::MAX,
+                            );
+                            assert_eq!(
+                                wire::send(&mut c, &f),
+                                Some(1),
+                                "a wrong token is rejected"
+                            );
                             let f = wire::frame(TOKEN, &ch, 9, r as u32, seq, key, u64::MAX);
-                            assert_eq!(wire::send(&mut c, &f), Some(1), "an unknown rank is rejected");
+                            assert_eq!(
+                                wire::send(&mut c, &f),
+                                Some(1),
+                                "an unknown rank is rejected"
+                            );
                             // A frame recorded on an earlier connection, replayed here.
-                            let f = wire::frame(TOKEN, &[rounds as u8; 16], peer, r as u32, seq, key, u64::MAX);
-                            assert_eq!(wire::send(&mut c, &f), Some(1), "a replayed frame is rejected");
+                            let f = wire::frame(
+                                TOKEN,
+                                &[rounds as u8; 16],
+                                peer,
+                                r as u32,
+                                seq,
+                                key,
+                                u64::MAX,
+                            );
+                            assert_eq!(
+                                wire::send(&mut c, &f),
+                                Some(1),
+                                "a replayed frame is rejected"
+                            );
                         }
                     }
                 }
@@ -474,7 +626,13 @@ fn a_stranger_cannot_change_a_four_host_run() {
             }
         });
         round_rx.recv().unwrap(); // one whole round before the hosts start
-        let r = run_threads(&case, hosts.iter().map(|h| h.clone() as Arc<dyn AllReduce>).collect());
+        let r = run_threads(
+            &case,
+            hosts
+                .iter()
+                .map(|h| h.clone() as Arc<dyn AllReduce>)
+                .collect(),
+        );
         round_rx.recv().unwrap(); // and at least one more while or after they ran
         done.store(true, std::sync::atomic::Ordering::SeqCst);
         r
@@ -482,7 +640,10 @@ fn a_stranger_cannot_change_a_four_host_run() {
     result.unwrap();
     for (r, h) in hosts.iter().enumerate() {
         let c = h.counters();
-        assert!(c.malformed >= 2 && c.bad_mac >= 8 && c.unknown_rank >= 4, "host {r}: {c:?}");
+        assert!(
+            c.malformed >= 2 && c.bad_mac >= 8 && c.unknown_rank >= 4,
+            "host {r}: {c:?}"
+        );
         assert_eq!((c.duplicate, c.inbox_full), (0, 0), "host {r}: {c:?}");
         let _ = writeln!(std::io::stderr(), "stranger: host {r} dropped {c:?}");
     }

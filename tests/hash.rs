@@ -5,14 +5,21 @@
 
 use std::sync::Arc;
 
-use arrow_array::builder::{BinaryBuilder, Int64Builder, LargeStringBuilder, ListBuilder, StringBuilder};
-use arrow_array::{ArrayRef, Float64Array, Int32Array, Int64Array, ListArray, RecordBatch, StringArray};
+use arrow_array::builder::{
+    BinaryBuilder, Int64Builder, LargeStringBuilder, ListBuilder, StringBuilder,
+};
+use arrow_array::{
+    ArrayRef, Float64Array, Int32Array, Int64Array, ListArray, RecordBatch, StringArray,
+};
 use arrow_buffer::OffsetBuffer;
 use arrow_schema::{DataType, Field};
 use serde_json::{json, Value};
 
 use sparsecore_prep::input::hash::{hash_bytes, hash_i64, hash_keys, key_to_id, HASH_ALGORITHM};
-use sparsecore_prep::input::{features_from_record_batch, features_from_record_batch_reusing, FeatureView, HashBuffers, Ids, SampleSource};
+use sparsecore_prep::input::{
+    features_from_record_batch, features_from_record_batch_reusing, FeatureView, HashBuffers, Ids,
+    SampleSource,
+};
 use sparsecore_prep::{Config, Error, Output, Preprocessor};
 
 /// `(len, xxh3_64(b, 0), xxh3_64(b, 99))` for `b[i] = (31 i + 7) mod 251`: one length in each of
@@ -45,7 +52,10 @@ fn xxh3_vectors_bytes() {
     assert_eq!(hash_bytes(b"68fd1e64", 0), 49613333376404301);
     assert_eq!(hash_bytes(b"68fd1e64", 7), 2098783994185471099);
     assert_eq!(hash_bytes(b"05db9164", 0), 13684405876034456528);
-    assert_eq!(hash_bytes(b"hello world", 12345678901234567890), 15912557960596480334);
+    assert_eq!(
+        hash_bytes(b"hello world", 12345678901234567890),
+        15912557960596480334
+    );
     let b: Vec<u8> = (0..512).map(|i| (i % 256) as u8).collect();
     assert_eq!(hash_bytes(&b, 0), 1177990759783856649);
     for (n, h0, h99) in PATTERN_VECTORS {
@@ -148,8 +158,12 @@ fn assert_same(a: &Output, b: &Output) {
 
 fn ids_of(view: FeatureView<'_>) -> Vec<i64> {
     match view {
-        FeatureView::Ragged { ids: Ids::I32(v), .. } => v.iter().map(|&x| x as i64).collect(),
-        FeatureView::Ragged { ids: Ids::I64(v), .. } => v.to_vec(),
+        FeatureView::Ragged {
+            ids: Ids::I32(v), ..
+        } => v.iter().map(|&x| x as i64).collect(),
+        FeatureView::Ragged {
+            ids: Ids::I64(v), ..
+        } => v.to_vec(),
         other => panic!("hashed Arrow input is ragged, got {other:?}"),
     }
 }
@@ -160,14 +174,20 @@ fn hashed_utf8_feature_equals_its_ids() {
     let hashed = batch(string_keys());
     let fs = features_from_record_batch(&cfg, &hashed).unwrap();
     assert!(fs[0].is_hashed());
-    let want: Vec<i64> = ROWS.iter().flat_map(|r| r.iter().map(|&k| CRITEO_KEYS[k].2)).collect();
+    let want: Vec<i64> = ROWS
+        .iter()
+        .flat_map(|r| r.iter().map(|&k| CRITEO_KEYS[k].2))
+        .collect();
     assert_eq!(ids_of(fs[0].view()), want);
     for (key, h, id) in CRITEO_KEYS {
         assert_eq!(hash_bytes(key.as_bytes(), 2024), h);
         assert_eq!(h % 1000, id as u64);
     }
     // The whole pipeline sees exactly the ids the keys hash to.
-    assert_same(&run(cfg, &hashed), &run(config(None, 1000), &batch(expected_ids())));
+    assert_same(
+        &run(cfg, &hashed),
+        &run(config(None, 1000), &batch(expected_ids())),
+    );
 }
 
 #[test]
@@ -185,14 +205,25 @@ fn every_key_type_hashes_its_documented_bytes() {
         large.append(true);
         binary.append(true);
     }
-    for col in [Arc::new(large.finish()) as ArrayRef, Arc::new(binary.finish())] {
+    for col in [
+        Arc::new(large.finish()) as ArrayRef,
+        Arc::new(binary.finish()),
+    ] {
         let b = batch(col);
-        assert_eq!(ids_of(features_from_record_batch(&cfg, &b).unwrap()[0].view()), want);
+        assert_eq!(
+            ids_of(features_from_record_batch(&cfg, &b).unwrap()[0].view()),
+            want
+        );
     }
     // Int64 keys: 8 little-endian bytes; Int32 keys widen to Int64 first.
     let cfg7 = config(Some(7), 1_000_003);
     let int_keys = [0i64, 1, -1, 123456789];
-    let hashes = [5133589608643455977u64, 12012694768356207812, 4515201275042620865, 17160999565294658565];
+    let hashes = [
+        5133589608643455977u64,
+        12012694768356207812,
+        4515201275042620865,
+        17160999565294658565,
+    ];
     let offsets = OffsetBuffer::<i32>::from_lengths([1, 3, 0, 0, 0, 0, 0, 0]);
     let i64_col = ListArray::new(
         Arc::new(Field::new_list_field(DataType::Int64, false)),
@@ -203,18 +234,37 @@ fn every_key_type_hashes_its_documented_bytes() {
     let i32_col = ListArray::new(
         Arc::new(Field::new_list_field(DataType::Int32, false)),
         offsets,
-        Arc::new(Int32Array::from(int_keys.iter().map(|&v| v as i32).collect::<Vec<_>>())),
+        Arc::new(Int32Array::from(
+            int_keys.iter().map(|&v| v as i32).collect::<Vec<_>>(),
+        )),
         None,
     );
     let want: Vec<i64> = hashes.iter().map(|h| (h % 1_000_003) as i64).collect();
     for col in [Arc::new(i64_col) as ArrayRef, Arc::new(i32_col)] {
         let b = batch(col);
-        assert_eq!(ids_of(features_from_record_batch(&cfg7, &b).unwrap()[0].view()), want);
+        assert_eq!(
+            ids_of(features_from_record_batch(&cfg7, &b).unwrap()[0].view()),
+            want
+        );
     }
     // Full 64-bit keys, for dynamic tables.
     let mut keys = Vec::new();
-    hash_keys("f0", "f0", &StringArray::from(vec!["68fd1e64", "", "7e0ccccf"]), 2024, &mut keys).unwrap();
-    assert_eq!(keys, [17804424789898067185, 1836185169151358548, 11176857697591239756]);
+    hash_keys(
+        "f0",
+        "f0",
+        &StringArray::from(vec!["68fd1e64", "", "7e0ccccf"]),
+        2024,
+        &mut keys,
+    )
+    .unwrap();
+    assert_eq!(
+        keys,
+        [
+            17804424789898067185,
+            1836185169151358548,
+            11176857697591239756
+        ]
+    );
 }
 
 #[test]
@@ -224,13 +274,20 @@ fn sliced_list_hashes_only_its_rows() {
     let sliced = full.slice(2, 4); // rows 2..6: [3,4,5], [6], [0], []
     let b = batch(sliced);
     let fs = features_from_record_batch(&cfg, &b).unwrap();
-    let FeatureView::Ragged { ids, offsets, .. } = fs[0].view() else { panic!("ragged") };
+    let FeatureView::Ragged { ids, offsets, .. } = fs[0].view() else {
+        panic!("ragged")
+    };
     let all = match ids {
         Ids::I32(v) => v.iter().map(|&x| x as i64).collect::<Vec<_>>(),
         Ids::I64(v) => v.to_vec(),
     };
-    let rows: Vec<Vec<i64>> = (0..offsets.rows()).map(|r| all[offsets.range(r).0..offsets.range(r).1].to_vec()).collect();
-    assert_eq!(rows, vec![vec![391, 653, 756], vec![548], vec![185], vec![]]);
+    let rows: Vec<Vec<i64>> = (0..offsets.rows())
+        .map(|r| all[offsets.range(r).0..offsets.range(r).1].to_vec())
+        .collect();
+    assert_eq!(
+        rows,
+        vec![vec![391, 653, 756], vec![548], vec![185], vec![]]
+    );
 }
 
 #[test]
@@ -238,7 +295,12 @@ fn wide_vocabulary_uses_64_bit_ids() {
     let cfg = config(Some(2024), 5_000_000_000);
     let b = batch(string_keys());
     let fs = features_from_record_batch(&cfg, &b).unwrap();
-    let FeatureView::Ragged { ids: Ids::I64(v), .. } = fs[0].view() else { panic!("64-bit ids for a vocabulary past 2^31") };
+    let FeatureView::Ragged {
+        ids: Ids::I64(v), ..
+    } = fs[0].view()
+    else {
+        panic!("64-bit ids for a vocabulary past 2^31")
+    };
     assert_eq!(v[0], (17804424789898067185u64 % 5_000_000_000) as i64);
 }
 
@@ -249,13 +311,21 @@ fn hash_buffers_are_recycled() {
     let mut buffers = HashBuffers::new();
     let fs = features_from_record_batch_reusing(&cfg, &b, &mut buffers).unwrap();
     let first = match fs[0].view() {
-        FeatureView::Ragged { ids: Ids::I32(v), .. } => v.as_ptr(),
+        FeatureView::Ragged {
+            ids: Ids::I32(v), ..
+        } => v.as_ptr(),
         _ => panic!("32-bit hashed ids"),
     };
     buffers.recycle(fs);
     let fs = features_from_record_batch_reusing(&cfg, &b, &mut buffers).unwrap();
     match fs[0].view() {
-        FeatureView::Ragged { ids: Ids::I32(v), .. } => assert_eq!(v.as_ptr(), first, "the second batch reuses the first's buffer"),
+        FeatureView::Ragged {
+            ids: Ids::I32(v), ..
+        } => assert_eq!(
+            v.as_ptr(),
+            first,
+            "the second batch reuses the first's buffer"
+        ),
         _ => panic!("32-bit hashed ids"),
     }
 }
@@ -264,7 +334,10 @@ fn hash_buffers_are_recycled() {
 fn raw_key_errors_name_the_feature_and_column() {
     // A string column without a hash config.
     let e = features_from_record_batch(&config(None, 1000), &batch(string_keys())).unwrap_err();
-    assert!(matches!(&e, Error::ColumnType { feature, column, .. } if feature == "f0" && column == "f0"), "{e}");
+    assert!(
+        matches!(&e, Error::ColumnType { feature, column, .. } if feature == "f0" && column == "f0"),
+        "{e}"
+    );
     assert!(e.to_string().contains("\"hash\""), "{e}");
     // A hashed feature over a type that is not a key type.
     let floats = ListArray::new(
@@ -273,10 +346,14 @@ fn raw_key_errors_name_the_feature_and_column() {
         Arc::new(Float64Array::from(vec![0.5; 8])),
         None,
     );
-    let e = features_from_record_batch(&config(Some(1), 1000), &batch(Arc::new(floats))).unwrap_err();
+    let e =
+        features_from_record_batch(&config(Some(1), 1000), &batch(Arc::new(floats))).unwrap_err();
     let msg = e.to_string();
     assert!(matches!(e, Error::ColumnType { .. }), "{msg}");
-    assert!(msg.contains("Float64") && msg.contains("Utf8") && msg.contains("f0"), "{msg}");
+    assert!(
+        msg.contains("Float64") && msg.contains("Utf8") && msg.contains("f0"),
+        "{msg}"
+    );
     // Null keys are rejected like null ids.
     let mut b = ListBuilder::new(StringBuilder::new());
     b.values().append_value("a");
@@ -285,7 +362,8 @@ fn raw_key_errors_name_the_feature_and_column() {
     for _ in 0..7 {
         b.append(true);
     }
-    let e = features_from_record_batch(&config(Some(1), 1000), &batch(Arc::new(b.finish()))).unwrap_err();
+    let e = features_from_record_batch(&config(Some(1), 1000), &batch(Arc::new(b.finish())))
+        .unwrap_err();
     assert!(e.to_string().contains("null values"), "{e}");
     // Unknown keys in the hash config are typos, not silently ignored.
     let v = json!({
@@ -293,7 +371,10 @@ fn raw_key_errors_name_the_feature_and_column() {
         "tables": [{"name": "t0", "vocabulary_size": 10, "embedding_dim": 8}],
         "features": [{"name": "f0", "table": "t0", "hash": {"sed": 1}}]
     });
-    assert!(Config::from_json(&v.to_string()).unwrap_err().to_string().contains("sed"));
+    assert!(Config::from_json(&v.to_string())
+        .unwrap_err()
+        .to_string()
+        .contains("sed"));
 }
 
 #[test]

@@ -35,16 +35,17 @@ use arrow_array::{ArrayRef, LargeListArray, ListArray, RecordBatch};
 use ndarray::{Array2, ArrayView2};
 use serde_json::{json, Value};
 
-use sparsecore_testkit::case::Case;
 use sparsecore_prep::input::{
-    ArrowListInput, CooInput, DenseIds, DenseInput, FeatureView, Ids, Offsets, RaggedInput, SampleSource,
+    ArrowListInput, CooInput, DenseIds, DenseInput, FeatureView, Ids, Offsets, RaggedInput,
+    SampleSource,
 };
 use sparsecore_prep::spec::{Plan, PAD_GAIN_BITS, PAD_ID};
 use sparsecore_prep::{AllReduce, BatchCount, Config, ConfigItem, Error, Output, Preprocessor};
+use sparsecore_testkit::case::Case;
 
 use one_table::{
-    assert_msg, assert_same_output, base, config, config_with, err, good_rows, prep, ragged, record_batch, some_rows,
-    Custom,
+    assert_msg, assert_same_output, base, config, config_with, err, good_rows, prep, ragged,
+    record_batch, some_rows, Custom,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -113,8 +114,15 @@ const MIB: usize = 1 << 20;
 /// "No output": what every failed call must leave in the caller's `Output`.
 #[track_caller]
 fn assert_no_output(out: &Output) {
-    assert!(out.stacks.is_empty(), "a failed call left {} stacks in the output", out.stacks.len());
-    assert_eq!(out.num_minibatches, 0, "a failed call left num_minibatches set");
+    assert!(
+        out.stacks.is_empty(),
+        "a failed call left {} stacks in the output",
+        out.stacks.len()
+    );
+    assert_eq!(
+        out.num_minibatches, 0,
+        "a failed call left num_minibatches set"
+    );
     assert!(out.stack("t0").is_none());
     assert_eq!(*out, Output::new());
 }
@@ -134,7 +142,11 @@ fn expect_error_state<B: ?Sized>(
     let mut expected = Output::new();
     run(&mut prep(cfg.clone()), good, &mut expected).expect("the good batch runs");
     for threads in [1, 2] {
-        let mut p = Preprocessor::builder(cfg.clone()).threads(threads).small_batch_ids(0).build().unwrap();
+        let mut p = Preprocessor::builder(cfg.clone())
+            .threads(threads)
+            .small_batch_ids(0)
+            .build()
+            .unwrap();
         let mut out = Output::new();
         for _ in 0..2 {
             check(&err(run(&mut p, bad, &mut out)));
@@ -146,33 +158,59 @@ fn expect_error_state<B: ?Sized>(
 }
 
 /// `expect_error_state` for `Preprocessor::run`.
-fn expect_run_error(cfg: &Config, good: &[&dyn SampleSource], bad: &[&dyn SampleSource], check: impl Fn(&Error)) {
+fn expect_run_error(
+    cfg: &Config,
+    good: &[&dyn SampleSource],
+    bad: &[&dyn SampleSource],
+    check: impl Fn(&Error),
+) {
     expect_error_state(cfg, good, bad, |p, batch, out| p.run(batch, out), check)
 }
 
 /// `expect_error_state` for Arrow record batches.
-fn expect_record_batch_error(cfg: &Config, good: &RecordBatch, bad: &RecordBatch, check: impl Fn(&Error)) {
-    expect_error_state(cfg, good, bad, |p, batch, out| p.run_record_batch(batch, out), check)
+fn expect_record_batch_error(
+    cfg: &Config,
+    good: &RecordBatch,
+    bad: &RecordBatch,
+    check: impl Fn(&Error),
+) {
+    expect_error_state(
+        cfg,
+        good,
+        bad,
+        |p, batch, out| p.run_record_batch(batch, out),
+        check,
+    )
 }
 
 fn list_i32(rows: &[Vec<i32>]) -> ArrayRef {
-    Arc::new(ListArray::from_iter_primitive::<Int32Type, _, _>(some_rows(rows)))
+    Arc::new(ListArray::from_iter_primitive::<Int32Type, _, _>(
+        some_rows(rows),
+    ))
 }
 
 fn large_list_i32(rows: &[Vec<i32>]) -> ArrayRef {
-    Arc::new(LargeListArray::from_iter_primitive::<Int32Type, _, _>(some_rows(rows)))
+    Arc::new(LargeListArray::from_iter_primitive::<Int32Type, _, _>(
+        some_rows(rows),
+    ))
 }
 
 fn list_i64(rows: &[Vec<i64>]) -> ArrayRef {
-    Arc::new(ListArray::from_iter_primitive::<Int64Type, _, _>(some_rows(rows)))
+    Arc::new(ListArray::from_iter_primitive::<Int64Type, _, _>(
+        some_rows(rows),
+    ))
 }
 
 fn large_list_i64(rows: &[Vec<i64>]) -> ArrayRef {
-    Arc::new(LargeListArray::from_iter_primitive::<Int64Type, _, _>(some_rows(rows)))
+    Arc::new(LargeListArray::from_iter_primitive::<Int64Type, _, _>(
+        some_rows(rows),
+    ))
 }
 
 fn list_f32(rows: &[Vec<f32>]) -> ArrayRef {
-    Arc::new(ListArray::from_iter_primitive::<Float32Type, _, _>(some_rows(rows)))
+    Arc::new(ListArray::from_iter_primitive::<Float32Type, _, _>(
+        some_rows(rows),
+    ))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -202,25 +240,50 @@ fn the_good_batch_is_laid_out_as_the_spec_says() {
 #[track_caller]
 fn assert_bad_id(e: &Error, id: i64) {
     match e {
-        Error::IdOutOfRange { feature, table, row: 5, id: got, vocabulary_size: 1000 } => {
+        Error::IdOutOfRange {
+            feature,
+            table,
+            row: 5,
+            id: got,
+            vocabulary_size: 1000,
+        } => {
             assert_eq!(feature, "f0");
             assert_eq!(table, "t0");
             assert_eq!(*got, id);
         }
         other => panic!("id {id}: expected IdOutOfRange at row 5, got {other:?}"),
     }
-    assert_msg(e, &["feature `f0`", "table `t0`", "sample row 5", &format!("id {id} "), "vocabulary_size 1000"]);
+    assert_msg(
+        e,
+        &[
+            "feature `f0`",
+            "table `t0`",
+            "sample row 5",
+            &format!("id {id} "),
+            "vocabulary_size 1000",
+        ],
+    );
 }
 
 /// i64 ids that no table can hold. `1 << 32` and `(1 << 32) + 7` narrow to the valid ids 0 and
 /// 7 if truncated, as the reference does: they must be rejected, not aliased.
-const BAD_I64: [i64; 6] = [i64::MAX, -1, i64::MIN, i32::MIN as i64, 1 << 32, (1 << 32) + 7];
+const BAD_I64: [i64; 6] = [
+    i64::MAX,
+    -1,
+    i64::MIN,
+    i32::MIN as i64,
+    1 << 32,
+    (1 << 32) + 7,
+];
 /// i32 ids outside the vocabulary.
 const BAD_I32: [i32; 4] = [i32::MAX, -1, i32::MIN, 1000];
 
 /// Good rows with the second id of sample 5 replaced by `bad`.
 fn rows_with<T: Copy + From<i32>>(bad: T) -> Vec<Vec<T>> {
-    let mut rows: Vec<Vec<T>> = good_rows().iter().map(|r| r.iter().map(|&v| T::from(v)).collect()).collect();
+    let mut rows: Vec<Vec<T>> = good_rows()
+        .iter()
+        .map(|r| r.iter().map(|&v| T::from(v)).collect())
+        .collect();
     rows[5][1] = bad;
     rows
 }
@@ -267,7 +330,9 @@ fn hostile_ids_through_dense_inputs() {
         let mut ids = Array2::<i32>::from_shape_fn((8, 2), |(r, c)| r as i32 + 100 * c as i32);
         ids[[5, 1]] = bad;
         let dense = DenseInput::from_i32(ids.view());
-        expect_run_error(&config(), &[&good], &[&dense], |e| assert_bad_id(e, bad as i64));
+        expect_run_error(&config(), &[&good], &[&dense], |e| {
+            assert_bad_id(e, bad as i64)
+        });
     }
 }
 
@@ -284,7 +349,9 @@ fn hostile_ids_through_coo_inputs() {
     for bad in BAD_I32 {
         let values: Vec<i32> = rows_with(bad).concat();
         let coo = CooInput::new("f0", &indices, Ids::I32(&values), 8).unwrap();
-        expect_run_error(&config(), &[&good], &[&coo], |e| assert_bad_id(e, bad as i64));
+        expect_run_error(&config(), &[&good], &[&coo], |e| {
+            assert_bad_id(e, bad as i64)
+        });
     }
 }
 
@@ -349,29 +416,46 @@ fn non_finite_weights_through_every_weighted_input_kind() {
         });
         let (gv, gs) = ragged(&good_rows());
         let ones = vec![1.0f32; 16];
-        let good = RaggedInput::from_i32("f0", &gv, &gs).unwrap().with_weights("f0", &ones).unwrap();
-        let good_batch = record_batch(vec![("f0", list_i32(&good_rows())), ("w0", list_f32(&vec![vec![1.0; 2]; 8]))]);
+        let good = RaggedInput::from_i32("f0", &gv, &gs)
+            .unwrap()
+            .with_weights("f0", &ones)
+            .unwrap();
+        let good_batch = record_batch(vec![
+            ("f0", list_i32(&good_rows())),
+            ("w0", list_f32(&vec![vec![1.0; 2]; 8])),
+        ]);
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -f32::NAN] {
             let check = |e: &Error| {
                 match e {
-                    Error::InvalidWeight { feature, row: 3, value } => {
+                    Error::InvalidWeight {
+                        feature,
+                        row: 3,
+                        value,
+                    } => {
                         assert_eq!(feature, "f0");
                         assert_eq!(value.to_bits(), bad.to_bits(), "{combiner}");
                     }
-                    other => panic!("{combiner}, weight {bad}: expected InvalidWeight at row 3, got {other:?}"),
+                    other => panic!(
+                        "{combiner}, weight {bad}: expected InvalidWeight at row 3, got {other:?}"
+                    ),
                 }
                 assert_msg(e, &["feature `f0`", "sample row 3", "not finite"]);
             };
             // Ragged: weight of sample 3's second id.
             let mut w = ones.clone();
             w[7] = bad;
-            let input = RaggedInput::from_i32("f0", &gv, &gs).unwrap().with_weights("f0", &w).unwrap();
+            let input = RaggedInput::from_i32("f0", &gv, &gs)
+                .unwrap()
+                .with_weights("f0", &w)
+                .unwrap();
             expect_run_error(&cfg, &[&good], &[&input], check);
             // Dense.
             let ids = Array2::<i32>::from_shape_fn((8, 2), |(r, c)| r as i32 + 100 * c as i32);
             let mut wd = Array2::<f32>::ones((8, 2));
             wd[[3, 1]] = bad;
-            let input = DenseInput::from_i32(ids.view()).with_weights("f0", wd.view()).unwrap();
+            let input = DenseInput::from_i32(ids.view())
+                .with_weights("f0", wd.view())
+                .unwrap();
             expect_run_error(&cfg, &[&good], &[&input], check);
             // Arrow.
             let mut wr = vec![vec![1.0f32; 2]; 8];
@@ -383,7 +467,9 @@ fn non_finite_weights_through_every_weighted_input_kind() {
 }
 
 fn hostile_case_dir(name: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/hostile_cases").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("testdata/hostile_cases")
+        .join(name)
 }
 
 /// Runs a reference dump through the Arrow path and through its inline (ragged) data, each
@@ -394,11 +480,20 @@ fn check_reference_case(dir: &Path) {
     let input = common::load_json(&dir.join("input.json"));
     let expected = common::load_json(&dir.join("expected.json"));
     let file = std::fs::File::open(dir.join("batch.arrow")).unwrap();
-    let batch = arrow_ipc::reader::FileReader::try_new(file, None).unwrap().next().unwrap().unwrap();
+    let batch = arrow_ipc::reader::FileReader::try_new(file, None)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap();
     // A batch of the same columns with one id out of range: fails after the buffers are sized.
     let poisoned = {
-        let mut columns: Vec<(String, ArrayRef)> =
-            batch.schema().fields().iter().map(|f| f.name().clone()).zip(batch.columns().iter().cloned()).collect();
+        let mut columns: Vec<(String, ArrayRef)> = batch
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| f.name().clone())
+            .zip(batch.columns().iter().cloned())
+            .collect();
         let rows = batch.num_rows();
         let mut ids = vec![vec![1i32]; rows];
         ids[0] = vec![-7];
@@ -416,7 +511,10 @@ fn check_reference_case(dir: &Path) {
     let mut p = Preprocessor::builder(config).threads(2).build().unwrap();
     let mut out = Output::new();
     let e = err(p.run_record_batch(&poisoned, &mut out));
-    assert!(matches!(&e, Error::IdOutOfRange { id: -7, row: 0, .. }), "{e:?}");
+    assert!(
+        matches!(&e, Error::IdOutOfRange { id: -7, row: 0, .. }),
+        "{e:?}"
+    );
     assert_no_output(&out);
     p.run_record_batch(&batch, &mut out).unwrap();
     common::check_output(&input, &expected, p.plan().unwrap(), &out)
@@ -425,7 +523,10 @@ fn check_reference_case(dir: &Path) {
     let case = Case::from_path(dir).unwrap();
     let sources = case.sources().unwrap();
     let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
-    let mut p = Preprocessor::builder(case.config.clone()).global_batch_sizes(case.global_batch_sizes()).build().unwrap();
+    let mut p = Preprocessor::builder(case.config.clone())
+        .global_batch_sizes(case.global_batch_sizes())
+        .build()
+        .unwrap();
     let e = err(p.run_record_batch(&poisoned, &mut out));
     assert!(matches!(&e, Error::IdOutOfRange { id: -7, .. }), "{e:?}");
     assert_no_output(&out);
@@ -444,7 +545,12 @@ fn finite_hostile_weights_match_the_reference_bit_for_bit() {
     check_reference_case(&dir);
     // The case does exercise the non-finite results it claims to.
     let expected = common::load_json(&dir.join("expected.json"));
-    let bits: Vec<u64> = expected["stacks"]["t_mean"]["gains_bits"].as_array().unwrap().iter().filter_map(|b| b.as_u64()).collect();
+    let bits: Vec<u64> = expected["stacks"]["t_mean"]["gains_bits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|b| b.as_u64())
+        .collect();
     for want in [0x7f80_0000u64, 0xff80_0000, 0xffc0_0000, 0x8000_0000] {
         assert!(bits.contains(&want), "t_mean gains lack {want:#x}");
     }
@@ -461,12 +567,22 @@ fn subnormal_weights_and_gains_are_flushed_like_the_reference() {
     check_reference_case(&dir);
     let expected = common::load_json(&dir.join("expected.json"));
     let bits = |stack: &str| -> Vec<u64> {
-        expected["stacks"][stack]["gains_bits"].as_array().unwrap().iter().filter_map(|b| b.as_u64()).collect()
+        expected["stacks"][stack]["gains_bits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|b| b.as_u64())
+            .collect()
     };
     // Sample 1 of SparseCore 0 under sqrtn: +inf. No stack holds a subnormal gain.
     assert!(bits("t_sqrtn").contains(&0x7f80_0000));
     for stack in ["t_sum", "t_mean", "t_sqrtn"] {
-        assert!(bits(stack).iter().all(|&b| b & 0x7f80_0000 != 0 || b & 0x7fff_ffff == 0), "{stack} has a subnormal gain");
+        assert!(
+            bits(stack)
+                .iter()
+                .all(|&b| b & 0x7f80_0000 != 0 || b & 0x7fff_ffff == 0),
+            "{stack} has a subnormal gain"
+        );
     }
 }
 
@@ -477,14 +593,22 @@ fn weights_rows_of_a_different_length_than_the_ids() {
     // Constructors: ragged weights share the ids' splits, so only the total can differ.
     for n in [0usize, 15, 17] {
         let w = vec![1.0f32; n];
-        let e = err(RaggedInput::from_i32("f0", &gv, &gs).unwrap().with_weights("f0", &w));
-        assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+        let e = err(RaggedInput::from_i32("f0", &gv, &gs)
+            .unwrap()
+            .with_weights("f0", &w));
+        assert!(
+            matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+            "{e:?}"
+        );
         assert_msg(&e, &["feature `f0`", &format!("{n} weights for 16 ids")]);
     }
     let ids = Array2::<i32>::zeros((8, 2));
     let narrow = Array2::<f32>::ones((8, 1));
     let e = err(DenseInput::from_i32(ids.view()).with_weights("f0", narrow.view()));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "(8, 1)", "(8, 2)"]);
 
     // Through `run`: a view whose weights have their own offsets, same total (16), but sample 2
@@ -494,7 +618,11 @@ fn weights_rows_of_a_different_length_than_the_ids() {
     let custom = Custom::new(
         8,
         true,
-        FeatureView::Ragged { ids: Ids::I32(&gv), offsets: Offsets::I32(&gs), weights: Some((&w, Offsets::I32(&wsplits))) },
+        FeatureView::Ragged {
+            ids: Ids::I32(&gv),
+            offsets: Offsets::I32(&gs),
+            weights: Some((&w, Offsets::I32(&wsplits))),
+        },
     );
     expect_run_error(&config(), &[&good], &[&custom], |e| {
         assert!(
@@ -505,26 +633,50 @@ fn weights_rows_of_a_different_length_than_the_ids() {
     });
     // A dense view with narrower weights.
     let dense_ids = Array2::<i32>::from_shape_fn((8, 2), |(r, c)| r as i32 + 100 * c as i32);
-    let custom = Custom::new(8, true, FeatureView::Dense { ids: DenseIds::I32(dense_ids.view()), weights: Some(narrow.view()) });
+    let custom = Custom::new(
+        8,
+        true,
+        FeatureView::Dense {
+            ids: DenseIds::I32(dense_ids.view()),
+            weights: Some(narrow.view()),
+        },
+    );
     expect_run_error(&config(), &[&good], &[&custom], |e| {
-        assert!(matches!(e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+        assert!(
+            matches!(e, Error::InvalidInput { feature, .. } if feature == "f0"),
+            "{e:?}"
+        );
         assert_msg(e, &["feature `f0`", "(8, 1)", "(8, 2)"]);
     });
     // Arrow: rows of different lengths, then a different row count.
     let cfg = config_with(|v| v["features"][0]["weights_column"] = json!("w0"));
-    let good_batch = record_batch(vec![("f0", list_i32(&good_rows())), ("w0", list_f32(&vec![vec![1.0; 2]; 8]))]);
+    let good_batch = record_batch(vec![
+        ("f0", list_i32(&good_rows())),
+        ("w0", list_f32(&vec![vec![1.0; 2]; 8])),
+    ]);
     let mut wr = vec![vec![1.0f32; 2]; 8];
     wr[6] = vec![1.0];
     wr[7] = vec![1.0; 3];
     let batch = record_batch(vec![("f0", list_i32(&good_rows())), ("w0", list_f32(&wr))]);
     expect_record_batch_error(&cfg, &good_batch, &batch, |e| {
-        assert!(matches!(e, Error::WeightsShape { feature, row: 6, ids: 2, weights: 1 } if feature == "f0"), "{e:?}");
+        assert!(
+            matches!(e, Error::WeightsShape { feature, row: 6, ids: 2, weights: 1 } if feature == "f0"),
+            "{e:?}"
+        );
         assert_msg(e, &["feature `f0`", "sample row 6", "1 weights for 2 ids"]);
     });
     let ids = list_i32(&good_rows());
     let w7 = list_f32(&vec![vec![1.0, 1.0]; 7]);
-    let e = err(ArrowListInput::new("f0", "f0", ids.as_ref(), Some(("w0", w7.as_ref()))));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    let e = err(ArrowListInput::new(
+        "f0",
+        "f0",
+        ids.as_ref(),
+        Some(("w0", w7.as_ref())),
+    ));
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
     assert_msg(&e, &["feature `f0`", "`w0` has 7 rows", "`f0` has 8"]);
 }
 
@@ -538,34 +690,68 @@ fn row_splits_that_decrease_or_overrun_the_values() {
     let values64: Vec<i64> = (0..16).collect();
     // (splits, message fragment)
     let cases: [(&[i32], &str); 4] = [
-        (&[0, 2, 4, 3, 8, 10, 12, 14, 16], "decrease at row 2: 4 then 3"),
-        (&[0, 2, 4, 6, 8, 10, 12, 14, 17], "end at 17, past the 16 values"),
-        (&[0, 2, 4, 6, 8, 10, 12, 14, i32::MAX], "end at 2147483647, past the 16 values"),
+        (
+            &[0, 2, 4, 3, 8, 10, 12, 14, 16],
+            "decrease at row 2: 4 then 3",
+        ),
+        (
+            &[0, 2, 4, 6, 8, 10, 12, 14, 17],
+            "end at 17, past the 16 values",
+        ),
+        (
+            &[0, 2, 4, 6, 8, 10, 12, 14, i32::MAX],
+            "end at 2147483647, past the 16 values",
+        ),
         (&[-2, 2, 4, 6, 8, 10, 12, 14, 16], "[0] = -2 is negative"),
     ];
     let (gv, gs) = ragged(&good_rows());
     let good = RaggedInput::from_i32("f0", &gv, &gs).unwrap();
     for (splits, msg) in cases {
         let e = err(RaggedInput::from_i32("f0", &values, splits));
-        assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+        assert!(
+            matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+            "{e:?}"
+        );
         assert_msg(&e, &["feature `f0`", "row_splits", msg]);
         let splits64: Vec<i64> = splits.iter().map(|&s| s as i64).collect();
         let e = err(RaggedInput::from_i64("f0", &values64, &splits64));
         assert!(matches!(&e, Error::InvalidInput { .. }), "{e:?}");
         assert_msg(&e, &[msg]);
         // The same offsets in a hand-written view reach `run`, which rejects them too.
-        let custom = Custom::new(8, false, FeatureView::Ragged { ids: Ids::I32(&values), offsets: Offsets::I32(splits), weights: None });
+        let custom = Custom::new(
+            8,
+            false,
+            FeatureView::Ragged {
+                ids: Ids::I32(&values),
+                offsets: Offsets::I32(splits),
+                weights: None,
+            },
+        );
         expect_run_error(&config(), &[&good], &[&custom], |e| {
-            assert!(matches!(e, Error::InvalidInput { feature, .. } if feature == "f0"), "{splits:?}: {e:?}");
+            assert!(
+                matches!(e, Error::InvalidInput { feature, .. } if feature == "f0"),
+                "{splits:?}: {e:?}"
+            );
         });
     }
     // i64 offsets that would wrap when narrowed.
     let e = err(RaggedInput::from_i64("f0", &values64, &[0, 1 << 32, 16]));
     assert_msg(&e, &["decrease", "4294967296 then 16"]);
     let bad = [0i64, 2, 4, 6, 8, 10, 12, 14, i64::MAX];
-    let custom = Custom::new(8, false, FeatureView::Ragged { ids: Ids::I64(&values64), offsets: Offsets::I64(&bad), weights: None });
+    let custom = Custom::new(
+        8,
+        false,
+        FeatureView::Ragged {
+            ids: Ids::I64(&values64),
+            offsets: Offsets::I64(&bad),
+            weights: None,
+        },
+    );
     expect_run_error(&config(), &[&good], &[&custom], |e| {
-        assert!(matches!(e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+        assert!(
+            matches!(e, Error::InvalidInput { feature, .. } if feature == "f0"),
+            "{e:?}"
+        );
     });
     // Weights offsets that overrun their values, in a weighted view.
     let w = vec![1.0f32; 16];
@@ -573,10 +759,17 @@ fn row_splits_that_decrease_or_overrun_the_values() {
     let custom = Custom::new(
         8,
         true,
-        FeatureView::Ragged { ids: Ids::I32(&values), offsets: Offsets::I32(&gs), weights: Some((&w, Offsets::I32(&wsplits))) },
+        FeatureView::Ragged {
+            ids: Ids::I32(&values),
+            offsets: Offsets::I32(&gs),
+            weights: Some((&w, Offsets::I32(&wsplits))),
+        },
     );
     expect_run_error(&config(), &[&good], &[&custom], |e| {
-        assert!(matches!(e, Error::InvalidInput { feature, .. } | Error::WeightsShape { feature, .. } if feature == "f0"), "{e:?}");
+        assert!(
+            matches!(e, Error::InvalidInput { feature, .. } | Error::WeightsShape { feature, .. } if feature == "f0"),
+            "{e:?}"
+        );
     });
 }
 
@@ -584,23 +777,51 @@ fn row_splits_that_decrease_or_overrun_the_values() {
 fn coo_indices_not_sorted_by_row() {
     // Rows 0, 0, 1, 1, 3, 2, ...: entry 4 goes back from row 3 to row 2.
     let rows = [0i64, 0, 1, 1, 3, 2, 4, 5];
-    let indices: Vec<i64> = rows.iter().enumerate().flat_map(|(k, &r)| [r, k as i64]).collect();
+    let indices: Vec<i64> = rows
+        .iter()
+        .enumerate()
+        .flat_map(|(k, &r)| [r, k as i64])
+        .collect();
     let values: Vec<i32> = (0..8).collect();
     let e = err(CooInput::new("f0", &indices, Ids::I32(&values), 8));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
-    assert_msg(&e, &["feature `f0`", "not sorted by row", "entry 5 has row 2 after row 3"]);
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
+    assert_msg(
+        &e,
+        &[
+            "feature `f0`",
+            "not sorted by row",
+            "entry 5 has row 2 after row 3",
+        ],
+    );
     // The same entries in a hand-written view: rejected by `run`, never silently regrouped.
     let (gv, gs) = ragged(&good_rows());
     let good = RaggedInput::from_i32("f0", &gv, &gs).unwrap();
-    let custom = Custom::new(8, false, FeatureView::Coo { indices: &indices, ids: Ids::I32(&values) });
+    let custom = Custom::new(
+        8,
+        false,
+        FeatureView::Coo {
+            indices: &indices,
+            ids: Ids::I32(&values),
+        },
+    );
     expect_run_error(&config(), &[&good], &[&custom], |e| {
-        assert!(matches!(e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+        assert!(
+            matches!(e, Error::InvalidInput { feature, .. } if feature == "f0"),
+            "{e:?}"
+        );
     });
     // Rows sorted but one past the batch, and a negative row.
-    let past: Vec<i64> = (0..8).flat_map(|k| [if k == 7 { 8 } else { k }, 0]).collect();
+    let past: Vec<i64> = (0..8)
+        .flat_map(|k| [if k == 7 { 8 } else { k }, 0])
+        .collect();
     let e = err(CooInput::new("f0", &past, Ids::I32(&values), 8));
     assert_msg(&e, &["feature `f0`", "indices[7] has row 8", "batch of 8"]);
-    let negative: Vec<i64> = (0..8).flat_map(|k| [if k == 0 { -1 } else { k }, 0]).collect();
+    let negative: Vec<i64> = (0..8)
+        .flat_map(|k| [if k == 0 { -1 } else { k }, 0])
+        .collect();
     let e = err(CooInput::new("f0", &negative, Ids::I32(&values), 8));
     assert_msg(&e, &["feature `f0`", "indices[0] has row -1"]);
 }
@@ -621,7 +842,15 @@ fn batch_not_divisible_by_the_sparsecores_or_the_devices() {
             matches!(e, Error::BatchNotDivisible { stack, feature, batch: 6, sc_per_device: 4 } if stack == "t0" && feature == "f0"),
             "{e:?}"
         );
-        assert_msg(e, &["stack `t0`", "feature `f0`", "batch_size_for_device (6)", "num_sc_per_device (4)"]);
+        assert_msg(
+            e,
+            &[
+                "stack `t0`",
+                "feature `f0`",
+                "batch_size_for_device (6)",
+                "num_sc_per_device (4)",
+            ],
+        );
     });
     // L = G = 2, S = 4: 12 local samples give 6 per device.
     let cfg = config_with(|v| {
@@ -634,13 +863,33 @@ fn batch_not_divisible_by_the_sparsecores_or_the_devices() {
     let (v, s) = ragged(&(0..12).map(|r| vec![r]).collect::<Vec<_>>());
     let twelve = RaggedInput::from_i32("f0", &v, &s).unwrap();
     expect_run_error(&cfg, &[&good16], &[&twelve], |e| {
-        assert!(matches!(e, Error::BatchNotDivisible { batch: 6, sc_per_device: 4, .. }), "{e:?}");
+        assert!(
+            matches!(
+                e,
+                Error::BatchNotDivisible {
+                    batch: 6,
+                    sc_per_device: 4,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
     });
     // 13 local samples over L = 2: floor(13 / 2) = 6 per device, still not divisible by 4.
     let (v, s) = ragged(&(0..13).map(|r| vec![r]).collect::<Vec<_>>());
     let thirteen = RaggedInput::from_i32("f0", &v, &s).unwrap();
     expect_run_error(&cfg, &[&good16], &[&thirteen], |e| {
-        assert!(matches!(e, Error::BatchNotDivisible { batch: 6, sc_per_device: 4, .. }), "{e:?}");
+        assert!(
+            matches!(
+                e,
+                Error::BatchNotDivisible {
+                    batch: 6,
+                    sc_per_device: 4,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
     });
 }
 
@@ -654,15 +903,30 @@ fn batch_not_divisible_by_the_devices_drops_the_tail_like_the_reference() {
     let case = Case::from_path(&dir).unwrap();
     let sources = case.sources().unwrap();
     let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
-    let out = Preprocessor::builder(case.config.clone()).build().unwrap().run_new(&inputs).unwrap();
+    let out = Preprocessor::builder(case.config.clone())
+        .build()
+        .unwrap()
+        .run_new(&inputs)
+        .unwrap();
     let t0 = out.stack("t0").unwrap();
     // N = 4: ids 997..999 would be rows 249 of partitions 1..3.
-    assert!(!t0.embedding_ids.contains(&249), "an id of the unread sample 8 was placed");
+    assert!(
+        !t0.embedding_ids.contains(&249),
+        "an id of the unread sample 8 was placed"
+    );
 }
 
 /// A synthetic source that claims a huge batch without holding any ids.
 fn huge(samples: usize) -> Custom<'static> {
-    Custom::new(samples, false, FeatureView::Ragged { ids: Ids::I32(&[]), offsets: Offsets::I32(&[0]), weights: None })
+    Custom::new(
+        samples,
+        false,
+        FeatureView::Ragged {
+            ids: Ids::I32(&[]),
+            offsets: Offsets::I32(&[0]),
+            weights: None,
+        },
+    )
 }
 
 #[test]
@@ -677,15 +941,32 @@ fn batch_over_the_sort_key_limit_from_a_synthetic_source() {
                 matches!(e, Error::BatchTooLarge { stack, what: BatchCount::Samples, count: 67108864, limit: 67108863 } if stack == "t0"),
                 "{e:?}"
             );
-            assert_msg(e, &["stack `t0`", "67108864 samples", "CooFormat sorting key (67108863)"]);
+            assert_msg(
+                e,
+                &[
+                    "stack `t0`",
+                    "67108864 samples",
+                    "CooFormat sorting key (67108863)",
+                ],
+            );
         })
     });
-    assert_eq!(over.views.load(Ordering::Relaxed), 0, "the oversized batch's ids were read");
-    assert!(largest < 16 * MIB, "an allocation of {largest} bytes for a rejected batch");
+    assert_eq!(
+        over.views.load(Ordering::Relaxed),
+        0,
+        "the oversized batch's ids were read"
+    );
+    assert!(
+        largest < 16 * MIB,
+        "an allocation of {largest} bytes for a rejected batch"
+    );
     // Exactly 2^26 - 1 passes this check (and then fails on the view, which has no rows).
     let at_limit = huge((1 << 26) - 4);
     let e = err(prep(config()).run(&[&at_limit], &mut Output::new()));
-    assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+    assert!(
+        matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+        "{e:?}"
+    );
 
     // L = 2: 2^27 local samples are 2^26 per device.
     let cfg = config_with(|v| {
@@ -696,12 +977,32 @@ fn batch_over_the_sort_key_limit_from_a_synthetic_source() {
     let (v16, s16) = ragged(&rows16);
     let good16 = RaggedInput::from_i32("f0", &v16, &s16).unwrap();
     expect_run_error(&cfg, &[&good16], &[&huge(1 << 27)], |e| {
-        assert!(matches!(e, Error::BatchTooLarge { what: BatchCount::Samples, count: 67108864, .. }), "{e:?}");
+        assert!(
+            matches!(
+                e,
+                Error::BatchTooLarge {
+                    what: BatchCount::Samples,
+                    count: 67108864,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
     });
 
     // usize::MAX samples: the planner refuses the global batch.
     expect_run_error(&config(), &[&good], &[&huge(usize::MAX)], |e| {
-        assert!(matches!(e, Error::BatchTooLarge { what: BatchCount::GlobalSamples, count: u64::MAX, .. }), "{e:?}");
+        assert!(
+            matches!(
+                e,
+                Error::BatchTooLarge {
+                    what: BatchCount::GlobalSamples,
+                    count: u64::MAX,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
     });
 }
 
@@ -711,8 +1012,16 @@ fn batch_over_the_sort_key_limit_from_a_synthetic_source() {
 // and wrong count in release).
 #[test]
 fn per_device_sample_count_overflow_is_an_error_not_a_panic() {
-    let cfg = config_with(|v| v["features"].as_array_mut().unwrap().push(json!({"name": "f1", "table": "t0"})));
-    let mut p = Preprocessor::builder(cfg).global_batch_sizes(vec![8, 8]).build().unwrap();
+    let cfg = config_with(|v| {
+        v["features"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"name": "f1", "table": "t0"}))
+    });
+    let mut p = Preprocessor::builder(cfg)
+        .global_batch_sizes(vec![8, 8])
+        .build()
+        .unwrap();
     let (a, b) = (huge(usize::MAX), huge(usize::MAX));
     let mut out = Output::new();
     let e = err(p.run(&[&a, &b], &mut out));
@@ -730,7 +1039,10 @@ fn empty_batches() {
     // No samples at all.
     let empty = RaggedInput::from_i32("f0", &[], &[0]).unwrap();
     expect_run_error(&config(), &[&good], &[&empty], |e| {
-        assert!(matches!(e, Error::BatchTooSmall { stack, batch: 0, sc_per_device: 4, features: 1 } if stack == "t0"), "{e:?}");
+        assert!(
+            matches!(e, Error::BatchTooSmall { stack, batch: 0, sc_per_device: 4, features: 1 } if stack == "t0"),
+            "{e:?}"
+        );
     });
     let good_batch = record_batch(vec![("f0", list_i32(&good_rows()))]);
     let no_rows = record_batch(vec![("f0", list_i32(&[]))]);
@@ -773,15 +1085,49 @@ fn mismatched_batch_sizes_between_features() {
     let four = RaggedInput::from_i32("a", &v4, &s4).unwrap();
     let none = RaggedInput::from_i32("b", &[], &[0]).unwrap();
     expect_run_error(&cfg, &[&good_a, &good_b], &[&four, &none], |e| {
-        assert!(matches!(e, Error::BatchTooSmall { batch: 4, sc_per_device: 4, features: 2, .. }), "{e:?}");
+        assert!(
+            matches!(
+                e,
+                Error::BatchTooSmall {
+                    batch: 4,
+                    sc_per_device: 4,
+                    features: 2,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
     });
     // Fewer inputs than features, and more.
     expect_run_error(&cfg, &[&good_a, &good_b], &[&good_a], |e| {
-        assert!(matches!(e, Error::InputCount { expected: 2, got: 1 }), "{e:?}");
+        assert!(
+            matches!(
+                e,
+                Error::InputCount {
+                    expected: 2,
+                    got: 1
+                }
+            ),
+            "{e:?}"
+        );
     });
-    expect_run_error(&cfg, &[&good_a, &good_b], &[&good_a, &good_b, &good_b], |e| {
-        assert!(matches!(e, Error::InputCount { expected: 2, got: 3 }), "{e:?}");
-    });
+    expect_run_error(
+        &cfg,
+        &[&good_a, &good_b],
+        &[&good_a, &good_b, &good_b],
+        |e| {
+            assert!(
+                matches!(
+                    e,
+                    Error::InputCount {
+                        expected: 2,
+                        got: 3
+                    }
+                ),
+                "{e:?}"
+            );
+        },
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -790,19 +1136,39 @@ fn mismatched_batch_sizes_between_features() {
 
 #[test]
 fn sparsecore_count_not_a_power_of_two() {
-    for (g, s) in [(3usize, 1usize), (1, 3), (3, 4), (1, 6), (5, 2), (12, 4), (1, 1000)] {
+    for (g, s) in [
+        (3usize, 1usize),
+        (1, 3),
+        (3, 4),
+        (1, 6),
+        (5, 2),
+        (12, 4),
+        (1, 1000),
+    ] {
         let cfg = config_with(|v| {
             v["config"]["global_device_count"] = json!(g);
             v["config"]["num_sc_per_device"] = json!(s);
         });
         let check = |e: &Error| {
             match e {
-                Error::NotPowerOfTwo { global_devices, sc_per_device, num_scs } => {
+                Error::NotPowerOfTwo {
+                    global_devices,
+                    sc_per_device,
+                    num_scs,
+                } => {
                     assert_eq!((*global_devices, *sc_per_device, *num_scs), (g, s, g * s));
                 }
                 other => panic!("G = {g}, S = {s}: expected NotPowerOfTwo, got {other:?}"),
             }
-            assert_msg(e, &[&format!("global_device_count {g}"), &format!("num_sc_per_device {s}"), &format!("= {})", g * s), "must be a power of 2"]);
+            assert_msg(
+                e,
+                &[
+                    &format!("global_device_count {g}"),
+                    &format!("num_sc_per_device {s}"),
+                    &format!("= {})", g * s),
+                    "must be a power of 2",
+                ],
+            );
         };
         check(&err(Preprocessor::new(cfg.clone())));
         check(&err(Plan::new(&cfg, &[8])));
@@ -813,14 +1179,25 @@ fn sparsecore_count_not_a_power_of_two() {
         v["config"]["num_sc_per_device"] = json!(2);
     });
     let e = err(Preprocessor::new(cfg));
-    assert!(matches!(&e, Error::InvalidOption { option: "num_sc_per_device", .. }), "{e:?}");
+    assert!(
+        matches!(
+            &e,
+            Error::InvalidOption {
+                option: "num_sc_per_device",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
     assert_msg(&e, &["exceeds the 1073741824 SparseCores"]);
 }
 
 #[test]
 fn limits_of_zero() {
     for key in ["max_ids_per_partition", "max_unique_ids_per_partition"] {
-        let e = err(Preprocessor::new(config_with(|v| v["tables"][0][key] = json!(0))));
+        let e = err(Preprocessor::new(config_with(|v| {
+            v["tables"][0][key] = json!(0)
+        })));
         assert!(
             matches!(&e, Error::InvalidLimit { what: ConfigItem::Table, name, limit, value: 0, .. } if name == "t0" && *limit == key),
             "{e:?}"
@@ -841,7 +1218,9 @@ fn limits_of_zero() {
 fn ten_gigabyte_suggested_coo_buffer_is_refused_without_allocating() {
     const TEN_GB: u64 = 10_000_000_000;
     let ((), largest, _) = track(|| {
-        let e = err(Preprocessor::new(config_with(|v| v["tables"][0]["suggested_coo_buffer_size_per_device"] = json!(TEN_GB))));
+        let e = err(Preprocessor::new(config_with(|v| {
+            v["tables"][0]["suggested_coo_buffer_size_per_device"] = json!(TEN_GB)
+        })));
         assert!(
             matches!(&e, Error::SuggestedBufferTooLarge { stack, suggested: TEN_GB, rounded: TEN_GB, theoretical: 256, .. } if stack == "t0"),
             "{e:?}"
@@ -853,16 +1232,40 @@ fn ten_gigabyte_suggested_coo_buffer_is_refused_without_allocating() {
             v["tables"][0]["suggested_coo_buffer_size_per_device"] = json!(TEN_GB);
             v["tables"][0]["max_ids_per_partition"] = json!(i32::MAX);
         })));
-        assert!(matches!(&e, Error::BufferSizeOutOfRange { stack, size: TEN_GB, .. } if stack == "t0"), "{e:?}");
+        assert!(
+            matches!(&e, Error::BufferSizeOutOfRange { stack, size: TEN_GB, .. } if stack == "t0"),
+            "{e:?}"
+        );
         assert_msg(&e, &["stack `t0`", "10000000000", "(0, 2147483647)"]);
 
         // The per-stack override, and u64::MAX (rounding saturates instead of wrapping).
         let e = err(Preprocessor::new(config_with(|v| {
             v["config"]["stack_suggested_coo_buffer_size_per_device"] = json!({"t0": TEN_GB})
         })));
-        assert!(matches!(&e, Error::SuggestedBufferTooLarge { suggested: TEN_GB, .. }), "{e:?}");
-        let e = err(Preprocessor::new(config_with(|v| v["tables"][0]["suggested_coo_buffer_size_per_device"] = json!(u64::MAX))));
-        assert!(matches!(&e, Error::SuggestedBufferTooLarge { suggested: u64::MAX, rounded: u64::MAX, .. }), "{e:?}");
+        assert!(
+            matches!(
+                &e,
+                Error::SuggestedBufferTooLarge {
+                    suggested: TEN_GB,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let e = err(Preprocessor::new(config_with(|v| {
+            v["tables"][0]["suggested_coo_buffer_size_per_device"] = json!(u64::MAX)
+        })));
+        assert!(
+            matches!(
+                &e,
+                Error::SuggestedBufferTooLarge {
+                    suggested: u64::MAX,
+                    rounded: u64::MAX,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
     });
     assert!(largest < MIB, "refusing a config allocated {largest} bytes");
 }
@@ -891,14 +1294,31 @@ fn output_larger_than_the_machine_is_an_error_not_an_abort() {
     let mut out = prep(config()).run_new(&[&good]).unwrap();
     let (e, largest, _) = track(|| err(p.run(&[&input], &mut out)));
     match &e {
-        Error::OutputTooLarge { stack, array: "embedding_ids", local_devices: 65536, elements } => {
+        Error::OutputTooLarge {
+            stack,
+            array: "embedding_ids",
+            local_devices: 65536,
+            elements,
+        } => {
             assert_eq!(stack, "t0");
             assert_eq!(*elements, 65536 * ((1u64 << 31) - 8));
         }
         other => panic!("expected OutputTooLarge, got {other:?}"),
     }
-    assert_msg(&e, &["stack `t0`", "embedding_ids", "140737487831040 elements", "65536 local devices", "local_device_count"]);
-    assert!(largest < 64 * MIB, "a failed sizing allocated {largest} bytes");
+    assert_msg(
+        &e,
+        &[
+            "stack `t0`",
+            "embedding_ids",
+            "140737487831040 elements",
+            "65536 local devices",
+            "local_device_count",
+        ],
+    );
+    assert!(
+        largest < 64 * MIB,
+        "a failed sizing allocated {largest} bytes"
+    );
     assert_no_output(&out);
     // The same Output still works for its own config.
     let expected = prep(config()).run_new(&[&good]).unwrap();
@@ -914,36 +1334,78 @@ fn inconsistent_tables_and_features() {
     // (patch, what, name, message fragment)
     let cases: Vec<(Patch, ConfigItem, &str, &str)> = vec![
         (
-            Box::new(|v: &mut Value| v["features"].as_array_mut().unwrap().push(json!({"name": "f0", "table": "t0"}))),
+            Box::new(|v: &mut Value| {
+                v["features"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!({"name": "f0", "table": "t0"}))
+            }),
             ConfigItem::Feature,
             "f0",
             "duplicate feature name",
         ),
-        (Box::new(|v: &mut Value| v["features"][0]["table"] = json!("nope")), ConfigItem::Feature, "f0", "unknown table `nope`"),
-        (Box::new(|v: &mut Value| v["tables"][0]["embedding_dim"] = json!(0)), ConfigItem::Table, "t0", "embedding_dim 0"),
-        (Box::new(|v: &mut Value| v["tables"][0]["vocabulary_size"] = json!(0)), ConfigItem::Table, "t0", "vocabulary_size 0"),
-        (Box::new(|v: &mut Value| v["tables"][0]["vocabulary_size"] = json!(u64::MAX)), ConfigItem::Table, "t0", "18446744073709551615"),
+        (
+            Box::new(|v: &mut Value| v["features"][0]["table"] = json!("nope")),
+            ConfigItem::Feature,
+            "f0",
+            "unknown table `nope`",
+        ),
+        (
+            Box::new(|v: &mut Value| v["tables"][0]["embedding_dim"] = json!(0)),
+            ConfigItem::Table,
+            "t0",
+            "embedding_dim 0",
+        ),
+        (
+            Box::new(|v: &mut Value| v["tables"][0]["vocabulary_size"] = json!(0)),
+            ConfigItem::Table,
+            "t0",
+            "vocabulary_size 0",
+        ),
+        (
+            Box::new(|v: &mut Value| v["tables"][0]["vocabulary_size"] = json!(u64::MAX)),
+            ConfigItem::Table,
+            "t0",
+            "18446744073709551615",
+        ),
     ];
     for (patch, what, name, fragment) in cases {
         let e = err(Preprocessor::new(config_with(patch)));
-        assert!(matches!(&e, Error::InvalidConfig { what: w, name: n, .. } if *w == what && n == name), "{fragment}: {e:?}");
+        assert!(
+            matches!(&e, Error::InvalidConfig { what: w, name: n, .. } if *w == what && n == name),
+            "{fragment}: {e:?}"
+        );
         assert_msg(&e, &[&format!("{what} `{name}`"), fragment]);
     }
-    let e = err(Preprocessor::new(config_with(|v| v["features"] = json!([]))));
+    let e = err(Preprocessor::new(config_with(|v| {
+        v["features"] = json!([])
+    })));
     assert!(matches!(e, Error::NoFeatures), "{e:?}");
 }
 
 #[test]
 fn missing_and_mistyped_arrow_columns_leave_no_output() {
     let cfg = config_with(|v| v["features"][0]["weights_column"] = json!("w0"));
-    let good = record_batch(vec![("f0", list_i32(&good_rows())), ("w0", list_f32(&vec![vec![1.0; 2]; 8]))]);
+    let good = record_batch(vec![
+        ("f0", list_i32(&good_rows())),
+        ("w0", list_f32(&vec![vec![1.0; 2]; 8])),
+    ]);
     let no_weights = record_batch(vec![("f0", list_i32(&good_rows()))]);
     expect_record_batch_error(&cfg, &good, &no_weights, |e| {
-        assert!(matches!(e, Error::MissingColumn { feature, column, available } if feature == "f0" && column == "w0" && available == "f0"), "{e:?}");
+        assert!(
+            matches!(e, Error::MissingColumn { feature, column, available } if feature == "f0" && column == "w0" && available == "f0"),
+            "{e:?}"
+        );
     });
-    let ids_as_weights = record_batch(vec![("f0", list_i32(&good_rows())), ("w0", list_i32(&good_rows()))]);
+    let ids_as_weights = record_batch(vec![
+        ("f0", list_i32(&good_rows())),
+        ("w0", list_i32(&good_rows())),
+    ]);
     expect_record_batch_error(&cfg, &good, &ids_as_weights, |e| {
-        assert!(matches!(e, Error::ColumnType { feature, column, .. } if feature == "f0" && column == "w0"), "{e:?}");
+        assert!(
+            matches!(e, Error::ColumnType { feature, column, .. } if feature == "f0" && column == "w0"),
+            "{e:?}"
+        );
     });
 }
 
@@ -962,7 +1424,10 @@ fn stats_only_errors_leave_no_output() {
     p.run_stats(&[&good], &mut out).unwrap();
     assert_eq!(out.stacks.len(), 1);
     let e = err(p.run_stats(&[&bad], &mut out));
-    assert!(matches!(&e, Error::IdOutOfRange { id: -3, row: 5, .. }), "{e:?}");
+    assert!(
+        matches!(&e, Error::IdOutOfRange { id: -3, row: 5, .. }),
+        "{e:?}"
+    );
     assert_no_output(&out);
     // A buffers run after a stats run after an error.
     p.run(&[&good], &mut out).unwrap();
@@ -985,13 +1450,19 @@ struct Flaky(AtomicBool);
 impl AllReduce for Flaky {
     fn all_reduce_or_bool(&self, key: u64, value: bool) -> sparsecore_prep::Result<bool> {
         if self.0.load(Ordering::Relaxed) {
-            return Err(Error::AllReduce { key, reason: "peer host 1 (10.0.0.2:7000) did not answer".into() });
+            return Err(Error::AllReduce {
+                key,
+                reason: "peer host 1 (10.0.0.2:7000) did not answer".into(),
+            });
         }
         Ok(value)
     }
     fn all_reduce_or_u64(&self, key: u64, value: u64) -> sparsecore_prep::Result<u64> {
         if self.0.load(Ordering::Relaxed) {
-            return Err(Error::AllReduce { key, reason: "peer host 1 (10.0.0.2:7000) did not answer".into() });
+            return Err(Error::AllReduce {
+                key,
+                reason: "peer host 1 (10.0.0.2:7000) did not answer".into(),
+            });
         }
         Ok(value)
     }
@@ -1006,7 +1477,10 @@ fn failing_all_reduce_leaves_no_output() {
         v["config"]["global_device_count"] = json!(2);
     });
     let flaky = Arc::new(Flaky(AtomicBool::new(false)));
-    let mut p = Preprocessor::builder(cfg.clone()).all_reduce(flaky.clone()).build().unwrap();
+    let mut p = Preprocessor::builder(cfg.clone())
+        .all_reduce(flaky.clone())
+        .build()
+        .unwrap();
     let (gv, gs) = ragged(&good_rows());
     let good = RaggedInput::from_i32("f0", &gv, &gs).unwrap();
     let mut out = Output::new();
@@ -1016,7 +1490,10 @@ fn failing_all_reduce_leaves_no_output() {
     assert_eq!(expected.num_minibatches, 1);
     flaky.0.store(true, Ordering::Relaxed);
     let e = err(p.run(&[&good], &mut out));
-    assert!(matches!(&e, Error::AllReduce { key: 14, reason } if reason.contains("10.0.0.2:7000")), "{e:?}");
+    assert!(
+        matches!(&e, Error::AllReduce { key: 14, reason } if reason.contains("10.0.0.2:7000")),
+        "{e:?}"
+    );
     assert_msg(&e, &["sync key 14", "did not answer"]);
     assert_no_output(&out);
     flaky.0.store(false, Ordering::Relaxed);
@@ -1030,7 +1507,15 @@ fn failing_all_reduce_leaves_no_output() {
 fn an_error_does_not_cost_the_next_batch_its_buffers() {
     let (gv, gs) = ragged(&good_rows());
     let good = RaggedInput::from_i32("f0", &gv, &gs).unwrap();
-    let hot: Vec<Vec<i32>> = (0..8).map(|r| if r < 2 { (0..10).map(|i| 4 * i).collect() } else { vec![r] }).collect();
+    let hot: Vec<Vec<i32>> = (0..8)
+        .map(|r| {
+            if r < 2 {
+                (0..10).map(|i| 4 * i).collect()
+            } else {
+                vec![r]
+            }
+        })
+        .collect();
     let (hv, hs) = ragged(&hot);
     let over_limit = RaggedInput::from_i32("f0", &hv, &hs).unwrap();
     let mut p = Preprocessor::builder(config()).threads(1).build().unwrap();
@@ -1040,10 +1525,27 @@ fn an_error_does_not_cost_the_next_batch_its_buffers() {
     let buffer = out.stacks[0].embedding_ids.as_ptr();
     // LimitExceeded is found after every buffer was written.
     let e = err(p.run(&[&over_limit], &mut out));
-    assert!(matches!(&e, Error::LimitExceeded { observed: 20, limit: 16, .. }), "{e:?}");
+    assert!(
+        matches!(
+            &e,
+            Error::LimitExceeded {
+                observed: 20,
+                limit: 16,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
     assert_no_output(&out);
     let (r, _, allocations) = track(|| p.run(&[&good], &mut out));
     r.unwrap();
-    assert_eq!(allocations, 0, "the batch after an error reallocated its output");
-    assert_eq!(out.stacks[0].embedding_ids.as_ptr(), buffer, "the buffers were not reused");
+    assert_eq!(
+        allocations, 0,
+        "the batch after an error reallocated its output"
+    );
+    assert_eq!(
+        out.stacks[0].embedding_ids.as_ptr(),
+        buffer,
+        "the buffers were not reused"
+    );
 }

@@ -41,10 +41,13 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, RngSeed, TestCaseError, TestRunner};
 use serde_json::json;
 
-use sparsecore_prep::BucketFn;
 use sparsecore_prep::input::{RaggedInput, SampleSource};
 use sparsecore_prep::spec::{PAD_GAIN_BITS, PAD_ID};
-use sparsecore_prep::{AllReduce, Config, Error, LimitKind, LocalAllReduce, Output, Preprocessor, PreprocessorBuilder, StackOutput};
+use sparsecore_prep::BucketFn;
+use sparsecore_prep::{
+    AllReduce, Config, Error, LimitKind, LocalAllReduce, Output, Preprocessor, PreprocessorBuilder,
+    StackOutput,
+};
 
 const P: i32 = PAD_ID;
 
@@ -62,12 +65,33 @@ struct Table {
     suggested: Option<u64>,
 }
 
-fn table(name: &'static str, vocab: u64, max_ids: u64, max_unique: u64, suggested: Option<u64>) -> Table {
-    Table { name, vocab, combiner: "sum", max_ids, max_unique, suggested }
+fn table(
+    name: &'static str,
+    vocab: u64,
+    max_ids: u64,
+    max_unique: u64,
+    suggested: Option<u64>,
+) -> Table {
+    Table {
+        name,
+        vocab,
+        combiner: "sum",
+        max_ids,
+        max_unique,
+        suggested,
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
-fn config_lg(l: usize, g: usize, s: usize, drop: bool, mb: bool, tables: &[Table], features: &[(&str, &str)]) -> Config {
+fn config_lg(
+    l: usize,
+    g: usize,
+    s: usize,
+    drop: bool,
+    mb: bool,
+    tables: &[Table],
+    features: &[(&str, &str)],
+) -> Config {
     let v = json!({
         "config": {"local_device_count": l, "global_device_count": g, "num_sc_per_device": s,
                    "allow_id_dropping": drop, "enable_minibatching": mb},
@@ -80,7 +104,14 @@ fn config_lg(l: usize, g: usize, s: usize, drop: bool, mb: bool, tables: &[Table
     Config::from_json(&v.to_string()).expect("test config")
 }
 
-fn config(g: usize, s: usize, drop: bool, mb: bool, tables: &[Table], features: &[(&str, &str)]) -> Config {
+fn config(
+    g: usize,
+    s: usize,
+    drop: bool,
+    mb: bool,
+    tables: &[Table],
+    features: &[(&str, &str)],
+) -> Config {
     config_lg(g, g, s, drop, mb, tables, features)
 }
 
@@ -101,7 +132,12 @@ impl Rag {
             ids.extend_from_slice(r);
             splits.push(ids.len() as i32);
         }
-        Rag { name: name.to_string(), ids, splits, weights: None }
+        Rag {
+            name: name.to_string(),
+            ids,
+            splits,
+            weights: None,
+        }
     }
 
     fn input(&self) -> RaggedInput<'_> {
@@ -113,7 +149,11 @@ impl Rag {
     }
 }
 
-fn run_builder(builder: PreprocessorBuilder, rags: &[&Rag], batch_number: Option<u64>) -> Result<Output, Error> {
+fn run_builder(
+    builder: PreprocessorBuilder,
+    rags: &[&Rag],
+    batch_number: Option<u64>,
+) -> Result<Output, Error> {
     let mut prep = builder.build()?;
     if let Some(b) = batch_number {
         prep.set_batch_number(b);
@@ -124,7 +164,11 @@ fn run_builder(builder: PreprocessorBuilder, rags: &[&Rag], batch_number: Option
 }
 
 fn run_identity(cfg: Config, rags: &[&Rag]) -> Result<Output, Error> {
-    run_builder(Preprocessor::builder(cfg).bucket_fn(BucketFn::identity()), rags, None)
+    run_builder(
+        Preprocessor::builder(cfg).bucket_fn(BucketFn::identity()),
+        rags,
+        None,
+    )
 }
 
 fn run_highway(cfg: Config, rags: &[&Rag]) -> Result<Output, Error> {
@@ -147,7 +191,11 @@ fn assert_slice_eq<T: PartialEq + std::fmt::Debug>(got: &[T], want: &[T], what: 
     if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
         let lo = i.saturating_sub(4);
         let hi = (i + 12).min(got.len());
-        panic!("{what}: first difference at {i}:\n  got  {:?}\n  want {:?}", &got[lo..hi], &want[lo..hi]);
+        panic!(
+            "{what}: first difference at {i}:\n  got  {:?}\n  want {:?}",
+            &got[lo..hi],
+            &want[lo..hi]
+        );
     }
 }
 
@@ -195,7 +243,12 @@ struct DeviceModel {
 /// Naive SPEC 5.7 layout: segments SparseCore-major, minibatch-minor, from offset 0; within a
 /// (segment, partition), entries by (bucket, local id, sample); partitions aligned to 8 with the
 /// padding triple; absolute row pointers; what does not fit C is dropped (pointers stay at C).
-fn model_minibatched(per_sc: &[Vec<ModelEntry>], n: usize, ranges: &[(u32, u32)], c: usize) -> DeviceModel {
+fn model_minibatched(
+    per_sc: &[Vec<ModelEntry>],
+    n: usize,
+    ranges: &[(u32, u32)],
+    c: usize,
+) -> DeviceModel {
     let rpb = n.max(8);
     let m = ranges.len();
     let mut rp = vec![-1; per_sc.len() * m * rpb];
@@ -206,8 +259,11 @@ fn model_minibatched(per_sc: &[Vec<ModelEntry>], n: usize, ranges: &[(u32, u32)]
         for (mi, &(lo, hi)) in ranges.iter().enumerate() {
             let k = s * m + mi;
             for p in 0..n {
-                let mut sel: Vec<ModelEntry> =
-                    entries.iter().filter(|e| e.partition == p && e.bucket >= lo && e.bucket < hi).copied().collect();
+                let mut sel: Vec<ModelEntry> = entries
+                    .iter()
+                    .filter(|e| e.partition == p && e.bucket >= lo && e.bucket < hi)
+                    .copied()
+                    .collect();
                 sel.sort_by_key(|e| (e.bucket, e.local, e.sample));
                 for e in sel {
                     if cur < c {
@@ -227,16 +283,38 @@ fn model_minibatched(per_sc: &[Vec<ModelEntry>], n: usize, ranges: &[(u32, u32)]
             }
         }
     }
-    DeviceModel { rp, emb, smp, gains, dropped }
+    DeviceModel {
+        rp,
+        emb,
+        smp,
+        gains,
+        dropped,
+    }
 }
 
 fn assert_device(so: &StackOutput, d: usize, want: &DeviceModel, what: &str) {
     let rpd = so.row_pointers_per_device();
     let c = so.coo_buffer_size_per_device();
-    assert_slice_eq(&so.row_pointers[d * rpd..d * rpd + want.rp.len()], &want.rp, &format!("{what}: row pointers"));
-    assert_slice_eq(&so.embedding_ids[d * c..(d + 1) * c], &want.emb, &format!("{what}: embedding ids"));
-    assert_slice_eq(&so.sample_ids[d * c..(d + 1) * c], &want.smp, &format!("{what}: sample ids"));
-    assert_slice_eq(&gain_bits(&so.gains[d * c..(d + 1) * c]), &want.gains, &format!("{what}: gains"));
+    assert_slice_eq(
+        &so.row_pointers[d * rpd..d * rpd + want.rp.len()],
+        &want.rp,
+        &format!("{what}: row pointers"),
+    );
+    assert_slice_eq(
+        &so.embedding_ids[d * c..(d + 1) * c],
+        &want.emb,
+        &format!("{what}: embedding ids"),
+    );
+    assert_slice_eq(
+        &so.sample_ids[d * c..(d + 1) * c],
+        &want.smp,
+        &format!("{what}: sample ids"),
+    );
+    assert_slice_eq(
+        &gain_bits(&so.gains[d * c..(d + 1) * c]),
+        &want.gains,
+        &format!("{what}: gains"),
+    );
 }
 
 /// SPEC 5.5 `Split` over 64 leaves, written from the spec's text.
@@ -296,8 +374,20 @@ fn fill_buffer_minibatching_single_minibatch() {
     // C = 160 as in the C++ test: suggested 160 = roundup(160, 8·S) <= T = 8·4·4·64.
     let rag = Rag::new("f0", &fill_buffer_rows());
     for identity in [true, false] {
-        let cfg = config(1, 4, false, true, &[table("t0", 64, 2, 1, Some(160))], &[("f0", "t0")]);
-        let out = if identity { run_identity(cfg, &[&rag]) } else { run_highway(cfg, &[&rag]) }.unwrap();
+        let cfg = config(
+            1,
+            4,
+            false,
+            true,
+            &[table("t0", 64, 2, 1, Some(160))],
+            &[("f0", "t0")],
+        );
+        let out = if identity {
+            run_identity(cfg, &[&rag])
+        } else {
+            run_highway(cfg, &[&rag])
+        }
+        .unwrap();
         let t0 = out.stack("t0").unwrap();
         assert_eq!(out.num_minibatches, 1);
         assert_eq!(t0.coo_buffer_size_per_device(), 160);
@@ -339,12 +429,25 @@ fn single_minibatch_layout_overflow_starts_at_min_of_required_and_c() {
     // M = 1 layout with C = 96 < Σ required = 128: SparseCore 3 starts at min(96, C) = 96, so
     // its 8 entries are dropped and all its row pointers equal C (SPEC 5.7, 3.8).
     let rag = Rag::new("f0", &fill_buffer_rows());
-    let cfg = config(1, 4, false, true, &[table("t0", 64, 2, 1, Some(96))], &[("f0", "t0")]);
+    let cfg = config(
+        1,
+        4,
+        false,
+        true,
+        &[table("t0", 64, 2, 1, Some(96))],
+        &[("f0", "t0")],
+    );
     let out = run_identity(cfg, &[&rag]).unwrap();
     let t0 = out.stack("t0").unwrap();
     assert_eq!(out.num_minibatches, 1);
     assert_eq!(t0.coo_buffer_size_per_device(), 96);
-    assert_eq!(&t0.row_pointers[..24], &[2, 10, 18, 26, 32, 32, 32, 32, 34, 42, 50, 58, 64, 64, 64, 64, 66, 74, 82, 90, 96, 96, 96, 96]);
+    assert_eq!(
+        &t0.row_pointers[..24],
+        &[
+            2, 10, 18, 26, 32, 32, 32, 32, 34, 42, 50, 58, 64, 64, 64, 64, 66, 74, 82, 90, 96, 96,
+            96, 96
+        ]
+    );
     assert_eq!(&t0.row_pointers[24..32], &[96; 8]);
     assert_eq!(t0.stats.dropped_id_count, 8);
     assert_eq!(t0.stats.required_buffer_size_per_sc, vec![32; 4]);
@@ -369,14 +472,30 @@ fn assert_four_minibatches_golden(t0: &StackOutput) {
     ];
     for s in 0..4 {
         let want: Vec<i32> = sc0.iter().map(|&v| v + 160 * s as i32).collect();
-        assert_eq!(&t0.row_pointers[32 * s..32 * s + 32], &want[..], "SC{s} row pointers");
+        assert_eq!(
+            &t0.row_pointers[32 * s..32 * s + 32],
+            &want[..],
+            "SC{s} row pointers"
+        );
     }
-    assert_eq!(&t0.row_pointers[32..36], &[168, 176, 184, 192], "SC1 starts at 160");
+    assert_eq!(
+        &t0.row_pointers[32..36],
+        &[168, 176, 184, 192],
+        "SC1 starts at 160"
+    );
     // MB2 (buckets [24, 48)) of SC0, partition 0: cols 24, 28, ..., 44 → local ids 6..11.
-    assert_eq!(&t0.embedding_ids[64..80], &[6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, P, P, P, P]);
-    assert_eq!(&t0.sample_ids[64..80], &[0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, P, P, P, P]);
+    assert_eq!(
+        &t0.embedding_ids[64..80],
+        &[6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, P, P, P, P]
+    );
+    assert_eq!(
+        &t0.sample_ids[64..80],
+        &[0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, P, P, P, P]
+    );
     // Everything, against the model (with the padded tail [640, 672)).
-    let per_sc: Vec<Vec<ModelEntry>> = (0..4).map(|_| sc_entries(&four_mb_rows()[..2], 4, |c| c & 63)).collect();
+    let per_sc: Vec<Vec<ModelEntry>> = (0..4)
+        .map(|_| sc_entries(&four_mb_rows()[..2], 4, |c| c & 63))
+        .collect();
     let want = model_minibatched(&per_sc, 4, &[(0, 16), (16, 24), (24, 48), (48, 64)], 672);
     assert_device(t0, 0, &want, "t0");
     assert_eq!(want.dropped, 0);
@@ -416,19 +535,36 @@ fn fill_buffer_minibatching_four_minibatches_split_from_a_second_stack() {
     assert_eq!(naive_split(&leaves(&[(0, 6), (16, 6)]), 10), bits(&[60]));
     assert_eq!(naive_split(&leaves(&[(16, 6), (24, 6)]), 10), bits(&[57]));
     assert_eq!(naive_split(&leaves(&[(32, 6), (48, 6)]), 10), bits(&[61]));
-    assert_eq!(naive_ranges(bits(&[57, 60, 61])), vec![(0, 16), (16, 24), (24, 48), (48, 64)]);
+    assert_eq!(
+        naive_ranges(bits(&[57, 60, 61])),
+        vec![(0, 16), (16, 24), (24, 48), (48, 64)]
+    );
 
     let f0 = Rag::new("f0", &four_mb_rows());
     let f1 = Rag::new("f1", &t1_rows);
-    let cfg = config(1, 4, false, true, &[four_mb_t0(), table("t1", 256, 10, 64, None)], &[("f0", "t0"), ("f1", "t1")]);
+    let cfg = config(
+        1,
+        4,
+        false,
+        true,
+        &[four_mb_t0(), table("t1", 256, 10, 64, None)],
+        &[("f0", "t0"), ("f1", "t1")],
+    );
     let out = run_identity(cfg, &[&f0, &f1]).unwrap();
     assert_eq!(out.num_minibatches, 4);
     assert_four_minibatches_golden(out.stack("t0").unwrap());
 
     // t1 is laid out with the same four minibatches.
     let t1 = out.stack("t1").unwrap();
-    let per_sc: Vec<Vec<ModelEntry>> = (0..4).map(|s| sc_entries(&t1_rows[2 * s..2 * s + 2], 4, |c| c & 63)).collect();
-    let want = model_minibatched(&per_sc, 4, &[(0, 16), (16, 24), (24, 48), (48, 64)], t1.coo_buffer_size_per_device());
+    let per_sc: Vec<Vec<ModelEntry>> = (0..4)
+        .map(|s| sc_entries(&t1_rows[2 * s..2 * s + 2], 4, |c| c & 63))
+        .collect();
+    let want = model_minibatched(
+        &per_sc,
+        4,
+        &[(0, 16), (16, 24), (24, 48), (48, 64)],
+        t1.coo_buffer_size_per_device(),
+    );
     assert_device(t1, 0, &want, "t1");
     // Hand-checked: SC0 MB0 partition 0 holds bucket 0 (locals 0, 16, 32), SC3 starts at 48.
     assert_eq!(&t1.row_pointers[..8], &[6, 8, 8, 8, 8, 8, 8, 8]);
@@ -463,7 +599,14 @@ fn four_minibatches_input_alone_reaches_only_whole_levels() {
     assert_eq!(naive_split(&v, 32), 0);
 
     let f0 = Rag::new("f0", &four_mb_rows());
-    let cfg = config(1, 4, false, true, &[table("t0", 64, 8, 16, None)], &[("f0", "t0")]);
+    let cfg = config(
+        1,
+        4,
+        false,
+        true,
+        &[table("t0", 64, 8, 16, None)],
+        &[("f0", "t0")],
+    );
     let out = run_identity(cfg, &[&f0]).unwrap();
     assert_eq!(out.num_minibatches, 4);
     let t0 = out.stack("t0").unwrap();
@@ -472,11 +615,21 @@ fn four_minibatches_input_alone_reaches_only_whole_levels() {
         for m in 0..4 {
             let base = (128 * s + 32 * m) as i32;
             let k = s * 4 + m;
-            assert_eq!(&t0.row_pointers[8 * k..8 * k + 8], &[8, 16, 24, 32, 32, 32, 32, 32].map(|x| x + base));
+            assert_eq!(
+                &t0.row_pointers[8 * k..8 * k + 8],
+                &[8, 16, 24, 32, 32, 32, 32, 32].map(|x| x + base)
+            );
         }
     }
-    let per_sc: Vec<Vec<ModelEntry>> = (0..4).map(|_| sc_entries(&four_mb_rows()[..2], 4, |c| c & 63)).collect();
-    let want = model_minibatched(&per_sc, 4, &[(0, 16), (16, 32), (32, 48), (48, 64)], t0.coo_buffer_size_per_device());
+    let per_sc: Vec<Vec<ModelEntry>> = (0..4)
+        .map(|_| sc_entries(&four_mb_rows()[..2], 4, |c| c & 63))
+        .collect();
+    let want = model_minibatched(
+        &per_sc,
+        4,
+        &[(0, 16), (16, 32), (32, 48), (48, 64)],
+        t0.coo_buffer_size_per_device(),
+    );
     assert_device(t0, 0, &want, "t0");
     // Stats stay those of pass 1.
     assert_eq!(t0.stats.max_ids_per_partition, vec![32; 4]);
@@ -489,17 +642,39 @@ fn fill_buffer_static_bound_counts_drops_with_minibatching() {
     // samples 0,1,2,3,P,P, 4 dropped. Through the API C is a multiple of 8·S = 8 (suggested 6
     // rounds to 8), so the same input gives rp [4,8,…, 8,…] and two more padding slots.
     // Rows carry duplicates: overflow drops count de-duplicated entries (4, not the 6 raw ids).
-    let rows = vec![vec![0, 0, 32, 32, 32], vec![0, 32], vec![0, 32], vec![0, 32]];
+    let rows = vec![
+        vec![0, 0, 32, 32, 32],
+        vec![0, 32],
+        vec![0, 32],
+        vec![0, 32],
+    ];
     let rag = Rag::new("f0", &rows);
-    let cfg = config(1, 1, false, true, &[table("t0", 64, 4, 4, Some(6))], &[("f0", "t0")]);
+    let cfg = config(
+        1,
+        1,
+        false,
+        true,
+        &[table("t0", 64, 4, 4, Some(6))],
+        &[("f0", "t0")],
+    );
     let out = run_identity(cfg, &[&rag]).unwrap();
     let t0 = out.stack("t0").unwrap();
     assert_eq!(t0.coo_buffer_size_per_device(), 8);
     assert_eq!(out.num_minibatches, 2); // buckets 0 and 32, 4 ids each → bit 62 only
-    assert_eq!(&t0.row_pointers[..16], &[4, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8]);
+    assert_eq!(
+        &t0.row_pointers[..16],
+        &[4, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8]
+    );
     assert_eq!(t0.embedding_ids, vec![0, 0, 0, 0, P, P, P, P]);
     assert_eq!(t0.sample_ids, vec![0, 1, 2, 3, P, P, P, P]);
-    assert_eq!(gain_bits(&t0.gains), [2f32, 1., 1., 1.].map(f32::to_bits).into_iter().chain([NAN; 4]).collect::<Vec<_>>());
+    assert_eq!(
+        gain_bits(&t0.gains),
+        [2f32, 1., 1., 1.]
+            .map(f32::to_bits)
+            .into_iter()
+            .chain([NAN; 4])
+            .collect::<Vec<_>>()
+    );
     assert_eq!(t0.stats.dropped_id_count, 4);
     assert_eq!(t0.stats.max_ids_per_partition, vec![8]);
     assert_eq!(t0.stats.max_unique_ids_per_partition, vec![2]);
@@ -512,13 +687,29 @@ fn minibatch_overflow_in_the_middle_of_a_segment() {
     // MB0 fills [0, 4) (aligned to 8); MB1 has 12 entries from 8, of which 8 fit.
     let rows: Vec<Vec<i32>> = (0..4).map(|_| vec![0, 32, 33, 34]).collect();
     let rag = Rag::new("f0", &rows);
-    let cfg = config(1, 1, false, true, &[table("t0", 64, 12, 12, Some(16))], &[("f0", "t0")]);
+    let cfg = config(
+        1,
+        1,
+        false,
+        true,
+        &[table("t0", 64, 12, 12, Some(16))],
+        &[("f0", "t0")],
+    );
     let out = run_identity(cfg, &[&rag]).unwrap();
     let t0 = out.stack("t0").unwrap();
     assert_eq!(out.num_minibatches, 2);
-    assert_eq!(&t0.row_pointers[..16], &[4, 8, 8, 8, 8, 8, 8, 8, 16, 16, 16, 16, 16, 16, 16, 16]);
-    assert_eq!(t0.embedding_ids, vec![0, 0, 0, 0, P, P, P, P, 32, 32, 32, 32, 33, 33, 33, 33]);
-    assert_eq!(t0.sample_ids, vec![0, 1, 2, 3, P, P, P, P, 0, 1, 2, 3, 0, 1, 2, 3]);
+    assert_eq!(
+        &t0.row_pointers[..16],
+        &[4, 8, 8, 8, 8, 8, 8, 8, 16, 16, 16, 16, 16, 16, 16, 16]
+    );
+    assert_eq!(
+        t0.embedding_ids,
+        vec![0, 0, 0, 0, P, P, P, P, 32, 32, 32, 32, 33, 33, 33, 33]
+    );
+    assert_eq!(
+        t0.sample_ids,
+        vec![0, 1, 2, 3, P, P, P, P, 0, 1, 2, 3, 0, 1, 2, 3]
+    );
     assert_eq!(t0.stats.dropped_id_count, 4);
     assert_eq!(t0.stats.max_ids_per_partition, vec![16]);
     assert_eq!(t0.stats.required_buffer_size_per_sc, vec![16]);
@@ -532,7 +723,14 @@ fn minibatch_overflow_drops_every_later_segment() {
     let mut rows: Vec<Vec<i32>> = (0..4).map(|_| vec![0, 2, 32]).collect();
     rows.extend((0..4).map(|_| vec![1, 3]));
     let rag = Rag::new("f0", &rows);
-    let cfg = config(1, 2, false, true, &[table("t0", 64, 8, 8, Some(16))], &[("f0", "t0")]);
+    let cfg = config(
+        1,
+        2,
+        false,
+        true,
+        &[table("t0", 64, 8, 8, Some(16))],
+        &[("f0", "t0")],
+    );
     let out = run_identity(cfg, &[&rag]).unwrap();
     let t0 = out.stack("t0").unwrap();
     assert_eq!(t0.coo_buffer_size_per_device(), 16);
@@ -546,13 +744,22 @@ fn minibatch_overflow_drops_every_later_segment() {
             16, 16, 16, 16, 16, 16, 16, 16, // SC1 MB1: empty, at C
         ]
     );
-    assert_eq!(t0.embedding_ids, vec![0, 0, 0, 0, 1, 1, 1, 1, 16, 16, 16, 16, P, P, P, P]);
-    assert_eq!(t0.sample_ids, vec![0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, P, P, P, P]);
+    assert_eq!(
+        t0.embedding_ids,
+        vec![0, 0, 0, 0, 1, 1, 1, 1, 16, 16, 16, 16, P, P, P, P]
+    );
+    assert_eq!(
+        t0.sample_ids,
+        vec![0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, P, P, P, P]
+    );
     assert_eq!(t0.stats.dropped_id_count, 8);
     assert_eq!(t0.stats.max_ids_per_partition, vec![12, 8]);
     assert_eq!(t0.stats.max_unique_ids_per_partition, vec![3, 2]);
     assert_eq!(t0.stats.required_buffer_size_per_sc, vec![16, 8]);
-    let per_sc = vec![sc_entries(&rows[..4], 2, |c| c & 63), sc_entries(&rows[4..], 2, |c| c & 63)];
+    let per_sc = vec![
+        sc_entries(&rows[..4], 2, |c| c & 63),
+        sc_entries(&rows[4..], 2, |c| c & 63),
+    ];
     let want = model_minibatched(&per_sc, 2, &[(0, 32), (32, 64)], 16);
     assert_device(t0, 0, &want, "t0");
     assert_eq!(want.dropped, 8);
@@ -564,21 +771,36 @@ fn end_to_end_real_hash_three_minibatches() {
     // 2→13, 3→35, 4→34, 5→53, 6→9, 7→54 → split {61, 62} → [0,32) [32,48) [48,64).
     let rows: Vec<Vec<i32>> = (0..8).map(|r| vec![r]).collect();
     let rag = Rag::new("f0", &rows);
-    let cfg = config(1, 1, false, true, &[table("t0", 64, 4, 4, None)], &[("f0", "t0")]);
+    let cfg = config(
+        1,
+        1,
+        false,
+        true,
+        &[table("t0", 64, 4, 4, None)],
+        &[("f0", "t0")],
+    );
     let out = run_highway(cfg, &[&rag]).unwrap();
     let t0 = out.stack("t0").unwrap();
     assert_eq!(out.num_minibatches, 3);
     assert_eq!(t0.coo_buffer_size_per_device(), 512);
     assert_eq!(t0.row_pointers_per_device(), 8 * 64);
-    assert_eq!(&t0.row_pointers[..24], &[3, 8, 8, 8, 8, 8, 8, 8, 11, 16, 16, 16, 16, 16, 16, 16, 18, 24, 24, 24, 24, 24, 24, 24]);
-    let ids = [0, 6, 2, P, P, P, P, P, 4, 3, 1, P, P, P, P, P, 5, 7, P, P, P, P, P, P];
+    assert_eq!(
+        &t0.row_pointers[..24],
+        &[3, 8, 8, 8, 8, 8, 8, 8, 11, 16, 16, 16, 16, 16, 16, 16, 18, 24, 24, 24, 24, 24, 24, 24]
+    );
+    let ids = [
+        0, 6, 2, P, P, P, P, P, 4, 3, 1, P, P, P, P, P, 5, 7, P, P, P, P, P, P,
+    ];
     assert_eq!(&t0.embedding_ids[..24], &ids);
     assert_eq!(&t0.sample_ids[..24], &ids);
     for (i, g) in t0.gains[..24].iter().enumerate() {
         let want = if ids[i] == P { NAN } else { 1f32.to_bits() };
         assert_eq!(g.to_bits(), want, "gain {i}");
     }
-    assert!(t0.embedding_ids[24..].iter().all(|&v| v == P), "padded tail");
+    assert!(
+        t0.embedding_ids[24..].iter().all(|&v| v == P),
+        "padded tail"
+    );
     assert_eq!(t0.stats.max_ids_per_partition, vec![8]);
     assert_eq!(t0.stats.max_unique_ids_per_partition, vec![8]);
     assert_eq!(t0.stats.required_buffer_size_per_sc, vec![8]);
@@ -602,13 +824,29 @@ fn single_bucket_over_max_ids_is_an_error_without_dropping() {
     // bucket 7, which no split can divide.
     let rows: Vec<Vec<i32>> = (0..8).map(|_| vec![0, 0]).collect();
     let rag = Rag::new("f0", &rows);
-    let cfg = config(1, 1, false, true, &[table("t0", 64, 4, 4, None)], &[("f0", "t0")]);
+    let cfg = config(
+        1,
+        1,
+        false,
+        true,
+        &[table("t0", 64, 4, 4, None)],
+        &[("f0", "t0")],
+    );
     let e = run_highway(cfg, &[&rag]).unwrap_err();
     let msg = e.to_string();
     assert!(msg.contains("is greater than the set max"), "{msg}");
-    assert!(msg.contains("is greater than the set max ids per partition"), "{msg}");
+    assert!(
+        msg.contains("is greater than the set max ids per partition"),
+        "{msg}"
+    );
     match e {
-        Error::LimitExceeded { kind, observed, limit, partition, .. } => {
+        Error::LimitExceeded {
+            kind,
+            observed,
+            limit,
+            partition,
+            ..
+        } => {
             assert_eq!(kind, LimitKind::MaxIds);
             assert_eq!(observed, 8);
             assert_eq!(limit, 4);
@@ -624,10 +862,32 @@ fn single_bucket_over_max_unique_is_an_error_without_dropping() {
     // (> max_unique 4), 8 ids (<= max_ids 16).
     let rows: Vec<Vec<i32>> = (0..8).map(|r| vec![64 * r]).collect();
     let rag = Rag::new("f0", &rows);
-    let cfg = config(1, 1, false, true, &[table("t0", 512, 16, 4, None)], &[("f0", "t0")]);
+    let cfg = config(
+        1,
+        1,
+        false,
+        true,
+        &[table("t0", 512, 16, 4, None)],
+        &[("f0", "t0")],
+    );
     let e = run_identity(cfg, &[&rag]).unwrap_err();
-    assert!(e.to_string().contains("is greater than the set max unique ids per partition"), "{e}");
-    assert!(matches!(e, Error::LimitExceeded { kind: LimitKind::MaxUniqueIds, observed: 8, limit: 4, .. }), "{e:?}");
+    assert!(
+        e.to_string()
+            .contains("is greater than the set max unique ids per partition"),
+        "{e}"
+    );
+    assert!(
+        matches!(
+            e,
+            Error::LimitExceeded {
+                kind: LimitKind::MaxUniqueIds,
+                observed: 8,
+                limit: 4,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
 }
 
 #[test]
@@ -635,10 +895,21 @@ fn pass_one_never_fails_when_buckets_fit() {
     // Pass 1 exceeds the limits (8 > 4), but every bucket fits: no error (C3).
     let rows: Vec<Vec<i32>> = (0..8).map(|r| vec![r]).collect();
     let rag = Rag::new("f0", &rows);
-    let cfg = config(1, 1, false, true, &[table("t0", 64, 4, 4, None)], &[("f0", "t0")]);
+    let cfg = config(
+        1,
+        1,
+        false,
+        true,
+        &[table("t0", 64, 4, 4, None)],
+        &[("f0", "t0")],
+    );
     let out = run_highway(cfg, &[&rag]).unwrap();
     // The batch was split into minibatches, and nothing was dropped.
-    assert!(out.num_minibatches > 1, "{} minibatches", out.num_minibatches);
+    assert!(
+        out.num_minibatches > 1,
+        "{} minibatches",
+        out.num_minibatches
+    );
     assert_eq!(out.stacks[0].stats.dropped_id_count, 0);
 }
 
@@ -651,10 +922,20 @@ fn single_bucket_over_limit_with_dropping_drops_per_bucket() {
     // → M = 7, and bucket 7 is minibatch 3 = [7, 8).
     let rows: Vec<Vec<i32>> = (0..8).map(|_| vec![0, 0]).collect();
     let rag = Rag::new("f0", &rows);
-    let cfg = config(1, 1, true, true, &[table("t0", 64, 4, 4, None)], &[("f0", "t0")]);
+    let cfg = config(
+        1,
+        1,
+        true,
+        true,
+        &[table("t0", 64, 4, 4, None)],
+        &[("f0", "t0")],
+    );
     let out = run_highway(cfg, &[&rag]).unwrap();
     let t0 = out.stack("t0").unwrap();
-    assert_eq!(naive_split(&leaves(&[(7, 8)]), 4), bits(&[3, 33, 48, 56, 60, 62]));
+    assert_eq!(
+        naive_split(&leaves(&[(7, 8)]), 4),
+        bits(&[3, 33, 48, 56, 60, 62])
+    );
     assert_eq!(naive_ranges(bits(&[3, 33, 48, 56, 60, 62]))[3], (7, 8));
     assert_eq!(out.num_minibatches, 7);
     assert!(t0.stats.dropped_id_count > 0);
@@ -665,7 +946,16 @@ fn single_bucket_over_limit_with_dropping_drops_per_bucket() {
     assert_eq!(&t0.row_pointers[..56], &want_rp[..]);
     assert_eq!(&t0.embedding_ids[..8], &[0, 0, 0, 0, P, P, P, P]);
     assert_eq!(&t0.sample_ids[..8], &[0, 1, 2, 3, P, P, P, P]);
-    assert_eq!(&gain_bits(&t0.gains[..5]), &[2f32.to_bits(), 2f32.to_bits(), 2f32.to_bits(), 2f32.to_bits(), NAN]);
+    assert_eq!(
+        &gain_bits(&t0.gains[..5]),
+        &[
+            2f32.to_bits(),
+            2f32.to_bits(),
+            2f32.to_bits(),
+            2f32.to_bits(),
+            NAN
+        ]
+    );
     // Reported stats stay those of pass 1 (before dropping).
     assert_eq!(t0.stats.max_ids_per_partition, vec![8]);
     assert_eq!(t0.stats.max_unique_ids_per_partition, vec![1]);
@@ -681,7 +971,14 @@ fn per_bucket_unique_limit_drops_whole_columns() {
     let mut rows: Vec<Vec<i32>> = (0..4).map(|_| vec![0, 64, 128]).collect();
     rows[0].push(128);
     let rag = Rag::new("f0", &rows);
-    let cfg = config(1, 1, true, true, &[table("t0", 256, 16, 2, None)], &[("f0", "t0")]);
+    let cfg = config(
+        1,
+        1,
+        true,
+        true,
+        &[table("t0", 256, 16, 2, None)],
+        &[("f0", "t0")],
+    );
     let out = run_identity(cfg, &[&rag]).unwrap();
     let t0 = out.stack("t0").unwrap();
     assert_eq!(naive_ranges(naive_split(&leaves(&[(0, 3)]), 2)).len(), 7);
@@ -702,7 +999,14 @@ fn per_bucket_ids_limit_drops_a_prefix_within_a_column() {
     let mut rows: Vec<Vec<i32>> = (0..4).map(|_| vec![0, 64]).collect();
     rows[3].push(64);
     let rag = Rag::new("f0", &rows);
-    let cfg = config(1, 1, true, true, &[table("t0", 256, 6, 8, None)], &[("f0", "t0")]);
+    let cfg = config(
+        1,
+        1,
+        true,
+        true,
+        &[table("t0", 256, 6, 8, None)],
+        &[("f0", "t0")],
+    );
     let out = run_identity(cfg, &[&rag]).unwrap();
     let t0 = out.stack("t0").unwrap();
     assert_eq!(out.num_minibatches, 7);
@@ -718,7 +1022,14 @@ fn per_bucket_ids_limit_drops_a_prefix_within_a_column() {
 fn dropping_on_but_nothing_over_a_bucket_drops_nothing() {
     let rows: Vec<Vec<i32>> = (0..8).map(|r| vec![r]).collect();
     let rag = Rag::new("f0", &rows);
-    let cfg = config(1, 1, true, true, &[table("t0", 64, 4, 4, None)], &[("f0", "t0")]);
+    let cfg = config(
+        1,
+        1,
+        true,
+        true,
+        &[table("t0", 64, 4, 4, None)],
+        &[("f0", "t0")],
+    );
     let out = run_highway(cfg, &[&rag]).unwrap();
     assert_eq!(out.num_minibatches, 3);
     assert_eq!(out.stacks[0].stats.dropped_id_count, 0);
@@ -767,32 +1078,71 @@ fn e2e_rows() -> Vec<Vec<i32>> {
 fn all_reduce_keys_follow_the_batch_number() {
     let rec = Arc::new(Recorder::default());
     let rag = Rag::new("f0", &e2e_rows());
-    let tight = config(1, 1, false, true, &[table("t0", 64, 4, 4, None)], &[("f0", "t0")]);
-    let loose = config(1, 1, false, true, &[table("t0", 64, 8, 8, None)], &[("f0", "t0")]);
+    let tight = config(
+        1,
+        1,
+        false,
+        true,
+        &[table("t0", 64, 4, 4, None)],
+        &[("f0", "t0")],
+    );
+    let loose = config(
+        1,
+        1,
+        false,
+        true,
+        &[table("t0", 64, 8, 8, None)],
+        &[("f0", "t0")],
+    );
 
     // Required: the bool under 2b, then the local split ({61, 62}, SPEC 5.7) under 2b + 1.
-    let mut prep = Preprocessor::builder(tight).all_reduce(rec.clone()).build().unwrap();
+    let mut prep = Preprocessor::builder(tight)
+        .all_reduce(rec.clone())
+        .build()
+        .unwrap();
     let input = rag.input();
     let inputs: [&dyn SampleSource; 1] = [&input];
     prep.set_batch_number(7);
     let out = prep.run_new(&inputs).unwrap();
     assert_eq!(out.num_minibatches, 3);
-    assert_eq!(rec.take(), vec![Call::Bool(14, true), Call::U64(15, bits(&[61, 62]))]);
+    assert_eq!(
+        rec.take(),
+        vec![Call::Bool(14, true), Call::U64(15, bits(&[61, 62]))]
+    );
     prep.set_batch_number(1000);
     prep.run_new(&inputs).unwrap();
-    assert_eq!(rec.take(), vec![Call::Bool(2000, true), Call::U64(2001, bits(&[61, 62]))]);
+    assert_eq!(
+        rec.take(),
+        vec![Call::Bool(2000, true), Call::U64(2001, bits(&[61, 62]))]
+    );
 
     // Not required: only the bool is exchanged.
-    let mut prep = Preprocessor::builder(loose).all_reduce(rec.clone()).build().unwrap();
+    let mut prep = Preprocessor::builder(loose)
+        .all_reduce(rec.clone())
+        .build()
+        .unwrap();
     prep.set_batch_number(8);
     let out = prep.run_new(&inputs).unwrap();
     assert_eq!(out.num_minibatches, 1);
     assert_eq!(rec.take(), vec![Call::Bool(16, false)]);
     // The default batch number is 0.
-    let cfg = config(1, 1, false, true, &[table("t0", 64, 4, 4, None)], &[("f0", "t0")]);
-    let mut prep = Preprocessor::builder(cfg).all_reduce(rec.clone()).build().unwrap();
+    let cfg = config(
+        1,
+        1,
+        false,
+        true,
+        &[table("t0", 64, 4, 4, None)],
+        &[("f0", "t0")],
+    );
+    let mut prep = Preprocessor::builder(cfg)
+        .all_reduce(rec.clone())
+        .build()
+        .unwrap();
     prep.run_new(&inputs).unwrap();
-    assert_eq!(rec.take(), vec![Call::Bool(0, true), Call::U64(1, bits(&[61, 62]))]);
+    assert_eq!(
+        rec.take(),
+        vec![Call::Bool(0, true), Call::U64(1, bits(&[61, 62]))]
+    );
 }
 
 #[test]
@@ -801,12 +1151,30 @@ fn all_reduce_is_called_once_per_batch_with_several_stacks() {
     let rec = Arc::new(Recorder::default());
     let f0 = Rag::new("f0", &(0..8).map(|r| vec![r]).collect::<Vec<_>>());
     let f1 = Rag::new("f1", &e2e_rows());
-    let cfg = config(1, 1, false, true, &[table("t0", 64, 64, 64, None), table("t1", 64, 4, 4, None)], &[("f0", "t0"), ("f1", "t1")]);
-    let out = run_builder(Preprocessor::builder(cfg).all_reduce(rec.clone()), &[&f0, &f1], Some(3)).unwrap();
-    assert_eq!(rec.take(), vec![Call::Bool(6, true), Call::U64(7, bits(&[61, 62]))]);
+    let cfg = config(
+        1,
+        1,
+        false,
+        true,
+        &[table("t0", 64, 64, 64, None), table("t1", 64, 4, 4, None)],
+        &[("f0", "t0"), ("f1", "t1")],
+    );
+    let out = run_builder(
+        Preprocessor::builder(cfg).all_reduce(rec.clone()),
+        &[&f0, &f1],
+        Some(3),
+    )
+    .unwrap();
+    assert_eq!(
+        rec.take(),
+        vec![Call::Bool(6, true), Call::U64(7, bits(&[61, 62]))]
+    );
     assert_eq!(out.num_minibatches, 3);
     // t0 needed nothing but is laid out in the same three minibatches.
-    assert_eq!(&out.stack("t0").unwrap().row_pointers[..24], &out.stack("t1").unwrap().row_pointers[..24]);
+    assert_eq!(
+        &out.stack("t0").unwrap().row_pointers[..24],
+        &out.stack("t1").unwrap().row_pointers[..24]
+    );
 }
 
 #[test]
@@ -816,14 +1184,39 @@ fn peer_requiring_minibatching_forces_the_bucketed_pass() {
     // this host run pass 2 too: M = popcount(0) + 1 = 1, but the buffers are the merged-bucket
     // fill, ordered by bucket: 0(7) 6(9) 2(13) 4(34) 3(35) 1(39) 5(53) 7(54) (SPEC 5.4, 5.6).
     let rag = Rag::new("f0", &e2e_rows());
-    let cfg = || config(1, 1, false, true, &[table("t0", 64, 8, 8, None)], &[("f0", "t0")]);
+    let cfg = || {
+        config(
+            1,
+            1,
+            false,
+            true,
+            &[table("t0", 64, 8, 8, None)],
+            &[("f0", "t0")],
+        )
+    };
 
-    let alone = run_builder(Preprocessor::builder(cfg()).all_reduce(Arc::new(LocalAllReduce)), &[&rag], None).unwrap();
+    let alone = run_builder(
+        Preprocessor::builder(cfg()).all_reduce(Arc::new(LocalAllReduce)),
+        &[&rag],
+        None,
+    )
+    .unwrap();
     assert_eq!(alone.num_minibatches, 1);
-    assert_eq!(&alone.stacks[0].embedding_ids[..8], &[0, 1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(
+        &alone.stacks[0].embedding_ids[..8],
+        &[0, 1, 2, 3, 4, 5, 6, 7]
+    );
 
-    let rec = Arc::new(Recorder { peer_required: true, ..Recorder::default() });
-    let out = run_builder(Preprocessor::builder(cfg()).all_reduce(rec.clone()), &[&rag], Some(4)).unwrap();
+    let rec = Arc::new(Recorder {
+        peer_required: true,
+        ..Recorder::default()
+    });
+    let out = run_builder(
+        Preprocessor::builder(cfg()).all_reduce(rec.clone()),
+        &[&rag],
+        Some(4),
+    )
+    .unwrap();
     assert_eq!(rec.take(), vec![Call::Bool(8, false), Call::U64(9, 0)]);
     assert_eq!(out.num_minibatches, 1);
     let t0 = &out.stacks[0];
@@ -839,10 +1232,21 @@ fn peer_split_bits_give_the_four_minibatches_golden() {
     // FillBufferMinibatchingFourMinibatches exactly: t0 alone does not require minibatching
     // (32 ids, 16 distinct per partition = its limits) and contributes split 0; a peer requires
     // it with split {57, 60, 61}.
-    let rec = Arc::new(Recorder { peer_required: true, peer_split: bits(&[57, 60, 61]), ..Recorder::default() });
+    let rec = Arc::new(Recorder {
+        peer_required: true,
+        peer_split: bits(&[57, 60, 61]),
+        ..Recorder::default()
+    });
     let f0 = Rag::new("f0", &four_mb_rows());
     let cfg = config(1, 4, false, true, &[four_mb_t0()], &[("f0", "t0")]);
-    let out = run_builder(Preprocessor::builder(cfg).bucket_fn(BucketFn::identity()).all_reduce(rec.clone()), &[&f0], Some(21)).unwrap();
+    let out = run_builder(
+        Preprocessor::builder(cfg)
+            .bucket_fn(BucketFn::identity())
+            .all_reduce(rec.clone()),
+        &[&f0],
+        Some(21),
+    )
+    .unwrap();
     assert_eq!(rec.take(), vec![Call::Bool(42, false), Call::U64(43, 0)]);
     assert_eq!(out.num_minibatches, 4);
     assert_four_minibatches_golden(out.stack("t0").unwrap());
@@ -853,20 +1257,44 @@ fn peer_split_bits_are_ored_with_local_ones() {
     // Local split {61, 62} (the real-hash example) OR a peer's {57} (boundary 24) → ranges
     // [0,24) [24,32) [32,48) [48,64): buckets 7, 9, 13 | none | 34, 35, 39 | 53, 54. The empty
     // minibatch still has its segment (all pointers at the cursor).
-    let rec = Arc::new(Recorder { peer_required: false, peer_split: bits(&[57]), ..Recorder::default() });
+    let rec = Arc::new(Recorder {
+        peer_required: false,
+        peer_split: bits(&[57]),
+        ..Recorder::default()
+    });
     let rag = Rag::new("f0", &e2e_rows());
-    let cfg = config(1, 1, false, true, &[table("t0", 64, 4, 4, None)], &[("f0", "t0")]);
-    let out = run_builder(Preprocessor::builder(cfg).all_reduce(rec.clone()), &[&rag], None).unwrap();
-    assert_eq!(rec.take(), vec![Call::Bool(0, true), Call::U64(1, bits(&[61, 62]))]);
+    let cfg = config(
+        1,
+        1,
+        false,
+        true,
+        &[table("t0", 64, 4, 4, None)],
+        &[("f0", "t0")],
+    );
+    let out = run_builder(
+        Preprocessor::builder(cfg).all_reduce(rec.clone()),
+        &[&rag],
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        rec.take(),
+        vec![Call::Bool(0, true), Call::U64(1, bits(&[61, 62]))]
+    );
     let ranges = naive_ranges(bits(&[57, 61, 62]));
     assert_eq!(ranges, vec![(0, 24), (24, 32), (32, 48), (48, 64)]);
     assert_eq!(out.num_minibatches, 4);
     let t0 = &out.stacks[0];
     assert_eq!(
         &t0.row_pointers[..32],
-        &[3, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 11, 16, 16, 16, 16, 16, 16, 16, 18, 24, 24, 24, 24, 24, 24, 24]
+        &[
+            3, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 11, 16, 16, 16, 16, 16, 16, 16, 18, 24,
+            24, 24, 24, 24, 24, 24
+        ]
     );
-    let per_sc = vec![sc_entries(&e2e_rows(), 1, |c| BucketFn::highway().bucket(c))];
+    let per_sc = vec![sc_entries(&e2e_rows(), 1, |c| {
+        BucketFn::highway().bucket(c)
+    })];
     let want = model_minibatched(&per_sc, 1, &ranges, 512);
     assert_device(t0, 0, &want, "t0");
 }
@@ -876,24 +1304,65 @@ fn peer_errors_propagate() {
     struct Failing;
     impl AllReduce for Failing {
         fn all_reduce_or_bool(&self, _: u64, _: bool) -> sparsecore_prep::Result<bool> {
-            Err(Error::InputCount { expected: 99, got: 98 })
+            Err(Error::InputCount {
+                expected: 99,
+                got: 98,
+            })
         }
         fn all_reduce_or_u64(&self, _: u64, v: u64) -> sparsecore_prep::Result<u64> {
             Ok(v)
         }
     }
     let rag = Rag::new("f0", &e2e_rows());
-    let cfg = config(1, 1, false, true, &[table("t0", 64, 4, 4, None)], &[("f0", "t0")]);
-    let e = run_builder(Preprocessor::builder(cfg).all_reduce(Arc::new(Failing)), &[&rag], None).unwrap_err();
-    assert!(matches!(e, Error::InputCount { expected: 99, got: 98 }), "{e:?}");
+    let cfg = config(
+        1,
+        1,
+        false,
+        true,
+        &[table("t0", 64, 4, 4, None)],
+        &[("f0", "t0")],
+    );
+    let e = run_builder(
+        Preprocessor::builder(cfg).all_reduce(Arc::new(Failing)),
+        &[&rag],
+        None,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::InputCount {
+                expected: 99,
+                got: 98
+            }
+        ),
+        "{e:?}"
+    );
 }
 
 #[test]
 fn multi_host_minibatching_needs_an_all_reduce() {
-    let cfg = || config_lg(1, 2, 4, false, true, &[table("t0", 64, 4, 4, None)], &[("f0", "t0")]);
+    let cfg = || {
+        config_lg(
+            1,
+            2,
+            4,
+            false,
+            true,
+            &[table("t0", 64, 4, 4, None)],
+            &[("f0", "t0")],
+        )
+    };
     let e = Preprocessor::builder(cfg()).build().unwrap_err();
-    assert!(e.to_string().contains("all_reduce_interface must be provided"), "{e}");
-    assert!(Preprocessor::builder(cfg()).all_reduce(Arc::new(Recorder::default())).build().is_ok());
+    assert!(
+        e.to_string()
+            .contains("all_reduce_interface must be provided"),
+        "{e}"
+    );
+    assert!(Preprocessor::builder(cfg())
+        .all_reduce(Arc::new(Recorder::default()))
+        .build()
+        .is_ok());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -945,13 +1414,33 @@ struct Variant {
 }
 
 fn variant() -> impl Strategy<Value = Variant> {
-    (any::<bool>(), prop::bool::weighted(0.6), any::<(u8, u8)>(), prop::option::weighted(0.6, any::<u8>()))
-        .prop_map(|(drop, below, below_seeds, suggest)| Variant { drop, below, below_seeds, suggest })
+    (
+        any::<bool>(),
+        prop::bool::weighted(0.6),
+        any::<(u8, u8)>(),
+        prop::option::weighted(0.6, any::<u8>()),
+    )
+        .prop_map(|(drop, below, below_seeds, suggest)| Variant {
+            drop,
+            below,
+            below_seeds,
+            suggest,
+        })
 }
 
 fn tgen() -> impl Strategy<Value = TGen> {
-    (2usize..=6, prop_oneof![Just("sum"), Just("mean"), Just("sqrtn")], any::<u8>(), any::<u8>())
-        .prop_map(|(vocab_mul, combiner, ids_seed, uniq_seed)| TGen { vocab_mul, combiner, ids_seed, uniq_seed })
+    (
+        2usize..=6,
+        prop_oneof![Just("sum"), Just("mean"), Just("sqrtn")],
+        any::<u8>(),
+        any::<u8>(),
+    )
+        .prop_map(|(vocab_mul, combiner, ids_seed, uniq_seed)| TGen {
+            vocab_mul,
+            combiner,
+            ids_seed,
+            uniq_seed,
+        })
 }
 
 fn fgen() -> impl Strategy<Value = FGen> {
@@ -959,9 +1448,17 @@ fn fgen() -> impl Strategy<Value = FGen> {
         1usize..=4,
         any::<bool>(),
         prop::collection::vec(any::<u16>(), 1..=3),
-        prop::collection::vec(prop::collection::vec((any::<u8>(), any::<u16>(), 1u8..=32), 0..=8), 64),
+        prop::collection::vec(
+            prop::collection::vec((any::<u8>(), any::<u16>(), 1u8..=32), 0..=8),
+            64,
+        ),
     )
-        .prop_map(|(k, weighted, hot, rows)| FGen { k, weighted, hot, rows })
+        .prop_map(|(k, weighted, hot, rows)| FGen {
+            k,
+            weighted,
+            hot,
+            rows,
+        })
 }
 
 fn scen() -> impl Strategy<Value = Scen> {
@@ -1004,7 +1501,11 @@ fn pad_ok(so: &StackOutput, at: usize) -> bool {
 
 /// Entries of a non-minibatching output (SparseCore segments of C / S, relative pointers).
 fn decode_plain(so: &StackOutput, l: usize, s: usize, n: usize) -> Vec<Lookup> {
-    let (rpd, c, rpb) = (so.row_pointers_per_device(), so.coo_buffer_size_per_device(), n.max(8));
+    let (rpd, c, rpb) = (
+        so.row_pointers_per_device(),
+        so.coo_buffer_size_per_device(),
+        n.max(8),
+    );
     let cs = c / s;
     let mut out = Vec::new();
     for d in 0..l {
@@ -1012,9 +1513,20 @@ fn decode_plain(so: &StackOutput, l: usize, s: usize, n: usize) -> Vec<Lookup> {
             let rp = &so.row_pointers[d * rpd + sc * rpb..d * rpd + (sc + 1) * rpb];
             let base = d * c + sc * cs;
             for p in 0..n {
-                let lo = if p == 0 { 0 } else { align8(rp[p - 1] as usize) };
+                let lo = if p == 0 {
+                    0
+                } else {
+                    align8(rp[p - 1] as usize)
+                };
                 for i in lo..rp[p] as usize {
-                    out.push((d, sc, so.sample_ids[base + i], p, so.embedding_ids[base + i], so.gains[base + i].to_bits()));
+                    out.push((
+                        d,
+                        sc,
+                        so.sample_ids[base + i],
+                        p,
+                        so.embedding_ids[base + i],
+                        so.gains[base + i].to_bits(),
+                    ));
                 }
             }
         }
@@ -1024,8 +1536,18 @@ fn decode_plain(so: &StackOutput, l: usize, s: usize, n: usize) -> Vec<Lookup> {
 
 /// Entries of a minibatching output with their minibatch and position, checking the segment
 /// structure of SPEC 5.7 (absolute, contiguous segments; aligned tails; padding elsewhere).
-fn decode_minibatched(so: &StackOutput, l: usize, s: usize, n: usize, m: usize) -> Result<Vec<(Lookup, usize, usize)>, String> {
-    let (rpd, c, rpb) = (so.row_pointers_per_device(), so.coo_buffer_size_per_device(), n.max(8));
+fn decode_minibatched(
+    so: &StackOutput,
+    l: usize,
+    s: usize,
+    n: usize,
+    m: usize,
+) -> Result<Vec<(Lookup, usize, usize)>, String> {
+    let (rpd, c, rpb) = (
+        so.row_pointers_per_device(),
+        so.coo_buffer_size_per_device(),
+        n.max(8),
+    );
     if rpd != rpb * 64 * s {
         return Err(format!("RP {rpd} != rpb·64·S"));
     }
@@ -1038,26 +1560,48 @@ fn decode_minibatched(so: &StackOutput, l: usize, s: usize, n: usize, m: usize) 
             let (sc, mi) = (k / m, k % m);
             let seg = &rp[k * rpb..(k + 1) * rpb];
             for p in 0..n {
-                let lo = if p == 0 { start } else { align8(seg[p - 1] as usize) };
+                let lo = if p == 0 {
+                    start
+                } else {
+                    align8(seg[p - 1] as usize)
+                };
                 let hi = seg[p];
                 if hi < 0 || (hi as usize) < lo || hi as usize > c {
-                    return Err(format!("device {d} segment {k} partition {p}: [{lo}, {hi}) invalid (C = {c})"));
+                    return Err(format!(
+                        "device {d} segment {k} partition {p}: [{lo}, {hi}) invalid (C = {c})"
+                    ));
                 }
                 covered[lo..hi as usize].fill(true);
                 for i in lo..hi as usize {
                     let at = d * c + i;
-                    out.push(((d, sc, so.sample_ids[at], p, so.embedding_ids[at], so.gains[at].to_bits()), mi, i));
+                    out.push((
+                        (
+                            d,
+                            sc,
+                            so.sample_ids[at],
+                            p,
+                            so.embedding_ids[at],
+                            so.gains[at].to_bits(),
+                        ),
+                        mi,
+                        i,
+                    ));
                 }
             }
             let end = align8(seg[n - 1] as usize);
             if seg[n..].iter().any(|&v| v as usize != end) {
-                return Err(format!("device {d} segment {k}: tail pointers {:?} != aligned end {end}", &seg[n..]));
+                return Err(format!(
+                    "device {d} segment {k}: tail pointers {:?} != aligned end {end}",
+                    &seg[n..]
+                ));
             }
             start = end;
         }
         for (i, _) in covered.iter().enumerate().filter(|(_, &c)| !c) {
             if !pad_ok(so, d * c + i) {
-                return Err(format!("device {d} slot {i}: not an entry and not the padding triple"));
+                return Err(format!(
+                    "device {d} slot {i}: not an entry and not the padding triple"
+                ));
             }
         }
     }
@@ -1123,7 +1667,6 @@ fn required_and_split(
     (required, split)
 }
 
-
 /// The M = 1 layout of SPEC 5.7 (minibatching on, not required): SparseCore s starts at
 /// min(Σ_{s' < s} required[s'], C) and has required[s] slots; entries by (partition, id, sample).
 fn model_single(per_sc: &[Vec<ModelEntry>], n: usize, c: usize) -> DeviceModel {
@@ -1135,7 +1678,9 @@ fn model_single(per_sc: &[Vec<ModelEntry>], n: usize, c: usize) -> DeviceModel {
     for (s, entries) in per_sc.iter().enumerate() {
         let mut sorted = entries.clone();
         sorted.sort_by_key(|e| (e.partition, e.local, e.sample));
-        let required: usize = (0..n).map(|p| align8(sorted.iter().filter(|e| e.partition == p).count())).sum();
+        let required: usize = (0..n)
+            .map(|p| align8(sorted.iter().filter(|e| e.partition == p).count()))
+            .sum();
         let end = (start + required).min(c);
         let mut i = start.min(c);
         for p in 0..n {
@@ -1157,7 +1702,13 @@ fn model_single(per_sc: &[Vec<ModelEntry>], n: usize, c: usize) -> DeviceModel {
         }
         start += required;
     }
-    DeviceModel { rp, emb, smp, gains, dropped }
+    DeviceModel {
+        rp,
+        emb,
+        smp,
+        gains,
+        dropped,
+    }
 }
 
 /// Slots a device's layout needs without overflow.
@@ -1166,7 +1717,12 @@ fn layout_need(per_sc: &[Vec<ModelEntry>], n: usize, ranges: &[(u32, u32)]) -> u
     for entries in per_sc {
         for &(lo, hi) in ranges {
             for p in 0..n {
-                need += align8(entries.iter().filter(|e| e.partition == p && e.bucket >= lo && e.bucket < hi).count());
+                need += align8(
+                    entries
+                        .iter()
+                        .filter(|e| e.partition == p && e.bucket >= lo && e.bucket < hi)
+                        .count(),
+                );
             }
         }
     }
@@ -1179,20 +1735,52 @@ fn device_diff(so: &StackOutput, d: usize, want: &DeviceModel) -> Option<String>
     let first = |what: &str, got: &[u32], want: &[u32]| {
         got.iter().zip(want).position(|(a, b)| a != b).map(|i| {
             let (lo, hi) = (i.saturating_sub(4), (i + 12).min(got.len()));
-            format!("device {d} {what}: first difference at {i}: got {:?} want {:?}", &got[lo..hi], &want[lo..hi])
+            format!(
+                "device {d} {what}: first difference at {i}: got {:?} want {:?}",
+                &got[lo..hi],
+                &want[lo..hi]
+            )
         })
     };
     let as_u = |v: &[i32]| v.iter().map(|&x| x as u32).collect::<Vec<u32>>();
-    first("row pointers", &as_u(&so.row_pointers[d * rpd..d * rpd + want.rp.len()]), &as_u(&want.rp))
-        .or_else(|| first("embedding ids", &as_u(&so.embedding_ids[d * c..(d + 1) * c]), &as_u(&want.emb)))
-        .or_else(|| first("sample ids", &as_u(&so.sample_ids[d * c..(d + 1) * c]), &as_u(&want.smp)))
-        .or_else(|| first("gains", &gain_bits(&so.gains[d * c..(d + 1) * c]), &want.gains))
+    first(
+        "row pointers",
+        &as_u(&so.row_pointers[d * rpd..d * rpd + want.rp.len()]),
+        &as_u(&want.rp),
+    )
+    .or_else(|| {
+        first(
+            "embedding ids",
+            &as_u(&so.embedding_ids[d * c..(d + 1) * c]),
+            &as_u(&want.emb),
+        )
+    })
+    .or_else(|| {
+        first(
+            "sample ids",
+            &as_u(&so.sample_ids[d * c..(d + 1) * c]),
+            &as_u(&want.smp),
+        )
+    })
+    .or_else(|| {
+        first(
+            "gains",
+            &gain_bits(&so.gains[d * c..(d + 1) * c]),
+            &want.gains,
+        )
+    })
 }
 
 /// Raw occurrences per (stack, device, SC, sample, partition, local id), straight from the
 /// inputs: feature stacking orders a table's features by name, and SC s of device d takes the
 /// feature's rows [(d·S + s)·k, +k) as samples base + 0..k, base = Σ k of the features before.
-fn raw_counts(sc: &Scen, rags: &[Rag], l: usize, s: usize, n: usize) -> BTreeMap<(usize, usize, usize, i32, usize, i32), u32> {
+fn raw_counts(
+    sc: &Scen,
+    rags: &[Rag],
+    l: usize,
+    s: usize,
+    n: usize,
+) -> BTreeMap<(usize, usize, usize, i32, usize, i32), u32> {
     let table_of = |f: usize| if sc.two_tables { f } else { 0 };
     let mut out = BTreeMap::new();
     for t in 0..sc.tables.len() {
@@ -1205,7 +1793,8 @@ fn raw_counts(sc: &Scen, rags: &[Rag], l: usize, s: usize, n: usize) -> BTreeMap
             for row in 0..l * s * k {
                 let (d, c, sample) = (row / (s * k), (row / k) % s, (base + row % k) as i32);
                 for &id in &r.ids[r.splits[row] as usize..r.splits[row + 1] as usize] {
-                    *out.entry((t, d, c, sample, id as usize % n, id / n as i32)).or_insert(0) += 1;
+                    *out.entry((t, d, c, sample, id as usize % n, id / n as i32))
+                        .or_insert(0) += 1;
                 }
             }
             base += k;
@@ -1235,18 +1824,32 @@ fn check_model(
     let (g, s) = (sc.g, sc.s);
     let (l, n) = (g, g * s);
     let table_of = |f: usize| if sc.two_tables { f } else { 0 };
-    let bucket_fn = || if sc.identity { BucketFn::identity() } else { BucketFn::highway() };
+    let bucket_fn = || {
+        if sc.identity {
+            BucketFn::identity()
+        } else {
+            BucketFn::highway()
+        }
+    };
     let bf = bucket_fn();
 
     // The inputs seen through the stacking model equal the reference's entries.
     let raw = raw_counts(sc, rags, l, s, n);
     for (t, name) in TABLE_NAMES.iter().enumerate().take(sc.tables.len()) {
         let got: BTreeSet<(usize, usize, i32, usize, i32)> =
-            decode_plain(reference.stack(name).unwrap(), l, s, n).iter().map(|e| (e.0, e.1, e.2, e.3, e.4)).collect();
-        let want: BTreeSet<(usize, usize, i32, usize, i32)> =
-            raw.keys().filter(|k| k.0 == t).map(|k| (k.1, k.2, k.3, k.4, k.5)).collect();
+            decode_plain(reference.stack(name).unwrap(), l, s, n)
+                .iter()
+                .map(|e| (e.0, e.1, e.2, e.3, e.4))
+                .collect();
+        let want: BTreeSet<(usize, usize, i32, usize, i32)> = raw
+            .keys()
+            .filter(|k| k.0 == t)
+            .map(|k| (k.1, k.2, k.3, k.4, k.5))
+            .collect();
         if got != want {
-            return Err(fail("stacking model disagrees with the reference run (test bug?)"));
+            return Err(fail(
+                "stacking model disagrees with the reference run (test bug?)",
+            ));
         }
     }
 
@@ -1272,7 +1875,11 @@ fn check_model(
         split |= sp;
         lim.insert(t, (max_ids, max_unique));
     }
-    let ranges = if required { naive_ranges(split) } else { vec![(0, 64)] };
+    let ranges = if required {
+        naive_ranges(split)
+    } else {
+        vec![(0, 64)]
+    };
 
     // Kept entries per (stack, device, SC) after the per-bucket limits, and the limit drops.
     let mut kept: BTreeMap<(usize, usize, usize), Vec<ModelEntry>> = BTreeMap::new();
@@ -1280,9 +1887,17 @@ fn check_model(
     for t in 0..sc.tables.len() {
         let (max_ids, max_unique) = lim[&t];
         let mut groups: BTreeMap<(usize, usize, usize, u32), Vec<ModelEntry>> = BTreeMap::new();
-        for &(d, c, sample, p, local, gain) in &decode_plain(reference.stack(TABLE_NAMES[t]).unwrap(), l, s, n) {
+        for &(d, c, sample, p, local, gain) in
+            &decode_plain(reference.stack(TABLE_NAMES[t]).unwrap(), l, s, n)
+        {
             let bucket = bf.bucket((local as usize * n + p) as u32);
-            let e = ModelEntry { partition: p, local, sample, gain: f32::from_bits(gain), bucket };
+            let e = ModelEntry {
+                partition: p,
+                local,
+                sample,
+                gain: f32::from_bits(gain),
+                bucket,
+            };
             groups.entry((d, c, p, bucket)).or_default().push(e);
         }
         for d in 0..l {
@@ -1316,7 +1931,8 @@ fn check_model(
         let sug = v.suggest.map(|seed| {
             let need = (0..l)
                 .map(|d| {
-                    let per_sc: Vec<Vec<ModelEntry>> = (0..s).map(|c| kept[&(t, d, c)].clone()).collect();
+                    let per_sc: Vec<Vec<ModelEntry>> =
+                        (0..s).map(|c| kept[&(t, d, c)].clone()).collect();
                     layout_need(&per_sc, n, &ranges)
                 })
                 .max()
@@ -1325,7 +1941,9 @@ fn check_model(
         });
         suggested.insert(t, sug);
     }
-    let features: Vec<(&str, &str)> = (0..sc.feats.len()).map(|f| (FEAT_NAMES[f], TABLE_NAMES[table_of(f)])).collect();
+    let features: Vec<(&str, &str)> = (0..sc.feats.len())
+        .map(|f| (FEAT_NAMES[f], TABLE_NAMES[table_of(f)]))
+        .collect();
     let tables: Vec<Table> = (0..sc.tables.len())
         .map(|t| Table {
             name: TABLE_NAMES[t],
@@ -1338,13 +1956,26 @@ fn check_model(
         .collect();
     let cfg = config(g, s, v.drop, true, &tables, &features);
     let rag_refs: Vec<&Rag> = rags.iter().collect();
-    let result = run_builder(Preprocessor::builder(cfg).bucket_fn(bucket_fn()), &rag_refs, None);
+    let result = run_builder(
+        Preprocessor::builder(cfg).bucket_fn(bucket_fn()),
+        &rag_refs,
+        None,
+    );
 
     if below_any && !v.drop {
         // Some bucket is over a limit: with dropping off, an error naming a real excess.
         return match result {
-            Err(Error::LimitExceeded { stack, kind, observed, limit, .. }) => {
-                let t = TABLE_NAMES.iter().position(|&x| x == stack).ok_or_else(|| fail("unknown stack"))?;
+            Err(Error::LimitExceeded {
+                stack,
+                kind,
+                observed,
+                limit,
+                ..
+            }) => {
+                let t = TABLE_NAMES
+                    .iter()
+                    .position(|&x| x == stack)
+                    .ok_or_else(|| fail("unknown stack"))?;
                 let (b_ids, _, b_uniq, _) = maxes[&t];
                 let (want_limit, bucket_max) = match kind {
                     LimitKind::MaxIds => (lim[&t].0, b_ids),
@@ -1356,12 +1987,23 @@ fn check_model(
                 bump(&tally.errors);
                 Ok(())
             }
-            other => Err(fail(format!("expected LimitExceeded (limits {lim:?}), got {:?}", other.map(|o| o.num_minibatches)))),
+            other => Err(fail(format!(
+                "expected LimitExceeded (limits {lim:?}), got {:?}",
+                other.map(|o| o.num_minibatches)
+            ))),
         };
     }
-    let out = result.map_err(|e| fail(format!("model run (limits {lim:?}, suggested {suggested:?}): {e}")))?;
+    let out = result.map_err(|e| {
+        fail(format!(
+            "model run (limits {lim:?}, suggested {suggested:?}): {e}"
+        ))
+    })?;
     if out.num_minibatches != ranges.len() {
-        return Err(fail(format!("model run: num_minibatches {} vs {}", out.num_minibatches, ranges.len())));
+        return Err(fail(format!(
+            "model run: num_minibatches {} vs {}",
+            out.num_minibatches,
+            ranges.len()
+        )));
     }
     let mut overflowed = false;
     for t in 0..sc.tables.len() {
@@ -1376,7 +2018,11 @@ fn check_model(
         let mut fill_drops = 0;
         for d in 0..l {
             let per_sc: Vec<Vec<ModelEntry>> = (0..s).map(|c| kept[&(t, d, c)].clone()).collect();
-            let want = if required { model_minibatched(&per_sc, n, &ranges, c) } else { model_single(&per_sc, n, c) };
+            let want = if required {
+                model_minibatched(&per_sc, n, &ranges, c)
+            } else {
+                model_single(&per_sc, n, c)
+            };
             if let Some(diff) = device_diff(so, d, &want) {
                 return Err(fail(format!(
                     "stack {} (limits {:?}, drop {}, C {c}, M {}, required {required}): {diff}",
@@ -1416,7 +2062,11 @@ fn check_model(
 
 fn pick(seed: u8, lo: u32, hi: u32) -> u32 {
     // Mostly strictly below the partition maximum (minibatching required), sometimes at it.
-    let v = if hi <= lo || seed.is_multiple_of(4) { hi.max(lo) } else { lo + seed as u32 % (hi - lo) };
+    let v = if hi <= lo || seed.is_multiple_of(4) {
+        hi.max(lo)
+    } else {
+        lo + seed as u32 % (hi - lo)
+    };
     v.max(1)
 }
 
@@ -1439,7 +2089,11 @@ fn check_scenario(sc: &Scen, tally: &Tally) -> Result<(), TestCaseError> {
             .map(|r| {
                 r.iter()
                     .map(|&(sel, id, _)| {
-                        let raw = if sel < 160 { fg.hot[sel as usize % fg.hot.len()] } else { id };
+                        let raw = if sel < 160 {
+                            fg.hot[sel as usize % fg.hot.len()]
+                        } else {
+                            id
+                        };
                         (raw % v) as i32
                     })
                     .collect()
@@ -1447,28 +2101,48 @@ fn check_scenario(sc: &Scen, tally: &Tally) -> Result<(), TestCaseError> {
             .collect();
         let mut rag = Rag::new(FEAT_NAMES[f], &rows);
         if fg.weighted {
-            let w: Vec<f32> = fg.rows[..l * s * fg.k].iter().flatten().map(|&(_, _, w)| w as f32 / 16.0).collect();
+            let w: Vec<f32> = fg.rows[..l * s * fg.k]
+                .iter()
+                .flatten()
+                .map(|&(_, _, w)| w as f32 / 16.0)
+                .collect();
             rag.weights = Some(w);
         }
         rags.push(rag);
     }
     let rag_refs: Vec<&Rag> = rags.iter().collect();
-    let features: Vec<(&str, &str)> = (0..sc.feats.len()).map(|f| (FEAT_NAMES[f], TABLE_NAMES[table_of(f)])).collect();
+    let features: Vec<(&str, &str)> = (0..sc.feats.len())
+        .map(|f| (FEAT_NAMES[f], TABLE_NAMES[table_of(f)]))
+        .collect();
     let tables = |limits: &dyn Fn(usize) -> (u64, u64, Option<u64>)| -> Vec<Table> {
         (0..sc.tables.len())
             .map(|t| {
                 let (max_ids, max_unique, suggested) = limits(t);
-                Table { name: TABLE_NAMES[t], vocab: vocab(t), combiner: sc.tables[t].combiner, max_ids, max_unique, suggested }
+                Table {
+                    name: TABLE_NAMES[t],
+                    vocab: vocab(t),
+                    combiner: sc.tables[t].combiner,
+                    max_ids,
+                    max_unique,
+                    suggested,
+                }
             })
             .collect()
     };
-    let bucket_fn = || if sc.identity { BucketFn::identity() } else { BucketFn::highway() };
+    let bucket_fn = || {
+        if sc.identity {
+            BucketFn::identity()
+        } else {
+            BucketFn::highway()
+        }
+    };
     let bf = bucket_fn();
 
     // The reference: no minibatching, limits no SparseCore can reach (<= 2 features × 4 rows ×
     // 8 ids), so nothing is dropped.
     let ref_cfg = config(g, s, false, false, &tables(&|_| (64, 64, None)), &features);
-    let reference = run_builder(Preprocessor::builder(ref_cfg), &rag_refs, None).map_err(|e| fail(format!("reference run: {e}")))?;
+    let reference = run_builder(Preprocessor::builder(ref_cfg), &rag_refs, None)
+        .map_err(|e| fail(format!("reference run: {e}")))?;
 
     // Per stack: counts per (device, SC, partition) and per bucket, from the reference entries.
     let mut limits = BTreeMap::new();
@@ -1478,7 +2152,9 @@ fn check_scenario(sc: &Scen, tally: &Tally) -> Result<(), TestCaseError> {
     let mut required = false;
     let mut split = 0u64;
     for (t, name) in TABLE_NAMES.iter().enumerate().take(sc.tables.len()) {
-        let so = reference.stack(name).ok_or_else(|| fail("reference stack missing"))?;
+        let so = reference
+            .stack(name)
+            .ok_or_else(|| fail("reference stack missing"))?;
         if so.stats.dropped_id_count != 0 {
             return Err(fail("reference dropped ids"));
         }
@@ -1492,9 +2168,14 @@ fn check_scenario(sc: &Scen, tally: &Tally) -> Result<(), TestCaseError> {
         }
         let uniq = |v: &Vec<i32>| v.iter().collect::<BTreeSet<_>>().len() as u32;
         let max_of = |m: &mut dyn Iterator<Item = u32>| m.max().unwrap_or(0);
-        let (p_ids, p_uniq) = (max_of(&mut per_part.values().map(|v| v.len() as u32)), max_of(&mut per_part.values().map(uniq)));
-        let (b_ids, b_uniq) =
-            (max_of(&mut per_bucket.values().map(|v| v.len() as u32)), max_of(&mut per_bucket.values().map(uniq)));
+        let (p_ids, p_uniq) = (
+            max_of(&mut per_part.values().map(|v| v.len() as u32)),
+            max_of(&mut per_part.values().map(uniq)),
+        );
+        let (b_ids, b_uniq) = (
+            max_of(&mut per_bucket.values().map(|v| v.len() as u32)),
+            max_of(&mut per_bucket.values().map(uniq)),
+        );
         let max_ids = pick(sc.tables[t].ids_seed, b_ids, p_ids);
         let max_unique = pick(sc.tables[t].uniq_seed, b_uniq, p_uniq);
         let (r, sp) = required_and_split(&per_part, &per_bucket, max_ids, max_unique);
@@ -1507,13 +2188,31 @@ fn check_scenario(sc: &Scen, tally: &Tally) -> Result<(), TestCaseError> {
         sorted.sort_unstable();
         ref_entries.insert(t, sorted);
     }
-    let ranges = if required { naive_ranges(split) } else { vec![(0, 64)] };
+    let ranges = if required {
+        naive_ranges(split)
+    } else {
+        vec![(0, 64)]
+    };
     let m = ranges.len();
 
     // The minibatching runs, on 1 and 2 threads.
-    let mb_cfg = config(g, s, false, true, &tables(&|t| (limits[&t].0, limits[&t].1, None)), &features);
+    let mb_cfg = config(
+        g,
+        s,
+        false,
+        true,
+        &tables(&|t| (limits[&t].0, limits[&t].1, None)),
+        &features,
+    );
     let run = |threads: usize| {
-        run_builder(Preprocessor::builder(mb_cfg.clone()).bucket_fn(bucket_fn()).threads(threads).small_batch_ids(0), &rag_refs, None)
+        run_builder(
+            Preprocessor::builder(mb_cfg.clone())
+                .bucket_fn(bucket_fn())
+                .threads(threads)
+                .small_batch_ids(0),
+            &rag_refs,
+            None,
+        )
     };
     let out = run(1).map_err(|e| fail(format!("minibatching run (limits {limits:?}): {e}")))?;
     let out2 = run(2).map_err(|e| fail(format!("minibatching run on 2 threads: {e}")))?;
@@ -1526,41 +2225,64 @@ fn check_scenario(sc: &Scen, tally: &Tally) -> Result<(), TestCaseError> {
         let reversed: Vec<Rag> = rags
             .iter()
             .map(|r| {
-                let rows: Vec<Vec<i32>> =
-                    r.splits.windows(2).rev().map(|w| r.ids[w[0] as usize..w[1] as usize].to_vec()).collect();
+                let rows: Vec<Vec<i32>> = r
+                    .splits
+                    .windows(2)
+                    .rev()
+                    .map(|w| r.ids[w[0] as usize..w[1] as usize].to_vec())
+                    .collect();
                 let mut rev = Rag::new(&r.name, &rows);
                 rev.weights = r.weights.as_ref().map(|w| {
-                    r.splits.windows(2).rev().flat_map(|x| w[x[0] as usize..x[1] as usize].to_vec()).collect()
+                    r.splits
+                        .windows(2)
+                        .rev()
+                        .flat_map(|x| w[x[0] as usize..x[1] as usize].to_vec())
+                        .collect()
                 });
                 rev
             })
             .collect();
-        let mut prep = Preprocessor::builder(mb_cfg.clone()).bucket_fn(bucket_fn()).threads(2).build().unwrap();
+        let mut prep = Preprocessor::builder(mb_cfg.clone())
+            .bucket_fn(bucket_fn())
+            .threads(2)
+            .build()
+            .unwrap();
         let mut reused = Output::new();
         for batch in [&reversed, &rags] {
             let inputs: Vec<RaggedInput<'_>> = batch.iter().map(|r| r.input()).collect();
-            let dyns: Vec<&dyn SampleSource> = inputs.iter().map(|x| x as &dyn SampleSource).collect();
+            let dyns: Vec<&dyn SampleSource> =
+                inputs.iter().map(|x| x as &dyn SampleSource).collect();
             // The reversed batch may legitimately fail (a bucket over a limit); the output is
             // then unspecified, and the next run must still be exact.
             let _ = prep.run(&dyns, &mut reused);
         }
         if !same_bits(&out, &reused) {
-            return Err(fail("a reused preprocessor and output differ from a fresh run"));
+            return Err(fail(
+                "a reused preprocessor and output differ from a fresh run",
+            ));
         }
     }
     if out.num_minibatches != m {
-        return Err(fail(format!("num_minibatches {} != model {m} (required {required}, split {split:#x})", out.num_minibatches)));
+        return Err(fail(format!(
+            "num_minibatches {} != model {m} (required {required}, split {split:#x})",
+            out.num_minibatches
+        )));
     }
     if required && out.num_minibatches < 2 {
         return Err(fail("a limit was exceeded but there is a single minibatch"));
     }
 
     for t in 0..sc.tables.len() {
-        let so = out.stack(TABLE_NAMES[t]).ok_or_else(|| fail("stack missing"))?;
+        let so = out
+            .stack(TABLE_NAMES[t])
+            .ok_or_else(|| fail("stack missing"))?;
         let ro = reference.stack(TABLE_NAMES[t]).unwrap();
         // Reported stats are pass 1's: the single pass's, with nothing dropped.
         if so.stats != ro.stats {
-            return Err(fail(format!("stats differ from the single pass: {:?} vs {:?}", so.stats, ro.stats)));
+            return Err(fail(format!(
+                "stats differ from the single pass: {:?} vs {:?}",
+                so.stats, ro.stats
+            )));
         }
         let decoded = decode_minibatched(so, l, s, n, m).map_err(fail)?;
         let mut got: Vec<Lookup> = decoded.iter().map(|x| x.0).collect();
@@ -1585,10 +2307,16 @@ fn check_scenario(sc: &Scen, tally: &Tally) -> Result<(), TestCaseError> {
             let b = bf.bucket((emb as usize * n + p) as u32);
             let (lo, hi) = ranges[mi];
             if required && !(lo..hi).contains(&b) {
-                return Err(fail(format!("id {emb} (bucket {b}) in minibatch {mi} = [{lo}, {hi})")));
+                return Err(fail(format!(
+                    "id {emb} (bucket {b}) in minibatch {mi} = [{lo}, {hi})"
+                )));
             }
             let group = (d, c, mi, p);
-            let key = if required { (b, emb, sample) } else { (0, emb, sample) };
+            let key = if required {
+                (b, emb, sample)
+            } else {
+                (0, emb, sample)
+            };
             if let Some((lg, lk)) = last {
                 if lg == group && lk >= key {
                     return Err(fail(format!("order within device {d} SC {c} minibatch {mi} partition {p}: {lk:?} then {key:?}")));
@@ -1597,14 +2325,20 @@ fn check_scenario(sc: &Scen, tally: &Tally) -> Result<(), TestCaseError> {
             last = Some((group, key));
         }
         if let Some((k, v)) = where_.iter().find(|(_, v)| v.len() != 1) {
-            return Err(fail(format!("(device, SC, partition, id) {k:?} in minibatches {v:?}")));
+            return Err(fail(format!(
+                "(device, SC, partition, id) {k:?} in minibatches {v:?}"
+            )));
         }
     }
 
     check_model(sc, tally, &rags, &reference, &counts, &maxes, &limits)?;
 
     bump(&tally.cases);
-    bump(if required { &tally.required } else { &tally.not_required });
+    bump(if required {
+        &tally.required
+    } else {
+        &tally.not_required
+    });
     if out.num_minibatches >= 3 {
         bump(&tally.many);
     }
@@ -1628,8 +2362,15 @@ fn check_scenario(sc: &Scen, tally: &Tally) -> Result<(), TestCaseError> {
 
 #[test]
 fn minibatches_regroup_the_single_pass_entries() {
-    let cases = std::env::var("MINIBATCH_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(384u32);
-    let mut config = ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() };
+    let cases = std::env::var("MINIBATCH_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(384u32);
+    let mut config = ProptestConfig {
+        cases,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
     if config.rng_seed == RngSeed::Random {
         config.rng_seed = RngSeed::Fixed(0x6d69_6e69_6261);
     }
@@ -1659,6 +2400,10 @@ fn minibatches_regroup_the_single_pass_entries() {
         for (what, c) in counts {
             assert!(c >= 8, "only {c} cases with {what}");
         }
-        assert!(t.required.get() >= cases / 3, "only {} cases required minibatching", t.required.get());
+        assert!(
+            t.required.get() >= cases / 3,
+            "only {} cases required minibatching",
+            t.required.get()
+        );
     }
 }

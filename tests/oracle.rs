@@ -34,9 +34,9 @@ use proptest::sample::select;
 use proptest::test_runner::{Config as ProptestConfig, RngSeed, TestCaseError, TestRunner};
 use serde_json::Value;
 
-use sparsecore_testkit::case::{Case, CaseData};
 use sparsecore_prep::spec::{Options, StackLimits, Stacking, TableConfig};
 use sparsecore_prep::{Config, Error, LimitKind, Plan};
+use sparsecore_testkit::case::{Case, CaseData};
 
 use model::{Batch, Feature, ModelError, StackResult};
 
@@ -51,18 +51,30 @@ fn case_batch(case: &Case) -> Batch {
         .iter()
         .map(|f| {
             let (rows, weights) = match &f.data {
-                CaseData::Ragged { values, row_splits, weights } => {
+                CaseData::Ragged {
+                    values,
+                    row_splits,
+                    weights,
+                } => {
                     let cut = |r: usize| row_splits[r] as usize..row_splits[r + 1] as usize;
                     let n = row_splits.len() - 1;
                     let rows = (0..n).map(|r| values[cut(r)].to_vec()).collect();
-                    let weights = weights.as_ref().map(|w| (0..n).map(|r| w[cut(r)].to_vec()).collect());
+                    let weights = weights
+                        .as_ref()
+                        .map(|w| (0..n).map(|r| w[cut(r)].to_vec()).collect());
                     (rows, weights)
                 }
                 CaseData::Dense { ids, weights } => (
                     ids.rows().into_iter().map(|r| r.to_vec()).collect(),
-                    weights.as_ref().map(|w| w.rows().into_iter().map(|r| r.to_vec()).collect()),
+                    weights
+                        .as_ref()
+                        .map(|w| w.rows().into_iter().map(|r| r.to_vec()).collect()),
                 ),
-                CaseData::Coo { indices, values, batch } => {
+                CaseData::Coo {
+                    indices,
+                    values,
+                    batch,
+                } => {
                     let mut rows = vec![Vec::new(); *batch];
                     for (k, &id) in values.iter().enumerate() {
                         rows[indices[2 * k] as usize].push(id);
@@ -70,24 +82,39 @@ fn case_batch(case: &Case) -> Batch {
                     (rows, None)
                 }
             };
-            Feature { name: f.name.clone(), rows, weights }
+            Feature {
+                name: f.name.clone(),
+                rows,
+                weights,
+            }
         })
         .collect();
     Batch { features }
 }
 
 fn ints(v: &Value, what: &str) -> Result<Vec<Option<i64>>, String> {
-    Ok(v.as_array().ok_or_else(|| format!("{what} is not an array"))?.iter().map(Value::as_i64).collect())
+    Ok(v.as_array()
+        .ok_or_else(|| format!("{what} is not an array"))?
+        .iter()
+        .map(Value::as_i64)
+        .collect())
 }
 
 /// The number after `label` in `text`.
 fn number_after(text: &str, label: &str) -> Option<u32> {
     let rest = &text[text.find(label)? + label.len()..];
-    rest.trim_start().split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+    rest.trim_start()
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// The model's result against `expected.json`.
-fn compare_with_expected(expected: &Value, got: Result<Vec<StackResult>, ModelError>) -> Result<(), String> {
+fn compare_with_expected(
+    expected: &Value,
+    got: Result<Vec<StackResult>, ModelError>,
+) -> Result<(), String> {
     if let Some(err) = expected.get("error") {
         let message = err["message"].as_str().unwrap_or_default();
         let (kind, label) = if message.contains("Observed max unique ids per partition") {
@@ -95,8 +122,10 @@ fn compare_with_expected(expected: &Value, got: Result<Vec<StackResult>, ModelEr
         } else {
             (LimitKind::MaxIds, "max ids per partition:")
         };
-        let observed = number_after(message, &format!("Observed {label}")).ok_or("no observed count in the message")?;
-        let limit = number_after(message, &format!("set {label}")).ok_or("no limit in the message")?;
+        let observed = number_after(message, &format!("Observed {label}"))
+            .ok_or("no observed count in the message")?;
+        let limit =
+            number_after(message, &format!("set {label}")).ok_or("no limit in the message")?;
         return match got {
             Err(ModelError::LimitExceeded { kind: k, observed: o, limit: l, .. }) if k == kind && o == observed && l == limit => Ok(()),
             other => Err(format!("expected a {kind} error (observed {observed}, limit {limit}), model gives {other:?}")),
@@ -111,50 +140,97 @@ fn compare_with_expected(expected: &Value, got: Result<Vec<StackResult>, ModelEr
         return Err(format!("{} stacks, expected {}", got.len(), stacks.len()));
     }
     for (name, want) in stacks {
-        let ours = got.iter().find(|s| &s.name == name).ok_or_else(|| format!("stack {name} missing"))?;
+        let ours = got
+            .iter()
+            .find(|s| &s.name == name)
+            .ok_or_else(|| format!("stack {name} missing"))?;
         let err = |what: String| format!("stack {name}: {what}");
         let c = ours.coo_buffer_size_per_device;
         if want["coo_buffer_size_per_device"].as_u64() != Some(c as u64) {
-            return Err(err(format!("C = {c}, want {}", want["coo_buffer_size_per_device"])));
+            return Err(err(format!(
+                "C = {c}, want {}",
+                want["coo_buffer_size_per_device"]
+            )));
         }
         let s = ours.required_buffer_size_per_sc.len() / (ours.embedding_ids.len() / c);
         if want["coo_buffer_size_per_sc"].as_u64() != Some((c / s) as u64) {
-            return Err(err(format!("C / S = {}, want {}", c / s, want["coo_buffer_size_per_sc"])));
+            return Err(err(format!(
+                "C / S = {}, want {}",
+                c / s,
+                want["coo_buffer_size_per_sc"]
+            )));
         }
-        if expected["row_pointers_size_per_device"].as_u64() != Some(ours.row_pointers_per_device as u64) {
-            return Err(err(format!("RP = {}, want {}", ours.row_pointers_per_device, expected["row_pointers_size_per_device"])));
+        if expected["row_pointers_size_per_device"].as_u64()
+            != Some(ours.row_pointers_per_device as u64)
+        {
+            return Err(err(format!(
+                "RP = {}, want {}",
+                ours.row_pointers_per_device, expected["row_pointers_size_per_device"]
+            )));
         }
         let rp: Vec<Option<i64>> = ints(&want["row_pointers"], "row_pointers")?;
         let ours_rp: Vec<Option<i64>> = ours.row_pointers.iter().map(|&v| Some(v as i64)).collect();
         if rp != ours_rp {
-            return Err(err(format!("row pointers\n ours {:?}\n want {:?}", ours.row_pointers, rp)));
+            return Err(err(format!(
+                "row pointers\n ours {:?}\n want {:?}",
+                ours.row_pointers, rp
+            )));
         }
         let ranges: Vec<(usize, usize)> = want["valid_ranges"]
             .as_array()
             .ok_or("valid_ranges")?
             .iter()
-            .map(|r| (r[0].as_u64().unwrap_or(0) as usize, r[1].as_u64().unwrap_or(0) as usize))
+            .map(|r| {
+                (
+                    r[0].as_u64().unwrap_or(0) as usize,
+                    r[1].as_u64().unwrap_or(0) as usize,
+                )
+            })
             .collect();
         if ranges != ours.valid_ranges {
-            return Err(err(format!("written ranges {:?}, want {:?}", ours.valid_ranges, ranges)));
+            return Err(err(format!(
+                "written ranges {:?}, want {:?}",
+                ours.valid_ranges, ranges
+            )));
         }
-        let (emb, smp, bits) = (ints(&want["embedding_ids"], "emb")?, ints(&want["sample_ids"], "smp")?, ints(&want["gains_bits"], "bits")?);
+        let (emb, smp, bits) = (
+            ints(&want["embedding_ids"], "emb")?,
+            ints(&want["sample_ids"], "smp")?,
+            ints(&want["gains_bits"], "bits")?,
+        );
         if emb.len() != ours.embedding_ids.len() {
-            return Err(err(format!("{} slots, want {}", ours.embedding_ids.len(), emb.len())));
+            return Err(err(format!(
+                "{} slots, want {}",
+                ours.embedding_ids.len(),
+                emb.len()
+            )));
         }
         for &(a, b) in &ranges {
             for i in a..b {
-                let o = (ours.embedding_ids[i] as i64, ours.sample_ids[i] as i64, ours.gains[i].to_bits() as i64);
+                let o = (
+                    ours.embedding_ids[i] as i64,
+                    ours.sample_ids[i] as i64,
+                    ours.gains[i].to_bits() as i64,
+                );
                 if (Some(o.0), Some(o.1), Some(o.2)) != (emb[i], smp[i], bits[i]) {
-                    return Err(err(format!("slot {i}: model {o:?}, want ({:?}, {:?}, {:?})", emb[i], smp[i], bits[i])));
+                    return Err(err(format!(
+                        "slot {i}: model {o:?}, want ({:?}, {:?}, {:?})",
+                        emb[i], smp[i], bits[i]
+                    )));
                 }
             }
         }
         let st = &want["stats"];
         for (field, o) in [
             ("max_ids_per_partition", &ours.max_ids_per_partition),
-            ("max_unique_ids_per_partition", &ours.max_unique_ids_per_partition),
-            ("required_buffer_size_per_sc", &ours.required_buffer_size_per_sc),
+            (
+                "max_unique_ids_per_partition",
+                &ours.max_unique_ids_per_partition,
+            ),
+            (
+                "required_buffer_size_per_sc",
+                &ours.required_buffer_size_per_sc,
+            ),
         ] {
             let w = ints(&st[field], field)?;
             if w != o.iter().map(|&v| Some(v as i64)).collect::<Vec<_>>() {
@@ -162,7 +238,10 @@ fn compare_with_expected(expected: &Value, got: Result<Vec<StackResult>, ModelEr
             }
         }
         if st["dropped_id_count"].as_u64() != Some(ours.dropped_id_count) {
-            return Err(err(format!("dropped {}, want {}", ours.dropped_id_count, st["dropped_id_count"])));
+            return Err(err(format!(
+                "dropped {}, want {}",
+                ours.dropped_id_count, st["dropped_id_count"]
+            )));
         }
     }
     Ok(())
@@ -174,14 +253,22 @@ fn oracle_case(dir: &Path) -> Result<(), String> {
         return Err("minibatching case in the non-minibatching set".into());
     }
     let expected = common::load_json(&dir.join("expected.json"));
-    let plan = Plan::new(&case.config, &case.global_batch_sizes()).map_err(|e| format!("planning: {e}"))?;
-    compare_with_expected(&expected, model::preprocess_with_plan(&plan, &case_batch(&case)))
+    let plan = Plan::new(&case.config, &case.global_batch_sizes())
+        .map_err(|e| format!("planning: {e}"))?;
+    compare_with_expected(
+        &expected,
+        model::preprocess_with_plan(&plan, &case_batch(&case)),
+    )
 }
 
 #[test]
 fn oracle_golden_cases() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/golden");
-    assert_eq!(common::case_dirs(&root).len(), 40, "the golden set has 40 cases");
+    assert_eq!(
+        common::case_dirs(&root).len(),
+        40,
+        "the golden set has 40 cases"
+    );
     common::run_dir(&root, "oracle golden", oracle_case);
 }
 
@@ -190,7 +277,16 @@ fn oracle_golden_cases() {
 // ---------------------------------------------------------------------------------------------
 
 #[allow(clippy::too_many_arguments)]
-fn one_table(l: usize, g: usize, s: usize, combiner: &str, max_ids: u64, max_unique: u64, suggested: Option<u64>, drop: bool) -> Config {
+fn one_table(
+    l: usize,
+    g: usize,
+    s: usize,
+    combiner: &str,
+    max_ids: u64,
+    max_unique: u64,
+    suggested: Option<u64>,
+    drop: bool,
+) -> Config {
     Config::from_json(&format!(
         r#"{{"config": {{"local_device_count": {l}, "global_device_count": {g}, "num_sc_per_device": {s}, "allow_id_dropping": {drop}}},
             "tables": [{{"name": "t", "vocabulary_size": 1000, "embedding_dim": 8, "combiner": "{combiner}",
@@ -203,7 +299,13 @@ fn one_table(l: usize, g: usize, s: usize, combiner: &str, max_ids: u64, max_uni
 }
 
 fn feature(rows: Vec<Vec<i64>>, weights: Option<Vec<Vec<f32>>>) -> Batch {
-    Batch { features: vec![Feature { name: "f".into(), rows, weights }] }
+    Batch {
+        features: vec![Feature {
+            name: "f".into(),
+            rows,
+            weights,
+        }],
+    }
 }
 
 #[test]
@@ -211,15 +313,34 @@ fn oracle_spec_examples() {
     const P: i32 = i32::MAX;
     // 3.8, buffer overflow: S = 1, C = 8, rows [i, i+10, i+20]: the ids >= 20 do not fit.
     let config = one_table(1, 1, 1, "sum", 64, 64, Some(8), false);
-    let r = &model::preprocess(&config, &feature((0..4).map(|i| vec![i, i + 10, i + 20]).collect(), None), 0).unwrap()[0];
+    let r = &model::preprocess(
+        &config,
+        &feature((0..4).map(|i| vec![i, i + 10, i + 20]).collect(), None),
+        0,
+    )
+    .unwrap()[0];
     assert_eq!(r.row_pointers, vec![8; 8]);
     assert_eq!(r.embedding_ids, vec![0, 1, 2, 3, 10, 11, 12, 13]);
     assert_eq!(r.sample_ids, vec![0, 1, 2, 3, 0, 1, 2, 3]);
-    assert_eq!((r.dropped_id_count, r.max_ids_per_partition.clone(), r.required_buffer_size_per_sc.clone()), (4, vec![12], vec![16]));
+    assert_eq!(
+        (
+            r.dropped_id_count,
+            r.max_ids_per_partition.clone(),
+            r.required_buffer_size_per_sc.clone()
+        ),
+        (4, vec![12], vec![16])
+    );
 
     // 3.11, weights and duplicates, S = 1: rows [3,1,3] (1.0, 2.0, 0.5) and [2] (4.0).
-    let batch = feature(vec![vec![3, 1, 3], vec![2]], Some(vec![vec![1.0, 2.0, 0.5], vec![4.0]]));
-    for (combiner, gains) in [("sum", [2.0f32, 4.0, 1.5]), ("mean", [0.5714286, 1.0, 0.42857146]), ("sqrtn", [0.8728715, 1.0, 0.65465367])] {
+    let batch = feature(
+        vec![vec![3, 1, 3], vec![2]],
+        Some(vec![vec![1.0, 2.0, 0.5], vec![4.0]]),
+    );
+    for (combiner, gains) in [
+        ("sum", [2.0f32, 4.0, 1.5]),
+        ("mean", [0.5714286, 1.0, 0.42857146]),
+        ("sqrtn", [0.8728715, 1.0, 0.65465367]),
+    ] {
         let config = one_table(1, 1, 1, combiner, 8, 8, None, false);
         let r = &model::preprocess(&config, &batch, 0).unwrap()[0];
         assert_eq!(r.row_pointers, vec![3, 8, 8, 8, 8, 8, 8, 8], "{combiner}");
@@ -232,20 +353,37 @@ fn oracle_spec_examples() {
     let config = one_table(1, 1, 1, "sum", 2, 1, None, true);
     let r = &model::preprocess(&config, &feature(vec![vec![0, 1]; 3], None), 0).unwrap()[0];
     assert_eq!(r.row_pointers, vec![2, 8, 8, 8, 8, 8, 8, 8]);
-    assert_eq!((&r.embedding_ids[..2], &r.sample_ids[..2]), (&[0, 0][..], &[0, 1][..]));
-    assert_eq!((r.dropped_id_count, r.max_ids_per_partition.clone(), r.max_unique_ids_per_partition.clone()), (4, vec![6], vec![2]));
+    assert_eq!(
+        (&r.embedding_ids[..2], &r.sample_ids[..2]),
+        (&[0, 0][..], &[0, 1][..])
+    );
+    assert_eq!(
+        (
+            r.dropped_id_count,
+            r.max_ids_per_partition.clone(),
+            r.max_unique_ids_per_partition.clone()
+        ),
+        (4, vec![6], vec![2])
+    );
     assert_eq!(r.required_buffer_size_per_sc, vec![8]);
 
     // 3.8, single column: L = 1, G = 1, S = 4, max_ids 12, 16 rows of one id.
     let ids = [5, 18, 0, 20, 6, 15, 12, 7, 3, 11, 8, 26, 0, 18, 7, 2];
     let config = one_table(1, 1, 4, "sum", 12, 12, None, false);
-    let r = &model::preprocess(&config, &feature(ids.iter().map(|&i| vec![i]).collect(), None), 0).unwrap()[0];
+    let r = &model::preprocess(
+        &config,
+        &feature(ids.iter().map(|&i| vec![i]).collect(), None),
+        0,
+    )
+    .unwrap()[0];
     assert_eq!(r.coo_buffer_size_per_device, 256);
     #[rustfmt::skip]
     let rp = [2, 9, 17, 24, 24, 24, 24, 24, 1, 8, 9, 18, 24, 24, 24, 24, 1, 8, 9, 18, 24, 24, 24, 24, 1, 8, 10, 17, 24, 24, 24, 24];
     assert_eq!(r.row_pointers, rp);
-    let written: Vec<(usize, i32, i32)> =
-        (0..256).filter(|&i| r.embedding_ids[i] != P).map(|i| (i, r.embedding_ids[i], r.sample_ids[i])).collect();
+    let written: Vec<(usize, i32, i32)> = (0..256)
+        .filter(|&i| r.embedding_ids[i] != P)
+        .map(|i| (i, r.embedding_ids[i], r.sample_ids[i]))
+        .collect();
     #[rustfmt::skip]
     let want = [(0, 0, 2), (1, 5, 3), (8, 1, 0), (16, 4, 1), (64, 3, 2), (72, 1, 0), (80, 1, 3), (81, 3, 1),
                 (128, 2, 2), (136, 6, 3), (144, 0, 0), (145, 2, 1), (192, 0, 0), (200, 0, 3), (201, 4, 1), (208, 1, 2)];
@@ -273,7 +411,8 @@ const SMALL_LAYOUTS: [(usize, usize, usize); 14] = [
     (1, 8, 1),
     (2, 8, 2),
 ];
-const LARGE_LAYOUTS: [(usize, usize, usize); 5] = [(1, 16, 4), (2, 16, 4), (1, 32, 2), (2, 32, 2), (4, 64, 1)];
+const LARGE_LAYOUTS: [(usize, usize, usize); 5] =
+    [(1, 16, 4), (2, 16, 4), (1, 32, 2), (2, 32, 2), (4, 64, 1)];
 
 #[derive(Debug, Clone)]
 struct TableGen {
@@ -357,8 +496,17 @@ fn build(scn: &Scn) -> (Config, Batch) {
         .map(|(i, t)| TableConfig {
             name: format!("t{i}"),
             vocabulary_size: t.vocab,
-            embedding_dim: if scn.same_kind { scn.tables[0].dim } else { t.dim },
-            combiner: if scn.same_kind { scn.tables[0].combiner } else { t.combiner }.to_string(),
+            embedding_dim: if scn.same_kind {
+                scn.tables[0].dim
+            } else {
+                t.dim
+            },
+            combiner: if scn.same_kind {
+                scn.tables[0].combiner
+            } else {
+                t.combiner
+            }
+            .to_string(),
             max_ids_per_partition: t.max_ids,
             max_unique_ids_per_partition: t.max_unique,
             suggested_coo_buffer_size_per_device: t.suggested,
@@ -382,8 +530,15 @@ fn build(scn: &Scn) -> (Config, Batch) {
             global_device_count: scn.g,
             num_sc_per_device: scn.s,
             allow_id_dropping: scn.drop,
-            stacking: if scn.auto { Stacking::Auto } else { Stacking::Feature },
-            stack_limits: scn.stack_limits.map(|(a, b)| StackLimits { max_ids_per_partition: a, max_unique_ids_per_partition: b }),
+            stacking: if scn.auto {
+                Stacking::Auto
+            } else {
+                Stacking::Feature
+            },
+            stack_limits: scn.stack_limits.map(|(a, b)| StackLimits {
+                max_ids_per_partition: a,
+                max_unique_ids_per_partition: b,
+            }),
             enable_minibatching: false,
             stack_suggested_coo_buffer_size_per_device: None,
             validate_ids: scn.validate,
@@ -406,11 +561,22 @@ fn build(scn: &Scn) -> (Config, Batch) {
                         _ => ((seed / 8) as u64 % f.hot.min(vocab)) as i64,
                     }
                 };
-                let rows = f.rows.iter().map(|r| r.iter().map(|&(seed, _)| id(seed)).collect()).collect();
-                let weights = f
-                    .weighted
-                    .then(|| f.rows.iter().map(|r| r.iter().map(|&(_, k)| k as f32 / f.weight_div).collect()).collect());
-                Feature { name: NAMES[i].to_string(), rows, weights }
+                let rows = f
+                    .rows
+                    .iter()
+                    .map(|r| r.iter().map(|&(seed, _)| id(seed)).collect())
+                    .collect();
+                let weights = f.weighted.then(|| {
+                    f.rows
+                        .iter()
+                        .map(|r| r.iter().map(|&(_, k)| k as f32 / f.weight_div).collect())
+                        .collect()
+                });
+                Feature {
+                    name: NAMES[i].to_string(),
+                    rows,
+                    weights,
+                }
             })
             .collect(),
     };
@@ -423,7 +589,11 @@ fn build(scn: &Scn) -> (Config, Batch) {
 /// Applies `inject` at the first cell at or after its seed's position that can take it.
 fn damage(batch: &mut Batch, config: &Config, inject: Inject) {
     let seed = match inject {
-        Inject::IdAtVocab(x) | Inject::NegativeId(x) | Inject::NanWeight(x) | Inject::ShortWeights(x) | Inject::DropRow(x) => x as usize,
+        Inject::IdAtVocab(x)
+        | Inject::NegativeId(x)
+        | Inject::NanWeight(x)
+        | Inject::ShortWeights(x)
+        | Inject::DropRow(x) => x as usize,
     };
     let nf = batch.features.len();
     let f = seed % nf;
@@ -439,13 +609,20 @@ fn damage(batch: &mut Batch, config: &Config, inject: Inject) {
         return;
     }
     // The first non-empty row at or after the seed's row.
-    let Some(r) = (0..nrows).map(|k| (seed / nf + k) % nrows).find(|&r| !feat.rows[r].is_empty()) else { return };
+    let Some(r) = (0..nrows)
+        .map(|k| (seed / nf + k) % nrows)
+        .find(|&r| !feat.rows[r].is_empty())
+    else {
+        return;
+    };
     let c = seed % feat.rows[r].len();
     let table = config.table_index(&config.features[f].table).unwrap();
     match inject {
         Inject::IdAtVocab(_) => feat.rows[r][c] = config.tables[table].vocabulary_size as i64,
         // Without validation a negative id has no defined placement (SPEC 1.5); use vocab.
-        Inject::NegativeId(_) if !config.config.validate_ids => feat.rows[r][c] = config.tables[table].vocabulary_size as i64,
+        Inject::NegativeId(_) if !config.config.validate_ids => {
+            feat.rows[r][c] = config.tables[table].vocabulary_size as i64
+        }
         Inject::NegativeId(_) => feat.rows[r][c] = -1,
         Inject::NanWeight(_) => {
             if let Some(w) = &mut feat.weights {
@@ -504,18 +681,34 @@ fn feat_gen(p: Profile, l: usize, s: usize) -> impl Strategy<Value = FeatGen> {
         1 => Just(Vec::new()),
         6 => proptest::collection::vec((any::<u32>(), -32i8..=64), 0..=p.max_ids_per_row),
     ];
-    (0usize..3, 1..=p.max_blocks, 0..l, any::<bool>(), select(vec![16.0f32, 16.0, 10.0, 3.0]), select(vec![2u64, 8, 64, u64::MAX]), 0u32..10)
-        .prop_flat_map(move |(table, blocks, extra, weighted, weight_div, hot, empty)| {
-            let rows = blocks * l * s + extra;
-            let row = row.clone();
-            // One feature in ten has no ids at all.
-            let rows_strategy = if empty == 0 {
-                Just(vec![Vec::new(); rows]).boxed()
-            } else {
-                proptest::collection::vec(row, rows).boxed()
-            };
-            rows_strategy.prop_map(move |rows| FeatGen { table, weighted, weight_div, hot, rows })
-        })
+    (
+        0usize..3,
+        1..=p.max_blocks,
+        0..l,
+        any::<bool>(),
+        select(vec![16.0f32, 16.0, 10.0, 3.0]),
+        select(vec![2u64, 8, 64, u64::MAX]),
+        0u32..10,
+    )
+        .prop_flat_map(
+            move |(table, blocks, extra, weighted, weight_div, hot, empty)| {
+                let rows = blocks * l * s + extra;
+                let row = row.clone();
+                // One feature in ten has no ids at all.
+                let rows_strategy = if empty == 0 {
+                    Just(vec![Vec::new(); rows]).boxed()
+                } else {
+                    proptest::collection::vec(row, rows).boxed()
+                };
+                rows_strategy.prop_map(move |rows| FeatGen {
+                    table,
+                    weighted,
+                    weight_div,
+                    hot,
+                    rows,
+                })
+            },
+        )
 }
 
 fn scenario(p: Profile) -> impl Strategy<Value = Scn> {
@@ -590,8 +783,16 @@ fn error_kind(e: &ModelError) -> &'static str {
 }
 
 fn runner(cases: u32) -> TestRunner {
-    let from_env = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-    let mut config = ProptestConfig { cases: cases.max(from_env), failure_persistence: None, max_shrink_iters: 4000, ..ProptestConfig::default() };
+    let from_env = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let mut config = ProptestConfig {
+        cases: cases.max(from_env),
+        failure_persistence: None,
+        max_shrink_iters: 4000,
+        ..ProptestConfig::default()
+    };
     // A fixed seed keeps CI repeatable; PROPTEST_RNG_SEED still overrides it.
     if config.rng_seed == RngSeed::Random {
         config.rng_seed = RngSeed::Fixed(0x0c1e_0a11);
@@ -607,13 +808,17 @@ fn differential(name: &str, cases: u32, p: Profile) -> Tally {
         let want = model::preprocess(&config, &batch, 0);
         for threads in [1, 2] {
             let ours = model::run_crate(&config, &batch, 0, threads);
-            model::compare(want.clone(), ours.as_ref()).map_err(|e| TestCaseError::fail(format!("{threads} thread(s): {e}")))?;
+            model::compare(want.clone(), ours.as_ref())
+                .map_err(|e| TestCaseError::fail(format!("{threads} thread(s): {e}")))?;
         }
         let mut t = tally.borrow_mut();
         match &want {
             Ok(stacks) => {
                 t.ok += 1;
-                if stacks.iter().any(|s| s.dropped_id_count > s.overflowed_id_count) {
+                if stacks
+                    .iter()
+                    .any(|s| s.dropped_id_count > s.overflowed_id_count)
+                {
                     t.limit_drops += 1;
                 }
                 if stacks.iter().any(|s| s.overflowed_id_count > 0) {
@@ -622,7 +827,8 @@ fn differential(name: &str, cases: u32, p: Profile) -> Tally {
                 if stacks.len() < batch.features.len() {
                     t.stacked += 1;
                 }
-                let mut tables: Vec<&str> = config.features.iter().map(|f| f.table.as_str()).collect();
+                let mut tables: Vec<&str> =
+                    config.features.iter().map(|f| f.table.as_str()).collect();
                 tables.sort();
                 tables.dedup();
                 if stacks.len() < tables.len() {
@@ -656,10 +862,25 @@ fn crate_matches_model() {
         max_ids_per_row: 6,
     };
     let t = differential("crate_matches_model", 2000, p);
-    assert!(t.ok >= 1000 && t.limit_drops >= 100 && t.overflows >= 50 && t.stacked >= 300, "too few meaningful cases: {t:?}");
-    assert!(t.multi_table >= 100 && t.unchecked >= 100, "too few auto-stacked or unchecked cases: {t:?}");
-    for kind in ["limit exceeded", "id out of range", "invalid weight", "weights shape", "not divisible"] {
-        assert!(t.errors.get(kind).copied().unwrap_or(0) >= 5, "too few `{kind}` errors: {t:?}");
+    assert!(
+        t.ok >= 1000 && t.limit_drops >= 100 && t.overflows >= 50 && t.stacked >= 300,
+        "too few meaningful cases: {t:?}"
+    );
+    assert!(
+        t.multi_table >= 100 && t.unchecked >= 100,
+        "too few auto-stacked or unchecked cases: {t:?}"
+    );
+    for kind in [
+        "limit exceeded",
+        "id out of range",
+        "invalid weight",
+        "weights shape",
+        "not divisible",
+    ] {
+        assert!(
+            t.errors.get(kind).copied().unwrap_or(0) >= 5,
+            "too few `{kind}` errors: {t:?}"
+        );
     }
 }
 
@@ -676,8 +897,14 @@ fn crate_matches_model_tight() {
         max_ids_per_row: 8,
     };
     let t = differential("crate_matches_model_tight", 600, p);
-    assert!(t.limit_drops >= 100 && t.overflows >= 40, "too few drops or overflows: {t:?}");
-    assert!(t.errors.get("limit exceeded").copied().unwrap_or(0) >= 100, "too few limit errors: {t:?}");
+    assert!(
+        t.limit_drops >= 100 && t.overflows >= 40,
+        "too few drops or overflows: {t:?}"
+    );
+    assert!(
+        t.errors.get("limit exceeded").copied().unwrap_or(0) >= 100,
+        "too few limit errors: {t:?}"
+    );
 }
 
 #[test]
@@ -693,7 +920,10 @@ fn crate_matches_model_large_n() {
         max_ids_per_row: 6,
     };
     let t = differential("crate_matches_model_large_n", 400, p);
-    assert!(t.ok >= 200 && t.limit_drops >= 40 && t.overflows >= 20, "too few meaningful cases: {t:?}");
+    assert!(
+        t.ok >= 200 && t.limit_drops >= 40 && t.overflows >= 20,
+        "too few meaningful cases: {t:?}"
+    );
 }
 
 #[test]
@@ -728,14 +958,21 @@ fn crate_matches_model_with_fixed_global_batches() {
         for threads in [1, 2] {
             let flat = model::FlatBatch::new(&batch);
             let ours = flat.sources().and_then(|sources| {
-                let inputs: Vec<&dyn sparsecore_prep::input::SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
-                let mut prep = sparsecore_prep::Preprocessor::builder(config.clone()).global_batch_sizes(global.clone()).threads(threads).build()?;
+                let inputs: Vec<&dyn sparsecore_prep::input::SampleSource> =
+                    sources.iter().map(|s| s.as_ref()).collect();
+                let mut prep = sparsecore_prep::Preprocessor::builder(config.clone())
+                    .global_batch_sizes(global.clone())
+                    .threads(threads)
+                    .build()?;
                 let mut out = sparsecore_prep::Output::new();
                 prep.run(&inputs, &mut out)?;
                 Ok(out)
             });
-            model::compare(want.clone(), ours.as_ref())
-                .map_err(|e| TestCaseError::fail(format!("{threads} thread(s), global batches {global:?}: {e}")))?;
+            model::compare(want.clone(), ours.as_ref()).map_err(|e| {
+                TestCaseError::fail(format!(
+                    "{threads} thread(s), global batches {global:?}: {e}"
+                ))
+            })?;
         }
         let mut t = tally.borrow_mut();
         match &want {
@@ -755,8 +992,13 @@ fn crate_matches_model_with_fixed_global_batches() {
         panic!("property `crate_matches_model_with_fixed_global_batches` failed: {e}");
     }
     let t = tally.into_inner();
-    eprintln!("crate_matches_model_with_fixed_global_batches (stacked = with overlapping rows): {t:?}");
-    assert!(t.ok >= 200 && t.stacked >= 50, "too few successful cases, or too few with overlapping rows: {t:?}");
+    eprintln!(
+        "crate_matches_model_with_fixed_global_batches (stacked = with overlapping rows): {t:?}"
+    );
+    assert!(
+        t.ok >= 200 && t.stacked >= 50,
+        "too few successful cases, or too few with overlapping rows: {t:?}"
+    );
 }
 
 /// Whether two features of a stack give some SparseCore overlapping (or out-of-order) sample
@@ -768,7 +1010,12 @@ fn overlapping_rows(plan: &Plan, batch: &Batch) -> bool {
         let mut spans: Vec<(u64, u64)> = stack
             .features
             .iter()
-            .map(|&f| (plan.features[f].row_offset / n, (batch.features[f].rows.len() / scs) as u64))
+            .map(|&f| {
+                (
+                    plan.features[f].row_offset / n,
+                    (batch.features[f].rows.len() / scs) as u64,
+                )
+            })
             .filter(|&(_, len)| len > 0)
             .collect();
         spans.sort();
@@ -789,22 +1036,47 @@ fn payload_overflow_from_a_huge_row_offset() {
     for (weights, global, fails) in [
         (None, vec![(1usize << 26) - 2, 2], false),
         (None, vec![(1 << 26) - 1, 2], true),
-        (Some(vec![vec![0.5], vec![2.0]]), vec![(1 << 26) - 2, 2], false),
-        (Some(vec![vec![0.5], vec![2.0]]), vec![(1 << 26) - 1, 2], true),
+        (
+            Some(vec![vec![0.5], vec![2.0]]),
+            vec![(1 << 26) - 2, 2],
+            false,
+        ),
+        (
+            Some(vec![vec![0.5], vec![2.0]]),
+            vec![(1 << 26) - 1, 2],
+            true,
+        ),
     ] {
         let batch = Batch {
             features: vec![
-                Feature { name: "a".into(), rows: vec![vec![1], vec![2]], weights },
-                Feature { name: "b".into(), rows: vec![vec![3], vec![3]], weights: None },
+                Feature {
+                    name: "a".into(),
+                    rows: vec![vec![1], vec![2]],
+                    weights,
+                },
+                Feature {
+                    name: "b".into(),
+                    rows: vec![vec![3], vec![3]],
+                    weights: None,
+                },
             ],
         };
         let plan = Plan::new(&config, &global).unwrap();
         let want = model::preprocess_with_plan(&plan, &batch);
-        assert_eq!(matches!(want, Err(ModelError::BatchTooLarge { .. })), fails, "{global:?}: {want:?}");
+        assert_eq!(
+            matches!(want, Err(ModelError::BatchTooLarge { .. })),
+            fails,
+            "{global:?}: {want:?}"
+        );
         let flat = model::FlatBatch::new(&batch);
         let sources = flat.sources().unwrap();
-        let inputs: Vec<&dyn sparsecore_prep::input::SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
-        let mut prep = sparsecore_prep::Preprocessor::builder(config.clone()).global_batch_sizes(global.clone()).threads(1).build().unwrap();
+        let inputs: Vec<&dyn sparsecore_prep::input::SampleSource> =
+            sources.iter().map(|s| s.as_ref()).collect();
+        let mut prep = sparsecore_prep::Preprocessor::builder(config.clone())
+            .global_batch_sizes(global.clone())
+            .threads(1)
+            .build()
+            .unwrap();
         let mut out = sparsecore_prep::Output::new();
         let ours = prep.run(&inputs, &mut out).map(|()| &out);
         model::compare(want, ours.as_ref().map(|o| *o)).unwrap();
@@ -827,51 +1099,139 @@ fn check_is_discriminating() {
             "features": [{"name": "x", "table": "a"}, {"name": "y", "table": "b"}]}"#,
     )
     .unwrap();
-    let rows = |k: i64, m: i64| (0..8).map(|r| (0..(r % 4 + 1)).map(|j| (r * k + j * 7) % m).collect()).collect::<Vec<Vec<i64>>>();
-    let wx: Vec<Vec<f32>> = rows(3, 40).iter().map(|r| r.iter().map(|&i| (i % 5 + 1) as f32 / 4.0).collect()).collect();
+    let rows = |k: i64, m: i64| {
+        (0..8)
+            .map(|r| (0..(r % 4 + 1)).map(|j| (r * k + j * 7) % m).collect())
+            .collect::<Vec<Vec<i64>>>()
+    };
+    let wx: Vec<Vec<f32>> = rows(3, 40)
+        .iter()
+        .map(|r| r.iter().map(|&i| (i % 5 + 1) as f32 / 4.0).collect())
+        .collect();
     let batch = Batch {
         features: vec![
-            Feature { name: "x".into(), rows: rows(3, 40), weights: Some(wx) },
-            Feature { name: "y".into(), rows: rows(5, 9), weights: None },
+            Feature {
+                name: "x".into(),
+                rows: rows(3, 40),
+                weights: Some(wx),
+            },
+            Feature {
+                name: "y".into(),
+                rows: rows(5, 9),
+                weights: None,
+            },
         ],
     };
     let out = model::run_crate(&config, &batch, 0, 2).unwrap();
     model::check(&config, &batch, 0, Ok(&out)).unwrap();
     let want = model::preprocess(&config, &batch, 0).unwrap();
-    assert!(want.iter().any(|s| s.dropped_id_count > 0), "the example should drop ids");
+    assert!(
+        want.iter().any(|s| s.dropped_id_count > 0),
+        "the example should drop ids"
+    );
 
     type Mutation = Box<dyn Fn(&mut sparsecore_prep::Output)>;
     let mutations: Vec<(&str, Mutation)> = vec![
-        ("row pointer", Box::new(|o| o.stacks[0].row_pointers[3] += 1)),
-        ("tail row pointer", Box::new(|o| *o.stacks[1].row_pointers.last_mut().unwrap() -= 1)),
-        ("embedding id", Box::new(|o| o.stacks[0].embedding_ids[0] ^= 1)),
+        (
+            "row pointer",
+            Box::new(|o| o.stacks[0].row_pointers[3] += 1),
+        ),
+        (
+            "tail row pointer",
+            Box::new(|o| *o.stacks[1].row_pointers.last_mut().unwrap() -= 1),
+        ),
+        (
+            "embedding id",
+            Box::new(|o| o.stacks[0].embedding_ids[0] ^= 1),
+        ),
         ("sample id", Box::new(|o| o.stacks[1].sample_ids[0] ^= 1)),
-        ("gain bit", Box::new(|o| o.stacks[0].gains[0] = f32::from_bits(o.stacks[0].gains[0].to_bits() ^ 1))),
-        ("padding", Box::new(|o| *o.stacks[0].gains.last_mut().unwrap() = 0.0)),
-        ("max ids", Box::new(|o| o.stacks[0].stats.max_ids_per_partition[1] += 1)),
-        ("max unique", Box::new(|o| o.stacks[1].stats.max_unique_ids_per_partition[0] += 1)),
-        ("required", Box::new(|o| o.stacks[0].stats.required_buffer_size_per_sc[2] += 8)),
-        ("dropped", Box::new(|o| o.stacks[1].stats.dropped_id_count += 1)),
+        (
+            "gain bit",
+            Box::new(|o| o.stacks[0].gains[0] = f32::from_bits(o.stacks[0].gains[0].to_bits() ^ 1)),
+        ),
+        (
+            "padding",
+            Box::new(|o| *o.stacks[0].gains.last_mut().unwrap() = 0.0),
+        ),
+        (
+            "max ids",
+            Box::new(|o| o.stacks[0].stats.max_ids_per_partition[1] += 1),
+        ),
+        (
+            "max unique",
+            Box::new(|o| o.stacks[1].stats.max_unique_ids_per_partition[0] += 1),
+        ),
+        (
+            "required",
+            Box::new(|o| o.stacks[0].stats.required_buffer_size_per_sc[2] += 8),
+        ),
+        (
+            "dropped",
+            Box::new(|o| o.stacks[1].stats.dropped_id_count += 1),
+        ),
         ("minibatches", Box::new(|o| o.num_minibatches = 2)),
         ("stack order", Box::new(|o| o.stacks.swap(0, 1))),
     ];
     for (what, mutate) in mutations {
         let mut bad = out.clone();
         mutate(&mut bad);
-        assert!(model::check(&config, &batch, 0, Ok(&bad)).is_err(), "check accepted a changed {what}");
+        assert!(
+            model::check(&config, &batch, 0, Ok(&bad)).is_err(),
+            "check accepted a changed {what}"
+        );
     }
 
     // Errors: the kind and its fields must match.
-    let strict = Config { config: Options { allow_id_dropping: false, ..config.config.clone() }, ..config.clone() };
+    let strict = Config {
+        config: Options {
+            allow_id_dropping: false,
+            ..config.config.clone()
+        },
+        ..config.clone()
+    };
     let err = model::run_crate(&strict, &batch, 0, 1).unwrap_err();
     assert!(matches!(err, Error::LimitExceeded { .. }), "{err}");
     model::check(&strict, &batch, 0, Err(&err)).unwrap();
-    let Error::LimitExceeded { stack, kind, observed, limit, device, sparsecore, partition } = err else { unreachable!() };
-    let other = Error::LimitExceeded { stack, kind, observed: observed + 1, limit, device, sparsecore, partition };
-    assert!(model::check(&strict, &batch, 0, Err(&other)).is_err(), "check accepted another observed count");
-    assert!(model::check(&strict, &batch, 0, Ok(&out)).is_err(), "check accepted Ok for an error");
-    let wrong = Error::IdOutOfRange { feature: "x".into(), table: "a".into(), row: 0, id: 40, vocabulary_size: 40 };
-    assert!(model::check(&strict, &batch, 0, Err(&wrong)).is_err(), "check accepted another error kind");
+    let Error::LimitExceeded {
+        stack,
+        kind,
+        observed,
+        limit,
+        device,
+        sparsecore,
+        partition,
+    } = err
+    else {
+        unreachable!()
+    };
+    let other = Error::LimitExceeded {
+        stack,
+        kind,
+        observed: observed + 1,
+        limit,
+        device,
+        sparsecore,
+        partition,
+    };
+    assert!(
+        model::check(&strict, &batch, 0, Err(&other)).is_err(),
+        "check accepted another observed count"
+    );
+    assert!(
+        model::check(&strict, &batch, 0, Ok(&out)).is_err(),
+        "check accepted Ok for an error"
+    );
+    let wrong = Error::IdOutOfRange {
+        feature: "x".into(),
+        table: "a".into(),
+        row: 0,
+        id: 40,
+        vocabulary_size: 40,
+    };
+    assert!(
+        model::check(&strict, &batch, 0, Err(&wrong)).is_err(),
+        "check accepted another error kind"
+    );
 }
 
 /// Found by the `ragged` fuzz target: a row whose weights are subnormal. The reference flushes
@@ -892,7 +1252,12 @@ fn subnormal_weights_agree_with_the_model() {
         features: vec![model::Feature {
             name: "f0".into(),
             rows: vec![vec![3, 3, 5], vec![7], vec![9, 11], vec![]],
-            weights: Some(vec![vec![sub, -sub, 2.0], vec![sub], vec![sub, sub], vec![]]),
+            weights: Some(vec![
+                vec![sub, -sub, 2.0],
+                vec![sub],
+                vec![sub, sub],
+                vec![],
+            ]),
         }],
     };
     let ours = model::run_crate(&config, &batch, 0, 1);
@@ -920,19 +1285,133 @@ fn large_sparsecores_match_the_model() {
         x
     };
     // (vocab, L/G/S, combiner, weighted, max_ids, max_unique, suggested, drop, rows, ids per row)
-    type LargeCase = (u64, (usize, usize, usize), &'static str, bool, u64, u64, Option<u64>, bool, usize, usize);
+    type LargeCase = (
+        u64,
+        (usize, usize, usize),
+        &'static str,
+        bool,
+        u64,
+        u64,
+        Option<u64>,
+        bool,
+        usize,
+        usize,
+    );
     let cases: [LargeCase; 9] = [
-        (10_000_000, (1, 1, 4), "mean", true, 1 << 20, 1 << 20, None, false, 4096, 50),
-        (1 << 30, (1, 2, 2), "sqrtn", true, 12_000, 4_000, None, true, 2048, 40),
-        (1_000_000, (1, 1, 2), "sum", false, 1 << 20, 1 << 20, None, false, 2048, 80),
-        (10_000_000, (1, 1, 4), "sum", false, 1 << 20, 1 << 20, None, false, 4096, 70),
-        (1 << 30, (1, 2, 2), "mean", false, 1 << 20, 1 << 20, None, false, 2048, 80),
-        (50_000, (1, 1, 1), "sqrtn", false, 1 << 20, 1 << 20, None, false, 1024, 90),
-        (1_000_000, (1, 1, 2), "sum", true, 1 << 20, 1 << 20, None, false, 2048, 60),
-        (300_000, (1, 1, 2), "sum", false, 18_000, 6_000, None, true, 4096, 60),
-        (1_000_000, (1, 1, 1), "sum", false, 1 << 20, 1 << 20, Some(40_000), false, 1024, 100),
+        (
+            10_000_000,
+            (1, 1, 4),
+            "mean",
+            true,
+            1 << 20,
+            1 << 20,
+            None,
+            false,
+            4096,
+            50,
+        ),
+        (
+            1 << 30,
+            (1, 2, 2),
+            "sqrtn",
+            true,
+            12_000,
+            4_000,
+            None,
+            true,
+            2048,
+            40,
+        ),
+        (
+            1_000_000,
+            (1, 1, 2),
+            "sum",
+            false,
+            1 << 20,
+            1 << 20,
+            None,
+            false,
+            2048,
+            80,
+        ),
+        (
+            10_000_000,
+            (1, 1, 4),
+            "sum",
+            false,
+            1 << 20,
+            1 << 20,
+            None,
+            false,
+            4096,
+            70,
+        ),
+        (
+            1 << 30,
+            (1, 2, 2),
+            "mean",
+            false,
+            1 << 20,
+            1 << 20,
+            None,
+            false,
+            2048,
+            80,
+        ),
+        (
+            50_000,
+            (1, 1, 1),
+            "sqrtn",
+            false,
+            1 << 20,
+            1 << 20,
+            None,
+            false,
+            1024,
+            90,
+        ),
+        (
+            1_000_000,
+            (1, 1, 2),
+            "sum",
+            true,
+            1 << 20,
+            1 << 20,
+            None,
+            false,
+            2048,
+            60,
+        ),
+        (
+            300_000,
+            (1, 1, 2),
+            "sum",
+            false,
+            18_000,
+            6_000,
+            None,
+            true,
+            4096,
+            60,
+        ),
+        (
+            1_000_000,
+            (1, 1, 1),
+            "sum",
+            false,
+            1 << 20,
+            1 << 20,
+            Some(40_000),
+            false,
+            1024,
+            100,
+        ),
     ];
-    for (i, &(vocab, (l, g, s), combiner, weighted, max_ids, max_unique, suggested, drop, rows, width)) in cases.iter().enumerate() {
+    for (
+        i,
+        &(vocab, (l, g, s), combiner, weighted, max_ids, max_unique, suggested, drop, rows, width),
+    ) in cases.iter().enumerate()
+    {
         let config = Config::from_json(&format!(
             r#"{{"config": {{"local_device_count": {l}, "global_device_count": {g}, "num_sc_per_device": {s}, "allow_id_dropping": {drop}}},
                 "tables": [{{"name": "t", "vocabulary_size": {vocab}, "embedding_dim": 8, "combiner": "{combiner}",
@@ -945,13 +1424,28 @@ fn large_sparsecores_match_the_model() {
         // Skewed ids (a hot set, repeated within rows) so that many keys merge.
         let hot = (vocab / 7).max(1);
         let ids: Vec<Vec<i64>> = (0..rows)
-            .map(|_| (0..width).map(|_| if next() % 3 == 0 { (next() % 64 * hot % vocab) as i64 } else { (next() % vocab) as i64 }).collect())
+            .map(|_| {
+                (0..width)
+                    .map(|_| {
+                        if next() % 3 == 0 {
+                            (next() % 64 * hot % vocab) as i64
+                        } else {
+                            (next() % vocab) as i64
+                        }
+                    })
+                    .collect()
+            })
             .collect();
-        let weights = weighted.then(|| ids.iter().map(|r| r.iter().map(|_| (next() % 97) as f32 / 16.0).collect()).collect());
+        let weights = weighted.then(|| {
+            ids.iter()
+                .map(|r| r.iter().map(|_| (next() % 97) as f32 / 16.0).collect())
+                .collect()
+        });
         let batch = feature(ids.clone(), weights);
         for threads in [1, 2] {
             let ours = model::run_crate(&config, &batch, 0, threads);
-            model::check(&config, &batch, 0, ours.as_ref()).unwrap_or_else(|e| panic!("case {i}, {threads} thread(s): {e}"));
+            model::check(&config, &batch, 0, ours.as_ref())
+                .unwrap_or_else(|e| panic!("case {i}, {threads} thread(s): {e}"));
         }
         // The same ids as a dense batch (no weights): the split-after-extraction path.
         if !weighted {
@@ -961,7 +1455,8 @@ fn large_sparsecores_match_the_model() {
             let mut prep = Preprocessor::new(config.clone()).unwrap();
             let mut out = Output::new();
             let result = prep.run(&[&dense as &dyn SampleSource], &mut out);
-            model::check(&config, &batch, 0, result.as_ref().map(|()| &out)).unwrap_or_else(|e| panic!("case {i}, dense: {e}"));
+            model::check(&config, &batch, 0, result.as_ref().map(|()| &out))
+                .unwrap_or_else(|e| panic!("case {i}, dense: {e}"));
         }
     }
 }
@@ -971,7 +1466,12 @@ fn large_sparsecores_match_the_model() {
 /// their top bits first. Both must give the model's output, with sums, means and weights.
 #[test]
 fn wide_keys_sorted_whole_and_split_match_the_model() {
-    for (rows, combiner, weighted) in [(3_000, "sum", false), (12_000, "mean", true), (30_000, "sum", false), (60_000, "sqrtn", true)] {
+    for (rows, combiner, weighted) in [
+        (3_000, "sum", false),
+        (12_000, "mean", true),
+        (30_000, "sum", false),
+        (60_000, "sqrtn", true),
+    ] {
         // Vocabulary 2^24 on one SparseCore: 24 column bits beside the row's 12-16 bits, 36-40
         // in all (the split takes 4-8 chunk bits).
         let config = Config::from_json(&format!(
@@ -992,18 +1492,35 @@ fn wide_keys_sorted_whole_and_split_match_the_model() {
         let ids: Vec<Vec<i64>> = (0..rows)
             .map(|_| {
                 let n = 1 + (next() % 3) as usize;
-                (0..n).map(|_| if next() % 4 == 0 { (next() % 64) as i64 } else { (next() % (1 << 24)) as i64 }).collect()
+                (0..n)
+                    .map(|_| {
+                        if next() % 4 == 0 {
+                            (next() % 64) as i64
+                        } else {
+                            (next() % (1 << 24)) as i64
+                        }
+                    })
+                    .collect()
             })
             .collect();
-        let weights = weighted.then(|| ids.iter().map(|r| r.iter().map(|_| (1 + next() % 64) as f32 / 16.0).collect()).collect());
+        let weights = weighted.then(|| {
+            ids.iter()
+                .map(|r| r.iter().map(|_| (1 + next() % 64) as f32 / 16.0).collect())
+                .collect()
+        });
         let batch = feature(ids, weights);
         let keys: usize = batch.features[0].rows.iter().map(Vec::len).sum();
-        assert_eq!(keys > 1 << 15, rows >= 30_000, "{rows} rows give {keys} keys");
+        assert_eq!(
+            keys > 1 << 15,
+            rows >= 30_000,
+            "{rows} rows give {keys} keys"
+        );
         let want = model::preprocess(&config, &batch, 0);
         assert!(want.is_ok(), "model failed: {want:?}");
         for threads in [1, 2] {
             let ours = model::run_crate(&config, &batch, 0, threads);
-            model::compare(want.clone(), ours.as_ref()).unwrap_or_else(|e| panic!("{rows} rows, {combiner}, {threads} thread(s): {e}"));
+            model::compare(want.clone(), ours.as_ref())
+                .unwrap_or_else(|e| panic!("{rows} rows, {combiner}, {threads} thread(s): {e}"));
         }
     }
 }

@@ -11,7 +11,10 @@ use sparsecore_prep::Error;
 use sparsecore_testkit::TempDir;
 
 fn names(dir: &TempDir) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(&dir.0).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let mut names: Vec<String> = std::fs::read_dir(&dir.0)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
     names.sort();
     names
 }
@@ -47,7 +50,13 @@ fn a_symlink_keeps_pointing_at_the_new_file() {
     std::fs::write(&target, b"old").unwrap();
     std::os::unix::fs::symlink("target.json", &link).unwrap();
     write_atomic(&link, b"new").unwrap();
-    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link was replaced by a file");
+    assert!(
+        std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink(),
+        "the link was replaced by a file"
+    );
     assert_eq!(std::fs::read(&target).unwrap(), b"new");
     assert_eq!(names(&dir), ["link.json", "target.json"]);
 }
@@ -58,7 +67,10 @@ fn a_directory_is_refused_before_anything_is_written() {
     let sub = dir.join("sub");
     std::fs::create_dir(&sub).unwrap();
     let err = OutputFile::new(&sub).unwrap_err();
-    assert!(matches!(&err, Error::Io { context, source } if context.contains("sub") && source.kind() == std::io::ErrorKind::IsADirectory), "{err:?}");
+    assert!(
+        matches!(&err, Error::Io { context, source } if context.contains("sub") && source.kind() == std::io::ErrorKind::IsADirectory),
+        "{err:?}"
+    );
     assert!(write_atomic(&sub, b"x").is_err());
     assert_eq!(names(&dir), ["sub"]);
 }
@@ -67,7 +79,10 @@ fn a_directory_is_refused_before_anything_is_written() {
 fn a_pipe_is_written_in_place() {
     let dir = TempDir::new("outfile-fifo");
     let fifo = dir.join("fifo");
-    let status = std::process::Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+    let status = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo");
     assert!(status.success());
     let reader = {
         let fifo = fifo.clone();
@@ -77,7 +92,10 @@ fn a_pipe_is_written_in_place() {
     assert_eq!(reader.join().unwrap(), b"through the pipe");
     // Still a pipe, and no temporary beside it.
     use std::os::unix::fs::FileTypeExt;
-    assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo());
+    assert!(std::fs::symlink_metadata(&fifo)
+        .unwrap()
+        .file_type()
+        .is_fifo());
     assert_eq!(names(&dir), ["fifo"]);
 }
 
@@ -86,8 +104,14 @@ fn a_failed_write_leaves_no_temporary() {
     // /dev/full takes no bytes: writing in place fails, with a typed error, and nothing is
     // created (it is a device, written in place, never renamed over).
     let err = write_atomic(std::path::Path::new("/dev/full"), b"x").unwrap_err();
-    assert!(matches!(&err, Error::Io { context, .. } if context.contains("/dev/full")), "{err:?}");
+    assert!(
+        matches!(&err, Error::Io { context, .. } if context.contains("/dev/full")),
+        "{err:?}"
+    );
     use std::os::unix::fs::FileTypeExt;
-    assert!(std::fs::metadata("/dev/full").unwrap().file_type().is_char_device());
+    assert!(std::fs::metadata("/dev/full")
+        .unwrap()
+        .file_type()
+        .is_char_device());
     assert!(!tmp_path(std::path::Path::new("/dev/full")).exists());
 }

@@ -45,7 +45,9 @@ use ndarray::{Array2, ShapeBuilder};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, RngSeed, TestCaseError, TestRunner};
 
-use sparsecore_prep::input::{ArrowListInput, CooInput, DenseInput, Ids, Offsets, RaggedInput, SampleSource};
+use sparsecore_prep::input::{
+    ArrowListInput, CooInput, DenseInput, Ids, Offsets, RaggedInput, SampleSource,
+};
 use sparsecore_prep::spec::{PAD_GAIN_BITS, PAD_ID};
 use sparsecore_prep::{Config, Error, LimitKind, Output, Plan, Preprocessor};
 
@@ -119,7 +121,14 @@ impl std::fmt::Debug for Scn {
             writeln!(f, "  t{i}: {t:?}")?;
         }
         for (g, m) in self.feats.iter().zip(feats(self)) {
-            writeln!(f, "  {} -> t{} ({} rows): ids {:?}", m.name, m.table, m.rows.len(), m.rows)?;
+            writeln!(
+                f,
+                "  {} -> t{} ({} rows): ids {:?}",
+                m.name,
+                m.table,
+                m.rows.len(),
+                m.rows
+            )?;
             if let Some(w) = &m.weights {
                 writeln!(f, "      weights (k/{}) {:?}", g.weight_div, w)?;
             }
@@ -154,10 +163,14 @@ fn tight_limit_strat() -> impl Strategy<Value = u64> {
 }
 
 fn layout_strat() -> impl Strategy<Value = (usize, usize, usize)> {
-    (prop::sample::select(vec![1usize, 2, 4]), prop::sample::select(vec![1usize, 2, 4])).prop_flat_map(|(g, s)| {
-        let divisors: Vec<usize> = (1..=g).filter(|l| g % l == 0).collect();
-        (prop::sample::select(divisors), Just(g), Just(s))
-    })
+    (
+        prop::sample::select(vec![1usize, 2, 4]),
+        prop::sample::select(vec![1usize, 2, 4]),
+    )
+        .prop_flat_map(|(g, s)| {
+            let divisors: Vec<usize> = (1..=g).filter(|l| g % l == 0).collect();
+            (prop::sample::select(divisors), Just(g), Just(s))
+        })
 }
 
 fn table_strat() -> impl Strategy<Value = TableGen> {
@@ -169,14 +182,16 @@ fn table_strat() -> impl Strategy<Value = TableGen> {
         limit_strat(),
         prop::option::weighted(0.3, any::<u32>()),
     )
-        .prop_map(|(vocab, dim, combiner, max_ids, max_unique, suggest)| TableGen {
-            vocab,
-            dim,
-            combiner,
-            max_ids,
-            max_unique,
-            suggest,
-        })
+        .prop_map(
+            |(vocab, dim, combiner, max_ids, max_unique, suggest)| TableGen {
+                vocab,
+                dim,
+                combiner,
+                max_ids,
+                max_unique,
+                suggest,
+            },
+        )
 }
 
 fn scn_strat() -> impl Strategy<Value = Scn> {
@@ -190,41 +205,63 @@ fn scn_strat() -> impl Strategy<Value = Scn> {
         prop::collection::vec(table_strat(), 1..=3),
         1usize..=3,
     )
-        .prop_flat_map(|((l, g, s), auto, drop, dense, stack_limits, stack_suggest, tables, nf)| {
-            let nt = tables.len();
-            let weight_div = prop::sample::select(vec![16.0f32, 16.0, 10.0, 3.0]);
-            // Sometimes up to L - 1 extra rows, which no SparseCore reads (SPEC 1.5, last note).
-            let extra = if l > 1 { prop_oneof![3 => Just(0usize), 1 => 1..l].boxed() } else { Just(0usize).boxed() };
-            let feat = (0..nt, any::<bool>(), weight_div, 0usize..=6, 1usize..=4, extra)
-                .prop_flat_map(move |(table, weighted, weight_div, valency, mult, extra)| {
-                    let row = (prop::collection::vec((0u32..300, -32i32..=64), 6), 0usize..=6);
-                    (Just((table, weighted, weight_div)), Just(valency), prop::collection::vec(row, mult * l * s + extra))
-                })
-                .prop_map(|((table, weighted, weight_div), valency, rows)| FeatGen {
-                    table,
-                    weighted,
+        .prop_flat_map(
+            |((l, g, s), auto, drop, dense, stack_limits, stack_suggest, tables, nf)| {
+                let nt = tables.len();
+                let weight_div = prop::sample::select(vec![16.0f32, 16.0, 10.0, 3.0]);
+                // Sometimes up to L - 1 extra rows, which no SparseCore reads (SPEC 1.5, last note).
+                let extra = if l > 1 {
+                    prop_oneof![3 => Just(0usize), 1 => 1..l].boxed()
+                } else {
+                    Just(0usize).boxed()
+                };
+                let feat = (
+                    0..nt,
+                    any::<bool>(),
                     weight_div,
-                    valency,
-                    rows,
-                });
-            (
-                Just((l, g, s, auto, drop, dense, stack_limits, stack_suggest)),
-                Just(tables),
-                prop::collection::vec(feat, nf),
-            )
-        })
-        .prop_map(|((l, g, s, auto, drop, dense, stack_limits, stack_suggest), tables, feats)| Scn {
-            l,
-            g,
-            s,
-            auto,
-            drop,
-            dense,
-            stack_limits,
-            stack_suggest,
-            tables,
-            feats,
-        })
+                    0usize..=6,
+                    1usize..=4,
+                    extra,
+                )
+                    .prop_flat_map(move |(table, weighted, weight_div, valency, mult, extra)| {
+                        let row = (
+                            prop::collection::vec((0u32..300, -32i32..=64), 6),
+                            0usize..=6,
+                        );
+                        (
+                            Just((table, weighted, weight_div)),
+                            Just(valency),
+                            prop::collection::vec(row, mult * l * s + extra),
+                        )
+                    })
+                    .prop_map(|((table, weighted, weight_div), valency, rows)| FeatGen {
+                        table,
+                        weighted,
+                        weight_div,
+                        valency,
+                        rows,
+                    });
+                (
+                    Just((l, g, s, auto, drop, dense, stack_limits, stack_suggest)),
+                    Just(tables),
+                    prop::collection::vec(feat, nf),
+                )
+            },
+        )
+        .prop_map(
+            |((l, g, s, auto, drop, dense, stack_limits, stack_suggest), tables, feats)| Scn {
+                l,
+                g,
+                s,
+                auto,
+                drop,
+                dense,
+                stack_limits,
+                stack_suggest,
+                tables,
+                feats,
+            },
+        )
 }
 
 /// Limits that cannot be exceeded, no dropping, no suggested buffer sizes.
@@ -235,7 +272,9 @@ fn loosen(mut scn: Scn) -> Scn {
         t.max_unique = t.max_unique.max(UNREACHABLE);
         t.suggest = None;
     }
-    scn.stack_limits = scn.stack_limits.map(|(a, b)| (a.max(UNREACHABLE), b.max(UNREACHABLE)));
+    scn.stack_limits = scn
+        .stack_limits
+        .map(|(a, b)| (a.max(UNREACHABLE), b.max(UNREACHABLE)));
     scn.stack_suggest = None;
     scn
 }
@@ -300,18 +339,41 @@ fn feats(scn: &Scn) -> Vec<Feat> {
             let rows: Vec<Vec<i32>> = f
                 .rows
                 .iter()
-                .map(|(cells, n)| cells[..len(*n)].iter().map(|&(id, _)| (id as u64 % vocab) as i32).collect())
+                .map(|(cells, n)| {
+                    cells[..len(*n)]
+                        .iter()
+                        .map(|&(id, _)| (id as u64 % vocab) as i32)
+                        .collect()
+                })
                 .collect();
             let weights = f.weighted.then(|| {
-                f.rows.iter().map(|(cells, n)| cells[..len(*n)].iter().map(|&(_, k)| k as f32 / f.weight_div).collect()).collect()
+                f.rows
+                    .iter()
+                    .map(|(cells, n)| {
+                        cells[..len(*n)]
+                            .iter()
+                            .map(|&(_, k)| k as f32 / f.weight_div)
+                            .collect()
+                    })
+                    .collect()
             });
-            Feat { name: FEATURE_NAMES[i].to_string(), table: f.table, rows, weights }
+            Feat {
+                name: FEATURE_NAMES[i].to_string(),
+                table: f.table,
+                rows,
+                weights,
+            }
         })
         .collect()
 }
 
 fn without_weights(fs: &[Feat]) -> Vec<Feat> {
-    fs.iter().map(|f| Feat { weights: None, ..f.clone() }).collect()
+    fs.iter()
+        .map(|f| Feat {
+            weights: None,
+            ..f.clone()
+        })
+        .collect()
 }
 
 /// Ragged buffers of one feature.
@@ -334,7 +396,10 @@ fn ragged(f: &Feat) -> Ragged {
         ids,
         splits64: splits.iter().map(|&v| v as i64).collect(),
         splits,
-        weights: f.weights.as_ref().map(|w| w.iter().flatten().copied().collect()),
+        weights: f
+            .weights
+            .as_ref()
+            .map(|w| w.iter().flatten().copied().collect()),
     }
 }
 
@@ -370,7 +435,11 @@ fn roundup(x: u64, m: u64) -> u64 {
 /// A suggested COO buffer size per device from a seed: anywhere in `1..=theoretical` for even
 /// seeds, at most `8 * S` (one aligned partition per SparseCore) for odd ones.
 fn suggestion(seed: u32, theoretical: u64, s: u64) -> u64 {
-    let range = if seed.is_multiple_of(2) { theoretical } else { theoretical.min(8 * s) };
+    let range = if seed.is_multiple_of(2) {
+        theoretical
+    } else {
+        theoretical.min(8 * s)
+    };
     1 + (seed / 2) as u64 % range
 }
 
@@ -436,7 +505,9 @@ fn model_stacks(scn: &Scn, fs: &[Feat]) -> Vec<MStack> {
                 rot = (rot + s) % n;
                 vocab += padded_vocab(t);
             }
-            members = (0..fs.len()).filter(|&f| group.contains(&fs[f].table)).collect();
+            members = (0..fs.len())
+                .filter(|&f| group.contains(&fs[f].table))
+                .collect();
             for &f in &members {
                 let (ins, rot) = settings[&fs[f].table];
                 col_offset.push((ins * n) as u32);
@@ -448,8 +519,14 @@ fn model_stacks(scn: &Scn, fs: &[Feat]) -> Vec<MStack> {
                 scn.stack_limits.unwrap_or((256, 256))
             };
             // Auto stacking never carries the tables' suggestions; the override by name does.
-            suggested = scn.stack_suggest.map(|seed| suggestion(seed, theoretical(max_ids), s));
-            name = group.iter().map(|&t| format!("t{t}")).collect::<Vec<_>>().join("_");
+            suggested = scn
+                .stack_suggest
+                .map(|seed| suggestion(seed, theoretical(max_ids), s));
+            name = group
+                .iter()
+                .map(|&t| format!("t{t}"))
+                .collect::<Vec<_>>()
+                .join("_");
             stack_vocab = vocab;
         } else {
             members = (0..fs.len()).filter(|&f| fs[f].table == group[0]).collect();
@@ -457,7 +534,9 @@ fn model_stacks(scn: &Scn, fs: &[Feat]) -> Vec<MStack> {
             col_offset = vec![0; members.len()];
             col_shift = vec![0; members.len()];
             (max_ids, max_unique) = (t0.max_ids, t0.max_unique);
-            suggested = t0.suggest.map(|seed| suggestion(seed, theoretical(max_ids), s));
+            suggested = t0
+                .suggest
+                .map(|seed| suggestion(seed, theoretical(max_ids), s));
             name = format!("t{}", group[0]);
             stack_vocab = padded_vocab(group[0]);
         }
@@ -527,11 +606,14 @@ fn config_json(scn: &Scn, fs: &[Feat], stacks: &[MStack]) -> Config {
         "stacking": if scn.auto { "auto" } else { "feature" },
     });
     if let Some((a, b)) = scn.stack_limits {
-        options["stack_limits"] = serde_json::json!({"max_ids_per_partition": a, "max_unique_ids_per_partition": b});
+        options["stack_limits"] =
+            serde_json::json!({"max_ids_per_partition": a, "max_unique_ids_per_partition": b});
     }
     if scn.auto {
-        let overrides: BTreeMap<String, u64> =
-            stacks.iter().filter_map(|st| st.suggested.map(|x| (st.name.clone(), x))).collect();
+        let overrides: BTreeMap<String, u64> = stacks
+            .iter()
+            .filter_map(|st| st.suggested.map(|x| (st.name.clone(), x)))
+            .collect();
         if !overrides.is_empty() {
             options["stack_suggested_coo_buffer_size_per_device"] = serde_json::json!(overrides);
         }
@@ -595,7 +677,11 @@ fn row_gains(comb: Comb, weights: Option<&[f32]>, n: usize) -> Vec<f32> {
 }
 
 fn bsps(scn: &Scn, fs: &[Feat], st: &MStack) -> usize {
-    st.members.iter().map(|&f| fs[f].rows.len() / scn.l).sum::<usize>() / scn.s
+    st.members
+        .iter()
+        .map(|&f| fs[f].rows.len() / scn.l)
+        .sum::<usize>()
+        / scn.s
 }
 
 fn model_sc(scn: &Scn, fs: &[Feat], st: &MStack, d: usize, sc: usize) -> ScModel {
@@ -639,7 +725,12 @@ fn model_sc(scn: &Scn, fs: &[Feat], st: &MStack, d: usize, sc: usize) -> ScModel
                 p.gain += gain;
                 p.occ += 1;
             }
-            _ => pairs.push(Pair { row, col, gain, occ: 1 }),
+            _ => pairs.push(Pair {
+                row,
+                col,
+                gain,
+                occ: 1,
+            }),
         }
     }
     // Dropping: in each partition, keep the pairs among the first `max_ids` whose column is among
@@ -660,7 +751,12 @@ fn model_sc(scn: &Scn, fs: &[Feat], st: &MStack, d: usize, sc: usize) -> ScModel
             limit_dropped += p.occ;
         }
     }
-    ScModel { bsps, raw, kept, limit_dropped }
+    ScModel {
+        bsps,
+        raw,
+        kept,
+        limit_dropped,
+    }
 }
 
 /// Naive statistics of one SparseCore: de-duplicated pairs and distinct columns per partition.
@@ -696,7 +792,11 @@ fn model_segment(kept: &[Pair], n: usize, cs: usize, bsps: usize) -> SegModel {
     };
     let mut end = 0usize;
     for p in 0..n {
-        let start = if p == 0 { 0 } else { roundup(end as u64, 8) as usize };
+        let start = if p == 0 {
+            0
+        } else {
+            roundup(end as u64, 8) as usize
+        };
         let mut pos = start;
         for e in kept.iter().filter(|e| e.col as usize % n == p) {
             if pos < cs {
@@ -723,7 +823,11 @@ fn model_segment(kept: &[Pair], n: usize, cs: usize, bsps: usize) -> SegModel {
 // ---------------------------------------------------------------------------------------------
 
 /// Runs on `threads` (None: rayon's global pool), every batch on the threads however small.
-fn run(cfg: &Config, threads: Option<usize>, inputs: &[&dyn SampleSource]) -> (Result<Output, Error>, Option<Plan>) {
+fn run(
+    cfg: &Config,
+    threads: Option<usize>,
+    inputs: &[&dyn SampleSource],
+) -> (Result<Output, Error>, Option<Plan>) {
     let mut b = Preprocessor::builder(cfg.clone()).small_batch_ids(0);
     if let Some(t) = threads {
         b = b.threads(t);
@@ -735,14 +839,43 @@ fn run(cfg: &Config, threads: Option<usize>, inputs: &[&dyn SampleSource]) -> (R
 }
 
 fn same_output(a: &Output, b: &Output, what: &str) -> Result<(), TestCaseError> {
-    prop_assert_eq!(a.num_minibatches, b.num_minibatches, "{}: num_minibatches", what);
+    prop_assert_eq!(
+        a.num_minibatches,
+        b.num_minibatches,
+        "{}: num_minibatches",
+        what
+    );
     prop_assert_eq!(a.stacks.len(), b.stacks.len(), "{}: stack count", what);
     for (x, y) in a.stacks.iter().zip(&b.stacks) {
         prop_assert_eq!(&x.name, &y.name, "{}: stack name", what);
-        prop_assert_eq!(x.coo_buffer_size_per_device(), y.coo_buffer_size_per_device(), "{}: C of {}", what, x.name);
-        prop_assert_eq!(&x.row_pointers, &y.row_pointers, "{}: row pointers of {}", what, x.name);
-        prop_assert_eq!(&x.embedding_ids, &y.embedding_ids, "{}: embedding ids of {}", what, x.name);
-        prop_assert_eq!(&x.sample_ids, &y.sample_ids, "{}: sample ids of {}", what, x.name);
+        prop_assert_eq!(
+            x.coo_buffer_size_per_device(),
+            y.coo_buffer_size_per_device(),
+            "{}: C of {}",
+            what,
+            x.name
+        );
+        prop_assert_eq!(
+            &x.row_pointers,
+            &y.row_pointers,
+            "{}: row pointers of {}",
+            what,
+            x.name
+        );
+        prop_assert_eq!(
+            &x.embedding_ids,
+            &y.embedding_ids,
+            "{}: embedding ids of {}",
+            what,
+            x.name
+        );
+        prop_assert_eq!(
+            &x.sample_ids,
+            &y.sample_ids,
+            "{}: sample ids of {}",
+            what,
+            x.name
+        );
         let gx: Vec<u32> = x.gains.iter().map(|g| g.to_bits()).collect();
         let gy: Vec<u32> = y.gains.iter().map(|g| g.to_bits()).collect();
         prop_assert_eq!(gx, gy, "{}: gain bits of {}", what, x.name);
@@ -751,11 +884,20 @@ fn same_output(a: &Output, b: &Output, what: &str) -> Result<(), TestCaseError> 
     Ok(())
 }
 
-fn same_result(a: &Result<Output, Error>, b: &Result<Output, Error>, what: &str) -> Result<(), TestCaseError> {
+fn same_result(
+    a: &Result<Output, Error>,
+    b: &Result<Output, Error>,
+    what: &str,
+) -> Result<(), TestCaseError> {
     match (a, b) {
         (Ok(x), Ok(y)) => same_output(x, y, what),
         (Err(x), Err(y)) => {
-            prop_assert_eq!(format!("{x:?}"), format!("{y:?}"), "{}: errors differ", what);
+            prop_assert_eq!(
+                format!("{x:?}"),
+                format!("{y:?}"),
+                "{}: errors differ",
+                what
+            );
             Ok(())
         }
         (x, y) => Err(TestCaseError::fail(format!(
@@ -772,8 +914,15 @@ fn gains_match(got: f32, want: f32) -> bool {
 
 fn runner(cases: u32) -> TestRunner {
     // `PROPERTIES_CASES=n` runs n cases per property instead (for longer bug hunts).
-    let cases = std::env::var("PROPERTIES_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(cases);
-    let mut config = ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() };
+    let cases = std::env::var("PROPERTIES_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(cases);
+    let mut config = ProptestConfig {
+        cases,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
     if config.rng_seed == RngSeed::Random {
         config.rng_seed = RngSeed::Fixed(0x5c0d_e5eed);
     }
@@ -781,8 +930,12 @@ fn runner(cases: u32) -> TestRunner {
     TestRunner::new(config)
 }
 
-fn check<S: Strategy>(name: &str, cases: u32, strategy: S, test: impl Fn(S::Value) -> Result<(), TestCaseError>)
-where
+fn check<S: Strategy>(
+    name: &str,
+    cases: u32,
+    strategy: S,
+    test: impl Fn(S::Value) -> Result<(), TestCaseError>,
+) where
     S::Value: std::fmt::Debug,
 {
     if let Err(e) = runner(cases).run(&strategy, test) {
@@ -798,7 +951,13 @@ struct Seg<'a> {
     gains: &'a [f32],
 }
 
-fn segment<'a>(out: &'a sparsecore_prep::StackOutput, n: usize, s: usize, d: usize, sc: usize) -> Seg<'a> {
+fn segment<'a>(
+    out: &'a sparsecore_prep::StackOutput,
+    n: usize,
+    s: usize,
+    d: usize,
+    sc: usize,
+) -> Seg<'a> {
     let rpb = n.max(8);
     let c = out.coo_buffer_size_per_device();
     let cs = c / s;
@@ -814,7 +973,11 @@ fn segment<'a>(out: &'a sparsecore_prep::StackOutput, n: usize, s: usize, d: usi
 
 /// Slot range of partition `p` of a segment.
 fn part_range(seg: &Seg<'_>, p: usize) -> std::ops::Range<usize> {
-    let start = if p == 0 { 0 } else { roundup(seg.rp[p - 1] as u64, 8) as usize };
+    let start = if p == 0 {
+        0
+    } else {
+        roundup(seg.rp[p - 1] as u64, 8) as usize
+    };
     start..seg.rp[p] as usize
 }
 
@@ -846,7 +1009,10 @@ fn thread_count_invariance() {
                 let k = scn.l * scn.s;
                 let mut w = f.clone();
                 w.rows = f.rows[..k].iter().rev().cloned().collect();
-                w.weights = f.weights.as_ref().map(|w| w[..k].iter().rev().cloned().collect());
+                w.weights = f
+                    .weights
+                    .as_ref()
+                    .map(|w| w[..k].iter().rev().cloned().collect());
                 w
             })
             .collect();
@@ -861,7 +1027,10 @@ fn thread_count_invariance() {
         let mut other_prep = Preprocessor::builder(other_cfg).threads(3).build().unwrap();
         let mut out = Output::new();
         let _ = other_prep.run(&sources, &mut out);
-        let mut prep = Preprocessor::builder(cfg.clone()).threads(4).build().unwrap();
+        let mut prep = Preprocessor::builder(cfg.clone())
+            .threads(4)
+            .build()
+            .unwrap();
         let _ = prep.run(&as_sources(&warm_inputs), &mut out);
         let reused = prep.run(&sources, &mut out).map(|_| out);
         same_result(&one, &reused, "fresh vs reused Output")?;
@@ -871,7 +1040,11 @@ fn thread_count_invariance() {
         Ok(())
     });
     eprintln!("thread_count_invariance: {} successful runs", ok.get());
-    assert!(ok.get() >= 16, "too few successful runs ({}) to be meaningful", ok.get());
+    assert!(
+        ok.get() >= 16,
+        "too few successful runs ({}) to be meaningful",
+        ok.get()
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -881,25 +1054,33 @@ fn thread_count_invariance() {
 fn arrow_list_i32_sliced(rows: &[Vec<i32>]) -> ListArray {
     // A leading junk row, sliced away: offsets then start past 0.
     let junk = std::iter::once(Some(vec![Some(12345)]));
-    let it = junk.chain(rows.iter().map(|r| Some(r.iter().map(|&v| Some(v)).collect::<Vec<_>>())));
+    let it = junk.chain(
+        rows.iter()
+            .map(|r| Some(r.iter().map(|&v| Some(v)).collect::<Vec<_>>())),
+    );
     ListArray::from_iter_primitive::<Int32Type, _, _>(it).slice(1, rows.len())
 }
 
 fn arrow_weights_sliced(rows: &[Vec<f32>]) -> ListArray {
     let junk = std::iter::once(Some(vec![Some(f32::NAN)]));
-    let it = junk.chain(rows.iter().map(|r| Some(r.iter().map(|&v| Some(v)).collect::<Vec<_>>())));
+    let it = junk.chain(
+        rows.iter()
+            .map(|r| Some(r.iter().map(|&v| Some(v)).collect::<Vec<_>>())),
+    );
     ListArray::from_iter_primitive::<Float32Type, _, _>(it).slice(1, rows.len())
 }
 
 fn arrow_large_i64(rows: &[Vec<i32>]) -> LargeListArray {
     LargeListArray::from_iter_primitive::<Int64Type, _, _>(
-        rows.iter().map(|r| Some(r.iter().map(|&v| Some(v as i64)).collect::<Vec<_>>())),
+        rows.iter()
+            .map(|r| Some(r.iter().map(|&v| Some(v as i64)).collect::<Vec<_>>())),
     )
 }
 
 fn arrow_large_weights(rows: &[Vec<f32>]) -> LargeListArray {
     LargeListArray::from_iter_primitive::<Float32Type, _, _>(
-        rows.iter().map(|r| Some(r.iter().map(|&v| Some(v)).collect::<Vec<_>>())),
+        rows.iter()
+            .map(|r| Some(r.iter().map(|&v| Some(v)).collect::<Vec<_>>())),
     )
 }
 
@@ -925,7 +1106,12 @@ fn layout_equivalence() {
         let stacks = model_stacks(&scn, &fs);
         let cfg = config_json(&scn, &fs, &stacks);
         let data: Vec<Ragged> = fs.iter().map(ragged).collect();
-        let reference = run(&cfg, Some(2), &as_sources(&ragged_inputs(&fs, &data, false))).0;
+        let reference = run(
+            &cfg,
+            Some(2),
+            &as_sources(&ragged_inputs(&fs, &data, false)),
+        )
+        .0;
 
         // Ragged with 64-bit ids and splits.
         let r64 = run(&cfg, Some(2), &as_sources(&ragged_inputs(&fs, &data, true))).0;
@@ -936,14 +1122,20 @@ fn layout_equivalence() {
             .iter()
             .map(|f| {
                 let v = f.rows.first().map_or(0, |r| r.len());
-                Array2::from_shape_vec((f.rows.len(), v), f.rows.iter().flatten().copied().collect()).unwrap()
+                Array2::from_shape_vec(
+                    (f.rows.len(), v),
+                    f.rows.iter().flatten().copied().collect(),
+                )
+                .unwrap()
             })
             .collect();
         let dense_w: Vec<Option<Array2<f32>>> = fs
             .iter()
             .zip(&dense_ids)
             .map(|(f, a)| {
-                f.weights.as_ref().map(|w| Array2::from_shape_vec(a.dim(), w.iter().flatten().copied().collect()).unwrap())
+                f.weights.as_ref().map(|w| {
+                    Array2::from_shape_vec(a.dim(), w.iter().flatten().copied().collect()).unwrap()
+                })
             })
             .collect();
         let fortran_ids: Vec<Array2<i64>> = dense_ids
@@ -976,62 +1168,110 @@ fn layout_equivalence() {
                 }
             })
             .collect();
-        same_result(&reference, &run(&cfg, Some(2), &as_sources(&dense_c)).0, "ragged vs dense (C order, i32)")?;
-        same_result(&reference, &run(&cfg, Some(1), &as_sources(&dense_f)).0, "ragged vs dense (F order, i64)")?;
+        same_result(
+            &reference,
+            &run(&cfg, Some(2), &as_sources(&dense_c)).0,
+            "ragged vs dense (C order, i32)",
+        )?;
+        same_result(
+            &reference,
+            &run(&cfg, Some(1), &as_sources(&dense_f)).0,
+            "ragged vs dense (F order, i64)",
+        )?;
 
         // Arrow List<Int32> (sliced) and LargeList<Int64>.
         let lists: Vec<(ListArray, Option<ListArray>)> = fs
             .iter()
-            .map(|f| (arrow_list_i32_sliced(&f.rows), f.weights.as_ref().map(|w| arrow_weights_sliced(w))))
+            .map(|f| {
+                (
+                    arrow_list_i32_sliced(&f.rows),
+                    f.weights.as_ref().map(|w| arrow_weights_sliced(w)),
+                )
+            })
             .collect();
         let arrow: Vec<ArrowListInput> = fs
             .iter()
             .zip(&lists)
             .map(|(f, (ids, w))| {
-                ArrowListInput::new(&f.name, &f.name, ids, w.as_ref().map(|w| ("w", w as &dyn arrow_array::Array)))
-                    .unwrap()
+                ArrowListInput::new(
+                    &f.name,
+                    &f.name,
+                    ids,
+                    w.as_ref().map(|w| ("w", w as &dyn arrow_array::Array)),
+                )
+                .unwrap()
             })
             .collect();
-        same_result(&reference, &run(&cfg, Some(2), &as_sources(&arrow)).0, "ragged vs Arrow List<Int32>")?;
+        same_result(
+            &reference,
+            &run(&cfg, Some(2), &as_sources(&arrow)).0,
+            "ragged vs Arrow List<Int32>",
+        )?;
         let large: Vec<(LargeListArray, Option<LargeListArray>)> = fs
             .iter()
-            .map(|f| (arrow_large_i64(&f.rows), f.weights.as_ref().map(|w| arrow_large_weights(w))))
+            .map(|f| {
+                (
+                    arrow_large_i64(&f.rows),
+                    f.weights.as_ref().map(|w| arrow_large_weights(w)),
+                )
+            })
             .collect();
         let arrow_large: Vec<ArrowListInput> = fs
             .iter()
             .zip(&large)
             .map(|(f, (ids, w))| {
-                ArrowListInput::new(&f.name, &f.name, ids, w.as_ref().map(|w| ("w", w as &dyn arrow_array::Array)))
-                    .unwrap()
+                ArrowListInput::new(
+                    &f.name,
+                    &f.name,
+                    ids,
+                    w.as_ref().map(|w| ("w", w as &dyn arrow_array::Array)),
+                )
+                .unwrap()
             })
             .collect();
-        same_result(&reference, &run(&cfg, Some(2), &as_sources(&arrow_large)).0, "ragged vs Arrow LargeList<Int64>")?;
+        same_result(
+            &reference,
+            &run(&cfg, Some(2), &as_sources(&arrow_large)).0,
+            "ragged vs Arrow LargeList<Int64>",
+        )?;
         // Sliced List<Int32> ids with unsliced LargeList<Float32> weights: different offsets.
         let mixed_arrow: Vec<ArrowListInput> = fs
             .iter()
             .zip(lists.iter().zip(&large))
             .map(|(f, ((ids, _), (_, w)))| {
-                ArrowListInput::new(&f.name, &f.name, ids, w.as_ref().map(|w| ("w", w as &dyn arrow_array::Array)))
-                    .unwrap()
+                ArrowListInput::new(
+                    &f.name,
+                    &f.name,
+                    ids,
+                    w.as_ref().map(|w| ("w", w as &dyn arrow_array::Array)),
+                )
+                .unwrap()
             })
             .collect();
-        same_result(&reference, &run(&cfg, Some(2), &as_sources(&mixed_arrow)).0, "ragged vs Arrow List ids + LargeList weights")?;
+        same_result(
+            &reference,
+            &run(&cfg, Some(2), &as_sources(&mixed_arrow)).0,
+            "ragged vs Arrow List ids + LargeList weights",
+        )?;
 
         // A RecordBatch, columns in reverse order, mapped by the config's column names.
         if fs.iter().all(|f| f.rows.len() == fs[0].rows.len()) {
-        record_batches.set(record_batches.get() + 1);
-        let mut columns: Vec<(String, ArrayRef)> = Vec::new();
-        for (f, (ids, w)) in fs.iter().zip(&lists).rev() {
-            columns.push((f.name.clone(), Arc::new(ids.clone())));
-            if let Some(w) = w {
-                columns.push((format!("{}_w", f.name), Arc::new(w.clone())));
+            record_batches.set(record_batches.get() + 1);
+            let mut columns: Vec<(String, ArrayRef)> = Vec::new();
+            for (f, (ids, w)) in fs.iter().zip(&lists).rev() {
+                columns.push((f.name.clone(), Arc::new(ids.clone())));
+                if let Some(w) = w {
+                    columns.push((format!("{}_w", f.name), Arc::new(w.clone())));
+                }
             }
-        }
-        let batch = RecordBatch::try_from_iter(columns).unwrap();
-        let mut prep = Preprocessor::builder(cfg.clone()).threads(2).build().unwrap();
-        let mut out = Output::new();
-        let rb = prep.run_record_batch(&batch, &mut out).map(|_| out);
-        same_result(&reference, &rb, "ragged vs RecordBatch")?;
+            let batch = RecordBatch::try_from_iter(columns).unwrap();
+            let mut prep = Preprocessor::builder(cfg.clone())
+                .threads(2)
+                .build()
+                .unwrap();
+            let mut out = Output::new();
+            let rb = prep.run_record_batch(&batch, &mut out).map(|_| out);
+            same_result(&reference, &rb, "ragged vs RecordBatch")?;
         }
 
         // COO (unweighted; position column gaps are ignored) vs ragged without weights.
@@ -1039,7 +1279,12 @@ fn layout_equivalence() {
         let plain_stacks = model_stacks(&scn, &plain);
         let plain_cfg = config_json(&scn, &plain, &plain_stacks);
         let plain_data: Vec<Ragged> = plain.iter().map(ragged).collect();
-        let plain_ref = run(&plain_cfg, Some(2), &as_sources(&ragged_inputs(&plain, &plain_data, false))).0;
+        let plain_ref = run(
+            &plain_cfg,
+            Some(2),
+            &as_sources(&ragged_inputs(&plain, &plain_data, false)),
+        )
+        .0;
         let coo: Vec<(Vec<i64>, Vec<i32>)> = plain
             .iter()
             .map(|f| {
@@ -1057,16 +1302,28 @@ fn layout_equivalence() {
         let coo_inputs: Vec<CooInput> = plain
             .iter()
             .zip(&coo)
-            .map(|(f, (idx, vals))| CooInput::new(&f.name, idx, Ids::I32(vals), f.rows.len()).unwrap())
+            .map(|(f, (idx, vals))| {
+                CooInput::new(&f.name, idx, Ids::I32(vals), f.rows.len()).unwrap()
+            })
             .collect();
-        same_result(&plain_ref, &run(&plain_cfg, Some(2), &as_sources(&coo_inputs)).0, "ragged vs COO")?;
+        same_result(
+            &plain_ref,
+            &run(&plain_cfg, Some(2), &as_sources(&coo_inputs)).0,
+            "ragged vs COO",
+        )?;
         // RaggedInput::new with explicit 64-bit offsets and 32-bit ids.
         let mixed: Vec<RaggedInput> = plain
             .iter()
             .zip(&plain_data)
-            .map(|(f, d)| RaggedInput::new(&f.name, Ids::I32(&d.ids), Offsets::I64(&d.splits64)).unwrap())
+            .map(|(f, d)| {
+                RaggedInput::new(&f.name, Ids::I32(&d.ids), Offsets::I64(&d.splits64)).unwrap()
+            })
             .collect();
-        same_result(&plain_ref, &run(&plain_cfg, Some(1), &as_sources(&mixed)).0, "ragged vs ragged (i64 offsets)")?;
+        same_result(
+            &plain_ref,
+            &run(&plain_cfg, Some(1), &as_sources(&mixed)).0,
+            "ragged vs ragged (i64 offsets)",
+        )?;
 
         if reference.is_ok() {
             ok.set(ok.get() + 1);
@@ -1076,7 +1333,12 @@ fn layout_equivalence() {
         }
         Ok(())
     });
-    eprintln!("layout_equivalence: ok {}, weighted {}, record batches {}", ok.get(), weighted.get(), record_batches.get());
+    eprintln!(
+        "layout_equivalence: ok {}, weighted {}, record batches {}",
+        ok.get(),
+        weighted.get(),
+        record_batches.get()
+    );
     assert!(
         ok.get() >= 12 && weighted.get() >= 4 && record_batches.get() >= 12,
         "too few meaningful runs ({}, weighted {}, record batches {})",
@@ -1094,65 +1356,119 @@ fn layout_equivalence() {
 fn conservation() {
     let stacked = Cell::new(0u32);
     let merged = Cell::new(0u32);
-    check("conservation", 256, scn_strat().prop_map(loosen).prop_map(no_extra_rows), |scn| {
-        let fs = feats(&scn);
-        let stacks = model_stacks(&scn, &fs);
-        let cfg = config_json(&scn, &fs, &stacks);
-        let data: Vec<Ragged> = fs.iter().map(ragged).collect();
-        let (out, _) = run(&cfg, Some(2), &as_sources(&ragged_inputs(&fs, &data, false)));
-        let out = out.map_err(|e| TestCaseError::fail(format!("unexpected error: {e}")))?;
-        let (n, s) = (scn.g * scn.s, scn.s);
-        for st in &stacks {
-            let so = out.stack(&st.name).ok_or_else(|| TestCaseError::fail(format!("no stack {}", st.name)))?;
-            prop_assert_eq!(so.stats.dropped_id_count, 0);
-            if st.members.len() > 1 {
-                stacked.set(stacked.get() + 1);
-            }
-            for d in 0..scn.l {
-                for sc in 0..s {
-                    let m = model_sc(&scn, &fs, st, d, sc);
-                    // Naive: (row, col) -> gain summed in extraction order (= sorted order).
-                    let mut want: BTreeMap<(u32, u32), f32> = BTreeMap::new();
-                    for &(row, col, g) in &m.raw {
-                        want.entry((row, col)).and_modify(|x| *x += g).or_insert(g);
-                    }
-                    if want.len() < m.raw.len() {
-                        merged.set(merged.get() + 1);
-                    }
-                    let seg = segment(so, n, s, d, sc);
-                    let mut got: BTreeMap<(u32, u32), f32> = BTreeMap::new();
-                    for p in 0..n {
-                        let mut prev: Option<(i32, i32)> = None;
-                        for i in part_range(&seg, p) {
-                            let (e, smp) = (seg.emb[i], seg.smp[i]);
-                            prop_assert!(e >= 0 && e != PAD_ID && smp >= 0 && (smp as usize) < m.bsps,
-                                "{} d{} s{} slot {}: emb {} sample {}", st.name, d, sc, i, e, smp);
-                            // Sorted by local id, then sample; pairs are unique.
-                            prop_assert!(prev < Some((e, smp)), "{} d{} s{} p{}: order {:?} then {:?}", st.name, d, sc, p, prev, (e, smp));
-                            prev = Some((e, smp));
-                            let key = ((sc * m.bsps) as u32 + smp as u32, e as u32 * n as u32 + p as u32);
-                            prop_assert!(got.insert(key, seg.gains[i]).is_none(), "pair {:?} twice", key);
+    check(
+        "conservation",
+        256,
+        scn_strat().prop_map(loosen).prop_map(no_extra_rows),
+        |scn| {
+            let fs = feats(&scn);
+            let stacks = model_stacks(&scn, &fs);
+            let cfg = config_json(&scn, &fs, &stacks);
+            let data: Vec<Ragged> = fs.iter().map(ragged).collect();
+            let (out, _) = run(
+                &cfg,
+                Some(2),
+                &as_sources(&ragged_inputs(&fs, &data, false)),
+            );
+            let out = out.map_err(|e| TestCaseError::fail(format!("unexpected error: {e}")))?;
+            let (n, s) = (scn.g * scn.s, scn.s);
+            for st in &stacks {
+                let so = out
+                    .stack(&st.name)
+                    .ok_or_else(|| TestCaseError::fail(format!("no stack {}", st.name)))?;
+                prop_assert_eq!(so.stats.dropped_id_count, 0);
+                if st.members.len() > 1 {
+                    stacked.set(stacked.get() + 1);
+                }
+                for d in 0..scn.l {
+                    for sc in 0..s {
+                        let m = model_sc(&scn, &fs, st, d, sc);
+                        // Naive: (row, col) -> gain summed in extraction order (= sorted order).
+                        let mut want: BTreeMap<(u32, u32), f32> = BTreeMap::new();
+                        for &(row, col, g) in &m.raw {
+                            want.entry((row, col)).and_modify(|x| *x += g).or_insert(g);
                         }
-                    }
-                    prop_assert_eq!(
-                        got.keys().collect::<Vec<_>>(),
-                        want.keys().collect::<Vec<_>>(),
-                        "{} d{} s{}: (sample, column) pairs",
-                        st.name,
-                        d,
-                        sc
-                    );
-                    for (k, &g) in &got {
-                        prop_assert!(gains_match(g, want[k]), "{} d{} s{} pair {:?}: gain {} (bits {:#x}), want {} (bits {:#x})",
-                            st.name, d, sc, k, g, g.to_bits(), want[k], want[k].to_bits());
+                        if want.len() < m.raw.len() {
+                            merged.set(merged.get() + 1);
+                        }
+                        let seg = segment(so, n, s, d, sc);
+                        let mut got: BTreeMap<(u32, u32), f32> = BTreeMap::new();
+                        for p in 0..n {
+                            let mut prev: Option<(i32, i32)> = None;
+                            for i in part_range(&seg, p) {
+                                let (e, smp) = (seg.emb[i], seg.smp[i]);
+                                prop_assert!(
+                                    e >= 0 && e != PAD_ID && smp >= 0 && (smp as usize) < m.bsps,
+                                    "{} d{} s{} slot {}: emb {} sample {}",
+                                    st.name,
+                                    d,
+                                    sc,
+                                    i,
+                                    e,
+                                    smp
+                                );
+                                // Sorted by local id, then sample; pairs are unique.
+                                prop_assert!(
+                                    prev < Some((e, smp)),
+                                    "{} d{} s{} p{}: order {:?} then {:?}",
+                                    st.name,
+                                    d,
+                                    sc,
+                                    p,
+                                    prev,
+                                    (e, smp)
+                                );
+                                prev = Some((e, smp));
+                                let key = (
+                                    (sc * m.bsps) as u32 + smp as u32,
+                                    e as u32 * n as u32 + p as u32,
+                                );
+                                prop_assert!(
+                                    got.insert(key, seg.gains[i]).is_none(),
+                                    "pair {:?} twice",
+                                    key
+                                );
+                            }
+                        }
+                        prop_assert_eq!(
+                            got.keys().collect::<Vec<_>>(),
+                            want.keys().collect::<Vec<_>>(),
+                            "{} d{} s{}: (sample, column) pairs",
+                            st.name,
+                            d,
+                            sc
+                        );
+                        for (k, &g) in &got {
+                            prop_assert!(
+                                gains_match(g, want[k]),
+                                "{} d{} s{} pair {:?}: gain {} (bits {:#x}), want {} (bits {:#x})",
+                                st.name,
+                                d,
+                                sc,
+                                k,
+                                g,
+                                g.to_bits(),
+                                want[k],
+                                want[k].to_bits()
+                            );
+                        }
                     }
                 }
             }
-        }
-        Ok(())
-    });
-    eprintln!("conservation: stacked {}, merging {}", stacked.get(), merged.get());
-    assert!(stacked.get() >= 4 && merged.get() >= 4, "too few stacked ({}) / merging ({}) cases", stacked.get(), merged.get());
+            Ok(())
+        },
+    );
+    eprintln!(
+        "conservation: stacked {}, merging {}",
+        stacked.get(),
+        merged.get()
+    );
+    assert!(
+        stacked.get() >= 4 && merged.get() >= 4,
+        "too few stacked ({}) / merging ({}) cases",
+        stacked.get(),
+        merged.get()
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1171,7 +1487,11 @@ fn structure() {
         let stacks = model_stacks(&scn, &fs);
         let cfg = config_json(&scn, &fs, &stacks);
         let data: Vec<Ragged> = fs.iter().map(ragged).collect();
-        let (out, plan) = run(&cfg, Some(2), &as_sources(&ragged_inputs(&fs, &data, false)));
+        let (out, plan) = run(
+            &cfg,
+            Some(2),
+            &as_sources(&ragged_inputs(&fs, &data, false)),
+        );
         let out = out.map_err(|e| TestCaseError::fail(format!("unexpected error: {e}")))?;
         let plan = plan.unwrap();
         let (n, s) = (scn.g * scn.s, scn.s);
@@ -1192,13 +1512,37 @@ fn structure() {
                     let seg = segment(so, n, s, d, sc);
                     let mut inside = vec![false; cs];
                     for p in 0..n {
-                        let start = if p == 0 { 0 } else { roundup(seg.rp[p - 1] as u64, 8) as i32 };
-                        prop_assert!(seg.rp[p] >= start && seg.rp[p] as usize <= cs,
-                            "{} d{} s{}: rp[{}] = {} with start {} (Cs {}); rp {:?}", sp.name, d, sc, p, seg.rp[p], start, cs, seg.rp);
+                        let start = if p == 0 {
+                            0
+                        } else {
+                            roundup(seg.rp[p - 1] as u64, 8) as i32
+                        };
+                        prop_assert!(
+                            seg.rp[p] >= start && seg.rp[p] as usize <= cs,
+                            "{} d{} s{}: rp[{}] = {} with start {} (Cs {}); rp {:?}",
+                            sp.name,
+                            d,
+                            sc,
+                            p,
+                            seg.rp[p],
+                            start,
+                            cs,
+                            seg.rp
+                        );
                         for i in part_range(&seg, p) {
                             inside[i] = true;
-                            prop_assert!(seg.emb[i] >= 0 && (seg.emb[i] as u64) < local_rows, "emb {} at {}", seg.emb[i], i);
-                            prop_assert!(seg.smp[i] >= 0 && (seg.smp[i] as usize) < bsps, "sample {} at {}", seg.smp[i], i);
+                            prop_assert!(
+                                seg.emb[i] >= 0 && (seg.emb[i] as u64) < local_rows,
+                                "emb {} at {}",
+                                seg.emb[i],
+                                i
+                            );
+                            prop_assert!(
+                                seg.smp[i] >= 0 && (seg.smp[i] as usize) < bsps,
+                                "sample {} at {}",
+                                seg.smp[i],
+                                i
+                            );
                         }
                     }
                     let tail = (roundup(seg.rp[n - 1] as u64, 8) as usize).min(cs) as i32;
@@ -1210,9 +1554,17 @@ fn structure() {
                     }
                     for i in (0..cs).filter(|&i| !inside[i]) {
                         prop_assert!(
-                            seg.emb[i] == PAD_ID && seg.smp[i] == PAD_ID && seg.gains[i].to_bits() == PAD_GAIN_BITS,
+                            seg.emb[i] == PAD_ID
+                                && seg.smp[i] == PAD_ID
+                                && seg.gains[i].to_bits() == PAD_GAIN_BITS,
                             "{} d{} s{} slot {} outside partitions: ({}, {}, {:#x})",
-                            sp.name, d, sc, i, seg.emb[i], seg.smp[i], seg.gains[i].to_bits()
+                            sp.name,
+                            d,
+                            sc,
+                            i,
+                            seg.emb[i],
+                            seg.smp[i],
+                            seg.gains[i].to_bits()
                         );
                     }
                 }
@@ -1257,30 +1609,63 @@ fn stats_match_naive_counts() {
         let stacks = model_stacks(&scn, &fs);
         let cfg = config_json(&scn, &fs, &stacks);
         let data: Vec<Ragged> = fs.iter().map(ragged).collect();
-        let (out, _) = run(&cfg, Some(2), &as_sources(&ragged_inputs(&fs, &data, false)));
+        let (out, _) = run(
+            &cfg,
+            Some(2),
+            &as_sources(&ragged_inputs(&fs, &data, false)),
+        );
         let naive: Vec<_> = stacks.iter().map(|st| naive_stats(&scn, &fs, st)).collect();
         let exceeded = stacks.iter().zip(&naive).any(|(st, (ids, uniq, _))| {
-            ids.iter().any(|&v| v as u32 > st.max_ids) || uniq.iter().any(|&v| v as u32 > st.max_unique)
+            ids.iter().any(|&v| v as u32 > st.max_ids)
+                || uniq.iter().any(|&v| v as u32 > st.max_unique)
         });
         if !scn.drop && exceeded {
-            prop_assert!(matches!(out, Err(Error::LimitExceeded { .. })), "expected LimitExceeded, got {:?}", out.err());
+            prop_assert!(
+                matches!(out, Err(Error::LimitExceeded { .. })),
+                "expected LimitExceeded, got {:?}",
+                out.err()
+            );
             return Ok(());
         }
         let out = out.map_err(|e| TestCaseError::fail(format!("unexpected error: {e}")))?;
         ok.set(ok.get() + 1);
         for (st, (ids, uniq, req)) in stacks.iter().zip(&naive) {
             let so = out.stack(&st.name).unwrap();
-            prop_assert_eq!(&so.stats.max_ids_per_partition, ids, "{}: max_ids_per_partition", st.name);
-            prop_assert_eq!(&so.stats.max_unique_ids_per_partition, uniq, "{}: max_unique_ids_per_partition", st.name);
-            prop_assert_eq!(&so.stats.required_buffer_size_per_sc, req, "{}: required_buffer_size_per_sc", st.name);
+            prop_assert_eq!(
+                &so.stats.max_ids_per_partition,
+                ids,
+                "{}: max_ids_per_partition",
+                st.name
+            );
+            prop_assert_eq!(
+                &so.stats.max_unique_ids_per_partition,
+                uniq,
+                "{}: max_unique_ids_per_partition",
+                st.name
+            );
+            prop_assert_eq!(
+                &so.stats.required_buffer_size_per_sc,
+                req,
+                "{}: required_buffer_size_per_sc",
+                st.name
+            );
             if so.stats.dropped_id_count > 0 {
                 dropped_cases.set(dropped_cases.get() + 1);
             }
         }
         Ok(())
     });
-    eprintln!("stats_match_naive_counts: ok {}, with drops {}", ok.get(), dropped_cases.get());
-    assert!(ok.get() >= 16 && dropped_cases.get() >= 4, "too few meaningful cases (ok {}, with drops {})", ok.get(), dropped_cases.get());
+    eprintln!(
+        "stats_match_naive_counts: ok {}, with drops {}",
+        ok.get(),
+        dropped_cases.get()
+    );
+    assert!(
+        ok.get() >= 16 && dropped_cases.get() >= 4,
+        "too few meaningful cases (ok {}, with drops {})",
+        ok.get(),
+        dropped_cases.get()
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1291,94 +1676,180 @@ fn stats_match_naive_counts() {
 fn dropping_respects_limits() {
     let dropping = Cell::new(0u32);
     let errors = Cell::new(0u32);
-    check("dropping_respects_limits", 256, tight_scn_strat().prop_map(no_extra_rows), |scn| {
-        let fs = feats(&scn);
-        let stacks = model_stacks(&scn, &fs);
-        let cfg = config_json(&scn, &fs, &stacks);
-        let data: Vec<Ragged> = fs.iter().map(ragged).collect();
-        let (out, _) = run(&cfg, Some(2), &as_sources(&ragged_inputs(&fs, &data, false)));
-        let (n, s) = (scn.g * scn.s, scn.s);
+    check(
+        "dropping_respects_limits",
+        256,
+        tight_scn_strat().prop_map(no_extra_rows),
+        |scn| {
+            let fs = feats(&scn);
+            let stacks = model_stacks(&scn, &fs);
+            let cfg = config_json(&scn, &fs, &stacks);
+            let data: Vec<Ragged> = fs.iter().map(ragged).collect();
+            let (out, _) = run(
+                &cfg,
+                Some(2),
+                &as_sources(&ragged_inputs(&fs, &data, false)),
+            );
+            let (n, s) = (scn.g * scn.s, scn.s);
 
-        if !scn.drop {
-            // The first stack (plan order) with an exceeded limit is reported; within it, the
-            // first SparseCore (device-major) that exceeds one, ids before unique, with that
-            // SparseCore's own largest count (as the reference checks them).
-            let mut want: Option<(String, LimitKind, u32, u32)> = None;
-            'stacks: for st in &stacks {
+            if !scn.drop {
+                // The first stack (plan order) with an exceeded limit is reported; within it, the
+                // first SparseCore (device-major) that exceeds one, ids before unique, with that
+                // SparseCore's own largest count (as the reference checks them).
+                let mut want: Option<(String, LimitKind, u32, u32)> = None;
+                'stacks: for st in &stacks {
+                    for d in 0..scn.l {
+                        for sc in 0..s {
+                            let (ids, uniq) = naive_counts(&model_sc(&scn, &fs, st, d, sc), n);
+                            let (mi, mu) = (
+                                ids.iter().copied().max().unwrap_or(0),
+                                uniq.iter().copied().max().unwrap_or(0),
+                            );
+                            if mi > st.max_ids {
+                                want = Some((st.name.clone(), LimitKind::MaxIds, mi, st.max_ids));
+                            } else if mu > st.max_unique {
+                                want = Some((
+                                    st.name.clone(),
+                                    LimitKind::MaxUniqueIds,
+                                    mu,
+                                    st.max_unique,
+                                ));
+                            }
+                            if want.is_some() {
+                                break 'stacks;
+                            }
+                        }
+                    }
+                }
+                match (want, out) {
+                    (None, Ok(_)) => {}
+                    (
+                        Some((name, kind, obs, lim)),
+                        Err(Error::LimitExceeded {
+                            stack,
+                            kind: k,
+                            observed,
+                            limit,
+                            device,
+                            sparsecore: sc,
+                            partition,
+                        }),
+                    ) => {
+                        errors.set(errors.get() + 1);
+                        prop_assert_eq!((&stack, k, observed, limit), (&name, kind, obs, lim));
+                        // The location is one where the observed count occurs.
+                        let st = stacks.iter().find(|m| m.name == name).unwrap();
+                        let m = model_sc(&scn, &fs, st, device, sc);
+                        let (ids, uniq) = naive_counts(&m, n);
+                        let at = if kind == LimitKind::MaxIds {
+                            ids[partition]
+                        } else {
+                            uniq[partition]
+                        };
+                        prop_assert_eq!(
+                            at,
+                            observed,
+                            "count at device {} sc {} partition {}",
+                            device,
+                            sc,
+                            partition
+                        );
+                    }
+                    (w, o) => {
+                        return Err(TestCaseError::fail(format!(
+                            "expected {w:?}, got {:?}",
+                            o.map(|_| "Ok")
+                        )))
+                    }
+                }
+                return Ok(());
+            }
+
+            let out = out.map_err(|e| TestCaseError::fail(format!("unexpected error: {e}")))?;
+            for st in &stacks {
+                let so = out.stack(&st.name).unwrap();
+                let cs = so.coo_buffer_size_per_device() / s;
+                let mut naive_dropped = 0u64;
                 for d in 0..scn.l {
                     for sc in 0..s {
-                        let (ids, uniq) = naive_counts(&model_sc(&scn, &fs, st, d, sc), n);
-                        let (mi, mu) = (ids.iter().copied().max().unwrap_or(0), uniq.iter().copied().max().unwrap_or(0));
-                        if mi > st.max_ids {
-                            want = Some((st.name.clone(), LimitKind::MaxIds, mi, st.max_ids));
-                        } else if mu > st.max_unique {
-                            want = Some((st.name.clone(), LimitKind::MaxUniqueIds, mu, st.max_unique));
+                        let m = model_sc(&scn, &fs, st, d, sc);
+                        let seg = segment(so, n, s, d, sc);
+                        let mut got: BTreeSet<(u32, u32)> = BTreeSet::new();
+                        for p in 0..n {
+                            let r = part_range(&seg, p);
+                            let distinct: BTreeSet<i32> = r.clone().map(|i| seg.emb[i]).collect();
+                            prop_assert!(
+                                r.len() as u32 <= st.max_ids,
+                                "{} d{} s{} p{}: {} entries > max_ids {}",
+                                st.name,
+                                d,
+                                sc,
+                                p,
+                                r.len(),
+                                st.max_ids
+                            );
+                            prop_assert!(
+                                distinct.len() as u32 <= st.max_unique,
+                                "{} d{} s{} p{}: {} distinct ids > max_unique {}",
+                                st.name,
+                                d,
+                                sc,
+                                p,
+                                distinct.len(),
+                                st.max_unique
+                            );
+                            for i in r {
+                                got.insert((
+                                    (sc * m.bsps) as u32 + seg.smp[i] as u32,
+                                    seg.emb[i] as u32 * n as u32 + p as u32,
+                                ));
+                            }
                         }
-                        if want.is_some() {
-                            break 'stacks;
+                        let kept: BTreeSet<(u32, u32)> =
+                            m.kept.iter().map(|p| (p.row, p.col)).collect();
+                        prop_assert!(
+                            got.is_subset(&kept),
+                            "{} d{} s{}: output holds pairs that the limits drop",
+                            st.name,
+                            d,
+                            sc
+                        );
+                        let written = got.len() as u64;
+                        let mut per_part = vec![0u64; n];
+                        for p in &m.kept {
+                            per_part[p.col as usize % n] += 1;
+                        }
+                        if per_part.iter().map(|&c| roundup(c, 8)).sum::<u64>() <= cs as u64 {
+                            // Cannot overflow: exactly the naive kept set.
+                            prop_assert_eq!(&got, &kept, "{} d{} s{}: kept pairs", st.name, d, sc);
+                        }
+                        naive_dropped += m.limit_dropped + (kept.len() as u64 - written);
+                        if m.limit_dropped > 0 {
+                            dropping.set(dropping.get() + 1);
                         }
                     }
                 }
+                prop_assert_eq!(
+                    so.stats.dropped_id_count,
+                    naive_dropped,
+                    "{}: dropped_id_count",
+                    st.name
+                );
             }
-            match (want, out) {
-                (None, Ok(_)) => {}
-                (Some((name, kind, obs, lim)), Err(Error::LimitExceeded { stack, kind: k, observed, limit, device, sparsecore: sc, partition })) => {
-                    errors.set(errors.get() + 1);
-                    prop_assert_eq!((&stack, k, observed, limit), (&name, kind, obs, lim));
-                    // The location is one where the observed count occurs.
-                    let st = stacks.iter().find(|m| m.name == name).unwrap();
-                    let m = model_sc(&scn, &fs, st, device, sc);
-                    let (ids, uniq) = naive_counts(&m, n);
-                    let at = if kind == LimitKind::MaxIds { ids[partition] } else { uniq[partition] };
-                    prop_assert_eq!(at, observed, "count at device {} sc {} partition {}", device, sc, partition);
-                }
-                (w, o) => return Err(TestCaseError::fail(format!("expected {w:?}, got {:?}", o.map(|_| "Ok")))),
-            }
-            return Ok(());
-        }
-
-        let out = out.map_err(|e| TestCaseError::fail(format!("unexpected error: {e}")))?;
-        for st in &stacks {
-            let so = out.stack(&st.name).unwrap();
-            let cs = so.coo_buffer_size_per_device() / s;
-            let mut naive_dropped = 0u64;
-            for d in 0..scn.l {
-                for sc in 0..s {
-                    let m = model_sc(&scn, &fs, st, d, sc);
-                    let seg = segment(so, n, s, d, sc);
-                    let mut got: BTreeSet<(u32, u32)> = BTreeSet::new();
-                    for p in 0..n {
-                        let r = part_range(&seg, p);
-                        let distinct: BTreeSet<i32> = r.clone().map(|i| seg.emb[i]).collect();
-                        prop_assert!(r.len() as u32 <= st.max_ids, "{} d{} s{} p{}: {} entries > max_ids {}", st.name, d, sc, p, r.len(), st.max_ids);
-                        prop_assert!(distinct.len() as u32 <= st.max_unique, "{} d{} s{} p{}: {} distinct ids > max_unique {}", st.name, d, sc, p, distinct.len(), st.max_unique);
-                        for i in r {
-                            got.insert(((sc * m.bsps) as u32 + seg.smp[i] as u32, seg.emb[i] as u32 * n as u32 + p as u32));
-                        }
-                    }
-                    let kept: BTreeSet<(u32, u32)> = m.kept.iter().map(|p| (p.row, p.col)).collect();
-                    prop_assert!(got.is_subset(&kept), "{} d{} s{}: output holds pairs that the limits drop", st.name, d, sc);
-                    let written = got.len() as u64;
-                    let mut per_part = vec![0u64; n];
-                    for p in &m.kept {
-                        per_part[p.col as usize % n] += 1;
-                    }
-                    if per_part.iter().map(|&c| roundup(c, 8)).sum::<u64>() <= cs as u64 {
-                        // Cannot overflow: exactly the naive kept set.
-                        prop_assert_eq!(&got, &kept, "{} d{} s{}: kept pairs", st.name, d, sc);
-                    }
-                    naive_dropped += m.limit_dropped + (kept.len() as u64 - written);
-                    if m.limit_dropped > 0 {
-                        dropping.set(dropping.get() + 1);
-                    }
-                }
-            }
-            prop_assert_eq!(so.stats.dropped_id_count, naive_dropped, "{}: dropped_id_count", st.name);
-        }
-        Ok(())
-    });
-    eprintln!("dropping_respects_limits: dropping SCs {}, limit errors {}", dropping.get(), errors.get());
-    assert!(dropping.get() >= 8 && errors.get() >= 8, "too few dropping ({}) / error ({}) cases", dropping.get(), errors.get());
+            Ok(())
+        },
+    );
+    eprintln!(
+        "dropping_respects_limits: dropping SCs {}, limit errors {}",
+        dropping.get(),
+        errors.get()
+    );
+    assert!(
+        dropping.get() >= 8 && errors.get() >= 8,
+        "too few dropping ({}) / error ({}) cases",
+        dropping.get(),
+        errors.get()
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1389,71 +1860,139 @@ fn dropping_respects_limits() {
 fn whole_output_matches_naive_model() {
     let ok = Cell::new(0u32);
     let overflow = Cell::new(0u32);
-    check("whole_output_matches_naive_model", 256, scn_strat(), |scn| {
-        let fs = feats(&scn);
-        let stacks = model_stacks(&scn, &fs);
-        let cfg = config_json(&scn, &fs, &stacks);
-        let data: Vec<Ragged> = fs.iter().map(ragged).collect();
-        let (out, plan) = run(&cfg, Some(2), &as_sources(&ragged_inputs(&fs, &data, false)));
-        let plan = plan.unwrap();
-        let (n, s) = (scn.g * scn.s, scn.s);
+    check(
+        "whole_output_matches_naive_model",
+        256,
+        scn_strat(),
+        |scn| {
+            let fs = feats(&scn);
+            let stacks = model_stacks(&scn, &fs);
+            let cfg = config_json(&scn, &fs, &stacks);
+            let data: Vec<Ragged> = fs.iter().map(ragged).collect();
+            let (out, plan) = run(
+                &cfg,
+                Some(2),
+                &as_sources(&ragged_inputs(&fs, &data, false)),
+            );
+            let plan = plan.unwrap();
+            let (n, s) = (scn.g * scn.s, scn.s);
 
-        // The plan equals the naive stacking model.
-        prop_assert_eq!(
-            plan.stacks.iter().map(|p| p.name.clone()).collect::<Vec<_>>(),
-            stacks.iter().map(|m| m.name.clone()).collect::<Vec<_>>()
-        );
-        for (p, m) in plan.stacks.iter().zip(&stacks) {
-            prop_assert_eq!(&p.features, &m.members, "{}: members", m.name);
-            prop_assert_eq!(p.coo_buffer_size_per_device, m.c, "{}: C", m.name);
-            prop_assert_eq!((p.max_ids_per_partition, p.max_unique_ids_per_partition), (m.max_ids, m.max_unique));
-            prop_assert_eq!(p.stack_vocab_size, m.stack_vocab);
-            for (k, &f) in m.members.iter().enumerate() {
-                let fp = &plan.features[f];
-                prop_assert_eq!((fp.row_offset, fp.col_offset, fp.col_shift), (m.row_offset[k], m.col_offset[k], m.col_shift[k]), "feature {}", fp.name);
-            }
-        }
-
-        let exceeded = stacks.iter().any(|st| {
-            let (ids, uniq, _) = naive_stats(&scn, &fs, st);
-            ids.iter().any(|&v| v as u32 > st.max_ids) || uniq.iter().any(|&v| v as u32 > st.max_unique)
-        });
-        if !scn.drop && exceeded {
-            prop_assert!(matches!(out, Err(Error::LimitExceeded { .. })), "expected LimitExceeded, got {:?}", out.err());
-            return Ok(());
-        }
-        let out = out.map_err(|e| TestCaseError::fail(format!("unexpected error: {e}")))?;
-        ok.set(ok.get() + 1);
-        for st in &stacks {
-            let so = out.stack(&st.name).unwrap();
-            let cs = st.c / s;
-            let mut dropped = 0;
-            for d in 0..scn.l {
-                for sc in 0..s {
-                    let m = model_sc(&scn, &fs, st, d, sc);
-                    let want = model_segment(&m.kept, n, cs, m.bsps);
-                    if want.overflow > 0 {
-                        overflow.set(overflow.get() + 1);
-                    }
-                    dropped += m.limit_dropped + want.overflow;
-                    let seg = segment(so, n, s, d, sc);
-                    prop_assert_eq!(seg.rp, &want.rp[..], "{} d{} s{}: row pointers", st.name, d, sc);
-                    prop_assert_eq!(seg.emb, &want.emb[..], "{} d{} s{}: embedding ids", st.name, d, sc);
-                    prop_assert_eq!(seg.smp, &want.smp[..], "{} d{} s{}: sample ids", st.name, d, sc);
-                    for (i, (&g, &w)) in seg.gains.iter().zip(&want.gains).enumerate() {
-                        prop_assert!(gains_match(g, f32::from_bits(w)),
-                            "{} d{} s{} slot {}: gain bits {:#x}, want {:#x}", st.name, d, sc, i, g.to_bits(), w);
-                    }
+            // The plan equals the naive stacking model.
+            prop_assert_eq!(
+                plan.stacks
+                    .iter()
+                    .map(|p| p.name.clone())
+                    .collect::<Vec<_>>(),
+                stacks.iter().map(|m| m.name.clone()).collect::<Vec<_>>()
+            );
+            for (p, m) in plan.stacks.iter().zip(&stacks) {
+                prop_assert_eq!(&p.features, &m.members, "{}: members", m.name);
+                prop_assert_eq!(p.coo_buffer_size_per_device, m.c, "{}: C", m.name);
+                prop_assert_eq!(
+                    (p.max_ids_per_partition, p.max_unique_ids_per_partition),
+                    (m.max_ids, m.max_unique)
+                );
+                prop_assert_eq!(p.stack_vocab_size, m.stack_vocab);
+                for (k, &f) in m.members.iter().enumerate() {
+                    let fp = &plan.features[f];
+                    prop_assert_eq!(
+                        (fp.row_offset, fp.col_offset, fp.col_shift),
+                        (m.row_offset[k], m.col_offset[k], m.col_shift[k]),
+                        "feature {}",
+                        fp.name
+                    );
                 }
             }
-            prop_assert_eq!(so.stats.dropped_id_count, dropped, "{}: dropped_id_count", st.name);
-            let (ids, uniq, req) = naive_stats(&scn, &fs, st);
-            prop_assert_eq!(&so.stats.max_ids_per_partition, &ids);
-            prop_assert_eq!(&so.stats.max_unique_ids_per_partition, &uniq);
-            prop_assert_eq!(&so.stats.required_buffer_size_per_sc, &req);
-        }
-        Ok(())
-    });
-    eprintln!("whole_output_matches_naive_model: ok {}, overflowing SCs {}", ok.get(), overflow.get());
-    assert!(ok.get() >= 16 && overflow.get() >= 2, "too few meaningful cases (ok {}, overflow {})", ok.get(), overflow.get());
+
+            let exceeded = stacks.iter().any(|st| {
+                let (ids, uniq, _) = naive_stats(&scn, &fs, st);
+                ids.iter().any(|&v| v as u32 > st.max_ids)
+                    || uniq.iter().any(|&v| v as u32 > st.max_unique)
+            });
+            if !scn.drop && exceeded {
+                prop_assert!(
+                    matches!(out, Err(Error::LimitExceeded { .. })),
+                    "expected LimitExceeded, got {:?}",
+                    out.err()
+                );
+                return Ok(());
+            }
+            let out = out.map_err(|e| TestCaseError::fail(format!("unexpected error: {e}")))?;
+            ok.set(ok.get() + 1);
+            for st in &stacks {
+                let so = out.stack(&st.name).unwrap();
+                let cs = st.c / s;
+                let mut dropped = 0;
+                for d in 0..scn.l {
+                    for sc in 0..s {
+                        let m = model_sc(&scn, &fs, st, d, sc);
+                        let want = model_segment(&m.kept, n, cs, m.bsps);
+                        if want.overflow > 0 {
+                            overflow.set(overflow.get() + 1);
+                        }
+                        dropped += m.limit_dropped + want.overflow;
+                        let seg = segment(so, n, s, d, sc);
+                        prop_assert_eq!(
+                            seg.rp,
+                            &want.rp[..],
+                            "{} d{} s{}: row pointers",
+                            st.name,
+                            d,
+                            sc
+                        );
+                        prop_assert_eq!(
+                            seg.emb,
+                            &want.emb[..],
+                            "{} d{} s{}: embedding ids",
+                            st.name,
+                            d,
+                            sc
+                        );
+                        prop_assert_eq!(
+                            seg.smp,
+                            &want.smp[..],
+                            "{} d{} s{}: sample ids",
+                            st.name,
+                            d,
+                            sc
+                        );
+                        for (i, (&g, &w)) in seg.gains.iter().zip(&want.gains).enumerate() {
+                            prop_assert!(
+                                gains_match(g, f32::from_bits(w)),
+                                "{} d{} s{} slot {}: gain bits {:#x}, want {:#x}",
+                                st.name,
+                                d,
+                                sc,
+                                i,
+                                g.to_bits(),
+                                w
+                            );
+                        }
+                    }
+                }
+                prop_assert_eq!(
+                    so.stats.dropped_id_count,
+                    dropped,
+                    "{}: dropped_id_count",
+                    st.name
+                );
+                let (ids, uniq, req) = naive_stats(&scn, &fs, st);
+                prop_assert_eq!(&so.stats.max_ids_per_partition, &ids);
+                prop_assert_eq!(&so.stats.max_unique_ids_per_partition, &uniq);
+                prop_assert_eq!(&so.stats.required_buffer_size_per_sc, &req);
+            }
+            Ok(())
+        },
+    );
+    eprintln!(
+        "whole_output_matches_naive_model: ok {}, overflowing SCs {}",
+        ok.get(),
+        overflow.get()
+    );
+    assert!(
+        ok.get() >= 16 && overflow.get() >= 2,
+        "too few meaningful cases (ok {}, overflow {})",
+        ok.get(),
+        overflow.get()
+    );
 }

@@ -29,7 +29,11 @@ impl SampleSource for Custom<'_> {
 }
 
 fn cfg(combiner: &str, validate: bool, two: bool) -> Config {
-    let feats = if two { r#"[{"name":"a","table":"t0"},{"name":"b","table":"t0"}]"# } else { r#"[{"name":"f0","table":"t0"}]"# };
+    let feats = if two {
+        r#"[{"name":"a","table":"t0"},{"name":"b","table":"t0"}]"#
+    } else {
+        r#"[{"name":"f0","table":"t0"}]"#
+    };
     Config::from_json(&format!(
         r#"{{"config":{{"local_device_count":1,"global_device_count":1,"num_sc_per_device":1,"validate_ids":{validate}}},
       "tables":[{{"name":"t0","vocabulary_size":64,"embedding_dim":8,"combiner":"{combiner}","max_ids_per_partition":64,"max_unique_ids_per_partition":64}}],
@@ -42,10 +46,22 @@ fn cfg(combiner: &str, validate: bool, two: bool) -> Config {
 fn a_view_with_weights_must_say_so() {
     let (ids, splits, w) = ([1, 2, 3, 4], [0, 4, 4, 4], [1.0f32; 4]);
     for comb in ["sum", "mean"] {
-        let bad = Custom { samples: 3, weighted: false, ids: &ids, splits: &splits, w: Some(&w) };
-        let mut p = Preprocessor::builder(cfg(comb, true, false)).threads(1).build().unwrap();
+        let bad = Custom {
+            samples: 3,
+            weighted: false,
+            ids: &ids,
+            splits: &splits,
+            w: Some(&w),
+        };
+        let mut p = Preprocessor::builder(cfg(comb, true, false))
+            .threads(1)
+            .build()
+            .unwrap();
         let e = p.run_new(&[&bad]).unwrap_err();
-        assert!(matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"), "{e:?}");
+        assert!(
+            matches!(&e, Error::InvalidInput { feature, .. } if feature == "f0"),
+            "{e:?}"
+        );
         assert!(e.to_string().contains("has_weights"), "{e}");
     }
 }
@@ -57,17 +73,34 @@ fn packed_weighted_keys_keep_extraction_order_when_rows_do_not() {
     // the reference's index payload (ids unchecked).
     let (ai, asp, aw) = (vec![5i32], vec![0i32, 0, 0, 0, 1], vec![2.0f32]);
     let (bi, bsp, bw) = (vec![5i32], vec![0i32, 1, 1, 1, 1], vec![3.0f32]);
-    let a = RaggedInput::from_i32("a", &ai, &asp).unwrap().with_weights("a", &aw).unwrap();
-    let b = RaggedInput::from_i32("b", &bi, &bsp).unwrap().with_weights("b", &bw).unwrap();
+    let a = RaggedInput::from_i32("a", &ai, &asp)
+        .unwrap()
+        .with_weights("a", &aw)
+        .unwrap();
+    let b = RaggedInput::from_i32("b", &bi, &bsp)
+        .unwrap()
+        .with_weights("b", &bw)
+        .unwrap();
     let mut outs = vec![];
     for validate in [true, false] {
-        let mut p = Preprocessor::builder(cfg("sum", validate, true)).global_batch_sizes(vec![1, 4]).threads(1).build().unwrap();
+        let mut p = Preprocessor::builder(cfg("sum", validate, true))
+            .global_batch_sizes(vec![1, 4])
+            .threads(1)
+            .build()
+            .unwrap();
         let o = p.run_new(&[&a, &b]).unwrap();
         let s = &o.stacks[0];
-        outs.push((s.sample_ids.clone(), s.gains.iter().map(|g| g.to_bits()).collect::<Vec<_>>()));
+        outs.push((
+            s.sample_ids.clone(),
+            s.gains.iter().map(|g| g.to_bits()).collect::<Vec<_>>(),
+        ));
     }
     assert_eq!(outs[0], outs[1]);
-    assert_eq!(&outs[0].0[..2], &[3, 1], "extraction order: a's row 3 first, then b's row 1");
+    assert_eq!(
+        &outs[0].0[..2],
+        &[3, 1],
+        "extraction order: a's row 3 first, then b's row 1"
+    );
 }
 
 #[test]
@@ -75,7 +108,10 @@ fn stats_only_outputs_have_empty_buffers_not_panics() {
     let ids: Vec<i32> = (0..8).collect();
     let splits: Vec<i32> = (0..=8).collect();
     let f = RaggedInput::from_i32("f0", &ids, &splits).unwrap();
-    let mut p = Preprocessor::builder(cfg("sum", true, false)).threads(1).build().unwrap();
+    let mut p = Preprocessor::builder(cfg("sum", true, false))
+        .threads(1)
+        .build()
+        .unwrap();
     let mut out = Output::new();
     p.run_stats(&[&f], &mut out).unwrap();
     let s = &out.stacks[0];
@@ -108,7 +144,9 @@ fn huge_batch_numbers_wrap_their_sync_keys() {
 
 #[test]
 fn npy_shapes_that_overflow_are_errors() {
-    let mut header = String::from("{'descr': '<i8', 'fortran_order': False, 'shape': (4611686018427387904, 8), }");
+    let mut header = String::from(
+        "{'descr': '<i8', 'fortran_order': False, 'shape': (4611686018427387904, 8), }",
+    );
     while (10 + header.len() + 1) % 64 != 0 {
         header.push(' ');
     }
@@ -118,5 +156,8 @@ fn npy_shapes_that_overflow_are_errors() {
     b.extend_from_slice(header.as_bytes());
     b.extend_from_slice(&[0u8; 64]);
     let e = sparsecore_prep::fdo::npz::decode_npy(&b, "x.npy").unwrap_err();
-    assert!(e.to_string().contains("x.npy") && e.to_string().contains("too large"), "{e}");
+    assert!(
+        e.to_string().contains("x.npy") && e.to_string().contains("too large"),
+        "{e}"
+    );
 }

@@ -10,9 +10,9 @@ mod common;
 use std::path::Path;
 
 use serde_json::Value;
-use sparsecore_testkit::case::Case;
 use sparsecore_prep::spec::{Placement, ResolvedStack};
 use sparsecore_prep::{Config, Error, Plan, Preprocessor};
+use sparsecore_testkit::case::Case;
 
 fn resolved(case: &Case) -> (Vec<Placement>, Vec<ResolvedStack>) {
     let r = &case.raw["resolved"];
@@ -39,7 +39,8 @@ fn resolved(case: &Case) -> (Vec<Placement>, Vec<ResolvedStack>) {
             combiner: s["combiner"].as_str().unwrap().to_string(),
             max_ids_per_partition: s["max_ids_per_partition"].as_u64().unwrap(),
             max_unique_ids_per_partition: s["max_unique_ids_per_partition"].as_u64().unwrap(),
-            suggested_coo_buffer_size_per_device: s["suggested_coo_buffer_size_per_device"].as_u64(),
+            suggested_coo_buffer_size_per_device: s["suggested_coo_buffer_size_per_device"]
+                .as_u64(),
         })
         .collect();
     (placements, stacks)
@@ -49,21 +50,38 @@ fn check_case(dir: &Path) -> Result<(), String> {
     let case = Case::from_path(dir).map_err(|e| format!("loading: {e}"))?;
     let expected = common::load_json(&dir.join("expected.json"));
     let (placements, stacks) = resolved(&case);
-    let plan = Plan::from_resolved(&case.config, &placements, &stacks).map_err(|e| format!("from_resolved: {e}"))?;
+    let plan = Plan::from_resolved(&case.config, &placements, &stacks)
+        .map_err(|e| format!("from_resolved: {e}"))?;
     // Where both planners define a value, they agree with the reference's resolved block.
-    let ours = Plan::new(&case.config, &case.global_batch_sizes()).map_err(|e| format!("planning: {e}"))?;
+    let ours = Plan::new(&case.config, &case.global_batch_sizes())
+        .map_err(|e| format!("planning: {e}"))?;
     for (a, b) in plan.features.iter().zip(&ours.features) {
         let key = |f: &sparsecore_prep::spec::FeaturePlan, p: &Plan| {
-            (p.stacks[f.stack].name.clone(), f.row_offset, f.col_offset, f.col_shift)
+            (
+                p.stacks[f.stack].name.clone(),
+                f.row_offset,
+                f.col_offset,
+                f.col_shift,
+            )
         };
         if key(a, &plan) != key(b, &ours) {
-            return Err(format!("feature {}: {:?} vs planner {:?}", a.name, key(a, &plan), key(b, &ours)));
+            return Err(format!(
+                "feature {}: {:?} vs planner {:?}",
+                a.name,
+                key(a, &plan),
+                key(b, &ours)
+            ));
         }
     }
     for s in &plan.stacks {
-        let o = ours.stack(&s.name).ok_or(format!("stack {} not planned", s.name))?;
+        let o = ours
+            .stack(&s.name)
+            .ok_or(format!("stack {} not planned", s.name))?;
         let members = |p: &Plan, st: &sparsecore_prep::spec::StackPlan| -> Vec<String> {
-            st.features.iter().map(|&f| p.features[f].name.clone()).collect()
+            st.features
+                .iter()
+                .map(|&f| p.features[f].name.clone())
+                .collect()
         };
         if members(&plan, s) != members(&ours, o)
             || s.coo_buffer_size_per_device != o.coo_buffer_size_per_device
@@ -73,7 +91,13 @@ fn check_case(dir: &Path) -> Result<(), String> {
             return Err(format!("stack {} differs from the planner's", s.name));
         }
     }
-    common::run_and_check(&case, Preprocessor::builder(case.config.clone()).plan(plan).threads(2), &expected)
+    common::run_and_check(
+        &case,
+        Preprocessor::builder(case.config.clone())
+            .plan(plan)
+            .threads(2),
+        &expected,
+    )
 }
 
 #[test]
@@ -93,7 +117,13 @@ fn two_features() -> Config {
 }
 
 fn placement(stack: &str, row_offset: u64, col_shift: u64) -> Placement {
-    Placement { stack: stack.into(), row_offset, col_offset: 0, col_shift, global_batch_size: 8 }
+    Placement {
+        stack: stack.into(),
+        row_offset,
+        col_offset: 0,
+        col_shift,
+        global_batch_size: 8,
+    }
 }
 
 fn stack(name: &str, combiner: &str) -> ResolvedStack {
@@ -108,8 +138,12 @@ fn stack(name: &str, combiner: &str) -> ResolvedStack {
 
 #[test]
 fn members_follow_row_offsets_not_config_order() {
-    let plan = Plan::from_resolved(&two_features(), &[placement("s", 8, 0), placement("s", 0, 0)], &[stack("s", "mean")])
-        .unwrap();
+    let plan = Plan::from_resolved(
+        &two_features(),
+        &[placement("s", 8, 0), placement("s", 0, 0)],
+        &[stack("s", "mean")],
+    )
+    .unwrap();
     let s = &plan.stacks[0];
     assert_eq!(s.features, vec![1, 0]);
     assert_eq!(s.coo_buffer_size_per_device, 16 * 4 * 4);
@@ -119,11 +153,36 @@ fn members_follow_row_offsets_not_config_order() {
 #[test]
 fn inconsistent_placements_are_errors() {
     let config = two_features();
-    let err = |p: &[Placement], s: &[ResolvedStack]| Plan::from_resolved(&config, p, s).unwrap_err().to_string();
-    assert!(err(&[placement("s", 0, 0), placement("s", 0, 0)], &[stack("s", "sum")]).contains("the same row_offset 0"));
-    assert!(err(&[placement("s", 0, 0), placement("x", 8, 0)], &[stack("s", "sum")]).contains("stack `x`"));
-    assert!(err(&[placement("s", 0, 4), placement("s", 8, 0)], &[stack("s", "sum")]).contains("col_shift 4"));
-    assert!(err(&[placement("s", 0, 0), placement("s", 8, 0)], &[stack("s", "avg")]).contains("unknown combiner"));
-    let e = Plan::from_resolved(&config, &[placement("s", 0, 0)], &[stack("s", "sum")]).unwrap_err();
-    assert!(matches!(e, Error::InputCount { expected: 2, got: 1 }));
+    let err = |p: &[Placement], s: &[ResolvedStack]| {
+        Plan::from_resolved(&config, p, s).unwrap_err().to_string()
+    };
+    assert!(err(
+        &[placement("s", 0, 0), placement("s", 0, 0)],
+        &[stack("s", "sum")]
+    )
+    .contains("the same row_offset 0"));
+    assert!(err(
+        &[placement("s", 0, 0), placement("x", 8, 0)],
+        &[stack("s", "sum")]
+    )
+    .contains("stack `x`"));
+    assert!(err(
+        &[placement("s", 0, 4), placement("s", 8, 0)],
+        &[stack("s", "sum")]
+    )
+    .contains("col_shift 4"));
+    assert!(err(
+        &[placement("s", 0, 0), placement("s", 8, 0)],
+        &[stack("s", "avg")]
+    )
+    .contains("unknown combiner"));
+    let e =
+        Plan::from_resolved(&config, &[placement("s", 0, 0)], &[stack("s", "sum")]).unwrap_err();
+    assert!(matches!(
+        e,
+        Error::InputCount {
+            expected: 2,
+            got: 1
+        }
+    ));
 }

@@ -9,7 +9,9 @@
 
 #![no_main]
 
-use fuzz_common::{check_oracle, kind_of, let_decoder_panics_unwind, run_deterministic, verbose, write_scratch};
+use fuzz_common::{
+    check_oracle, kind_of, let_decoder_panics_unwind, run_deterministic, verbose, write_scratch,
+};
 use libfuzzer_sys::fuzz_target;
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::io::BatchReader;

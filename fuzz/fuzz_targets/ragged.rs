@@ -6,15 +6,29 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use fuzz_common::{check_oracle, kind_of, verbose, output_bytes, run_deterministic, OUTPUT_BUDGET_BYTES};
+use fuzz_common::{
+    check_oracle, kind_of, output_bytes, run_deterministic, verbose, OUTPUT_BUDGET_BYTES,
+};
 use libfuzzer_sys::fuzz_target;
 use sparsecore_prep::input::{Ids, Offsets, RaggedInput, SampleSource};
 use sparsecore_prep::spec::{FeatureConfig, Options, StackLimits, Stacking, TableConfig};
 use sparsecore_prep::{Config, Plan};
 
 /// Layouts that preprocess (power-of-two N), plus raw values for the option checks.
-const LAYOUTS: [(usize, usize, usize); 12] =
-    [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 2, 2), (2, 2, 1), (2, 2, 2), (1, 4, 1), (2, 4, 2), (4, 4, 1), (1, 2, 4), (2, 2, 4), (1, 8, 1)];
+const LAYOUTS: [(usize, usize, usize); 12] = [
+    (1, 1, 1),
+    (1, 1, 2),
+    (1, 1, 4),
+    (1, 2, 2),
+    (2, 2, 1),
+    (2, 2, 2),
+    (1, 4, 1),
+    (2, 4, 2),
+    (4, 4, 1),
+    (1, 2, 4),
+    (2, 2, 4),
+    (1, 8, 1),
+];
 
 #[derive(Arbitrary, Debug)]
 enum Layout {
@@ -128,10 +142,15 @@ fn config_of(case: &Case) -> Config {
             global_device_count: g,
             num_sc_per_device: s,
             allow_id_dropping: case.allow_id_dropping,
-            stacking: if case.auto_stacking { Stacking::Auto } else { Stacking::Feature },
-            stack_limits: case
-                .stack_limits
-                .map(|(a, b)| StackLimits { max_ids_per_partition: a as u64, max_unique_ids_per_partition: b as u64 }),
+            stacking: if case.auto_stacking {
+                Stacking::Auto
+            } else {
+                Stacking::Feature
+            },
+            stack_limits: case.stack_limits.map(|(a, b)| StackLimits {
+                max_ids_per_partition: a as u64,
+                max_unique_ids_per_partition: b as u64,
+            }),
             enable_minibatching: case.minibatching,
             stack_suggested_coo_buffer_size_per_device: None,
             validate_ids: case.validate_ids,
@@ -150,22 +169,45 @@ fn columns_of(config: &Config, case: &Case) -> Vec<Columns> {
         .iter()
         .zip(&config.features)
         .map(|(f, fc)| {
-            let vocab = config.tables[config.table_index(&fc.table).unwrap()].vocabulary_size.max(1) as i64;
-            let batch = if f.raw_batch { f.rows.len() } else { unit * (1 + f.batch_mult as usize % 3) };
+            let vocab = config.tables[config.table_index(&fc.table).unwrap()]
+                .vocabulary_size
+                .max(1) as i64;
+            let batch = if f.raw_batch {
+                f.rows.len()
+            } else {
+                unit * (1 + f.batch_mult as usize % 3)
+            };
             let mut ids = Vec::new();
             let mut splits = vec![0i64];
             for r in 0..batch {
-                let row = f.rows.get(r).map(|r| &r[..r.len().min(MAX_ROW).min(budget)]).unwrap_or(&[]);
+                let row = f
+                    .rows
+                    .get(r)
+                    .map(|r| &r[..r.len().min(MAX_ROW).min(budget)])
+                    .unwrap_or(&[]);
                 budget -= row.len();
-                ids.extend(row.iter().map(|&id| if f.raw_ids { id as i64 } else { (id as i64).rem_euclid(vocab) }));
+                ids.extend(row.iter().map(|&id| {
+                    if f.raw_ids {
+                        id as i64
+                    } else {
+                        (id as i64).rem_euclid(vocab)
+                    }
+                }));
                 splits.push(ids.len() as i64);
             }
             if let Some(raw) = &f.raw_splits {
                 splits = raw.iter().map(|&v| v as i64).collect();
             }
             let weights = f.weights.as_ref().map(|w| {
-                let mut v: Vec<f32> =
-                    (0..ids.len()).map(|k| if w.is_empty() { 1.0 } else { w[k % w.len()] as f32 / 16.0 }).collect();
+                let mut v: Vec<f32> = (0..ids.len())
+                    .map(|k| {
+                        if w.is_empty() {
+                            1.0
+                        } else {
+                            w[k % w.len()] as f32 / 16.0
+                        }
+                    })
+                    .collect();
                 if let Some((at, bits)) = f.bad_weight {
                     if !v.is_empty() {
                         let n = v.len();
@@ -177,7 +219,13 @@ fn columns_of(config: &Config, case: &Case) -> Vec<Columns> {
                 }
                 v
             });
-            Columns { name: fc.name.clone(), ids, splits, weights, wide: f.wide }
+            Columns {
+                name: fc.name.clone(),
+                ids,
+                splits,
+                weights,
+                wide: f.wide,
+            }
         })
         .collect()
 }
@@ -187,7 +235,12 @@ fuzz_target!(|case: Case| {
     let columns = columns_of(&config, &case);
     let i32_columns: Vec<(Vec<i32>, Vec<i32>)> = columns
         .iter()
-        .map(|c| (c.ids.iter().map(|&v| v as i32).collect(), c.splits.iter().map(|&v| v as i32).collect()))
+        .map(|c| {
+            (
+                c.ids.iter().map(|&v| v as i32).collect(),
+                c.splits.iter().map(|&v| v as i32).collect(),
+            )
+        })
         .collect();
     let mut sources: Vec<RaggedInput<'_>> = Vec::new();
     for (c, (ids32, splits32)) in columns.iter().zip(&i32_columns) {
@@ -203,7 +256,11 @@ fuzz_target!(|case: Case| {
         match made {
             Ok(r) => sources.push(r),
             Err(e) => {
-                assert!(e.to_string().contains(&c.name), "error does not name feature {}: {e}", c.name);
+                assert!(
+                    e.to_string().contains(&c.name),
+                    "error does not name feature {}: {e}",
+                    c.name
+                );
                 if verbose() {
                     eprintln!("fuzz outcome: input Err {}", kind_of(&e));
                 }

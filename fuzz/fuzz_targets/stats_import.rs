@@ -19,7 +19,11 @@ const CONFIG: &str = r#"{
   "features": [{"name": "a", "table": "t0"}, {"name": "b", "table": "t1"}]
 }"#;
 
-const LAYOUT: LayoutKey = LayoutKey { local_device_count: 1, global_device_count: 2, num_sc_per_device: 2 };
+const LAYOUT: LayoutKey = LayoutKey {
+    local_device_count: 1,
+    global_device_count: 2,
+    num_sc_per_device: 2,
+};
 
 /// What every successfully read stats object goes through.
 fn exercise(stats: &FdoStats, config: &Config) {
@@ -27,7 +31,11 @@ fn exercise(stats: &FdoStats, config: &Config) {
     assert_eq!(&back, stats, "JSON round trip changed the stats");
     let mut merged = stats.clone();
     if merged.merge(stats).is_ok() {
-        assert_eq!(merged.batches, stats.batches.saturating_mul(2), "batches of a self-merge");
+        assert_eq!(
+            merged.batches,
+            stats.batches.saturating_mul(2),
+            "batches of a self-merge"
+        );
     }
     for headroom in [1.0, 1.1] {
         if let Ok((tuned, _)) = fdo::tune(config, stats, headroom) {
@@ -44,12 +52,17 @@ fn exercise(stats: &FdoStats, config: &Config) {
         for (k, a) in &arrays {
             // An empty array renders as no line at all, so only non-empty ones come back.
             if !a.data.is_empty() {
-                assert_eq!(parsed.get(k).map(|p| &p.data), Some(&a.data), "CSV round trip of {k:?}");
+                assert_eq!(
+                    parsed.get(k).map(|p| &p.data),
+                    Some(&a.data),
+                    "CSV round trip of {k:?}"
+                );
             }
         }
     }
     for a in arrays.values() {
-        let decoded = npz::decode_npy(&npz::encode_npy(a), "encoded").expect("npy we encoded decodes");
+        let decoded =
+            npz::decode_npy(&npz::encode_npy(a), "encoded").expect("npy we encoded decodes");
         assert_eq!(&decoded, a, "npy round trip");
     }
 }
@@ -67,7 +80,8 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     if let Ok(a) = npz::decode_npy(data, "fuzz.npy") {
-        let again = npz::decode_npy(&npz::encode_npy(&a), "again.npy").expect("npy we encoded decodes");
+        let again =
+            npz::decode_npy(&npz::encode_npy(&a), "again.npy").expect("npy we encoded decodes");
         assert_eq!(again, a);
         let _ = a.max_over_rows();
     }

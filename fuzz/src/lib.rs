@@ -38,7 +38,10 @@ pub fn output_bytes(plan: &Plan) -> u64 {
 /// Every byte of two outputs, gains compared by bit pattern (padding is a NaN).
 pub fn same_output(a: &Output, b: &Output) -> Result<(), String> {
     if a.num_minibatches != b.num_minibatches {
-        return Err(format!("num_minibatches {} vs {}", a.num_minibatches, b.num_minibatches));
+        return Err(format!(
+            "num_minibatches {} vs {}",
+            a.num_minibatches, b.num_minibatches
+        ));
     }
     if a.stacks.len() != b.stacks.len() {
         return Err(format!("{} stacks vs {}", a.stacks.len(), b.stacks.len()));
@@ -62,7 +65,10 @@ pub fn same_output(a: &Output, b: &Output) -> Result<(), String> {
             return Err(format!("stack {name}: gains differ"));
         }
         if x.stats != y.stats {
-            return Err(format!("stack {name}: stats differ: {:?} vs {:?}", x.stats, y.stats));
+            return Err(format!(
+                "stack {name}: stats differ: {:?} vs {:?}",
+                x.stats, y.stats
+            ));
         }
         if x.coo_buffer_size_per_device() != y.coo_buffer_size_per_device()
             || x.row_pointers_per_device() != y.row_pointers_per_device()
@@ -80,7 +86,11 @@ pub fn same_result(a: Result<&Output, &Error>, b: Result<&Output, &Error>) -> Re
     match (a, b) {
         (Ok(x), Ok(y)) => same_output(x, y),
         (Err(x), Err(y)) if x.to_string() == y.to_string() => Ok(()),
-        (x, y) => Err(format!("results differ: {:?} vs {:?}", x.map(|_| "Ok"), y.map(|_| "Ok"))),
+        (x, y) => Err(format!(
+            "results differ: {:?} vs {:?}",
+            x.map(|_| "Ok"),
+            y.map(|_| "Ok")
+        )),
     }
 }
 
@@ -89,7 +99,14 @@ pub fn same_result(a: Result<&Output, &Error>, b: Result<&Output, &Error>) -> Re
 /// inside `pool.install` is what `threads(n)` itself does.
 fn pools() -> &'static [rayon::ThreadPool; 2] {
     static POOLS: OnceLock<[rayon::ThreadPool; 2]> = OnceLock::new();
-    POOLS.get_or_init(|| [1, 2].map(|n| rayon::ThreadPoolBuilder::new().num_threads(n).build().expect("thread pool")))
+    POOLS.get_or_init(|| {
+        [1, 2].map(|n| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .expect("thread pool")
+        })
+    })
 }
 
 /// Runs `inputs` with one and with two worker threads (the two-thread preprocessor runs the
@@ -125,7 +142,10 @@ pub fn verbose() -> bool {
 /// The variant name of an error (its `Debug` text up to the fields).
 pub fn kind_of(e: &Error) -> String {
     let text = format!("{e:?}");
-    text.split([' ', '{', '(']).next().unwrap_or_default().to_string()
+    text.split([' ', '{', '('])
+        .next()
+        .unwrap_or_default()
+        .to_string()
 }
 
 fn run_checked(
@@ -144,7 +164,10 @@ fn run_checked(
 
     // Every batch on the pool's two threads, however small (the default runs small batches on
     // the calling thread, in order, as the one-thread run does).
-    let mut p2 = prepare(Preprocessor::builder(config.clone())).small_batch_ids(0).build().expect("the first build succeeded, so the second must");
+    let mut p2 = prepare(Preprocessor::builder(config.clone()))
+        .small_batch_ids(0)
+        .build()
+        .expect("the first build succeeded, so the second must");
     p2.set_batch_number(batch_number);
     let mut out2 = Output::new();
     for pass in 0..2 {
@@ -159,7 +182,11 @@ fn run_checked(
 /// A scratch file path unique to this process (libFuzzer `-jobs`/`-fork` run several), under
 /// `/dev/shm` when it exists so that the writes stay in memory.
 pub fn scratch_path(name: &str) -> PathBuf {
-    let dir = if std::path::Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
+    let dir = if std::path::Path::new("/dev/shm").is_dir() {
+        PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
     dir.join(format!("sparsecore-fuzz-{}-{name}", std::process::id()))
 }
 
@@ -191,7 +218,12 @@ pub fn write_scratch(name: &str, data: &[u8]) -> Scratch {
 /// the oracle model's `Batch`. The view must come from a validating constructor (its offsets
 /// in bounds), as every view the targets build does.
 pub fn rows_of(source: &dyn SampleSource) -> (Vec<Vec<i64>>, Option<Vec<Vec<f32>>>) {
-    let FeatureView::Ragged { ids, offsets, weights } = source.view() else {
+    let FeatureView::Ragged {
+        ids,
+        offsets,
+        weights,
+    } = source.view()
+    else {
         panic!("the targets only build ragged views");
     };
     let rows_by = |o: &Offsets<'_>| (0..o.rows()).map(|r| o.range(r)).collect::<Vec<_>>();
@@ -202,13 +234,23 @@ pub fn rows_of(source: &dyn SampleSource) -> (Vec<Vec<i64>>, Option<Vec<Vec<f32>
             Ids::I64(v) => v[a..b].to_vec(),
         })
         .collect();
-    let weights = weights.map(|(w, wo)| rows_by(&wo).into_iter().map(|(a, b)| w[a..b].to_vec()).collect());
+    let weights = weights.map(|(w, wo)| {
+        rows_by(&wo)
+            .into_iter()
+            .map(|(a, b)| w[a..b].to_vec())
+            .collect()
+    });
     (rows, weights)
 }
 
 /// Checks `ours` against the oracle model for the same config and inputs (panics with the
 /// difference). Minibatching configs are skipped: the model covers SPEC 3 only.
-pub fn check_oracle(config: &Config, inputs: &[&dyn SampleSource], batch_number: u64, ours: Result<&Output, &Error>) {
+pub fn check_oracle(
+    config: &Config,
+    inputs: &[&dyn SampleSource],
+    batch_number: u64,
+    ours: Result<&Output, &Error>,
+) {
     if config.config.enable_minibatching {
         return;
     }
@@ -218,7 +260,11 @@ pub fn check_oracle(config: &Config, inputs: &[&dyn SampleSource], batch_number:
         .zip(inputs)
         .map(|(f, s)| {
             let (rows, weights) = rows_of(*s);
-            model::Feature { name: f.name.clone(), rows, weights }
+            model::Feature {
+                name: f.name.clone(),
+                rows,
+                weights,
+            }
         })
         .collect();
     let batch = model::Batch { features };
@@ -226,7 +272,10 @@ pub fn check_oracle(config: &Config, inputs: &[&dyn SampleSource], batch_number:
         panic!("crate and oracle model disagree: {e}");
     }
     if verbose() {
-        eprintln!("fuzz outcome: oracle agrees ({})", if ours.is_ok() { "Ok" } else { "Err" });
+        eprintln!(
+            "fuzz outcome: oracle agrees ({})",
+            if ours.is_ok() { "Ok" } else { "Err" }
+        );
     }
 }
 

@@ -28,12 +28,19 @@ use crate::errors::{self, to_py};
 /// `sparsecore_prep._allreduce.AllReduceError(message, sync_key=...)`, caused by `cause` when the
 /// failure was an exception of the user's object (a `RuntimeError` if the class cannot be found,
 /// which only a broken installation causes).
-fn all_reduce_error(py: Python<'_>, message: String, sync_key: Option<u64>, cause: Option<PyErr>) -> PyErr {
+fn all_reduce_error(
+    py: Python<'_>,
+    message: String,
+    sync_key: Option<u64>,
+    cause: Option<PyErr>,
+) -> PyErr {
     static CLASS: PyOnceLock<Py<PyType>> = PyOnceLock::new();
     let made = (|| -> PyResult<Bound<'_, PyAny>> {
         let kwargs = PyDict::new(py);
         kwargs.set_item("sync_key", sync_key)?;
-        CLASS.import(py, "sparsecore_prep._allreduce", "AllReduceError")?.call((message.as_str(),), Some(&kwargs))
+        CLASS
+            .import(py, "sparsecore_prep._allreduce", "AllReduceError")?
+            .call((message.as_str(),), Some(&kwargs))
     })();
     let err = match made {
         Ok(exc) => PyErr::from_value(exc),
@@ -69,7 +76,11 @@ impl PyAllReduce {
         Python::attach(|py| {
             let obj = self.obj.bind(py);
             let what = || {
-                let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+                let ty = obj
+                    .get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_else(|_| "?".into());
                 format!("the all_reduce_interface ({ty}).all_reduce_or({key}, {value})")
             };
             let fail = |reason: String, err: Option<PyErr>| {
@@ -81,15 +92,25 @@ impl PyAllReduce {
             let got = match obj.call_method1("all_reduce_or", (key, value)) {
                 Ok(got) => got,
                 Err(err) => {
-                    let text = err.value(py).repr().map(|r| r.to_string()).unwrap_or_else(|_| "an exception".into());
+                    let text = err
+                        .value(py)
+                        .repr()
+                        .map(|r| r.to_string())
+                        .unwrap_or_else(|_| "an exception".into());
                     return Err(fail(format!("{} raised {text}", what()), Some(err)));
                 }
             };
             let or = match got.extract::<u64>() {
                 Ok(or) => or,
                 Err(err) => {
-                    let shown = got.repr().map(|r| r.to_string()).unwrap_or_else(|_| "?".into());
-                    return Err(fail(format!("{} returned {shown}, not an integer in [0, 2**64)", what()), Some(err)));
+                    let shown = got
+                        .repr()
+                        .map(|r| r.to_string())
+                        .unwrap_or_else(|_| "?".into());
+                    return Err(fail(
+                        format!("{} returned {shown}, not an integer in [0, 2**64)", what()),
+                        Some(err),
+                    ));
                 }
             };
             // An OR over the hosts contains this host's own bits; anything else is a broken
@@ -180,28 +201,57 @@ fn resolve(obj: &Bound<'_, PyAny>) -> PyResult<Resolved> {
     let py = obj.py();
     if let Ok(tcp) = obj.cast::<NativeTcpAllReduce>() {
         let inner = tcp.get().live(py)?;
-        return Ok(Resolved { all_reduce: inner, python: None });
+        return Ok(Resolved {
+            all_reduce: inner,
+            python: None,
+        });
     }
-    let callable = obj.getattr("all_reduce_or").map(|m| m.is_callable()).unwrap_or(false);
+    let callable = obj
+        .getattr("all_reduce_or")
+        .map(|m| m.is_callable())
+        .unwrap_or(false);
     if !callable {
-        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+        let ty = obj
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_else(|_| "?".into());
         let message = format!(
             "all_reduce_interface: a {ty} has no method all_reduce_or(sync_key, value) -> int; pass \
              sparsecore_prep.get_all_reduce_interface(...), sparsecore_prep.JaxDistributedAllReduce() or an object \
              with that method (the reference's own interface object cannot be called from Python)"
         );
-        return Err(errors::raise(py, errors::Class::Config, message, &[("field", errors::field(py, "all_reduce_interface"))]));
+        return Err(errors::raise(
+            py,
+            errors::Class::Config,
+            message,
+            &[("field", errors::field(py, "all_reduce_interface"))],
+        ));
     }
-    let p = Arc::new(PyAllReduce { obj: obj.clone().unbind(), failure: Mutex::new(None) });
-    Ok(Resolved { all_reduce: p.clone(), python: Some(p) })
+    let p = Arc::new(PyAllReduce {
+        obj: obj.clone().unbind(),
+        failure: Mutex::new(None),
+    });
+    Ok(Resolved {
+        all_reduce: p.clone(),
+        python: Some(p),
+    })
 }
 
 /// One host address as the reference takes it ("host:port", "ipv4:1.2.3.4:port",
 /// "ipv6:[::1]:port", "dns:///host:port"), resolved to its first socket address.
 fn peer_address(py: Python<'_>, text: &str) -> PyResult<SocketAddr> {
-    let bare = ["dns:///", "dns:", "ipv4:", "ipv6:"].iter().find_map(|p| text.strip_prefix(p)).unwrap_or(text);
+    let bare = ["dns:///", "dns:", "ipv4:", "ipv6:"]
+        .iter()
+        .find_map(|p| text.strip_prefix(p))
+        .unwrap_or(text);
     let bad = |why: String| {
-        errors::raise(py, errors::Class::Config, format!("peer address {text:?}: {why}"), &[("field", errors::field(py, "peer_addresses"))])
+        errors::raise(
+            py,
+            errors::Class::Config,
+            format!("peer address {text:?}: {why}"),
+            &[("field", errors::field(py, "peer_addresses"))],
+        )
     };
     let mut addrs = py
         .detach(|| bare.to_socket_addrs())
@@ -209,7 +259,10 @@ fn peer_address(py: Python<'_>, text: &str) -> PyResult<SocketAddr> {
         .collect::<Vec<_>>();
     // Prefer IPv4, which every listener below accepts.
     addrs.sort_by_key(|a| !a.is_ipv4());
-    addrs.into_iter().next().ok_or_else(|| bad("resolves to no address".into()))
+    addrs
+        .into_iter()
+        .next()
+        .ok_or_else(|| bad("resolves to no address".into()))
 }
 
 /// Listens on `bind`, by default on every interface as the reference's gRPC server does: of
@@ -218,10 +271,20 @@ fn peer_address(py: Python<'_>, text: &str) -> PyResult<SocketAddr> {
 /// on systems with `bindv6only` set.
 fn listen(py: Python<'_>, bind: Option<&str>, port: u16, ipv6: bool) -> PyResult<TcpListener> {
     let io = |addr: &str, e: std::io::Error| {
-        to_py(py, Error::Io { context: format!("all-reduce: listening on {addr} (minibatching_port)"), source: e })
+        to_py(
+            py,
+            Error::Io {
+                context: format!("all-reduce: listening on {addr} (minibatching_port)"),
+                source: e,
+            },
+        )
     };
     if let Some(host) = bind {
-        let addr = if host.contains(':') && !host.starts_with('[') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
+        let addr = if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        };
         return TcpListener::bind(&addr).map_err(|e| io(&addr, e));
     }
     if ipv6 {
@@ -244,14 +307,21 @@ pub struct NativeTcpAllReduce {
 
 impl NativeTcpAllReduce {
     fn live(&self, py: Python<'_>) -> PyResult<Arc<TcpAllReduce>> {
-        self.inner.lock().ok().and_then(|i| i.clone()).ok_or_else(|| {
-            errors::raise(
-                py,
-                errors::Class::Config,
-                format!("all_reduce_interface: host {}'s TCP all-reduce was closed", self.host_id),
-                &[("field", errors::field(py, "all_reduce_interface"))],
-            )
-        })
+        self.inner
+            .lock()
+            .ok()
+            .and_then(|i| i.clone())
+            .ok_or_else(|| {
+                errors::raise(
+                    py,
+                    errors::Class::Config,
+                    format!(
+                        "all_reduce_interface: host {}'s TCP all-reduce was closed",
+                        self.host_id
+                    ),
+                    &[("field", errors::field(py, "all_reduce_interface"))],
+                )
+            })
     }
 }
 
@@ -276,9 +346,19 @@ impl NativeTcpAllReduce {
         timeout: f64,
         bind_address: Option<&str>,
     ) -> PyResult<Self> {
-        let config = |field: &str, message: String| errors::raise(py, errors::Class::Config, message, &[("field", errors::field(py, field))]);
+        let config = |field: &str, message: String| {
+            errors::raise(
+                py,
+                errors::Class::Config,
+                message,
+                &[("field", errors::field(py, field))],
+            )
+        };
         if host_count == 0 || host_id >= host_count {
-            return Err(config("host_id", format!("host_id {host_id} must be in [0, host_count {host_count})")));
+            return Err(config(
+                "host_id",
+                format!("host_id {host_id} must be in [0, host_count {host_count})"),
+            ));
         }
         // The address count is checked before anything is sized by host_count, so a mistyped
         // host_count is a ConfigError, never an allocation of one entry per claimed host.
@@ -296,14 +376,24 @@ impl NativeTcpAllReduce {
             ));
         }
         let given: Vec<&String> = if in_host_order {
-            peer_addresses.iter().enumerate().filter(|&(h, _)| h != host_id).map(|(_, a)| a).collect()
+            peer_addresses
+                .iter()
+                .enumerate()
+                .filter(|&(h, _)| h != host_id)
+                .map(|(_, a)| a)
+                .collect()
         } else {
             peer_addresses.iter().collect()
         };
         let timeout = Duration::try_from_secs_f64(timeout)
             .ok()
             .filter(|t| !t.is_zero())
-            .ok_or_else(|| config("timeout", format!("timeout {timeout} must be a positive number of seconds")))?;
+            .ok_or_else(|| {
+                config(
+                    "timeout",
+                    format!("timeout {timeout} must be a positive number of seconds"),
+                )
+            })?;
         let token: Option<Vec<u8>> = match token {
             None => None,
             Some(t) if t.is_none() => None,
@@ -334,10 +424,18 @@ impl NativeTcpAllReduce {
                 peer_address(py, it.next().expect("one address per other host"))?
             });
         }
-        let ipv6 = peers.iter().enumerate().any(|(h, a)| h != host_id && a.is_ipv6());
+        let ipv6 = peers
+            .iter()
+            .enumerate()
+            .any(|(h, a)| h != host_id && a.is_ipv6());
         let listener = listen(py, bind_address, minibatching_port, ipv6)?;
-        let port = listener.local_addr().map(|a| a.port()).unwrap_or(minibatching_port);
-        let mut builder = TcpAllReduce::builder(host_id, peers.clone()).timeout(timeout).listener(listener);
+        let port = listener
+            .local_addr()
+            .map(|a| a.port())
+            .unwrap_or(minibatching_port);
+        let mut builder = TcpAllReduce::builder(host_id, peers.clone())
+            .timeout(timeout)
+            .listener(listener);
         if let Some(t) = token {
             builder = builder.token(t);
         }
@@ -346,14 +444,21 @@ impl NativeTcpAllReduce {
         }
         let inner = builder.build().map_err(|e| to_py(py, e))?;
         peers.remove(host_id);
-        Ok(NativeTcpAllReduce { inner: Mutex::new(Some(Arc::new(inner))), host_id, host_count, port, peers })
+        Ok(NativeTcpAllReduce {
+            inner: Mutex::new(Some(Arc::new(inner))),
+            host_id,
+            host_count,
+            port,
+            peers,
+        })
     }
 
     /// The OR of `value` over all hosts under `sync_key` (every host calls it with the same
     /// key); an `AllReduceError` naming the silent peers after the timeout.
     fn all_reduce_or(&self, py: Python<'_>, sync_key: u64, value: u64) -> PyResult<u64> {
         let inner = self.live(py)?;
-        py.detach(|| inner.all_reduce_or_u64(sync_key, value)).map_err(|e| to_py_error(py, e, None))
+        py.detach(|| inner.all_reduce_or_u64(sync_key, value))
+            .map_err(|e| to_py_error(py, e, None))
     }
 
     /// This host's index.
@@ -409,7 +514,12 @@ impl NativeTcpAllReduce {
         slf
     }
 
-    fn __exit__(&self, _exc_type: &Bound<'_, PyAny>, _exc: &Bound<'_, PyAny>, _tb: &Bound<'_, PyAny>) -> bool {
+    fn __exit__(
+        &self,
+        _exc_type: &Bound<'_, PyAny>,
+        _exc: &Bound<'_, PyAny>,
+        _tb: &Bound<'_, PyAny>,
+    ) -> bool {
         self.close();
         false
     }
@@ -432,7 +542,11 @@ impl NativeTcpAllReduce {
             self.host_id,
             self.host_count,
             self.port,
-            self.peers.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(", "),
+            self.peers
+                .iter()
+                .map(|a| a.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
             if open { "" } else { ", closed" }
         )
     }

@@ -4,7 +4,7 @@
 //! producer's buffers alive through their release callbacks.
 
 use arrow_array::ffi::{from_ffi, FFI_ArrowArray, FFI_ArrowSchema};
-use arrow_array::ffi_stream::{RecordBatchStreamReader, FFI_ArrowArrayStream};
+use arrow_array::ffi_stream::{FFI_ArrowArrayStream, RecordBatchStreamReader};
 use arrow_array::{Array, RecordBatch, RecordBatchReader, StructArray};
 use arrow_schema::DataType;
 use pyo3::prelude::*;
@@ -23,7 +23,12 @@ fn invalid(py: Python<'_>, message: impl Into<String>) -> PyErr {
 }
 
 fn capsule_ptr<T>(capsule: &Bound<'_, PyAny>, name: &'static std::ffi::CStr) -> PyResult<*mut T> {
-    let capsule = capsule.cast::<PyCapsule>().map_err(|_| type_error(capsule.py(), "the Arrow interface did not return a PyCapsule"))?;
+    let capsule = capsule.cast::<PyCapsule>().map_err(|_| {
+        type_error(
+            capsule.py(),
+            "the Arrow interface did not return a PyCapsule",
+        )
+    })?;
     Ok(capsule.pointer_checked(Some(name))?.as_ptr() as *mut T)
 }
 
@@ -32,9 +37,14 @@ pub fn record_batch(obj: &Bound<'_, PyAny>) -> PyResult<RecordBatch> {
     let py = obj.py();
     if obj.hasattr("__arrow_c_array__")? {
         let pair = obj.call_method0("__arrow_c_array__")?;
-        let pair = pair.cast::<PyTuple>().map_err(|_| type_error(py, "__arrow_c_array__ must return a tuple"))?;
+        let pair = pair
+            .cast::<PyTuple>()
+            .map_err(|_| type_error(py, "__arrow_c_array__ must return a tuple"))?;
         if pair.len() != 2 {
-            return Err(type_error(py, "__arrow_c_array__ must return (schema capsule, array capsule)"));
+            return Err(type_error(
+                py,
+                "__arrow_c_array__ must return (schema capsule, array capsule)",
+            ));
         }
         let schema: *mut FFI_ArrowSchema = capsule_ptr(&pair.get_item(0)?, c"arrow_schema")?;
         let array: *mut FFI_ArrowArray = capsule_ptr(&pair.get_item(1)?, c"arrow_array")?;
@@ -50,7 +60,10 @@ pub fn record_batch(obj: &Bound<'_, PyAny>) -> PyResult<RecordBatch> {
         if !matches!(data.data_type(), DataType::Struct(_)) {
             return Err(type_error(
                 py,
-                format!("expected a record batch or table, got an Arrow array of type {}", data.data_type()),
+                format!(
+                    "expected a record batch or table, got an Arrow array of type {}",
+                    data.data_type()
+                ),
             ));
         }
         let array = StructArray::from(data);
@@ -67,8 +80,9 @@ pub fn record_batch(obj: &Bound<'_, PyAny>) -> PyResult<RecordBatch> {
         let reader = unsafe { RecordBatchStreamReader::from_raw(stream) }
             .map_err(|e| invalid(py, format!("cannot import the Arrow stream (a record batch or table is expected, not a column): {e}")))?;
         let schema = reader.schema();
-        let batches: Vec<RecordBatch> =
-            reader.collect::<Result<_, _>>().map_err(|e| invalid(py, format!("reading the Arrow stream: {e}")))?;
+        let batches: Vec<RecordBatch> = reader
+            .collect::<Result<_, _>>()
+            .map_err(|e| invalid(py, format!("reading the Arrow stream: {e}")))?;
         return match batches.len() {
             1 => Ok(batches.into_iter().next().expect("one batch")),
             // Several chunks are one local batch: concatenate (the only copy on this path).

@@ -40,7 +40,12 @@ pub fn balance_batches<'py>(
     refine: &str,
 ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyAny>, Bound<'py, PyList>)> {
     if window == 0 {
-        return Err(raise(py, Class::Config, "balance: window must be at least 1 batch, got 0".into(), &[("field", field(py, "window"))]));
+        return Err(raise(
+            py,
+            Class::Config,
+            "balance: window must be at least 1 batch, got 0".into(),
+            &[("field", field(py, "window"))],
+        ));
     }
     let refinement = match refine {
         "worst-cell" => Refinement::WorstCell,
@@ -48,7 +53,12 @@ pub fn balance_batches<'py>(
         "unique-ids" => Refinement::UniqueIds,
         other => {
             let message = format!("balance: refine must be \"worst-cell\", \"every-stack\" or \"unique-ids\", got {other:?}");
-            return Err(raise(py, Class::Config, message, &[("field", field(py, "refine"))]));
+            return Err(raise(
+                py,
+                Class::Config,
+                message,
+                &[("field", field(py, "refine"))],
+            ));
         }
     };
     let config = Config::from_json(config_json).map_err(|e| to_py(py, e))?;
@@ -61,7 +71,10 @@ pub fn balance_batches<'py>(
     let balanced = py
         .detach(|| {
             let mut balancer = Balancer::new(config)?.refinement(refinement);
-            input.chunks(window).map(|w| balancer.balance(w)).collect::<Result<Vec<_>, _>>()
+            input
+                .chunks(window)
+                .map(|w| balancer.balance(w))
+                .collect::<Result<Vec<_>, _>>()
         })
         .map_err(|e| to_py(py, e))?;
     let mut starts = Vec::with_capacity(input.len() + 1);
@@ -75,7 +88,10 @@ pub fn balance_batches<'py>(
     for (w, bal) in balanced.into_iter().enumerate() {
         let first = w * window;
         for rows in &bal.permutation {
-            permutation.extend(rows.iter().map(|r| (starts[first + r.batch] + r.row) as i64));
+            permutation.extend(
+                rows.iter()
+                    .map(|r| (starts[first + r.batch] + r.row) as i64),
+            );
         }
         for b in bal.batches {
             out.append(to_pyarrow(py, b)?)?;
@@ -85,16 +101,28 @@ pub fn balance_batches<'py>(
         for (k, name) in r.stacks.iter().enumerate() {
             let s = PyDict::new(py);
             s.set_item("name", name)?;
-            s.set_item("before", load(py, &r.before.get(k).copied().unwrap_or_default())?)?;
-            s.set_item("after", load(py, &r.after.get(k).copied().unwrap_or_default())?)?;
-            s.set_item("lower_bound", r.lower_bound.get(k).copied().unwrap_or_default())?;
+            s.set_item(
+                "before",
+                load(py, &r.before.get(k).copied().unwrap_or_default())?,
+            )?;
+            s.set_item(
+                "after",
+                load(py, &r.after.get(k).copied().unwrap_or_default())?,
+            )?;
+            s.set_item(
+                "lower_bound",
+                r.lower_bound.get(k).copied().unwrap_or_default(),
+            )?;
             stacks.append(s)?;
         }
         let d = PyDict::new(py);
         d.set_item("batches", r.batches)?;
         d.set_item("reordered", r.reordered())?;
         d.set_item("outcome", r.outcome.name())?;
-        d.set_item("outcome_stack", r.outcome.stack_index().and_then(|k| r.stacks.get(k)))?;
+        d.set_item(
+            "outcome_stack",
+            r.outcome.stack_index().and_then(|k| r.stacks.get(k)),
+        )?;
         d.set_item("stacks", stacks)?;
         reports.append(d)?;
     }

@@ -17,8 +17,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 use sparsecore_bess::negative::PaddedNegatives;
 use sparsecore_bess::{
-    BatchOptions, BatchSampler, BessError, BessStream, Corruption, NegativeKind, NegativeSampler, NumpyRng, PartitionMode,
-    PartitionedTriples, RandomNegative, SamplerKind, Sharding, StreamSampler, TripleBasedNegative, Triples, TypeBasedNegative,
+    BatchOptions, BatchSampler, BessError, BessStream, Corruption, NegativeKind, NegativeSampler,
+    NumpyRng, PartitionMode, PartitionedTriples, RandomNegative, SamplerKind, Sharding,
+    StreamSampler, TripleBasedNegative, Triples, TypeBasedNegative,
 };
 
 use crate::arrow_output::to_pyarrow;
@@ -29,7 +30,12 @@ use crate::{arrow_input, errors};
 
 /// `class(message, **fields)` of `sparsecore_prep.bess` (the base `BessError` if the class
 /// cannot be found, which only a broken installation causes).
-fn raise<'py>(py: Python<'py>, class: &str, message: String, fields: &[(&str, Option<Bound<'py, PyAny>>)]) -> PyErr {
+fn raise<'py>(
+    py: Python<'py>,
+    class: &str,
+    message: String,
+    fields: &[(&str, Option<Bound<'py, PyAny>>)],
+) -> PyErr {
     let made = (|| -> PyResult<Bound<'py, PyAny>> {
         let kwargs = PyDict::new(py);
         for (name, value) in fields {
@@ -37,7 +43,9 @@ fn raise<'py>(py: Python<'py>, class: &str, message: String, fields: &[(&str, Op
                 kwargs.set_item(name, value)?;
             }
         }
-        py.import("sparsecore_prep.bess")?.getattr(class)?.call((message.as_str(),), Some(&kwargs))
+        py.import("sparsecore_prep.bess")?
+            .getattr(class)?
+            .call((message.as_str(),), Some(&kwargs))
     })();
     match made {
         Ok(exc) => PyErr::from_value(exc),
@@ -62,27 +70,102 @@ macro_rules! fields {
 pub fn to_py(py: Python<'_>, e: BessError) -> PyErr {
     let message = e.to_string();
     match e {
-        BessError::EntityOutOfRange { column, row, value, n_entity } => {
-            raise(py, "EntityOutOfRangeError", message, fields!(py; column, row, value, n_entity))
+        BessError::EntityOutOfRange {
+            column,
+            row,
+            value,
+            n_entity,
+        } => raise(
+            py,
+            "EntityOutOfRangeError",
+            message,
+            fields!(py; column, row, value, n_entity),
+        ),
+        BessError::RelationOutOfRange {
+            column,
+            row,
+            value,
+            n_relation,
+        } => raise(
+            py,
+            "RelationOutOfRangeError",
+            message,
+            fields!(py; column, row, value, n_relation),
+        ),
+        BessError::LengthMismatch {
+            column,
+            got,
+            other,
+            expected,
+        } => raise(
+            py,
+            "LengthMismatchError",
+            message,
+            fields!(py; column, got, other, expected),
+        ),
+        BessError::MissingColumn { column } => {
+            raise(py, "MissingColumnError", message, fields!(py; column))
         }
-        BessError::RelationOutOfRange { column, row, value, n_relation } => {
-            raise(py, "RelationOutOfRangeError", message, fields!(py; column, row, value, n_relation))
+        BessError::ColumnType { column, found } => {
+            raise(py, "ColumnTypeError", message, fields!(py; column, found))
         }
-        BessError::LengthMismatch { column, got, other, expected } => raise(py, "LengthMismatchError", message, fields!(py; column, got, other, expected)),
-        BessError::MissingColumn { column } => raise(py, "MissingColumnError", message, fields!(py; column)),
-        BessError::ColumnType { column, found } => raise(py, "ColumnTypeError", message, fields!(py; column, found)),
-        BessError::NullValue { column, row } => raise(py, "NullValueError", message, fields!(py; column, row)),
-        BessError::EmptyPartition { sampler, partition } => raise(py, "EmptyPartitionError", message, fields!(py; sampler, partition)),
+        BessError::NullValue { column, row } => {
+            raise(py, "NullValueError", message, fields!(py; column, row))
+        }
+        BessError::EmptyPartition { sampler, partition } => raise(
+            py,
+            "EmptyPartitionError",
+            message,
+            fields!(py; sampler, partition),
+        ),
         // Python's attribute keeps besskge's name `ppp`.
-        BessError::ZeroTriplesPerBlock { shard_bs, positive_per_partition: ppp, n_shard, duplicate_batch, corruption, minimum } => {
-            raise(py, "ZeroTriplesPerBlockError", message, fields!(py; shard_bs, ppp, n_shard, duplicate_batch, corruption, minimum))
+        BessError::ZeroTriplesPerBlock {
+            shard_bs,
+            positive_per_partition: ppp,
+            n_shard,
+            duplicate_batch,
+            corruption,
+            minimum,
+        } => raise(
+            py,
+            "ZeroTriplesPerBlockError",
+            message,
+            fields!(py; shard_bs, ppp, n_shard, duplicate_batch, corruption, minimum),
+        ),
+        BessError::ShardCountMismatch {
+            n_shard,
+            num_sparsecores,
+            global_devices,
+            sc_per_device,
+        } => raise(
+            py,
+            "ShardCountMismatchError",
+            message,
+            fields!(py; n_shard, num_sparsecores, global_devices, sc_per_device),
+        ),
+        BessError::InvalidParameter {
+            name,
+            value,
+            reason,
+        } => raise(
+            py,
+            "InvalidParameterError",
+            message,
+            fields!(py; name, value, reason),
+        ),
+        BessError::ShardingFile { path, reason } => {
+            raise(py, "ShardingFileError", message, fields!(py; path, reason))
         }
-        BessError::ShardCountMismatch { n_shard, num_sparsecores, global_devices, sc_per_device } => {
-            raise(py, "ShardCountMismatchError", message, fields!(py; n_shard, num_sparsecores, global_devices, sc_per_device))
-        }
-        BessError::InvalidParameter { name, value, reason } => raise(py, "InvalidParameterError", message, fields!(py; name, value, reason)),
-        BessError::ShardingFile { path, reason } => raise(py, "ShardingFileError", message, fields!(py; path, reason)),
-        BessError::TooLarge { what, bytes, reason } => raise(py, "TooLargeError", message, fields!(py; what, bytes, reason)),
+        BessError::TooLarge {
+            what,
+            bytes,
+            reason,
+        } => raise(
+            py,
+            "TooLargeError",
+            message,
+            fields!(py; what, bytes, reason),
+        ),
         BessError::Io { context, .. } => {
             let err = raise(py, "BessIOError", message.clone(), fields!(py; context));
             if err.is_instance_of::<PyOSError>(py) {
@@ -104,7 +187,9 @@ fn pipeline_error(py: Python<'_>, e: sparsecore_prep::Error) -> PyErr {
     let made = (|| -> PyResult<Bound<'_, PyAny>> {
         let value = err.value(py);
         let name = value.get_type().name()?.to_string();
-        let class = py.import("sparsecore_prep.bess")?.getattr(format!("Pipeline{name}"))?;
+        let class = py
+            .import("sparsecore_prep.bess")?
+            .getattr(format!("Pipeline{name}"))?;
         let fields = value.call_method0("field_values")?;
         class.call((value.getattr("message")?,), Some(fields.cast::<PyDict>()?))
     })();
@@ -115,8 +200,20 @@ fn pipeline_error(py: Python<'_>, e: sparsecore_prep::Error) -> PyErr {
 }
 
 /// An `InvalidParameterError` raised by this binding (a check the crate leaves to its callers).
-fn param(py: Python<'_>, name: &'static str, value: impl std::fmt::Display, reason: impl Into<String>) -> PyErr {
-    to_py(py, BessError::InvalidParameter { name, value: value.to_string(), reason: reason.into() })
+fn param(
+    py: Python<'_>,
+    name: &'static str,
+    value: impl std::fmt::Display,
+    reason: impl Into<String>,
+) -> PyErr {
+    to_py(
+        py,
+        BessError::InvalidParameter {
+            name,
+            value: value.to_string(),
+            reason: reason.into(),
+        },
+    )
 }
 
 trait OrPy<T> {
@@ -139,13 +236,24 @@ fn seed_words_of(py: Python<'_>, seed: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> 
         if let Some(&w) = words.iter().find(|&&w| w > u64::from(u32::MAX)) {
             return Err(param(py, "seed", w, "seed words must be below 2^32"));
         }
-        return Ok(if words.is_empty() { vec![0] } else { words.into_iter().map(|w| w as u32).collect() });
+        return Ok(if words.is_empty() {
+            vec![0]
+        } else {
+            words.into_iter().map(|w| w as u32).collect()
+        });
     }
     // Any integer (numpy's too) through `operator.index`; not bools, floats or strings.
     let index = py.import("operator")?.getattr("index")?;
     let seed = match index.call1((seed,)) {
         Ok(i) if !seed.is_instance_of::<pyo3::types::PyBool>() => i,
-        _ => return Err(param(py, "seed", seed.repr()?, "must be a non-negative int or a list of 32-bit words")),
+        _ => {
+            return Err(param(
+                py,
+                "seed",
+                seed.repr()?,
+                "must be a non-negative int or a list of 32-bit words",
+            ))
+        }
     };
     let seed = &seed;
     if seed.lt(0)? {
@@ -153,44 +261,79 @@ fn seed_words_of(py: Python<'_>, seed: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> 
     }
     let bits: usize = seed.call_method0("bit_length")?.extract()?;
     let nbytes = bits.div_ceil(32).max(1) * 4;
-    let bytes: Vec<u8> = seed.call_method1("to_bytes", (nbytes, "little"))?.extract()?;
-    Ok(bytes.chunks(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    let bytes: Vec<u8> = seed
+        .call_method1("to_bytes", (nbytes, "little"))?
+        .extract()?;
+    Ok(bytes
+        .chunks(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
 }
 
 /// A u64 seed (the stream builder's seeds).
 fn seed_u64(py: Python<'_>, name: &'static str, seed: &Bound<'_, PyAny>) -> PyResult<u64> {
-    seed.extract::<u64>().map_err(|_| param(py, name, seed.repr().map(|r| r.to_string()).unwrap_or_default(), "must be an int in 0 ..= 2^64 - 1"))
+    seed.extract::<u64>().map_err(|_| {
+        param(
+            py,
+            name,
+            seed.repr().map(|r| r.to_string()).unwrap_or_default(),
+            "must be an int in 0 ..= 2^64 - 1",
+        )
+    })
 }
 
 /// Any integer array-like as (shape, int64 values in C order); floats, bools and objects are a
 /// `ColumnTypeError` naming `column`.
-fn int_values(py: Python<'_>, obj: &Bound<'_, PyAny>, column: &str) -> PyResult<(Vec<usize>, Vec<i64>)> {
+fn int_values(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    column: &str,
+) -> PyResult<(Vec<usize>, Vec<i64>)> {
     let np = py.import("numpy")?;
     let a = np.call_method1("asarray", (obj,))?;
     let dtype = a.getattr("dtype")?;
     let kind: String = dtype.getattr("kind")?.extract()?;
     if kind != "i" && kind != "u" {
-        return Err(to_py(py, BessError::ColumnType { column: column.to_string(), found: format!("numpy {}", dtype.str()?) }));
+        return Err(to_py(
+            py,
+            BessError::ColumnType {
+                column: column.to_string(),
+                found: format!("numpy {}", dtype.str()?),
+            },
+        ));
     }
     if kind == "u" && a.getattr("size")?.extract::<usize>()? > 0 {
         // uint64 values above i64::MAX would wrap to negative ids: refuse them by value.
         let max: u128 = a.call_method0("max")?.extract()?;
         if max > i64::MAX as u128 {
-            return Err(param(py, "ids", format!("column `{column}`: {max}"), "ids must fit in int64"));
+            return Err(param(
+                py,
+                "ids",
+                format!("column `{column}`: {max}"),
+                "ids must fit in int64",
+            ));
         }
     }
     let a = np.call_method1("ascontiguousarray", (a, "int64"))?;
     let a = a.cast::<PyArrayDyn<i64>>().map_err(PyErr::from)?;
     let ro = a.readonly();
     let shape = ro.shape().to_vec();
-    let values = ro.as_slice().map(<[i64]>::to_vec).unwrap_or_else(|_| ro.as_array().iter().copied().collect());
+    let values = ro
+        .as_slice()
+        .map(<[i64]>::to_vec)
+        .unwrap_or_else(|_| ro.as_array().iter().copied().collect());
     Ok((shape, values))
 }
 
 fn int_vec(py: Python<'_>, obj: &Bound<'_, PyAny>, column: &str) -> PyResult<Vec<i64>> {
     let (shape, v) = int_values(py, obj, column)?;
     if shape.len() != 1 {
-        return Err(param(py, "ids", format!("column `{column}` of shape {shape:?}"), "must be 1-D"));
+        return Err(param(
+            py,
+            "ids",
+            format!("column `{column}` of shape {shape:?}"),
+            "must be 1-D",
+        ));
     }
     Ok(v)
 }
@@ -198,34 +341,60 @@ fn int_vec(py: Python<'_>, obj: &Bound<'_, PyAny>, column: &str) -> PyResult<Vec
 fn int_2d(py: Python<'_>, obj: &Bound<'_, PyAny>, column: &str) -> PyResult<Array2<i64>> {
     let (shape, v) = int_values(py, obj, column)?;
     match shape[..] {
-        [r, c] => Array2::from_shape_vec((r, c), v).map_err(|e| param(py, "ids", column, e.to_string())),
-        [c] => Array2::from_shape_vec((1, c), v).map_err(|e| param(py, "ids", column, e.to_string())),
-        _ => Err(param(py, "ids", format!("column `{column}` of shape {shape:?}"), "must be 2-D (rows, k) or 1-D (one shared list)")),
+        [r, c] => {
+            Array2::from_shape_vec((r, c), v).map_err(|e| param(py, "ids", column, e.to_string()))
+        }
+        [c] => {
+            Array2::from_shape_vec((1, c), v).map_err(|e| param(py, "ids", column, e.to_string()))
+        }
+        _ => Err(param(
+            py,
+            "ids",
+            format!("column `{column}` of shape {shape:?}"),
+            "must be 2-D (rows, k) or 1-D (one shared list)",
+        )),
     }
 }
 
 fn opt_offsets(py: Python<'_>, obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<i64>>> {
-    obj.filter(|o| !o.is_none()).map(|o| int_vec(py, o, "type_offsets")).transpose()
+    obj.filter(|o| !o.is_none())
+        .map(|o| int_vec(py, o, "type_offsets"))
+        .transpose()
 }
 
-fn opt_2d(py: Python<'_>, obj: Option<&Bound<'_, PyAny>>, column: &str) -> PyResult<Option<Array2<i64>>> {
-    obj.filter(|o| !o.is_none()).map(|o| int_2d(py, o, column)).transpose()
+fn opt_2d(
+    py: Python<'_>,
+    obj: Option<&Bound<'_, PyAny>>,
+    column: &str,
+) -> PyResult<Option<Array2<i64>>> {
+    obj.filter(|o| !o.is_none())
+        .map(|o| int_2d(py, o, column))
+        .transpose()
 }
 
 fn np_vec<'py>(py: Python<'py>, v: &[i64]) -> Bound<'py, PyAny> {
     PyArray1::from_slice(py, v).into_any()
 }
 
-fn np_nd<'py, T: numpy::Element + Copy, D: ndarray::Dimension>(py: Python<'py>, a: &ndarray::Array<T, D>) -> Bound<'py, PyAny> {
+fn np_nd<'py, T: numpy::Element + Copy, D: ndarray::Dimension>(
+    py: Python<'py>,
+    a: &ndarray::Array<T, D>,
+) -> Bound<'py, PyAny> {
     a.to_pyarray(py).into_any()
 }
 
-fn np_opt<'py, T: numpy::Element + Copy, D: ndarray::Dimension>(py: Python<'py>, a: &Option<ndarray::Array<T, D>>) -> Option<Bound<'py, PyAny>> {
+fn np_opt<'py, T: numpy::Element + Copy, D: ndarray::Dimension>(
+    py: Python<'py>,
+    a: &Option<ndarray::Array<T, D>>,
+) -> Option<Bound<'py, PyAny>> {
     a.as_ref().map(|a| np_nd(py, a))
 }
 
 /// Puts the arrays that are there into `d` under their names, in order.
-fn set_arrays<'py, const N: usize>(d: &Bound<'py, PyDict>, arrays: [(&str, Option<Bound<'py, PyAny>>); N]) -> PyResult<()> {
+fn set_arrays<'py, const N: usize>(
+    d: &Bound<'py, PyDict>,
+    arrays: [(&str, Option<Bound<'py, PyAny>>); N],
+) -> PyResult<()> {
     for (name, a) in arrays {
         if let Some(a) = a {
             d.set_item(name, a)?;
@@ -247,7 +416,14 @@ fn triples_of(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Triples> {
     }
     if let Ok(d) = obj.cast::<PyDict>() {
         let col = |name: &str| -> PyResult<Vec<i64>> {
-            let v = d.get_item(name)?.ok_or_else(|| to_py(py, BessError::MissingColumn { column: name.to_string() }))?;
+            let v = d.get_item(name)?.ok_or_else(|| {
+                to_py(
+                    py,
+                    BessError::MissingColumn {
+                        column: name.to_string(),
+                    },
+                )
+            })?;
             int_vec(py, &v, name)
         };
         return Triples::new(col("head")?, col("relation")?, col("tail")?).py(py);
@@ -255,7 +431,12 @@ fn triples_of(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Triples> {
     if obj.is_instance_of::<PyTuple>() || obj.is_instance_of::<PyList>() {
         let items: Vec<Bound<'_, PyAny>> = obj.try_iter()?.collect::<PyResult<_>>()?;
         if items.len() == 3 {
-            return Triples::new(int_vec(py, &items[0], "head")?, int_vec(py, &items[1], "relation")?, int_vec(py, &items[2], "tail")?).py(py);
+            return Triples::new(
+                int_vec(py, &items[0], "head")?,
+                int_vec(py, &items[1], "relation")?,
+                int_vec(py, &items[2], "tail")?,
+            )
+            .py(py);
         }
     }
     let (shape, v) = int_values(py, obj, "triples")?;
@@ -285,7 +466,9 @@ pub struct PyNumpyRng {
 impl PyNumpyRng {
     #[new]
     fn new(py: Python<'_>, seed: &Bound<'_, PyAny>) -> PyResult<Self> {
-        Ok(PyNumpyRng { rng: NumpyRng::from_words(&seed_words_of(py, seed)?) })
+        Ok(PyNumpyRng {
+            rng: NumpyRng::from_words(&seed_words_of(py, seed)?),
+        })
     }
 
     /// `size` raw 64-bit outputs (`bit_generator.random_raw(size)`), uint64.
@@ -298,10 +481,22 @@ impl PyNumpyRng {
     /// `integers(high, size=size)` for the two bounds besskge draws with: `2**63` (the batch
     /// sampler) and `2**31` (the negative samplers, which share numpy's buffered 32-bit
     /// half-words across calls). int64.
-    fn integers<'py>(&mut self, py: Python<'py>, high: u64, size: usize) -> PyResult<Bound<'py, PyAny>> {
+    fn integers<'py>(
+        &mut self,
+        py: Python<'py>,
+        high: u64,
+        size: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let mut v: Vec<i64> = match high {
             h if h == 1 << 63 || h == 1 << 31 => draws(size)?,
-            _ => return Err(param(py, "high", high, "only 2**63 and 2**31 (the bounds besskge draws with) are implemented")),
+            _ => {
+                return Err(param(
+                    py,
+                    "high",
+                    high,
+                    "only 2**63 and 2**31 (the bounds besskge draws with) are implemented",
+                ))
+            }
         };
         if high == 1 << 63 {
             v.extend((0..size).map(|_| self.rng.integers_63() as i64));
@@ -315,7 +510,12 @@ impl PyNumpyRng {
     fn permutation<'py>(&mut self, py: Python<'py>, m: usize) -> PyResult<Bound<'py, PyAny>> {
         // The generator's own vector of `m` positions is the same size: asked for first.
         drop(draws::<usize>(m)?);
-        let v: Vec<i64> = self.rng.permutation(m).into_iter().map(|x| x as i64).collect();
+        let v: Vec<i64> = self
+            .rng
+            .permutation(m)
+            .into_iter()
+            .map(|x| x as i64)
+            .collect();
         Ok(PyArray1::from_vec(py, v).into_any())
     }
 }
@@ -324,7 +524,9 @@ impl PyNumpyRng {
 /// the same call) where the allocator refuses it, rather than an abort.
 fn draws<T>(size: usize) -> PyResult<Vec<T>> {
     let mut v = Vec::new();
-    v.try_reserve_exact(size).map_err(|_| pyo3::exceptions::PyMemoryError::new_err(format!("cannot allocate {size} draws")))?;
+    v.try_reserve_exact(size).map_err(|_| {
+        pyo3::exceptions::PyMemoryError::new_err(format!("cannot allocate {size} draws"))
+    })?;
     Ok(v)
 }
 
@@ -573,7 +775,11 @@ partitioned_pymethods! {
 }
 
 /// Per-partition counts as numpy: `[n, n]` for shard pairs, `[n]` otherwise.
-fn partition_shaped<'py>(py: Python<'py>, part: &PartitionedTriples, v: &[i64]) -> PyResult<Bound<'py, PyAny>> {
+fn partition_shaped<'py>(
+    py: Python<'py>,
+    part: &PartitionedTriples,
+    v: &[i64],
+) -> PyResult<Bound<'py, PyAny>> {
     let n = part.n_shard();
     let a = np_vec(py, v);
     if part.mode == PartitionMode::HtShardPair {
@@ -587,15 +793,31 @@ fn partition_shaped<'py>(py: Python<'py>, part: &PartitionedTriples, v: &[i64]) 
 // Negative samplers
 
 /// A negative sampler's output as a dict of numpy arrays (besskge's keys).
-fn negative_dict<'py>(py: Python<'py>, o: &sparsecore_bess::NegativeOutput) -> PyResult<Bound<'py, PyDict>> {
+fn negative_dict<'py>(
+    py: Python<'py>,
+    o: &sparsecore_bess::NegativeOutput,
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    set_arrays(&d, [("negative", Some(np_nd(py, &o.negative))), ("negative_mask", np_opt(py, &o.mask)), ("negative_sort_idx", np_opt(py, &o.sort_idx))])?;
+    set_arrays(
+        &d,
+        [
+            ("negative", Some(np_nd(py, &o.negative))),
+            ("negative_mask", np_opt(py, &o.mask)),
+            ("negative_sort_idx", np_opt(py, &o.sort_idx)),
+        ],
+    )?;
     Ok(d)
 }
 
-fn sample_with(py: Python<'_>, ns: &mut NegativeSampler, part: &PartitionedTriples, sample_idx: &Bound<'_, PyAny>) -> PyResult<Py<PyDict>> {
+fn sample_with(
+    py: Python<'_>,
+    ns: &mut NegativeSampler,
+    part: &PartitionedTriples,
+    sample_idx: &Bound<'_, PyAny>,
+) -> PyResult<Py<PyDict>> {
     let (shape, v) = int_values(py, sample_idx, "sample_idx")?;
-    let idx = ArrayD::from_shape_vec(IxDyn(&shape), v).map_err(|e| param(py, "sample_idx", "shape", e.to_string()))?;
+    let idx = ArrayD::from_shape_vec(IxDyn(&shape), v)
+        .map_err(|e| param(py, "sample_idx", "shape", e.to_string()))?;
     let out = py.detach(|| ns.sample(part, &idx)).py(py)?;
     Ok(negative_dict(py, &out)?.unbind())
 }
@@ -736,7 +958,10 @@ negative_sampler_class! {
     }
 }
 
-fn padded_dict<'py>(py: Python<'py>, p: Option<&PaddedNegatives>) -> PyResult<Option<Bound<'py, PyDict>>> {
+fn padded_dict<'py>(
+    py: Python<'py>,
+    p: Option<&PaddedNegatives>,
+) -> PyResult<Option<Bound<'py, PyDict>>> {
     p.map(|p| {
         let d = PyDict::new(py);
         d.set_item("sort_idx", np_nd(py, &p.sort_idx))?;
@@ -756,8 +981,13 @@ impl PyTripleBasedNegative {
     }
 }
 
-fn negative_of(py: Python<'_>, obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<NegativeSampler>> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else { return Ok(None) };
+fn negative_of(
+    py: Python<'_>,
+    obj: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<NegativeSampler>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
     // A copy of the sampler's current state.
     if let Ok(s) = obj.cast::<PyRandomNegative>() {
         return Ok(Some(s.borrow().inner.clone()));
@@ -768,7 +998,12 @@ fn negative_of(py: Python<'_>, obj: Option<&Bound<'_, PyAny>>) -> PyResult<Optio
     if let Ok(s) = obj.cast::<PyTripleBasedNegative>() {
         return Ok(Some(s.borrow().inner.clone()));
     }
-    Err(param(py, "negative_sampler", obj.get_type().name()?, "must be a RandomNegativeSampler, TypeBasedNegativeSampler or TripleBasedNegativeSampler"))
+    Err(param(
+        py,
+        "negative_sampler",
+        obj.get_type().name()?,
+        "must be a RandomNegativeSampler, TypeBasedNegativeSampler or TripleBasedNegativeSampler",
+    ))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -968,10 +1203,27 @@ impl PyBessStream {
         let kind = match negative_sampler {
             "random" => NegativeKind::Random,
             "type_based" => NegativeKind::TypeBased {
-                type_offsets: opt_offsets(py, type_offsets)?.ok_or_else(|| param(py, "type_offsets", "None", "the type_based sampler needs type_offsets"))?,
+                type_offsets: opt_offsets(py, type_offsets)?.ok_or_else(|| {
+                    param(
+                        py,
+                        "type_offsets",
+                        "None",
+                        "the type_based sampler needs type_offsets",
+                    )
+                })?,
             },
-            "triple_based" => NegativeKind::TripleBased { neg_heads: opt_2d(py, neg_heads, "neg_heads")?, neg_tails: opt_2d(py, neg_tails, "neg_tails")? },
-            other => return Err(param(py, "negative_sampler", other, "must be random, type_based or triple_based")),
+            "triple_based" => NegativeKind::TripleBased {
+                neg_heads: opt_2d(py, neg_heads, "neg_heads")?,
+                neg_tails: opt_2d(py, neg_tails, "neg_tails")?,
+            },
+            other => {
+                return Err(param(
+                    py,
+                    "negative_sampler",
+                    other,
+                    "must be random, type_based or triple_based",
+                ))
+            }
         };
         let stream_sampler = match sampler {
             "random" => StreamSampler::Random,
@@ -995,9 +1247,22 @@ impl PyBessStream {
             .inverse_triples(inverse_triples)
             .annotations(annotations);
         match (seed, seeds) {
-            (Some(_), Some(_)) => return Err(param(py, "seeds", "both seed and seeds", "give one seed, or three seeds, not both")),
+            (Some(_), Some(_)) => {
+                return Err(param(
+                    py,
+                    "seeds",
+                    "both seed and seeds",
+                    "give one seed, or three seeds, not both",
+                ))
+            }
             (Some(s), None) => b = b.seed(seed_u64(py, "seed", s)?),
-            (None, Some((a, bb, c))) => b = b.seeds(seed_u64(py, "seeds", &a)?, seed_u64(py, "seeds", &bb)?, seed_u64(py, "seeds", &c)?),
+            (None, Some((a, bb, c))) => {
+                b = b.seeds(
+                    seed_u64(py, "seeds", &a)?,
+                    seed_u64(py, "seeds", &bb)?,
+                    seed_u64(py, "seeds", &c)?,
+                )
+            }
             (None, None) => {}
         }
         if let Some(t) = steps {
@@ -1014,7 +1279,11 @@ impl PyBessStream {
         }
         let inner = py.detach(|| b.build()).py(py)?;
         let config_json = inner.config().to_json();
-        Ok(PyBessStream { inner, config_json, rigid: matches!(stream_sampler, StreamSampler::Rigid { .. }) })
+        Ok(PyBessStream {
+            inner,
+            config_json,
+            rigid: matches!(stream_sampler, StreamSampler::Rigid { .. }),
+        })
     }
 
     /// The config as JSON text, for `sparsecore_prep.Preprocessor(stream.config_json)`.
@@ -1026,7 +1295,8 @@ impl PyBessStream {
     /// The config as a dict (`json.loads(config_json)`); `Preprocessor` takes either.
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        py.import("json")?.call_method1("loads", (self.config_json.as_str(),))
+        py.import("json")?
+            .call_method1("loads", (self.config_json.as_str(),))
     }
 
     /// The per-cell counts the config's limits are made of.
@@ -1066,13 +1336,17 @@ impl PyBessStream {
     /// The entity sharding.
     #[getter]
     fn sharding(&self) -> PySharding {
-        PySharding { inner: self.inner.sharding().clone() }
+        PySharding {
+            inner: self.inner.sharding().clone(),
+        }
     }
 
     /// The partitioned triples (`triple_idx` points into them).
     #[getter]
     fn partitioned(&self) -> PyPartitioned {
-        PyPartitioned { inner: self.inner.partitioned().clone() }
+        PyPartitioned {
+            inner: self.inner.partitioned().clone(),
+        }
     }
 
     /// Fraction of Rigid's positions over one epoch that are padding (0 for random).
@@ -1086,14 +1360,19 @@ impl PyBessStream {
     }
 
     /// The physical ids (`local·N + ((shard − col_shift) mod N)`) of global entities, int64.
-    fn physical_ids<'py>(&self, py: Python<'py>, entities: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn physical_ids<'py>(
+        &self,
+        py: Python<'py>,
+        entities: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let (shape, v) = int_values(py, entities, "entity")?;
         let mut out = Vec::with_capacity(v.len());
         for (row, &e) in v.iter().enumerate() {
             let (s, i) = self.inner.sharding().locate(e, "entity", row).py(py)?;
             out.push(self.inner.layout().physical_id(s, i as i64));
         }
-        let a = ArrayD::from_shape_vec(IxDyn(&shape), out).map_err(|e| param(py, "entities", "shape", e.to_string()))?;
+        let a = ArrayD::from_shape_vec(IxDyn(&shape), out)
+            .map_err(|e| param(py, "entities", "shape", e.to_string()))?;
         Ok(np_nd(py, &a))
     }
 
@@ -1109,12 +1388,25 @@ impl PyBessStream {
     /// (`sample_idx` `[n, n, ppp]` SparseCore-major, `triple_mask` (rigid), `negative`,
     /// `negative_mask`, `negative_sort_idx`); it is empty unless the stream was built with
     /// `annotations=True`.
-    fn draw_annotated<'py>(&mut self, py: Python<'py>, step: usize) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyDict>)> {
+    fn draw_annotated<'py>(
+        &mut self,
+        py: Python<'py>,
+        step: usize,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyDict>)> {
         let inner = &mut self.inner;
         let b = py.detach(|| inner.draw(step)).py(py)?;
         let d = PyDict::new(py);
-        let triple_mask = b.triple_mask.as_ref().map(|m| PyArray1::from_slice(py, m).into_any());
-        set_arrays(&d, [("sample_idx", np_opt(py, &b.sample_idx)), ("triple_mask", triple_mask)])?;
+        let triple_mask = b
+            .triple_mask
+            .as_ref()
+            .map(|m| PyArray1::from_slice(py, m).into_any());
+        set_arrays(
+            &d,
+            [
+                ("sample_idx", np_opt(py, &b.sample_idx)),
+                ("triple_mask", triple_mask),
+            ],
+        )?;
         if let Some(o) = &b.negative {
             for (k, v) in negative_dict(py, o)?.iter() {
                 d.set_item(k, v)?;

@@ -11,8 +11,8 @@
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::BoundObject;
 use pyo3::types::{PyDict, PyType};
+use pyo3::BoundObject;
 use sparsecore_kernel::{KernelError, PlanItem};
 use sparsecore_prep::{ConfigItem, Error, LimitKind};
 
@@ -44,14 +44,24 @@ impl Class {
     }
 
     fn lookup<'py>(self, py: Python<'py>) -> PyResult<&'py Bound<'py, PyType>> {
-        static CLASSES: [PyOnceLock<Py<PyType>>; 4] = [PyOnceLock::new(), PyOnceLock::new(), PyOnceLock::new(), PyOnceLock::new()];
+        static CLASSES: [PyOnceLock<Py<PyType>>; 4] = [
+            PyOnceLock::new(),
+            PyOnceLock::new(),
+            PyOnceLock::new(),
+            PyOnceLock::new(),
+        ];
         CLASSES[self as usize].import(py, "sparsecore_prep._errors", self.name())
     }
 }
 
 /// A `class(message, **fields)` exception; fields whose value is `None` are left out (they
 /// default to None).
-pub fn raise<'py>(py: Python<'py>, class: Class, message: String, fields: &[(&str, Option<Bound<'py, PyAny>>)]) -> PyErr {
+pub fn raise<'py>(
+    py: Python<'py>,
+    class: Class,
+    message: String,
+    fields: &[(&str, Option<Bound<'py, PyAny>>)],
+) -> PyErr {
     let made = (|| -> PyResult<Bound<'py, PyAny>> {
         let kwargs = PyDict::new(py);
         for (name, value) in fields {
@@ -69,19 +79,42 @@ pub fn raise<'py>(py: Python<'py>, class: Class, message: String, fields: &[(&st
 
 /// `Some(value)` as a Python object, for [`raise`]'s fields.
 pub fn field<'py, T: IntoPyObject<'py>>(py: Python<'py>, value: T) -> Option<Bound<'py, PyAny>> {
-    value.into_pyobject(py).ok().map(|v| v.into_any().into_bound())
+    value
+        .into_pyobject(py)
+        .ok()
+        .map(|v| v.into_any().into_bound())
 }
 
 /// An [`Class::InvalidInput`] naming the feature, and the row and id when known (the id exactly
 /// as given: any integer type converts).
-pub fn invalid_input<'py, I: IntoPyObject<'py>>(py: Python<'py>, feature: &str, row: Option<usize>, id: Option<I>, message: String) -> PyErr {
+pub fn invalid_input<'py, I: IntoPyObject<'py>>(
+    py: Python<'py>,
+    feature: &str,
+    row: Option<usize>,
+    id: Option<I>,
+    message: String,
+) -> PyErr {
     let id = id.and_then(|id| field(py, id));
-    raise(py, Class::InvalidInput, message, &[("feature", field(py, feature)), ("row", row.and_then(|r| field(py, r))), ("id", id)])
+    raise(
+        py,
+        Class::InvalidInput,
+        message,
+        &[
+            ("feature", field(py, feature)),
+            ("row", row.and_then(|r| field(py, r))),
+            ("id", id),
+        ],
+    )
 }
 
 /// An [`Class::InputType`] naming the feature.
 pub fn input_type(py: Python<'_>, feature: &str, message: String) -> PyErr {
-    raise(py, Class::InputType, message, &[("feature", field(py, feature))])
+    raise(
+        py,
+        Class::InputType,
+        message,
+        &[("feature", field(py, feature))],
+    )
 }
 
 /// Maps an error to the package's exception for it, keeping our message and the error's facts
@@ -90,10 +123,26 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
     let message = e.to_string();
     let f = |v: &str| field(py, v);
     let config = |field_name: Option<&str>, location: Option<String>| {
-        raise(py, Class::Config, message.clone(), &[("field", field_name.and_then(f)), ("location", location.and_then(|l| field(py, l)))])
+        raise(
+            py,
+            Class::Config,
+            message.clone(),
+            &[
+                ("field", field_name.and_then(f)),
+                ("location", location.and_then(|l| field(py, l))),
+            ],
+        )
     };
     match e.root() {
-        Error::LimitExceeded { stack, kind, observed, limit, device, sparsecore, partition } => {
+        Error::LimitExceeded {
+            stack,
+            kind,
+            observed,
+            limit,
+            device,
+            sparsecore,
+            partition,
+        } => {
             let kind = match kind {
                 LimitKind::MaxIds => "max_ids_per_partition",
                 LimitKind::MaxUniqueIds => "max_unique_ids_per_partition",
@@ -113,11 +162,15 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
                 ],
             )
         }
-        Error::IdOutOfRange { feature, row, id, .. } => invalid_input(py, feature, Some(*row), Some(*id), message),
+        Error::IdOutOfRange {
+            feature, row, id, ..
+        } => invalid_input(py, feature, Some(*row), Some(*id), message),
         Error::InvalidWeight { feature, row, .. } | Error::WeightsShape { feature, row, .. } => {
             invalid_input(py, feature, Some(*row), None::<i64>, message)
         }
-        Error::InvalidInput { feature, .. } | Error::MissingColumn { feature, .. } | Error::BatchNotDivisible { feature, .. } => {
+        Error::InvalidInput { feature, .. }
+        | Error::MissingColumn { feature, .. }
+        | Error::BatchNotDivisible { feature, .. } => {
             invalid_input(py, feature, None, None::<i64>, message)
         }
         Error::BatchTooSmall { .. }
@@ -126,22 +179,40 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         | Error::Arrow { .. }
         | Error::InvalidData { .. }
         | Error::NpzMemberTooLarge { .. } => raise(py, Class::InvalidInput, message, &[]),
-        Error::ColumnType { feature, column, .. } => {
-            raise(py, Class::InputType, message, &[("feature", f(feature)), ("column", f(column))])
-        }
-        Error::UnknownField { field: name, location, suggestion } => raise(
+        Error::ColumnType {
+            feature, column, ..
+        } => raise(
+            py,
+            Class::InputType,
+            message,
+            &[("feature", f(feature)), ("column", f(column))],
+        ),
+        Error::UnknownField {
+            field: name,
+            location,
+            suggestion,
+        } => raise(
             py,
             Class::Config,
             message,
-            &[("field", f(name)), ("location", f(location)), ("suggestion", suggestion.as_deref().and_then(f))],
+            &[
+                ("field", f(name)),
+                ("location", f(location)),
+                ("suggestion", suggestion.as_deref().and_then(f)),
+            ],
         ),
         Error::InvalidOption { option, .. } => config(Some(option), None),
         Error::InvalidConfig { what, name, .. } => config(None, Some(format!("{what} `{name}`"))),
-        Error::InvalidLimit { what, name, limit, .. } => config(Some(limit), Some(format!("{what} `{name}`"))),
-        Error::SuggestedBufferTooLarge { stack, .. } => {
-            config(Some("suggested_coo_buffer_size_per_device"), Some(format!("stack `{stack}`")))
+        Error::InvalidLimit {
+            what, name, limit, ..
+        } => config(Some(limit), Some(format!("{what} `{name}`"))),
+        Error::SuggestedBufferTooLarge { stack, .. } => config(
+            Some("suggested_coo_buffer_size_per_device"),
+            Some(format!("stack `{stack}`")),
+        ),
+        Error::BufferSizeOutOfRange { stack, .. } | Error::OutputTooLarge { stack, .. } => {
+            config(None, Some(format!("stack `{stack}`")))
         }
-        Error::BufferSizeOutOfRange { stack, .. } | Error::OutputTooLarge { stack, .. } => config(None, Some(format!("stack `{stack}`"))),
         Error::NotPowerOfTwo { .. } => config(Some("num_sc_per_device"), None),
         Error::NoFeatures => config(Some("features"), None),
         Error::Json { context, .. } => config(None, Some(context.clone())),
@@ -157,17 +228,54 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
 fn kernel_as_pipeline(e: KernelError) -> std::result::Result<Error, KernelError> {
     Ok(match e {
         // The exception's `feature` field has held the subject's name since before subjects were typed.
-        KernelError::InvalidInput { subject, reason } => Error::InvalidInput { feature: subject.name().to_string(), reason },
+        KernelError::InvalidInput { subject, reason } => Error::InvalidInput {
+            feature: subject.name().to_string(),
+            reason,
+        },
         KernelError::Plan { kind, name, reason } => match kind {
-            PlanItem::Stack => Error::InvalidConfig { what: ConfigItem::Stack, name, reason },
-            PlanItem::Feature => Error::InvalidConfig { what: ConfigItem::Feature, name, reason },
-            PlanItem::Table => Error::InvalidConfig { what: ConfigItem::Table, name, reason },
+            PlanItem::Stack => Error::InvalidConfig {
+                what: ConfigItem::Stack,
+                name,
+                reason,
+            },
+            PlanItem::Feature => Error::InvalidConfig {
+                what: ConfigItem::Feature,
+                name,
+                reason,
+            },
+            PlanItem::Table => Error::InvalidConfig {
+                what: ConfigItem::Table,
+                name,
+                reason,
+            },
             // Python binds no dynamic tables: such an error (or a kind added later) stays the
             // kernel's own, with its own message and class.
-            other => return Err(KernelError::Plan { kind: other, name, reason }),
+            other => {
+                return Err(KernelError::Plan {
+                    kind: other,
+                    name,
+                    reason,
+                })
+            }
         },
-        KernelError::Parameter { name, value, reason } => Error::InvalidOption { option: name, value, reason },
-        KernelError::InvalidWeight { feature, row, value } => Error::InvalidWeight { feature, row, value },
+        KernelError::Parameter {
+            name,
+            value,
+            reason,
+        } => Error::InvalidOption {
+            option: name,
+            value,
+            reason,
+        },
+        KernelError::InvalidWeight {
+            feature,
+            row,
+            value,
+        } => Error::InvalidWeight {
+            feature,
+            row,
+            value,
+        },
         KernelError::Context { context, source } => kernel_as_pipeline(*source)?.context(context),
         KernelError::Pipeline(e) => e,
         other => return Err(other),

@@ -15,13 +15,19 @@
 use std::sync::{Arc, Mutex};
 
 use ndarray::{s, Array2, ArrayView2, ArrayViewMut2, Axis};
-use numpy::{IntoPyArray, PyArray2, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2, PyUntypedArrayMethods};
+use numpy::{
+    IntoPyArray, PyArray2, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray2,
+    PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use rayon::prelude::*;
 use rayon::ThreadPool;
-use sparsecore_kernel::{apply_gradients_into, feature_activations, sparse_dense_matmul_into, stack_feature_gradients, Optimizer, KernelError, StackBuffers, StackedTable};
+use sparsecore_kernel::{
+    apply_gradients_into, feature_activations, sparse_dense_matmul_into, stack_feature_gradients,
+    KernelError, Optimizer, StackBuffers, StackedTable,
+};
 use sparsecore_prep::{Config, Plan};
 
 use crate::errors::{self, field, kernel_to_py, to_py, Class};
@@ -29,7 +35,12 @@ use crate::prep::{resolved_plan, SpecTuple};
 use crate::threads;
 
 /// One stack's four buffers as numpy arrays (any shape; read flat, C order).
-type Buffers<'py> = (PyReadonlyArray1<'py, i32>, PyReadonlyArray1<'py, i32>, PyReadonlyArray1<'py, i32>, PyReadonlyArray1<'py, f32>);
+type Buffers<'py> = (
+    PyReadonlyArray1<'py, i32>,
+    PyReadonlyArray1<'py, i32>,
+    PyReadonlyArray1<'py, i32>,
+    PyReadonlyArray1<'py, f32>,
+);
 
 /// An optimizer as the Python side reads it from a spec: its short name (the reference's
 /// `short_name()`), its hyper-parameters in the reference's order, the step (Adam, LaProp) and
@@ -49,13 +60,25 @@ pub struct NativeKernels {
 }
 
 fn config_error(py: Python<'_>, stack: &str, field_name: &str, message: String) -> PyErr {
-    errors::raise(py, Class::Config, message, &[("field", field(py, field_name)), ("location", field(py, format!("stack `{stack}`")))])
+    errors::raise(
+        py,
+        Class::Config,
+        message,
+        &[
+            ("field", field(py, field_name)),
+            ("location", field(py, format!("stack `{stack}`"))),
+        ],
+    )
 }
 
 /// The crate's optimizer for a stack, or a `ConfigError` naming the stack and the
 /// hyper-parameter (an unknown optimizer, a wrong number of hyper-parameters, a NaN or infinite
 /// one).
-fn optimizer(py: Python<'_>, stack: &str, (kind, h, step, flag): &OptimizerTuple) -> PyResult<Optimizer> {
+fn optimizer(
+    py: Python<'_>,
+    stack: &str,
+    (kind, h, step, flag): &OptimizerTuple,
+) -> PyResult<Optimizer> {
     let want = match kind.as_str() {
         "sgd" | "adagrad" => 1,
         "adagrad_momentum" | "ftrl" => 5,
@@ -70,22 +93,65 @@ fn optimizer(py: Python<'_>, stack: &str, (kind, h, step, flag): &OptimizerTuple
         }
     };
     if h.len() != want {
-        return Err(config_error(py, stack, "optimizer", format!("stack `{stack}`: {kind} takes {want} hyper-parameters, got {}", h.len())));
+        return Err(config_error(
+            py,
+            stack,
+            "optimizer",
+            format!(
+                "stack `{stack}`: {kind} takes {want} hyper-parameters, got {}",
+                h.len()
+            ),
+        ));
     }
-    let step_u32 = |s: i64| u32::try_from(s).map_err(|_| config_error(py, stack, "step", format!("stack `{stack}`: step {s} must be in [0, 2^32)")));
+    let step_u32 = |s: i64| {
+        u32::try_from(s).map_err(|_| {
+            config_error(
+                py,
+                stack,
+                "step",
+                format!("stack `{stack}`: step {s} must be in [0, 2^32)"),
+            )
+        })
+    };
     let opt = match kind.as_str() {
         "sgd" => Optimizer::Sgd { lr: h[0] },
         "adagrad" => Optimizer::Adagrad { lr: h[0] },
-        "adagrad_momentum" => {
-            Optimizer::AdagradMomentum { lr: h[0], momentum: h[1], beta2: h[2], epsilon: h[3], exponent: h[4], use_nesterov: *flag }
-        }
-        "adam" => Optimizer::Adam { lr: h[0], beta1: h[1], beta2: h[2], epsilon: h[3], step: step_u32(step.unwrap_or(0))? },
-        "ftrl" => Optimizer::Ftrl { lr: h[0], lr_power: h[1], l1: h[2], l2: h[3], beta: h[4], multiply_linear_by_lr: *flag },
-        _ => Optimizer::Laprop { lr: h[0], b1: h[1], b2: h[2], eps: h[3], step: step.map(step_u32).transpose()? },
+        "adagrad_momentum" => Optimizer::AdagradMomentum {
+            lr: h[0],
+            momentum: h[1],
+            beta2: h[2],
+            epsilon: h[3],
+            exponent: h[4],
+            use_nesterov: *flag,
+        },
+        "adam" => Optimizer::Adam {
+            lr: h[0],
+            beta1: h[1],
+            beta2: h[2],
+            epsilon: h[3],
+            step: step_u32(step.unwrap_or(0))?,
+        },
+        "ftrl" => Optimizer::Ftrl {
+            lr: h[0],
+            lr_power: h[1],
+            l1: h[2],
+            l2: h[3],
+            beta: h[4],
+            multiply_linear_by_lr: *flag,
+        },
+        _ => Optimizer::Laprop {
+            lr: h[0],
+            b1: h[1],
+            b2: h[2],
+            eps: h[3],
+            step: step.map(step_u32).transpose()?,
+        },
     };
     opt.validate().map_err(|e| {
         let hyper = match e.root() {
-            KernelError::Parameter { value, .. } => value.split(' ').next().unwrap_or("optimizer").to_string(),
+            KernelError::Parameter { value, .. } => {
+                value.split(' ').next().unwrap_or("optimizer").to_string()
+            }
             _ => "optimizer".to_string(),
         };
         config_error(py, stack, &hyper, format!("stack `{stack}`, {kind}: {e}"))
@@ -94,19 +160,36 @@ fn optimizer(py: Python<'_>, stack: &str, (kind, h, step, flag): &OptimizerTuple
 }
 
 /// A C-contiguous numpy array's data, or a `ValueError` naming what it is.
-fn flat<'a, T: numpy::Element>(a: &'a PyReadonlyArray1<'_, T>, what: &str, stack: &str) -> PyResult<&'a [T]> {
-    a.as_slice().map_err(|_| errors::raise(a.py(), Class::InvalidInput, format!("stack `{stack}`: {what} must be C-contiguous"), &[]))
+fn flat<'a, T: numpy::Element>(
+    a: &'a PyReadonlyArray1<'_, T>,
+    what: &str,
+    stack: &str,
+) -> PyResult<&'a [T]> {
+    a.as_slice().map_err(|_| {
+        errors::raise(
+            a.py(),
+            Class::InvalidInput,
+            format!("stack `{stack}`: {what} must be C-contiguous"),
+            &[],
+        )
+    })
 }
 
 impl NativeKernels {
     fn with_plan(plan: Plan, threads: Option<usize>) -> Self {
-        NativeKernels { plan, threads, pool: Mutex::new(None) }
+        NativeKernels {
+            plan,
+            threads,
+            pool: Mutex::new(None),
+        }
     }
 
     /// The pool to run on: a dedicated one (rebuilt in a forked child, whose threads it does
     /// not have), or the package's shared one.
     fn pool(&self) -> PyResult<Arc<ThreadPool>> {
-        let Some(n) = self.threads else { return threads::pool() };
+        let Some(n) = self.threads else {
+            return threads::pool();
+        };
         let pid = std::process::id();
         let mut slot = self.pool.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((owner, pool)) = &*slot {
@@ -128,12 +211,20 @@ impl NativeKernels {
     }
 
     /// Borrowed buffers of every stack, in plan order.
-    fn buffers<'a>(&'a self, py: Python<'_>, buffers: &'a [Buffers<'_>]) -> PyResult<Vec<StackBuffers<'a>>> {
+    fn buffers<'a>(
+        &'a self,
+        py: Python<'_>,
+        buffers: &'a [Buffers<'_>],
+    ) -> PyResult<Vec<StackBuffers<'a>>> {
         if buffers.len() != self.plan.stacks.len() {
             return Err(errors::raise(
                 py,
                 Class::InvalidInput,
-                format!("{} stacks of buffers for the {} stacks of the specs", buffers.len(), self.plan.stacks.len()),
+                format!(
+                    "{} stacks of buffers for the {} stacks of the specs",
+                    buffers.len(),
+                    self.plan.stacks.len()
+                ),
                 &[],
             ));
         }
@@ -154,12 +245,16 @@ impl NativeKernels {
     }
 
     fn bsd(&self, stack: usize) -> usize {
-        (self.plan.stacks[stack].total_sample_count / self.plan.layout.global_devices as u64) as usize
+        (self.plan.stacks[stack].total_sample_count / self.plan.layout.global_devices as u64)
+            as usize
     }
 
     /// Per-feature gradients (`[L · S · rows, dim]`, the per-feature activations' shape) of
     /// every stack stacked into its `[L · bsd, D]` activation layout.
-    fn stack_gradients(&self, grads: &[ArrayView2<'_, f32>]) -> sparsecore_kernel::Result<Vec<Array2<f32>>> {
+    fn stack_gradients(
+        &self,
+        grads: &[ArrayView2<'_, f32>],
+    ) -> sparsecore_kernel::Result<Vec<Array2<f32>>> {
         let l = self.plan.layout.local_devices;
         self.plan
             .stacks
@@ -179,7 +274,8 @@ impl NativeKernels {
                         })
                         .collect();
                     let stacked = stack_feature_gradients(&self.plan, &sp.name, &per_device)?;
-                    out.slice_mut(s![d * bsd..(d + 1) * bsd, ..]).assign(&stacked);
+                    out.slice_mut(s![d * bsd..(d + 1) * bsd, ..])
+                        .assign(&stacked);
                 }
                 Ok(out)
             })
@@ -187,12 +283,20 @@ impl NativeKernels {
     }
 
     fn check_grads(&self, py: Python<'_>, grads: &[ArrayView2<'_, f32>]) -> PyResult<()> {
-        let (l, s, n) = (self.plan.layout.local_devices, self.plan.layout.sc_per_device, self.plan.layout.num_partitions());
+        let (l, s, n) = (
+            self.plan.layout.local_devices,
+            self.plan.layout.sc_per_device,
+            self.plan.layout.num_partitions(),
+        );
         if grads.len() != self.plan.features.len() {
             return Err(errors::raise(
                 py,
                 Class::InvalidInput,
-                format!("{} activation gradients for {} features", grads.len(), self.plan.features.len()),
+                format!(
+                    "{} activation gradients for {} features",
+                    grads.len(),
+                    self.plan.features.len()
+                ),
                 &[],
             ));
         }
@@ -227,9 +331,17 @@ impl NativeKernels {
         enable_minibatching: bool,
         threads: Option<usize>,
     ) -> PyResult<Self> {
-        let (_, plan) =
-            resolved_plan(&specs, local_device_count, global_device_count, num_sc_per_device, "MOD".to_string(), false, enable_minibatching, true)
-                .map_err(|e| to_py(py, e))?;
+        let (_, plan) = resolved_plan(
+            &specs,
+            local_device_count,
+            global_device_count,
+            num_sc_per_device,
+            "MOD".to_string(),
+            false,
+            enable_minibatching,
+            true,
+        )
+        .map_err(|e| to_py(py, e))?;
         Ok(Self::with_plan(plan, threads))
     }
 
@@ -237,7 +349,12 @@ impl NativeKernels {
     /// `sparsecore_prep.Preprocessor` runs), so that its buffers can be fed to the passes.
     #[staticmethod]
     #[pyo3(signature = (config_json, global_batch_sizes, threads=None))]
-    fn from_config(py: Python<'_>, config_json: &str, global_batch_sizes: Vec<usize>, threads: Option<usize>) -> PyResult<Self> {
+    fn from_config(
+        py: Python<'_>,
+        config_json: &str,
+        global_batch_sizes: Vec<usize>,
+        threads: Option<usize>,
+    ) -> PyResult<Self> {
         let config = Config::from_json(config_json).map_err(|e| to_py(py, e))?;
         let plan = Plan::new(&config, &global_batch_sizes).map_err(|e| to_py(py, e))?;
         Ok(Self::with_plan(plan, threads))
@@ -250,7 +367,11 @@ impl NativeKernels {
     fn layout<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);
         let layout = self.plan.layout;
-        let (l, s, n) = (layout.local_devices, layout.sc_per_device, layout.num_partitions());
+        let (l, s, n) = (
+            layout.local_devices,
+            layout.sc_per_device,
+            layout.num_partitions(),
+        );
         out.set_item("local_devices", l)?;
         let mut stacks = Vec::new();
         for (i, sp) in self.plan.stacks.iter().enumerate() {
@@ -272,8 +393,19 @@ impl NativeKernels {
             stacks.push(d);
         }
         out.set_item("stacks", stacks)?;
-        let features: Vec<(String, usize, usize, u64)> =
-            self.plan.features.iter().map(|f| (f.name.clone(), f.stack, l * s * (f.global_batch_size / n), f.embedding_dim)).collect();
+        let features: Vec<(String, usize, usize, u64)> = self
+            .plan
+            .features
+            .iter()
+            .map(|f| {
+                (
+                    f.name.clone(),
+                    f.stack,
+                    l * s * (f.global_batch_size / n),
+                    f.embedding_dim,
+                )
+            })
+            .collect();
         out.set_item("features", features)?;
         Ok(out)
     }
@@ -292,7 +424,12 @@ impl NativeKernels {
         let pool = self.pool()?;
         let b = self.buffers(py, &buffers)?;
         if tables.len() != b.len() {
-            return Err(errors::raise(py, Class::InvalidInput, format!("{} tables for {} stacks", tables.len(), b.len()), &[]));
+            return Err(errors::raise(
+                py,
+                Class::InvalidInput,
+                format!("{} tables for {} stacks", tables.len(), b.len()),
+                &[],
+            ));
         }
         let views: Vec<ArrayView2<'_, f32>> = tables.iter().map(|t| t.as_array()).collect();
         let plan = &self.plan;
@@ -305,8 +442,17 @@ impl NativeKernels {
                     .zip(&views)
                     .enumerate()
                     .map(|(i, (buf, table))| {
-                        let mut act = Array2::<f32>::zeros((l * this.bsd(i), plan.stacks[i].stack_embedding_dim as usize));
-                        sparse_dense_matmul_into(plan, buf, num_minibatches, table.view(), act.view_mut())?;
+                        let mut act = Array2::<f32>::zeros((
+                            l * this.bsd(i),
+                            plan.stacks[i].stack_embedding_dim as usize,
+                        ));
+                        sparse_dense_matmul_into(
+                            plan,
+                            buf,
+                            num_minibatches,
+                            table.view(),
+                            act.view_mut(),
+                        )?;
                         Ok(act)
                     })
                     .collect::<sparsecore_kernel::Result<_>>()?;
@@ -319,7 +465,13 @@ impl NativeKernels {
                         let st = &stacked[plan.features[f].stack];
                         let bsd = st.nrows() / l;
                         let per_device: Vec<Array2<f32>> = (0..l)
-                            .map(|d| feature_activations(plan, f, st.slice(s![d * bsd..(d + 1) * bsd, ..])))
+                            .map(|d| {
+                                feature_activations(
+                                    plan,
+                                    f,
+                                    st.slice(s![d * bsd..(d + 1) * bsd, ..]),
+                                )
+                            })
                             .collect::<sparsecore_kernel::Result<_>>()?;
                         let views: Vec<_> = per_device.iter().map(|a| a.view()).collect();
                         Ok(ndarray::concatenate(Axis(0), &views).expect("equal widths"))
@@ -327,7 +479,11 @@ impl NativeKernels {
                     .collect()
             })
         });
-        Ok(result.map_err(|e| kernel_to_py(py, e))?.into_iter().map(|a| a.into_pyarray(py)).collect())
+        Ok(result
+            .map_err(|e| kernel_to_py(py, e))?
+            .into_iter()
+            .map(|a| a.into_pyarray(py))
+            .collect())
     }
 
     /// The backward pass with each stack's optimizer, on copies: returns every stack's updated
@@ -346,11 +502,29 @@ impl NativeKernels {
         limits: Vec<(f32, f32)>,
         stacked: bool,
     ) -> PyResult<Vec<Vec<Bound<'py, PyArray2<f32>>>>> {
-        let mut owned: Vec<Vec<Array2<f32>>> = variables.iter().map(|v| v.iter().map(|a| a.as_array().to_owned()).collect()).collect();
-        let mut views: Vec<Vec<ArrayViewMut2<'_, f32>>> = owned.iter_mut().map(|v| v.iter_mut().map(|a| a.view_mut()).collect()).collect();
-        self.update(py, &buffers, num_minibatches, &grads, &mut views, &optimizers, &limits, stacked)?;
+        let mut owned: Vec<Vec<Array2<f32>>> = variables
+            .iter()
+            .map(|v| v.iter().map(|a| a.as_array().to_owned()).collect())
+            .collect();
+        let mut views: Vec<Vec<ArrayViewMut2<'_, f32>>> = owned
+            .iter_mut()
+            .map(|v| v.iter_mut().map(|a| a.view_mut()).collect())
+            .collect();
+        self.update(
+            py,
+            &buffers,
+            num_minibatches,
+            &grads,
+            &mut views,
+            &optimizers,
+            &limits,
+            stacked,
+        )?;
         drop(views);
-        Ok(owned.into_iter().map(|v| v.into_iter().map(|a| a.into_pyarray(py)).collect()).collect())
+        Ok(owned
+            .into_iter()
+            .map(|v| v.into_iter().map(|a| a.into_pyarray(py)).collect())
+            .collect())
     }
 
     /// [`NativeKernels::backward`] in place on writable numpy arrays (the benchmark's path; the
@@ -368,43 +542,95 @@ impl NativeKernels {
         limits: Vec<(f32, f32)>,
         stacked: bool,
     ) -> PyResult<()> {
-        let mut views: Vec<Vec<ArrayViewMut2<'_, f32>>> = variables.iter_mut().map(|v| v.iter_mut().map(|a| a.as_array_mut()).collect()).collect();
-        self.update(py, &buffers, num_minibatches, &grads, &mut views, &optimizers, &limits, stacked)
+        let mut views: Vec<Vec<ArrayViewMut2<'_, f32>>> = variables
+            .iter_mut()
+            .map(|v| v.iter_mut().map(|a| a.as_array_mut()).collect())
+            .collect();
+        self.update(
+            py,
+            &buffers,
+            num_minibatches,
+            &grads,
+            &mut views,
+            &optimizers,
+            &limits,
+            stacked,
+        )
     }
 
     /// Member table arrays (`[vocabulary_size, embedding_dim]`, the stack's table order) of stack
     /// `stack` (plan index) in the stacked, sharded layout `[N · R, D]`.
-    fn stack_table<'py>(&self, py: Python<'py>, stack: usize, tables: Vec<PyReadonlyArray2<'py, f32>>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    fn stack_table<'py>(
+        &self,
+        py: Python<'py>,
+        stack: usize,
+        tables: Vec<PyReadonlyArray2<'py, f32>>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let sp = self.stack_plan(py, stack)?;
         let views: Vec<ArrayView2<'_, f32>> = tables.iter().map(|t| t.as_array()).collect();
-        let t = StackedTable::from_tables(&self.plan, &sp.name, &views).map_err(|e| kernel_to_py(py, e))?;
+        let t = StackedTable::from_tables(&self.plan, &sp.name, &views)
+            .map_err(|e| kernel_to_py(py, e))?;
         Ok(t.data.into_pyarray(py))
     }
 
     /// The inverse of [`NativeKernels::stack_table`]: the member tables of stack `stack`.
-    fn unstack_table<'py>(&self, py: Python<'py>, stack: usize, table: PyReadonlyArray2<'py, f32>) -> PyResult<Vec<Bound<'py, PyArray2<f32>>>> {
+    fn unstack_table<'py>(
+        &self,
+        py: Python<'py>,
+        stack: usize,
+        table: PyReadonlyArray2<'py, f32>,
+    ) -> PyResult<Vec<Bound<'py, PyArray2<f32>>>> {
         let sp = self.stack_plan(py, stack)?;
         let n = self.plan.layout.num_partitions();
-        let (v, d) = (sp.stack_vocab_size as usize, sp.stack_embedding_dim as usize);
+        let (v, d) = (
+            sp.stack_vocab_size as usize,
+            sp.stack_embedding_dim as usize,
+        );
         if table.shape() != [v, d] {
             return Err(config_error(
                 py,
                 &sp.name,
                 "embedding_variables",
-                format!("stack `{}`: table of shape {:?}, expected [{v}, {d}]", sp.name, table.shape()),
+                format!(
+                    "stack `{}`: table of shape {:?}, expected [{v}, {d}]",
+                    sp.name,
+                    table.shape()
+                ),
             ));
         }
-        let st = StackedTable { stack: sp.name.clone(), num_shards: n, rows_per_shard: v / n, dim: d, data: table.as_array().to_owned() };
-        sp.tables.iter().map(|&t| Ok(st.table(&self.plan, t).map_err(|e| kernel_to_py(py, e))?.into_pyarray(py))).collect()
+        let st = StackedTable {
+            stack: sp.name.clone(),
+            num_shards: n,
+            rows_per_shard: v / n,
+            dim: d,
+            data: table.as_array().to_owned(),
+        };
+        sp.tables
+            .iter()
+            .map(|&t| {
+                Ok(st
+                    .table(&self.plan, t)
+                    .map_err(|e| kernel_to_py(py, e))?
+                    .into_pyarray(py))
+            })
+            .collect()
     }
 }
 
 impl NativeKernels {
-    fn stack_plan(&self, py: Python<'_>, stack: usize) -> PyResult<&sparsecore_prep::spec::StackPlan> {
-        self.plan
-            .stacks
-            .get(stack)
-            .ok_or_else(|| errors::raise(py, Class::InvalidInput, format!("no stack {stack} ({} stacks)", self.plan.stacks.len()), &[]))
+    fn stack_plan(
+        &self,
+        py: Python<'_>,
+        stack: usize,
+    ) -> PyResult<&sparsecore_prep::spec::StackPlan> {
+        self.plan.stacks.get(stack).ok_or_else(|| {
+            errors::raise(
+                py,
+                Class::InvalidInput,
+                format!("no stack {stack} ({} stacks)", self.plan.stacks.len()),
+                &[],
+            )
+        })
     }
 
     /// Checks everything that does not need the data (optimizers, counts, shapes), then runs
@@ -428,14 +654,28 @@ impl NativeKernels {
             return Err(errors::raise(
                 py,
                 Class::InvalidInput,
-                format!("{} variables, {} optimizers and {} limits for {k} stacks", variables.len(), optimizers.len(), limits.len()),
+                format!(
+                    "{} variables, {} optimizers and {} limits for {k} stacks",
+                    variables.len(),
+                    optimizers.len(),
+                    limits.len()
+                ),
                 &[],
             ));
         }
         let mut opts = Vec::with_capacity(k);
-        for ((sp, o), vars) in self.plan.stacks.iter().zip(optimizers).zip(variables.iter()) {
+        for ((sp, o), vars) in self
+            .plan
+            .stacks
+            .iter()
+            .zip(optimizers)
+            .zip(variables.iter())
+        {
             let opt = optimizer(py, &sp.name, o)?;
-            let want = (sp.stack_vocab_size as usize, sp.stack_embedding_dim as usize);
+            let want = (
+                sp.stack_vocab_size as usize,
+                sp.stack_embedding_dim as usize,
+            );
             if vars.len() != 1 + opt.slot_names().len() {
                 return Err(config_error(
                     py,
@@ -456,7 +696,13 @@ impl NativeKernels {
                     py,
                     &sp.name,
                     "embedding_variables",
-                    format!("stack `{}`: variable of shape {:?}, expected the stacked table's [{}, {}]", sp.name, v.dim(), want.0, want.1),
+                    format!(
+                        "stack `{}`: variable of shape {:?}, expected the stacked table's [{}, {}]",
+                        sp.name,
+                        v.dim(),
+                        want.0,
+                        want.1
+                    ),
                 ));
             }
             opts.push(opt);
@@ -464,7 +710,12 @@ impl NativeKernels {
         let grad_views: Vec<ArrayView2<'_, f32>> = grads.iter().map(|g| g.as_array()).collect();
         if stacked {
             if grad_views.len() != k {
-                return Err(errors::raise(py, Class::InvalidInput, format!("{} stacked gradients for {k} stacks", grad_views.len()), &[]));
+                return Err(errors::raise(
+                    py,
+                    Class::InvalidInput,
+                    format!("{} stacked gradients for {k} stacks", grad_views.len()),
+                    &[],
+                ));
             }
         } else {
             self.check_grads(py, &grad_views)?;
@@ -485,8 +736,19 @@ impl NativeKernels {
                     .zip(stacked_grads.par_iter())
                     .zip(opts.par_iter().zip(limits.par_iter()))
                     .try_for_each(|(((vars, buf), g), (opt, lim))| {
-                        let (table, slots) = vars.split_first_mut().expect("the table is there (checked)");
-                        apply_gradients_into(&this.plan, buf, num_minibatches, g.view(), opt, *lim, table.view_mut(), slots)
+                        let (table, slots) = vars
+                            .split_first_mut()
+                            .expect("the table is there (checked)");
+                        apply_gradients_into(
+                            &this.plan,
+                            buf,
+                            num_minibatches,
+                            g.view(),
+                            opt,
+                            *lim,
+                            table.view_mut(),
+                            slots,
+                        )
                     })
             })
         });

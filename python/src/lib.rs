@@ -35,7 +35,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The bounds below which a call runs, and gathers ragged rows, on the calling thread (the
     // tests check that they reach the pool above them).
     m.add("SMALL_BATCH_IDS", sparsecore_prep::SMALL_BATCH_IDS)?;
-    m.add("GATHER_ON_CALLER_MAX_ROWS", numpy_input::GATHER_ON_CALLER_MAX_ROWS)?;
+    m.add(
+        "GATHER_ON_CALLER_MAX_ROWS",
+        numpy_input::GATHER_ON_CALLER_MAX_ROWS,
+    )?;
     m.add_class::<prep::NativePreprocessor>()?;
     m.add_class::<prep::NativeFdoStats>()?;
     m.add_class::<prep::NativeDropIn>()?;

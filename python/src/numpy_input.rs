@@ -11,7 +11,10 @@
 //! and the ids read in place ([`FeatureData::RaggedInPlace`]).
 
 use numpy::npyffi::PyArrayObject;
-use numpy::{PyArray2, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray2, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{
+    PyArray2, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray2, PyUntypedArray,
+    PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
 use sparsecore_prep::input::{DenseInput, RaggedInput, SampleSource};
 
@@ -20,24 +23,50 @@ use crate::errors;
 /// One feature's local batch, owned (ragged, gathered) or borrowed from numpy (dense).
 pub enum FeatureData<'py> {
     /// Ragged rows gathered into `ids` with row splits, and weights beside them.
-    Ragged { ids: Vec<i32>, splits: Vec<i32>, weights: Option<Vec<f32>> },
+    Ragged {
+        ids: Vec<i32>,
+        splits: Vec<i32>,
+        weights: Option<Vec<f32>>,
+    },
     /// Ragged rows whose int32 ids are already one block of memory (consecutive slices of one
     /// array), read in place: `len` ids at `addr`, inside the buffer of the numpy array
     /// `_owner`, which this holds a reference to, so that the memory outlives the call even if
     /// another thread replaces the rows while the GIL is released.
-    RaggedInPlace { addr: usize, len: usize, _owner: Py<PyAny>, splits: Vec<i32>, weights: Option<Vec<f32>> },
+    RaggedInPlace {
+        addr: usize,
+        len: usize,
+        _owner: Py<PyAny>,
+        splits: Vec<i32>,
+        weights: Option<Vec<f32>>,
+    },
     /// A dense `[batch, valency]` array of i32 ids.
-    DenseI32 { ids: PyReadonlyArray2<'py, i32>, weights: Option<PyReadonlyArray2<'py, f32>> },
+    DenseI32 {
+        ids: PyReadonlyArray2<'py, i32>,
+        weights: Option<PyReadonlyArray2<'py, f32>>,
+    },
     /// A dense `[batch, valency]` array of i64 ids.
-    DenseI64 { ids: PyReadonlyArray2<'py, i64>, weights: Option<PyReadonlyArray2<'py, f32>> },
+    DenseI64 {
+        ids: PyReadonlyArray2<'py, i64>,
+        weights: Option<PyReadonlyArray2<'py, f32>>,
+    },
 }
 
 impl FeatureData<'_> {
     /// The crate's view of this feature. `name` labels errors.
     pub fn source<'a>(&'a self, name: &str) -> sparsecore_prep::Result<Box<dyn SampleSource + 'a>> {
         Ok(match self {
-            FeatureData::Ragged { ids, splits, weights } => ragged_source(name, ids, splits, weights)?,
-            FeatureData::RaggedInPlace { addr, len, _owner: _, splits, weights } => {
+            FeatureData::Ragged {
+                ids,
+                splits,
+                weights,
+            } => ragged_source(name, ids, splits, weights)?,
+            FeatureData::RaggedInPlace {
+                addr,
+                len,
+                _owner: _,
+                splits,
+                weights,
+            } => {
                 // SAFETY: `gather_raw` checked that these `len` aligned int32s lie inside the
                 // buffer of the array `_owner`, which is alive as long as `self` (it holds a
                 // reference), and an array's buffer lives as long as the array.
@@ -77,7 +106,11 @@ fn ragged_source<'a>(
 }
 
 /// Reads one feature (and its weights) from the leaves the reference accepts.
-pub fn feature<'py>(name: &str, ids: &Bound<'py, PyAny>, weights: Option<&Bound<'py, PyAny>>) -> PyResult<FeatureData<'py>> {
+pub fn feature<'py>(
+    name: &str,
+    ids: &Bound<'py, PyAny>,
+    weights: Option<&Bound<'py, PyAny>>,
+) -> PyResult<FeatureData<'py>> {
     let py = ids.py();
     let array = ids.cast::<PyUntypedArray>().map_err(|_| {
         errors::input_type(py, name, format!(
@@ -100,10 +133,17 @@ pub fn feature<'py>(name: &str, ids: &Bound<'py, PyAny>, weights: Option<&Bound<
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
 }
 
-fn dense<'py>(name: &str, array: &Bound<'py, PyUntypedArray>, weights: Option<&Bound<'py, PyAny>>) -> PyResult<FeatureData<'py>> {
+fn dense<'py>(
+    name: &str,
+    array: &Bound<'py, PyUntypedArray>,
+    weights: Option<&Bound<'py, PyAny>>,
+) -> PyResult<FeatureData<'py>> {
     let weights = match weights {
         None => None,
         Some(w) => {
@@ -117,15 +157,25 @@ fn dense<'py>(name: &str, array: &Bound<'py, PyUntypedArray>, weights: Option<&B
         }
     };
     if let Ok(a) = array.cast::<PyArray2<i32>>() {
-        return Ok(FeatureData::DenseI32 { ids: a.try_readonly()?, weights });
+        return Ok(FeatureData::DenseI32 {
+            ids: a.try_readonly()?,
+            weights,
+        });
     }
     if let Ok(a) = array.cast::<PyArray2<i64>>() {
-        return Ok(FeatureData::DenseI64 { ids: a.try_readonly()?, weights });
+        return Ok(FeatureData::DenseI64 {
+            ids: a.try_readonly()?,
+            weights,
+        });
     }
-    Err(errors::input_type(array.py(), name, format!(
-        "feature `{name}`: dense ids must be int32 or int64, got dtype {}",
-        array.dtype()
-    )))
+    Err(errors::input_type(
+        array.py(),
+        name,
+        format!(
+            "feature `{name}`: dense ids must be int32 or int64, got dtype {}",
+            array.dtype()
+        ),
+    ))
 }
 
 fn describe(obj: &Bound<'_, PyAny>) -> String {
@@ -165,8 +215,18 @@ fn row_of(obj: &Bound<'_, PyAny>) -> Option<Result<Row, String>> {
     // SAFETY: `a` is a live numpy array (the cast checked its type) and we hold the GIL, so its
     // struct is initialised and stays alive while we read it; a 1-D array has one dimension and
     // one stride.
-    let (addr, len, stride) = unsafe { ((*ptr).fields.data as usize, *(*ptr).fields.dimensions as usize, *(*ptr).fields.strides) };
-    Some(Ok(Row { span: Span { addr, len, stride }, kind: d.kind(), itemsize: d.itemsize() }))
+    let (addr, len, stride) = unsafe {
+        (
+            (*ptr).fields.data as usize,
+            *(*ptr).fields.dimensions as usize,
+            *(*ptr).fields.strides,
+        )
+    };
+    Some(Ok(Row {
+        span: Span { addr, len, stride },
+        kind: d.kind(),
+        itemsize: d.itemsize(),
+    }))
 }
 
 /// Appends the values of one row, converted by `conv`, to `out`; the first value `conv`
@@ -175,9 +235,14 @@ fn row_of(obj: &Bound<'_, PyAny>) -> Option<Result<Row, String>> {
 /// `T` must be the row's element type (checked by the callers against kind and itemsize), and
 /// the array `span` was read from must stay alive and unchanged meanwhile (the GIL is held, or
 /// its holder blocks until the gather is done).
-fn copy_row<T: Copy, U>(span: &Span, out: &mut Vec<U>, mut conv: impl FnMut(T) -> Option<U>) -> Result<(), T> {
+fn copy_row<T: Copy, U>(
+    span: &Span,
+    out: &mut Vec<U>,
+    mut conv: impl FnMut(T) -> Option<U>,
+) -> Result<(), T> {
     out.reserve(span.len);
-    let contiguous = span.stride == std::mem::size_of::<T>() as isize && span.addr.is_multiple_of(std::mem::align_of::<T>());
+    let contiguous = span.stride == std::mem::size_of::<T>() as isize
+        && span.addr.is_multiple_of(std::mem::align_of::<T>());
     if contiguous && span.len > 0 {
         // Element by element: most rows of sparse features hold an id or two, for which a call
         // to memcpy per row costs more than the copy.
@@ -191,7 +256,11 @@ fn copy_row<T: Copy, U>(span: &Span, out: &mut Vec<U>, mut conv: impl FnMut(T) -
         for k in 0..span.len {
             // SAFETY: element k of a live 1-D array is at addr + k * stride (numpy's own
             // addressing); read_unaligned copes with any alignment.
-            let v = unsafe { std::ptr::read_unaligned((span.addr as *const u8).offset(k as isize * span.stride) as *const T) };
+            let v = unsafe {
+                std::ptr::read_unaligned(
+                    (span.addr as *const u8).offset(k as isize * span.stride) as *const T
+                )
+            };
             out.push(conv(v).ok_or(v)?);
         }
     }
@@ -217,17 +286,25 @@ fn push_ids(name: &str, r: usize, obj: &Bound<'_, PyAny>, out: &mut Vec<i32>) ->
     let row = match row_of(obj) {
         Some(Ok(row)) => row,
         Some(Err(what)) => {
-            return Err(errors::input_type(py, name, format!(
+            return Err(errors::input_type(
+                py,
+                name,
+                format!(
                 "feature `{name}`, sample row {r}: expected a 1-D array of integer ids, got {what}"
-            )))
+            ),
+            ))
         }
         None => {
             // Not a numpy array: accept any sequence of Python ints (the reference crashes).
             let values: Vec<i64> = obj.extract().map_err(|_| {
-                errors::input_type(py, name, format!(
+                errors::input_type(
+                    py,
+                    name,
+                    format!(
                     "feature `{name}`, sample row {r}: expected a 1-D array of integer ids, got {}",
                     type_name(obj)
-                ))
+                ),
+                )
             })?;
             for v in values {
                 out.push(narrow(v).ok_or_else(|| out_of_range(v as i128))?);
@@ -236,18 +313,34 @@ fn push_ids(name: &str, r: usize, obj: &Bound<'_, PyAny>, out: &mut Vec<i32>) ->
         }
     };
     match (row.kind, row.itemsize) {
-        (b'i', 4) => copy_row::<i32, i32>(&row.span, out, Some).map_err(|v| out_of_range(v as i128)),
-        (b'i', 8) => copy_row::<i64, i32>(&row.span, out, narrow).map_err(|v| out_of_range(v as i128)),
-        (b'i', 2) => copy_row::<i16, i32>(&row.span, out, |v| Some(v as i32)).map_err(|v| out_of_range(v as i128)),
-        (b'i', 1) => copy_row::<i8, i32>(&row.span, out, |v| Some(v as i32)).map_err(|v| out_of_range(v as i128)),
-        (b'u', 4) => copy_row::<u32, i32>(&row.span, out, |v| i32::try_from(v).ok()).map_err(|v| out_of_range(v as i128)),
-        (b'u', 8) => copy_row::<u64, i32>(&row.span, out, |v| i32::try_from(v).ok()).map_err(|v| out_of_range(v as i128)),
-        (b'u', 2) => copy_row::<u16, i32>(&row.span, out, |v| Some(v as i32)).map_err(|v| out_of_range(v as i128)),
-        (b'u', 1) => copy_row::<u8, i32>(&row.span, out, |v| Some(v as i32)).map_err(|v| out_of_range(v as i128)),
-        _ => Err(errors::input_type(py, name, format!(
-            "feature `{name}`, sample row {r}: ids must be integers, got dtype {}",
-            obj.cast::<PyUntypedArray>().map(|a| a.dtype().to_string()).unwrap_or_default()
-        ))),
+        (b'i', 4) => {
+            copy_row::<i32, i32>(&row.span, out, Some).map_err(|v| out_of_range(v as i128))
+        }
+        (b'i', 8) => {
+            copy_row::<i64, i32>(&row.span, out, narrow).map_err(|v| out_of_range(v as i128))
+        }
+        (b'i', 2) => copy_row::<i16, i32>(&row.span, out, |v| Some(v as i32))
+            .map_err(|v| out_of_range(v as i128)),
+        (b'i', 1) => copy_row::<i8, i32>(&row.span, out, |v| Some(v as i32))
+            .map_err(|v| out_of_range(v as i128)),
+        (b'u', 4) => copy_row::<u32, i32>(&row.span, out, |v| i32::try_from(v).ok())
+            .map_err(|v| out_of_range(v as i128)),
+        (b'u', 8) => copy_row::<u64, i32>(&row.span, out, |v| i32::try_from(v).ok())
+            .map_err(|v| out_of_range(v as i128)),
+        (b'u', 2) => copy_row::<u16, i32>(&row.span, out, |v| Some(v as i32))
+            .map_err(|v| out_of_range(v as i128)),
+        (b'u', 1) => copy_row::<u8, i32>(&row.span, out, |v| Some(v as i32))
+            .map_err(|v| out_of_range(v as i128)),
+        _ => Err(errors::input_type(
+            py,
+            name,
+            format!(
+                "feature `{name}`, sample row {r}: ids must be integers, got dtype {}",
+                obj.cast::<PyUntypedArray>()
+                    .map(|a| a.dtype().to_string())
+                    .unwrap_or_default()
+            ),
+        )),
     }
 }
 
@@ -279,17 +372,33 @@ fn push_weights(name: &str, r: usize, obj: &Bound<'_, PyAny>, out: &mut Vec<f32>
     if ok {
         Ok(())
     } else {
-        Err(errors::input_type(obj.py(), name, format!(
+        Err(errors::input_type(
+            obj.py(),
+            name,
+            format!(
             "feature `{name}`, sample row {r}: weights must be float32 (or float64), got dtype {}",
             obj.cast::<PyUntypedArray>().map(|a| a.dtype().to_string()).unwrap_or_default()
-        )))
+        ),
+        ))
     }
 }
 
-fn ragged<'py>(name: &str, array: &Bound<'py, PyUntypedArray>, weights: Option<&Bound<'py, PyAny>>) -> PyResult<FeatureData<'py>> {
+fn ragged<'py>(
+    name: &str,
+    array: &Bound<'py, PyUntypedArray>,
+    weights: Option<&Bound<'py, PyAny>>,
+) -> PyResult<FeatureData<'py>> {
     let rows = array.len();
     let py = array.py();
-    let too_many = || errors::invalid_input(py, name, None, None::<i64>, format!("feature `{name}`: more than 2147483647 ids in one batch"));
+    let too_many = || {
+        errors::invalid_input(
+            py,
+            name,
+            None,
+            None::<i64>,
+            format!("feature `{name}`: more than 2147483647 ids in one batch"),
+        )
+    };
     let mut ids: Vec<i32> = Vec::new();
     let mut splits: Vec<i32> = Vec::with_capacity(rows + 1);
     splits.push(0);
@@ -329,7 +438,11 @@ fn ragged<'py>(name: &str, array: &Bound<'py, PyUntypedArray>, weights: Option<&
             Some(values)
         }
     };
-    Ok(FeatureData::Ragged { ids, splits, weights })
+    Ok(FeatureData::Ragged {
+        ids,
+        splits,
+        weights,
+    })
 }
 
 /// Calls `f` on every item of a 1-D object array, in order, whatever its strides. Reading the
@@ -342,16 +455,30 @@ fn for_each_object<'py>(
     let py = array.py();
     let ptr: *mut PyArrayObject = array.as_array_ptr();
     // SAFETY: a live 1-D numpy array under the GIL (checked by the caller: ndim 1, dtype object).
-    let (data, len, stride) = unsafe { ((*ptr).fields.data as *const u8, *(*ptr).fields.dimensions as usize, *(*ptr).fields.strides) };
+    let (data, len, stride) = unsafe {
+        (
+            (*ptr).fields.data as *const u8,
+            *(*ptr).fields.dimensions as usize,
+            *(*ptr).fields.strides,
+        )
+    };
     for k in 0..len {
         // SAFETY: an object array stores one `PyObject*` per element at data + k * stride, each a
         // strong reference held by the array, which is alive for this call.
         let item = unsafe {
-            let p = std::ptr::read_unaligned(data.offset(k as isize * stride) as *const *mut pyo3::ffi::PyObject);
+            let p = std::ptr::read_unaligned(
+                data.offset(k as isize * stride) as *const *mut pyo3::ffi::PyObject
+            );
             pyo3::Borrowed::from_ptr_or_opt(py, p)
         };
         let item = item.ok_or_else(|| {
-            errors::invalid_input(py, name, Some(k), None::<i64>, format!("feature `{name}`, sample row {k}: empty (NULL) object"))
+            errors::invalid_input(
+                py,
+                name,
+                Some(k),
+                None::<i64>,
+                format!("feature `{name}`, sample row {k}: empty (NULL) object"),
+            )
         })?;
         f(k, &item)?;
     }
@@ -385,7 +512,13 @@ impl RawObjects {
         }
         let ptr: *mut PyArrayObject = a.as_array_ptr();
         // SAFETY: a live 1-D numpy array, read under the GIL.
-        let (data, len, stride) = unsafe { ((*ptr).fields.data as *const u8, *(*ptr).fields.dimensions as usize, *(*ptr).fields.strides) };
+        let (data, len, stride) = unsafe {
+            (
+                (*ptr).fields.data as *const u8,
+                *(*ptr).fields.dimensions as usize,
+                *(*ptr).fields.strides,
+            )
+        };
         Some(RawObjects { data, len, stride })
     }
 }
@@ -410,7 +543,10 @@ fn element(kind: u8, type_num: i32) -> Option<usize> {
 unsafe fn native_element(descr: *mut numpy::npyffi::PyArray_Descr) -> Option<(u8, usize)> {
     let d = &(*descr).fields;
     let byteorder = d.byteorder as u8;
-    if !(byteorder == b'=' || byteorder == b'|' || (cfg!(target_endian = "little") && byteorder == b'<')) {
+    if !(byteorder == b'='
+        || byteorder == b'|'
+        || (cfg!(target_endian = "little") && byteorder == b'<'))
+    {
         return None;
     }
     let kind = d.kind as u8;
@@ -458,7 +594,11 @@ unsafe fn probe(
     let (mut kind, mut itemsize) = (0u8, 1usize);
     let (mut total, mut next, mut chained) = (0usize, 0usize, true);
     let mut base = std::ptr::null_mut();
-    let at = |k: usize| std::ptr::read_unaligned(o.data.offset(k as isize * o.stride) as *const *mut pyo3::ffi::PyObject);
+    let at = |k: usize| {
+        std::ptr::read_unaligned(
+            o.data.offset(k as isize * o.stride) as *const *mut pyo3::ffi::PyObject
+        )
+    };
     for (k, (span, end)) in spans.iter_mut().zip(ends.iter_mut()).enumerate() {
         let p = at(k);
         if p.is_null() || (*p).ob_type != array_type.0 {
@@ -480,20 +620,31 @@ unsafe fn probe(
             base = f.base;
         }
         // (`itemsize` is a power of two.)
-        chained &= (k == 0 || addr == next) && stride == itemsize as isize && addr & (itemsize - 1) == 0;
+        chained &=
+            (k == 0 || addr == next) && stride == itemsize as isize && addr & (itemsize - 1) == 0;
         next = addr.wrapping_add(len.wrapping_mul(itemsize));
         total = total.wrapping_add(len);
         *span = Span { addr, len, stride };
         *end = total as i32;
     }
-    Some(Probe { itemsize, total, chained, base })
+    Some(Probe {
+        itemsize,
+        total,
+        chained,
+        base,
+    })
 }
 
 /// Whether `bytes` bytes at `addr` lie inside the buffer of `base`, a 1-D contiguous numpy
 /// array (so that a reference to `base` keeps them alive).
 ///
 /// SAFETY: `base` is null or a live object, and no Python code can run meanwhile.
-unsafe fn holds(base: *mut pyo3::ffi::PyObject, addr: usize, bytes: usize, array_type: ArrayType) -> bool {
+unsafe fn holds(
+    base: *mut pyo3::ffi::PyObject,
+    addr: usize,
+    bytes: usize,
+    array_type: ArrayType,
+) -> bool {
     if base.is_null() || (*base).ob_type != array_type.0 {
         return false;
     }
@@ -501,10 +652,15 @@ unsafe fn holds(base: *mut pyo3::ffi::PyObject, addr: usize, bytes: usize, array
     if f.nd != 1 {
         return false;
     }
-    let Some((_, size)) = native_element(f.descr) else { return false };
+    let Some((_, size)) = native_element(f.descr) else {
+        return false;
+    };
     let (start, len) = (f.data as usize, *f.dimensions as usize);
     *f.strides == size as isize
-        && len.checked_mul(size).and_then(|n| start.checked_add(n)).is_some_and(|end| start <= addr && addr.checked_add(bytes).is_some_and(|e| e <= end))
+        && len
+            .checked_mul(size)
+            .and_then(|n| start.checked_add(n))
+            .is_some_and(|end| start <= addr && addr.checked_add(bytes).is_some_and(|e| e <= end))
 }
 
 /// Appends the values of `spans` (elements of type `T`), converted by `conv`, to `out`, which
@@ -513,7 +669,13 @@ unsafe fn holds(base: *mut pyo3::ffi::PyObject, addr: usize, bytes: usize, array
 /// SAFETY: every span is `len` elements of `T`, `stride` bytes apart, in live memory that
 /// nothing writes meanwhile; when `chained`, the spans are consecutive and aligned (see
 /// [`Probe::chained`]).
-unsafe fn copy_spans<T: Copy, U: Copy + Default>(spans: &[Span], total: usize, chained: bool, out: &mut Vec<U>, conv: impl Fn(T) -> Option<U>) -> bool {
+unsafe fn copy_spans<T: Copy, U: Copy + Default>(
+    spans: &[Span],
+    total: usize,
+    chained: bool,
+    out: &mut Vec<U>,
+    conv: impl Fn(T) -> Option<U>,
+) -> bool {
     debug_assert!(out.capacity() - out.len() >= total);
     if chained && total > 0 {
         // One block: check, then convert in one loop (a memcpy when `T` is `U`).
@@ -534,7 +696,12 @@ unsafe fn copy_spans<T: Copy, U: Copy + Default>(spans: &[Span], total: usize, c
 /// it recorded (a few hundred kilobytes, still in cache).
 ///
 /// SAFETY: as [`probe`], for `ids` and `weights`.
-unsafe fn gather_raw(ids: RawObjects, weights: Option<RawObjects>, array_type: ArrayType, buf: &mut Gathered) -> bool {
+unsafe fn gather_raw(
+    ids: RawObjects,
+    weights: Option<RawObjects>,
+    array_type: ArrayType,
+    buf: &mut Gathered,
+) -> bool {
     thread_local! {
         /// The first pass's per-row record, per thread rather than per feature: it lives only
         /// from one pass to the next, so one buffer stays in this core's cache (a feature's
@@ -542,7 +709,9 @@ unsafe fn gather_raw(ids: RawObjects, weights: Option<RawObjects>, array_type: A
         /// written afresh on every call.
         static SCRATCH: std::cell::RefCell<(Vec<Span>, Vec<i32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
     }
-    SCRATCH.with_borrow_mut(|(spans, weight_ends)| gather_with(ids, weights, array_type, buf, spans, weight_ends))
+    SCRATCH.with_borrow_mut(|(spans, weight_ends)| {
+        gather_with(ids, weights, array_type, buf, spans, weight_ends)
+    })
 }
 
 /// [`gather_raw`] with its scratch.
@@ -556,18 +725,29 @@ unsafe fn gather_with(
     spans: &mut Vec<Span>,
     weight_ends: &mut Vec<i32>,
 ) -> bool {
-    let Gathered { ids: values, splits, weights: weights_out, in_place } = buf;
+    let Gathered {
+        ids: values,
+        splits,
+        weights: weights_out,
+        in_place,
+    } = buf;
     let n = ids.len;
     splits.clear();
     splits.resize(n + 1, 0);
     let int = |kind: u8, size: usize| kind == b'i' && (size == 4 || size == 8);
-    let Some(p) = probe(ids, array_type, int, spans, &mut splits[1..]) else { return false };
+    let Some(p) = probe(ids, array_type, int, spans, &mut splits[1..]) else {
+        return false;
+    };
     if p.total > i32::MAX as usize {
         return false;
     }
     values.clear();
     *in_place = None;
-    if p.itemsize == 4 && p.chained && p.total > 0 && holds(p.base, spans[0].addr, p.total * 4, array_type) {
+    if p.itemsize == 4
+        && p.chained
+        && p.total > 0
+        && holds(p.base, spans[0].addr, p.total * 4, array_type)
+    {
         // The ids are one block inside the first row's base array: read in place.
         *in_place = Some((spans[0].addr, p.total, p.base as usize));
     }
@@ -590,7 +770,9 @@ unsafe fn gather_with(
             let float = |kind: u8, size: usize| kind == b'f' && (size == 4 || size == 8);
             weight_ends.clear();
             weight_ends.resize(n, 0);
-            let Some(q) = probe(w, array_type, float, spans, weight_ends) else { return false };
+            let Some(q) = probe(w, array_type, float, spans, weight_ends) else {
+                return false;
+            };
             // The weights must have the ids' shape, row by row.
             if weight_ends[..] != splits[1..] {
                 return false;
@@ -637,17 +819,29 @@ pub fn gather_all<'py>(
     use rayon::prelude::*;
     let array_type = ArrayType(Arr::type_object_raw(py));
     scratch.resize_with(leaves.len(), Default::default);
-    let gather = |(buf, &(ids, weights)): (&mut Gathered, &(Option<RawObjects>, Option<RawObjects>))| match ids {
-        // SAFETY: see the function's documentation.
-        Some(ids) => unsafe { gather_raw(ids, weights, array_type, buf) },
-        None => false,
-    };
-    let rows: usize = leaves.iter().filter_map(|(ids, _)| ids.map(|o| o.len)).sum();
+    let gather =
+        |(buf, &(ids, weights)): (&mut Gathered, &(Option<RawObjects>, Option<RawObjects>))| {
+            match ids {
+                // SAFETY: see the function's documentation.
+                Some(ids) => unsafe { gather_raw(ids, weights, array_type, buf) },
+                None => false,
+            }
+        };
+    let rows: usize = leaves
+        .iter()
+        .filter_map(|(ids, _)| ids.map(|o| o.len))
+        .sum();
     // Few rows are gathered on this thread: the pool's hand-over and wake-up would cost more.
     let gathered: Vec<bool> = if rows < GATHER_ON_CALLER_MAX_ROWS {
         scratch.iter_mut().zip(leaves).map(gather).collect()
     } else {
-        pool.install(|| scratch.par_iter_mut().zip(leaves.par_iter()).map(gather).collect())
+        pool.install(|| {
+            scratch
+                .par_iter_mut()
+                .zip(leaves.par_iter())
+                .map(gather)
+                .collect()
+        })
     };
     gathered
         .into_iter()
@@ -660,10 +854,23 @@ pub fn gather_all<'py>(
                         // SAFETY: `owner` is the live array `gather_raw` checked, kept alive by
                         // the rows (which `leaves` keeps); this takes a reference of our own,
                         // on the thread that holds the GIL.
-                        let owner = unsafe { Bound::from_borrowed_ptr(py, owner as *mut pyo3::ffi::PyObject) }.unbind();
-                        FeatureData::RaggedInPlace { addr, len, _owner: owner, splits, weights }
+                        let owner = unsafe {
+                            Bound::from_borrowed_ptr(py, owner as *mut pyo3::ffi::PyObject)
+                        }
+                        .unbind();
+                        FeatureData::RaggedInPlace {
+                            addr,
+                            len,
+                            _owner: owner,
+                            splits,
+                            weights,
+                        }
                     }
-                    None => FeatureData::Ragged { ids: std::mem::take(&mut buf.ids), splits, weights },
+                    None => FeatureData::Ragged {
+                        ids: std::mem::take(&mut buf.ids),
+                        splits,
+                        weights,
+                    },
                 }
             })
         })
@@ -674,8 +881,14 @@ pub fn gather_all<'py>(
 pub fn recycle(data: Vec<FeatureData<'_>>, scratch: &mut [Gathered]) {
     for (d, slot) in data.into_iter().zip(scratch.iter_mut()) {
         match d {
-            FeatureData::Ragged { ids, splits, weights } => (slot.ids, slot.splits, slot.weights) = (ids, splits, weights),
-            FeatureData::RaggedInPlace { splits, weights, .. } => (slot.splits, slot.weights) = (splits, weights),
+            FeatureData::Ragged {
+                ids,
+                splits,
+                weights,
+            } => (slot.ids, slot.splits, slot.weights) = (ids, splits, weights),
+            FeatureData::RaggedInPlace {
+                splits, weights, ..
+            } => (slot.splits, slot.weights) = (splits, weights),
             _ => {}
         }
     }

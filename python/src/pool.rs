@@ -41,7 +41,9 @@ impl BufferPool {
     /// Puts every returned buffer back into the stack array it came from, where `out` has an
     /// empty one (the arrays of the last call were moved out), so that the next run reuses it.
     pub fn refill(&self, out: &mut Output) {
-        let Ok(mut slots) = self.slots.lock() else { return };
+        let Ok(mut slots) = self.slots.lock() else {
+            return;
+        };
         for (so, slot) in out.stacks.iter_mut().zip(slots.iter_mut()) {
             let [rp, eid, sid, gains] = slot;
             put(&mut so.row_pointers, rp);
@@ -52,13 +54,27 @@ impl BufferPool {
     }
 
     /// A numpy array over `v`, whose memory returns to slot (`stack`, `role`) when numpy frees it.
-    pub fn array<'py, T: Pooled>(&self, py: Python<'py>, v: Vec<T>, stack: usize, role: usize) -> PyResult<Bound<'py, PyAny>> {
+    pub fn array<'py, T: Pooled>(
+        &self,
+        py: Python<'py>,
+        v: Vec<T>,
+        stack: usize,
+        role: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
         if let Ok(mut slots) = self.slots.lock() {
             if slots.len() <= stack {
                 slots.resize_with(stack + 1, Default::default);
             }
         }
-        let owner = Bound::new(py, PooledBuffer { buf: Some(T::wrap(v)), home: Arc::downgrade(&self.slots), stack, role })?;
+        let owner = Bound::new(
+            py,
+            PooledBuffer {
+                buf: Some(T::wrap(v)),
+                home: Arc::downgrade(&self.slots),
+                stack,
+                role,
+            },
+        )?;
         let view = ArrayView1::from(owner.get().slice::<T>());
         // SAFETY: the array points into the `Vec` held by `owner`, which becomes its base object
         // and so outlives it; the `Vec` is never touched again until `owner` is dropped (the
@@ -130,7 +146,9 @@ impl PooledBuffer {
 
 impl Drop for PooledBuffer {
     fn drop(&mut self) {
-        let (Some(buf), Some(home)) = (self.buf.take(), self.home.upgrade()) else { return };
+        let (Some(buf), Some(home)) = (self.buf.take(), self.home.upgrade()) else {
+            return;
+        };
         let Ok(mut slots) = home.lock() else { return };
         if let Some(slot) = slots.get_mut(self.stack).and_then(|s| s.get_mut(self.role)) {
             if slot.is_none() {

@@ -11,7 +11,9 @@ use pyo3::types::{PyDict, PyTuple};
 use rayon::ThreadPool;
 use sparsecore_prep::fdo::{tune, FdoStats};
 use sparsecore_prep::input::{CooInput, Ids, SampleSource};
-use sparsecore_prep::spec::{FeatureConfig, Options, Placement, ResolvedStack, Stacking, TableConfig};
+use sparsecore_prep::spec::{
+    FeatureConfig, Options, Placement, ResolvedStack, Stacking, TableConfig,
+};
 use sparsecore_prep::{Config, ConfigItem, Output, Plan, Preprocessor, PreprocessorBuilder};
 
 use std::sync::Arc;
@@ -22,29 +24,98 @@ use crate::pool::BufferPool;
 use crate::{arrow_input, numpy_input, threads};
 
 /// The four arrays of every stack, the number of minibatches, and the stats.
-type Results = (Py<PyDict>, Py<PyDict>, Py<PyDict>, Py<PyDict>, usize, Py<PyTuple>);
+type Results = (
+    Py<PyDict>,
+    Py<PyDict>,
+    Py<PyDict>,
+    Py<PyDict>,
+    usize,
+    Py<PyTuple>,
+);
 
 /// Hands the output buffers to numpy (moved, not copied; their memory comes back to `pool`
 /// when numpy frees them) and the stats as arrays.
-fn results(py: Python<'_>, out: &mut Output, pool: &BufferPool, leading: bool) -> PyResult<Results> {
-    let (rp, eid, sid, gains) = (PyDict::new(py), PyDict::new(py), PyDict::new(py), PyDict::new(py));
-    let (max_ids, max_unique, required, dropped) = (PyDict::new(py), PyDict::new(py), PyDict::new(py), PyDict::new(py));
+fn results(
+    py: Python<'_>,
+    out: &mut Output,
+    pool: &BufferPool,
+    leading: bool,
+) -> PyResult<Results> {
+    let (rp, eid, sid, gains) = (
+        PyDict::new(py),
+        PyDict::new(py),
+        PyDict::new(py),
+        PyDict::new(py),
+    );
+    let (max_ids, max_unique, required, dropped) = (
+        PyDict::new(py),
+        PyDict::new(py),
+        PyDict::new(py),
+        PyDict::new(py),
+    );
     for (i, so) in out.stacks.iter_mut().enumerate() {
         let l = so.local_devices();
-        let (rp_per, c) = (so.row_pointers_per_device(), so.coo_buffer_size_per_device());
+        let (rp_per, c) = (
+            so.row_pointers_per_device(),
+            so.coo_buffer_size_per_device(),
+        );
         let name = so.name.as_str();
-        rp.set_item(name, shaped(leading, l, pool.array(py, std::mem::take(&mut so.row_pointers), i, 0)?, rp_per)?)?;
-        eid.set_item(name, shaped(leading, l, pool.array(py, std::mem::take(&mut so.embedding_ids), i, 1)?, c)?)?;
-        sid.set_item(name, shaped(leading, l, pool.array(py, std::mem::take(&mut so.sample_ids), i, 2)?, c)?)?;
-        gains.set_item(name, shaped(leading, l, pool.array(py, std::mem::take(&mut so.gains), i, 3)?, c)?)?;
+        rp.set_item(
+            name,
+            shaped(
+                leading,
+                l,
+                pool.array(py, std::mem::take(&mut so.row_pointers), i, 0)?,
+                rp_per,
+            )?,
+        )?;
+        eid.set_item(
+            name,
+            shaped(
+                leading,
+                l,
+                pool.array(py, std::mem::take(&mut so.embedding_ids), i, 1)?,
+                c,
+            )?,
+        )?;
+        sid.set_item(
+            name,
+            shaped(
+                leading,
+                l,
+                pool.array(py, std::mem::take(&mut so.sample_ids), i, 2)?,
+                c,
+            )?,
+        )?;
+        gains.set_item(
+            name,
+            shaped(
+                leading,
+                l,
+                pool.array(py, std::mem::take(&mut so.gains), i, 3)?,
+                c,
+            )?,
+        )?;
         stats_into(py, so, &max_ids, &max_unique, &required, &dropped)?;
     }
     let stats = PyTuple::new(py, [max_ids, max_unique, required, dropped])?;
-    Ok((rp.unbind(), eid.unbind(), sid.unbind(), gains.unbind(), out.num_minibatches, stats.unbind()))
+    Ok((
+        rp.unbind(),
+        eid.unbind(),
+        sid.unbind(),
+        gains.unbind(),
+        out.num_minibatches,
+        stats.unbind(),
+    ))
 }
 
 /// A flat array, or `[l, cols]` with a leading dimension.
-fn shaped<'py>(leading: bool, l: usize, a: Bound<'py, PyAny>, cols: usize) -> PyResult<Bound<'py, PyAny>> {
+fn shaped<'py>(
+    leading: bool,
+    l: usize,
+    a: Bound<'py, PyAny>,
+    cols: usize,
+) -> PyResult<Bound<'py, PyAny>> {
     if leading {
         a.call_method1("reshape", ((l, cols),))
     } else {
@@ -63,8 +134,14 @@ fn stats_into(
     let st = &so.stats;
     let name = so.name.as_str();
     max_ids.set_item(name, PyArray1::from_slice(py, &st.max_ids_per_partition))?;
-    max_unique.set_item(name, PyArray1::from_slice(py, &st.max_unique_ids_per_partition))?;
-    required.set_item(name, PyArray1::from_slice(py, &st.required_buffer_size_per_sc))?;
+    max_unique.set_item(
+        name,
+        PyArray1::from_slice(py, &st.max_unique_ids_per_partition),
+    )?;
+    required.set_item(
+        name,
+        PyArray1::from_slice(py, &st.required_buffer_size_per_sc),
+    )?;
     dropped.set_item(name, st.dropped_id_count)?;
     Ok(())
 }
@@ -81,8 +158,12 @@ fn run_detached(
     slot: Option<&AllReduceSlot>,
 ) -> PyResult<()> {
     let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
-    py.detach(|| on_pool_if_parallel(Some(pool), prep, &inputs, |prep, inputs| prep.run(inputs, out)))
-        .map_err(|e| to_py_error(py, e, slot))
+    py.detach(|| {
+        on_pool_if_parallel(Some(pool), prep, &inputs, |prep, inputs| {
+            prep.run(inputs, out)
+        })
+    })
+    .map_err(|e| to_py_error(py, e, slot))
 }
 
 /// Runs `run` on `inputs`: on `pool` (the package's, when the preprocessor has none of its own)
@@ -114,7 +195,10 @@ fn batch_on_pool_if_parallel<T: Send>(
 }
 
 /// `builder` agreeing across hosts through `slot`, if any.
-fn with_slot(builder: PreprocessorBuilder, slot: &Option<Arc<AllReduceSlot>>) -> PreprocessorBuilder {
+fn with_slot(
+    builder: PreprocessorBuilder,
+    slot: &Option<Arc<AllReduceSlot>>,
+) -> PreprocessorBuilder {
     match slot {
         Some(s) => builder.all_reduce(s.clone()),
         None => builder,
@@ -124,7 +208,11 @@ fn with_slot(builder: PreprocessorBuilder, slot: &Option<Arc<AllReduceSlot>>) ->
 /// Builds a preprocessor on the package's pool (see `threads`), unless it has a pool of its own:
 /// its per-thread scratch is sized by the pool it is built on.
 fn build(py: Python<'_>, builder: PreprocessorBuilder, dedicated: bool) -> PyResult<Preprocessor> {
-    let built = if dedicated { builder.build() } else { threads::pool()?.install(|| builder.build()) };
+    let built = if dedicated {
+        builder.build()
+    } else {
+        threads::pool()?.install(|| builder.build())
+    };
     built.map_err(|e| to_py(py, e))
 }
 
@@ -146,7 +234,12 @@ pub struct NativePreprocessor {
 }
 
 impl NativePreprocessor {
-    fn build(py: Python<'_>, config: Config, threads: Option<usize>, slot: &Option<Arc<AllReduceSlot>>) -> PyResult<Preprocessor> {
+    fn build(
+        py: Python<'_>,
+        config: Config,
+        threads: Option<usize>,
+        slot: &Option<Arc<AllReduceSlot>>,
+    ) -> PyResult<Preprocessor> {
         let mut builder = with_slot(Preprocessor::builder(config), slot);
         if let Some(n) = threads {
             builder = builder.threads(n);
@@ -167,7 +260,11 @@ impl NativePreprocessor {
             std::mem::forget(std::mem::replace(&mut self.prep, fresh));
         }
         self.pid = pid;
-        Ok(if self.threads.is_some() { None } else { Some(threads::pool()?) })
+        Ok(if self.threads.is_some() {
+            None
+        } else {
+            Some(threads::pool()?)
+        })
     }
 }
 
@@ -210,7 +307,11 @@ impl NativePreprocessor {
     /// Agrees on minibatching splits with the other hosts through `all_reduce_interface` (our
     /// TCP all-reduce or any object with `all_reduce_or(sync_key, value) -> int`; None: no more
     /// cross-host agreement, which a multi-host config then reports at its next split).
-    fn set_all_reduce_interface(&mut self, py: Python<'_>, all_reduce_interface: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+    fn set_all_reduce_interface(
+        &mut self,
+        py: Python<'_>,
+        all_reduce_interface: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         match (&self.slot, all_reduce_interface.filter(|a| !a.is_none())) {
             (Some(slot), a) => slot.set(a)?,
             (None, None) => {}
@@ -248,16 +349,25 @@ impl NativePreprocessor {
 
     /// Preprocesses one record batch: the reference's 6-tuple.
     #[pyo3(signature = (batch, has_leading_dimension=false))]
-    fn run(&mut self, py: Python<'_>, batch: &Bound<'_, PyAny>, has_leading_dimension: bool) -> PyResult<Results> {
+    fn run(
+        &mut self,
+        py: Python<'_>,
+        batch: &Bound<'_, PyAny>,
+        has_leading_dimension: bool,
+    ) -> PyResult<Results> {
         let rb = arrow_input::record_batch(batch)?;
         let on = self.live(py)?;
         let (prep, out) = (&mut self.prep, &mut self.out);
         self.pool.refill(out);
-        py.detach(|| batch_on_pool_if_parallel(on.as_deref(), prep, &rb, |prep, inputs| prep.run(inputs, out)))
-            .map_err(|e| {
-                out.clear();
-                to_py_error(py, e, self.slot.as_deref())
-            })?;
+        py.detach(|| {
+            batch_on_pool_if_parallel(on.as_deref(), prep, &rb, |prep, inputs| {
+                prep.run(inputs, out)
+            })
+        })
+        .map_err(|e| {
+            out.clear();
+            to_py_error(py, e, self.slot.as_deref())
+        })?;
         results(py, &mut self.out, &self.pool, has_leading_dimension)
     }
 
@@ -292,7 +402,9 @@ impl NativeFdoStats {
     /// Parses the JSON of `to_json` (or of the CLI's `stats.json`).
     #[staticmethod]
     fn from_json(py: Python<'_>, text: &str) -> PyResult<Self> {
-        FdoStats::from_json(text).map(|inner| NativeFdoStats { inner }).map_err(|e| to_py(py, e))
+        FdoStats::from_json(text)
+            .map(|inner| NativeFdoStats { inner })
+            .map_err(|e| to_py(py, e))
     }
 
     fn to_json(&self) -> String {
@@ -327,7 +439,11 @@ impl NativeFdoStats {
 /// `(name, table, vocabulary_size, embedding_dim, global_batch)`,
 /// `(stack, row_offset, col_offset, col_shift)`,
 /// `(combiner, max_ids_per_partition, max_unique_ids_per_partition, suggested_coo_buffer_size_per_device)`.
-pub(crate) type SpecTuple = ((String, String, u64, u64, usize), (String, u64, u64, u64), (String, u64, u64, Option<u64>));
+pub(crate) type SpecTuple = (
+    (String, String, u64, u64, usize),
+    (String, u64, u64, u64),
+    (String, u64, u64, Option<u64>),
+);
 
 /// Config and plan for features whose stacking was already resolved by the reference's specs.
 #[allow(clippy::too_many_arguments)]
@@ -346,7 +462,11 @@ pub(crate) fn resolved_plan(
     let mut features = Vec::with_capacity(specs.len());
     let mut placements = Vec::with_capacity(specs.len());
     for spec in specs {
-        let ((name, table, vocab, dim, global_batch), (stack, row_offset, col_offset, col_shift), (combiner, max_ids, max_unique, _)) = spec;
+        let (
+            (name, table, vocab, dim, global_batch),
+            (stack, row_offset, col_offset, col_shift),
+            (combiner, max_ids, max_unique, _),
+        ) = spec;
         match tables.iter().find(|t| &t.name == table) {
             Some(t) if t.vocabulary_size != *vocab || t.embedding_dim != *dim => {
                 return Err(sparsecore_prep::Error::config(
@@ -371,7 +491,11 @@ pub(crate) fn resolved_plan(
         }
         // Per stack, the settings of its first feature in row-offset order, as the reference
         // takes them (all members share one StackedTableSpec in practice).
-        let first = specs.iter().filter(|sp| sp.1 .0 == *stack).min_by_key(|sp| sp.1 .1).unwrap_or(spec);
+        let first = specs
+            .iter()
+            .filter(|sp| sp.1 .0 == *stack)
+            .min_by_key(|sp| sp.1 .1)
+            .unwrap_or(spec);
         if !stacks.iter().any(|x| &x.name == stack) {
             let (combiner, max_ids, max_unique, suggested) = &first.2;
             stacks.push(ResolvedStack {
@@ -382,7 +506,13 @@ pub(crate) fn resolved_plan(
                 suggested_coo_buffer_size_per_device: *suggested,
             });
         }
-        features.push(FeatureConfig { name: name.clone(), table: table.clone(), column: None, weights_column: None, hash: None });
+        features.push(FeatureConfig {
+            name: name.clone(),
+            table: table.clone(),
+            column: None,
+            weights_column: None,
+            hash: None,
+        });
         placements.push(Placement {
             stack: stack.clone(),
             row_offset: *row_offset,
@@ -465,9 +595,20 @@ impl NativeDropIn {
         )
         .map_err(|e| to_py(py, e))?;
         let slot = multi_host.then(|| Arc::new(AllReduceSlot::default()));
-        let prep = build(py, with_slot(Preprocessor::builder(config).plan(plan), &slot), false)?;
+        let prep = build(
+            py,
+            with_slot(Preprocessor::builder(config).plan(plan), &slot),
+            false,
+        )?;
         let names = specs.into_iter().map(|s| s.0 .0).collect();
-        Ok(NativeDropIn { prep, names, scratch: Vec::new(), out: Output::new(), pool: BufferPool::default(), slot })
+        Ok(NativeDropIn {
+            prep,
+            names,
+            scratch: Vec::new(),
+            out: Output::new(),
+            pool: BufferPool::default(),
+            slot,
+        })
     }
 
     /// Preprocesses one batch: numpy leaves (already flattened, in spec order), the
@@ -508,7 +649,14 @@ impl NativeDropIn {
         all_reduce_interface: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Results> {
         self.set_all_reduce(all_reduce_interface)?;
-        let ran = self.run_coo_inner(py, indices, values, batch_sizes, has_leading_dimension, batch_number);
+        let ran = self.run_coo_inner(
+            py,
+            indices,
+            values,
+            batch_sizes,
+            has_leading_dimension,
+            batch_number,
+        );
         if let Some(slot) = &self.slot {
             slot.clear();
         }
@@ -566,7 +714,14 @@ impl NativeDropIn {
                 .map_err(|e| to_py(py, e));
             sources.and_then(|sources| {
                 self.prep.set_batch_number(batch_number);
-                run_detached(py, &pool, &mut self.prep, &sources, out, self.slot.as_deref())
+                run_detached(
+                    py,
+                    &pool,
+                    &mut self.prep,
+                    &sources,
+                    out,
+                    self.slot.as_deref(),
+                )
             })
         };
         numpy_input::recycle(data, &mut self.scratch);
@@ -588,11 +743,26 @@ impl NativeDropIn {
         self.check_count(py, values.len(), "values")?;
         self.check_count(py, batch_sizes.len(), "dense shapes")?;
         let pool = threads::pool()?;
-        let values = values.iter().zip(&self.names).map(|(v, name)| coo_values(name, v)).collect::<PyResult<Vec<_>>>()?;
+        let values = values
+            .iter()
+            .zip(&self.names)
+            .map(|(v, name)| coo_values(name, v))
+            .collect::<PyResult<Vec<_>>>()?;
         let mut sources: Vec<Box<dyn SampleSource + '_>> = Vec::with_capacity(indices.len());
-        for (((idx, ids), &batch), name) in indices.iter().zip(&values).zip(&batch_sizes).zip(&self.names) {
+        for (((idx, ids), &batch), name) in indices
+            .iter()
+            .zip(&values)
+            .zip(&batch_sizes)
+            .zip(&self.names)
+        {
             let contiguous = |what: &str| {
-                errors::invalid_input(py, name, None, None::<i64>, format!("feature `{name}`: the {what} must be C-contiguous"))
+                errors::invalid_input(
+                    py,
+                    name,
+                    None,
+                    None::<i64>,
+                    format!("feature `{name}`: the {what} must be C-contiguous"),
+                )
             };
             if idx.shape()[1] != 2 {
                 return Err(errors::invalid_input(
@@ -600,7 +770,10 @@ impl NativeDropIn {
                     name,
                     None,
                     None::<i64>,
-                    format!("feature `{name}`: indices must have shape [nnz, 2], got {:?}", idx.shape()),
+                    format!(
+                        "feature `{name}`: indices must have shape [nnz, 2], got {:?}",
+                        idx.shape()
+                    ),
                 ));
             }
             let flat = idx.as_slice().map_err(|_| contiguous("indices"))?;
@@ -608,11 +781,20 @@ impl NativeDropIn {
                 CooValues::I32(v) => Ids::I32(v.as_slice().map_err(|_| contiguous("values"))?),
                 CooValues::I64(v) => Ids::I64(v.as_slice().map_err(|_| contiguous("values"))?),
             };
-            sources.push(Box::new(CooInput::new(name, flat, ids, batch).map_err(|e| to_py(py, e))?));
+            sources.push(Box::new(
+                CooInput::new(name, flat, ids, batch).map_err(|e| to_py(py, e))?,
+            ));
         }
         self.pool.refill(&mut self.out);
         self.prep.set_batch_number(batch_number);
-        run_detached(py, &pool, &mut self.prep, &sources, &mut self.out, self.slot.as_deref())?;
+        run_detached(
+            py,
+            &pool,
+            &mut self.prep,
+            &sources,
+            &mut self.out,
+            self.slot.as_deref(),
+        )?;
         results(py, &mut self.out, &self.pool, has_leading_dimension)
     }
 }
@@ -632,7 +814,10 @@ impl NativeDropIn {
         if got == self.names.len() {
             return Ok(());
         }
-        let message = format!("{got} {what} for {} feature specs (the lists must match one to one)", self.names.len());
+        let message = format!(
+            "{got} {what} for {} feature specs (the lists must match one to one)",
+            self.names.len()
+        );
         Err(errors::raise(py, errors::Class::InvalidInput, message, &[]))
     }
 }
@@ -650,7 +835,11 @@ fn coo_values<'py>(name: &str, values: &Bound<'py, PyAny>) -> PyResult<CooValues
     if let Ok(v) = values.extract::<PyReadonlyArray1<'py, i64>>() {
         return Ok(CooValues::I64(v));
     }
-    Err(errors::input_type(values.py(), name, format!("feature `{name}`: COO values must be a 1-D int32 or int64 array")))
+    Err(errors::input_type(
+        values.py(),
+        name,
+        format!("feature `{name}`: COO values must be a 1-D int32 or int64 array"),
+    ))
 }
 
 /// The drop-in call without the cache: numpy leaves (already flattened) and resolved specs in,
@@ -687,5 +876,12 @@ pub fn preprocess_resolved(
         validate_ids,
         false,
     )?;
-    call.run(py, features, weights, has_leading_dimension, batch_number, None)
+    call.run(
+        py,
+        features,
+        weights,
+        has_leading_dimension,
+        batch_number,
+        None,
+    )
 }

@@ -12,8 +12,13 @@
 use std::sync::Arc;
 
 use arrow_array::types::{ArrowPrimitiveType, Float32Type, Float64Type, Int32Type, Int64Type};
-use arrow_array::{Array, ArrayRef, GenericListArray, OffsetSizeTrait, PrimitiveArray, RecordBatch};
-use arrow_buffer::{ArrowNativeType, BooleanBuffer, Buffer, MutableBuffer, NullBuffer, OffsetBuffer, ScalarBuffer, ToByteSlice};
+use arrow_array::{
+    Array, ArrayRef, GenericListArray, OffsetSizeTrait, PrimitiveArray, RecordBatch,
+};
+use arrow_buffer::{
+    ArrowNativeType, BooleanBuffer, Buffer, MutableBuffer, NullBuffer, OffsetBuffer, ScalarBuffer,
+    ToByteSlice,
+};
 use arrow_schema::{ArrowError, DataType, FieldRef};
 
 use super::SampleRef;
@@ -43,23 +48,41 @@ pub struct Reorder {
 /// Every batch of `window` has the first's schema: output batches take their columns from all
 /// of them.
 pub(super) fn one_schema(window: &[RecordBatch]) -> Result<()> {
-    let Some(first) = window.first() else { return Ok(()) };
-    match window.iter().enumerate().skip(1).find(|(_, b)| b.schema() != first.schema()) {
+    let Some(first) = window.first() else {
+        return Ok(());
+    };
+    match window
+        .iter()
+        .enumerate()
+        .skip(1)
+        .find(|(_, b)| b.schema() != first.schema())
+    {
         Some((k, b)) => Err(Error::data(
             "balancing window",
-            format!("batch {k} has another schema than batch 0 ({} vs {} columns, or other types)", b.num_columns(), first.num_columns()),
+            format!(
+                "batch {k} has another schema than batch 0 ({} vs {} columns, or other types)",
+                b.num_columns(),
+                first.num_columns()
+            ),
         )),
         None => Ok(()),
     }
 }
 
 fn arrow_error(source: ArrowError) -> Error {
-    Error::Arrow { context: "reordering a window of batches".into(), source }
+    Error::Arrow {
+        context: "reordering a window of batches".into(),
+        source,
+    }
 }
 
 impl Reorder {
     /// Applies a permutation to a window (see [`apply`]).
-    pub fn apply(&mut self, window: &[RecordBatch], permutation: &[Vec<SampleRef>]) -> Result<Vec<RecordBatch>> {
+    pub fn apply(
+        &mut self,
+        window: &[RecordBatch],
+        permutation: &[Vec<SampleRef>],
+    ) -> Result<Vec<RecordBatch>> {
         one_schema(window)?;
         self.reclaim();
         self.index.resize_with(permutation.len(), Vec::new);
@@ -67,7 +90,13 @@ impl Reorder {
             index.clear();
             for r in rows {
                 if r.batch >= window.len() || r.row >= window[r.batch].num_rows() {
-                    return Err(Error::data("permutation", format!("it names row {} of batch {}, which does not exist", r.row, r.batch)));
+                    return Err(Error::data(
+                        "permutation",
+                        format!(
+                            "it names row {} of batch {}, which does not exist",
+                            r.row, r.batch
+                        ),
+                    ));
                 }
                 index.push((r.batch, r.row));
             }
@@ -81,18 +110,38 @@ impl Reorder {
         out
     }
 
-    fn reorder(&mut self, window: &[RecordBatch], index: &[Vec<(usize, usize)>]) -> Result<Vec<RecordBatch>> {
+    fn reorder(
+        &mut self,
+        window: &[RecordBatch],
+        index: &[Vec<(usize, usize)>],
+    ) -> Result<Vec<RecordBatch>> {
         let Some(first) = window.first() else {
-            return if index.is_empty() { Ok(Vec::new()) } else { Err(Error::data("permutation", "it has batches, but the window is empty")) };
+            return if index.is_empty() {
+                Ok(Vec::new())
+            } else {
+                Err(Error::data(
+                    "permutation",
+                    "it has batches, but the window is empty",
+                ))
+            };
         };
         let sources: Vec<&RecordBatch> = window.iter().collect();
         // A batch without columns is Arrow's to define.
         if first.num_columns() == 0 {
-            return index.iter().map(|index| arrow_select::interleave::interleave_record_batch(&sources, index).map_err(arrow_error)).collect();
+            return index
+                .iter()
+                .map(|index| {
+                    arrow_select::interleave::interleave_record_batch(&sources, index)
+                        .map_err(arrow_error)
+                })
+                .collect();
         }
         // Column by column, so that each column's inputs are looked at once per window.
         let mut lent = Vec::new();
-        let mut columns: Vec<Vec<ArrayRef>> = index.iter().map(|_| Vec::with_capacity(first.num_columns())).collect();
+        let mut columns: Vec<Vec<ArrayRef>> = index
+            .iter()
+            .map(|_| Vec::with_capacity(first.num_columns()))
+            .collect();
         let mut arrays: Vec<&dyn Array> = Vec::with_capacity(window.len());
         for c in 0..first.num_columns() {
             arrays.clear();
@@ -101,18 +150,28 @@ impl Reorder {
             if !self.reorder_column(&arrays, index, &mut lent, &mut reordered) {
                 reordered.clear();
                 for index in index {
-                    reordered.push(arrow_select::interleave::interleave(&arrays, index).map_err(arrow_error)?);
+                    reordered.push(
+                        arrow_select::interleave::interleave(&arrays, index)
+                            .map_err(arrow_error)?,
+                    );
                 }
             }
             for ((batch, column), index) in columns.iter_mut().zip(reordered).zip(index) {
                 // An empty output batch is Arrow's to define too (its empty arrays have no
                 // validity, with nulls in the inputs or not).
-                let column = if index.is_empty() { arrow_select::interleave::interleave(&arrays, index).map_err(arrow_error)? } else { column };
+                let column = if index.is_empty() {
+                    arrow_select::interleave::interleave(&arrays, index).map_err(arrow_error)?
+                } else {
+                    column
+                };
                 batch.push(column);
             }
         }
         self.lent = lent;
-        columns.into_iter().map(|columns| RecordBatch::try_new(first.schema(), columns).map_err(arrow_error)).collect()
+        columns
+            .into_iter()
+            .map(|columns| RecordBatch::try_new(first.schema(), columns).map_err(arrow_error))
+            .collect()
     }
 
     /// Takes back the buffers of the previous window that nobody else holds any more.
@@ -144,14 +203,23 @@ impl Reorder {
     /// bytes up to its old length (zeroing a buffer that is about to be overwritten cost as
     /// much as the writes), and only what it grows by is zeroed.
     fn overwritable(&mut self, bytes: usize) -> MutableBuffer {
-        let mut m = self.spare.pop().unwrap_or_else(|| MutableBuffer::from(Vec::<u64>::with_capacity(bytes.div_ceil(8))));
+        let mut m = self
+            .spare
+            .pop()
+            .unwrap_or_else(|| MutableBuffer::from(Vec::<u64>::with_capacity(bytes.div_ceil(8))));
         m.resize(bytes, 0);
         m
     }
 
     /// Pushes the column of every output batch to `out`; false for a type (or shape) left to
     /// Arrow's `interleave`.
-    fn reorder_column(&mut self, arrays: &[&dyn Array], index: &[Vec<(usize, usize)>], lent: &mut Vec<Buffer>, out: &mut Vec<ArrayRef>) -> bool {
+    fn reorder_column(
+        &mut self,
+        arrays: &[&dyn Array],
+        index: &[Vec<(usize, usize)>],
+        lent: &mut Vec<Buffer>,
+        out: &mut Vec<ArrayRef>,
+    ) -> bool {
         let data_type = arrays[0].data_type();
         if arrays.iter().any(|a| a.data_type() != data_type) {
             return false;
@@ -175,7 +243,10 @@ impl Reorder {
         lent: &mut Vec<Buffer>,
         out: &mut Vec<ArrayRef>,
     ) -> Option<()> {
-        let typed: Vec<&PrimitiveArray<T>> = arrays.iter().map(|a| a.as_any().downcast_ref()).collect::<Option<_>>()?;
+        let typed: Vec<&PrimitiveArray<T>> = arrays
+            .iter()
+            .map(|a| a.as_any().downcast_ref())
+            .collect::<Option<_>>()?;
         let values: Vec<&[T::Native]> = typed.iter().map(|a| a.values().as_ref()).collect();
         let nulls = arrays.iter().any(|a| a.null_count() != 0);
         for index in index {
@@ -184,7 +255,10 @@ impl Reorder {
                 data.push(values[b][r]);
             }
             let data = lend::<T::Native>(data, lent);
-            out.push(Arc::new(PrimitiveArray::<T>::new(data, row_nulls(nulls, arrays, index))));
+            out.push(Arc::new(PrimitiveArray::<T>::new(
+                data,
+                row_nulls(nulls, arrays, index),
+            )));
         }
         Some(())
     }
@@ -197,16 +271,27 @@ impl Reorder {
         lent: &mut Vec<Buffer>,
         out: &mut Vec<ArrayRef>,
     ) -> Option<()> {
-        let lists: Vec<&GenericListArray<O>> = arrays.iter().map(|a| a.as_any().downcast_ref()).collect::<Option<_>>()?;
+        let lists: Vec<&GenericListArray<O>> = arrays
+            .iter()
+            .map(|a| a.as_any().downcast_ref())
+            .collect::<Option<_>>()?;
         // Values with nulls of their own take Arrow's path, which carries their validity.
         if lists.iter().any(|l| l.values().null_count() != 0) {
             return None;
         }
         match field.data_type() {
-            DataType::Int32 => self.list_of::<O, Int32Type>(arrays, &lists, index, field, lent, out),
-            DataType::Int64 => self.list_of::<O, Int64Type>(arrays, &lists, index, field, lent, out),
-            DataType::Float32 => self.list_of::<O, Float32Type>(arrays, &lists, index, field, lent, out),
-            DataType::Float64 => self.list_of::<O, Float64Type>(arrays, &lists, index, field, lent, out),
+            DataType::Int32 => {
+                self.list_of::<O, Int32Type>(arrays, &lists, index, field, lent, out)
+            }
+            DataType::Int64 => {
+                self.list_of::<O, Int64Type>(arrays, &lists, index, field, lent, out)
+            }
+            DataType::Float32 => {
+                self.list_of::<O, Float32Type>(arrays, &lists, index, field, lent, out)
+            }
+            DataType::Float64 => {
+                self.list_of::<O, Float64Type>(arrays, &lists, index, field, lent, out)
+            }
             _ => None,
         }
     }
@@ -222,22 +307,38 @@ impl Reorder {
         out: &mut Vec<ArrayRef>,
     ) -> Option<()> {
         let offsets: Vec<&[O]> = lists.iter().map(|l| l.value_offsets()).collect();
-        let values: Vec<&[T::Native]> =
-            lists.iter().map(|l| l.values().as_any().downcast_ref::<PrimitiveArray<T>>().map(|v| v.values().as_ref())).collect::<Option<_>>()?;
+        let values: Vec<&[T::Native]> = lists
+            .iter()
+            .map(|l| {
+                l.values()
+                    .as_any()
+                    .downcast_ref::<PrimitiveArray<T>>()
+                    .map(|v| v.values().as_ref())
+            })
+            .collect::<Option<_>>()?;
         let nulls = arrays.iter().any(|a| a.null_count() != 0);
         // One value per row (single-id features): a gather, with no runs to measure.
-        let unit = offsets.iter().all(|o| o.windows(2).all(|w| w[1].as_usize() == w[0].as_usize() + 1));
+        let unit = offsets
+            .iter()
+            .all(|o| o.windows(2).all(|w| w[1].as_usize() == w[0].as_usize() + 1));
         // Each input's offsets and values (as bytes) side by side: one look-up per row.
-        let inputs: Vec<(&[O], &[u8])> = offsets.iter().copied().zip(values.iter().map(|v| v.to_byte_slice())).collect();
+        let inputs: Vec<(&[O], &[u8])> = offsets
+            .iter()
+            .copied()
+            .zip(values.iter().map(|v| v.to_byte_slice()))
+            .collect();
         for index in index {
             let (offsets_out, data) = match &inputs[..] {
                 // A window of one batch: every row comes from it, and an output batch of its
                 // size takes all its values.
                 [(o, v)] => {
-                    let whole = (o.len() == index.len() + 1).then(|| o[index.len()].as_usize().saturating_sub(o[0].as_usize()));
+                    let whole = (o.len() == index.len() + 1)
+                        .then(|| o[index.len()].as_usize().saturating_sub(o[0].as_usize()));
                     self.list_rows::<O, T::Native>(index, unit, whole, |_| Some((o, v)))?
                 }
-                _ => self.list_rows::<O, T::Native>(index, unit, None, |b| inputs.get(b).map(|(o, v)| (*o, *v)))?,
+                _ => self.list_rows::<O, T::Native>(index, unit, None, |b| {
+                    inputs.get(b).map(|(o, v)| (*o, *v))
+                })?,
             };
             let offsets_out = lend::<O>(offsets_out, lent);
             // SAFETY: `list_rows` wrote the offsets from 0, each the one before plus a row's
@@ -246,8 +347,19 @@ impl Reorder {
             // `try_new` checks the last against the values). Checking them again cost a pass.
             #[allow(unsafe_code)]
             let offsets_out = unsafe { OffsetBuffer::new_unchecked(offsets_out) };
-            let data: ArrayRef = Arc::new(PrimitiveArray::<T>::new(lend::<T::Native>(data, lent), None));
-            out.push(Arc::new(GenericListArray::<O>::try_new(field.clone(), offsets_out, data, row_nulls(nulls, arrays, index)).ok()?));
+            let data: ArrayRef = Arc::new(PrimitiveArray::<T>::new(
+                lend::<T::Native>(data, lent),
+                None,
+            ));
+            out.push(Arc::new(
+                GenericListArray::<O>::try_new(
+                    field.clone(),
+                    offsets_out,
+                    data,
+                    row_nulls(nulls, arrays, index),
+                )
+                .ok()?,
+            ));
         }
         Some(())
     }
@@ -277,7 +389,10 @@ impl Reorder {
         let total = match whole {
             _ if unit => index.len(),
             Some(total) => total,
-            None => index.iter().map(|&(b, r)| run(b, r).map_or(0, |(start, end, _)| end.saturating_sub(start))).sum(),
+            None => index
+                .iter()
+                .map(|&(b, r)| run(b, r).map_or(0, |(start, end, _)| end.saturating_sub(start)))
+                .sum(),
         };
         O::from_usize(total)?;
         if self.spare.len() < 2 {
@@ -286,13 +401,16 @@ impl Reorder {
         let mut offsets_out = self.overwritable((index.len() + 1) * so);
         let mut data = self.overwritable((total + SHORT) * st);
         let (offs, dst) = (offsets_out.as_slice_mut(), data.as_slice_mut());
-        offs.get_mut(..so)?.copy_from_slice(O::usize_as(0).to_byte_slice());
+        offs.get_mut(..so)?
+            .copy_from_slice(O::usize_as(0).to_byte_slice());
         let mut at = 0;
         if unit {
             for (k, &(b, r)) in index.iter().enumerate() {
                 let (start, _, v) = run(b, r)?;
-                dst.get_mut(k * st..(k + 1) * st)?.copy_from_slice(v.get(start * st..(start + 1) * st)?);
-                offs.get_mut((k + 1) * so..(k + 2) * so)?.copy_from_slice(O::usize_as(k + 1).to_byte_slice());
+                dst.get_mut(k * st..(k + 1) * st)?
+                    .copy_from_slice(v.get(start * st..(start + 1) * st)?);
+                offs.get_mut((k + 1) * so..(k + 2) * so)?
+                    .copy_from_slice(O::usize_as(k + 1).to_byte_slice());
             }
             at = total;
         } else {
@@ -306,11 +424,16 @@ impl Reorder {
                 let (start, end, v) = run(b, r)?;
                 let len = end.checked_sub(start)?;
                 match v.get(start * st..(start + SHORT) * st) {
-                    Some(block) if short && len <= SHORT => dst.get_mut(at * st..(at + SHORT) * st)?.copy_from_slice(block),
-                    _ => dst.get_mut(at * st..(at + len) * st)?.copy_from_slice(v.get(start * st..end * st)?),
+                    Some(block) if short && len <= SHORT => dst
+                        .get_mut(at * st..(at + SHORT) * st)?
+                        .copy_from_slice(block),
+                    _ => dst
+                        .get_mut(at * st..(at + len) * st)?
+                        .copy_from_slice(v.get(start * st..end * st)?),
                 }
                 at += len;
-                offs.get_mut((k + 1) * so..(k + 2) * so)?.copy_from_slice(O::usize_as(at).to_byte_slice());
+                offs.get_mut((k + 1) * so..(k + 2) * so)?
+                    .copy_from_slice(O::usize_as(at).to_byte_slice());
             }
             if at != total {
                 return None;

@@ -23,7 +23,10 @@ struct RaggedFeature<'a> {
     dense_words: usize,
 }
 
-fn ragged_views<'a>(plan: &Plan, inputs: &'a [&'a (dyn SampleSource + 'a)]) -> Result<Vec<RaggedFeature<'a>>> {
+fn ragged_views<'a>(
+    plan: &Plan,
+    inputs: &'a [&'a (dyn SampleSource + 'a)],
+) -> Result<Vec<RaggedFeature<'a>>> {
     let n = plan.layout.num_partitions();
     plan.features
         .iter()
@@ -37,10 +40,17 @@ fn ragged_views<'a>(plan: &Plan, inputs: &'a [&'a (dyn SampleSource + 'a)]) -> R
                     base: (fp.stack * n) as u32,
                     col_shift: fp.col_shift,
                     col_offset: fp.col_offset,
-                    dense_words: if vocab <= DENSE_SEEN_MAX { vocab.div_ceil(64).max(1) as usize } else { 0 },
+                    dense_words: if vocab <= DENSE_SEEN_MAX {
+                        vocab.div_ceil(64).max(1) as usize
+                    } else {
+                        0
+                    },
                 })
             }
-            _ => Err(Error::input(&fp.name, "balancing reads record batches, whose features are ragged lists")),
+            _ => Err(Error::input(
+                &fp.name,
+                "balancing reads record batches, whose features are ragged lists",
+            )),
         })
         .collect()
 }
@@ -88,7 +98,14 @@ impl Counter {
         Ok(())
     }
 
-    fn count_rows<F: CountRow>(&mut self, plan: &Plan, features: &[F], batch: usize, rows: usize, counts: &mut SampleCounts) {
+    fn count_rows<F: CountRow>(
+        &mut self,
+        plan: &Plan,
+        features: &[F],
+        batch: usize,
+        rows: usize,
+        counts: &mut SampleCounts,
+    ) {
         let n = plan.layout.num_partitions();
         let mask = (n - 1) as u32;
         self.hist.clear();
@@ -106,9 +123,18 @@ impl Counter {
             .stacks
             .iter()
             .map(|s| {
-                let features: Vec<&F> = s.features.iter().filter_map(|&f| features.get(f)).collect();
-                let single = if let [f] = features[..] { Some(f) } else { None };
-                StackRows { single, features, inv_limit: 1.0 / s.max_ids_per_partition.max(1) as f64 }
+                let features: Vec<&F> =
+                    s.features.iter().filter_map(|&f| features.get(f)).collect();
+                let single = if let [f] = features[..] {
+                    Some(f)
+                } else {
+                    None
+                };
+                StackRows {
+                    single,
+                    features,
+                    inv_limit: 1.0 / s.max_ids_per_partition.max(1) as f64,
+                }
             })
             .collect();
         counts.cells.reserve(rows * features.len());
@@ -136,7 +162,9 @@ impl Counter {
                     }
                     self.touched.clear();
                     for &(c, k) in &self.scratch {
-                        let Some(slot) = self.acc.get_mut(c as usize) else { continue };
+                        let Some(slot) = self.acc.get_mut(c as usize) else {
+                            continue;
+                        };
                         if *slot == 0 {
                             self.touched.push(c);
                         }
@@ -175,7 +203,14 @@ const PREFETCH_FEATURES: usize = 8;
 trait CountRow {
     /// Appends row `row`'s distinct ids per partition to `out` as `(cell, ids)` entries;
     /// returns the largest count.
-    fn count_row(&self, row: usize, mask: u32, seen: &mut SeenSet, hist: &mut [u32], out: &mut Vec<(u32, u32)>) -> u32;
+    fn count_row(
+        &self,
+        row: usize,
+        mask: u32,
+        seen: &mut SeenSet,
+        hist: &mut [u32],
+        out: &mut Vec<(u32, u32)>,
+    ) -> u32;
 
     /// Starts fetching the first ids of row `row` (if there is one) into cache.
     fn prefetch(&self, row: usize);
@@ -198,17 +233,33 @@ fn prefetch<T>(p: *const T) {
 /// The address of row `row`'s first id, for [`prefetch`]; dangling (never read) past the ids.
 #[inline(always)]
 fn list_start<I, O: InputInt>(ids: &[I], offsets: &[O], row: usize) -> *const I {
-    ids.as_ptr().wrapping_add(offsets.get(row).map_or(0, |o| o.to_usize()))
+    ids.as_ptr()
+        .wrapping_add(offsets.get(row).map_or(0, |o| o.to_usize()))
 }
 
 impl CountRow for RaggedFeature<'_> {
     #[inline(always)]
-    fn count_row(&self, row: usize, mask: u32, seen: &mut SeenSet, hist: &mut [u32], out: &mut Vec<(u32, u32)>) -> u32 {
+    fn count_row(
+        &self,
+        row: usize,
+        mask: u32,
+        seen: &mut SeenSet,
+        hist: &mut [u32],
+        out: &mut Vec<(u32, u32)>,
+    ) -> u32 {
         match (self.ids, self.offsets) {
-            (Ids::I32(ids), Offsets::I32(o)) => count_list(self, list_of(ids, o, row), mask, seen, hist, out),
-            (Ids::I32(ids), Offsets::I64(o)) => count_list(self, list_of(ids, o, row), mask, seen, hist, out),
-            (Ids::I64(ids), Offsets::I32(o)) => count_list(self, list_of(ids, o, row), mask, seen, hist, out),
-            (Ids::I64(ids), Offsets::I64(o)) => count_list(self, list_of(ids, o, row), mask, seen, hist, out),
+            (Ids::I32(ids), Offsets::I32(o)) => {
+                count_list(self, list_of(ids, o, row), mask, seen, hist, out)
+            }
+            (Ids::I32(ids), Offsets::I64(o)) => {
+                count_list(self, list_of(ids, o, row), mask, seen, hist, out)
+            }
+            (Ids::I64(ids), Offsets::I32(o)) => {
+                count_list(self, list_of(ids, o, row), mask, seen, hist, out)
+            }
+            (Ids::I64(ids), Offsets::I64(o)) => {
+                count_list(self, list_of(ids, o, row), mask, seen, hist, out)
+            }
         }
     }
 
@@ -232,8 +283,22 @@ struct Typed<'a, I, O> {
 
 impl<I: InputInt, O: InputInt> CountRow for Typed<'_, I, O> {
     #[inline(always)]
-    fn count_row(&self, row: usize, mask: u32, seen: &mut SeenSet, hist: &mut [u32], out: &mut Vec<(u32, u32)>) -> u32 {
-        count_list(&self.feature, list_of(self.ids, self.offsets, row), mask, seen, hist, out)
+    fn count_row(
+        &self,
+        row: usize,
+        mask: u32,
+        seen: &mut SeenSet,
+        hist: &mut [u32],
+        out: &mut Vec<(u32, u32)>,
+    ) -> u32 {
+        count_list(
+            &self.feature,
+            list_of(self.ids, self.offsets, row),
+            mask,
+            seen,
+            hist,
+            out,
+        )
     }
 
     #[inline(always)]
@@ -280,7 +345,16 @@ impl Pick for i64 {
 
 /// Every feature with ids of type `I` and offsets of type `O`, or `None` if one has others.
 fn typed<'a, I: Pick, O: Pick>(features: &[RaggedFeature<'a>]) -> Option<Vec<Typed<'a, I, O>>> {
-    features.iter().map(|&feature| Some(Typed { ids: I::ids(feature.ids)?, offsets: O::offsets(feature.offsets)?, feature })).collect()
+    features
+        .iter()
+        .map(|&feature| {
+            Some(Typed {
+                ids: I::ids(feature.ids)?,
+                offsets: O::offsets(feature.offsets)?,
+                feature,
+            })
+        })
+        .collect()
 }
 
 /// Row `row`'s ids; none for a row past the offsets or with offsets that are out of order or
@@ -360,7 +434,11 @@ impl Slots<'_> {
         let last = self.stamps.len().min(self.keys.len()).wrapping_sub(1);
         let mut i = ((c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize;
         loop {
-            let (Some(stamp), Some(key)) = (self.stamps.get_mut(i & last), self.keys.get_mut(i & last)) else { return false };
+            let (Some(stamp), Some(key)) =
+                (self.stamps.get_mut(i & last), self.keys.get_mut(i & last))
+            else {
+                return false;
+            };
             if *stamp != self.generation {
                 *stamp = self.generation;
                 *key = c;
@@ -402,22 +480,39 @@ impl UniqueCounter {
         slices: usize,
         stacks: &[bool],
     ) -> Result<Vec<Vec<i32>>> {
-        let features = window.iter().map(|rb| features_from_record_batch(config, rb)).collect::<Result<Vec<_>>>()?;
-        let inputs: Vec<Vec<&dyn SampleSource>> = features.iter().map(|fs| fs.iter().map(|f| f as &dyn SampleSource).collect()).collect();
-        let views = inputs.iter().map(|i| ragged_views(plan, i)).collect::<Result<Vec<_>>>()?;
+        let features = window
+            .iter()
+            .map(|rb| features_from_record_batch(config, rb))
+            .collect::<Result<Vec<_>>>()?;
+        let inputs: Vec<Vec<&dyn SampleSource>> = features
+            .iter()
+            .map(|fs| fs.iter().map(|f| f as &dyn SampleSource).collect())
+            .collect();
+        let views = inputs
+            .iter()
+            .map(|i| ragged_views(plan, i))
+            .collect::<Result<Vec<_>>>()?;
         let n = plan.layout.num_partitions();
         let mask = (n - 1) as u32;
         let mut worst = vec![vec![0i32; plan.stacks.len()]; order.len()];
         for (k, rows) in order.iter().enumerate() {
             let per_slice = rows.len() / slices.max(1);
             for slice in rows.chunks(per_slice.max(1)) {
-                for (st, stack) in plan.stacks.iter().enumerate().filter(|&(st, _)| stacks.get(st).copied().unwrap_or(false)) {
+                for (st, stack) in plan
+                    .stacks
+                    .iter()
+                    .enumerate()
+                    .filter(|&(st, _)| stacks.get(st).copied().unwrap_or(false))
+                {
                     let fs = &stack.features;
                     let length = |r: &SampleRef, f: usize| {
                         let (a, b) = views[r.batch][f].offsets.range(r.row);
                         b - a
                     };
-                    let ids: usize = slice.iter().map(|r| fs.iter().map(|&f| length(r, f)).sum::<usize>()).sum();
+                    let ids: usize = slice
+                        .iter()
+                        .map(|r| fs.iter().map(|&f| length(r, f)).sum::<usize>())
+                        .sum();
                     self.per_partition.clear();
                     self.per_partition.resize(n, 0);
                     // A bit per column costs a clear of the bitmap, but no hashing and a
@@ -439,7 +534,14 @@ impl UniqueCounter {
 
     /// Adds one (slice, stack)'s distinct columns (of its `ids` ids) to `per_partition` with
     /// the hash set.
-    fn count_hashed(&mut self, views: &[Vec<RaggedFeature<'_>>], slice: &[SampleRef], fs: &[usize], ids: usize, mask: u32) {
+    fn count_hashed(
+        &mut self,
+        views: &[Vec<RaggedFeature<'_>>],
+        slice: &[SampleRef],
+        fs: &[usize],
+        ids: usize,
+        mask: u32,
+    ) {
         self.set.start(2 * ids);
         let (mut set, parts) = (self.set.slots(), &mut self.per_partition[..]);
         for_each_list(views, slice, fs, |f, list| match list {
@@ -450,13 +552,22 @@ impl UniqueCounter {
 
     /// Adds one (slice, stack)'s distinct columns to `per_partition` with a bit per column of
     /// the stack's `words` words.
-    fn count_dense(&mut self, views: &[Vec<RaggedFeature<'_>>], slice: &[SampleRef], fs: &[usize], words: usize, mask: u32) {
+    fn count_dense(
+        &mut self,
+        views: &[Vec<RaggedFeature<'_>>],
+        slice: &[SampleRef],
+        fs: &[usize],
+        words: usize,
+        mask: u32,
+    ) {
         if self.bits.len() < words {
             self.bits.resize(words, 0);
         }
         let (bits, spill) = (&mut self.bits[..words], &mut self.spill);
         spill.clear();
-        let Some(parts) = self.per_partition.get_mut(..=mask as usize) else { return };
+        let Some(parts) = self.per_partition.get_mut(..=mask as usize) else {
+            return;
+        };
         for_each_list(views, slice, fs, |f, list| match list {
             Ids::I32(x) => dense_list(f, x, mask, bits, parts, spill),
             Ids::I64(x) => dense_list(f, x, mask, bits, parts, spill),
@@ -475,10 +586,17 @@ impl UniqueCounter {
 /// Calls `each` with every list of a slice's samples in the stack of features `fs`, and its
 /// feature.
 #[inline(always)]
-fn for_each_list<'a>(views: &'a [Vec<RaggedFeature<'a>>], slice: &[SampleRef], fs: &[usize], mut each: impl FnMut(&RaggedFeature<'a>, Ids<'a>)) {
+fn for_each_list<'a>(
+    views: &'a [Vec<RaggedFeature<'a>>],
+    slice: &[SampleRef],
+    fs: &[usize],
+    mut each: impl FnMut(&RaggedFeature<'a>, Ids<'a>),
+) {
     for r in slice {
         for &f in fs {
-            let Some(v) = views.get(r.batch).and_then(|v| v.get(f)) else { continue };
+            let Some(v) = views.get(r.batch).and_then(|v| v.get(f)) else {
+                continue;
+            };
             let (a, b) = v.offsets.range(r.row);
             match v.ids {
                 Ids::I32(x) => each(v, Ids::I32(x.get(a..b).unwrap_or_default())),
@@ -494,9 +612,18 @@ fn for_each_list<'a>(views: &'a [Vec<RaggedFeature<'a>>], slice: &[SampleRef], f
 /// (read through `f`, they would be read again after every count, which might have changed
 /// them as far as the compiler knows).
 #[inline(never)]
-fn dense_list<I: InputInt>(f: &RaggedFeature<'_>, list: &[I], mask: u32, bits: &mut [u64], parts: &mut [u32], spill: &mut Vec<u32>) {
+fn dense_list<I: InputInt>(
+    f: &RaggedFeature<'_>,
+    list: &[I],
+    mask: u32,
+    bits: &mut [u64],
+    parts: &mut [u32],
+    spill: &mut Vec<u32>,
+) {
     let (shift, offset) = (f.col_shift, f.col_offset);
-    let Some(last) = parts.len().checked_sub(1) else { return };
+    let Some(last) = parts.len().checked_sub(1) else {
+        return;
+    };
     for &id in list {
         let c = col_of(low32(id), shift, mask, offset);
         match bits.get_mut((c / 64) as usize) {
@@ -512,9 +639,17 @@ fn dense_list<I: InputInt>(f: &RaggedFeature<'_>, list: &[I], mask: u32, bits: &
 
 /// [`dense_list`] with a hash set instead of a bitmap.
 #[inline(never)]
-fn hashed_list<I: InputInt>(f: &RaggedFeature<'_>, list: &[I], mask: u32, set: &mut Slots<'_>, parts: &mut [u32]) {
+fn hashed_list<I: InputInt>(
+    f: &RaggedFeature<'_>,
+    list: &[I],
+    mask: u32,
+    set: &mut Slots<'_>,
+    parts: &mut [u32],
+) {
     let (shift, offset) = (f.col_shift, f.col_offset);
-    let Some(last) = parts.len().checked_sub(1) else { return };
+    let Some(last) = parts.len().checked_sub(1) else {
+        return;
+    };
     for &id in list {
         let c = col_of(low32(id), shift, mask, offset);
         if set.insert(c) {
@@ -541,7 +676,14 @@ fn partition(f: &RaggedFeature<'_>, id: u32, mask: u32) -> u32 {
 /// order of their first id; by partition for lists over [`SHORT_LIST`] ids); returns the largest
 /// count. `hist` (one count per partition) is all zero before and after.
 #[inline(always)]
-fn count_list<I: InputInt>(f: &RaggedFeature<'_>, list: &[I], mask: u32, seen: &mut SeenSet, hist: &mut [u32], out: &mut Vec<(u32, u32)>) -> u32 {
+fn count_list<I: InputInt>(
+    f: &RaggedFeature<'_>,
+    list: &[I],
+    mask: u32,
+    seen: &mut SeenSet,
+    hist: &mut [u32],
+    out: &mut Vec<(u32, u32)>,
+) -> u32 {
     let cell = |id: I| f.base + partition(f, low32(id), mask);
     if let [a] = *list {
         out.push((cell(a), 1));
@@ -567,14 +709,22 @@ fn count_list<I: InputInt>(f: &RaggedFeature<'_>, list: &[I], mask: u32, seen: &
             let mut most = 1;
             for (k, &id) in list.iter().enumerate() {
                 let c = cell(id);
-                match out.get_mut(from..).and_then(|e| e.iter_mut().find(|e| e.0 == c)) {
+                match out
+                    .get_mut(from..)
+                    .and_then(|e| e.iter_mut().find(|e| e.0 == c))
+                {
                     None => out.push((c, 1)),
                     Some(e) => {
                         // A repeat falls on the cell of its first occurrence, so only ids on a cell
                         // already taken need comparing. Equal low 32 bits are equal columns (the
                         // column is a bijection of them).
                         let id = low32(id);
-                        if !list.get(..k).unwrap_or_default().iter().any(|&p| low32(p) == id) {
+                        if !list
+                            .get(..k)
+                            .unwrap_or_default()
+                            .iter()
+                            .any(|&p| low32(p) == id)
+                        {
                             e.1 += 1;
                             most = most.max(e.1);
                         }
@@ -590,7 +740,14 @@ fn count_list<I: InputInt>(f: &RaggedFeature<'_>, list: &[I], mask: u32, seen: &
 /// A list over [`SHORT_LIST`] ids, merged by partition; out of line, so that the short lists'
 /// loop keeps its registers.
 #[inline(never)]
-fn count_merged<I: InputInt>(f: &RaggedFeature<'_>, list: &[I], mask: u32, seen: &mut SeenSet, hist: &mut [u32], out: &mut Vec<(u32, u32)>) -> u32 {
+fn count_merged<I: InputInt>(
+    f: &RaggedFeature<'_>,
+    list: &[I],
+    mask: u32,
+    seen: &mut SeenSet,
+    hist: &mut [u32],
+    out: &mut Vec<(u32, u32)>,
+) -> u32 {
     if f.dense_words > 0 {
         seen.count_dense(f, list, mask, hist);
     } else if list.len() <= MEDIUM_LIST {
@@ -643,12 +800,20 @@ fn partition_masks(n: usize) -> [u64; 64] {
 /// [`SeenSet::count_medium`]'s loop over the ids, testing an empty slot and the id's own in one
 /// branch (`ONE_BRANCH`) or in two.
 #[inline(always)]
-fn medium_loop<I: InputInt, const ONE_BRANCH: bool>(f: &RaggedFeature<'_>, list: &[I], mask: u32, table: &mut [u32], hist: &mut [u32]) {
+fn medium_loop<I: InputInt, const ONE_BRANCH: bool>(
+    f: &RaggedFeature<'_>,
+    list: &[I],
+    mask: u32,
+    table: &mut [u32],
+    hist: &mut [u32],
+) {
     let size = table.len();
     // A 32-bit multiplier (a medium list has at most 2^16 slots): an immediate operand, which
     // leaves the loop one more register.
     let shift = 32 - size.trailing_zeros();
-    let Some(last) = hist.len().checked_sub(1) else { return };
+    let Some(last) = hist.len().checked_sub(1) else {
+        return;
+    };
     let mut max_seen = false;
     for &id in list {
         let id = low32(id);
@@ -665,7 +830,11 @@ fn medium_loop<I: InputInt, const ONE_BRANCH: bool>(f: &RaggedFeature<'_>, list:
             let k = *slot;
             // The product is 0 exactly when a factor is: both are below 2^32 in magnitude.
             let (wide, wide_key) = (u64::from(k), u64::from(key));
-            if if ONE_BRANCH { wide.wrapping_mul(wide.wrapping_sub(wide_key)) == 0 } else { k == 0 || k == key } {
+            if if ONE_BRANCH {
+                wide.wrapping_mul(wide.wrapping_sub(wide_key)) == 0
+            } else {
+                k == 0 || k == key
+            } {
                 *slot = key;
                 break k;
             }
@@ -708,7 +877,13 @@ impl SeenSet {
     /// direct indexing. A list long against the stack (high-multivalency's: hundreds of ids
     /// over 33 columns) only sets a bit per id, and each word of the bitmap is then counted
     /// per partition; any other stamps each column with the list's generation.
-    fn count_dense<I: InputInt>(&mut self, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) {
+    fn count_dense<I: InputInt>(
+        &mut self,
+        f: &RaggedFeature<'_>,
+        list: &[I],
+        mask: u32,
+        hist: &mut [u32],
+    ) {
         let n = (mask + 1) as usize;
         let words = f.dense_words;
         self.spill.clear();
@@ -719,7 +894,9 @@ impl SeenSet {
             next_generation(&mut self.stamps, &mut self.generation, size);
             let (stamps, generation) = (&mut self.stamps[..size], self.generation);
             // A partition masked by `last` needs no bounds check.
-            let Some(parts) = hist.get_mut(..=mask as usize) else { return };
+            let Some(parts) = hist.get_mut(..=mask as usize) else {
+                return;
+            };
             let last = parts.len() - 1;
             for &id in list {
                 let c = column(f, low32(id), mask);
@@ -745,7 +922,13 @@ impl SeenSet {
     /// [`crate::isa`]): with hardware popcount, each word's count per partition is two
     /// instructions instead of a dozen.
     #[inline(never)]
-    fn count_bits<I: InputInt>(&mut self, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) {
+    fn count_bits<I: InputInt>(
+        &mut self,
+        f: &RaggedFeature<'_>,
+        list: &[I],
+        mask: u32,
+        hist: &mut [u32],
+    ) {
         let seen = self;
         crate::isa::dispatch_v3!(<I: InputInt> (seen: &mut SeenSet, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) -> () {
             seen.count_bits_body(f, list, mask, hist)
@@ -753,7 +936,13 @@ impl SeenSet {
     }
 
     #[inline(always)]
-    fn count_bits_body<I: InputInt>(&mut self, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) {
+    fn count_bits_body<I: InputInt>(
+        &mut self,
+        f: &RaggedFeature<'_>,
+        list: &[I],
+        mask: u32,
+        hist: &mut [u32],
+    ) {
         let (n, words) = ((mask + 1) as usize, f.dense_words);
         if self.bits.len() < words {
             self.bits.resize(words, 0);
@@ -770,7 +959,11 @@ impl SeenSet {
             }
             *word = x;
             if past {
-                self.spill.extend(list.iter().map(|&id| column(f, low32(id), mask)).filter(|&c| c >= 64));
+                self.spill.extend(
+                    list.iter()
+                        .map(|&id| column(f, low32(id), mask))
+                        .filter(|&c| c >= 64),
+                );
             }
         } else {
             for &id in list {
@@ -806,21 +999,31 @@ impl SeenSet {
     /// between a quarter and three quarters of its ids, the next one tests both at once with
     /// a product (three more instructions per id, no mispredicted branch).
     #[inline(never)]
-    fn count_medium<I: InputInt>(&mut self, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) {
+    fn count_medium<I: InputInt>(
+        &mut self,
+        f: &RaggedFeature<'_>,
+        list: &[I],
+        mask: u32,
+        hist: &mut [u32],
+    ) {
         let size = (4 * list.len()).next_power_of_two().max(32);
         if self.table.len() < size {
             self.table.resize(size, 0);
         }
         let table = &mut self.table[..size];
         // One count per partition; a partition masked by `last` needs no bounds check.
-        let Some(hist) = hist.get_mut(..=mask as usize) else { return };
+        let Some(hist) = hist.get_mut(..=mask as usize) else {
+            return;
+        };
         if self.mixed {
             medium_loop::<I, true>(f, list, mask, table, hist);
         } else {
             medium_loop::<I, false>(f, list, mask, table, hist);
         }
         // `hist` was all zero: it now holds the list's distinct columns.
-        let repeats = list.len().saturating_sub(hist.iter().map(|&h| h as usize).sum());
+        let repeats = list
+            .len()
+            .saturating_sub(hist.iter().map(|&h| h as usize).sum());
         self.mixed = 4 * repeats >= list.len() && 4 * repeats <= 3 * list.len();
         table.fill(0);
     }
@@ -903,14 +1106,27 @@ mod tests {
             base: 3 * n,
             col_shift,
             col_offset,
-            dense_words: if vocab <= super::DENSE_SEEN_MAX { vocab.div_ceil(64) as usize } else { 0 },
+            dense_words: if vocab <= super::DENSE_SEEN_MAX {
+                vocab.div_ceil(64) as usize
+            } else {
+                0
+            },
         };
         let mask = n - 1;
-        let (mut seen, mut hist, mut entries, mut starts) = (SeenSet::default(), vec![0u32; n as usize], Vec::new(), vec![0u32]);
+        let (mut seen, mut hist, mut entries, mut starts) = (
+            SeenSet::default(),
+            vec![0u32; n as usize],
+            Vec::new(),
+            vec![0u32],
+        );
         for r in 0..lists.len() {
             let most = f.count_row(r, mask, &mut seen, &mut hist, &mut entries);
             let from = *starts.last().unwrap() as usize;
-            assert_eq!(most, entries[from..].iter().map(|e| e.1).max().unwrap_or(0), "row {r}: largest count");
+            assert_eq!(
+                most,
+                entries[from..].iter().map(|e| e.1).max().unwrap_or(0),
+                "row {r}: largest count"
+            );
             starts.push(entries.len() as u32);
         }
         for (r, l) in lists.iter().enumerate() {
@@ -923,10 +1139,18 @@ mod tests {
             }
             let mut got = vec![0u32; n as usize];
             for &(cell, k) in &entries[starts[r] as usize..starts[r + 1] as usize] {
-                assert!(got[(cell - 3 * n) as usize] == 0, "row {r}: cell {cell} twice");
+                assert!(
+                    got[(cell - 3 * n) as usize] == 0,
+                    "row {r}: cell {cell} twice"
+                );
                 got[(cell - 3 * n) as usize] = k;
             }
-            assert_eq!(got, want, "row {r} of {} ids, vocab {vocab}, {n} partitions", l.len());
+            assert_eq!(
+                got,
+                want,
+                "row {r} of {} ids, vocab {vocab}, {n} partitions",
+                l.len()
+            );
         }
         assert!(hist.iter().all(|&h| h == 0), "scratch left dirty");
     }
@@ -940,19 +1164,60 @@ mod tests {
             x ^= x << 17;
             x
         };
-        for (vocab, n) in [(33u64, 4u32), (1000, 4), (1000, 16), (10_000, 4), (1 << 14, 64), (100_000_000, 4), (100_000_000, 16)] {
+        for (vocab, n) in [
+            (33u64, 4u32),
+            (1000, 4),
+            (1000, 16),
+            (10_000, 4),
+            (1 << 14, 64),
+            (100_000_000, 4),
+            (100_000_000, 16),
+        ] {
             let mut lists = Vec::new();
-            for len in [0usize, 1, 2, 2, 3, 5, 8, 9, 16, 17, 40, 100, 300, 513, 4096, 5000, 20_000] {
+            for len in [
+                0usize, 1, 2, 2, 3, 5, 8, 9, 16, 17, 40, 100, 300, 513, 4096, 5000, 20_000,
+            ] {
                 for spread in [vocab, 20] {
-                    lists.push((0..len).map(|_| (next() % spread.min(vocab)) as i64).collect::<Vec<i64>>());
+                    lists.push(
+                        (0..len)
+                            .map(|_| (next() % spread.min(vocab)) as i64)
+                            .collect::<Vec<i64>>(),
+                    );
                 }
             }
             // Ids past the stack (rejected by the pipeline), negative ids and u32::MAX.
-            lists.push(vec![vocab as i64 + 70, 5, vocab as i64 + 70, 1 << 20, 5, 1 << 20, 7, 9, 11, 13]);
-            lists.push((0..600).map(|k| if k % 3 == 0 { -1 } else { (vocab + 64 * (k % 5)) as i64 }).collect());
+            lists.push(vec![
+                vocab as i64 + 70,
+                5,
+                vocab as i64 + 70,
+                1 << 20,
+                5,
+                1 << 20,
+                7,
+                9,
+                11,
+                13,
+            ]);
+            lists.push(
+                (0..600)
+                    .map(|k| {
+                        if k % 3 == 0 {
+                            -1
+                        } else {
+                            (vocab + 64 * (k % 5)) as i64
+                        }
+                    })
+                    .collect(),
+            );
             lists.push(vec![u32::MAX as i64; 30]);
             lists.push(vec![7, 7]);
-            check_feature(&lists, vocab, n, 1 % n, if vocab > 1000 { 0 } else { 8 * n });
+            check_feature(
+                &lists,
+                vocab,
+                n,
+                1 % n,
+                if vocab > 1000 { 0 } else { 8 * n },
+            );
         }
     }
 
@@ -1027,7 +1292,10 @@ mod tests {
             for words in [1usize, 20, 32, 100] {
                 counter.per_partition = vec![0; n as usize];
                 counter.count_dense(&views, &slice, &[0, 1], words, mask);
-                assert_eq!(counter.per_partition, want, "bitmap of {words} words, round {round}");
+                assert_eq!(
+                    counter.per_partition, want,
+                    "bitmap of {words} words, round {round}"
+                );
             }
             counter.per_partition = vec![0; n as usize];
             counter.count_hashed(&views, &slice, &[0, 1], ids, mask);
@@ -1063,9 +1331,22 @@ mod tests {
             x
         };
         check(&(0..1000).map(|k| k * 7 + 1).collect::<Vec<u32>>());
-        check(&(0..1000).map(|_| (next() % 100_000_000) as u32).chain([5, 5, 9, 5]).collect::<Vec<u32>>());
-        check(&(0..3000).map(|_| (next() % 50) as u32).collect::<Vec<u32>>());
+        check(
+            &(0..1000)
+                .map(|_| (next() % 100_000_000) as u32)
+                .chain([5, 5, 9, 5])
+                .collect::<Vec<u32>>(),
+        );
+        check(
+            &(0..3000)
+                .map(|_| (next() % 50) as u32)
+                .collect::<Vec<u32>>(),
+        );
         check(&[42u32; 40]);
-        check(&(0..100_000).map(|_| (next() % 60_000) as u32).collect::<Vec<u32>>());
+        check(
+            &(0..100_000)
+                .map(|_| (next() % 60_000) as u32)
+                .collect::<Vec<u32>>(),
+        );
     }
 }

@@ -43,7 +43,9 @@
 use arrow_array::RecordBatch;
 
 use crate::error::{Error, Result};
-use crate::input::{features_from_record_batch, features_from_record_batch_reusing, HashBuffers, SampleSource};
+use crate::input::{
+    features_from_record_batch, features_from_record_batch_reusing, HashBuffers, SampleSource,
+};
 use crate::output::Output;
 use crate::preprocess::Preprocessor;
 use crate::spec::{Config, Plan};
@@ -180,10 +182,14 @@ impl Outcome {
     /// The index of the stack the outcome names, if any.
     pub fn stack_index(self) -> Option<usize> {
         match self {
-            Outcome::AtLowerBound { stack_index } | Outcome::WouldPassLimit { stack_index } | Outcome::WouldPassUniqueLimit { stack_index } => {
-                Some(stack_index)
-            }
-            Outcome::Reordered | Outcome::EmptyWindow | Outcome::UnevenBatch { .. } | Outcome::MixedPlans { .. } | Outcome::NoBetterOrder => None,
+            Outcome::AtLowerBound { stack_index }
+            | Outcome::WouldPassLimit { stack_index }
+            | Outcome::WouldPassUniqueLimit { stack_index } => Some(stack_index),
+            Outcome::Reordered
+            | Outcome::EmptyWindow
+            | Outcome::UnevenBatch { .. }
+            | Outcome::MixedPlans { .. }
+            | Outcome::NoBetterOrder => None,
         }
     }
 }
@@ -302,38 +308,91 @@ impl Balancer {
                 return Ok(Balanced {
                     batches: window.to_vec(),
                     permutation: identity(window),
-                    report: BalanceReport { batches: window.len(), outcome, ..BalanceReport::default() },
+                    report: BalanceReport {
+                        batches: window.len(),
+                        outcome,
+                        ..BalanceReport::default()
+                    },
                 })
             }
         };
         let plan = self.prep.plan().expect("count() planned");
         let stacks: Vec<String> = plan.stacks.iter().map(|s| s.name.clone()).collect();
-        let inv_limit: Vec<f64> = plan.stacks.iter().flat_map(|s| std::iter::repeat_n(1.0 / s.max_ids_per_partition.max(1) as f64, shape.partitions)).collect();
-        let slice_rows: Vec<usize> = window.iter().map(|rb| rb.num_rows() / shape.slices).collect();
+        let inv_limit: Vec<f64> = plan
+            .stacks
+            .iter()
+            .flat_map(|s| {
+                std::iter::repeat_n(
+                    1.0 / s.max_ids_per_partition.max(1) as f64,
+                    shape.partitions,
+                )
+            })
+            .collect();
+        let slice_rows: Vec<usize> = window
+            .iter()
+            .map(|rb| rb.num_rows() / shape.slices)
+            .collect();
         let nslices = window.len() * shape.slices;
         let cells = shape.cells();
 
         input_order_loads(&self.counts, shape, &slice_rows, &mut self.load);
         let before_batches = batch_loads(&self.load, shape, window.len());
         let rows = slice_rows.iter().copied().min().unwrap_or(0);
-        let totals: Vec<u64> = (0..cells).map(|c| self.load.iter().skip(c).step_by(cells).map(|&n| n as u64).sum()).collect();
-        let bound = with_unsplit(bound_from(&self.load, shape, nslices), &self.counts, &totals, shape, rows);
+        let totals: Vec<u64> = (0..cells)
+            .map(|c| {
+                self.load
+                    .iter()
+                    .skip(c)
+                    .step_by(cells)
+                    .map(|&n| n as u64)
+                    .sum()
+            })
+            .collect();
+        let bound = with_unsplit(
+            bound_from(&self.load, shape, nslices),
+            &self.counts,
+            &totals,
+            shape,
+            rows,
+        );
         let before = worst_per_stack(&before_batches);
         let keep = |before: Vec<IdLoad>, bound: Vec<u32>, outcome: Outcome| Balanced {
             batches: window.to_vec(),
             permutation: identity(window),
-            report: BalanceReport { batches: window.len(), stacks: stacks.clone(), after: before.clone(), before, lower_bound: bound, outcome },
+            report: BalanceReport {
+                batches: window.len(),
+                stacks: stacks.clone(),
+                after: before.clone(),
+                before,
+                lower_bound: bound,
+                outcome,
+            },
         };
         // A new order is kept only if every batch's worst `max_ids` relative to its limit falls
         // strictly below the window's worst input batch's (for W = 1, the batch's own; see
         // below). Every order has some batch at or above the bound in every stack, so when a
         // stack's bound already reaches that worst, no order can pass and the search is
         // skipped: the input order is returned as the search would have returned it.
-        let relative = |ids: f64, st: &crate::spec::StackPlan| ids / st.max_ids_per_partition.max(1) as f64;
-        let score = |loads: &[IdLoad]| -> f64 { loads.iter().zip(&plan.stacks).map(|(l, st)| relative(l.max_ids_per_partition as f64, st)).fold(0.0, f64::max) };
+        let relative =
+            |ids: f64, st: &crate::spec::StackPlan| ids / st.max_ids_per_partition.max(1) as f64;
+        let score = |loads: &[IdLoad]| -> f64 {
+            loads
+                .iter()
+                .zip(&plan.stacks)
+                .map(|(l, st)| relative(l.max_ids_per_partition as f64, st))
+                .fold(0.0, f64::max)
+        };
         let window_worst = before_batches.iter().map(|b| score(b)).fold(0.0, f64::max);
-        if let Some(stack) = bound.iter().zip(&plan.stacks).position(|(&b, st)| relative(b as f64, st) >= window_worst) {
-            return Ok(keep(before, bound, Outcome::AtLowerBound { stack_index: stack }));
+        if let Some(stack) = bound
+            .iter()
+            .zip(&plan.stacks)
+            .position(|(&b, st)| relative(b as f64, st) >= window_worst)
+        {
+            return Ok(keep(
+                before,
+                bound,
+                Outcome::AtLowerBound { stack_index: stack },
+            ));
         }
 
         self.load.clear();
@@ -341,11 +400,35 @@ impl Balancer {
         let capacity: Vec<usize> = (0..nslices).map(|s| slice_rows[s / shape.slices]).collect();
         let mut members = place(&self.counts, &inv_limit, &capacity, cells, &mut self.load)?;
         let counts = &self.counts;
-        let inv_buffer: Vec<f64> = plan.stacks.iter().map(|st| shape.sc_per_device as f64 / st.coo_buffer_size_per_device.max(1) as f64).collect();
-        let weights = Weights { inv_limit: &inv_limit, inv_buffer: &inv_buffer, partitions: shape.partitions };
-        improve(counts, &mut members, &mut self.load, cells, &weights, self.refinement, &mut self.swap_memory);
+        let inv_buffer: Vec<f64> = plan
+            .stacks
+            .iter()
+            .map(|st| shape.sc_per_device as f64 / st.coo_buffer_size_per_device.max(1) as f64)
+            .collect();
+        let weights = Weights {
+            inv_limit: &inv_limit,
+            inv_buffer: &inv_buffer,
+            partitions: shape.partitions,
+        };
+        improve(
+            counts,
+            &mut members,
+            &mut self.load,
+            cells,
+            &weights,
+            self.refinement,
+            &mut self.swap_memory,
+        );
         if self.refinement == Refinement::UniqueIds {
-            unique::lower(self.prep.config(), plan, window, counts, &mut members, &mut self.load, shape)?;
+            unique::lower(
+                self.prep.config(),
+                plan,
+                window,
+                counts,
+                &mut members,
+                &mut self.load,
+                shape,
+            )?;
         }
         let after_batches = batch_loads(&self.load, shape, window.len());
         let permutation = permutation(counts, &members, shape.slices, window.len());
@@ -357,22 +440,35 @@ impl Balancer {
         // Keep the new order only if every batch is strictly better by its worst max_ids
         // relative to the limit: W = 1 against itself, W > 1 against the window's worst input.
         let pooled = window.len() > 1;
-        let better = before_batches.iter().zip(&after_batches).all(|(b, a)| score(a) < if pooled { window_worst } else { score(b) });
+        let better = before_batches
+            .iter()
+            .zip(&after_batches)
+            .all(|(b, a)| score(a) < if pooled { window_worst } else { score(b) });
         // And no stack of any batch may pass what it is held to: its input batch (W = 1) or
         // the window's worst input batch (W > 1), or the configured limit where that is
         // higher. A window that fit its limits still fits them.
         let held_to = |b: usize| if pooled { &before } else { &before_batches[b] };
         let passing = |b: usize| {
-            after_batches[b].iter().zip(held_to(b)).zip(&plan.stacks).position(|((a, r), st)| {
-                a.max_ids_per_partition > r.max_ids_per_partition.max(limit(st.max_ids_per_partition))
-                    || a.required_buffer > r.required_buffer.max(st.coo_buffer_size_per_device as u64)
-            })
+            after_batches[b]
+                .iter()
+                .zip(held_to(b))
+                .zip(&plan.stacks)
+                .position(|((a, r), st)| {
+                    a.max_ids_per_partition
+                        > r.max_ids_per_partition.max(limit(st.max_ids_per_partition))
+                        || a.required_buffer
+                            > r.required_buffer.max(st.coo_buffer_size_per_device as u64)
+                })
         };
         if !better {
             return Ok(keep(before, bound, Outcome::NoBetterOrder));
         }
         if let Some(stack) = (0..window.len()).filter_map(passing).min() {
-            return Ok(keep(before, bound, Outcome::WouldPassLimit { stack_index: stack }));
+            return Ok(keep(
+                before,
+                bound,
+                Outcome::WouldPassLimit { stack_index: stack },
+            ));
         }
         // Unique ids need distinct columns per slice, which per-sample counts cannot give. A
         // stack whose ids stay within its unique limit in every cell keeps its unique ids within
@@ -386,23 +482,62 @@ impl Balancer {
             .enumerate()
             .map(|(st, stack)| {
                 let unique_limit = limit(stack.max_unique_ids_per_partition);
-                let columns_per_partition = stack.stack_vocab_size.div_ceil(shape.partitions as u64);
-                (!plan.validate_ids || columns_per_partition > unique_limit as u64) && after_batches.iter().any(|a| a[st].max_ids_per_partition > unique_limit)
+                let columns_per_partition =
+                    stack.stack_vocab_size.div_ceil(shape.partitions as u64);
+                (!plan.validate_ids || columns_per_partition > unique_limit as u64)
+                    && after_batches
+                        .iter()
+                        .any(|a| a[st].max_ids_per_partition > unique_limit)
             })
             .collect();
         if risky.contains(&true) {
             let config = self.prep.config();
-            let after_unique = self.unique.worst_per_batch(config, plan, window, &permutation, shape.slices, &risky)?;
-            let over = |u: &[Vec<i32>]| u.iter().any(|a| a.iter().zip(&plan.stacks).any(|(&a, st)| a > limit(st.max_unique_ids_per_partition)));
+            let after_unique = self.unique.worst_per_batch(
+                config,
+                plan,
+                window,
+                &permutation,
+                shape.slices,
+                &risky,
+            )?;
+            let over = |u: &[Vec<i32>]| {
+                u.iter().any(|a| {
+                    a.iter()
+                        .zip(&plan.stacks)
+                        .any(|(&a, st)| a > limit(st.max_unique_ids_per_partition))
+                })
+            };
             if over(&after_unique) {
-                let before_unique = self.unique.worst_per_batch(config, plan, window, &identity, shape.slices, &risky)?;
-                let window_unique = (0..plan.stacks.len()).map(|st| before_unique.iter().map(|b| b[st]).max().unwrap_or(0)).collect::<Vec<_>>();
+                let before_unique = self.unique.worst_per_batch(
+                    config,
+                    plan,
+                    window,
+                    &identity,
+                    shape.slices,
+                    &risky,
+                )?;
+                let window_unique = (0..plan.stacks.len())
+                    .map(|st| before_unique.iter().map(|b| b[st]).max().unwrap_or(0))
+                    .collect::<Vec<_>>();
                 let passing = after_unique.iter().enumerate().filter_map(|(b, a)| {
-                    let r = if pooled { &window_unique } else { &before_unique[b] };
-                    a.iter().zip(r).zip(&plan.stacks).position(|((&a, &r), st)| a > r.max(limit(st.max_unique_ids_per_partition)))
+                    let r = if pooled {
+                        &window_unique
+                    } else {
+                        &before_unique[b]
+                    };
+                    a.iter()
+                        .zip(r)
+                        .zip(&plan.stacks)
+                        .position(|((&a, &r), st)| {
+                            a > r.max(limit(st.max_unique_ids_per_partition))
+                        })
                 });
                 if let Some(stack) = passing.min() {
-                    return Ok(keep(before, bound, Outcome::WouldPassUniqueLimit { stack_index: stack }));
+                    return Ok(keep(
+                        before,
+                        bound,
+                        Outcome::WouldPassUniqueLimit { stack_index: stack },
+                    ));
                 }
             }
         }
@@ -410,7 +545,14 @@ impl Balancer {
         Ok(Balanced {
             batches,
             permutation,
-            report: BalanceReport { batches: window.len(), stacks, before, after: worst_per_stack(&after_batches), lower_bound: bound, outcome: Outcome::Reordered },
+            report: BalanceReport {
+                batches: window.len(),
+                stacks,
+                before,
+                after: worst_per_stack(&after_batches),
+                lower_bound: bound,
+                outcome: Outcome::Reordered,
+            },
         })
     }
 
@@ -432,10 +574,20 @@ impl Balancer {
         let mut first_plan: Option<PlanKey> = None;
         // Which batch of a window of several, for messages about a row.
         let pooled = window.len() > 1;
-        let which = |b: usize| move |e: Error| if pooled { e.context(format!("batch {b} of the window")) } else { e };
+        let which = |b: usize| {
+            move |e: Error| {
+                if pooled {
+                    e.context(format!("batch {b} of the window"))
+                } else {
+                    e
+                }
+            }
+        };
         for (b, rb) in window.iter().enumerate() {
-            let features = features_from_record_batch_reusing(&config, rb, &mut self.hash_buffers).map_err(which(b))?;
-            let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
+            let features = features_from_record_batch_reusing(&config, rb, &mut self.hash_buffers)
+                .map_err(which(b))?;
+            let inputs: Vec<&dyn SampleSource> =
+                features.iter().map(|f| f as &dyn SampleSource).collect();
             let sizes: Vec<usize> = inputs.iter().map(|i| i.num_samples()).collect();
             let plan = self.prep.plan_for(&sizes)?;
             let this = Shape {
@@ -449,7 +601,10 @@ impl Balancer {
             // per batch size): their samples' cells and weights would not be comparable.
             let key = PlanKey::of(plan);
             let same_plan = first_plan.get_or_insert_with(|| key.clone()) == &key;
-            let unfit = if rows == 0 || !rows.is_multiple_of(this.slices) || sizes.iter().any(|&s| s != rows) {
+            let unfit = if rows == 0
+                || !rows.is_multiple_of(this.slices)
+                || sizes.iter().any(|&s| s != rows)
+            {
                 Some(Outcome::UnevenBatch { batch: b })
             } else if !same_plan {
                 Some(Outcome::MixedPlans { batch: b })
@@ -461,7 +616,9 @@ impl Balancer {
                 self.hash_buffers.recycle(features);
                 return Ok(Err(outcome));
             }
-            self.counter.count_batch(plan, &inputs, b, rows, counts).map_err(which(b))?;
+            self.counter
+                .count_batch(plan, &inputs, b, rows, counts)
+                .map_err(which(b))?;
             shape = Ok(this);
             drop(inputs);
             self.hash_buffers.recycle(features);
@@ -485,11 +642,22 @@ impl PlanKey {
         PlanKey {
             slices: plan.layout.local_scs(),
             partitions: plan.layout.num_partitions(),
-            features: plan.features.iter().map(|f| (f.stack, f.col_shift, f.col_offset)).collect(),
+            features: plan
+                .features
+                .iter()
+                .map(|f| (f.stack, f.col_shift, f.col_offset))
+                .collect(),
             stacks: plan
                 .stacks
                 .iter()
-                .map(|s| (s.max_ids_per_partition, s.max_unique_ids_per_partition, s.coo_buffer_size_per_device, s.stack_vocab_size))
+                .map(|s| {
+                    (
+                        s.max_ids_per_partition,
+                        s.max_unique_ids_per_partition,
+                        s.coo_buffer_size_per_device,
+                        s.stack_vocab_size,
+                    )
+                })
                 .collect(),
         }
     }
@@ -500,7 +668,13 @@ impl PlanKey {
 /// the order is deterministic. Slices are visited in (peak, ids, index) order, so the search
 /// stops at the first slice whose current peak exceeds the best new peak found. `load` (zeroed,
 /// per (slice, cell)) ends with the placed ids; returns each slice's sample indices.
-fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: usize, load: &mut [u32]) -> Result<Vec<Vec<usize>>> {
+fn place(
+    counts: &SampleCounts,
+    inv_limit: &[f64],
+    capacity: &[usize],
+    cells: usize,
+    load: &mut [u32],
+) -> Result<Vec<Vec<usize>>> {
     let nslices = capacity.len();
     // Largest peak first (in `f64::total_cmp`'s order, as integer keys), then by index.
     let mut keyed: Vec<(i64, usize)> = counts
@@ -518,9 +692,15 @@ fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: us
     let mut members: Vec<Vec<usize>> = capacity.iter().map(|&c| Vec::with_capacity(c)).collect();
     // Peaks are non-negative, so their bit patterns sort as the values do. Kept sorted; a
     // slice's key only grows, so it moves towards the end.
-    let mut open: Vec<(u64, u64, usize)> = (0..nslices).filter(|&s| capacity[s] > 0).map(|s| (0, 0, s)).collect();
+    let mut open: Vec<(u64, u64, usize)> = (0..nslices)
+        .filter(|&s| capacity[s] > 0)
+        .map(|s| (0, 0, s))
+        .collect();
     for &i in &order {
-        let sample = counts.cells.get(counts.start[i]..counts.start[i + 1]).unwrap_or_default();
+        let sample = counts
+            .cells
+            .get(counts.start[i]..counts.start[i + 1])
+            .unwrap_or_default();
         // (new peak, ids, slice, position in `open`).
         let mut best: Option<(f64, u64, usize, usize)> = None;
         // The entry that set the last slice's peak or put it out is tried first: where it puts
@@ -534,11 +714,16 @@ fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: us
             if best.is_some_and(|b| current >= b.0) {
                 break;
             }
-            let Some(row) = load.get(s * cells..(s + 1) * cells) else { continue };
+            let Some(row) = load.get(s * cells..(s + 1) * cells) else {
+                continue;
+            };
             let inv_limit = &inv_limit[..row.len()];
             // A slice whose new peak passes the best found so far is out as soon as it does.
             let bar = best.map_or(f64::INFINITY, |b| b.0);
-            let level = |&(c, n): &(u32, u32)| row.get(c as usize).map_or(f64::INFINITY, |&k| (k + n) as f64 * inv_limit[c as usize]);
+            let level = |&(c, n): &(u32, u32)| {
+                row.get(c as usize)
+                    .map_or(f64::INFINITY, |&k| (k + n) as f64 * inv_limit[c as usize])
+            };
             if let Some(e) = sample.get(probe) {
                 if level(e) > bar {
                     continue;
@@ -564,7 +749,10 @@ fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: us
         }
         let (new_peak, _, s, at) = best.ok_or_else(|| {
             let rows: usize = capacity.iter().sum();
-            Error::data("balancing window", format!("its {nslices} slices of {rows} rows in all have no room for sample {i}"))
+            Error::data(
+                "balancing window",
+                format!("its {nslices} slices of {rows} rows in all have no room for sample {i}"),
+            )
         })?;
         let row = &mut load[s * cells..(s + 1) * cells];
         for &(c, n) in sample {
@@ -588,11 +776,19 @@ fn place(counts: &SampleCounts, inv_limit: &[f64], capacity: &[usize], cells: us
 }
 
 /// Output batch b takes slices b·S..(b + 1)·S of `members`, each slice's samples in input order.
-fn permutation(counts: &SampleCounts, members: &[Vec<usize>], slices: usize, batches: usize) -> Vec<Vec<SampleRef>> {
+fn permutation(
+    counts: &SampleCounts,
+    members: &[Vec<usize>],
+    slices: usize,
+    batches: usize,
+) -> Vec<Vec<SampleRef>> {
     let refs = &counts.refs;
     // `Counter::count_batch` records samples batch by batch and row by row, so walking them in
     // index order lists every slice's samples in input order, with no sort.
-    debug_assert!(refs.windows(2).all(|w| w[0] < w[1]), "samples are counted in input order");
+    debug_assert!(
+        refs.windows(2).all(|w| w[0] < w[1]),
+        "samples are counted in input order"
+    );
     let mut slice_of = vec![usize::MAX; refs.len()];
     for (s, m) in members.iter().enumerate() {
         for &i in m {
@@ -622,7 +818,12 @@ fn permutation(counts: &SampleCounts, members: &[Vec<usize>], slices: usize, bat
 }
 
 /// Per (slice, cell) ids of the input order: slice j of batch b holds rows j·r..(j+1)·r.
-fn input_order_loads(counts: &SampleCounts, shape: Shape, slice_rows: &[usize], load: &mut Vec<u32>) {
+fn input_order_loads(
+    counts: &SampleCounts,
+    shape: Shape,
+    slice_rows: &[usize],
+    load: &mut Vec<u32>,
+) {
     let cells = shape.cells();
     load.clear();
     load.resize(slice_rows.len() * shape.slices * cells, 0);
@@ -640,7 +841,15 @@ fn limit(value: u32) -> i32 {
 }
 
 fn identity(window: &[RecordBatch]) -> Vec<Vec<SampleRef>> {
-    window.iter().enumerate().map(|(b, rb)| (0..rb.num_rows()).map(|row| SampleRef { batch: b, row }).collect()).collect()
+    window
+        .iter()
+        .enumerate()
+        .map(|(b, rb)| {
+            (0..rb.num_rows())
+                .map(|row| SampleRef { batch: b, row })
+                .collect()
+        })
+        .collect()
 }
 
 /// Each batch's per-stack worst cells, from per-(slice, cell) id counts.
@@ -656,8 +865,12 @@ fn batch_loads(load: &[u32], shape: Shape, batches: usize) -> Vec<Vec<IdLoad>> {
                         let row = &load[(b * shape.slices + j) * cells + st * n..][..n];
                         let max = row.iter().copied().max().unwrap_or(0);
                         let buffer: u64 = row.iter().map(|&k| (k as u64).div_ceil(8) * 8).sum();
-                        worst.max_ids_per_partition = worst.max_ids_per_partition.max(max.min(i32::MAX as u32) as i32);
-                        worst.required_buffer = worst.required_buffer.max(buffer * shape.sc_per_device as u64);
+                        worst.max_ids_per_partition = worst
+                            .max_ids_per_partition
+                            .max(max.min(i32::MAX as u32) as i32);
+                        worst.required_buffer = worst
+                            .required_buffer
+                            .max(buffer * shape.sc_per_device as u64);
                     }
                     worst
                 })
@@ -674,7 +887,9 @@ fn bound_from(load: &[u32], shape: Shape, nslices: usize) -> Vec<u32> {
         .map(|st| {
             (0..n)
                 .map(|p| {
-                    let total: u64 = (0..nslices).map(|s| load[s * cells + st * n + p] as u64).sum();
+                    let total: u64 = (0..nslices)
+                        .map(|s| load[s * cells + st * n + p] as u64)
+                        .sum();
                     total.div_ceil(nslices.max(1) as u64) as u32
                 })
                 .max()
@@ -686,7 +901,13 @@ fn bound_from(load: &[u32], shape: Shape, nslices: usize) -> Vec<u32> {
 /// Raises each stack's bound to what the slice holding a cell's heaviest sample must get: that
 /// sample's ids (a sample is never split) plus the fewest ids any `rows - 1` other samples send
 /// to the cell (the slice holds `rows` samples; `rows` is the smallest slice of the window).
-fn with_unsplit(mut bound: Vec<u32>, counts: &SampleCounts, totals: &[u64], shape: Shape, rows: usize) -> Vec<u32> {
+fn with_unsplit(
+    mut bound: Vec<u32>,
+    counts: &SampleCounts,
+    totals: &[u64],
+    shape: Shape,
+    rows: usize,
+) -> Vec<u32> {
     // Per cell: the samples sending ids to it and the most one sends; with the cell's total
     // ids (`totals`), these settle most cells (enough samples send nothing, or all must be
     // taken, or even the average company could not raise the bound). Only the rest list their
@@ -700,7 +921,8 @@ fn with_unsplit(mut bound: Vec<u32>, counts: &SampleCounts, totals: &[u64], shap
             s.1 = s.1.max(n);
         }
     }
-    let candidate = |heaviest: u32, company: u64| (heaviest as u64 + company).min(u32::MAX as u64) as u32;
+    let candidate =
+        |heaviest: u32, company: u64| (heaviest as u64 + company).min(u32::MAX as u64) as u32;
     // Cells left to list, each with the number of its other samples to take.
     let mut open: Vec<(usize, usize)> = Vec::new();
     for (c, &(senders, heaviest)) in sent.iter().enumerate() {
@@ -710,7 +932,11 @@ fn with_unsplit(mut bound: Vec<u32>, counts: &SampleCounts, totals: &[u64], shap
         let senders = senders as usize;
         let others = senders - 1;
         // What the other samples send to the cell.
-        let rest = totals.get(c).copied().unwrap_or(0).saturating_sub(heaviest as u64);
+        let rest = totals
+            .get(c)
+            .copied()
+            .unwrap_or(0)
+            .saturating_sub(heaviest as u64);
         // Samples sending nothing to the cell are the cheapest company.
         let zeros = samples.saturating_sub(senders);
         let need = rows.saturating_sub(1).saturating_sub(zeros).min(others);
@@ -743,7 +969,9 @@ fn with_unsplit(mut bound: Vec<u32>, counts: &SampleCounts, totals: &[u64], shap
     }
     for (k, &(c, need)) in open.iter().enumerate() {
         let shares = &mut shares[start[k]..start[k + 1]];
-        let Some(h) = (0..shares.len()).max_by_key(|&h| shares[h]) else { continue };
+        let Some(h) = (0..shares.len()).max_by_key(|&h| shares[h]) else {
+            continue;
+        };
         let heaviest = shares[h];
         let last = shares.len() - 1;
         shares.swap(h, last);
@@ -763,10 +991,19 @@ fn window_loads(prep: &mut Preprocessor, batches: &[RecordBatch]) -> Result<Vec<
     // (A copy: the batch's views borrow the config while `prep` runs mutably.)
     let config = prep.config().clone();
     let n = batches.len();
-    let which = |b: usize| move |e: Error| if n > 1 { e.context(format!("batch {b} of {n}")) } else { e };
+    let which = |b: usize| {
+        move |e: Error| {
+            if n > 1 {
+                e.context(format!("batch {b} of {n}"))
+            } else {
+                e
+            }
+        }
+    };
     for (b, rb) in batches.iter().enumerate() {
         let features = features_from_record_batch(&config, rb).map_err(which(b))?;
-        let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
+        let inputs: Vec<&dyn SampleSource> =
+            features.iter().map(|f| f as &dyn SampleSource).collect();
         prep.run_stats(&inputs, &mut out).map_err(which(b))?;
         let s = prep.plan().map(|p| p.layout.sc_per_device).unwrap_or(1);
         loads.push(
@@ -810,7 +1047,9 @@ trait Worst: Default + Clone {
 impl Worst for StackLoad {
     fn worst_of(&mut self, l: &Self) {
         self.max_ids_per_partition = self.max_ids_per_partition.max(l.max_ids_per_partition);
-        self.max_unique_ids_per_partition = self.max_unique_ids_per_partition.max(l.max_unique_ids_per_partition);
+        self.max_unique_ids_per_partition = self
+            .max_unique_ids_per_partition
+            .max(l.max_unique_ids_per_partition);
         self.required_buffer = self.required_buffer.max(l.required_buffer);
     }
 }
@@ -832,11 +1071,21 @@ pub fn count_loads(config: &Config, batches: &[RecordBatch]) -> Result<Vec<Stack
         return Ok(Vec::new());
     };
     let plan = balancer.prep.plan().expect("count() planned").clone();
-    let slice_rows: Vec<usize> = batches.iter().map(|rb| rb.num_rows() / shape.slices).collect();
+    let slice_rows: Vec<usize> = batches
+        .iter()
+        .map(|rb| rb.num_rows() / shape.slices)
+        .collect();
     let mut load = Vec::new();
     input_order_loads(&balancer.counts, shape, &slice_rows, &mut load);
     let ids = batch_loads(&load, shape, batches.len());
-    let unique = balancer.unique.worst_per_batch(config, &plan, batches, &identity(batches), shape.slices, &vec![true; shape.stacks])?;
+    let unique = balancer.unique.worst_per_batch(
+        config,
+        &plan,
+        batches,
+        &identity(batches),
+        shape.slices,
+        &vec![true; shape.stacks],
+    )?;
     let loads: Vec<Vec<StackLoad>> = ids
         .iter()
         .zip(&unique)
@@ -869,8 +1118,15 @@ pub fn lower_bound(config: &Config, window: &[RecordBatch]) -> Result<Vec<u32>> 
     for &(c, n) in &balancer.counts.cells {
         totals[c as usize] += n;
     }
-    let spread = bound_from(&totals, shape, 1).into_iter().map(|t| t.div_ceil((window.len() * shape.slices).max(1) as u32)).collect();
-    let rows = window.iter().map(|b| b.num_rows() / shape.slices).min().unwrap_or(0);
+    let spread = bound_from(&totals, shape, 1)
+        .into_iter()
+        .map(|t| t.div_ceil((window.len() * shape.slices).max(1) as u32))
+        .collect();
+    let rows = window
+        .iter()
+        .map(|b| b.num_rows() / shape.slices)
+        .min()
+        .unwrap_or(0);
     let totals: Vec<u64> = totals.iter().map(|&n| n as u64).collect();
     Ok(with_unsplit(spread, &balancer.counts, &totals, shape, rows))
 }

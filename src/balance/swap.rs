@@ -72,7 +72,11 @@ pub(super) fn improve(
     let peak = swaps.worst_cell().0;
     swaps.budget = BUFFER_SWAPS_CHECKED_PER_SAMPLE * counts.refs.len();
     let p = weights.partitions;
-    swaps.sums = swaps.load.chunks(p).map(|part| part.iter().map(|&k| padded(k as i64)).sum()).collect();
+    swaps.sums = swaps
+        .load
+        .chunks(p)
+        .map(|part| part.iter().map(|&k| padded(k as i64)).sum())
+        .collect();
     while swaps.round(Target::Buffer { peak }) {}
     if refinement != Refinement::WorstCell {
         every_stack(&mut swaps, weights, counts.refs.len());
@@ -91,8 +95,21 @@ fn every_stack(swaps: &mut Swaps<'_>, weights: &Weights<'_>, samples: usize) {
     // to their limits), then settled: each step lowers the sorted levels lexicographically.
     // Every stack's buffer is held at its worst, so no tuned buffer rises.
     let stacks = weights.inv_buffer.len();
-    let limits: Vec<f64> = (0..stacks).map(|st| (1.0 / weights.inv_limit[st * p]).round()).collect();
-    swaps.buffer_caps = (0..stacks).map(|st| swaps.sums.iter().skip(st).step_by(stacks.max(1)).copied().max().unwrap_or(0)).collect();
+    let limits: Vec<f64> = (0..stacks)
+        .map(|st| (1.0 / weights.inv_limit[st * p]).round())
+        .collect();
+    swaps.buffer_caps = (0..stacks)
+        .map(|st| {
+            swaps
+                .sums
+                .iter()
+                .skip(st)
+                .step_by(stacks.max(1))
+                .copied()
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
     let mut settled = vec![false; stacks];
     let mut worst = vec![0u32; stacks];
     swaps.caps.resize(cells, 0);
@@ -102,7 +119,10 @@ fn every_stack(swaps: &mut Swaps<'_>, weights: &Weights<'_>, samples: usize) {
         for (st, w) in worst.iter_mut().enumerate() {
             *w = swaps.stack_worst(st).0;
         }
-        let next = (0..stacks).filter(|&st| !settled[st]).map(|st| (worst[st] as f64 / limits[st], st)).min_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
+        let next = (0..stacks)
+            .filter(|&st| !settled[st])
+            .map(|st| (worst[st] as f64 / limits[st], st))
+            .min_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
         let Some((level, stack)) = next else { break };
         for st in 0..stacks {
             let cap = if st == stack {
@@ -139,7 +159,13 @@ fn sample_bounds(counts: &SampleCounts, i: usize, partitions: usize, row: &mut [
     // last entry), then every other bound from the one before it: a stack without entries
     // starts and ends where the one before it ends.
     row.fill(from);
-    for (k, &(c, _)) in counts.cells.get(from..to).unwrap_or_default().iter().enumerate() {
+    for (k, &(c, _)) in counts
+        .cells
+        .get(from..to)
+        .unwrap_or_default()
+        .iter()
+        .enumerate()
+    {
         if let Some(end) = row.get_mut((c as u64 >> shift) as usize + 1) {
             *end = from + k + 1;
         }
@@ -252,8 +278,15 @@ impl Swaps<'_> {
             }
         }
         let (ids, slice) = worst;
-        let cells = self.load.get(slice * self.cells + stack * p..slice * self.cells + (stack + 1) * p).unwrap_or_default();
-        (ids, slice, stack * p + cells.iter().position(|&n| n == ids).unwrap_or(0))
+        let cells = self
+            .load
+            .get(slice * self.cells + stack * p..slice * self.cells + (stack + 1) * p)
+            .unwrap_or_default();
+        (
+            ids,
+            slice,
+            stack * p + cells.iter().position(|&n| n == ids).unwrap_or(0),
+        )
     }
 
     /// Fills `stack_max` for every slice; [`Self::swapped`] keeps it from then on.
@@ -267,7 +300,11 @@ impl Swaps<'_> {
 
     fn refresh_stack_max(&mut self, s: usize) {
         let p = self.w.partitions.max(1);
-        let (Some(row), Some(out)) = (self.load.get(s * self.cells..(s + 1) * self.cells), self.stack_max.get_mut(s * self.stacks..(s + 1) * self.stacks)) else {
+        let (Some(row), Some(out)) = (
+            self.load.get(s * self.cells..(s + 1) * self.cells),
+            self.stack_max
+                .get_mut(s * self.stacks..(s + 1) * self.stacks),
+        ) else {
             return;
         };
         for (o, part) in out.iter_mut().zip(row.chunks_exact(p)) {
@@ -320,7 +357,11 @@ impl Swaps<'_> {
         };
         let entries = &self.counts.cells[self.stack_entries(i, stack)];
         match target {
-            Target::Peak | Target::Stack { .. } => entries.iter().filter(|&&(c, _)| c as usize == key).map(|x| x.1).sum(),
+            Target::Peak | Target::Stack { .. } => entries
+                .iter()
+                .filter(|&&(c, _)| c as usize == key)
+                .map(|x| x.1)
+                .sum(),
             Target::Buffer { .. } => entries.iter().map(|x| x.1).sum(),
         }
     }
@@ -352,23 +393,35 @@ impl Swaps<'_> {
         // what a window of many slices spends.
         let charged = matches!(target, Target::Stack { .. });
         if charged {
-            let Some(left) = self.budget.checked_sub(self.members[a_slice].len()) else { return false };
+            let Some(left) = self.budget.checked_sub(self.members[a_slice].len()) else {
+                return false;
+            };
             self.budget = left;
         }
         self.make_ready(a_slice);
         // Samples of A by their share of the key, largest first.
         let outgoing = &mut scratch.outgoing;
         outgoing.clear();
-        outgoing.extend((0..self.members[a_slice].len()).map(|k| (self.share(self.members[a_slice][k], target, key), k)).filter(|x| x.0 > 0));
+        outgoing.extend(
+            (0..self.members[a_slice].len())
+                .map(|k| (self.share(self.members[a_slice][k], target, key), k))
+                .filter(|x| x.0 > 0),
+        );
         outgoing.sort_unstable_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
         // Other slices, least loaded in the key first.
         let level = |sw: &Self, s: usize| match target {
-            Target::Peak | Target::Stack { .. } => sw.load[s * sw.cells + key] as f64 * sw.w.inv_limit[key],
+            Target::Peak | Target::Stack { .. } => {
+                sw.load[s * sw.cells + key] as f64 * sw.w.inv_limit[key]
+            }
             Target::Buffer { .. } => sw.buffer(s, key, 0),
         };
         let others = &mut scratch.others;
         others.clear();
-        others.extend((0..nslices).filter(|&s| s != a_slice).map(|s| (level(self, s), s)));
+        others.extend(
+            (0..nslices)
+                .filter(|&s| s != a_slice)
+                .map(|s| (level(self, s), s)),
+        );
         others.sort_unstable_by(|x, y| x.0.total_cmp(&y.0).then(x.1.cmp(&y.1)));
         // Each other slice's members' shares of the key, worked out when first visited.
         let shares = &mut scratch.shares;
@@ -386,7 +439,9 @@ impl Swaps<'_> {
                 // B's key gains (the sample it gives up has less of it); the slices come least
                 // loaded first, so no later one can take it either.
                 let floor = match target {
-                    Target::Peak | Target::Stack { .. } => (self.load[b_slice * self.cells + key] + 1) as f64 * self.w.inv_limit[key],
+                    Target::Peak | Target::Stack { .. } => {
+                        (self.load[b_slice * self.cells + key] + 1) as f64 * self.w.inv_limit[key]
+                    }
                     Target::Buffer { .. } => b_level,
                 };
                 if floor >= top {
@@ -394,7 +449,10 @@ impl Swaps<'_> {
                 }
                 if shares[b_slice].is_empty() {
                     if charged {
-                        let Some(left) = self.budget.checked_sub(self.members[b_slice].len()) else { return false };
+                        let Some(left) = self.budget.checked_sub(self.members[b_slice].len())
+                        else {
+                            return false;
+                        };
                         self.budget = left;
                     }
                     self.make_ready(b_slice);
@@ -441,7 +499,12 @@ impl Swaps<'_> {
         }
         let width = self.stacks + 1;
         for &i in self.members[slice].iter() {
-            sample_bounds(self.counts, i, self.w.partitions, &mut self.bounds[i * width..(i + 1) * width]);
+            sample_bounds(
+                self.counts,
+                i,
+                self.w.partitions,
+                &mut self.bounds[i * width..(i + 1) * width],
+            );
         }
     }
 
@@ -457,7 +520,16 @@ impl Swaps<'_> {
     /// Checked stack by stack, the key's first: most candidates fail early, and a failed check
     /// then costs a few of the samples' entries instead of all of both.
     #[allow(clippy::too_many_arguments)]
-    fn try_swap(&mut self, a_slice: usize, ka: usize, b_slice: usize, kb: usize, top: f64, target: Target, key: usize) -> bool {
+    fn try_swap(
+        &mut self,
+        a_slice: usize,
+        ka: usize,
+        b_slice: usize,
+        kb: usize,
+        top: f64,
+        target: Target,
+        key: usize,
+    ) -> bool {
         let (a, b) = (self.members[a_slice][ka], self.members[b_slice][kb]);
         let p = self.w.partitions;
         self.marked.clear();
@@ -469,8 +541,19 @@ impl Swaps<'_> {
         if let Target::Peak = target {
             return self.try_peak_swap(a_slice, ka, b_slice, kb, top, key_stack);
         }
-        let (a_key, b_key) = (self.stack_entries(a, key_stack), self.stack_entries(b, key_stack));
-        let mut fits = self.stack_fits(a_slice, b_slice, a_key.clone(), b_key.clone(), key_stack, top, target);
+        let (a_key, b_key) = (
+            self.stack_entries(a, key_stack),
+            self.stack_entries(b, key_stack),
+        );
+        let mut fits = self.stack_fits(
+            a_slice,
+            b_slice,
+            a_key.clone(),
+            b_key.clone(),
+            key_stack,
+            top,
+            target,
+        );
         // The other stacks either sample sends ids to.
         for stack in 0..self.stacks {
             if !fits {
@@ -479,7 +562,8 @@ impl Swaps<'_> {
             if stack == key_stack {
                 continue;
             }
-            let (a_entries, b_entries) = (self.stack_entries(a, stack), self.stack_entries(b, stack));
+            let (a_entries, b_entries) =
+                (self.stack_entries(a, stack), self.stack_entries(b, stack));
             if a_entries.is_empty() && b_entries.is_empty() {
                 continue;
             }
@@ -510,36 +594,66 @@ impl Swaps<'_> {
     /// needs no padded sums, and a stack's few entries are cheaper to pair up directly than
     /// through `delta` and `mark` (the verdict is the same: each cell is checked with the
     /// change of both samples' entries in it).
-    fn try_peak_swap(&mut self, a_slice: usize, ka: usize, b_slice: usize, kb: usize, top: f64, key_stack: usize) -> bool {
+    fn try_peak_swap(
+        &mut self,
+        a_slice: usize,
+        ka: usize,
+        b_slice: usize,
+        kb: usize,
+        top: f64,
+        key_stack: usize,
+    ) -> bool {
         let (a, b) = (self.members[a_slice][ka], self.members[b_slice][kb]);
         let cells = self.cells;
-        let (Some(la), Some(lb)) = (self.load.get(a_slice * cells..(a_slice + 1) * cells), self.load.get(b_slice * cells..(b_slice + 1) * cells)) else {
+        let (Some(la), Some(lb)) = (
+            self.load.get(a_slice * cells..(a_slice + 1) * cells),
+            self.load.get(b_slice * cells..(b_slice + 1) * cells),
+        ) else {
             return false;
         };
         let inv_limit = &self.w.inv_limit[..cells.min(self.w.inv_limit.len())];
         let all = &self.counts.cells;
         // Cell x with A's ids changed by d and B's by -d.
-        let cell_fits = |x: u32, d: i64| match (la.get(x as usize), lb.get(x as usize), inv_limit.get(x as usize)) {
-            (Some(&ka), Some(&kb), Some(&inv)) => (ka as i64 + d) as f64 * inv < top && (kb as i64 - d) as f64 * inv < top,
+        let cell_fits = |x: u32, d: i64| match (
+            la.get(x as usize),
+            lb.get(x as usize),
+            inv_limit.get(x as usize),
+        ) {
+            (Some(&ka), Some(&kb), Some(&inv)) => {
+                (ka as i64 + d) as f64 * inv < top && (kb as i64 - d) as f64 * inv < top
+            }
             _ => false,
         };
         // One stack: every cell either sample sends ids to stays below `top` in both slices. A
         // cell named by several entries is checked once per entry, with the same change.
-        let stack_fits = |a_entries: &[(u32, u32)], b_entries: &[(u32, u32)]| match (a_entries, b_entries) {
-            // One entry each (every single-id feature's stack).
-            (&[(xa, na)], &[(xb, nb)]) if xa == xb => cell_fits(xa, nb as i64 - na as i64),
-            (&[(xa, na)], &[(xb, nb)]) => cell_fits(xa, -(na as i64)) && cell_fits(xb, nb as i64),
-            _ => {
-                let change = |x: u32| -> i64 {
-                    let sum = |entries: &[(u32, u32)]| entries.iter().filter(|e| e.0 == x).map(|e| e.1 as i64).sum::<i64>();
-                    sum(b_entries) - sum(a_entries)
-                };
-                a_entries.iter().all(|e| cell_fits(e.0, change(e.0))) && b_entries.iter().all(|e| cell_fits(e.0, change(e.0)))
-            }
-        };
-        let entries = |i: usize, stack: usize| all.get(self.stack_entries(i, stack)).unwrap_or_default();
+        let stack_fits =
+            |a_entries: &[(u32, u32)], b_entries: &[(u32, u32)]| match (a_entries, b_entries) {
+                // One entry each (every single-id feature's stack).
+                (&[(xa, na)], &[(xb, nb)]) if xa == xb => cell_fits(xa, nb as i64 - na as i64),
+                (&[(xa, na)], &[(xb, nb)]) => {
+                    cell_fits(xa, -(na as i64)) && cell_fits(xb, nb as i64)
+                }
+                _ => {
+                    let change = |x: u32| -> i64 {
+                        let sum = |entries: &[(u32, u32)]| {
+                            entries
+                                .iter()
+                                .filter(|e| e.0 == x)
+                                .map(|e| e.1 as i64)
+                                .sum::<i64>()
+                        };
+                        sum(b_entries) - sum(a_entries)
+                    };
+                    a_entries.iter().all(|e| cell_fits(e.0, change(e.0)))
+                        && b_entries.iter().all(|e| cell_fits(e.0, change(e.0)))
+                }
+            };
+        let entries =
+            |i: usize, stack: usize| all.get(self.stack_entries(i, stack)).unwrap_or_default();
         let fits = stack_fits(entries(a, key_stack), entries(b, key_stack))
-            && (0..self.stacks).filter(|&st| st != key_stack).all(|st| stack_fits(entries(a, st), entries(b, st)));
+            && (0..self.stacks)
+                .filter(|&st| st != key_stack)
+                .all(|st| stack_fits(entries(a, st), entries(b, st)));
         if !fits {
             return false;
         }
@@ -578,20 +692,31 @@ impl Swaps<'_> {
         self.add_entries(a_entries, -1);
         self.add_entries(b_entries, 1);
         let cells = self.cells;
-        let level = |sw: &Self, s: usize, x: usize, d: i64| (sw.load[s * cells + x] as i64 + d) as f64 * sw.w.inv_limit[x];
+        let level = |sw: &Self, s: usize, x: usize, d: i64| {
+            (sw.load[s * cells + x] as i64 + d) as f64 * sw.w.inv_limit[x]
+        };
         match target {
-            Target::Peak => self.marked[from..].iter().all(|&x| level(self, a_slice, x, self.delta[x]) < top && level(self, b_slice, x, -self.delta[x]) < top),
+            Target::Peak => self.marked[from..].iter().all(|&x| {
+                level(self, a_slice, x, self.delta[x]) < top
+                    && level(self, b_slice, x, -self.delta[x]) < top
+            }),
             Target::Buffer { peak } => {
                 let (mut change_a, mut change_b) = (0i64, 0i64);
                 for &x in &self.marked[from..] {
                     let d = self.delta[x];
-                    let (la, lb) = (self.load[a_slice * cells + x] as i64, self.load[b_slice * cells + x] as i64);
+                    let (la, lb) = (
+                        self.load[a_slice * cells + x] as i64,
+                        self.load[b_slice * cells + x] as i64,
+                    );
                     change_a += padded(la + d) - padded(la);
                     change_b += padded(lb - d) - padded(lb);
                 }
                 let ok = self.buffer(a_slice, stack, change_a) < top
                     && self.buffer(b_slice, stack, change_b) < top
-                    && self.marked[from..].iter().all(|&x| level(self, a_slice, x, self.delta[x]) <= peak && level(self, b_slice, x, -self.delta[x]) <= peak);
+                    && self.marked[from..].iter().all(|&x| {
+                        level(self, a_slice, x, self.delta[x]) <= peak
+                            && level(self, b_slice, x, -self.delta[x]) <= peak
+                    });
                 if ok {
                     self.changed.push((stack, change_a, change_b));
                 }
@@ -602,7 +727,10 @@ impl Swaps<'_> {
                 let mut within = true;
                 for &x in &self.marked[from..] {
                     let d = self.delta[x];
-                    let (la, lb) = (self.load[a_slice * cells + x] as i64, self.load[b_slice * cells + x] as i64);
+                    let (la, lb) = (
+                        self.load[a_slice * cells + x] as i64,
+                        self.load[b_slice * cells + x] as i64,
+                    );
                     let cap = self.caps.get(x).map_or(0, |&c| c as i64);
                     within &= la + d <= cap && lb - d <= cap;
                     change_a += padded(la + d) - padded(la);
@@ -610,7 +738,9 @@ impl Swaps<'_> {
                 }
                 let stacks = self.stacks;
                 let buffer_cap = self.buffer_caps.get(stack).copied().unwrap_or(0);
-                let ok = within && self.sums[a_slice * stacks + stack] + change_a <= buffer_cap && self.sums[b_slice * stacks + stack] + change_b <= buffer_cap;
+                let ok = within
+                    && self.sums[a_slice * stacks + stack] + change_a <= buffer_cap
+                    && self.sums[b_slice * stacks + stack] + change_b <= buffer_cap;
                 if ok {
                     self.changed.push((stack, change_a, change_b));
                 }

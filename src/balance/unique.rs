@@ -77,8 +77,14 @@ pub(super) fn lower(
     load: &mut [u32],
     shape: Shape,
 ) -> Result<()> {
-    let (n, cells, stacks, nslices) = (shape.partitions, shape.cells(), shape.stacks, members.len());
-    if n == 0 || !n.is_power_of_two() || nslices < 2 || stacks != plan.stacks.len() || load.len() != nslices * cells {
+    let (n, cells, stacks, nslices) =
+        (shape.partitions, shape.cells(), shape.stacks, members.len());
+    if n == 0
+        || !n.is_power_of_two()
+        || nslices < 2
+        || stacks != plan.stacks.len()
+        || load.len() != nslices * cells
+    {
         return Ok(());
     }
     let mut cap_ids = vec![0u32; stacks];
@@ -90,14 +96,22 @@ pub(super) fn lower(
             sums[s * stacks + st] = row.iter().map(|&k| padded(k as i64)).sum();
         }
     }
-    let cap_buf: Vec<i64> = (0..stacks).map(|st| (0..nslices).map(|s| sums[s * stacks + st]).max().unwrap_or(0)).collect();
+    let cap_buf: Vec<i64> = (0..stacks)
+        .map(|st| {
+            (0..nslices)
+                .map(|s| sums[s * stacks + st])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
     let candidate: Vec<bool> = plan
         .stacks
         .iter()
         .enumerate()
         .map(|(st, stack)| {
             let columns = stack.stack_vocab_size.div_ceil(n as u64);
-            cap_ids[st] > 1 && !(plan.validate_ids && cap_ids[st] as u64 >= SATURATED.saturating_mul(columns))
+            cap_ids[st] > 1
+                && !(plan.validate_ids && cap_ids[st] as u64 >= SATURATED.saturating_mul(columns))
         })
         .collect();
     if !candidate.contains(&true) {
@@ -107,7 +121,16 @@ pub(super) fn lower(
     let most: Vec<u32> = plan
         .stacks
         .iter()
-        .map(|stack| if plan.validate_ids { stack.stack_vocab_size.div_ceil(n as u64).min(u32::MAX as u64) as u32 } else { u32::MAX })
+        .map(|stack| {
+            if plan.validate_ids {
+                stack
+                    .stack_vocab_size
+                    .div_ceil(n as u64)
+                    .min(u32::MAX as u64) as u32
+            } else {
+                u32::MAX
+            }
+        })
         .collect();
     // How high other stacks' swaps may take a stack that is not lowered (see the docs above;
     // 0 blocks every swap touching it), from its cells' ids before they may rise.
@@ -127,8 +150,16 @@ pub(super) fn lower(
     // A stack's cells may rise to the next multiple of 8 (what a tuned limit is rounded to),
     // but never past the window's worst cell of any stack nor past the peak relative to the
     // limits that the swap pass reached (so the kept order's checks see the same levels).
-    let inv: Vec<f64> = plan.stacks.iter().map(|s| 1.0 / s.max_ids_per_partition.max(1) as f64).collect();
-    let peak = cap_ids.iter().zip(&inv).map(|(&c, &i)| c as f64 * i).fold(0.0, f64::max);
+    let inv: Vec<f64> = plan
+        .stacks
+        .iter()
+        .map(|s| 1.0 / s.max_ids_per_partition.max(1) as f64)
+        .collect();
+    let peak = cap_ids
+        .iter()
+        .zip(&inv)
+        .map(|(&c, &i)| c as f64 * i)
+        .fold(0.0, f64::max);
     let worst_ids = cap_ids.iter().copied().max().unwrap_or(0);
     if peak <= 1.0 {
         for (cap, &i) in cap_ids.iter_mut().zip(&inv) {
@@ -139,13 +170,21 @@ pub(super) fn lower(
             *cap = v.max(*cap);
         }
     }
-    let features = window.iter().map(|rb| features_from_record_batch(config, rb)).collect::<Result<Vec<_>>>()?;
+    let features = window
+        .iter()
+        .map(|rb| features_from_record_batch(config, rb))
+        .collect::<Result<Vec<_>>>()?;
     let mut views: Vec<Vec<View<'_>>> = Vec::with_capacity(features.len());
     for fs in &features {
         let mut batch = Vec::with_capacity(fs.len());
         for (f, fp) in fs.iter().zip(&plan.features) {
             match f.view() {
-                FeatureView::Ragged { ids, offsets, .. } => batch.push(View { ids, offsets, shift: fp.col_shift, offset: fp.col_offset }),
+                FeatureView::Ragged { ids, offsets, .. } => batch.push(View {
+                    ids,
+                    offsets,
+                    shift: fp.col_shift,
+                    offset: fp.col_offset,
+                }),
                 // Only record batches are balanced, whose features are ragged lists.
                 _ => return Ok(()),
             }
@@ -190,7 +229,8 @@ pub(super) fn lower(
     };
     // Cheapest stacks first: a window's budget then counts as many stacks as it can.
     let mut order: Vec<usize> = (0..stacks).filter(|&st| candidate[st]).collect();
-    let stack_ids = |p: &Pass<'_, '_>, st: usize| -> u64 { (0..nslices).map(|s| p.ids_of(s, st)).sum() };
+    let stack_ids =
+        |p: &Pass<'_, '_>, st: usize| -> u64 { (0..nslices).map(|s| p.ids_of(s, st)).sum() };
     order.sort_by_key(|&st| (stack_ids(&pass, st), st));
     for &st in &order {
         pass.count_stack(st);
@@ -201,14 +241,23 @@ pub(super) fn lower(
     pass.slack = (0..stacks)
         .map(|st| {
             let (f, stack) = (pass.floor[st], &plan.stacks[st]);
-            if candidate[st] { f.div_ceil(8).saturating_mul(8).min(stack.max_unique_ids_per_partition).max(f) } else { uncounted[st] }
+            if candidate[st] {
+                f.div_ceil(8)
+                    .saturating_mul(8)
+                    .min(stack.max_unique_ids_per_partition)
+                    .max(f)
+            } else {
+                uncounted[st]
+            }
         })
         .collect();
     for &st in &order {
         if pass.floor[st] > 0 {
             while pass.round(st) {}
             pass.floor[st] = pass.worst(st).map_or(0, |w| w.2);
-            pass.slack[st] = pass.slack[st].min(pass.floor[st].div_ceil(8).saturating_mul(8)).max(pass.floor[st]);
+            pass.slack[st] = pass.slack[st]
+                .min(pass.floor[st].div_ceil(8).saturating_mul(8))
+                .max(pass.floor[st]);
         }
     }
     Ok(())
@@ -298,7 +347,8 @@ fn runs(cols: &mut [u32], out: &mut Vec<(u32, u32)>) {
 
 /// Occurrences of `c` in sorted runs.
 fn occurrences(runs: &[(u32, u32)], c: u32) -> u32 {
-    runs.binary_search_by_key(&c, |r| r.0).map_or(0, |k| runs[k].1)
+    runs.binary_search_by_key(&c, |r| r.0)
+        .map_or(0, |k| runs[k].1)
 }
 
 struct Pass<'a, 'v> {
@@ -355,27 +405,50 @@ struct Pass<'a, 'v> {
 impl Pass<'_, '_> {
     /// Ids of a (slice, stack), after the per-sample merge.
     fn ids_of(&self, s: usize, st: usize) -> u64 {
-        self.load[s * self.cells + st * self.n..][..self.n].iter().map(|&k| k as u64).sum()
+        self.load[s * self.cells + st * self.n..][..self.n]
+            .iter()
+            .map(|&k| k as u64)
+            .sum()
     }
 
     /// Appends sample `i`'s columns in stack `st` (every occurrence) to `self.cols`.
     fn read(&mut self, i: usize, st: usize) {
         let (counts, plan, views) = (self.counts, self.plan, self.views);
-        let (Some(r), Some(stack)) = (counts.refs.get(i), plan.stacks.get(st)) else { return };
-        let Some(batch) = views.get(r.batch) else { return };
+        let (Some(r), Some(stack)) = (counts.refs.get(i), plan.stacks.get(st)) else {
+            return;
+        };
+        let Some(batch) = views.get(r.batch) else {
+            return;
+        };
         let mask = self.mask;
         let before = self.cols.len();
         for &f in &stack.features {
             let Some(v) = batch.get(f) else { continue };
             let range = match v.offsets {
-                Offsets::I32(o) => o.get(r.row).zip(o.get(r.row + 1)).map(|(&a, &b)| a as usize..b as usize),
-                Offsets::I64(o) => o.get(r.row).zip(o.get(r.row + 1)).map(|(&a, &b)| a as usize..b as usize),
+                Offsets::I32(o) => o
+                    .get(r.row)
+                    .zip(o.get(r.row + 1))
+                    .map(|(&a, &b)| a as usize..b as usize),
+                Offsets::I64(o) => o
+                    .get(r.row)
+                    .zip(o.get(r.row + 1))
+                    .map(|(&a, &b)| a as usize..b as usize),
             };
             let Some(range) = range else { continue };
             let (shift, offset) = (v.shift, v.offset);
             match v.ids {
-                Ids::I32(x) => self.cols.extend(x.get(range).unwrap_or_default().iter().map(|&id| col_of(id as u32, shift, mask, offset))),
-                Ids::I64(x) => self.cols.extend(x.get(range).unwrap_or_default().iter().map(|&id| col_of(id as u32, shift, mask, offset))),
+                Ids::I32(x) => self.cols.extend(
+                    x.get(range)
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|&id| col_of(id as u32, shift, mask, offset)),
+                ),
+                Ids::I64(x) => self.cols.extend(
+                    x.get(range)
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|&id| col_of(id as u32, shift, mask, offset)),
+                ),
             }
         }
         self.reads = self.reads.saturating_sub(self.cols.len() - before);
@@ -394,7 +467,11 @@ impl Pass<'_, '_> {
             let i = self.members[s][k];
             self.read(i, st);
         }
-        let map = if keep { &mut self.map } else { &mut self.scratch };
+        let map = if keep {
+            &mut self.map
+        } else {
+            &mut self.scratch
+        };
         map.start(self.cols.len());
         let (n, base) = (self.n, s * self.cells + st * self.n);
         self.distinct[base..base + n].fill(0);
@@ -415,8 +492,16 @@ impl Pass<'_, '_> {
     /// or the reads run out; sets the stack's floor.
     fn count_stack(&mut self, st: usize) {
         let (n, cells) = (self.n, self.cells);
-        let most = |p: &Self, s: usize| p.load[s * cells + st * n..][..n].iter().copied().max().unwrap_or(0);
-        let mut slices: Vec<(u32, usize)> = (0..self.members.len()).map(|s| (most(self, s), s)).collect();
+        let most = |p: &Self, s: usize| {
+            p.load[s * cells + st * n..][..n]
+                .iter()
+                .copied()
+                .max()
+                .unwrap_or(0)
+        };
+        let mut slices: Vec<(u32, usize)> = (0..self.members.len())
+            .map(|s| (most(self, s), s))
+            .collect();
         slices.sort_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
         for (ids, s) in slices {
             if ids <= self.floor[st] {
@@ -428,7 +513,11 @@ impl Pass<'_, '_> {
                 break;
             }
             self.count_slice(s, st);
-            let found = self.distinct[s * cells + st * n..][..n].iter().copied().max().unwrap_or(0);
+            let found = self.distinct[s * cells + st * n..][..n]
+                .iter()
+                .copied()
+                .max()
+                .unwrap_or(0);
             self.floor[st] = self.floor[st].max(found);
         }
     }
@@ -455,7 +544,9 @@ impl Pass<'_, '_> {
     fn round(&mut self, st: usize) -> bool {
         // The worst cell, counted exactly (a bound found too high is recounted first).
         let (s, p, top) = loop {
-            let Some((s, p, d)) = self.worst(st) else { return false };
+            let Some((s, p, d)) = self.worst(st) else {
+                return false;
+            };
             if d == 0 {
                 return false;
             }
@@ -471,15 +562,20 @@ impl Pass<'_, '_> {
         let cell = st * n + p;
         // Samples of s by their ids in p, most first (their private columns are counted when
         // visited: reading every sample of s each round would cost a count of s).
-        let mut outgoing: Vec<(u32, usize)> =
-            (0..self.members[s].len()).map(|k| (self.share(self.members[s][k], cell), k)).filter(|x| x.0 > 0).collect();
+        let mut outgoing: Vec<(u32, usize)> = (0..self.members[s].len())
+            .map(|k| (self.share(self.members[s][k], cell), k))
+            .filter(|x| x.0 > 0)
+            .collect();
         outgoing.sort_by(|x, y| y.0.cmp(&x.0).then(x.1.cmp(&y.1)));
         // Other slices by their distinct columns (or ids, where not counted) in p, fewest first.
         let level = |sw: &Self, x: usize| match sw.known[x * sw.stacks + st] {
             Known::Unknown => sw.load[x * cells + cell],
             _ => sw.distinct[x * cells + cell],
         };
-        let mut others: Vec<(u32, usize)> = (0..self.members.len()).filter(|&x| x != s).map(|x| (level(self, x), x)).collect();
+        let mut others: Vec<(u32, usize)> = (0..self.members.len())
+            .filter(|&x| x != s)
+            .map(|x| (level(self, x), x))
+            .collect();
         others.sort_by(|x, y| x.0.cmp(&y.0).then(x.1.cmp(&y.1)));
         // The least loaded partners are counted (once) where the reads allow: a slice known
         // only by its ids can rarely take a sample without reaching the old worst.
@@ -487,7 +583,10 @@ impl Pass<'_, '_> {
         // held to their counts rather than to their ids.
         let count_all = |sw: &mut Self, x: usize| {
             for st2 in 0..sw.stacks {
-                if sw.floor[st2] > 0 && sw.known[x * sw.stacks + st2] == Known::Unknown && sw.ids_of(x, st2) as usize <= sw.reads {
+                if sw.floor[st2] > 0
+                    && sw.known[x * sw.stacks + st2] == Known::Unknown
+                    && sw.ids_of(x, st2) as usize <= sw.reads
+                {
                     sw.count_into(x, st2, false);
                 }
             }
@@ -520,7 +619,11 @@ impl Pass<'_, '_> {
             let mut cols = std::mem::take(&mut self.cols);
             runs(&mut cols, &mut self.a_cols);
             self.cols = cols;
-            let freed = self.a_cols.iter().filter(|&&(c, k)| (c & mask) as usize == p && self.map.get(c) == k).count() as u32;
+            let freed = self
+                .a_cols
+                .iter()
+                .filter(|&&(c, k)| (c & mask) as usize == p && self.map.get(c) == k)
+                .count() as u32;
             if freed == 0 {
                 continue;
             }
@@ -546,13 +649,25 @@ impl Pass<'_, '_> {
     /// Sample `i`'s ids in `cell`.
     fn share(&self, i: usize, cell: usize) -> u32 {
         let entries = &self.counts.cells[self.counts.start[i]..self.counts.start[i + 1]];
-        entries.iter().filter(|e| e.0 as usize == cell).map(|e| e.1).sum()
+        entries
+            .iter()
+            .filter(|e| e.0 as usize == cell)
+            .map(|e| e.1)
+            .sum()
     }
 
     /// Swaps sample `ka` of s (whose columns are in `a_cols`) with `kb` of x if that brings
     /// every partition of s's target stack below `top` and every check of [`lower`] holds. The
     /// levels first (the samples' per-cell ids), b's columns only for a swap they allow.
-    fn try_swap(&mut self, st: usize, (s, p): (usize, usize), ka: usize, x: usize, kb: usize, top: u32) -> bool {
+    fn try_swap(
+        &mut self,
+        st: usize,
+        (s, p): (usize, usize),
+        ka: usize,
+        x: usize,
+        kb: usize,
+        top: u32,
+    ) -> bool {
         let (a, b) = (self.members[s][ka], self.members[x][kb]);
         let counts = self.counts;
         self.marked.clear();
@@ -603,26 +718,44 @@ impl Pass<'_, '_> {
                 _ => (distinct + gain).min(ids).min(most),
             };
             let (a_k, b_k) = (self.a_ids[c], self.b_ids[c]);
-            let (ls, lx) = (self.load[s * cells + c] + b_k, self.load[x * cells + c] + a_k);
-            let (Some(ls), Some(lx)) = (ls.checked_sub(a_k), lx.checked_sub(b_k)) else { return false };
+            let (ls, lx) = (
+                self.load[s * cells + c] + b_k,
+                self.load[x * cells + c] + a_k,
+            );
+            let (Some(ls), Some(lx)) = (ls.checked_sub(a_k), lx.checked_sub(b_k)) else {
+                return false;
+            };
             let cap = self.cap_ids[stack];
             if ls > cap || lx > cap {
                 return false;
             }
-            let bx = bound(self.known[x * stacks + stack], self.distinct[x * cells + c], a_k, lx);
+            let bx = bound(
+                self.known[x * stacks + stack],
+                self.distinct[x * cells + c],
+                a_k,
+                lx,
+            );
             if stack == st {
                 // The target stack's other slice must stay below the old worst.
                 if bx >= top {
                     return false;
                 }
             } else {
-                let bs = bound(self.known[s * stacks + stack], self.distinct[s * cells + c], b_k, ls);
+                let bs = bound(
+                    self.known[s * stacks + stack],
+                    self.distinct[s * cells + c],
+                    b_k,
+                    ls,
+                );
                 let held = self.slack[stack];
                 if bs > held || bx > held {
                     return false;
                 }
             }
-            let (old_s, old_x) = (self.load[s * cells + c] as i64, self.load[x * cells + c] as i64);
+            let (old_s, old_x) = (
+                self.load[s * cells + c] as i64,
+                self.load[x * cells + c] as i64,
+            );
             if !std::mem::replace(&mut self.stack_mark[stack], true) {
                 self.touched.push(stack);
             }
@@ -631,7 +764,8 @@ impl Pass<'_, '_> {
         }
         self.touched.iter().all(|&stack| {
             let cap = self.cap_buf[stack];
-            self.sums[s * stacks + stack] + self.sum_s[stack] <= cap && self.sums[x * stacks + stack] + self.sum_x[stack] <= cap
+            self.sums[s * stacks + stack] + self.sum_s[stack] <= cap
+                && self.sums[x * stacks + stack] + self.sum_x[stack] <= cap
         })
     }
 
@@ -676,11 +810,15 @@ impl Pass<'_, '_> {
             self.load[x * cells + c] = self.load[x * cells + c] + a_k - b_k;
             let stack = c / n;
             if stack != st && self.known[s * stacks + stack] != Known::Unknown {
-                self.distinct[s * cells + c] = (self.distinct[s * cells + c] + b_k).min(self.load[s * cells + c]).min(self.most[stack]);
+                self.distinct[s * cells + c] = (self.distinct[s * cells + c] + b_k)
+                    .min(self.load[s * cells + c])
+                    .min(self.most[stack]);
                 self.known[s * stacks + stack] = Known::Bound;
             }
             if self.known[x * stacks + stack] != Known::Unknown {
-                self.distinct[x * cells + c] = (self.distinct[x * cells + c] + a_k).min(self.load[x * cells + c]).min(self.most[stack]);
+                self.distinct[x * cells + c] = (self.distinct[x * cells + c] + a_k)
+                    .min(self.load[x * cells + c])
+                    .min(self.most[stack]);
                 self.known[x * stacks + stack] = Known::Bound;
             }
         }

@@ -15,17 +15,26 @@ pub fn parse(text: &str, source: &str) -> Result<BTreeMap<String, NpyArray>> {
     let mut lines = text.lines();
     match lines.next().map(str::trim) {
         Some("key,values") => {}
-        other => return Err(bad(format!("expected the header `key,values`, got {other:?}"))),
+        other => {
+            return Err(bad(format!(
+                "expected the header `key,values`, got {other:?}"
+            )))
+        }
     }
     let mut rows: BTreeMap<String, Vec<Vec<i64>>> = BTreeMap::new();
     for (i, line) in lines.enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        let (key, values) = line.split_once(',').ok_or_else(|| bad(format!("line {}: no comma", i + 2)))?;
+        let (key, values) = line
+            .split_once(',')
+            .ok_or_else(|| bad(format!("line {}: no comma", i + 2)))?;
         let vals = values
             .split_whitespace()
-            .map(|v| v.parse::<i64>().map_err(|_| bad(format!("line {}: {v:?} is not an integer", i + 2))))
+            .map(|v| {
+                v.parse::<i64>()
+                    .map_err(|_| bad(format!("line {}: {v:?} is not an integer", i + 2)))
+            })
             .collect::<Result<Vec<_>>>()?;
         // The key is kept verbatim: stack names may start or end with spaces.
         rows.entry(key.to_string()).or_default().push(vals);
@@ -33,13 +42,19 @@ pub fn parse(text: &str, source: &str) -> Result<BTreeMap<String, NpyArray>> {
     rows.into_iter()
         .map(|(k, rs)| {
             let arr = if rs.len() == 1 {
-                NpyArray { shape: vec![rs[0].len()], data: rs[0].clone() }
+                NpyArray {
+                    shape: vec![rs[0].len()],
+                    data: rs[0].clone(),
+                }
             } else {
                 let cols = rs[0].len();
                 if rs.iter().any(|r| r.len() != cols) {
                     return Err(bad(format!("rows of {k} have different lengths")));
                 }
-                NpyArray { shape: vec![rs.len(), cols], data: rs.concat() }
+                NpyArray {
+                    shape: vec![rs.len(), cols],
+                    data: rs.concat(),
+                }
             };
             Ok((k, arr))
         })
@@ -50,11 +65,20 @@ pub fn parse(text: &str, source: &str) -> Result<BTreeMap<String, NpyArray>> {
 pub fn render(arrays: &BTreeMap<String, NpyArray>) -> String {
     let mut out = String::from("key,values\n");
     for (k, a) in arrays {
-        let cols = if a.shape.len() >= 2 { a.shape[1..].iter().product::<usize>().max(1) } else { a.data.len().max(1) };
+        let cols = if a.shape.len() >= 2 {
+            a.shape[1..].iter().product::<usize>().max(1)
+        } else {
+            a.data.len().max(1)
+        };
         for row in a.data.chunks(cols) {
             out.push_str(k);
             out.push(',');
-            out.push_str(&row.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(" "));
+            out.push_str(
+                &row.iter()
+                    .map(|v| v.to_string())
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            );
             out.push('\n');
         }
     }
@@ -64,7 +88,10 @@ pub fn render(arrays: &BTreeMap<String, NpyArray>) -> String {
 /// Reads a reference `.csv` stats file.
 pub fn import(path: &Path, layout: LayoutKey) -> Result<FdoStats> {
     let name = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { context: format!("reading {name}"), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        context: format!("reading {name}"),
+        source,
+    })?;
     stats_from_arrays(layout, &parse(&text, &name)?, &name)
 }
 

@@ -16,8 +16,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ConfigItem, Error, Result};
-use crate::io::OutputFile;
 use crate::fields::{self, Nested, Section};
+use crate::io::OutputFile;
 use crate::output::Output;
 use crate::spec::{round_up, Config, DeviceLayout, Plan, Stacking, ALIGNMENT};
 use crate::stats::StackStats;
@@ -38,7 +38,11 @@ pub struct LayoutKey {
 
 impl From<DeviceLayout> for LayoutKey {
     fn from(l: DeviceLayout) -> Self {
-        LayoutKey { local_device_count: l.local_devices, global_device_count: l.global_devices, num_sc_per_device: l.sc_per_device }
+        LayoutKey {
+            local_device_count: l.local_devices,
+            global_device_count: l.global_devices,
+            num_sc_per_device: l.sc_per_device,
+        }
     }
 }
 
@@ -58,14 +62,24 @@ pub struct FdoStats {
 impl FdoStats {
     /// Empty stats for a layout.
     pub fn new(layout: impl Into<LayoutKey>) -> Self {
-        FdoStats { version: FDO_FORMAT_VERSION, layout: layout.into(), batches: 0, stacks: BTreeMap::new() }
+        FdoStats {
+            version: FDO_FORMAT_VERSION,
+            layout: layout.into(),
+            batches: 0,
+            stacks: BTreeMap::new(),
+        }
     }
 
     /// Adds one batch's output.
     pub fn record(&mut self, plan: &Plan, out: &Output) -> Result<()> {
         let layout: LayoutKey = plan.layout.into();
         if layout != self.layout {
-            return Err(layout_mismatch("the recorded stats", &self.layout, "the new batch", &layout));
+            return Err(layout_mismatch(
+                "the recorded stats",
+                &self.layout,
+                "the new batch",
+                &layout,
+            ));
         }
         for so in &out.stacks {
             merge_stack(self.stacks.entry(so.name.clone()).or_default(), &so.stats);
@@ -79,14 +93,29 @@ impl FdoStats {
     /// layout or another set of stacks are refused, naming the difference.
     pub fn merge(&mut self, other: &FdoStats) -> Result<()> {
         if self.layout != other.layout {
-            return Err(layout_mismatch("the first stats", &self.layout, "the second", &other.layout));
+            return Err(layout_mismatch(
+                "the first stats",
+                &self.layout,
+                "the second",
+                &other.layout,
+            ));
         }
         if self.batches > 0 && other.batches > 0 {
             let ours: Vec<&String> = self.stacks.keys().collect();
             let theirs: Vec<&String> = other.stacks.keys().collect();
             if ours != theirs {
-                let only_ours: Vec<&str> = self.stacks.keys().filter(|k| !other.stacks.contains_key(*k)).map(|s| s.as_str()).collect();
-                let only_theirs: Vec<&str> = other.stacks.keys().filter(|k| !self.stacks.contains_key(*k)).map(|s| s.as_str()).collect();
+                let only_ours: Vec<&str> = self
+                    .stacks
+                    .keys()
+                    .filter(|k| !other.stacks.contains_key(*k))
+                    .map(|s| s.as_str())
+                    .collect();
+                let only_theirs: Vec<&str> = other
+                    .stacks
+                    .keys()
+                    .filter(|k| !self.stacks.contains_key(*k))
+                    .map(|s| s.as_str())
+                    .collect();
                 return Err(Error::config(
                     ConfigItem::Stack,
                     only_ours.first().or(only_theirs.first()).copied().unwrap_or(""),
@@ -117,18 +146,29 @@ impl FdoStats {
     /// Parses JSON, checking the version and rejecting fields the format does not know (naming
     /// the field, its stack and the closest known field).
     pub fn from_json(text: &str) -> Result<Self> {
-        let json_err = |source| Error::Json { context: "FDO stats".into(), source };
+        let json_err = |source| Error::Json {
+            context: "FDO stats".into(),
+            source,
+        };
         let value: serde_json::Value = serde_json::from_str(text).map_err(json_err)?;
         // The version first: a later format may add fields this build does not know.
         if let Some(version) = value.get("version").and_then(serde_json::Value::as_u64) {
             if version != FDO_FORMAT_VERSION as u64 {
-                return Err(Error::option("version", version, format!("unsupported FDO stats version (expected {FDO_FORMAT_VERSION})")));
+                return Err(Error::option(
+                    "version",
+                    version,
+                    format!("unsupported FDO stats version (expected {FDO_FORMAT_VERSION})"),
+                ));
             }
         }
         fields::check(&value, &STATS_FIELDS)?;
         let s: FdoStats = serde_json::from_value(value).map_err(json_err)?;
         if s.version != FDO_FORMAT_VERSION {
-            return Err(Error::option("version", s.version, format!("unsupported FDO stats version (expected {FDO_FORMAT_VERSION})")));
+            return Err(Error::option(
+                "version",
+                s.version,
+                format!("unsupported FDO stats version (expected {FDO_FORMAT_VERSION})"),
+            ));
         }
         s.validate()?;
         Ok(s)
@@ -143,22 +183,56 @@ impl FdoStats {
     /// the field, and the length and the expected one, or the position and the value.
     pub fn validate(&self) -> Result<()> {
         let l = &self.layout;
-        let (ld, gd, sc) = (l.local_device_count, l.global_device_count, l.num_sc_per_device);
-        for (field, v) in [("local_device_count", ld), ("global_device_count", gd), ("num_sc_per_device", sc)] {
+        let (ld, gd, sc) = (
+            l.local_device_count,
+            l.global_device_count,
+            l.num_sc_per_device,
+        );
+        for (field, v) in [
+            ("local_device_count", ld),
+            ("global_device_count", gd),
+            ("num_sc_per_device", sc),
+        ] {
             if v == 0 {
-                return Err(Error::option("layout", format!("{field} = 0"), "an FDO stats file's layout counts devices and SparseCores: at least 1 each"));
+                return Err(Error::option(
+                    "layout",
+                    format!("{field} = 0"),
+                    "an FDO stats file's layout counts devices and SparseCores: at least 1 each",
+                ));
             }
         }
         let Some(partitions) = ld.checked_mul(gd).and_then(|n| n.checked_mul(sc)) else {
-            return Err(Error::option("layout", l, format!("L·G·S = {ld}·{gd}·{sc} partitions does not fit in {} bits", usize::BITS)));
+            return Err(Error::option(
+                "layout",
+                l,
+                format!(
+                    "L·G·S = {ld}·{gd}·{sc} partitions does not fit in {} bits",
+                    usize::BITS
+                ),
+            ));
         };
         // Cannot overflow: L·S divides L·G·S.
         let scs = ld * sc;
         for (name, st) in &self.stacks {
             let arrays = [
-                ("max_ids_per_partition", &st.max_ids_per_partition, partitions, format!("L·G·S = {ld}·{gd}·{sc}")),
-                ("max_unique_ids_per_partition", &st.max_unique_ids_per_partition, partitions, format!("L·G·S = {ld}·{gd}·{sc}")),
-                ("required_buffer_size_per_sc", &st.required_buffer_size_per_sc, scs, format!("L·S = {ld}·{sc}")),
+                (
+                    "max_ids_per_partition",
+                    &st.max_ids_per_partition,
+                    partitions,
+                    format!("L·G·S = {ld}·{gd}·{sc}"),
+                ),
+                (
+                    "max_unique_ids_per_partition",
+                    &st.max_unique_ids_per_partition,
+                    partitions,
+                    format!("L·G·S = {ld}·{gd}·{sc}"),
+                ),
+                (
+                    "required_buffer_size_per_sc",
+                    &st.required_buffer_size_per_sc,
+                    scs,
+                    format!("L·S = {ld}·{sc}"),
+                ),
             ];
             for (field, values, expected, formula) in &arrays {
                 if !values.is_empty() && values.len() != *expected {
@@ -169,7 +243,11 @@ impl FdoStats {
             }
             for (field, values, ..) in arrays {
                 if let Some((i, v)) = values.iter().enumerate().find(|(_, &v)| v < 0) {
-                    return Err(Error::config(ConfigItem::Stack, name, format!("stats field `{field}`[{i}] is {v}: counts cannot be negative")));
+                    return Err(Error::config(
+                        ConfigItem::Stack,
+                        name,
+                        format!("stats field `{field}`[{i}] is {v}: counts cannot be negative"),
+                    ));
                 }
             }
         }
@@ -179,10 +257,15 @@ impl FdoStats {
     /// Reads a stats JSON file.
     pub fn from_path(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| Error::Io { context: format!("reading stats {}", path.display()), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            context: format!("reading stats {}", path.display()),
+            source,
+        })?;
         Self::from_json(&text).map_err(|e| match e {
-            Error::Json { source, .. } => Error::Json { context: format!("stats {}", path.display()), source },
+            Error::Json { source, .. } => Error::Json {
+                context: format!("stats {}", path.display()),
+                source,
+            },
             other => other.context(format!("stats {}", path.display())),
         })
     }
@@ -195,7 +278,11 @@ impl FdoStats {
 
 impl std::fmt::Display for LayoutKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}/{}", self.local_device_count, self.global_device_count, self.num_sc_per_device)
+        write!(
+            f,
+            "{}/{}/{}",
+            self.local_device_count, self.global_device_count, self.num_sc_per_device
+        )
     }
 }
 
@@ -217,8 +304,14 @@ fn merge_stack(into: &mut StackStats, from: &StackStats) {
         }
     }
     max_into(&mut into.max_ids_per_partition, &from.max_ids_per_partition);
-    max_into(&mut into.max_unique_ids_per_partition, &from.max_unique_ids_per_partition);
-    max_into(&mut into.required_buffer_size_per_sc, &from.required_buffer_size_per_sc);
+    max_into(
+        &mut into.max_unique_ids_per_partition,
+        &from.max_unique_ids_per_partition,
+    );
+    max_into(
+        &mut into.required_buffer_size_per_sc,
+        &from.required_buffer_size_per_sc,
+    );
     into.dropped_id_count = into.dropped_id_count.saturating_add(from.dropped_id_count);
 }
 
@@ -227,7 +320,10 @@ fn merge_stack(into: &mut StackStats, from: &StackStats) {
 /// in place).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let out = OutputFile::new(path)?;
-    std::fs::write(out.path(), bytes).map_err(|source| Error::Io { context: format!("writing {}", out.path().display()), source })?;
+    std::fs::write(out.path(), bytes).map_err(|source| Error::Io {
+        context: format!("writing {}", out.path().display()),
+        source,
+    })?;
     out.commit()
 }
 
@@ -254,7 +350,11 @@ pub struct FileFdoClient {
 impl FileFdoClient {
     /// A client for `process` writing into `dir`.
     pub fn new(dir: impl Into<PathBuf>, process: u64) -> Self {
-        FileFdoClient { dir: dir.into(), process, pending: None }
+        FileFdoClient {
+            dir: dir.into(),
+            process,
+            pending: None,
+        }
     }
 }
 
@@ -270,25 +370,48 @@ impl FdoClient for FileFdoClient {
     }
 
     fn publish(&mut self) -> Result<PathBuf> {
-        let stats = self.pending.as_ref().ok_or_else(|| Error::data(format!("FDO client of {}", self.dir.display()), "publish before any stats were recorded"))?;
-        std::fs::create_dir_all(&self.dir)
-            .map_err(|source| Error::Io { context: format!("creating {}", self.dir.display()), source })?;
-        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-        let path = self.dir.join(format!("fdo_stats_{}_{}.json", self.process, nanos));
+        let stats = self.pending.as_ref().ok_or_else(|| {
+            Error::data(
+                format!("FDO client of {}", self.dir.display()),
+                "publish before any stats were recorded",
+            )
+        })?;
+        std::fs::create_dir_all(&self.dir).map_err(|source| Error::Io {
+            context: format!("creating {}", self.dir.display()),
+            source,
+        })?;
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let path = self
+            .dir
+            .join(format!("fdo_stats_{}_{}.json", self.process, nanos));
         stats.write(&path)?;
         Ok(path)
     }
 
     fn load(&self) -> Result<FdoStats> {
-        let entries = std::fs::read_dir(&self.dir)
-            .map_err(|source| Error::Io { context: format!("listing {}", self.dir.display()), source })?;
+        let entries = std::fs::read_dir(&self.dir).map_err(|source| Error::Io {
+            context: format!("listing {}", self.dir.display()),
+            source,
+        })?;
         // Latest file per process id: (process, timestamp, path).
         let mut latest: BTreeMap<String, (u128, PathBuf)> = BTreeMap::new();
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            let Some(rest) = name.strip_prefix("fdo_stats_").and_then(|r| r.strip_suffix(".json")) else { continue };
-            let Some((proc_id, ts)) = rest.split_once('_') else { continue };
-            let (Ok(_), Ok(ts)) = (proc_id.parse::<u64>(), ts.parse::<u128>()) else { continue };
+            let Some(rest) = name
+                .strip_prefix("fdo_stats_")
+                .and_then(|r| r.strip_suffix(".json"))
+            else {
+                continue;
+            };
+            let Some((proc_id, ts)) = rest.split_once('_') else {
+                continue;
+            };
+            let (Ok(_), Ok(ts)) = (proc_id.parse::<u64>(), ts.parse::<u128>()) else {
+                continue;
+            };
             let slot = latest.entry(proc_id.to_string()).or_insert((ts, e.path()));
             if ts > slot.0 {
                 *slot = (ts, e.path());
@@ -331,17 +454,32 @@ pub struct TuneChange {
 /// `stack_suggested_coo_buffer_size_per_device` and raise the shared `stack_limits`.
 pub fn tune(config: &Config, stats: &FdoStats, headroom: f64) -> Result<(Config, Vec<TuneChange>)> {
     if !(headroom.is_finite() && headroom >= 1.0) {
-        return Err(Error::option("headroom", headroom, "must be a finite number >= 1.0"));
+        return Err(Error::option(
+            "headroom",
+            headroom,
+            "must be a finite number >= 1.0",
+        ));
     }
-    let layout = DeviceLayout::new(config.config.local_device_count, config.config.global_device_count, config.config.num_sc_per_device)?;
+    let layout = DeviceLayout::new(
+        config.config.local_device_count,
+        config.config.global_device_count,
+        config.config.num_sc_per_device,
+    )?;
     let key: LayoutKey = layout.into();
     if key != stats.layout {
-        return Err(layout_mismatch("the config", &key, "the stats", &stats.layout));
+        return Err(layout_mismatch(
+            "the config",
+            &key,
+            "the stats",
+            &stats.layout,
+        ));
     }
     let s = layout.sc_per_device as u64;
     // ceil(v * headroom), immune to binary fractions: 400 * 1.1 is 440.00000000000006 in f64,
     // which must give 440, not 441.
-    let scale = |v: u64, m: u64| -> u64 { round_up(((v as f64 * headroom * 1e6).round() / 1e6).ceil() as u64, m) };
+    let scale = |v: u64, m: u64| -> u64 {
+        round_up(((v as f64 * headroom * 1e6).round() / 1e6).ceil() as u64, m)
+    };
     let mut tuned = config.clone();
     let mut changes = Vec::new();
     let mut auto_limits: Option<(u64, u64)> = None;
@@ -374,7 +512,11 @@ pub fn tune(config: &Config, stats: &FdoStats, headroom: f64) -> Result<(Config,
             }
         } else if tuned.config.stacking == Stacking::Auto {
             let old = tuned.config.stack_limits.unwrap_or_default();
-            let old_suggested = tuned.config.stack_suggested_coo_buffer_size_per_device.as_ref().and_then(|m| m.get(name).copied());
+            let old_suggested = tuned
+                .config
+                .stack_suggested_coo_buffer_size_per_device
+                .as_ref()
+                .and_then(|m| m.get(name).copied());
             changes.push(TuneChange {
                 name: name.clone(),
                 max_ids: (old.max_ids_per_partition, new_ids),
@@ -390,11 +532,18 @@ pub fn tune(config: &Config, stats: &FdoStats, headroom: f64) -> Result<(Config,
                 .get_or_insert_with(BTreeMap::new)
                 .insert(name.clone(), new_suggested);
         } else {
-            return Err(Error::config(ConfigItem::Stack, name, "in the stats but not a table of the config"));
+            return Err(Error::config(
+                ConfigItem::Stack,
+                name,
+                "in the stats but not a table of the config",
+            ));
         }
     }
     if let Some((ids, uniq)) = auto_limits {
-        tuned.config.stack_limits = Some(crate::spec::StackLimits { max_ids_per_partition: ids, max_unique_ids_per_partition: uniq });
+        tuned.config.stack_limits = Some(crate::spec::StackLimits {
+            max_ids_per_partition: ids,
+            max_unique_ids_per_partition: uniq,
+        });
     }
     Ok((tuned, changes))
 }
@@ -414,7 +563,11 @@ static STATS_FIELDS: Section = Section {
 static LAYOUT_FIELDS: Section = Section {
     what: "`layout`",
     named_by: None,
-    fields: &[("local_device_count", Nested::Leaf), ("global_device_count", Nested::Leaf), ("num_sc_per_device", Nested::Leaf)],
+    fields: &[
+        ("local_device_count", Nested::Leaf),
+        ("global_device_count", Nested::Leaf),
+        ("num_sc_per_device", Nested::Leaf),
+    ],
 };
 static STACK_STATS_FIELDS: Section = Section {
     what: "stack",
@@ -439,20 +592,32 @@ mod tests {
 
     #[test]
     fn stats_field_lists_match_the_structs() {
-        let mut stats = FdoStats::new(LayoutKey { local_device_count: 1, global_device_count: 1, num_sc_per_device: 4 });
+        let mut stats = FdoStats::new(LayoutKey {
+            local_device_count: 1,
+            global_device_count: 1,
+            num_sc_per_device: 4,
+        });
         stats.stacks.insert("s".into(), StackStats::default());
         let v = serde_json::to_value(&stats).unwrap();
-        let keys = |v: &serde_json::Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+        let keys =
+            |v: &serde_json::Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
         assert_eq!(keys(&v), sorted(&STATS_FIELDS));
         assert_eq!(keys(&v["layout"]), sorted(&LAYOUT_FIELDS));
         assert_eq!(keys(&v["stacks"]["s"]), sorted(&STACK_STATS_FIELDS));
         let mut bad = v.clone();
         bad["stacks"]["s"]["max_ids_per_partitions"] = serde_json::json!([1]);
-        let e = FdoStats::from_json(&bad.to_string()).unwrap_err().to_string();
+        let e = FdoStats::from_json(&bad.to_string())
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, "unknown field `max_ids_per_partitions` in stack `s`; did you mean `max_ids_per_partition`?");
         let mut bad = v;
         bad["layot"] = serde_json::json!({});
-        let e = FdoStats::from_json(&bad.to_string()).unwrap_err().to_string();
-        assert_eq!(e, "unknown field `layot` in the FDO stats; did you mean `layout`?");
+        let e = FdoStats::from_json(&bad.to_string())
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "unknown field `layot` in the FDO stats; did you mean `layout`?"
+        );
     }
 }

@@ -15,7 +15,12 @@ use super::{max_with_index, Limits};
 pub const BUCKETS: usize = 64;
 
 /// The reference's fixed HighwayHash key (`kHighwayHashKey`).
-pub const HIGHWAY_KEY: [u64; 4] = [0x4451e30f87db9609, 0xca7358a1fd2737f8, 0x4b2c991fcee4fdea, 0x0b2658e18326f6ba];
+pub const HIGHWAY_KEY: [u64; 4] = [
+    0x4451e30f87db9609,
+    0xca7358a1fd2737f8,
+    0x4b2c991fcee4fdea,
+    0x0b2658e18326f6ba,
+];
 
 /// HighwayHash-64 of a column id's 4 little-endian bytes under the reference's key.
 pub fn highway_hash(col: u32) -> u64 {
@@ -146,7 +151,13 @@ impl Bucketed {
 /// row). Counting per (partition, bucket) in this order equals the reference's walk over keys
 /// re-sorted with bucket bits: a column's entries are contiguous and share one bucket, so the
 /// "new column" test and each (partition, bucket) group's order are the same.
-pub fn bucket_pass(pass1: &[CountedEntry], nbits: u32, buckets: &BucketFn, limits: Limits, out: &mut Bucketed) {
+pub fn bucket_pass(
+    pass1: &[CountedEntry],
+    nbits: u32,
+    buckets: &BucketFn,
+    limits: Limits,
+    out: &mut Bucketed,
+) {
     const B: usize = BUCKETS;
     let n = 1usize << nbits;
     let mask = (n - 1) as u32;
@@ -198,7 +209,14 @@ pub fn bucket_pass(pass1: &[CountedEntry], nbits: u32, buckets: &BucketFn, limit
         out.starts[i] += out.starts[i - 1];
     }
     out.entries.clear();
-    out.entries.resize(out.order.len(), Entry { col: 0, row: 0, gain: 0.0 });
+    out.entries.resize(
+        out.order.len(),
+        Entry {
+            col: 0,
+            row: 0,
+            gain: 0.0,
+        },
+    );
     out.next.clear();
     out.next.extend_from_slice(&out.starts[..n * B]);
     for (e, &bk) in out.order.iter().zip(&out.buckets) {
@@ -215,7 +233,12 @@ mod tests {
     #[test]
     fn highway_reference_vectors() {
         // Canonical HighwayHash test vectors, with the reference key 0x0706050403020100...
-        let key = Key([0x0706050403020100, 0x0F0E0D0C0B0A0908, 0x1716151413121110, 0x1F1E1D1C1B1A1918]);
+        let key = Key([
+            0x0706050403020100,
+            0x0F0E0D0C0B0A0908,
+            0x1716151413121110,
+            0x1F1E1D1C1B1A1918,
+        ]);
         let h = |bytes: &[u8]| {
             let mut x = HighwayHasher::new(key);
             x.append(bytes);
@@ -265,9 +288,18 @@ mod tests {
         // SPEC 5.5 (ComputeMinibatchingSplitTest, 8 leaves).
         assert_eq!(split_bits(&[10; 8], 100), 0);
         assert_eq!(split_bits(&[100; 8], 150), 0b1111111);
-        assert_eq!(split_bits(&[10, 20, 30, 40, 50, 60, 70, 80], 100), 0b1101100);
-        assert_eq!(split_bits(&[50, 50, 20, 80, 10, 10, 70, 10], 100), 0b1010000);
-        assert_eq!(split_bits(&[90, 10, 90, 10, 90, 10, 90, 10], 100), 0b1110000);
+        assert_eq!(
+            split_bits(&[10, 20, 30, 40, 50, 60, 70, 80], 100),
+            0b1101100
+        );
+        assert_eq!(
+            split_bits(&[50, 50, 20, 80, 10, 10, 70, 10], 100),
+            0b1010000
+        );
+        assert_eq!(
+            split_bits(&[90, 10, 90, 10, 90, 10, 90, 10], 100),
+            0b1110000
+        );
         assert_eq!(split_bits(&[2, 5, 1, 6, 3, 4, 2, 0], 7), 0b1110000);
     }
 
@@ -275,11 +307,17 @@ mod tests {
     fn boundaries_of_four_minibatches() {
         // SPEC 5.5: bits {57, 60, 61} -> [0,16) [16,24) [24,48) [48,64).
         let split = (1u64 << 57) | (1 << 60) | (1 << 61);
-        assert_eq!(minibatch_ranges(split), vec![(0, 16), (16, 24), (24, 48), (48, 64)]);
+        assert_eq!(
+            minibatch_ranges(split),
+            vec![(0, 16), (16, 24), (24, 48), (48, 64)]
+        );
         assert_eq!(minibatch_ranges(0), vec![(0, 64)]);
         // Every bit set: 64 single-bucket minibatches.
         let all = minibatch_ranges((1u64 << 63) - 1);
         assert_eq!(all.len(), 64);
-        assert!(all.iter().enumerate().all(|(i, &(a, b))| a == i && b == i + 1));
+        assert!(all
+            .iter()
+            .enumerate()
+            .all(|(i, &(a, b))| a == i && b == i + 1));
     }
 }

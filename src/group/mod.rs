@@ -55,7 +55,10 @@ pub struct ScStats {
 impl ScStats {
     /// Buffer this SparseCore needs: Σ over partitions of ids rounded up to 8.
     pub fn required(&self) -> u64 {
-        self.id_counts.iter().map(|&n| round_up(n as u64, ALIGNMENT as u64)).sum()
+        self.id_counts
+            .iter()
+            .map(|&n| round_up(n as u64, ALIGNMENT as u64))
+            .sum()
     }
 
     /// Largest per-partition id count and its partition.
@@ -97,10 +100,13 @@ impl SortScratch {
     pub fn reserve_like(&mut self, other: &SortScratch) {
         self.wide.reserve_like(&other.wide);
         self.narrow.reserve_like(&other.narrow);
-        for (mine, theirs) in [(&mut self.chunks, &other.chunks), (&mut self.starts, &other.starts), (&mut self.cursors, &other.cursors)] {
+        for (mine, theirs) in [
+            (&mut self.chunks, &other.chunks),
+            (&mut self.starts, &other.starts),
+            (&mut self.cursors, &other.cursors),
+        ] {
             reserve_to(mine, theirs.capacity());
         }
         reserve_to(&mut self.packed, other.packed.capacity());
     }
 }
-

@@ -27,7 +27,11 @@ pub trait EntrySink {
     /// halves, which is how the walk has it); sinks that need only the halves override this.
     #[inline(always)]
     fn push_parts(&mut self, partition: u32, local: u32, nbits: u32, row: u32, gain: f32) {
-        self.push(Entry { col: (local << nbits) | partition, row, gain });
+        self.push(Entry {
+            col: (local << nbits) | partition,
+            row,
+            gain,
+        });
     }
     /// Adds a duplicate's gain to the last appended entry.
     fn add_to_last(&mut self, gain: f32);
@@ -62,7 +66,13 @@ pub trait EntrySink {
     /// About a third of the keys of real batches are duplicates, in no pattern a branch
     /// predictor can learn, so sinks that can merge without a branch override this.
     #[inline(always)]
-    fn walk_block<K: KeyWord>(&mut self, keys: &[K], block: Block, last: u64, gain: impl Fn(u64, u32) -> f32) -> (u64, u32, u32)
+    fn walk_block<K: KeyWord>(
+        &mut self,
+        keys: &[K],
+        block: Block,
+        last: u64,
+        gain: impl Fn(u64, u32) -> f32,
+    ) -> (u64, u32, u32)
     where
         Self: Sized,
     {
@@ -113,7 +123,13 @@ pub fn walk_block_plain<S: EntrySink, K: KeyWord>(
         }
         ids += 1;
         unique += ((key ^ last) >> b.data_bits != 0) as u32;
-        sink.push_local(b.partition, ((key >> b.data_bits) & b.local_mask) as u32, b.nbits, b.row_lo + data, g);
+        sink.push_local(
+            b.partition,
+            ((key >> b.data_bits) & b.local_mask) as u32,
+            b.nbits,
+            b.row_lo + data,
+            g,
+        );
         last = key;
     }
     (last, ids, unique)
@@ -155,4 +171,3 @@ impl EntrySink for Vec<CountedEntry> {
         }
     }
 }
-

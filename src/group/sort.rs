@@ -43,7 +43,12 @@ impl<K> RadixScratch<K> {
 
 /// Sorts `keys` ascending. `data_sorted` says the payloads are non-decreasing in input order.
 /// `scratch` is reused memory.
-pub fn sort_keys<K: KeyWord>(keys: &mut [K], scratch: &mut RadixScratch<K>, format: KeyFormat, data_sorted: bool) {
+pub fn sort_keys<K: KeyWord>(
+    keys: &mut [K],
+    scratch: &mut RadixScratch<K>,
+    format: KeyFormat,
+    data_sorted: bool,
+) {
     if !data_sorted || keys.len() < SMALL {
         if format.gains == Gains::InKey {
             // The payload here is the row, but the reference orders a column's entries by
@@ -64,7 +69,13 @@ pub fn sort_keys<K: KeyWord>(keys: &mut [K], scratch: &mut RadixScratch<K>, form
 
 /// Sorts one chunk of 32-bit keys by bits `[lo, hi)` (the column bits the chunk does not
 /// share), or wholly when the payloads are not known to be sorted.
-pub fn sort_chunk(keys: &mut [u32], scratch: &mut RadixScratch<u32>, lo: u32, hi: u32, data_sorted: bool) {
+pub fn sort_chunk(
+    keys: &mut [u32],
+    scratch: &mut RadixScratch<u32>,
+    lo: u32,
+    hi: u32,
+    data_sorted: bool,
+) {
     if !data_sorted || keys.len() < SMALL {
         // Equal keys of one chunk are equal keys, so an unstable sort is exact.
         keys.sort_unstable();
@@ -179,8 +190,21 @@ fn chunk_starts(keys: &[u64], shift: u32, c: u32, starts: &mut Vec<u32>, cursors
 /// `(key's low width - c bits) << 32 | gain bits`, so that each chunk sorts and walks like
 /// keys packed whole. One scatter pass (weighted stacks this wide are rare).
 #[allow(unsafe_code)]
-pub fn split_packed(keys: &[u64], gains: &[f32], width: u32, c: u32, out: &mut Vec<u64>, starts: &mut Vec<u32>, cursors: &mut Vec<u32>) {
-    assert!(width - c <= 32 && c <= MAX_CHUNK_BITS && keys.len() < u32::MAX as usize && keys.len() == gains.len());
+pub fn split_packed(
+    keys: &[u64],
+    gains: &[f32],
+    width: u32,
+    c: u32,
+    out: &mut Vec<u64>,
+    starts: &mut Vec<u32>,
+    cursors: &mut Vec<u32>,
+) {
+    assert!(
+        width - c <= 32
+            && c <= MAX_CHUNK_BITS
+            && keys.len() < u32::MAX as usize
+            && keys.len() == gains.len()
+    );
     let n = keys.len();
     let shift = width - c;
     let (mask, low) = (((1usize << c) - 1) as u64, (1u64 << shift) - 1);
@@ -201,7 +225,12 @@ pub fn split_packed(keys: &[u64], gains: &[f32], width: u32, c: u32, out: &mut V
 
 /// Sorts one chunk of packed elements (key bits in the high half) by their column bits, from
 /// bit `lo` up, stably: equal columns keep extraction order, in which their gains are summed.
-pub fn sort_packed_chunk(keys: &mut [u64], scratch: &mut RadixScratch<u64>, lo: u32, data_sorted: bool) {
+pub fn sort_packed_chunk(
+    keys: &mut [u64],
+    scratch: &mut RadixScratch<u64>,
+    lo: u32,
+    data_sorted: bool,
+) {
     if !data_sorted || keys.len() < SMALL {
         keys.sort_by_key(|e| e >> lo);
         return;
@@ -213,7 +242,13 @@ pub fn sort_packed_chunk(keys: &mut [u64], scratch: &mut RadixScratch<u64>, lo: 
 /// `cursors` were set from the counts of these very keys.
 #[allow(unsafe_code)]
 #[inline(always)]
-fn scatter_low(keys: impl Iterator<Item = u64>, out: &mut [u32], cursors: &mut [u32], shift: u32, mask: u64) {
+fn scatter_low(
+    keys: impl Iterator<Item = u64>,
+    out: &mut [u32],
+    cursors: &mut [u32],
+    shift: u32,
+    mask: u64,
+) {
     assert!(mask as usize <= cursors.len().wrapping_sub(1));
     let low = (1u64 << shift) - 1;
     for k in keys {
@@ -264,10 +299,18 @@ fn radix_range<K: KeyWord>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u3
 
 /// `P` passes of `digit` bits from bit `lo` up.
 #[inline(always)]
-fn radix_passes<K: KeyWord, const P: usize>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, digit: u32) {
+fn radix_passes<K: KeyWord, const P: usize>(
+    keys: &mut [K],
+    scratch: &mut RadixScratch<K>,
+    lo: u32,
+    digit: u32,
+) {
     let radix = 1usize << digit;
     let mask = (radix - 1) as u64;
-    let RadixScratch { keys: scratch, counts } = scratch;
+    let RadixScratch {
+        keys: scratch,
+        counts,
+    } = scratch;
     counts.clear();
     counts.resize(P * radix, 0);
     let mut parts = counts.chunks_exact_mut(radix);
@@ -282,7 +325,9 @@ fn radix_passes<K: KeyWord, const P: usize>(keys: &mut [K], scratch: &mut RadixS
     let mut in_scratch = false;
     for (p, c) in counts.iter_mut().enumerate() {
         // A digit every key shares moves nothing (then the first key's digit has them all).
-        if c.get(((first >> (p as u32 * digit)) & mask) as usize).is_some_and(|&x| x as usize == n) {
+        if c.get(((first >> (p as u32 * digit)) & mask) as usize)
+            .is_some_and(|&x| x as usize == n)
+        {
             continue;
         }
         let mut sum = 0u32;
@@ -310,7 +355,13 @@ fn radix_passes<K: KeyWord, const P: usize>(keys: &mut [K], scratch: &mut RadixS
 /// The digit histograms of all passes, in one read of the keys.
 #[allow(unsafe_code)]
 #[inline(always)]
-fn histograms<K: KeyWord, const P: usize>(keys: &[K], counts: &mut [&mut [u32]; P], lo: u32, digit: u32, mask: u64) {
+fn histograms<K: KeyWord, const P: usize>(
+    keys: &[K],
+    counts: &mut [&mut [u32]; P],
+    lo: u32,
+    digit: u32,
+    mask: u64,
+) {
     assert!(counts.iter().all(|c| c.len() > mask as usize));
     for &k in keys {
         let k = k.to_u64() >> lo;
@@ -368,12 +419,23 @@ mod tests {
             x ^= x << 17;
             x
         };
-        for (nbits, vocab) in [(0u32, 33u64), (2, 1_000_000), (4, 100_000_000), (9, 1 << 31), (3, 8)] {
+        for (nbits, vocab) in [
+            (0u32, 33u64),
+            (2, 1_000_000),
+            (4, 100_000_000),
+            (9, 1 << 31),
+            (3, 8),
+        ] {
             let cols: Vec<u32> = (0..5000).map(|_| (next() % vocab) as u32).collect();
             // (Unchecked ids with 26 data bits give the widest keys, 58 bits.)
             for (checked, data_bits) in [(true, 11), (true, 26), (false, 11), (false, 26)] {
                 let local_bits = KeyFormat::local_bits_for(nbits, vocab, checked);
-                let l = KeyFormat { nbits, local_bits, data_bits, gains: Gains::Unit };
+                let l = KeyFormat {
+                    nbits,
+                    local_bits,
+                    data_bits,
+                    gains: Gains::Unit,
+                };
                 check::<u64>(l, &cols);
                 if l.width() <= 32 {
                     check::<u32>(l, &cols);
@@ -399,7 +461,15 @@ mod tests {
             let mut want = keys.clone();
             want.sort_by_key(|k| k >> (width - c));
             let (mut out, mut starts, mut cursors) = (Vec::new(), Vec::new(), Vec::new());
-            split(&keys, width, c, &mut out, &mut starts, &mut cursors, &mut RadixScratch::default());
+            split(
+                &keys,
+                width,
+                c,
+                &mut out,
+                &mut starts,
+                &mut cursors,
+                &mut RadixScratch::default(),
+            );
             assert_eq!(starts.len(), (1 << c) + 1, "width {width}, c {c}");
             // Chunk b holds the keys whose top bits are b, so chunks in order are `want`.
             let low = (1u64 << (width - c)) - 1;
@@ -416,8 +486,16 @@ mod tests {
 
     #[test]
     fn unsorted_payload_falls_back() {
-        let format = KeyFormat { nbits: 2, local_bits: 8, data_bits: 10, gains: Gains::Unit };
-        let mut keys: Vec<u64> = (0..1000u32).rev().map(|i| format.encode(i % 17, i)).collect();
+        let format = KeyFormat {
+            nbits: 2,
+            local_bits: 8,
+            data_bits: 10,
+            gains: Gains::Unit,
+        };
+        let mut keys: Vec<u64> = (0..1000u32)
+            .rev()
+            .map(|i| format.encode(i % 17, i))
+            .collect();
         let mut want = keys.clone();
         want.sort_unstable();
         sort_keys(&mut keys, &mut RadixScratch::default(), format, false);

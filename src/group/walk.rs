@@ -10,7 +10,13 @@ use crate::key::{Gains, KeyFormat, KeyWord};
 
 /// Sorts the extracted keys, then walks them into `out` (cleared first) and `stats`.
 #[cfg(feature = "internals")]
-pub fn sort_and_group(ex: &mut Extracted, scratch: &mut SortScratch, limits: Limits, out: &mut Vec<Entry>, stats: &mut ScStats) {
+pub fn sort_and_group(
+    ex: &mut Extracted,
+    scratch: &mut SortScratch,
+    limits: Limits,
+    out: &mut Vec<Entry>,
+    stats: &mut ScStats,
+) {
     out.clear();
     *out = sort_and_walk(ex, scratch, limits, std::mem::take(out), stats);
 }
@@ -19,7 +25,13 @@ pub fn sort_and_group(ex: &mut Extracted, scratch: &mut SortScratch, limits: Lim
 /// `sink`, which is taken by value (so that its state stays in registers) and handed back.
 /// Large key sets are sorted chunk by chunk (see [`sort::split`]), each chunk walked right
 /// after its sort, while it is in cache.
-pub fn sort_and_walk<S: EntrySink>(ex: &mut Extracted, scratch: &mut SortScratch, limits: Limits, sink: S, stats: &mut ScStats) -> S {
+pub fn sort_and_walk<S: EntrySink>(
+    ex: &mut Extracted,
+    scratch: &mut SortScratch,
+    limits: Limits,
+    sink: S,
+    stats: &mut ScStats,
+) -> S {
     let n = 1usize << ex.format.nbits;
     stats.id_counts.clear();
     stats.id_counts.resize(n, 0);
@@ -40,8 +52,6 @@ pub fn sort_and_walk<S: EntrySink>(ex: &mut Extracted, scratch: &mut SortScratch
     }
 }
 
-
-
 /// [`Gains`] as const generic parameters of the walk, which is compiled once per variant.
 const PER_INDEX: u8 = Gains::PerIndex as u8;
 const PER_ROW: u8 = Gains::PerRow as u8;
@@ -58,7 +68,13 @@ macro_rules! for_each_sorted {
         match sort::chunk_bits_for($ex.len(), &format) {
             // Few keys: sorted in place, one slice.
             Some(0) => {
-                sort_chunk(&mut $ex.narrow_keys, &mut $scratch.narrow, format.data_bits, format.width(), sorted);
+                sort_chunk(
+                    &mut $ex.narrow_keys,
+                    &mut $scratch.narrow,
+                    format.data_bits,
+                    format.width(),
+                    sorted,
+                );
                 let ($keys, $high) = (&$ex.narrow_keys[..], 0u64);
                 $body
             }
@@ -66,8 +82,22 @@ macro_rules! for_each_sorted {
                 // Weighted keys wider than 32 bits: each chunk's elements join the low 32 key
                 // bits (high half) with the gain.
                 let shift = format.width() - c;
-                let SortScratch { wide, packed, starts, cursors, .. } = &mut *$scratch;
-                sort::split_packed(&$ex.wide_keys, &$ex.key_gains, format.width(), c, packed, starts, cursors);
+                let SortScratch {
+                    wide,
+                    packed,
+                    starts,
+                    cursors,
+                    ..
+                } = &mut *$scratch;
+                sort::split_packed(
+                    &$ex.wide_keys,
+                    &$ex.key_gains,
+                    format.width(),
+                    c,
+                    packed,
+                    starts,
+                    cursors,
+                );
                 for b in 0..1usize << c {
                     let (lo, hi) = (starts[b] as usize, starts[b + 1] as usize);
                     if lo == hi {
@@ -82,8 +112,23 @@ macro_rules! for_each_sorted {
             Some(c) => {
                 let shift = format.width() - c;
                 // (Keys wider than 32 bits, so `ex.keys` holds them.)
-                let SortScratch { narrow, wide, chunks, starts, cursors, .. } = &mut *$scratch;
-                sort::split(&$ex.wide_keys, format.width(), c, chunks, starts, cursors, wide);
+                let SortScratch {
+                    narrow,
+                    wide,
+                    chunks,
+                    starts,
+                    cursors,
+                    ..
+                } = &mut *$scratch;
+                sort::split(
+                    &$ex.wide_keys,
+                    format.width(),
+                    c,
+                    chunks,
+                    starts,
+                    cursors,
+                    wide,
+                );
                 for b in 0..1usize << c {
                     let (lo, hi) = (starts[b] as usize, starts[b + 1] as usize);
                     if lo == hi {
@@ -162,7 +207,13 @@ struct PartitionCursor {
 
 impl PartitionCursor {
     fn new(format: KeyFormat) -> Self {
-        PartitionCursor { last: u64::MAX, part_end: 1u64 << (format.data_bits + format.local_bits), part: 0, ids: 0, unique: 0 }
+        PartitionCursor {
+            last: u64::MAX,
+            part_end: 1u64 << (format.data_bits + format.local_bits),
+            part: 0,
+            ids: 0,
+            unique: 0,
+        }
     }
 
     /// Stores the current partition's counters.
@@ -204,7 +255,8 @@ fn walk_partitions<S: EntrySink, const GAINS: u8, K: KeyWord>(
             st.part_end = ((st.part as u64) + 1) << part_bits;
             sink = sink.start_partition(st.part as u32);
         }
-        let end = rest.partition_point(|&k| (element_key::<GAINS>(k.to_u64()) | high) < st.part_end);
+        let end =
+            rest.partition_point(|&k| (element_key::<GAINS>(k.to_u64()) | high) < st.part_end);
         let (part, next) = rest.split_at(end);
         sink = walk_partition::<S, GAINS, K>(ex, sink, part, high, &mut st);
         rest = next;
@@ -311,7 +363,8 @@ impl<S: EntrySink, const GAINS: u8, const DROP: bool> Walker<'_, S, GAINS, DROP>
             self.ids[g] += 1;
             self.unique[g] += (colbits != self.last_col) as u32;
             let local = (colbits & ((1u64 << format.local_bits) - 1)) as u32;
-            self.sink.push_parts(g as u32, local, format.nbits, row, gain);
+            self.sink
+                .push_parts(g as u32, local, format.nbits, row, gain);
             self.last_col = colbits;
             self.last_row = row;
             return;
@@ -342,4 +395,3 @@ impl<S: EntrySink, const GAINS: u8, const DROP: bool> Walker<'_, S, GAINS, DROP>
         self.prev_row = row;
     }
 }
-

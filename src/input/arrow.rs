@@ -3,7 +3,9 @@
 //! carry raw keys (strings, bytes, arbitrary int64s); those are hashed into an owned id buffer
 //! (see [`super::hash`]), the one case where this stage copies.
 
-use arrow_array::{Array, Float32Array, Int32Array, Int64Array, LargeListArray, ListArray, RecordBatch};
+use arrow_array::{
+    Array, Float32Array, Int32Array, Int64Array, LargeListArray, ListArray, RecordBatch,
+};
 
 use super::hash::{for_each_key, HashBuffers, OwnedIds, RAW_KEY_TYPES};
 use super::{FeatureView, Ids, Offsets, SampleSource};
@@ -30,7 +32,12 @@ enum IdStore<'a> {
 }
 
 /// Splits a list array into its offsets and child array, rejecting null lists.
-pub(crate) fn list_parts<'a>(feature: &str, column: &str, array: &'a dyn Array, expected: &'static str) -> Result<(Offsets<'a>, &'a dyn Array)> {
+pub(crate) fn list_parts<'a>(
+    feature: &str,
+    column: &str,
+    array: &'a dyn Array,
+    expected: &'static str,
+) -> Result<(Offsets<'a>, &'a dyn Array)> {
     let type_error = || Error::ColumnType {
         feature: feature.to_string(),
         column: column.to_string(),
@@ -48,11 +55,20 @@ pub(crate) fn list_parts<'a>(feature: &str, column: &str, array: &'a dyn Array, 
     if array.null_count() > 0 {
         return Err(Error::input(
             feature,
-            format!("column `{column}` has {} null lists; use empty lists for samples without ids", array.null_count()),
+            format!(
+                "column `{column}` has {} null lists; use empty lists for samples without ids",
+                array.null_count()
+            ),
         ));
     }
     if child.null_count() > 0 {
-        return Err(Error::input(feature, format!("column `{column}` has {} null values inside its lists", child.null_count())));
+        return Err(Error::input(
+            feature,
+            format!(
+                "column `{column}` has {} null values inside its lists",
+                child.null_count()
+            ),
+        ));
     }
     Ok((offsets, child))
 }
@@ -81,7 +97,11 @@ impl<'a> ArrowListInput<'a> {
         };
         offsets.validate(feature, "list offsets", ids.len())?;
         let weights = weights_parts(feature, column, &offsets, weights)?;
-        Ok(ArrowListInput { ids: IdStore::Borrowed(ids), offsets, weights })
+        Ok(ArrowListInput {
+            ids: IdStore::Borrowed(ids),
+            offsets,
+            weights,
+        })
     }
 
     /// Wraps a column of raw keys (`List`/`LargeList` of Utf8, LargeUtf8, Binary, LargeBinary,
@@ -100,10 +120,18 @@ impl<'a> ArrowListInput<'a> {
         let (offsets, child) = list_parts(feature, column, keys, RAW_KEY_TYPES)?;
         offsets.validate(feature, "list offsets", child.len())?;
         let rows = offsets.rows();
-        let range = if rows == 0 { (0, 0) } else { (offsets.range(0).0, offsets.range(rows - 1).1) };
+        let range = if rows == 0 {
+            (0, 0)
+        } else {
+            (offsets.range(0).0, offsets.range(rows - 1).1)
+        };
         let ids = buffers.hash(feature, column, child, range, seed, vocabulary_size)?;
         let weights = weights_parts(feature, column, &offsets, weights)?;
-        Ok(ArrowListInput { ids: IdStore::Hashed(ids), offsets, weights })
+        Ok(ArrowListInput {
+            ids: IdStore::Hashed(ids),
+            offsets,
+            weights,
+        })
     }
 
     /// Whether the ids were hashed from raw keys (and so are owned, not borrowed).
@@ -134,18 +162,27 @@ pub(crate) fn weights_parts<'a>(
     offsets: &Offsets<'a>,
     weights: Option<(&str, &'a dyn Array)>,
 ) -> Result<Option<(&'a [f32], Offsets<'a>)>> {
-    let Some((wcol, warr)) = weights else { return Ok(None) };
+    let Some((wcol, warr)) = weights else {
+        return Ok(None);
+    };
     let (woffsets, wchild) = list_parts(feature, wcol, warr, WEIGHTS_TYPES)?;
-    let values = wchild.as_any().downcast_ref::<Float32Array>().ok_or_else(|| Error::ColumnType {
-        feature: feature.to_string(),
-        column: wcol.to_string(),
-        expected: WEIGHTS_TYPES,
-        found: warr.data_type().to_string(),
-    })?;
+    let values = wchild
+        .as_any()
+        .downcast_ref::<Float32Array>()
+        .ok_or_else(|| Error::ColumnType {
+            feature: feature.to_string(),
+            column: wcol.to_string(),
+            expected: WEIGHTS_TYPES,
+            found: warr.data_type().to_string(),
+        })?;
     if woffsets.rows() != offsets.rows() {
         return Err(Error::input(
             feature,
-            format!("weights column `{wcol}` has {} rows, ids column `{column}` has {}", woffsets.rows(), offsets.rows()),
+            format!(
+                "weights column `{wcol}` has {} rows, ids column `{column}` has {}",
+                woffsets.rows(),
+                offsets.rows()
+            ),
         ));
     }
     woffsets.validate(feature, "weights list offsets", values.len())?;
@@ -160,14 +197,21 @@ impl SampleSource for ArrowListInput<'_> {
         self.weights.is_some()
     }
     fn view(&self) -> FeatureView<'_> {
-        FeatureView::Ragged { ids: self.ids(), offsets: self.offsets, weights: self.weights }
+        FeatureView::Ragged {
+            ids: self.ids(),
+            offsets: self.offsets,
+            weights: self.weights,
+        }
     }
 }
 
 /// Maps a record batch to the config's features by their `column` / `weights_column` names,
 /// in config feature order. Features with a `"hash"` config are hashed into fresh buffers; use
 /// [`features_from_record_batch_reusing`] to recycle them across batches.
-pub fn features_from_record_batch<'a>(config: &Config, batch: &'a RecordBatch) -> Result<Vec<ArrowListInput<'a>>> {
+pub fn features_from_record_batch<'a>(
+    config: &Config,
+    batch: &'a RecordBatch,
+) -> Result<Vec<ArrowListInput<'a>>> {
     features_from_record_batch_reusing(config, batch, &mut HashBuffers::new())
 }
 
@@ -185,7 +229,12 @@ pub fn features_from_record_batch_reusing<'a>(
             Err(_) => Err(Error::MissingColumn {
                 feature: feature.to_string(),
                 column: column.to_string(),
-                available: schema.fields().iter().map(|f| f.name().as_str()).collect::<Vec<_>>().join(", "),
+                available: schema
+                    .fields()
+                    .iter()
+                    .map(|f| f.name().as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
             }),
         }
     };
@@ -206,8 +255,22 @@ pub fn features_from_record_batch_reusing<'a>(
                         .tables
                         .iter()
                         .find(|t| t.name == f.table)
-                        .ok_or_else(|| Error::config(ConfigItem::Feature, &f.name, format!("table `{}` is not in the config", f.table)))?;
-                    ArrowListInput::hashed(&f.name, column, ids, weights, h.seed, table.vocabulary_size, buffers)
+                        .ok_or_else(|| {
+                            Error::config(
+                                ConfigItem::Feature,
+                                &f.name,
+                                format!("table `{}` is not in the config", f.table),
+                            )
+                        })?;
+                    ArrowListInput::hashed(
+                        &f.name,
+                        column,
+                        ids,
+                        weights,
+                        h.seed,
+                        table.vocabulary_size,
+                        buffers,
+                    )
                 }
             }
         })
@@ -231,7 +294,13 @@ pub struct RawKeyRows {
 impl RawKeyRows {
     /// Reads `keys` (a `List`/`LargeList` of a raw key type, column `column` of feature
     /// `feature`) and optional `List<Float32>` weights. Errors name the feature and column.
-    pub fn from_arrow(feature: &str, column: &str, keys: &dyn Array, weights: Option<(&str, &dyn Array)>, seed: u64) -> Result<Self> {
+    pub fn from_arrow(
+        feature: &str,
+        column: &str,
+        keys: &dyn Array,
+        weights: Option<(&str, &dyn Array)>,
+        seed: u64,
+    ) -> Result<Self> {
         let (offsets, child) = list_parts(feature, column, keys, RAW_KEY_TYPES)?;
         offsets.validate(feature, "list offsets", child.len())?;
         let rows = offsets.rows();
@@ -244,16 +313,27 @@ impl RawKeyRows {
         let mut flat_weights = weights.map(|_| Vec::with_capacity(child.len()));
         for r in 0..rows {
             let (lo, hi) = offsets.range(r);
-            for_each_key(feature, column, child, (lo, hi), seed, |_, k| flat_keys.push(k))?;
+            for_each_key(feature, column, child, (lo, hi), seed, |_, k| {
+                flat_keys.push(k)
+            })?;
             if let (Some((values, woffsets)), Some(fw)) = (&weights, &mut flat_weights) {
                 let (wlo, whi) = woffsets.range(r);
                 if whi - wlo != hi - lo {
-                    return Err(Error::WeightsShape { feature: feature.to_string(), row: r, ids: hi - lo, weights: whi - wlo });
+                    return Err(Error::WeightsShape {
+                        feature: feature.to_string(),
+                        row: r,
+                        ids: hi - lo,
+                        weights: whi - wlo,
+                    });
                 }
                 fw.extend_from_slice(&values[wlo..whi]);
             }
             flat_offsets.push(flat_keys.len());
         }
-        Ok(RawKeyRows { keys: flat_keys, offsets: flat_offsets, weights: flat_weights })
+        Ok(RawKeyRows {
+            keys: flat_keys,
+            offsets: flat_offsets,
+            weights: flat_weights,
+        })
     }
 }

@@ -25,7 +25,11 @@ impl<'a> CooInput<'a> {
         if indices.len() != 2 * ids.len() {
             return Err(Error::input(
                 name,
-                format!("indices hold {} values, expected 2 * nnz = {}", indices.len(), 2 * ids.len()),
+                format!(
+                    "indices hold {} values, expected 2 * nnz = {}",
+                    indices.len(),
+                    2 * ids.len()
+                ),
             ));
         }
         let mut prev = 0i64;
@@ -34,18 +38,26 @@ impl<'a> CooInput<'a> {
             if row < 0 || row as u64 >= batch as u64 {
                 return Err(Error::input(
                     name,
-                    format!("indices[{k}] has row {row}, outside the batch of {batch} (dense_shape[0])"),
+                    format!(
+                        "indices[{k}] has row {row}, outside the batch of {batch} (dense_shape[0])"
+                    ),
                 ));
             }
             if row < prev {
                 return Err(Error::input(
                     name,
-                    format!("indices are not sorted by row: entry {k} has row {row} after row {prev}"),
+                    format!(
+                        "indices are not sorted by row: entry {k} has row {row} after row {prev}"
+                    ),
                 ));
             }
             prev = row;
         }
-        Ok(CooInput { indices, ids, batch })
+        Ok(CooInput {
+            indices,
+            ids,
+            batch,
+        })
     }
 }
 
@@ -57,6 +69,9 @@ impl SampleSource for CooInput<'_> {
         false
     }
     fn view(&self) -> FeatureView<'_> {
-        FeatureView::Coo { indices: self.indices, ids: self.ids }
+        FeatureView::Coo {
+            indices: self.indices,
+            ids: self.ids,
+        }
     }
 }

@@ -18,12 +18,18 @@ pub struct DenseInput<'a> {
 impl<'a> DenseInput<'a> {
     /// Wraps 32-bit ids.
     pub fn from_i32(ids: ArrayView2<'a, i32>) -> Self {
-        DenseInput { ids: DenseIds::I32(ids), weights: None }
+        DenseInput {
+            ids: DenseIds::I32(ids),
+            weights: None,
+        }
     }
 
     /// Wraps 64-bit ids.
     pub fn from_i64(ids: ArrayView2<'a, i64>) -> Self {
-        DenseInput { ids: DenseIds::I64(ids), weights: None }
+        DenseInput {
+            ids: DenseIds::I64(ids),
+            weights: None,
+        }
     }
 
     /// Attaches weights of exactly the ids' shape. The reference checks only the batch
@@ -32,7 +38,11 @@ impl<'a> DenseInput<'a> {
         if weights.dim() != self.dim() {
             return Err(Error::input(
                 name,
-                format!("weights shape {:?} differs from ids shape {:?}", weights.dim(), self.dim()),
+                format!(
+                    "weights shape {:?} differs from ids shape {:?}",
+                    weights.dim(),
+                    self.dim()
+                ),
             ));
         }
         self.weights = Some(weights);
@@ -59,6 +69,9 @@ impl SampleSource for DenseInput<'_> {
             DenseIds::I32(a) => DenseIds::I32(a.view()),
             DenseIds::I64(a) => DenseIds::I64(a.view()),
         };
-        FeatureView::Dense { ids, weights: self.weights.as_ref().map(|w| w.view()) }
+        FeatureView::Dense {
+            ids,
+            weights: self.weights.as_ref().map(|w| w.view()),
+        }
     }
 }

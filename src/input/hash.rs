@@ -28,7 +28,9 @@
 //! reader recycle those buffers from one batch to the next, so that steady-state hashing
 //! allocates nothing.
 
-use arrow_array::{Array, BinaryArray, Int32Array, Int64Array, LargeBinaryArray, LargeStringArray, StringArray};
+use arrow_array::{
+    Array, BinaryArray, Int32Array, Int64Array, LargeBinaryArray, LargeStringArray, StringArray,
+};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::error::{ConfigItem, Error, Result};
@@ -68,7 +70,14 @@ pub(crate) fn for_each_key(
     seed: u64,
     mut f: impl FnMut(usize, u64),
 ) -> Result<()> {
-    fn offsets_bytes<O: Copy + TryInto<usize>>(offs: &[O], data: &[u8], lo: usize, hi: usize, seed: u64, f: &mut impl FnMut(usize, u64)) {
+    fn offsets_bytes<O: Copy + TryInto<usize>>(
+        offs: &[O],
+        data: &[u8],
+        lo: usize,
+        hi: usize,
+        seed: u64,
+        f: &mut impl FnMut(usize, u64),
+    ) {
         let at = |i: usize| offs[i].try_into().unwrap_or(0);
         for i in lo..hi {
             f(i, hash_bytes(&data[at(i)..at(i + 1)], seed));
@@ -76,7 +85,13 @@ pub(crate) fn for_each_key(
     }
     let any = values.as_any();
     if hi > values.len() || lo > hi {
-        return Err(Error::input(feature, format!("column `{column}`: list offsets [{lo}, {hi}) outside the {} values", values.len())));
+        return Err(Error::input(
+            feature,
+            format!(
+                "column `{column}`: list offsets [{lo}, {hi}) outside the {} values",
+                values.len()
+            ),
+        ));
     }
     if let Some(a) = any.downcast_ref::<StringArray>() {
         offsets_bytes(a.value_offsets(), a.value_data(), lo, hi, seed, &mut f);
@@ -152,7 +167,11 @@ impl HashBuffers {
         vocabulary_size: u64,
     ) -> Result<OwnedIds> {
         if vocabulary_size == 0 {
-            return Err(Error::config(ConfigItem::Feature, feature, "hashed into a table of vocabulary_size 0"));
+            return Err(Error::config(
+                ConfigItem::Feature,
+                feature,
+                "hashed into a table of vocabulary_size 0",
+            ));
         }
         let hi = range.1;
         if vocabulary_size <= 1 << 31 {
@@ -160,16 +179,27 @@ impl HashBuffers {
             buf.clear();
             buf.resize(hi, 0);
             // key % vocabulary_size < 2^31: the cast is exact.
-            for_each_key(feature, column, values, range, seed, |i, k| buf[i] = (k % vocabulary_size) as i32)?;
+            for_each_key(feature, column, values, range, seed, |i, k| {
+                buf[i] = (k % vocabulary_size) as i32
+            })?;
             Ok(OwnedIds::I32(buf))
         } else {
             if vocabulary_size > i64::MAX as u64 {
-                return Err(Error::config(ConfigItem::Feature, feature, format!("hashed into a vocabulary_size of {vocabulary_size} > {}", i64::MAX)));
+                return Err(Error::config(
+                    ConfigItem::Feature,
+                    feature,
+                    format!(
+                        "hashed into a vocabulary_size of {vocabulary_size} > {}",
+                        i64::MAX
+                    ),
+                ));
             }
             let mut buf = self.free64.pop().unwrap_or_default();
             buf.clear();
             buf.resize(hi, 0);
-            for_each_key(feature, column, values, range, seed, |i, k| buf[i] = (k % vocabulary_size) as i64)?;
+            for_each_key(feature, column, values, range, seed, |i, k| {
+                buf[i] = (k % vocabulary_size) as i64
+            })?;
             Ok(OwnedIds::I64(buf))
         }
     }
@@ -177,8 +207,16 @@ impl HashBuffers {
 
 /// The full 64-bit keys of one ragged feature column, for dynamic tables: `keys[offsets[r]..
 /// offsets[r + 1]]` are row `r`'s keys. Accepts the same value types as hashed features.
-pub fn hash_keys(feature: &str, column: &str, values: &dyn Array, seed: u64, keys: &mut Vec<u64>) -> Result<()> {
+pub fn hash_keys(
+    feature: &str,
+    column: &str,
+    values: &dyn Array,
+    seed: u64,
+    keys: &mut Vec<u64>,
+) -> Result<()> {
     keys.clear();
     keys.resize(values.len(), 0);
-    for_each_key(feature, column, values, (0, values.len()), seed, |i, k| keys[i] = k)
+    for_each_key(feature, column, values, (0, values.len()), seed, |i, k| {
+        keys[i] = k
+    })
 }

@@ -19,10 +19,12 @@ mod dense;
 pub mod hash;
 mod ragged;
 
-pub use self::arrow::{features_from_record_batch, features_from_record_batch_reusing, ArrowListInput, RawKeyRows};
-pub use hash::HashBuffers;
+pub use self::arrow::{
+    features_from_record_batch, features_from_record_batch_reusing, ArrowListInput, RawKeyRows,
+};
 pub use coo::CooInput;
 pub use dense::DenseInput;
+pub use hash::HashBuffers;
 pub use ragged::RaggedInput;
 
 use ndarray::ArrayView2;
@@ -83,23 +85,40 @@ impl Offsets<'_> {
     /// Checks that offsets are non-empty, non-negative, non-decreasing and end within `len`
     /// values, so that [`Offsets::range`] can never index out of bounds.
     pub fn validate(&self, feature: &str, what: &str, len: usize) -> Result<()> {
-        fn check<T: Copy + Into<i64> + PartialOrd>(o: &[T], feature: &str, what: &str, len: usize) -> Result<()> {
+        fn check<T: Copy + Into<i64> + PartialOrd>(
+            o: &[T],
+            feature: &str,
+            what: &str,
+            len: usize,
+        ) -> Result<()> {
             if o.is_empty() {
-                return Err(Error::input(feature, format!("{what} cannot be empty (need rows + 1 offsets)")));
+                return Err(Error::input(
+                    feature,
+                    format!("{what} cannot be empty (need rows + 1 offsets)"),
+                ));
             }
             let mut prev: i64 = o[0].into();
             if prev < 0 {
-                return Err(Error::input(feature, format!("{what}[0] = {prev} is negative")));
+                return Err(Error::input(
+                    feature,
+                    format!("{what}[0] = {prev} is negative"),
+                ));
             }
             // One branch-free pass first (it vectorises: a batch's offsets are checked on the
             // calling thread before the parallel work starts, so this loop is serial time);
             // the row of a decrease is looked up only when there is one.
-            let sorted = o.iter().zip(&o[1..]).fold(true, |ok, (&a, &b)| ok & (a <= b));
+            let sorted = o
+                .iter()
+                .zip(&o[1..])
+                .fold(true, |ok, (&a, &b)| ok & (a <= b));
             if !sorted {
                 for (i, &v) in o.iter().enumerate().skip(1) {
                     let v: i64 = v.into();
                     if v < prev {
-                        return Err(Error::input(feature, format!("{what} decrease at row {}: {prev} then {v}", i - 1)));
+                        return Err(Error::input(
+                            feature,
+                            format!("{what} decrease at row {}: {prev} then {v}", i - 1),
+                        ));
                     }
                     prev = v;
                 }
@@ -182,8 +201,14 @@ impl FeatureView<'_> {
                     offsets.range(0).0.abs_diff(offsets.range(rows - 1).1)
                 }
             }
-            FeatureView::Dense { ids: DenseIds::I32(a), .. } => a.len(),
-            FeatureView::Dense { ids: DenseIds::I64(a), .. } => a.len(),
+            FeatureView::Dense {
+                ids: DenseIds::I32(a),
+                ..
+            } => a.len(),
+            FeatureView::Dense {
+                ids: DenseIds::I64(a),
+                ..
+            } => a.len(),
             FeatureView::Coo { ids, .. } => ids.len(),
         }
     }

@@ -17,7 +17,11 @@ impl<'a> RaggedInput<'a> {
     /// Wraps 32-bit ids with 32- or 64-bit row splits. `name` labels errors.
     pub fn new(name: &str, values: Ids<'a>, row_splits: Offsets<'a>) -> Result<Self> {
         row_splits.validate(name, "row_splits", values.len())?;
-        Ok(RaggedInput { ids: values, splits: row_splits, weights: None })
+        Ok(RaggedInput {
+            ids: values,
+            splits: row_splits,
+            weights: None,
+        })
     }
 
     /// Convenience constructor for `i32` values and `i32` row splits.
@@ -35,7 +39,11 @@ impl<'a> RaggedInput<'a> {
         if weights.len() != self.ids.len() {
             return Err(Error::input(
                 name,
-                format!("{} weights for {} ids (ragged weights share the ids' row splits)", weights.len(), self.ids.len()),
+                format!(
+                    "{} weights for {} ids (ragged weights share the ids' row splits)",
+                    weights.len(),
+                    self.ids.len()
+                ),
             ));
         }
         self.weights = Some(weights);
@@ -51,6 +59,10 @@ impl SampleSource for RaggedInput<'_> {
         self.weights.is_some()
     }
     fn view(&self) -> FeatureView<'_> {
-        FeatureView::Ragged { ids: self.ids, offsets: self.splits, weights: self.weights.map(|w| (w, self.splits)) }
+        FeatureView::Ragged {
+            ids: self.ids,
+            offsets: self.splits,
+            weights: self.weights.map(|w| (w, self.splits)),
+        }
     }
 }

@@ -12,7 +12,12 @@ use crate::spec::Plan;
 /// before max unique ids, as the reference checks them: when one SparseCore passes only the
 /// unique limit and a later one only the ids limit, the error names the unique limit, as the
 /// reference's abort does (with one thread; with several, its SparseCores race).
-pub(super) fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output, mode: Mode) -> Result<()> {
+pub(super) fn assemble(
+    plan: &Plan,
+    tasks: &mut [Vec<Task>],
+    out: &mut Output,
+    mode: Mode,
+) -> Result<()> {
     for stack_tasks in tasks.iter_mut() {
         if let Some(e) = stack_tasks.iter_mut().find_map(|t| t.error.take()) {
             return Err(e);
@@ -21,7 +26,12 @@ pub(super) fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output, m
     let layout = &plan.layout;
     let n = layout.num_partitions();
     let s = layout.sc_per_device;
-    for ((stack, so), stack_tasks) in plan.stacks.iter().zip(out.stacks.iter_mut()).zip(tasks.iter()) {
+    for ((stack, so), stack_tasks) in plan
+        .stacks
+        .iter()
+        .zip(out.stacks.iter_mut())
+        .zip(tasks.iter())
+    {
         let stats = &mut so.stats;
         // (Pass 1 of minibatching never fails on limits; the bucketed pass may.) Every task's
         // statistics are merged before the first SparseCore's limit error is returned.
@@ -37,7 +47,8 @@ pub(super) fn assemble(plan: &Plan, tasks: &mut [Vec<Task>], out: &mut Output, m
             for (m, &v) in row.iter_mut().zip(&task.stats.unique_counts) {
                 *m = (*m).max(v as i32);
             }
-            stats.required_buffer_size_per_sc[i] = task.stats.required().min(i32::MAX as u64) as i32;
+            stats.required_buffer_size_per_sc[i] =
+                task.stats.required().min(i32::MAX as u64) as i32;
             stats.dropped_id_count += task.stats.dropped + task.overflow;
             if check && first_error.is_none() {
                 let ((ids, pi), (uniq, pu)) = (task.stats.max_ids(), task.stats.max_unique());

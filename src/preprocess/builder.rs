@@ -84,16 +84,25 @@ impl PreprocessorBuilder {
         // Validate everything that does not depend on batch sizes now, not at the first batch.
         match &self.plan {
             Some(plan) if plan.features.len() != self.config.features.len() => {
-                return Err(Error::InputCount { expected: self.config.features.len(), got: plan.features.len() });
+                return Err(Error::InputCount {
+                    expected: self.config.features.len(),
+                    got: plan.features.len(),
+                });
             }
             Some(_) => {}
             None => {
-                let nominal = self.global_batch_sizes.clone().unwrap_or_else(|| vec![0; self.config.features.len()]);
+                let nominal = self
+                    .global_batch_sizes
+                    .clone()
+                    .unwrap_or_else(|| vec![0; self.config.features.len()]);
                 Plan::new(&self.config, &nominal)?;
             }
         }
         let o = &self.config.config;
-        if o.enable_minibatching && self.minibatching.all_reduce.is_none() && o.local_device_count < o.global_device_count {
+        if o.enable_minibatching
+            && self.minibatching.all_reduce.is_none()
+            && o.local_device_count < o.global_device_count
+        {
             return Err(Error::option(
                 "enable_minibatching",
                 true,
@@ -109,7 +118,9 @@ impl PreprocessorBuilder {
                     .num_threads(n)
                     .thread_name(|i| format!("sparsecore-prep-{i}"))
                     .build()
-                    .map_err(|e| Error::option("threads", n, format!("cannot start the thread pool: {e}")))?,
+                    .map_err(|e| {
+                        Error::option("threads", n, format!("cannot start the thread pool: {e}"))
+                    })?,
             ),
         };
         let workspaces = Workspaces::new(workers.count());
@@ -129,4 +140,3 @@ impl PreprocessorBuilder {
         })
     }
 }
-

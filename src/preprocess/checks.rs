@@ -5,7 +5,11 @@ use crate::input::SampleSource;
 use crate::spec::{Plan, StackPlan, DATA_MASK};
 
 /// Per-stack batch checks of SPEC 3.1 (check 8) and 3.3; writes each stack's `bsps`.
-pub(super) fn check_batches(plan: &Plan, inputs: &[&dyn SampleSource], batch_per_sc: &mut Vec<usize>) -> Result<()> {
+pub(super) fn check_batches(
+    plan: &Plan,
+    inputs: &[&dyn SampleSource],
+    batch_per_sc: &mut Vec<usize>,
+) -> Result<()> {
     let layout = &plan.layout;
     let s = layout.sc_per_device;
     batch_per_sc.clear();
@@ -13,12 +17,16 @@ pub(super) fn check_batches(plan: &Plan, inputs: &[&dyn SampleSource], batch_per
         let bsps = {
             // Saturating: a custom source may report any count (the plan only bounds them when
             // it derives global sizes from local ones, not with fixed `global_batch_sizes`).
-            let bsd: u64 = stack
-                .features
-                .iter()
-                .fold(0u64, |sum, &f| sum.saturating_add((inputs[f].num_samples() / layout.local_devices) as u64));
+            let bsd: u64 = stack.features.iter().fold(0u64, |sum, &f| {
+                sum.saturating_add((inputs[f].num_samples() / layout.local_devices) as u64)
+            });
             if bsd > DATA_MASK {
-                return Err(Error::BatchTooLarge { stack: stack.name.clone(), what: BatchCount::Samples, count: bsd, limit: DATA_MASK });
+                return Err(Error::BatchTooLarge {
+                    stack: stack.name.clone(),
+                    what: BatchCount::Samples,
+                    count: bsd,
+                    limit: DATA_MASK,
+                });
             }
             let bsd = bsd as usize;
             if !bsd.is_multiple_of(s) {
@@ -51,12 +59,23 @@ pub(super) type Worst = (u32, usize, usize, usize);
 pub(super) fn check_limits(stack: &StackPlan, ids: Worst, unique: Worst) -> Result<()> {
     for (kind, (observed, device, sc, partition), limit) in [
         (LimitKind::MaxIds, ids, stack.max_ids_per_partition),
-        (LimitKind::MaxUniqueIds, unique, stack.max_unique_ids_per_partition),
+        (
+            LimitKind::MaxUniqueIds,
+            unique,
+            stack.max_unique_ids_per_partition,
+        ),
     ] {
         if observed > limit {
-            return Err(Error::LimitExceeded { stack: stack.name.clone(), kind, observed, limit, device, sparsecore: sc, partition });
+            return Err(Error::LimitExceeded {
+                stack: stack.name.clone(),
+                kind,
+                observed,
+                limit,
+                device,
+                sparsecore: sc,
+                partition,
+            });
         }
     }
     Ok(())
 }
-

@@ -32,7 +32,9 @@ pub(super) struct Settings {
 
 impl std::fmt::Debug for Settings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Settings").field("batch_number", &self.batch_number).finish_non_exhaustive()
+        f.debug_struct("Settings")
+            .field("batch_number", &self.batch_number)
+            .finish_non_exhaustive()
     }
 }
 
@@ -52,7 +54,8 @@ pub(super) fn finish(
     // Pass 1: does any SparseCore of any stack exceed a limit?
     let required = plan.stacks.iter().zip(tasks.iter()).any(|(stack, st)| {
         st.iter().any(|t| {
-            t.stats.max_ids().0 > stack.max_ids_per_partition || t.stats.max_unique().0 > stack.max_unique_ids_per_partition
+            t.stats.max_ids().0 > stack.max_ids_per_partition
+                || t.stats.max_unique().0 > stack.max_unique_ids_per_partition
         })
     });
     let required = all_reduce.all_reduce_or_bool(key, required)?;
@@ -61,7 +64,9 @@ pub(super) fn finish(
     }
     if !required {
         out.num_minibatches = 1;
-        for_each_stack(schedule, out, tasks, batch_per_sc, |_, so, st, bsps| fill_one_minibatch(plan, so, st, bsps as u32));
+        for_each_stack(schedule, out, tasks, batch_per_sc, |_, so, st, bsps| {
+            fill_one_minibatch(plan, so, st, bsps as u32)
+        });
         return Ok(());
     }
 
@@ -73,14 +78,26 @@ pub(super) fn finish(
             max_unique: stack.max_unique_ids_per_partition,
             drop: plan.allow_id_dropping,
         };
-        let one = |t: &mut Task| bucket_pass(&t.pass1, nbits, &settings.bucket_fn, limits, &mut t.bucketed);
+        let one = |t: &mut Task| {
+            bucket_pass(
+                &t.pass1,
+                nbits,
+                &settings.bucket_fn,
+                limits,
+                &mut t.bucketed,
+            )
+        };
         match schedule {
             Schedule::Parallel => st.par_iter_mut().for_each(one),
             Schedule::InOrder => st.iter_mut().for_each(one),
         }
     };
     match schedule {
-        Schedule::Parallel => plan.stacks.par_iter().zip(tasks.par_iter_mut()).for_each(bucket),
+        Schedule::Parallel => plan
+            .stacks
+            .par_iter()
+            .zip(tasks.par_iter_mut())
+            .for_each(bucket),
         Schedule::InOrder => plan.stacks.iter().zip(tasks.iter_mut()).for_each(bucket),
     }
     if !plan.allow_id_dropping {
@@ -92,16 +109,23 @@ pub(super) fn finish(
             }
         }
     }
-    let split = tasks.iter().flatten().fold(0u64, |acc, t| acc | t.bucketed.split);
+    let split = tasks
+        .iter()
+        .flatten()
+        .fold(0u64, |acc, t| acc | t.bucketed.split);
     let split = all_reduce.all_reduce_or_u64(key.wrapping_add(1), split)?;
     let ranges = minibatch_ranges(split);
     out.num_minibatches = ranges.len();
-    for_each_stack(schedule, out, tasks, batch_per_sc, |_, so, st, bsps| fill_minibatches(plan, so, st, bsps as u32, &ranges));
+    for_each_stack(schedule, out, tasks, batch_per_sc, |_, so, st, bsps| {
+        fill_minibatches(plan, so, st, bsps as u32, &ranges)
+    });
     Ok(())
 }
 
 /// Splits a device's buffers into (row pointers, embedding ids, sample ids, gains) per device.
-fn per_device(so: &mut StackOutput) -> impl Iterator<Item = (&mut [i32], &mut [i32], &mut [i32], &mut [f32])> {
+fn per_device(
+    so: &mut StackOutput,
+) -> impl Iterator<Item = (&mut [i32], &mut [i32], &mut [i32], &mut [f32])> {
     let rp = so.row_pointers_per_device();
     let c = so.coo_buffer_size_per_device();
     so.row_pointers
@@ -114,7 +138,14 @@ fn per_device(so: &mut StackOutput) -> impl Iterator<Item = (&mut [i32], &mut [i
 
 /// Pads `[from, ..)` of a device's COO buffer and sets its unwritten row pointers (from
 /// `rp_from`) to the final cursor, so that the output is a pure function of the input.
-fn pad_tail(rp: &mut [i32], emb: &mut [i32], smp: &mut [i32], gains: &mut [f32], rp_from: usize, from: usize) {
+fn pad_tail(
+    rp: &mut [i32],
+    emb: &mut [i32],
+    smp: &mut [i32],
+    gains: &mut [f32],
+    rp_from: usize,
+    from: usize,
+) {
     pad_slots(&mut emb[from..], &mut smp[from..], &mut gains[from..]);
     rp[rp_from..].fill(from as i32);
 }
@@ -122,7 +153,11 @@ fn pad_tail(rp: &mut [i32], emb: &mut [i32], smp: &mut [i32], gains: &mut [f32],
 /// One minibatch (M = 1): SparseCore s starts at `min(Σ_{s'<s} required[s'], C)` (SPEC 5.7).
 fn fill_one_minibatch(plan: &Plan, so: &mut StackOutput, tasks: &mut [Task], bsps: u32) {
     let layout = plan.layout;
-    let (s_count, n, rpb) = (layout.sc_per_device, layout.num_partitions(), layout.row_pointers_per_segment());
+    let (s_count, n, rpb) = (
+        layout.sc_per_device,
+        layout.num_partitions(),
+        layout.row_pointers_per_segment(),
+    );
     let c = so.coo_buffer_size_per_device();
     let mut dropped = 0u64;
     let StackOutput { stats, .. } = so;
@@ -156,9 +191,19 @@ fn fill_one_minibatch(plan: &Plan, so: &mut StackOutput, tasks: &mut [Task], bsp
 
 /// M > 1 minibatches: segments (s, m) SparseCore-major, minibatch-minor, filled one after
 /// another from offset 0; each partition lists its buckets' entries in bucket order.
-fn fill_minibatches(plan: &Plan, so: &mut StackOutput, tasks: &mut [Task], bsps: u32, ranges: &[(usize, usize)]) {
+fn fill_minibatches(
+    plan: &Plan,
+    so: &mut StackOutput,
+    tasks: &mut [Task],
+    bsps: u32,
+    ranges: &[(usize, usize)],
+) {
     let layout = plan.layout;
-    let (s_count, n, rpb) = (layout.sc_per_device, layout.num_partitions(), layout.row_pointers_per_segment());
+    let (s_count, n, rpb) = (
+        layout.sc_per_device,
+        layout.num_partitions(),
+        layout.row_pointers_per_segment(),
+    );
     let m_count = ranges.len();
     let c = so.coo_buffer_size_per_device();
     let mut dropped: u64 = tasks.iter().map(|t| t.bucketed.dropped).sum();
@@ -174,9 +219,14 @@ fn fill_minibatches(plan: &Plan, so: &mut StackOutput, tasks: &mut [Task], bsps:
                     sample_ids: &mut smp[cursor..c],
                     gains: &mut gains[cursor..c],
                 };
-                let mut w = SegmentWriter::new(seg, n, bsps, (s as u32) * bsps).with_base(cursor).without_tail();
+                let mut w = SegmentWriter::new(seg, n, bsps, (s as u32) * bsps)
+                    .with_base(cursor)
+                    .without_tail();
                 for g in 0..n {
-                    let (a, z) = (b.starts[g * BUCKETS + lo] as usize, b.starts[g * BUCKETS + hi] as usize);
+                    let (a, z) = (
+                        b.starts[g * BUCKETS + lo] as usize,
+                        b.starts[g * BUCKETS + hi] as usize,
+                    );
                     for &e in &b.entries[a..z] {
                         w.push(e);
                     }

@@ -45,7 +45,10 @@ pub const SMALL_BATCH_IDS: usize = 8192;
 
 /// The ids of a batch, duplicates included.
 fn batch_ids(inputs: &[&dyn SampleSource]) -> usize {
-    inputs.iter().map(|s| s.view().num_ids()).fold(0usize, usize::saturating_add)
+    inputs
+        .iter()
+        .map(|s| s.view().num_ids())
+        .fold(0usize, usize::saturating_add)
 }
 
 /// Where a preprocessor's tasks run.
@@ -189,7 +192,12 @@ impl Preprocessor {
     }
 
     /// Runs, and empties `out` on any error so that no partial or stale batch survives it.
-    fn run_or_clear(&mut self, inputs: &[&dyn SampleSource], out: &mut Output, mode: Mode) -> Result<()> {
+    fn run_or_clear(
+        &mut self,
+        inputs: &[&dyn SampleSource],
+        out: &mut Output,
+        mode: Mode,
+    ) -> Result<()> {
         let result = self.run_mode(inputs, out, mode);
         if result.is_err() {
             out.clear();
@@ -197,9 +205,17 @@ impl Preprocessor {
         result
     }
 
-    fn run_mode(&mut self, inputs: &[&dyn SampleSource], out: &mut Output, mode: Mode) -> Result<()> {
+    fn run_mode(
+        &mut self,
+        inputs: &[&dyn SampleSource],
+        out: &mut Output,
+        mode: Mode,
+    ) -> Result<()> {
         if inputs.len() != self.config.features.len() {
-            return Err(Error::InputCount { expected: self.config.features.len(), got: inputs.len() });
+            return Err(Error::InputCount {
+                expected: self.config.features.len(),
+                got: inputs.len(),
+            });
         }
         let mut sizes = std::mem::take(&mut self.local_sizes);
         sizes.clear();
@@ -208,20 +224,48 @@ impl Preprocessor {
         self.local_sizes = sizes;
         planned?;
 
-        let Preprocessor { plan, workers, small_batch_ids, workspaces, tasks, batch_per_sc, minibatching, .. } = self;
+        let Preprocessor {
+            plan,
+            workers,
+            small_batch_ids,
+            workspaces,
+            tasks,
+            batch_per_sc,
+            minibatching,
+            ..
+        } = self;
         let plan = plan.as_ref().expect("planned above");
         check_batches(plan, inputs, batch_per_sc)?;
         let batch_per_sc = &batch_per_sc[..];
         out.prepare(plan, mode == Mode::Buffers)?;
-        let mode = if plan.enable_minibatching && mode == Mode::Buffers { Mode::Pass1 } else { mode };
+        let mode = if plan.enable_minibatching && mode == Mode::Buffers {
+            Mode::Pass1
+        } else {
+            mode
+        };
         let local_scs = plan.layout.local_scs();
         tasks.resize_with(plan.stacks.len(), Vec::new);
         for t in tasks.iter_mut() {
             t.resize_with(local_scs, Task::default);
         }
 
-        let schedule = if batch_ids(inputs) < *small_batch_ids { Schedule::InOrder } else { workers.schedule() };
-        let mut work = || run_stacks(plan, inputs, batch_per_sc, out, tasks, workspaces, mode, schedule);
+        let schedule = if batch_ids(inputs) < *small_batch_ids {
+            Schedule::InOrder
+        } else {
+            workers.schedule()
+        };
+        let mut work = || {
+            run_stacks(
+                plan,
+                inputs,
+                batch_per_sc,
+                out,
+                tasks,
+                workspaces,
+                mode,
+                schedule,
+            )
+        };
         match (schedule, &*workers) {
             (Schedule::Parallel, Workers::Pool(pool)) => pool.install(work),
             _ => work(),
@@ -230,7 +274,8 @@ impl Preprocessor {
 
         assemble(plan, tasks, out, mode)?;
         if mode == Mode::Pass1 {
-            let mut work = || minibatch::finish(plan, batch_per_sc, out, tasks, minibatching, schedule);
+            let mut work =
+                || minibatch::finish(plan, batch_per_sc, out, tasks, minibatching, schedule);
             match (schedule, &*workers) {
                 (Schedule::Parallel, Workers::Pool(pool)) => pool.install(&mut work)?,
                 _ => work()?,
@@ -265,8 +310,8 @@ impl Preprocessor {
                 return Err(e);
             }
         };
-        let inputs: Vec<&dyn SampleSource> = features.iter().map(|f| f as &dyn SampleSource).collect();
+        let inputs: Vec<&dyn SampleSource> =
+            features.iter().map(|f| f as &dyn SampleSource).collect();
         self.run(&inputs, out)
     }
 }
-

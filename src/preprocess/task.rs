@@ -57,9 +57,25 @@ pub(super) fn run_stacks(
     mode: Mode,
     schedule: Schedule,
 ) {
-    for_each_stack(schedule, out, tasks, batch_per_sc, |i, so, stack_tasks, bsps| {
-        run_stack(plan, inputs, workspaces, mode, schedule, so, stack_tasks, &plan.stacks[i], bsps)
-    });
+    for_each_stack(
+        schedule,
+        out,
+        tasks,
+        batch_per_sc,
+        |i, so, stack_tasks, bsps| {
+            run_stack(
+                plan,
+                inputs,
+                workspaces,
+                mode,
+                schedule,
+                so,
+                stack_tasks,
+                &plan.stacks[i],
+                bsps,
+            )
+        },
+    );
 }
 
 /// Calls `f(stack index, its output, its tasks, its stacked batch per SparseCore)` for every
@@ -71,16 +87,36 @@ pub(super) fn for_each_stack(
     batch_per_sc: &[usize],
     f: impl Fn(usize, &mut StackOutput, &mut [Task], usize) + Sync + Send,
 ) {
-    let each = |(i, ((so, st), &bsps)): (usize, ((&mut StackOutput, &mut Vec<Task>), &usize))| f(i, so, st, bsps);
+    let each = |(i, ((so, st), &bsps)): (usize, ((&mut StackOutput, &mut Vec<Task>), &usize))| {
+        f(i, so, st, bsps)
+    };
     match schedule {
-        Schedule::Parallel => out.stacks.par_iter_mut().zip(tasks.par_iter_mut()).zip(batch_per_sc.par_iter()).enumerate().for_each(each),
-        Schedule::InOrder => out.stacks.iter_mut().zip(tasks.iter_mut()).zip(batch_per_sc).enumerate().for_each(each),
+        Schedule::Parallel => out
+            .stacks
+            .par_iter_mut()
+            .zip(tasks.par_iter_mut())
+            .zip(batch_per_sc.par_iter())
+            .enumerate()
+            .for_each(each),
+        Schedule::InOrder => out
+            .stacks
+            .iter_mut()
+            .zip(tasks.iter_mut())
+            .zip(batch_per_sc)
+            .enumerate()
+            .for_each(each),
     }
 }
 
 /// One SparseCore's slices of a stack's buffers (row pointers, embedding ids, sample ids, gains),
 /// zipped with its task.
-type SegmentParts<'a> = ((((&'a mut [i32], &'a mut [i32]), &'a mut [i32]), &'a mut [f32]), &'a mut Task);
+type SegmentParts<'a> = (
+    (
+        ((&'a mut [i32], &'a mut [i32]), &'a mut [i32]),
+        &'a mut [f32],
+    ),
+    &'a mut Task,
+);
 
 /// Runs one stack's tasks, one per local SparseCore.
 #[allow(clippy::too_many_arguments)]
@@ -106,7 +142,11 @@ fn run_stack(
         weighted,
         validate_ids: plan.validate_ids,
         batch_per_sc: bsps,
-        local_bits: KeyFormat::local_bits_for(layout.partition_bits(), stack.stack_vocab_size, plan.validate_ids),
+        local_bits: KeyFormat::local_bits_for(
+            layout.partition_bits(),
+            stack.stack_vocab_size,
+            plan.validate_ids,
+        ),
     };
     let limits = Limits {
         max_ids: stack.max_ids_per_partition,
@@ -114,14 +154,30 @@ fn run_stack(
         // Pass 1 of minibatching never drops (SPEC 5.4); only its bucketed pass may.
         drop: plan.allow_id_dropping && !plan.enable_minibatching,
     };
-    let job = StackJob { plan, stack, ctx: &ctx, limits, inputs, workspaces };
+    let job = StackJob {
+        plan,
+        stack,
+        ctx: &ctx,
+        limits,
+        inputs,
+        workspaces,
+    };
     let s = layout.sc_per_device;
     let into_segment = |(i, ((((rp, emb), smp), gains), task)): (usize, SegmentParts<'_>)| {
-        let seg = Segment { row_pointers: rp, embedding_ids: emb, sample_ids: smp, gains };
+        let seg = Segment {
+            row_pointers: rp,
+            embedding_ids: emb,
+            sample_ids: smp,
+            gains,
+        };
         run_task(&job, i / s, i % s, Destination::Segment(seg), task);
     };
     let elsewhere = |(i, task): (usize, &mut Task)| {
-        let destination = if mode == Mode::StatsOnly { Destination::Stats } else { Destination::Entries };
+        let destination = if mode == Mode::StatsOnly {
+            Destination::Stats
+        } else {
+            Destination::Entries
+        };
         run_task(&job, i / s, i % s, destination, task);
     };
     // Each SparseCore's slice of the four buffers beside its task, by `$chunks` (`chunks_mut` or
@@ -139,10 +195,18 @@ fn run_stack(
         };
     }
     match (mode, schedule) {
-        (Mode::Buffers, Schedule::Parallel) => segments!(par_chunks_mut, par_iter_mut).for_each(into_segment),
-        (Mode::Buffers, Schedule::InOrder) => segments!(chunks_mut, iter_mut).for_each(into_segment),
-        (Mode::StatsOnly | Mode::Pass1, Schedule::Parallel) => stack_tasks.par_iter_mut().enumerate().for_each(elsewhere),
-        (Mode::StatsOnly | Mode::Pass1, Schedule::InOrder) => stack_tasks.iter_mut().enumerate().for_each(elsewhere),
+        (Mode::Buffers, Schedule::Parallel) => {
+            segments!(par_chunks_mut, par_iter_mut).for_each(into_segment)
+        }
+        (Mode::Buffers, Schedule::InOrder) => {
+            segments!(chunks_mut, iter_mut).for_each(into_segment)
+        }
+        (Mode::StatsOnly | Mode::Pass1, Schedule::Parallel) => {
+            stack_tasks.par_iter_mut().enumerate().for_each(elsewhere)
+        }
+        (Mode::StatsOnly | Mode::Pass1, Schedule::InOrder) => {
+            stack_tasks.iter_mut().enumerate().for_each(elsewhere)
+        }
     }
 }
 
@@ -167,24 +231,57 @@ enum Destination<'a> {
 }
 
 /// Runs the task of SparseCore `sc` of local device `device`.
-fn run_task(job: &StackJob<'_>, device: usize, sc: usize, destination: Destination<'_>, task: &mut Task) {
+fn run_task(
+    job: &StackJob<'_>,
+    device: usize,
+    sc: usize,
+    destination: Destination<'_>,
+    task: &mut Task,
+) {
     task.error = None;
     task.overflow = 0;
-    let StackJob { plan, stack, ctx, limits, inputs, workspaces } = *job;
+    let StackJob {
+        plan,
+        stack,
+        ctx,
+        limits,
+        inputs,
+        workspaces,
+    } = *job;
     // Our own code never calls back into rayon inside a task, but a user's
     // `SampleSource::view` may (a lazily decoded source, say): while it waits, rayon can run
     // another task on this thread, which then finds the workspace locked and takes a temporary
     // one instead (see `Workspaces::with`).
     workspaces.with(|ws| {
-        let Workspace { extracted: ex, extract_scratch, sort_scratch } = ws;
-        if let Err(e) = extract_sc(ctx, &plan.features, &stack.features, inputs, device, sc, ex, extract_scratch) {
+        let Workspace {
+            extracted: ex,
+            extract_scratch,
+            sort_scratch,
+        } = ws;
+        if let Err(e) = extract_sc(
+            ctx,
+            &plan.features,
+            &stack.features,
+            inputs,
+            device,
+            sc,
+            ex,
+            extract_scratch,
+        ) {
             task.error = Some(e);
             return;
         }
         match destination {
             Destination::Segment(seg) => {
-                let writer = SegmentWriter::new(seg, plan.layout.num_partitions(), ctx.batch_per_sc as u32, ex.first_row).with_row_span(ex.row_span);
-                task.overflow = sort_and_walk(ex, sort_scratch, limits, writer, &mut task.stats).finish();
+                let writer = SegmentWriter::new(
+                    seg,
+                    plan.layout.num_partitions(),
+                    ctx.batch_per_sc as u32,
+                    ex.first_row,
+                )
+                .with_row_span(ex.row_span);
+                task.overflow =
+                    sort_and_walk(ex, sort_scratch, limits, writer, &mut task.stats).finish();
             }
             Destination::Entries => {
                 let mut kept = std::mem::take(&mut task.pass1);
@@ -197,4 +294,3 @@ fn run_task(job: &StackJob<'_>, device: usize, sc: usize, destination: Destinati
         }
     });
 }
-

@@ -47,14 +47,17 @@ impl Workspaces {
 
     /// Grows every workspace to the largest capacities among them.
     pub(super) fn equalize(&mut self) {
-        let Some((first, rest)) = self.0.split_first_mut() else { return };
+        let Some((first, rest)) = self.0.split_first_mut() else {
+            return;
+        };
         let first = first.get_mut().unwrap_or_else(|e| e.into_inner());
         for m in rest.iter_mut() {
             first.reserve_like(m.get_mut().unwrap_or_else(|e| e.into_inner()));
         }
         for m in rest.iter_mut() {
-            m.get_mut().unwrap_or_else(|e| e.into_inner()).reserve_like(first);
+            m.get_mut()
+                .unwrap_or_else(|e| e.into_inner())
+                .reserve_like(first);
         }
     }
 }
-

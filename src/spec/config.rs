@@ -96,7 +96,10 @@ pub struct StackLimits {
 
 impl Default for StackLimits {
     fn default() -> Self {
-        StackLimits { max_ids_per_partition: 256, max_unique_ids_per_partition: 256 }
+        StackLimits {
+            max_ids_per_partition: 256,
+            max_unique_ids_per_partition: 256,
+        }
     }
 }
 
@@ -167,8 +170,10 @@ impl Config {
     /// Reads and parses a config file, as [`Config::from_json`].
     pub fn from_path(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| Error::Io { context: format!("reading config {}", path.display()), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            context: format!("reading config {}", path.display()),
+            source,
+        })?;
         Self::parse(&text, &format!("config {}", path.display()))
     }
 
@@ -178,7 +183,11 @@ impl Config {
     }
 
     fn parse(text: &str, context: &str) -> Result<Self> {
-        let value: serde_json::Value = serde_json::from_str(text).map_err(|source| Error::Json { context: context.into(), source })?;
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|source| Error::Json {
+                context: context.into(),
+                source,
+            })?;
         Self::checked(value, context)
     }
 
@@ -193,7 +202,10 @@ impl Config {
             }
         }
         fields::check(&value, &CONFIG_FIELDS)?;
-        serde_json::from_value(value).map_err(|source| Error::Json { context: context.into(), source })
+        serde_json::from_value(value).map_err(|source| Error::Json {
+            context: context.into(),
+            source,
+        })
     }
 
     /// Serialises the config as pretty JSON, with its format version.
@@ -204,7 +216,11 @@ impl Config {
             #[serde(flatten)]
             config: &'a Config,
         }
-        serde_json::to_string_pretty(&Versioned { version: CONFIG_FORMAT_VERSION, config: self }).expect("config serialises")
+        serde_json::to_string_pretty(&Versioned {
+            version: CONFIG_FORMAT_VERSION,
+            config: self,
+        })
+        .expect("config serialises")
     }
 
     /// Index of the table named `name`.
@@ -252,7 +268,10 @@ static OPTIONS_FIELDS: Section = Section {
 static STACK_LIMITS_FIELDS: Section = Section {
     what: "stack limits",
     named_by: None,
-    fields: &[("max_ids_per_partition", Nested::Leaf), ("max_unique_ids_per_partition", Nested::Leaf)],
+    fields: &[
+        ("max_ids_per_partition", Nested::Leaf),
+        ("max_unique_ids_per_partition", Nested::Leaf),
+    ],
 };
 static TABLE_FIELDS: Section = Section {
     what: "table",
@@ -278,7 +297,11 @@ static FEATURE_FIELDS: Section = Section {
         ("hash", Nested::Object(&HASH_FIELDS)),
     ],
 };
-static HASH_FIELDS: Section = Section { what: "hash config", named_by: None, fields: &[("seed", Nested::Leaf)] };
+static HASH_FIELDS: Section = Section {
+    what: "hash config",
+    named_by: None,
+    fields: &[("seed", Nested::Leaf)],
+};
 
 #[cfg(test)]
 mod tests {
@@ -294,7 +317,10 @@ mod tests {
                 stacking: Stacking::Auto,
                 stack_limits: Some(StackLimits::default()),
                 enable_minibatching: true,
-                stack_suggested_coo_buffer_size_per_device: Some(BTreeMap::from([("s".to_string(), 64)])),
+                stack_suggested_coo_buffer_size_per_device: Some(BTreeMap::from([(
+                    "s".to_string(),
+                    64,
+                )])),
                 validate_ids: true,
                 sharding_strategy: Some("MOD".into()),
             },
@@ -332,7 +358,10 @@ mod tests {
         let v = serde_json::to_value(full()).unwrap();
         assert_eq!(keys(&v), names(&CONFIG_FIELDS));
         assert_eq!(keys(&v["config"]), names(&OPTIONS_FIELDS));
-        assert_eq!(keys(&v["config"]["stack_limits"]), names(&STACK_LIMITS_FIELDS));
+        assert_eq!(
+            keys(&v["config"]["stack_limits"]),
+            names(&STACK_LIMITS_FIELDS)
+        );
         assert_eq!(keys(&v["tables"][0]), names(&TABLE_FIELDS));
         assert_eq!(keys(&v["features"][0]), names(&FEATURE_FIELDS));
         assert_eq!(keys(&v["features"][0]["hash"]), names(&HASH_FIELDS));
@@ -346,7 +375,10 @@ mod tests {
         let mut v = serde_json::to_value(&c).unwrap();
         v["version"] = 2.into();
         let e = Config::from_value(v).unwrap_err().to_string();
-        assert!(e.contains("version") && e.contains("reads config format version 1"), "{e}");
+        assert!(
+            e.contains("version") && e.contains("reads config format version 1"),
+            "{e}"
+        );
         let mut v = serde_json::to_value(&c).unwrap();
         v["tables"][0]["max_ids_per_partitions"] = 4.into();
         let e = Config::from_value(v).unwrap_err().to_string();
@@ -354,10 +386,16 @@ mod tests {
         let mut v = serde_json::to_value(&c).unwrap();
         v["config"]["allow_id_droping"] = true.into();
         let e = Config::from_value(v).unwrap_err().to_string();
-        assert_eq!(e, "unknown field `allow_id_droping` in `config`; did you mean `allow_id_dropping`?");
+        assert_eq!(
+            e,
+            "unknown field `allow_id_droping` in `config`; did you mean `allow_id_dropping`?"
+        );
         let mut v = serde_json::to_value(&c).unwrap();
         v["features"][0]["hash"]["sead"] = 1.into();
         let e = Config::from_value(v).unwrap_err().to_string();
-        assert_eq!(e, "unknown field `sead` in `hash` of feature `f`; did you mean `seed`?");
+        assert_eq!(
+            e,
+            "unknown field `sead` in `hash` of feature `f`; did you mean `seed`?"
+        );
     }
 }

@@ -10,9 +10,13 @@
 mod config;
 mod plan;
 
-pub use config::{Config, FeatureConfig, HashConfig, Options, StackLimits, Stacking, TableConfig, CONFIG_FORMAT_VERSION};
+pub use config::{
+    Config, FeatureConfig, HashConfig, Options, StackLimits, Stacking, TableConfig,
+    CONFIG_FORMAT_VERSION,
+};
 pub use plan::{
-    Combiner, DeviceLayout, FeaturePlan, Placement, Plan, ResolvedStack, StackPlan, ACTIVATION_MEM_BYTES_LIMIT, MAX_SPARSECORES,
+    Combiner, DeviceLayout, FeaturePlan, Placement, Plan, ResolvedStack, StackPlan,
+    ACTIVATION_MEM_BYTES_LIMIT, MAX_SPARSECORES,
 };
 
 /// Alignment unit of partitions inside a COO buffer, in elements (`TPU_VECTOR_REGISTER_ALIGNMENT_SIZE`).

@@ -55,10 +55,18 @@ impl DeviceLayout {
     /// Checks the layout the way the reference's option validation does (SPEC 3.1, checks 2–6).
     pub fn new(local_devices: usize, global_devices: usize, sc_per_device: usize) -> Result<Self> {
         if local_devices == 0 {
-            return Err(Error::option("local_device_count", local_devices, "must be greater than 0"));
+            return Err(Error::option(
+                "local_device_count",
+                local_devices,
+                "must be greater than 0",
+            ));
         }
         if global_devices == 0 {
-            return Err(Error::option("global_device_count", global_devices, "must be greater than 0"));
+            return Err(Error::option(
+                "global_device_count",
+                global_devices,
+                "must be greater than 0",
+            ));
         }
         if global_devices < local_devices {
             return Err(Error::option(
@@ -68,9 +76,15 @@ impl DeviceLayout {
             ));
         }
         if sc_per_device == 0 {
-            return Err(Error::option("num_sc_per_device", sc_per_device, "must be greater than 0"));
+            return Err(Error::option(
+                "num_sc_per_device",
+                sc_per_device,
+                "must be greater than 0",
+            ));
         }
-        let num_scs = global_devices.checked_mul(sc_per_device).filter(|&n| n <= MAX_SPARSECORES);
+        let num_scs = global_devices
+            .checked_mul(sc_per_device)
+            .filter(|&n| n <= MAX_SPARSECORES);
         let Some(num_scs) = num_scs else {
             return Err(Error::option(
                 "num_sc_per_device",
@@ -82,9 +96,17 @@ impl DeviceLayout {
             ));
         };
         if !num_scs.is_power_of_two() {
-            return Err(Error::NotPowerOfTwo { global_devices, sc_per_device, num_scs });
+            return Err(Error::NotPowerOfTwo {
+                global_devices,
+                sc_per_device,
+                num_scs,
+            });
         }
-        Ok(DeviceLayout { local_devices, global_devices, sc_per_device })
+        Ok(DeviceLayout {
+            local_devices,
+            global_devices,
+            sc_per_device,
+        })
     }
 
     /// N = G * S: SparseCores in the job, which is the number of table shards and of partitions.
@@ -257,12 +279,19 @@ impl Plan {
                 ));
             }
         }
-        let layout = DeviceLayout::new(opts.local_device_count, opts.global_device_count, opts.num_sc_per_device)?;
+        let layout = DeviceLayout::new(
+            opts.local_device_count,
+            opts.global_device_count,
+            opts.num_sc_per_device,
+        )?;
         if config.features.is_empty() {
             return Err(Error::NoFeatures);
         }
         if global_batch_sizes.len() != config.features.len() {
-            return Err(Error::InputCount { expected: config.features.len(), got: global_batch_sizes.len() });
+            return Err(Error::InputCount {
+                expected: config.features.len(),
+                got: global_batch_sizes.len(),
+            });
         }
         let n = layout.num_partitions() as u64;
         let combiners = validate_tables(config)?;
@@ -312,10 +341,17 @@ impl Plan {
         for group in groups {
             let stack_index = stacks.len();
             let stack = match opts.stacking {
-                Stacking::Feature => {
-                    plan_feature_stack(config, &mut features, group[0], combiners[group[0]], stack_index, n)?
+                Stacking::Feature => plan_feature_stack(
+                    config,
+                    &mut features,
+                    group[0],
+                    combiners[group[0]],
+                    stack_index,
+                    n,
+                )?,
+                Stacking::Auto => {
+                    plan_auto_stack(config, &mut features, &group, &combiners, n, stack_index)?
                 }
-                Stacking::Auto => plan_auto_stack(config, &mut features, &group, &combiners, n, stack_index)?,
             };
             stacks.push(stack);
         }
@@ -323,7 +359,11 @@ impl Plan {
         if let Some(overrides) = &opts.stack_suggested_coo_buffer_size_per_device {
             for (name, &size) in overrides {
                 let stack = stacks.iter_mut().find(|s| &s.name == name).ok_or_else(|| {
-                    Error::config(ConfigItem::Stack, name, "named in stack_suggested_coo_buffer_size_per_device but not planned")
+                    Error::config(
+                        ConfigItem::Stack,
+                        name,
+                        "named in stack_suggested_coo_buffer_size_per_device but not planned",
+                    )
                 })?;
                 stack.suggested_coo_buffer_size_per_device = Some(size);
             }
@@ -349,7 +389,11 @@ impl Plan {
     pub fn for_local_batches(config: &Config, local_batch_sizes: &[usize]) -> Result<Self> {
         let o = &config.config;
         if o.local_device_count == 0 {
-            return Err(Error::option("local_device_count", 0, "must be greater than 0"));
+            return Err(Error::option(
+                "local_device_count",
+                0,
+                "must be greater than 0",
+            ));
         }
         let global: Vec<usize> = local_batch_sizes
             .iter()
@@ -369,39 +413,85 @@ impl Plan {
     /// would give two features the same samples), stacks in order of first appearance. The key
     /// layout is sized from the offsets and vocabularies, never from a caller-supplied stack
     /// vocabulary, so a wrong spec cannot corrupt keys.
-    pub fn from_resolved(config: &Config, placements: &[Placement], stacks: &[ResolvedStack]) -> Result<Self> {
+    pub fn from_resolved(
+        config: &Config,
+        placements: &[Placement],
+        stacks: &[ResolvedStack],
+    ) -> Result<Self> {
         let opts = &config.config;
         if let Some(s) = &opts.sharding_strategy {
             if !s.eq_ignore_ascii_case("mod") {
-                return Err(Error::option("sharding_strategy", s, "Unsupported sharding strategy. Only MOD is supported."));
+                return Err(Error::option(
+                    "sharding_strategy",
+                    s,
+                    "Unsupported sharding strategy. Only MOD is supported.",
+                ));
             }
         }
-        let layout = DeviceLayout::new(opts.local_device_count, opts.global_device_count, opts.num_sc_per_device)?;
+        let layout = DeviceLayout::new(
+            opts.local_device_count,
+            opts.global_device_count,
+            opts.num_sc_per_device,
+        )?;
         if config.features.is_empty() {
             return Err(Error::NoFeatures);
         }
         if placements.len() != config.features.len() {
-            return Err(Error::InputCount { expected: config.features.len(), got: placements.len() });
+            return Err(Error::InputCount {
+                expected: config.features.len(),
+                got: placements.len(),
+            });
         }
         let n = layout.num_partitions() as u64;
         let feature_tables = validate_features(config)?;
         for (i, t) in config.tables.iter().enumerate() {
             if config.tables[..i].iter().any(|u| u.name == t.name) {
-                return Err(Error::config(ConfigItem::Table, &t.name, "duplicate table name"));
+                return Err(Error::config(
+                    ConfigItem::Table,
+                    &t.name,
+                    "duplicate table name",
+                ));
             }
             if t.vocabulary_size == 0 || t.vocabulary_size > i32::MAX as u64 {
-                return Err(Error::config(ConfigItem::Table, &t.name, format!("vocabulary_size {} must be in 1..=2147483647", t.vocabulary_size)));
+                return Err(Error::config(
+                    ConfigItem::Table,
+                    &t.name,
+                    format!(
+                        "vocabulary_size {} must be in 1..=2147483647",
+                        t.vocabulary_size
+                    ),
+                ));
             }
         }
         let mut features = Vec::with_capacity(placements.len());
         for ((f, &t), p) in config.features.iter().zip(&feature_tables).zip(placements) {
             let table = &config.tables[t];
-            let stack = stacks.iter().position(|s| s.name == p.stack).ok_or_else(|| {
-                Error::config(ConfigItem::Feature, &f.name, format!("placed in stack `{}`, which is not among the given stacks", p.stack))
-            })?;
-            let col_offset = u32::try_from(p.col_offset).ok().filter(|&c| c <= i32::MAX as u32).ok_or_else(|| {
-                Error::config(ConfigItem::Feature, &f.name, format!("col_offset {} exceeds the 32-bit column ids (2147483647)", p.col_offset))
-            })?;
+            let stack = stacks
+                .iter()
+                .position(|s| s.name == p.stack)
+                .ok_or_else(|| {
+                    Error::config(
+                        ConfigItem::Feature,
+                        &f.name,
+                        format!(
+                            "placed in stack `{}`, which is not among the given stacks",
+                            p.stack
+                        ),
+                    )
+                })?;
+            let col_offset = u32::try_from(p.col_offset)
+                .ok()
+                .filter(|&c| c <= i32::MAX as u32)
+                .ok_or_else(|| {
+                    Error::config(
+                        ConfigItem::Feature,
+                        &f.name,
+                        format!(
+                            "col_offset {} exceeds the 32-bit column ids (2147483647)",
+                            p.col_offset
+                        ),
+                    )
+                })?;
             if p.row_offset > MAX_STACK_SAMPLES {
                 return Err(Error::BatchTooLarge {
                     stack: p.stack.clone(),
@@ -411,7 +501,14 @@ impl Plan {
                 });
             }
             if p.col_shift >= n {
-                return Err(Error::config(ConfigItem::Feature, &f.name, format!("col_shift {} must be below the {n} SparseCores", p.col_shift)));
+                return Err(Error::config(
+                    ConfigItem::Feature,
+                    &f.name,
+                    format!(
+                        "col_shift {} must be below the {n} SparseCores",
+                        p.col_shift
+                    ),
+                ));
             }
             features.push(FeaturePlan {
                 name: f.name.clone(),
@@ -441,7 +538,9 @@ impl Plan {
         let groups: Vec<(usize, Vec<usize>)> = order
             .iter()
             .map(|&s| {
-                let mut members: Vec<usize> = (0..features.len()).filter(|&i| features[i].stack == s).collect();
+                let mut members: Vec<usize> = (0..features.len())
+                    .filter(|&i| features[i].stack == s)
+                    .collect();
                 members.sort_by_key(|&i| features[i].row_offset);
                 (s, members)
             })
@@ -462,10 +561,21 @@ impl Plan {
                 }
             }
             let combiner = Combiner::parse(&rs.combiner).ok_or_else(|| {
-                Error::config(ConfigItem::Stack, &rs.name, format!("unknown combiner {:?}; expected \"sum\", \"mean\" or \"sqrtn\"", rs.combiner))
+                Error::config(
+                    ConfigItem::Stack,
+                    &rs.name,
+                    format!(
+                        "unknown combiner {:?}; expected \"sum\", \"mean\" or \"sqrtn\"",
+                        rs.combiner
+                    ),
+                )
             })?;
             // Every column id of the stack is below the largest col_offset + padded vocabulary.
-            let vocab = members.iter().map(|&i| features[i].col_offset as u64 + features[i].padded_vocab_size).max().unwrap_or(0);
+            let vocab = members
+                .iter()
+                .map(|&i| features[i].col_offset as u64 + features[i].padded_vocab_size)
+                .max()
+                .unwrap_or(0);
             check_stack_vocab(&rs.name, vocab, n)?;
             let mut tables: Vec<usize> = Vec::new();
             for &i in &members {
@@ -473,8 +583,14 @@ impl Plan {
                     tables.push(features[i].table_index);
                 }
             }
-            let total = members.iter().fold(0u64, |acc, &i| acc.saturating_add(features[i].global_batch_size as u64));
-            let dim = members.iter().map(|&i| features[i].padded_embedding_dim).max().unwrap_or(0);
+            let total = members.iter().fold(0u64, |acc, &i| {
+                acc.saturating_add(features[i].global_batch_size as u64)
+            });
+            let dim = members
+                .iter()
+                .map(|&i| features[i].padded_embedding_dim)
+                .max()
+                .unwrap_or(0);
             for &i in &members {
                 features[i].stack = index;
                 features[i].padded_embedding_dim = dim;
@@ -484,7 +600,12 @@ impl Plan {
                 features: members,
                 tables,
                 combiner,
-                max_ids_per_partition: check_limit(ConfigItem::Stack, &rs.name, "max_ids_per_partition", rs.max_ids_per_partition)?,
+                max_ids_per_partition: check_limit(
+                    ConfigItem::Stack,
+                    &rs.name,
+                    "max_ids_per_partition",
+                    rs.max_ids_per_partition,
+                )?,
                 max_unique_ids_per_partition: check_limit(
                     ConfigItem::Stack,
                     &rs.name,
@@ -578,12 +699,15 @@ fn check_limit(what: ConfigItem, name: &str, limit: &'static str, value: u64) ->
 /// Adds a feature's global batch to a stack's running sample count, refusing counts no
 /// device could hold.
 fn add_samples(stack: &str, offset: u64, batch: usize) -> Result<u64> {
-    offset.checked_add(batch as u64).filter(|&o| o <= MAX_STACK_SAMPLES).ok_or_else(|| Error::BatchTooLarge {
-        stack: stack.to_string(),
-        what: BatchCount::GlobalSamples,
-        count: offset.saturating_add(batch as u64),
-        limit: MAX_STACK_SAMPLES,
-    })
+    offset
+        .checked_add(batch as u64)
+        .filter(|&o| o <= MAX_STACK_SAMPLES)
+        .ok_or_else(|| Error::BatchTooLarge {
+            stack: stack.to_string(),
+            what: BatchCount::GlobalSamples,
+            count: offset.saturating_add(batch as u64),
+            limit: MAX_STACK_SAMPLES,
+        })
 }
 
 /// Most global samples a stack can have: 2^26 - 1 per device times at most 2^30 devices.
@@ -623,26 +747,53 @@ fn validate_tables(config: &Config) -> Result<Vec<Combiner>> {
     let mut combiners = Vec::with_capacity(config.tables.len());
     for (i, t) in config.tables.iter().enumerate() {
         if config.tables[..i].iter().any(|u| u.name == t.name) {
-            return Err(Error::config(ConfigItem::Table, &t.name, "duplicate table name"));
+            return Err(Error::config(
+                ConfigItem::Table,
+                &t.name,
+                "duplicate table name",
+            ));
         }
         if t.vocabulary_size == 0 || t.vocabulary_size > i32::MAX as u64 {
             return Err(Error::config(
                 ConfigItem::Table,
                 &t.name,
-                format!("vocabulary_size {} must be in 1..=2147483647", t.vocabulary_size),
+                format!(
+                    "vocabulary_size {} must be in 1..=2147483647",
+                    t.vocabulary_size
+                ),
             ));
         }
         if t.embedding_dim == 0 || t.embedding_dim > i32::MAX as u64 {
             return Err(Error::config(
                 ConfigItem::Table,
                 &t.name,
-                format!("embedding_dim {} must be in 1..=2147483647", t.embedding_dim),
+                format!(
+                    "embedding_dim {} must be in 1..=2147483647",
+                    t.embedding_dim
+                ),
             ));
         }
-        check_limit(ConfigItem::Table, &t.name, "max_ids_per_partition", t.max_ids_per_partition)?;
-        check_limit(ConfigItem::Table, &t.name, "max_unique_ids_per_partition", t.max_unique_ids_per_partition)?;
+        check_limit(
+            ConfigItem::Table,
+            &t.name,
+            "max_ids_per_partition",
+            t.max_ids_per_partition,
+        )?;
+        check_limit(
+            ConfigItem::Table,
+            &t.name,
+            "max_unique_ids_per_partition",
+            t.max_unique_ids_per_partition,
+        )?;
         let c = Combiner::parse(&t.combiner).ok_or_else(|| {
-            Error::config(ConfigItem::Table, &t.name, format!("unknown combiner {:?}; expected \"sum\", \"mean\" or \"sqrtn\"", t.combiner))
+            Error::config(
+                ConfigItem::Table,
+                &t.name,
+                format!(
+                    "unknown combiner {:?}; expected \"sum\", \"mean\" or \"sqrtn\"",
+                    t.combiner
+                ),
+            )
         })?;
         combiners.push(c);
     }
@@ -654,11 +805,19 @@ fn validate_features(config: &Config) -> Result<Vec<usize>> {
     let mut tables = Vec::with_capacity(config.features.len());
     for (i, f) in config.features.iter().enumerate() {
         if config.features[..i].iter().any(|g| g.name == f.name) {
-            return Err(Error::config(ConfigItem::Feature, &f.name, "duplicate feature name"));
+            return Err(Error::config(
+                ConfigItem::Feature,
+                &f.name,
+                "duplicate feature name",
+            ));
         }
         let t = config.table_index(&f.table).ok_or_else(|| {
             let known: Vec<&str> = config.tables.iter().map(|t| t.name.as_str()).collect();
-            Error::config(ConfigItem::Feature, &f.name, format!("unknown table `{}` (tables: {})", f.table, known.join(", ")))
+            Error::config(
+                ConfigItem::Feature,
+                &f.name,
+                format!("unknown table `{}` (tables: {})", f.table, known.join(", ")),
+            )
         })?;
         tables.push(t);
     }
@@ -675,7 +834,9 @@ fn plan_feature_stack(
     n: u64,
 ) -> Result<StackPlan> {
     let t = &config.tables[table];
-    let mut members: Vec<usize> = (0..features.len()).filter(|&i| features[i].table_index == table).collect();
+    let mut members: Vec<usize> = (0..features.len())
+        .filter(|&i| features[i].table_index == table)
+        .collect();
     members.sort_by(|&a, &b| features[a].name.cmp(&features[b].name));
     let mut offset = 0u64;
     for &i in &members {
@@ -714,7 +875,10 @@ fn auto_groups(
 ) -> Vec<Vec<usize>> {
     let mut keyed: Vec<((u64, Combiner), Vec<usize>)> = Vec::new();
     for &t in tables_in_order {
-        let key = (round_up(config.tables[t].embedding_dim, ALIGNMENT as u64), combiners[t]);
+        let key = (
+            round_up(config.tables[t].embedding_dim, ALIGNMENT as u64),
+            combiners[t],
+        );
         match keyed.iter_mut().find(|(k, _)| *k == key) {
             Some((_, g)) => g.push(t),
             None => keyed.push((key, vec![t])),
@@ -724,15 +888,22 @@ fn auto_groups(
         let samples = features
             .iter()
             .filter(|f| f.table_index == t)
-            .fold(0u64, |acc, f| acc.saturating_add(f.global_batch_size as u64 / n));
-        round_up(config.tables[t].embedding_dim, ALIGNMENT as u64).saturating_mul(samples).saturating_mul(4)
+            .fold(0u64, |acc, f| {
+                acc.saturating_add(f.global_batch_size as u64 / n)
+            });
+        round_up(config.tables[t].embedding_dim, ALIGNMENT as u64)
+            .saturating_mul(samples)
+            .saturating_mul(4)
     };
     let mut groups = Vec::new();
     for (_, group) in keyed {
         let mut split: Vec<(u64, Vec<usize>)> = Vec::new();
         for t in group {
             let bytes = activation_bytes(t);
-            match split.iter_mut().find(|(used, _)| used.saturating_add(bytes) <= ACTIVATION_MEM_BYTES_LIMIT) {
+            match split
+                .iter_mut()
+                .find(|(used, _)| used.saturating_add(bytes) <= ACTIVATION_MEM_BYTES_LIMIT)
+            {
                 Some((used, g)) => {
                     *used += bytes;
                     g.push(t);
@@ -748,7 +919,11 @@ fn auto_groups(
 /// The reference's `_get_stack_name`: joined table names, shortened past 50 characters with a
 /// SHA-256 suffix so that names stay unique.
 fn stack_name(config: &Config, tables: &[usize]) -> String {
-    let full: String = tables.iter().map(|&t| config.tables[t].name.as_str()).collect::<Vec<_>>().join("_");
+    let full: String = tables
+        .iter()
+        .map(|&t| config.tables[t].name.as_str())
+        .collect::<Vec<_>>()
+        .join("_");
     if full.chars().count() <= STACK_NAME_DISPLAY_CHARS {
         return full;
     }
@@ -771,7 +946,11 @@ fn plan_auto_stack(
 ) -> Result<StackPlan> {
     let s = config.config.num_sc_per_device as u64;
     let name = stack_name(config, group);
-    let padded_dim = group.iter().map(|&t| round_up(config.tables[t].embedding_dim, ALIGNMENT as u64)).max().unwrap_or(0);
+    let padded_dim = group
+        .iter()
+        .map(|&t| round_up(config.tables[t].embedding_dim, ALIGNMENT as u64))
+        .max()
+        .unwrap_or(0);
     let mut row_offset_in_shard = 0u64;
     let mut rotation = 0u64;
     let mut stack_vocab = 0u64;
@@ -788,7 +967,10 @@ fn plan_auto_stack(
     let mut members = Vec::new();
     let mut offset = 0u64;
     for (i, f) in features.iter_mut().enumerate() {
-        let Some(&(_, in_shard, rot)) = settings.iter().find(|(t, _, _)| *t == f.table_index) else { continue };
+        let Some(&(_, in_shard, rot)) = settings.iter().find(|(t, _, _)| *t == f.table_index)
+        else {
+            continue;
+        };
         f.stack = stack_index;
         f.row_offset = offset;
         f.row_offset_in_shard = in_shard;
@@ -808,7 +990,12 @@ fn plan_auto_stack(
         (l.max_ids_per_partition, l.max_unique_ids_per_partition)
     };
     let max_ids = check_limit(ConfigItem::Stack, &name, "max_ids_per_partition", max_ids)?;
-    let max_unique = check_limit(ConfigItem::Stack, &name, "max_unique_ids_per_partition", max_unique)?;
+    let max_unique = check_limit(
+        ConfigItem::Stack,
+        &name,
+        "max_unique_ids_per_partition",
+        max_unique,
+    )?;
     Ok(StackPlan {
         combiner: combiners[features[members[0]].table_index],
         name,
@@ -828,16 +1015,30 @@ fn plan_auto_stack(
 /// The name by which the reference's buffer checks name a stack: its first feature's (the stack's
 /// own name when it has none).
 fn first_feature(stack: &StackPlan, features: &[FeaturePlan]) -> String {
-    stack.features.first().and_then(|&f| features.get(f)).map_or_else(|| stack.name.clone(), |f| f.name.clone())
+    stack
+        .features
+        .first()
+        .and_then(|&f| features.get(f))
+        .map_or_else(|| stack.name.clone(), |f| f.name.clone())
 }
 
 /// SPEC 3.2: row pointers per device and the COO buffer size C. `feature` names the stack in
 /// errors as the reference does.
-fn size_buffers(stack: &mut StackPlan, feature: &str, layout: &DeviceLayout, minibatching: bool) -> Result<()> {
+fn size_buffers(
+    stack: &mut StackPlan,
+    feature: &str,
+    layout: &DeviceLayout,
+    minibatching: bool,
+) -> Result<()> {
     let s = layout.sc_per_device as u64;
     let n = layout.num_partitions() as u64;
-    let mb = if minibatching { MAX_MINIBATCHING_BUCKETS as u64 } else { 1 };
-    stack.row_pointers_per_device = layout.row_pointers_per_segment() * mb as usize * layout.sc_per_device;
+    let mb = if minibatching {
+        MAX_MINIBATCHING_BUCKETS as u64
+    } else {
+        1
+    };
+    stack.row_pointers_per_device =
+        layout.row_pointers_per_segment() * mb as usize * layout.sc_per_device;
     // max_ids < 2^31 and N <= 2^30, so the product can exceed u64 only through S; saturate and
     // let the range check below report it.
     let theoretical = round_up(stack.max_ids_per_partition as u64, ALIGNMENT as u64)
@@ -861,7 +1062,11 @@ fn size_buffers(stack: &mut StackPlan, feature: &str, layout: &DeviceLayout, min
         }
     };
     if size == 0 || size >= i32::MAX as u64 {
-        return Err(Error::BufferSizeOutOfRange { stack: stack.name.clone(), feature: feature.to_string(), size });
+        return Err(Error::BufferSizeOutOfRange {
+            stack: stack.name.clone(),
+            feature: feature.to_string(),
+            size,
+        });
     }
     stack.coo_buffer_size_per_device = size as usize;
     Ok(())

@@ -5,7 +5,15 @@
 use hmac::{Hmac, KeyInit, Mac};
 
 /// One frame: magic, src, dst, seq, key, value, HMAC-SHA256 under `token`.
-pub fn frame(token: &[u8], challenge: &[u8], src: u32, dst: u32, seq: u64, key: u64, value: u64) -> [u8; 68] {
+pub fn frame(
+    token: &[u8],
+    challenge: &[u8],
+    src: u32,
+    dst: u32,
+    seq: u64,
+    key: u64,
+    value: u64,
+) -> [u8; 68] {
     let mut m = <Hmac<sha2::Sha256> as KeyInit>::new_from_slice(token).unwrap();
     m.update(b"sparsecore-prep/allreduce/v1");
     m.update(challenge);

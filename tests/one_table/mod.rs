@@ -81,12 +81,19 @@ pub fn assert_same_output(a: &Output, b: &Output) {
     for (x, y) in a.stacks.iter().zip(&b.stacks) {
         assert_eq!(x.name, y.name);
         assert_eq!(x.row_pointers, y.row_pointers, "{}: row_pointers", x.name);
-        assert_eq!(x.embedding_ids, y.embedding_ids, "{}: embedding_ids", x.name);
+        assert_eq!(
+            x.embedding_ids, y.embedding_ids,
+            "{}: embedding_ids",
+            x.name
+        );
         assert_eq!(x.sample_ids, y.sample_ids, "{}: sample_ids", x.name);
         let bits = |g: &[f32]| g.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&x.gains), bits(&y.gains), "{}: gains", x.name);
         assert_eq!(x.stats, y.stats, "{}: stats", x.name);
-        assert_eq!(x.coo_buffer_size_per_device(), y.coo_buffer_size_per_device());
+        assert_eq!(
+            x.coo_buffer_size_per_device(),
+            y.coo_buffer_size_per_device()
+        );
         assert_eq!(x.row_pointers_per_device(), y.row_pointers_per_device());
     }
 }
@@ -102,7 +109,12 @@ pub struct Custom<'a> {
 
 impl<'a> Custom<'a> {
     pub fn new(samples: usize, weighted: bool, view: FeatureView<'a>) -> Self {
-        Custom { samples, weighted, view, views: AtomicUsize::new(0) }
+        Custom {
+            samples,
+            weighted,
+            view,
+            views: AtomicUsize::new(0),
+        }
     }
 }
 
@@ -117,9 +129,15 @@ impl SampleSource for Custom<'_> {
         self.views.fetch_add(1, Ordering::Relaxed);
         // `FeatureView` is invariant in its lifetime: rebuild it from its covariant parts.
         match &self.view {
-            FeatureView::Ragged { ids, offsets, weights } => {
-                FeatureView::Ragged { ids: *ids, offsets: *offsets, weights: *weights }
-            }
+            FeatureView::Ragged {
+                ids,
+                offsets,
+                weights,
+            } => FeatureView::Ragged {
+                ids: *ids,
+                offsets: *offsets,
+                weights: *weights,
+            },
             FeatureView::Dense { ids, weights } => FeatureView::Dense {
                 ids: match ids {
                     DenseIds::I32(a) => DenseIds::I32(a.view()),
@@ -134,7 +152,9 @@ impl SampleSource for Custom<'_> {
 
 /// Rows as the all-valid nested options Arrow's list builders take.
 pub fn some_rows<T: Copy>(rows: &[Vec<T>]) -> Vec<Option<Vec<Option<T>>>> {
-    rows.iter().map(|r| Some(r.iter().map(|&v| Some(v)).collect())).collect()
+    rows.iter()
+        .map(|r| Some(r.iter().map(|&v| Some(v)).collect()))
+        .collect()
 }
 
 pub fn record_batch(columns: Vec<(&str, ArrayRef)>) -> RecordBatch {

@@ -18,10 +18,16 @@ fn bench(c: &mut Criterion) {
         g.sample_size(20);
         g.warm_up_time(std::time::Duration::from_secs(1));
         g.measurement_time(std::time::Duration::from_secs(2));
-        for (sampler, sname) in
-            [(StreamSampler::Random, "random"), (StreamSampler::Rigid { shuffle: false }, "rigid"), (StreamSampler::Rigid { shuffle: true }, "rigid_shuffle")]
-        {
-            for (k, flat, nname) in [(0, true, "no_negatives"), (ppp, true, "flat"), (1, false, "per_triple")] {
+        for (sampler, sname) in [
+            (StreamSampler::Random, "random"),
+            (StreamSampler::Rigid { shuffle: false }, "rigid"),
+            (StreamSampler::Rigid { shuffle: true }, "rigid_shuffle"),
+        ] {
+            for (k, flat, nname) in [
+                (0, true, "no_negatives"),
+                (ppp, true, "flat"),
+                (1, false, "per_triple"),
+            ] {
                 let mut stream = BessStream::builder()
                     .triples(triples.clone())
                     .n_entity(n_entity)
@@ -35,7 +41,8 @@ fn bench(c: &mut Criterion) {
                     .build()
                     .expect("stream");
                 let cnt = *stream.counts();
-                let ids = stream.layout().local_sparsecores() * (2 * cnt.triples_per_sparsecore + n * cnt.negative_ids_per_partition);
+                let ids = stream.layout().local_sparsecores()
+                    * (2 * cnt.triples_per_sparsecore + n * cnt.negative_ids_per_partition);
                 g.throughput(Throughput::Elements(ids as u64));
                 let steps = stream.steps();
                 let mut step = 0;

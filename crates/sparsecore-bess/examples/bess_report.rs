@@ -11,7 +11,8 @@ use arrow_array::{ArrayRef, Int32Array, ListArray, RecordBatch};
 use arrow_buffer::{OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema};
 use sparsecore_bess::{
-    cell_loads, synth, BatchOptions, BatchSampler, BessStream, Corruption, NumpyRng, PartitionMode, PartitionedTriples, SamplerKind, StreamSampler, Triples,
+    cell_loads, synth, BatchOptions, BatchSampler, BessStream, Corruption, NumpyRng, PartitionMode,
+    PartitionedTriples, SamplerKind, StreamSampler, Triples,
 };
 use sparsecore_prep::fdo::{tune, FdoStats};
 use sparsecore_prep::{Config, Output, Preprocessor};
@@ -26,7 +27,13 @@ struct Loads {
 
 impl Loads {
     fn new() -> Self {
-        Loads { max: 0, min: i32::MAX, sum: 0.0, cells: 0.0, dropped: 0 }
+        Loads {
+            max: 0,
+            min: i32::MAX,
+            sum: 0.0,
+            cells: 0.0,
+            dropped: 0,
+        }
     }
     fn add(&mut self, cells: &[Vec<i32>]) {
         for row in cells {
@@ -48,7 +55,10 @@ impl Loads {
 fn preprocess(config: &Config, batches: &[RecordBatch]) -> (Loads, u64, u64, f64) {
     let mut prep = Preprocessor::new(config.clone()).expect("config");
     let mut out = Output::new();
-    let (s, n) = (config.config.num_sc_per_device, config.config.global_device_count * config.config.num_sc_per_device);
+    let (s, n) = (
+        config.config.num_sc_per_device,
+        config.config.global_device_count * config.config.num_sc_per_device,
+    );
     let mut loads = Loads::new();
     let mut stats: Option<FdoStats> = None;
     let mut secs = 0.0;
@@ -60,11 +70,19 @@ fn preprocess(config: &Config, batches: &[RecordBatch]) -> (Loads, u64, u64, f64
         loads.add(&cell_loads(so, s, n));
         loads.dropped += so.stats.dropped_id_count;
         let plan = prep.plan().expect("planned");
-        stats.get_or_insert_with(|| FdoStats::new(plan.layout)).record(plan, &out).expect("record");
+        stats
+            .get_or_insert_with(|| FdoStats::new(plan.layout))
+            .record(plan, &out)
+            .expect("record");
     }
     let (tuned, _) = tune(config, stats.as_ref().expect("batches"), 1.0).expect("tune");
     let t = &tuned.tables[0];
-    (loads, t.max_ids_per_partition, t.suggested_coo_buffer_size_per_device.unwrap_or(0), secs)
+    (
+        loads,
+        t.max_ids_per_partition,
+        t.suggested_coo_buffer_size_per_device.unwrap_or(0),
+        secs,
+    )
 }
 
 fn one_id_lists(ids: &[Option<i32>]) -> ArrayRef {
@@ -92,12 +110,26 @@ struct Shape {
     neg: usize,
 }
 
-fn random_batches(triples: &Triples, n_entity: usize, shape: &Shape, steps: usize, seed: u64) -> Vec<RecordBatch> {
-    let Shape { slices, rows, t, neg } = *shape;
+fn random_batches(
+    triples: &Triples,
+    n_entity: usize,
+    shape: &Shape,
+    steps: usize,
+    seed: u64,
+) -> Vec<RecordBatch> {
+    let Shape {
+        slices,
+        rows,
+        t,
+        neg,
+    } = *shape;
     let mut rng = NumpyRng::new(u128::from(seed));
     let list = DataType::List(Arc::new(Field::new_list_field(DataType::Int32, false)));
-    let schema =
-        Arc::new(Schema::new(vec![Field::new("head", list.clone(), false), Field::new("tail", list.clone(), false), Field::new("negative", list, false)]));
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("head", list.clone(), false),
+        Field::new("tail", list.clone(), false),
+        Field::new("negative", list, false),
+    ]));
     (0..steps)
         .map(|_| {
             let (mut h, mut tl, mut ng) = (Vec::new(), Vec::new(), Vec::new());
@@ -114,14 +146,33 @@ fn random_batches(triples: &Triples, n_entity: usize, shape: &Shape, steps: usiz
                     ng.push((r < neg).then(|| (rng.integers_63() % n_entity as u64) as i32));
                 }
             }
-            RecordBatch::try_new(schema.clone(), vec![one_id_lists(&h), one_id_lists(&tl), one_id_lists(&ng)]).expect("batch")
+            RecordBatch::try_new(
+                schema.clone(),
+                vec![one_id_lists(&h), one_id_lists(&tl), one_id_lists(&ng)],
+            )
+            .expect("batch")
         })
         .collect()
 }
 
 /// The measured stream: flat tail negatives, `k` per shard.
-fn builder(triples: &Triples, n_entity: usize, (l, g, s): (usize, usize, usize), shard_bs: usize, k: usize, steps: usize) -> BessStream {
-    cost_builder(triples, n_entity, (l, g, s), shard_bs, StreamSampler::Random, Negatives::Flat(k), steps)
+fn builder(
+    triples: &Triples,
+    n_entity: usize,
+    (l, g, s): (usize, usize, usize),
+    shard_bs: usize,
+    k: usize,
+    steps: usize,
+) -> BessStream {
+    cost_builder(
+        triples,
+        n_entity,
+        (l, g, s),
+        shard_bs,
+        StreamSampler::Random,
+        Negatives::Flat(k),
+        steps,
+    )
 }
 
 /// The negatives of a cost configuration.
@@ -195,23 +246,31 @@ fn cost(
     rounds: usize,
     threads: usize,
 ) -> (f64, f64) {
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("pool");
     pool.install(|| {
         let (mut make, mut prep_secs) = (vec![f64::INFINITY; steps], vec![f64::INFINITY; steps]);
         let mut perm = f64::INFINITY;
         for _ in 0..rounds {
             let mut again = cost_builder(triples, n_entity, lgs, shard_bs, sampler, neg, steps + 1);
-            let mut prep = Preprocessor::builder(again.config().clone()).threads(threads).build().expect("config");
+            let mut prep = Preprocessor::builder(again.config().clone())
+                .threads(threads)
+                .build()
+                .expect("config");
             let mut out = Output::new();
             let b = again.draw(0).expect("draw");
-            prep.run_record_batch(&b.record_batch, &mut out).expect("no batch fails");
+            prep.run_record_batch(&b.record_batch, &mut out)
+                .expect("no batch fails");
             drop(b);
             for k in 0..steps {
                 let t0 = Instant::now();
                 let b = again.draw(k + 1).expect("draw");
                 make[k] = make[k].min(t0.elapsed().as_secs_f64());
                 let t0 = Instant::now();
-                prep.run_record_batch(&b.record_batch, &mut out).expect("no batch fails");
+                prep.run_record_batch(&b.record_batch, &mut out)
+                    .expect("no batch fails");
                 prep_secs[k] = prep_secs[k].min(t0.elapsed().as_secs_f64());
             }
             if sampler == (StreamSampler::Rigid { shuffle: true }) {
@@ -225,13 +284,22 @@ fn cost(
             }
         }
         let perm = if perm.is_finite() { perm } else { 0.0 };
-        (make.iter().sum::<f64>() / steps as f64 + perm, prep_secs.iter().sum::<f64>() / steps as f64)
+        (
+            make.iter().sum::<f64>() / steps as f64 + perm,
+            prep_secs.iter().sum::<f64>() / steps as f64,
+        )
     })
 }
 
 /// The cost of making the stream against preprocessing it, for every sampler, negatives
 /// configuration, graph and n.
-fn cost_table(graphs: &[(&'static str, Triples)], n_entity: usize, shard_bs: usize, steps: usize, rounds: usize) {
+fn cost_table(
+    graphs: &[(&'static str, Triples)],
+    n_entity: usize,
+    shard_bs: usize,
+    steps: usize,
+    rounds: usize,
+) {
     let mut rows = Vec::new();
     for (graph, triples) in graphs {
         for n in [4usize, 16, 64] {
@@ -242,22 +310,66 @@ fn cost_table(graphs: &[(&'static str, Triples)], n_entity: usize, shard_bs: usi
                 (StreamSampler::Rigid { shuffle: false }, "Rigid"),
                 (StreamSampler::Rigid { shuffle: true }, "Rigid shuffle"),
             ] {
-                for neg in [Negatives::None, Negatives::Flat(ppp), Negatives::PerTriple(1)] {
+                for neg in [
+                    Negatives::None,
+                    Negatives::Flat(ppp),
+                    Negatives::PerTriple(1),
+                ] {
                     let t0 = Instant::now();
-                    let probe = cost_builder(triples, n_entity, (l, g, s), shard_bs, sampler, neg, 1);
+                    let probe =
+                        cost_builder(triples, n_entity, (l, g, s), shard_bs, sampler, neg, 1);
                     let build = t0.elapsed().as_secs_f64();
                     let c = *probe.counts();
                     let slices = l * s;
-                    let ids = slices * (2 * c.triples_per_sparsecore + n * c.negative_ids_per_partition);
+                    let ids =
+                        slices * (2 * c.triples_per_sparsecore + n * c.negative_ids_per_partition);
                     let negatives = match neg {
                         Negatives::None => "none".to_string(),
                         Negatives::Flat(k) => format!("flat, k = {k}"),
                         Negatives::PerTriple(k) => format!("per triple, k = {k}"),
                     };
-                    let one = cost(triples, n_entity, (l, g, s), shard_bs, sampler, neg, steps, rounds, 1);
-                    let two = cost(triples, n_entity, (l, g, s), shard_bs, sampler, neg, steps, rounds, 2);
-                    let row = Cost { graph, sampler: sname, negatives, n, rows: slices * c.rows_per_sparsecore, ids, one, two, build };
-                    eprintln!("  {} {} {} n={}: {:.1}% / {:.1}%", row.graph, row.sampler, row.negatives, n, 100.0 * one.0 / one.1, 100.0 * two.0 / two.1);
+                    let one = cost(
+                        triples,
+                        n_entity,
+                        (l, g, s),
+                        shard_bs,
+                        sampler,
+                        neg,
+                        steps,
+                        rounds,
+                        1,
+                    );
+                    let two = cost(
+                        triples,
+                        n_entity,
+                        (l, g, s),
+                        shard_bs,
+                        sampler,
+                        neg,
+                        steps,
+                        rounds,
+                        2,
+                    );
+                    let row = Cost {
+                        graph,
+                        sampler: sname,
+                        negatives,
+                        n,
+                        rows: slices * c.rows_per_sparsecore,
+                        ids,
+                        one,
+                        two,
+                        build,
+                    };
+                    eprintln!(
+                        "  {} {} {} n={}: {:.1}% / {:.1}%",
+                        row.graph,
+                        row.sampler,
+                        row.negatives,
+                        n,
+                        100.0 * one.0 / one.1,
+                        100.0 * two.0 / two.1
+                    );
                     rows.push(row);
                 }
             }
@@ -295,9 +407,19 @@ fn cost_table(graphs: &[(&'static str, Triples)], n_entity: usize, shard_bs: usi
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let cost_only = std::env::args().any(|a| a == "--cost-only");
-    let (n_entity, n_triples, steps) = if quick { (4_000, 200_000, 4) } else { (20_000, 400_000, 20) };
+    let (n_entity, n_triples, steps) = if quick {
+        (4_000, 200_000, 4)
+    } else {
+        (20_000, 400_000, 20)
+    };
     let shard_bs = 256;
-    let graphs = [("uniform", synth::uniform(n_entity, 50, n_triples, 1)), ("power law a=1.0", synth::power_law(n_entity, 50, n_triples, 1.0, 1))];
+    let graphs = [
+        ("uniform", synth::uniform(n_entity, 50, n_triples, 1)),
+        (
+            "power law a=1.0",
+            synth::power_law(n_entity, 50, n_triples, 1.0, 1),
+        ),
+    ];
     let (cost_steps, rounds) = if quick { (4, 2) } else { (10, 5) };
     if cost_only {
         cost_table(&graphs, n_entity, shard_bs, cost_steps, rounds);
@@ -320,19 +442,29 @@ fn main() {
                 .steps(steps.min(5))
                 .build()
                 .expect("stream");
-            let pos_batches: Vec<RecordBatch> = (0..pos.steps()).map(|k| pos.draw(k).expect("draw").record_batch).collect();
+            let pos_batches: Vec<RecordBatch> = (0..pos.steps())
+                .map(|k| pos.draw(k).expect("draw").record_batch)
+                .collect();
             let (pl, ..) = preprocess(pos.config(), &pos_batches);
             let exact = pl.max == pl.min && pl.max as usize == pos.counts().max_ids_per_partition;
             // With negatives.
             let mut stream = builder(triples, n_entity, (l, g, s), shard_bs, ppp, steps);
             let c = *stream.counts();
-            let batches: Vec<RecordBatch> = (0..steps).map(|k| stream.draw(k).expect("draw").record_batch).collect();
+            let batches: Vec<RecordBatch> = (0..steps)
+                .map(|k| stream.draw(k).expect("draw").record_batch)
+                .collect();
             let (bl, b_ids, b_buf, _) = preprocess(stream.config(), &batches);
             // Rigid's padding on the same graph and geometry.
             let part = stream.partitioned().clone();
             let rigid = BatchSampler::positives_only(
                 Arc::new(PartitionedTriples::clone(&part)),
-                BatchOptions { shard_bs, batches_per_step: 1, duplicate_batch: false, return_triple_idx: false, kind: SamplerKind::Rigid { shuffle: None } },
+                BatchOptions {
+                    shard_bs,
+                    batches_per_step: 1,
+                    duplicate_batch: false,
+                    return_triple_idx: false,
+                    kind: SamplerKind::Rigid { shuffle: None },
+                },
                 Corruption::T,
             )
             .expect("rigid");
@@ -345,7 +477,12 @@ fn main() {
             rc.tables[0].max_ids_per_partition = big;
             rc.tables[0].max_unique_ids_per_partition = big;
             rc.tables[0].suggested_coo_buffer_size_per_device = None;
-            let shape = Shape { slices: l * s, rows: c.rows_per_sparsecore, t: c.triples_per_sparsecore, neg: c.negative_ids_per_partition * n };
+            let shape = Shape {
+                slices: l * s,
+                rows: c.rows_per_sparsecore,
+                t: c.triples_per_sparsecore,
+                neg: c.negative_ids_per_partition * n,
+            };
             let rb = random_batches(triples, n_entity, &shape, steps, 99);
             let (rl, r_ids, r_buf, _) = preprocess(&rc, &rb);
             println!(
@@ -371,7 +508,10 @@ fn main() {
             );
             eprintln!(
                 "  precomputed limit {} (2*ppp {} + negatives {}), buffer {}",
-                c.max_ids_per_partition, c.positive_ids_per_partition, c.negative_ids_per_partition, c.coo_buffer_size_per_device
+                c.max_ids_per_partition,
+                c.positive_ids_per_partition,
+                c.negative_ids_per_partition,
+                c.coo_buffer_size_per_device
             );
         }
     }

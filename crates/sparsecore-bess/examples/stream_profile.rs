@@ -32,7 +32,10 @@ fn main() {
     };
     let n_entity = 20_000;
     // STREAM_TRIPLES: another graph size (the table's 4 bytes a row against the caches).
-    let m: usize = std::env::var("STREAM_TRIPLES").ok().and_then(|v| v.parse().ok()).unwrap_or(400_000);
+    let m: usize = std::env::var("STREAM_TRIPLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(400_000);
     let triples = match arg(4, "uniform").as_str() {
         "uniform" => synth::uniform(n_entity, 50, m, 1),
         "power" => synth::power_law(n_entity, 50, m, 1.0, 1),
@@ -53,9 +56,15 @@ fn main() {
         .steps(steps)
         .build()
         .expect("stream");
-    let mut prep = Preprocessor::builder(stream.config().clone()).threads(1).build().expect("config");
+    let mut prep = Preprocessor::builder(stream.config().clone())
+        .threads(1)
+        .build()
+        .expect("config");
     let mut out = Output::new();
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("pool");
     let (mut make, mut pre) = (0.0, 0.0);
     pool.install(|| {
         for step in 0..steps {
@@ -64,10 +73,16 @@ fn main() {
             make += t0.elapsed().as_secs_f64();
             if prep_on {
                 let t0 = Instant::now();
-                prep.run_record_batch(&b.record_batch, &mut out).expect("no batch fails");
+                prep.run_record_batch(&b.record_batch, &mut out)
+                    .expect("no batch fails");
                 pre += t0.elapsed().as_secs_f64();
             }
         }
     });
-    println!("stream {:.2} µs/step, preprocess {:.2} µs/step, ratio {:.1}%", make * 1e6 / steps as f64, pre * 1e6 / steps as f64, 100.0 * make / pre);
+    println!(
+        "stream {:.2} µs/step, preprocess {:.2} µs/step, ratio {:.1}%",
+        make * 1e6 / steps as f64,
+        pre * 1e6 / steps as f64,
+        100.0 * make / pre
+    );
 }

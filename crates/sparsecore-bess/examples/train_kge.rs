@@ -18,7 +18,9 @@ use std::time::Instant;
 
 use ndarray::{s, Array2, ArrayView2};
 use sparsecore_bess::{BessStream, Corruption, NumpyRng, Triples};
-use sparsecore_kernel::{apply_gradients, feature_activations, sparse_dense_matmul, Optimizer, Slots, StackedTable};
+use sparsecore_kernel::{
+    apply_gradients, feature_activations, sparse_dense_matmul, Optimizer, Slots, StackedTable,
+};
 use sparsecore_prep::{Output, Preprocessor};
 
 const E: usize = 1000;
@@ -59,14 +61,21 @@ fn planted_graph(seed: u64) -> Vec<[i64; 3]> {
 
 /// Filtered MRR and Hits@10 of tail prediction: the true tail's rank among all entities, other
 /// known true tails of (h, r) removed.
-fn evaluate(entity: &Array2<f32>, relation: &Array2<f32>, test: &[[i64; 3]], known: &HashMap<(i64, i64), HashSet<i64>>) -> (f64, f64) {
+fn evaluate(
+    entity: &Array2<f32>,
+    relation: &Array2<f32>,
+    test: &[[i64; 3]],
+    known: &HashMap<(i64, i64), HashSet<i64>>,
+) -> (f64, f64) {
     let (mut mrr, mut hits) = (0.0, 0.0);
     for &[h, r, t] in test {
         let q = &entity.row(h as usize) + &relation.row(r as usize);
         let score = |e: usize| -> f32 { -(&q - &entity.row(e)).mapv(|x| x * x).sum() };
         let st = score(t as usize);
         let filtered = &known[&(h, r)];
-        let better = (0..E).filter(|&e| e as i64 != t && !filtered.contains(&(e as i64)) && score(e) > st).count();
+        let better = (0..E)
+            .filter(|&e| e as i64 != t && !filtered.contains(&(e as i64)) && score(e) > st)
+            .count();
         let rank = better + 1;
         mrr += 1.0 / rank as f64;
         hits += f64::from(u8::from(rank <= 10));
@@ -119,7 +128,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let first = stream.draw(0)?;
     prep.run_record_batch(&first.record_batch, &mut out)?;
     let plan = prep.plan().expect("planned").clone();
-    let fidx = |name: &str| plan.features.iter().position(|f| f.name == name).expect("feature");
+    let fidx = |name: &str| {
+        plan.features
+            .iter()
+            .position(|f| f.name == name)
+            .expect("feature")
+    };
     let (fh, ft, fneg) = (fidx("head"), fidx("tail"), fidx("negative"));
     let vocab = config.tables[0].vocabulary_size as usize;
     let mut init_rng = NumpyRng::new(11);
@@ -130,11 +144,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut relation = Array2::from_shape_fn((R, D), |_| 0.1 * normal(&mut init_rng));
     let mut rel_acc = Array2::<f32>::from_elem((R, D), 0.1);
 
-    let phys: Vec<usize> = (0..E as i64).map(|e| stream.physical_id_of_entity(e).map(|p| p as usize)).collect::<Result<_, _>>()?;
-    let entity_matrix = |table: &StackedTable| -> Result<Array2<f32>, sparsecore_kernel::KernelError> {
-        let t = table.table(&plan, 0)?;
-        Ok(Array2::from_shape_fn((E, D), |(e, d)| t[[phys[e], d]]))
-    };
+    let phys: Vec<usize> = (0..E as i64)
+        .map(|e| stream.physical_id_of_entity(e).map(|p| p as usize))
+        .collect::<Result<_, _>>()?;
+    let entity_matrix =
+        |table: &StackedTable| -> Result<Array2<f32>, sparsecore_kernel::KernelError> {
+            let t = table.table(&plan, 0)?;
+            Ok(Array2::from_shape_fn((E, D), |(e, d)| t[[phys[e], d]]))
+        };
     let (mrr0, hits0) = evaluate(&entity_matrix(&table)?, &relation, test, &known);
     println!("untrained: filtered MRR {mrr0:.4}, Hits@10 {hits0:.4}");
 
@@ -157,15 +174,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let so = out.stack("entities").expect("stack");
             assert_eq!(so.stats.dropped_id_count, 0);
             let acts = sparse_dense_matmul(&plan, so, out.num_minibatches, &table)?;
-            let rel_col = batch.record_batch.column_by_name("relation").expect("relation");
-            let rel_ids = rel_col.as_any().downcast_ref::<arrow_array::Int32Array>().expect("Int32");
+            let rel_col = batch
+                .record_batch
+                .column_by_name("relation")
+                .expect("relation");
+            let rel_ids = rel_col
+                .as_any()
+                .downcast_ref::<arrow_array::Int32Array>()
+                .expect("Int32");
             let mut grads: Vec<Array2<f32>> = Vec::with_capacity(acts.len());
             let mut rel_grad = Array2::<f32>::zeros((R, D));
             for (d, act) in acts.iter().enumerate() {
                 let ah = feature_activations(&plan, fh, act.view())?;
                 let at = feature_activations(&plan, ft, act.view())?;
                 let an = feature_activations(&plan, fneg, act.view())?;
-                let (mut gh, mut gt, mut gn) = (Array2::<f32>::zeros(ah.dim()), Array2::<f32>::zeros(at.dim()), Array2::<f32>::zeros(an.dim()));
+                let (mut gh, mut gt, mut gn) = (
+                    Array2::<f32>::zeros(ah.dim()),
+                    Array2::<f32>::zeros(at.dim()),
+                    Array2::<f32>::zeros(an.dim()),
+                );
                 for sc in 0..s_per_dev {
                     let base = sc * r_rows;
                     let negs: ArrayView2<f32> = an.slice(s![base..base + neg_rows, ..]);
@@ -208,30 +235,58 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 for (f, gf) in [(fh, &gh), (ft, &gt), (fneg, &gn)] {
                     let base_f = (plan.features[f].row_offset / n as u64) as usize;
                     for sc in 0..s_per_dev {
-                        g.slice_mut(s![sc * per_sc + base_f..sc * per_sc + base_f + r_rows, ..]).assign(&gf.slice(s![sc * r_rows..(sc + 1) * r_rows, ..]));
+                        g.slice_mut(s![sc * per_sc + base_f..sc * per_sc + base_f + r_rows, ..])
+                            .assign(&gf.slice(s![sc * r_rows..(sc + 1) * r_rows, ..]));
                     }
                 }
                 grads.push(g);
             }
             let views: Vec<ArrayView2<f32>> = grads.iter().map(|g| g.view()).collect();
-            apply_gradients(&plan, so, out.num_minibatches, &views, &optimizer, &mut table, &mut slots)?;
+            apply_gradients(
+                &plan,
+                so,
+                out.num_minibatches,
+                &views,
+                &optimizer,
+                &mut table,
+                &mut slots,
+            )?;
             // Adagrad on the relation matrix, as the kernel does for table rows.
-            let Optimizer::Adagrad { lr } = optimizer else { unreachable!() };
+            let Optimizer::Adagrad { lr } = optimizer else {
+                unreachable!()
+            };
             rel_acc.zip_mut_with(&rel_grad, |a, &g| *a += g * g);
-            ndarray::Zip::from(&mut relation).and(&rel_grad).and(&rel_acc).for_each(|w, &g, &a| *w -= lr * g / a.sqrt());
+            ndarray::Zip::from(&mut relation)
+                .and(&rel_grad)
+                .and(&rel_acc)
+                .for_each(|w, &g, &a| *w -= lr * g / a.sqrt());
         }
         if epoch % 5 == 4 || epoch == 0 {
             let (mrr, hits) = evaluate(&entity_matrix(&table)?, &relation, test, &known);
-            println!("epoch {:>3}: loss {:.4}  held-out filtered MRR {mrr:.4}  Hits@10 {hits:.4}", epoch + 1, loss_sum / loss_n as f64);
+            println!(
+                "epoch {:>3}: loss {:.4}  held-out filtered MRR {mrr:.4}  Hits@10 {hits:.4}",
+                epoch + 1,
+                loss_sum / loss_n as f64
+            );
         } else {
-            println!("epoch {:>3}: loss {:.4}", epoch + 1, loss_sum / loss_n as f64);
+            println!(
+                "epoch {:>3}: loss {:.4}",
+                epoch + 1,
+                loss_sum / loss_n as f64
+            );
         }
     }
     let (mrr, hits) = evaluate(&entity_matrix(&table)?, &relation, test, &known);
-    println!("trained:   filtered MRR {mrr:.4}, Hits@10 {hits:.4} ({:.1}x the untrained MRR)", mrr / mrr0);
+    println!(
+        "trained:   filtered MRR {mrr:.4}, Hits@10 {hits:.4} ({:.1}x the untrained MRR)",
+        mrr / mrr0
+    );
     println!("elapsed {:.1} s", start.elapsed().as_secs_f64());
     if mrr < 0.3 || mrr < 10.0 * mrr0 {
-        return Err(format!("filtered MRR {mrr:.4} is below 0.3 or below 10x the untrained {mrr0:.4}").into());
+        return Err(format!(
+            "filtered MRR {mrr:.4} is below 0.3 or below 10x the untrained {mrr0:.4}"
+        )
+        .into());
     }
     Ok(())
 }

@@ -41,13 +41,27 @@ pub struct Geometry {
 impl Geometry {
     /// ppp = ceil(shard_bs / n) (shard pairs) or shard_bs; halved for `duplicate_batch`;
     /// rounded down to even for "ht" corruption. Zero triples per block is an error.
-    pub fn new(part: &PartitionedTriples, shard_bs: usize, batches_per_step: usize, duplicate_batch: bool, corruption: Corruption) -> Result<Self> {
+    pub fn new(
+        part: &PartitionedTriples,
+        shard_bs: usize,
+        batches_per_step: usize,
+        duplicate_batch: bool,
+        corruption: Corruption,
+    ) -> Result<Self> {
         let n = part.n_shard();
         if batches_per_step == 0 {
-            return Err(BessError::param("batches_per_step", 0, "must be at least 1"));
+            return Err(BessError::param(
+                "batches_per_step",
+                0,
+                "must be at least 1",
+            ));
         }
         let ppp_of = |bs: usize| {
-            let mut p = if part.mode == PartitionMode::HtShardPair { bs.div_ceil(n) } else { bs };
+            let mut p = if part.mode == PartitionMode::HtShardPair {
+                bs.div_ceil(n)
+            } else {
+                bs
+            };
             if duplicate_batch {
                 p /= 2;
             }
@@ -74,7 +88,9 @@ impl Geometry {
                 minimum,
             });
         }
-        let pss = batches_per_step.checked_mul(ppp).ok_or_else(|| BessError::param("batches_per_step", batches_per_step, "too large"))?;
+        let pss = batches_per_step
+            .checked_mul(ppp)
+            .ok_or_else(|| BessError::param("batches_per_step", batches_per_step, "too large"))?;
         Ok(Geometry {
             n_shard: n,
             mode: part.mode,
@@ -153,7 +169,9 @@ pub struct Batch {
 #[derive(Debug, Clone)]
 enum State {
     Random(NumpyRng),
-    Rigid { shuffle: Option<(Vec<u32>, NumpyRng, usize, Vec<usize>)> },
+    Rigid {
+        shuffle: Option<(Vec<u32>, NumpyRng, usize, Vec<usize>)>,
+    },
 }
 
 /// Rigid shuffle's order of one epoch: Fisher–Yates from the top index down over `0..len` (as
@@ -183,7 +201,12 @@ pub(crate) fn shuffled_positions(rng: &mut NumpyRng, len: usize) -> Vec<usize> {
 
 /// The permutation of the epoch of `step` (`steps` per epoch) over `len` positions, drawn
 /// when that epoch differs from the one held (going back replays the generator from its seed).
-fn epoch_permutation(shuffle: &mut (Vec<u32>, NumpyRng, usize, Vec<usize>), step: usize, steps: usize, len: usize) -> &[usize] {
+fn epoch_permutation(
+    shuffle: &mut (Vec<u32>, NumpyRng, usize, Vec<usize>),
+    step: usize,
+    steps: usize,
+    len: usize,
+) -> &[usize] {
     let (words, rng, epoch, perm) = shuffle;
     let want = step / steps.max(1);
     if *epoch != usize::MAX && want < *epoch {
@@ -210,11 +233,26 @@ fn epoch_permutation(shuffle: &mut (Vec<u32>, NumpyRng, usize, Vec<usize>), step
 /// a copy compiled for x86-64-v3 makes the outputs in AVX2 lanes ([`Avx2`]) and reduces them
 /// with `mulx` and shifts by a register, and runs when the CPU has it
 /// ([`sparsecore_prep::isa::v3`]). Both copies compute the same rows.
-fn random_rows(rng: &mut NumpyRng, parts: &[PartRows], ppp: usize, raw: &mut [u64], out: &mut [u32], block_of: impl Fn(usize) -> Option<usize>) {
+fn random_rows(
+    rng: &mut NumpyRng,
+    parts: &[PartRows],
+    ppp: usize,
+    raw: &mut [u64],
+    out: &mut [u32],
+    block_of: impl Fn(usize) -> Option<usize>,
+) {
     #[cfg(target_arch = "x86_64")]
     if let Some(avx2) = Avx2::new() {
         #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-        fn v3(avx2: Avx2, rng: &mut NumpyRng, parts: &[PartRows], ppp: usize, raw: &mut [u64], out: &mut [u32], block_of: impl Fn(usize) -> Option<usize>) {
+        fn v3(
+            avx2: Avx2,
+            rng: &mut NumpyRng,
+            parts: &[PartRows],
+            ppp: usize,
+            raw: &mut [u64],
+            out: &mut [u32],
+            block_of: impl Fn(usize) -> Option<usize>,
+        ) {
             random_rows_body(avx2, rng, parts, ppp, raw, out, block_of);
         }
         // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
@@ -236,7 +274,9 @@ fn random_rows_body(
 ) {
     rng.fill_raw_63_with(gen, raw);
     for (p, (pr, r)) in parts.iter().zip(raw.chunks_exact(ppp)).enumerate() {
-        let Some(o) = block_of(p).and_then(|b| out.get_mut(b * ppp..(b + 1) * ppp)) else { continue };
+        let Some(o) = block_of(p).and_then(|b| out.get_mut(b * ppp..(b + 1) * ppp)) else {
+            continue;
+        };
         for (o, &v) in o.iter_mut().zip(r) {
             *o = pr.offset + pr.m.reduce(v >> 1) as u32;
         }
@@ -290,26 +330,50 @@ pub struct BatchOptions {
 impl BatchSampler {
     /// A sampler over `part`. The negative sampler's corruption scheme decides the "ht"
     /// rounding; without one, "h" is assumed (no rounding) and batches carry no negatives.
-    pub fn new(part: Arc<PartitionedTriples>, options: BatchOptions, negative: Option<NegativeSampler>) -> Result<Self> {
+    pub fn new(
+        part: Arc<PartitionedTriples>,
+        options: BatchOptions,
+        negative: Option<NegativeSampler>,
+    ) -> Result<Self> {
         if let Some(NegativeSampler::TripleBased(tb)) = &negative {
             tb.check_set(&part)?;
         }
-        let corruption = negative.as_ref().map_or(Corruption::H, NegativeSampler::corruption);
+        let corruption = negative
+            .as_ref()
+            .map_or(Corruption::H, NegativeSampler::corruption);
         Self::build(part, options, negative, corruption)
     }
 
     /// A sampler of positives only, with the geometry a negative sampler of `corruption` would
     /// give (callers that draw negatives themselves, such as the SparseCore stream).
-    pub fn positives_only(part: Arc<PartitionedTriples>, options: BatchOptions, corruption: Corruption) -> Result<Self> {
+    pub fn positives_only(
+        part: Arc<PartitionedTriples>,
+        options: BatchOptions,
+        corruption: Corruption,
+    ) -> Result<Self> {
         Self::build(part, options, None, corruption)
     }
 
-    fn build(part: Arc<PartitionedTriples>, options: BatchOptions, negative: Option<NegativeSampler>, corruption: Corruption) -> Result<Self> {
-        let geometry = Geometry::new(&part, options.shard_bs, options.batches_per_step, options.duplicate_batch, corruption)?;
+    fn build(
+        part: Arc<PartitionedTriples>,
+        options: BatchOptions,
+        negative: Option<NegativeSampler>,
+        corruption: Corruption,
+    ) -> Result<Self> {
+        let geometry = Geometry::new(
+            &part,
+            options.shard_bs,
+            options.batches_per_step,
+            options.duplicate_batch,
+            corruption,
+        )?;
         let state = match options.kind {
             SamplerKind::Random { seed_words } => {
                 if let Some(p) = part.triple_counts.iter().position(|&c| c == 0) {
-                    return Err(BessError::EmptyPartition { sampler: "random batch sampler", partition: part.partition_name(p) });
+                    return Err(BessError::EmptyPartition {
+                        sampler: "random batch sampler",
+                        partition: part.partition_name(p),
+                    });
                 }
                 State::Random(NumpyRng::from_words(&seed_words))
             }
@@ -320,11 +384,24 @@ impl BatchSampler {
                 }),
             },
         };
-        let fast: Vec<FastMod> = part.triple_counts.iter().map(|&c| FastMod::new(c as u64)).collect();
+        let fast: Vec<FastMod> = part
+            .triple_counts
+            .iter()
+            .map(|&c| FastMod::new(c as u64))
+            .collect();
         let (counts, offsets) = (&part.triple_counts, &part.triple_offsets);
         let fits = u32::try_from(part.len()).is_ok() && counts.iter().all(|&c| c > 0);
         let rows = if fits {
-            counts.iter().zip(offsets).zip(&fast).map(|((&c, &o), f)| PartRows { m: f.u63(), offset: o as u32, count: c as u32 }).collect()
+            counts
+                .iter()
+                .zip(offsets)
+                .zip(&fast)
+                .map(|((&c, &o), f)| PartRows {
+                    m: f.u63(),
+                    offset: o as u32,
+                    count: c as u32,
+                })
+                .collect()
         } else {
             Vec::new()
         };
@@ -334,7 +411,17 @@ impl BatchSampler {
             State::Random(_) => steps,
             State::Rigid { .. } => steps * geometry.partition_sample_size,
         };
-        Ok(BatchSampler { part, geometry, negative, return_triple_idx: options.return_triple_idx, state, fast, len, raw: Vec::new(), rows })
+        Ok(BatchSampler {
+            part,
+            geometry,
+            negative,
+            return_triple_idx: options.return_triple_idx,
+            state,
+            fast,
+            len,
+            raw: Vec::new(),
+            rows,
+        })
     }
 
     /// The geometry.
@@ -393,7 +480,12 @@ impl BatchSampler {
 
     /// [`Self::sample_indices`] into reused buffers (cleared first). Returns whether `mask` was
     /// written (Rigid); Random leaves it empty.
-    pub fn sample_indices_into(&mut self, step: usize, idx: &mut Vec<i64>, mask: &mut Vec<bool>) -> Result<bool> {
+    pub fn sample_indices_into(
+        &mut self,
+        step: usize,
+        idx: &mut Vec<i64>,
+        mask: &mut Vec<bool>,
+    ) -> Result<bool> {
         let g = self.geometry;
         let p_count = g.partitions();
         let (counts, offsets) = (&self.part.triple_counts, &self.part.triple_offsets);
@@ -417,11 +509,16 @@ impl BatchSampler {
                     }
                 };
                 if total >= PARALLEL_MIN {
-                    idx.par_chunks_mut(g.positive_per_partition).enumerate().for_each(|(block, x)| reduce(block % p_count, x));
+                    idx.par_chunks_mut(g.positive_per_partition)
+                        .enumerate()
+                        .for_each(|(block, x)| reduce(block % p_count, x));
                 } else {
                     // Partitions in turn, counted rather than divided (a division per block
                     // costs more than reducing a small block).
-                    for (x, p) in idx.chunks_mut(g.positive_per_partition).zip((0..p_count).cycle()) {
+                    for (x, p) in idx
+                        .chunks_mut(g.positive_per_partition)
+                        .zip((0..p_count).cycle())
+                    {
                         reduce(p, x);
                     }
                 }
@@ -430,19 +527,28 @@ impl BatchSampler {
             State::Rigid { shuffle } => {
                 let n_rows = self.part.len() as i64;
                 let epoch_step = step % steps.max(1);
-                let window = epoch_step * g.partition_sample_size..(epoch_step + 1) * g.partition_sample_size;
-                let shuffled = shuffle.as_mut().map(|sh| &epoch_permutation(sh, step, steps, len)[window.clone()]);
+                let window = epoch_step * g.partition_sample_size
+                    ..(epoch_step + 1) * g.partition_sample_size;
+                let shuffled = shuffle
+                    .as_mut()
+                    .map(|sh| &epoch_permutation(sh, step, steps, len)[window.clone()]);
                 // Written into slices (no capacity check per value): block by block, the
                 // `ppp` positions of one partition.
                 idx.resize(total, 0);
                 mask.resize(total, false);
                 let last = n_rows - 1;
-                let blocks = idx.chunks_exact_mut(g.positive_per_partition).zip(mask.chunks_exact_mut(g.positive_per_partition));
+                let blocks = idx
+                    .chunks_exact_mut(g.positive_per_partition)
+                    .zip(mask.chunks_exact_mut(g.positive_per_partition));
                 // (batch, partition) of each block, counted rather than divided.
                 let mut at = (0, 0);
                 for (ix, mk) in blocks {
                     let (s, p) = at;
-                    at = if p + 1 == p_count { (s + 1, 0) } else { (s, p + 1) };
+                    at = if p + 1 == p_count {
+                        (s + 1, 0)
+                    } else {
+                        (s, p + 1)
+                    };
                     let (c, off) = (counts[p], offsets[p]);
                     if c == 0 {
                         ix.fill(off.min(last));
@@ -465,7 +571,8 @@ impl BatchSampler {
                         }
                         Some(w) => {
                             let f = self.fast[p];
-                            let block = s * g.positive_per_partition..(s + 1) * g.positive_per_partition;
+                            let block =
+                                s * g.positive_per_partition..(s + 1) * g.positive_per_partition;
                             for ((o, m), &gpos) in ix.iter_mut().zip(mk.iter_mut()).zip(&w[block]) {
                                 *o = (off + f.reduce_u63(gpos as u64) as i64).min(last);
                                 *m = (gpos as i64) < c;
@@ -494,7 +601,11 @@ impl BatchSampler {
     pub(crate) fn sample_rows_into(
         &mut self,
         step: usize,
-        (blocks, part_of, block_of): (usize, impl Fn(usize) -> usize, impl Fn(usize) -> Option<usize>),
+        (blocks, part_of, block_of): (
+            usize,
+            impl Fn(usize) -> usize,
+            impl Fn(usize) -> Option<usize>,
+        ),
         out: &mut [u32],
         mask: &mut [bool],
     ) -> Option<bool> {
@@ -518,13 +629,23 @@ impl BatchSampler {
             }
             State::Rigid { shuffle: Some(sh) } => {
                 let epoch_step = step % steps.max(1);
-                let window = &epoch_permutation(sh, step, steps, len)[epoch_step * ppp..(epoch_step + 1) * ppp];
-                for (b, (o, m)) in out.chunks_exact_mut(ppp).zip(mask.chunks_exact_mut(ppp)).enumerate() {
+                let window = &epoch_permutation(sh, step, steps, len)
+                    [epoch_step * ppp..(epoch_step + 1) * ppp];
+                for (b, (o, m)) in out
+                    .chunks_exact_mut(ppp)
+                    .zip(mask.chunks_exact_mut(ppp))
+                    .enumerate()
+                {
                     // Positions below the count are themselves, the rest wrap.
                     let pr = parts[part_of(b)];
                     for ((o, m), &gpos) in o.iter_mut().zip(m).zip(window) {
                         let real = gpos < pr.count as usize;
-                        *o = pr.offset + if real { gpos as u32 } else { pr.m.reduce(gpos as u64) as u32 };
+                        *o = pr.offset
+                            + if real {
+                                gpos as u32
+                            } else {
+                                pr.m.reduce(gpos as u64) as u32
+                            };
                         *m = real;
                     }
                 }
@@ -560,24 +681,37 @@ impl BatchSampler {
             if !g.duplicate_batch {
                 return v;
             }
-            v.chunks(g.positive_per_partition).flat_map(|c| c.iter().chain(c.iter()).copied()).collect()
+            v.chunks(g.positive_per_partition)
+                .flat_map(|c| c.iter().chain(c.iter()).copied())
+                .collect()
         };
         let idx = dup(idx);
         let mask = mask.map(|m| {
-            if g.duplicate_batch { m.chunks(g.positive_per_partition).flat_map(|c| c.iter().chain(c.iter()).copied()).collect() } else { m }
+            if g.duplicate_batch {
+                m.chunks(g.positive_per_partition)
+                    .flat_map(|c| c.iter().chain(c.iter()).copied())
+                    .collect()
+            } else {
+                m
+            }
         });
         shape.push(g.block_len);
         let t = &self.part.triples;
-        let col = |c: usize| -> Vec<i32> { idx.iter().map(|&i| t[[i as usize, c]] as i32).collect() };
+        let col =
+            |c: usize| -> Vec<i32> { idx.iter().map(|&i| t[[i as usize, c]] as i32).collect() };
         let mk = |v: Vec<i32>| ArrayD::from_shape_vec(IxDyn(&shape), v).expect("shape matches");
         let head = mk(col(0));
         let relation = mk(col(1));
         let mut tail = mk(col(2));
         if g.mode == PartitionMode::HtShardPair {
-            tail = tail.permuted_axes(IxDyn(&[0, 2, 1, 3])).as_standard_layout().into_owned();
+            tail = tail
+                .permuted_axes(IxDyn(&[0, 2, 1, 3]))
+                .as_standard_layout()
+                .into_owned();
         }
         let sample_idx = ArrayD::from_shape_vec(IxDyn(&shape), idx).expect("shape matches");
-        let triple_mask = mask.map(|m| ArrayD::from_shape_vec(IxDyn(&shape), m).expect("shape matches"));
+        let triple_mask =
+            mask.map(|m| ArrayD::from_shape_vec(IxDyn(&shape), m).expect("shape matches"));
         let (negative, negative_mask, negative_sort_idx) = match &mut self.negative {
             Some(ns) => {
                 let o = ns.sample(&self.part, &sample_idx)?;
@@ -611,16 +745,42 @@ mod tests {
     #[test]
     fn random_rows_equal_single_draws() {
         type Run<'a> = &'a dyn Fn(&mut NumpyRng, &mut [u64], &mut [u32]);
-        let sizes: Vec<u64> = [1u64, 2, 3, 7, 8, 9, 255, 256, 257, 65535, 65536, 65537, (1 << 31) - 1, 1 << 31, (1 << 31) + 1, (1 << 32) - 1].into();
+        let sizes: Vec<u64> = [
+            1u64,
+            2,
+            3,
+            7,
+            8,
+            9,
+            255,
+            256,
+            257,
+            65535,
+            65536,
+            65537,
+            (1 << 31) - 1,
+            1 << 31,
+            (1 << 31) + 1,
+            (1 << 32) - 1,
+        ]
+        .into();
         let mut pick = NumpyRng::new(41);
         for seed in 0..6u128 {
             for p_count in [1usize, 2, 5, 16, 17] {
                 for ppp in [1usize, 2, 3, 4, 5, 7, 8, 9, 16, 31, 33, 64] {
                     let parts: Vec<PartRows> = (0..p_count)
                         .map(|p| {
-                            let count = if p % 3 == 2 { pick.next_u64() % 5000 + 1 } else { sizes[(p + seed as usize * 7) % sizes.len()] };
+                            let count = if p % 3 == 2 {
+                                pick.next_u64() % 5000 + 1
+                            } else {
+                                sizes[(p + seed as usize * 7) % sizes.len()]
+                            };
                             let offset = (pick.next_u64() % ((1 << 32) - count + 1)) as u32;
-                            PartRows { m: FastMod::new(count).u63(), offset, count: count as u32 }
+                            PartRows {
+                                m: FastMod::new(count).u63(),
+                                offset,
+                                count: count as u32,
+                            }
                         })
                         .collect();
                     // The partitions in a scrambled order, all or the first two thirds (another
@@ -629,7 +789,11 @@ mod tests {
                     for i in (1..p_count).rev() {
                         order.swap(i, (pick.next_u64() % (i as u64 + 1)) as usize);
                     }
-                    let blocks = if seed % 2 == 0 { p_count } else { p_count - p_count / 3 };
+                    let blocks = if seed % 2 == 0 {
+                        p_count
+                    } else {
+                        p_count - p_count / 3
+                    };
                     let part_of = |b: usize| order[b];
                     let block_of = |p: usize| order[..blocks].iter().position(|&q| q == p);
                     let mut want_rng = NumpyRng::new(seed);
@@ -639,24 +803,47 @@ mod tests {
                             pr.offset + (want_rng.integers_63() % u64::from(pr.count)) as u32
                         })
                         .collect();
-                    let want: Vec<u32> = (0..blocks).flat_map(|b| drawn[part_of(b) * ppp..][..ppp].iter().copied()).collect();
+                    let want: Vec<u32> = (0..blocks)
+                        .flat_map(|b| drawn[part_of(b) * ppp..][..ppp].iter().copied())
+                        .collect();
                     let check = |name: &str, run: Run<'_>| {
-                        let (mut rng, mut raw, mut out) = (NumpyRng::new(seed), vec![0u64; p_count * ppp], vec![0u32; blocks * ppp]);
+                        let (mut rng, mut raw, mut out) = (
+                            NumpyRng::new(seed),
+                            vec![0u64; p_count * ppp],
+                            vec![0u32; blocks * ppp],
+                        );
                         run(&mut rng, &mut raw, &mut out);
-                        assert_eq!(out, want, "{name}: seed {seed}, {p_count} partitions, ppp {ppp}");
+                        assert_eq!(
+                            out, want,
+                            "{name}: seed {seed}, {p_count} partitions, ppp {ppp}"
+                        );
                         assert_eq!(rng, want_rng, "{name}: the generator afterwards");
                     };
-                    check("dispatch", &|rng, raw, out| random_rows(rng, &parts, ppp, raw, out, block_of));
-                    check("scalar", &|rng, raw, out| random_rows_body(Scalar, rng, &parts, ppp, raw, out, block_of));
+                    check("dispatch", &|rng, raw, out| {
+                        random_rows(rng, &parts, ppp, raw, out, block_of)
+                    });
+                    check("scalar", &|rng, raw, out| {
+                        random_rows_body(Scalar, rng, &parts, ppp, raw, out, block_of)
+                    });
                     #[cfg(target_arch = "x86_64")]
                     if let Some(avx2) = crate::rng::Avx2::new() {
                         #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-                        fn v3(avx2: crate::rng::Avx2, rng: &mut NumpyRng, parts: &[PartRows], ppp: usize, raw: &mut [u64], out: &mut [u32], block_of: impl Fn(usize) -> Option<usize>) {
+                        fn v3(
+                            avx2: crate::rng::Avx2,
+                            rng: &mut NumpyRng,
+                            parts: &[PartRows],
+                            ppp: usize,
+                            raw: &mut [u64],
+                            out: &mut [u32],
+                            block_of: impl Fn(usize) -> Option<usize>,
+                        ) {
                             random_rows_body(avx2, rng, parts, ppp, raw, out, block_of);
                         }
                         // SAFETY: `Avx2::new` checked the CPU's features (`isa::v3`).
                         #[allow(unsafe_code)]
-                        check("v3", &|rng, raw, out| unsafe { v3(avx2, rng, &parts, ppp, raw, out, block_of) });
+                        check("v3", &|rng, raw, out| unsafe {
+                            v3(avx2, rng, &parts, ppp, raw, out, block_of)
+                        });
                     }
                 }
             }

@@ -184,7 +184,15 @@ fn gib(bytes: &u128) -> f64 {
 }
 
 impl BessError {
-    pub(crate) fn param(name: &'static str, value: impl std::fmt::Display, reason: impl Into<String>) -> Self {
-        BessError::InvalidParameter { name, value: value.to_string(), reason: reason.into() }
+    pub(crate) fn param(
+        name: &'static str,
+        value: impl std::fmt::Display,
+        reason: impl Into<String>,
+    ) -> Self {
+        BessError::InvalidParameter {
+            name,
+            value: value.to_string(),
+            reason: reason.into(),
+        }
     }
 }

@@ -44,15 +44,30 @@ pub struct SparseCoreLayout {
 
 impl SparseCoreLayout {
     /// A layout for `L`, `G`, `S` (validated as the pipeline validates them) and host `host`.
-    pub fn new(local_devices: usize, global_devices: usize, sc_per_device: usize, host: usize) -> Result<Self> {
+    pub fn new(
+        local_devices: usize,
+        global_devices: usize,
+        sc_per_device: usize,
+        host: usize,
+    ) -> Result<Self> {
         let d = DeviceLayout::new(local_devices, global_devices, sc_per_device)?;
         if !global_devices.is_multiple_of(local_devices) {
             return Err(BessError::param("local_device_count", local_devices, format!("must divide global_device_count {global_devices} (every host feeds as many devices)")));
         }
         if host >= global_devices / local_devices {
-            return Err(BessError::param("host", host, format!("must be below G / L = {}", global_devices / local_devices)));
+            return Err(BessError::param(
+                "host",
+                host,
+                format!("must be below G / L = {}", global_devices / local_devices),
+            ));
         }
-        Ok(SparseCoreLayout { local_devices: d.local_devices, global_devices: d.global_devices, sc_per_device: d.sc_per_device, host, col_shift: 0 })
+        Ok(SparseCoreLayout {
+            local_devices: d.local_devices,
+            global_devices: d.global_devices,
+            sc_per_device: d.sc_per_device,
+            host,
+            col_shift: 0,
+        })
     }
 
     /// The same layout with the entity features' `col_shift` (from a plan that stacks the
@@ -66,7 +81,11 @@ impl SparseCoreLayout {
     /// Reads `col_shift` of feature `feature` from a plan (all entity features of one table
     /// share it).
     pub fn with_plan(self, plan: &Plan, feature: &str) -> Result<Self> {
-        let f = plan.features.iter().find(|f| f.name == feature).ok_or_else(|| BessError::param("feature", feature, "not in the plan"))?;
+        let f = plan
+            .features
+            .iter()
+            .find(|f| f.name == feature)
+            .ok_or_else(|| BessError::param("feature", feature, "not in the plan"))?;
         Ok(self.with_col_shift(f.col_shift))
     }
 
@@ -138,14 +157,20 @@ impl SparseCoreLayout {
 /// `rp[p]`): `[L·S][N]`. The pipeline's own stats only keep the maximum over a device's
 /// SparseCores; this is every cell, for measuring balance.
 #[must_use]
-pub fn cell_loads(out: &sparsecore_prep::StackOutput, sc_per_device: usize, num_sparsecores: usize) -> Vec<Vec<i32>> {
+pub fn cell_loads(
+    out: &sparsecore_prep::StackOutput,
+    sc_per_device: usize,
+    num_sparsecores: usize,
+) -> Vec<Vec<i32>> {
     let rpd = out.row_pointers_per_device();
     let rpb = rpd / sc_per_device.max(1);
     let mut cells = Vec::with_capacity(out.local_devices() * sc_per_device);
     for d in 0..out.local_devices() {
         for sc in 0..sc_per_device {
             let base = d * rpd + sc * rpb;
-            let Some(seg) = out.row_pointers.get(base..base + num_sparsecores) else { continue };
+            let Some(seg) = out.row_pointers.get(base..base + num_sparsecores) else {
+                continue;
+            };
             let mut start = 0;
             let mut row = Vec::with_capacity(num_sparsecores);
             for &end in seg {
@@ -165,7 +190,9 @@ mod tests {
     #[test]
     fn physical_ids_land_on_their_shard_under_any_rotation() {
         for shift in [0u32, 1, 4, 7] {
-            let l = SparseCoreLayout::new(2, 2, 4, 0).unwrap().with_col_shift(shift);
+            let l = SparseCoreLayout::new(2, 2, 4, 0)
+                .unwrap()
+                .with_col_shift(shift);
             for s in 0..8 {
                 for i in 0..5 {
                     let id = l.physical_id(s, i);

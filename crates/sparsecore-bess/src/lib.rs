@@ -76,8 +76,13 @@ pub mod synth;
 pub use batch::{Batch, BatchOptions, BatchSampler, Geometry, SamplerKind};
 pub use error::{BessError, Result};
 pub use layout::{cell_loads, SparseCoreLayout};
-pub use negative::{Corruption, NegativeOutput, NegativeSampler, RandomNegative, TripleBasedNegative, TypeBasedNegative};
+pub use negative::{
+    Corruption, NegativeOutput, NegativeSampler, RandomNegative, TripleBasedNegative,
+    TypeBasedNegative,
+};
 pub use partition::{PartitionBuilder, PartitionMode, PartitionedTriples, Triples};
 pub use rng::{seed_words, FastMod, NumpyRng};
 pub use sharding::Sharding;
-pub use stream::{BessStream, BessStreamBuilder, CellCounts, NegativeKind, StreamBatch, StreamSampler};
+pub use stream::{
+    BessStream, BessStreamBuilder, CellCounts, NegativeKind, StreamBatch, StreamSampler,
+};

@@ -40,7 +40,11 @@ impl Corruption {
             "h" => Ok(Corruption::H),
             "t" => Ok(Corruption::T),
             "ht" => Ok(Corruption::Ht),
-            _ => Err(BessError::param("corruption_scheme", name, "must be h, t or ht")),
+            _ => Err(BessError::param(
+                "corruption_scheme",
+                name,
+                "must be h, t or ht",
+            )),
         }
     }
 }
@@ -158,11 +162,28 @@ fn seed_rng(seed_words: &[u32]) -> NumpyRng {
 impl RandomNegative {
     /// `RandomShardedNegativeSampler(n_negative, seed, corruption_scheme, local_sampling,
     /// flat_negative_format)`, with the seed's 32-bit words.
-    pub fn new(n_negative: usize, seed_words: &[u32], corruption: Corruption, local_sampling: bool, flat_negative_format: bool) -> Result<Self> {
+    pub fn new(
+        n_negative: usize,
+        seed_words: &[u32],
+        corruption: Corruption,
+        local_sampling: bool,
+        flat_negative_format: bool,
+    ) -> Result<Self> {
         if n_negative == 0 || n_negative > i32::MAX as usize {
-            return Err(BessError::param("n_negative", n_negative, "must be in 1 ..= 2^31 - 1"));
+            return Err(BessError::param(
+                "n_negative",
+                n_negative,
+                "must be in 1 ..= 2^31 - 1",
+            ));
         }
-        Ok(RandomNegative { n_negative, corruption, local_sampling, flat_negative_format, rng: seed_rng(seed_words), fast: ShardMods::default() })
+        Ok(RandomNegative {
+            n_negative,
+            corruption,
+            local_sampling,
+            flat_negative_format,
+            rng: seed_rng(seed_words),
+            fast: ShardMods::default(),
+        })
     }
 
     /// Lists per (drawn-from shard, using shard): `B = 2` (flat "ht"), 1 (flat) or `f`.
@@ -178,13 +199,23 @@ impl RandomNegative {
     /// The negatives of one call for `bps` batches whose blocks hold `f` triples per shard:
     /// what [`NegativeSampler::sample`] returns, without needing the sampled triples (uniform
     /// negatives do not depend on them), so a caller may draw them alongside the positives.
-    pub fn draw(&mut self, part: &PartitionedTriples, bps: usize, f: usize) -> Result<NegativeOutput> {
+    pub fn draw(
+        &mut self,
+        part: &PartitionedTriples,
+        bps: usize,
+        f: usize,
+    ) -> Result<NegativeOutput> {
         let n = part.n_shard();
         let b = self.lists(f);
         let mut v = Vec::new();
         self.draw_into(part, bps, f, &mut v)?;
-        let negative = ArrayD::from_shape_vec(IxDyn(&[bps, n, n, b, self.n_negative]), v).expect("shape matches the draws");
-        Ok(NegativeOutput { negative, mask: None, sort_idx: None })
+        let negative = ArrayD::from_shape_vec(IxDyn(&[bps, n, n, b, self.n_negative]), v)
+            .expect("shape matches the draws");
+        Ok(NegativeOutput {
+            negative,
+            mask: None,
+            sort_idx: None,
+        })
     }
 
     /// [`Self::draw`]'s values laid out by the caller: block (call, drawn-from shard `x`,
@@ -199,24 +230,61 @@ impl RandomNegative {
         map: impl Fn(usize) -> F,
     ) -> Result<()> {
         let b = self.lists(f);
-        draw_mod_shard_into(&mut self.rng, &mut self.fast, part, (bps, b, self.n_negative), "random negative sampler", Placed { out, place, map })
+        draw_mod_shard_into(
+            &mut self.rng,
+            &mut self.fast,
+            part,
+            (bps, b, self.n_negative),
+            "random negative sampler",
+            Placed { out, place, map },
+        )
     }
 
     /// [`Self::draw`]'s values, row-major over `(bps, n, n, B, k)`, into a reused buffer.
-    pub fn draw_into(&mut self, part: &PartitionedTriples, bps: usize, f: usize, out: &mut Vec<i32>) -> Result<()> {
+    pub fn draw_into(
+        &mut self,
+        part: &PartitionedTriples,
+        bps: usize,
+        f: usize,
+        out: &mut Vec<i32>,
+    ) -> Result<()> {
         let b = self.lists(f);
-        draw_mod_shard(&mut self.rng, &mut self.fast, part, bps, b, self.n_negative, "random negative sampler", out)
+        draw_mod_shard(
+            &mut self.rng,
+            &mut self.fast,
+            part,
+            bps,
+            b,
+            self.n_negative,
+            "random negative sampler",
+            out,
+        )
     }
 }
 
 impl TypeBasedNegative {
     /// `TypeBasedShardedNegativeSampler(triple_types, n_negative, seed, corruption_scheme,
     /// local_sampling)`; the types come from the partitioned set at sampling time.
-    pub fn new(n_negative: usize, seed_words: &[u32], corruption: Corruption, local_sampling: bool) -> Result<Self> {
+    pub fn new(
+        n_negative: usize,
+        seed_words: &[u32],
+        corruption: Corruption,
+        local_sampling: bool,
+    ) -> Result<Self> {
         if n_negative == 0 || n_negative > i32::MAX as usize {
-            return Err(BessError::param("n_negative", n_negative, "must be in 1 ..= 2^31 - 1"));
+            return Err(BessError::param(
+                "n_negative",
+                n_negative,
+                "must be in 1 ..= 2^31 - 1",
+            ));
         }
-        Ok(TypeBasedNegative { n_negative, corruption, local_sampling, rng: seed_rng(seed_words), fast: ShardMods::default() })
+        Ok(TypeBasedNegative {
+            n_negative,
+            corruption,
+            local_sampling,
+            rng: seed_rng(seed_words),
+            fast: ShardMods::default(),
+        })
     }
 }
 
@@ -262,11 +330,23 @@ fn pad_list(part: &PartitionedTriples, list: &Array2<i64>) -> Grouped {
         counts.push(cnt);
         offsets.push(off);
     }
-    Grouped { sort, locals, counts, offsets, max_count: max_cnt }
+    Grouped {
+        sort,
+        locals,
+        counts,
+        offsets,
+        max_count: max_cnt,
+    }
 }
 
 fn build_padded(n: usize, l: usize, k: usize, g: Grouped) -> PaddedNegatives {
-    let Grouped { sort, locals, counts, offsets, .. } = g;
+    let Grouped {
+        sort,
+        locals,
+        counts,
+        offsets,
+        ..
+    } = g;
     let rows = locals.len();
     let mut padded = ndarray::Array3::<i64>::zeros((rows, n, l));
     let mut mask = ndarray::Array3::<bool>::from_elem((rows, n, l), false);
@@ -280,24 +360,46 @@ fn build_padded(n: usize, l: usize, k: usize, g: Grouped) -> PaddedNegatives {
             }
         }
     }
-    PaddedNegatives { sort_idx: sort, padded, mask }
+    PaddedNegatives {
+        sort_idx: sort,
+        padded,
+        mask,
+    }
 }
 
 impl TripleBasedNegative {
     /// `TripleBasedShardedNegativeSampler(neg_heads, neg_tails, corruption_scheme,
     /// mask_on_gather, return_sort_idx)`, reading the partitioned set's `neg_heads` /
     /// `neg_tails`. "h" needs heads, "t" tails, "ht" both of one shape.
-    pub fn new(part: &PartitionedTriples, corruption: Corruption, mask_on_gather: bool, return_sort_idx: bool) -> Result<Self> {
+    pub fn new(
+        part: &PartitionedTriples,
+        corruption: Corruption,
+        mask_on_gather: bool,
+        return_sort_idx: bool,
+    ) -> Result<Self> {
         let need = |which: &'static str, a: &Option<Array2<i64>>| -> Result<Array2<i64>> {
-            a.clone().ok_or_else(|| BessError::param(which, "missing", format!("corruption `{}` needs {which}", corruption.as_str())))
+            a.clone().ok_or_else(|| {
+                BessError::param(
+                    which,
+                    "missing",
+                    format!("corruption `{}` needs {which}", corruption.as_str()),
+                )
+            })
         };
         let (h, t) = match corruption {
             Corruption::H => (Some(need("neg_heads", &part.neg_heads)?), None),
             Corruption::T => (None, Some(need("neg_tails", &part.neg_tails)?)),
             Corruption::Ht => {
-                let (h, t) = (need("neg_heads", &part.neg_heads)?, need("neg_tails", &part.neg_tails)?);
+                let (h, t) = (
+                    need("neg_heads", &part.neg_heads)?,
+                    need("neg_tails", &part.neg_tails)?,
+                );
                 if h.dim() != t.dim() {
-                    return Err(BessError::param("neg_tails", format!("shape {:?}", t.dim()), format!("must equal neg_heads' shape {:?} for `ht`", h.dim())));
+                    return Err(BessError::param(
+                        "neg_tails",
+                        format!("shape {:?}", t.dim()),
+                        format!("must equal neg_heads' shape {:?} for `ht`", h.dim()),
+                    ));
                 }
                 (Some(h), Some(t))
             }
@@ -305,12 +407,20 @@ impl TripleBasedNegative {
         let rows = h.as_ref().or(t.as_ref()).map(|a| a.nrows()).unwrap_or(1);
         let k = h.as_ref().or(t.as_ref()).map(|a| a.ncols()).unwrap_or(0);
         if rows != 1 && rows != part.len() {
-            return Err(BessError::LengthMismatch { column: "negative lists".into(), got: rows, other: "sorted triples".into(), expected: part.len() });
+            return Err(BessError::LengthMismatch {
+                column: "negative lists".into(),
+                got: rows,
+                other: "sorted triples".into(),
+                expected: part.len(),
+            });
         }
         let n = part.n_shard();
         let ph = h.as_ref().map(|a| pad_list(part, a));
         let pt = t.as_ref().map(|a| pad_list(part, a));
-        let l = ph.as_ref().map_or(0, |p| p.max_count).max(pt.as_ref().map_or(0, |p| p.max_count));
+        let l = ph
+            .as_ref()
+            .map_or(0, |p| p.max_count)
+            .max(pt.as_ref().map_or(0, |p| p.max_count));
         let mk = |p: Option<Grouped>| p.map(|g| build_padded(n, l, k, g));
         Ok(TripleBasedNegative {
             corruption,
@@ -339,15 +449,42 @@ struct Dims {
 fn dims(part: &PartitionedTriples, sample_idx: &ArrayD<i64>) -> Result<Dims> {
     let n = part.n_shard();
     let sh = sample_idx.shape();
-    let want = if part.mode == PartitionMode::HtShardPair { 4 } else { 3 };
+    let want = if part.mode == PartitionMode::HtShardPair {
+        4
+    } else {
+        3
+    };
     if sh.len() != want || sh[1] != n || (want == 4 && sh[2] != n) || sh.contains(&0) {
-        let blk = if want == 4 { format!("{n}, {n}") } else { n.to_string() };
-        return Err(BessError::param("sample_idx", format!("shape {sh:?}"), format!("must be (batches_per_step, {blk}, q) with no empty axis")));
+        let blk = if want == 4 {
+            format!("{n}, {n}")
+        } else {
+            n.to_string()
+        };
+        return Err(BessError::param(
+            "sample_idx",
+            format!("shape {sh:?}"),
+            format!("must be (batches_per_step, {blk}, q) with no empty axis"),
+        ));
     }
-    if let Some(&bad) = sample_idx.iter().find(|&&i| i < 0 || i as usize >= part.len()) {
-        return Err(BessError::param("sample_idx", bad, format!("indices must be rows of the {} partitioned triples", part.len())));
+    if let Some(&bad) = sample_idx
+        .iter()
+        .find(|&&i| i < 0 || i as usize >= part.len())
+    {
+        return Err(BessError::param(
+            "sample_idx",
+            bad,
+            format!(
+                "indices must be rows of the {} partitioned triples",
+                part.len()
+            ),
+        ));
     }
-    Ok(Dims { bps: sh[0], n, f: sh[2..].iter().product(), q: sh[want - 1] })
+    Ok(Dims {
+        bps: sh[0],
+        n,
+        f: sh[2..].iter().product(),
+        q: sh[want - 1],
+    })
 }
 
 /// The shortest block [`draw_mod_shard_into`] reduces and maps straight into place; shorter
@@ -382,7 +519,12 @@ struct Placed<'a, T, P, M> {
 /// x86-64-v3, with the generator's AVX2 lanes ([`crate::rng::Avx2`]), runs when the CPU has it
 /// ([`sparsecore_prep::isa::v3`]). Its callees are `#[inline(always)]` so that they are compiled into
 /// it; both copies compute the same draws.
-fn draw_mod_shard_into<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<usize>, F: Fn(u32) -> T, M: Fn(usize) -> F>(
+fn draw_mod_shard_into<
+    T: Copy + Default,
+    P: Fn(usize, usize, usize) -> Option<usize>,
+    F: Fn(u32) -> T,
+    M: Fn(usize) -> F,
+>(
     rng: &mut NumpyRng,
     fast: &mut ShardMods,
     part: &PartitionedTriples,
@@ -393,7 +535,12 @@ fn draw_mod_shard_into<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
     #[cfg(target_arch = "x86_64")]
     if let Some(avx2) = Avx2::new() {
         #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-        fn v3<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<usize>, F: Fn(u32) -> T, M: Fn(usize) -> F>(
+        fn v3<
+            T: Copy + Default,
+            P: Fn(usize, usize, usize) -> Option<usize>,
+            F: Fn(u32) -> T,
+            M: Fn(usize) -> F,
+        >(
             avx2: Avx2,
             rng: &mut NumpyRng,
             fast: &mut ShardMods,
@@ -412,7 +559,12 @@ fn draw_mod_shard_into<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
 }
 
 #[inline(always)]
-fn draw_mod_shard_body<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<usize>, F: Fn(u32) -> T, M: Fn(usize) -> F>(
+fn draw_mod_shard_body<
+    T: Copy + Default,
+    P: Fn(usize, usize, usize) -> Option<usize>,
+    F: Fn(u32) -> T,
+    M: Fn(usize) -> F,
+>(
     gen: impl Fill,
     rng: &mut NumpyRng,
     fast: &mut ShardMods,
@@ -423,7 +575,10 @@ fn draw_mod_shard_body<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
 ) -> Result<()> {
     let counts = &part.sharding.shard_counts;
     if let Some(a) = counts.iter().position(|&c| c == 0) {
-        return Err(BessError::EmptyPartition { sampler, partition: format!("shard {a} (it holds no entities to draw negatives from)") });
+        return Err(BessError::EmptyPartition {
+            sampler,
+            partition: format!("shard {a} (it holds no entities to draw negatives from)"),
+        });
     }
     let n = counts.len();
     fast.for_counts(counts);
@@ -486,7 +641,12 @@ fn draw_mod_shard_body<T: Copy + Default, P: Fn(usize, usize, usize) -> Option<u
 
 /// The next `len` raw 31-bit draws, into the kept buffer `draws` (grown, never shrunk).
 #[inline(always)]
-fn draw_run<'a>(rng: &mut NumpyRng, gen: impl Fill, draws: &'a mut Vec<u32>, len: usize) -> &'a [u32] {
+fn draw_run<'a>(
+    rng: &mut NumpyRng,
+    gen: impl Fill,
+    draws: &'a mut Vec<u32>,
+    len: usize,
+) -> &'a [u32] {
     if draws.len() < len {
         draws.resize(len, 0);
     }
@@ -512,7 +672,18 @@ fn draw_mod_shard(
     out.clear();
     out.resize(bps * n * n * bk, 0);
     let place = |c: usize, x: usize, g: usize| Some(((c * n + x) * n + g) * bk);
-    draw_mod_shard_into(rng, fast, part, (bps, b, k), sampler, Placed { out, place, map: |_| |v| v as i32 })
+    draw_mod_shard_into(
+        rng,
+        fast,
+        part,
+        (bps, b, k),
+        sampler,
+        Placed {
+            out,
+            place,
+            map: |_| |v| v as i32,
+        },
+    )
 }
 
 impl NegativeSampler {
@@ -528,19 +699,38 @@ impl NegativeSampler {
 
     /// Negatives for the triples `sample_idx` of shape `(bps, *blk, q)` (indices into
     /// `part.triples`).
-    pub fn sample(&mut self, part: &PartitionedTriples, sample_idx: &ArrayD<i64>) -> Result<NegativeOutput> {
+    pub fn sample(
+        &mut self,
+        part: &PartitionedTriples,
+        sample_idx: &ArrayD<i64>,
+    ) -> Result<NegativeOutput> {
         let d = dims(part, sample_idx)?;
         match self {
             NegativeSampler::Random(s) => s.draw(part, d.bps, d.f),
             NegativeSampler::TypeBased(s) => {
-                let types = part.types.as_ref().ok_or_else(|| BessError::param("types", "missing", "the TypeBased sampler needs a typed partition (type_offsets)"))?;
+                let types = part.types.as_ref().ok_or_else(|| {
+                    BessError::param(
+                        "types",
+                        "missing",
+                        "the TypeBased sampler needs a typed partition (type_offsets)",
+                    )
+                })?;
                 let sh = &part.sharding;
                 let (tc, to) = match (&sh.entity_type_counts, &sh.entity_type_offsets) {
                     (Some(c), Some(o)) => (c, o),
-                    _ => return Err(BessError::param("entity_type_counts", "missing", "the TypeBased sampler needs a typed sharding")),
+                    _ => {
+                        return Err(BessError::param(
+                            "entity_type_counts",
+                            "missing",
+                            "the TypeBased sampler needs a typed sharding",
+                        ))
+                    }
                 };
                 // T[s][a][f]: the relevant type of each sampled triple.
-                let flat = sample_idx.as_slice().map(<[i64]>::to_vec).unwrap_or_else(|| sample_idx.iter().copied().collect());
+                let flat = sample_idx
+                    .as_slice()
+                    .map(<[i64]>::to_vec)
+                    .unwrap_or_else(|| sample_idx.iter().copied().collect());
                 let tt: Vec<i64> = flat
                     .iter()
                     .enumerate()
@@ -556,7 +746,16 @@ impl NegativeSampler {
                     .collect();
                 let k = s.n_negative;
                 let mut raw = Vec::new();
-                draw_mod_shard(&mut s.rng, &mut s.fast, part, d.bps, d.f, k, "type-based negative sampler", &mut raw)?;
+                draw_mod_shard(
+                    &mut s.rng,
+                    &mut s.fast,
+                    part,
+                    d.bps,
+                    d.f,
+                    k,
+                    "type-based negative sampler",
+                    &mut raw,
+                )?;
                 let mut out = Vec::with_capacity(raw.len());
                 for (idx, &v) in raw.iter().enumerate() {
                     let f = (idx / k) % d.f;
@@ -566,19 +765,30 @@ impl NegativeSampler {
                     let src = if s.local_sampling { a } else { b };
                     let t = tt[(st * d.n + src) * d.f + f];
                     if t < 0 || t as usize >= tc.ncols() {
-                        return Err(BessError::param("types", t, format!("outside the sharding's {} types", tc.ncols())));
+                        return Err(BessError::param(
+                            "types",
+                            t,
+                            format!("outside the sharding's {} types", tc.ncols()),
+                        ));
                     }
                     let cnt = tc[[a, t as usize]];
                     if cnt <= 0 {
                         return Err(BessError::EmptyPartition {
                             sampler: "type-based negative sampler",
-                            partition: format!("shard {a}, type {t} (it holds no entities of that type)"),
+                            partition: format!(
+                                "shard {a}, type {t} (it holds no entities of that type)"
+                            ),
                         });
                     }
                     out.push((i64::from(v) % cnt + to[[a, t as usize]]) as i32);
                 }
-                let negative = ArrayD::from_shape_vec(IxDyn(&[d.bps, d.n, d.n, d.f, k]), out).expect("shape matches the draws");
-                Ok(NegativeOutput { negative, mask: None, sort_idx: None })
+                let negative = ArrayD::from_shape_vec(IxDyn(&[d.bps, d.n, d.n, d.f, k]), out)
+                    .expect("shape matches the draws");
+                Ok(NegativeOutput {
+                    negative,
+                    mask: None,
+                    sort_idx: None,
+                })
             }
             NegativeSampler::TripleBased(s) => {
                 s.check_set(part)?;
@@ -593,9 +803,17 @@ impl TripleBasedNegative {
     /// per triple of that set, and the rows of another would index past them or read the
     /// negatives of other triples.
     pub fn check_set(&self, part: &PartitionedTriples) -> Result<()> {
-        let rows = self.heads.as_ref().or(self.tails.as_ref()).map_or(0, |t| t.sort_idx.nrows());
+        let rows = self
+            .heads
+            .as_ref()
+            .or(self.tails.as_ref())
+            .map_or(0, |t| t.sort_idx.nrows());
         if !self.flat_negative_format && rows != part.len() {
-            return Err(BessError::param("partitioned", format!("{} triples", part.len()), format!("the TripleBased sampler was built for a set of {rows} triples")));
+            return Err(BessError::param(
+                "partitioned",
+                format!("{} triples", part.len()),
+                format!("the TripleBased sampler was built for a set of {rows} triples"),
+            ));
         }
         Ok(())
     }
@@ -620,7 +838,15 @@ impl TripleBasedNegative {
                 self.tails.as_ref().expect("tails built for t/ht")
             }
         };
-        let fo = if self.flat_negative_format { if self.corruption == Corruption::Ht { 2 } else { 1 } } else { d.f };
+        let fo = if self.flat_negative_format {
+            if self.corruption == Corruption::Ht {
+                2
+            } else {
+                1
+            }
+        } else {
+            d.f
+        };
         let mut neg = Vec::with_capacity(d.bps * n * n * fo * l);
         let mut mask_g = Vec::with_capacity(neg.capacity());
         for st in 0..d.bps {
@@ -628,7 +854,17 @@ impl TripleBasedNegative {
                 for a in 0..n {
                     for f in 0..fo {
                         let (tab, row) = if self.flat_negative_format {
-                            (table(f, Some(if self.corruption == Corruption::Ht { f } else { 0 })), 0)
+                            (
+                                table(
+                                    f,
+                                    Some(if self.corruption == Corruption::Ht {
+                                        f
+                                    } else {
+                                        0
+                                    }),
+                                ),
+                                0,
+                            )
                         } else {
                             (table(f, None), rows[(st * n + a) * d.f + f] as usize)
                         };
@@ -661,7 +897,17 @@ impl TripleBasedNegative {
                                 Corruption::Ht => usize::from(f >= d.f / 2),
                                 _ => 0,
                             };
-                            (table(f, Some(if self.corruption == Corruption::Ht { c } else { 0 })), 0)
+                            (
+                                table(
+                                    f,
+                                    Some(if self.corruption == Corruption::Ht {
+                                        c
+                                    } else {
+                                        0
+                                    }),
+                                ),
+                                0,
+                            )
                         } else {
                             (table(f, None), rows[(st * n + a) * d.f + f] as usize)
                         };
@@ -671,7 +917,11 @@ impl TripleBasedNegative {
             }
             ArrayD::from_shape_vec(IxDyn(&[d.bps, n, d.f, k]), v).expect("shape")
         });
-        NegativeOutput { negative: ArrayD::from_shape_vec(IxDyn(&neg_shape), neg).expect("shape"), mask: Some(mask), sort_idx }
+        NegativeOutput {
+            negative: ArrayD::from_shape_vec(IxDyn(&neg_shape), neg).expect("shape"),
+            mask: Some(mask),
+            sort_idx,
+        }
     }
 }
 
@@ -688,11 +938,26 @@ mod tests {
     #[test]
     fn uniform_draws_equal_single_draws() {
         for n in [1, 3, 4] {
-            let part = PartitionedTriples::builder(Arc::new(Sharding::create(1000, n, &[7], None).unwrap()), PartitionMode::HtShardPair)
-                .build(&synth::uniform(1000, 5, 200, 1))
-                .unwrap();
+            let part = PartitionedTriples::builder(
+                Arc::new(Sharding::create(1000, n, &[7], None).unwrap()),
+                PartitionMode::HtShardPair,
+            )
+            .build(&synth::uniform(1000, 5, 200, 1))
+            .unwrap();
             let counts = part.sharding.shard_counts.clone();
-            for (k, f) in [(1, 1), (3, 5), (1, 63), (1, 64), (7, 11), (1, 300), (1, 513), (5, 300), (1, 1031), (1, 5000), (3, 1667)] {
+            for (k, f) in [
+                (1, 1),
+                (3, 5),
+                (1, 63),
+                (1, 64),
+                (7, 11),
+                (1, 300),
+                (1, 513),
+                (5, 300),
+                (1, 1031),
+                (1, 5000),
+                (3, 1667),
+            ] {
                 let mut neg = RandomNegative::new(k, &[5], Corruption::T, false, false).unwrap();
                 let mut want = NumpyRng::from_words(&[5]);
                 for bps in [1, 2] {
@@ -700,10 +965,16 @@ mod tests {
                     let mut expect = Vec::with_capacity(got.len());
                     for _ in 0..bps {
                         for &c in &counts {
-                            expect.extend((0..n * f * k).map(|_| (i64::from(want.integers_31()) % c) as i32));
+                            expect.extend(
+                                (0..n * f * k).map(|_| (i64::from(want.integers_31()) % c) as i32),
+                            );
                         }
                     }
-                    assert_eq!(got.as_slice().unwrap(), expect, "n {n}, k {k}, f {f}, bps {bps}");
+                    assert_eq!(
+                        got.as_slice().unwrap(),
+                        expect,
+                        "n {n}, k {k}, f {f}, bps {bps}"
+                    );
                 }
             }
         }

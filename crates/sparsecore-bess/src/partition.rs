@@ -44,7 +44,11 @@ impl PartitionMode {
             "ht_shardpair" | "ht" => Ok(PartitionMode::HtShardPair),
             "h_shard" | "h" => Ok(PartitionMode::HShard),
             "t_shard" | "t" => Ok(PartitionMode::TShard),
-            _ => Err(BessError::param("partition_mode", name, "must be ht_shardpair, h_shard or t_shard")),
+            _ => Err(BessError::param(
+                "partition_mode",
+                name,
+                "must be ht_shardpair, h_shard or t_shard",
+            )),
         }
     }
 
@@ -72,12 +76,26 @@ pub struct Triples {
 fn column_values(name: &str, a: &dyn Array) -> Result<Vec<i64>> {
     if a.null_count() > 0 {
         let row = (0..a.len()).find(|&i| a.is_null(i)).unwrap_or(0);
-        return Err(BessError::NullValue { column: name.to_string(), row });
+        return Err(BessError::NullValue {
+            column: name.to_string(),
+            row,
+        });
     }
     match a.data_type() {
-        DataType::Int32 => Ok(a.as_any().downcast_ref::<Int32Array>().map(|x| x.values().iter().map(|&v| i64::from(v)).collect()).unwrap_or_default()),
-        DataType::Int64 => Ok(a.as_any().downcast_ref::<Int64Array>().map(|x| x.values().to_vec()).unwrap_or_default()),
-        other => Err(BessError::ColumnType { column: name.to_string(), found: other.to_string() }),
+        DataType::Int32 => Ok(a
+            .as_any()
+            .downcast_ref::<Int32Array>()
+            .map(|x| x.values().iter().map(|&v| i64::from(v)).collect())
+            .unwrap_or_default()),
+        DataType::Int64 => Ok(a
+            .as_any()
+            .downcast_ref::<Int64Array>()
+            .map(|x| x.values().to_vec())
+            .unwrap_or_default()),
+        other => Err(BessError::ColumnType {
+            column: name.to_string(),
+            found: other.to_string(),
+        }),
     }
 }
 
@@ -86,10 +104,19 @@ impl Triples {
     pub fn new(head: Vec<i64>, relation: Vec<i64>, tail: Vec<i64>) -> Result<Self> {
         for (name, col) in [("relation", &relation), ("tail", &tail)] {
             if col.len() != head.len() {
-                return Err(BessError::LengthMismatch { column: name.into(), got: col.len(), other: "head".into(), expected: head.len() });
+                return Err(BessError::LengthMismatch {
+                    column: name.into(),
+                    got: col.len(),
+                    other: "head".into(),
+                    expected: head.len(),
+                });
             }
         }
-        Ok(Triples { head, relation, tail })
+        Ok(Triples {
+            head,
+            relation,
+            tail,
+        })
     }
 
     /// From rows `[h, r, t]`.
@@ -104,12 +131,22 @@ impl Triples {
 
     /// From three Arrow arrays of Int32 or Int64 (no nulls).
     pub fn from_arrow(head: &dyn Array, relation: &dyn Array, tail: &dyn Array) -> Result<Self> {
-        Self::new(column_values("head", head)?, column_values("relation", relation)?, column_values("tail", tail)?)
+        Self::new(
+            column_values("head", head)?,
+            column_values("relation", relation)?,
+            column_values("tail", tail)?,
+        )
     }
 
     /// From a record batch's columns `head`, `relation` and `tail`.
     pub fn from_record_batch(batch: &RecordBatch) -> Result<Self> {
-        let col = |name: &str| batch.column_by_name(name).ok_or_else(|| BessError::MissingColumn { column: name.to_string() });
+        let col = |name: &str| {
+            batch
+                .column_by_name(name)
+                .ok_or_else(|| BessError::MissingColumn {
+                    column: name.to_string(),
+                })
+        };
         let (h, r, t) = (col("head")?, col("relation")?, col("tail")?);
         Self::from_arrow(h.as_ref(), r.as_ref(), t.as_ref())
     }
@@ -206,18 +243,35 @@ impl PartitionBuilder {
         let n = sh.n_shard;
         let n0 = triples.len();
         if triples.relation.len() != n0 || triples.tail.len() != n0 {
-            let (column, got) = if triples.relation.len() != n0 { ("relation", triples.relation.len()) } else { ("tail", triples.tail.len()) };
-            return Err(BessError::LengthMismatch { column: column.into(), got, other: "head".into(), expected: n0 });
+            let (column, got) = if triples.relation.len() != n0 {
+                ("relation", triples.relation.len())
+            } else {
+                ("tail", triples.tail.len())
+            };
+            return Err(BessError::LengthMismatch {
+                column: column.into(),
+                got,
+                other: "head".into(),
+                expected: n0,
+            });
         }
         if n0 == 0 {
             return Err(BessError::param("triples", 0, "need at least one triple"));
         }
         let rel_limit = self.n_relation.unwrap_or(i64::from(i32::MAX));
         if self.inverse && self.n_relation.is_none() {
-            return Err(BessError::param("inverse_triples", true, "needs n_relation (inverse relations are r + n_relation)"));
+            return Err(BessError::param(
+                "inverse_triples",
+                true,
+                "needs n_relation (inverse relations are r + n_relation)",
+            ));
         }
         if self.inverse && rel_limit > i64::from(i32::MAX) / 2 {
-            return Err(BessError::param("n_relation", rel_limit, "2 * n_relation must fit in int32 with inverse triples"));
+            return Err(BessError::param(
+                "n_relation",
+                rel_limit,
+                "2 * n_relation must fit in int32 with inverse triples",
+            ));
         }
         let mut shards = Vec::with_capacity(n0 * 2);
         for row in 0..n0 {
@@ -225,7 +279,12 @@ impl PartitionBuilder {
             let (ts, _) = sh.locate(triples.tail[row], "tail", row)?;
             let r = triples.relation[row];
             if r < 0 || r >= rel_limit {
-                return Err(BessError::RelationOutOfRange { column: "relation".into(), row, value: r, n_relation: rel_limit });
+                return Err(BessError::RelationOutOfRange {
+                    column: "relation".into(),
+                    row,
+                    value: r,
+                    n_relation: rel_limit,
+                });
             }
             shards.push((hs, ts));
         }
@@ -236,10 +295,22 @@ impl PartitionBuilder {
         // Row i: (h, r, t) global; inverse rows follow the originals.
         let row_of = |i: usize| -> (i64, i64, i64, usize, usize) {
             if i < n0 {
-                (triples.head[i], triples.relation[i], triples.tail[i], shards[i].0, shards[i].1)
+                (
+                    triples.head[i],
+                    triples.relation[i],
+                    triples.tail[i],
+                    shards[i].0,
+                    shards[i].1,
+                )
             } else {
                 let j = i - n0;
-                (triples.tail[j], triples.relation[j] + rel_limit, triples.head[j], shards[j].1, shards[j].0)
+                (
+                    triples.tail[j],
+                    triples.relation[j] + rel_limit,
+                    triples.head[j],
+                    shards[j].1,
+                    shards[j].0,
+                )
             }
         };
         let p_count = self.mode.partitions(n);
@@ -293,14 +364,28 @@ impl PartitionBuilder {
         };
         let check_neg = |name: &str, a: &Array2<i64>| -> Result<()> {
             if a.nrows() != 1 && a.nrows() != n0 {
-                return Err(BessError::LengthMismatch { column: name.into(), got: a.nrows(), other: "head".into(), expected: n0 });
+                return Err(BessError::LengthMismatch {
+                    column: name.into(),
+                    got: a.nrows(),
+                    other: "head".into(),
+                    expected: n0,
+                });
             }
             if a.ncols() == 0 {
-                return Err(BessError::param("n_negative", 0, format!("`{name}` has no negatives per row")));
+                return Err(BessError::param(
+                    "n_negative",
+                    0,
+                    format!("`{name}` has no negatives per row"),
+                ));
             }
             for (idx, &e) in a.iter().enumerate() {
                 if e < 0 || e as usize >= sh.n_entity() {
-                    return Err(BessError::EntityOutOfRange { column: name.into(), row: idx / a.ncols(), value: e, n_entity: sh.n_entity() });
+                    return Err(BessError::EntityOutOfRange {
+                        column: name.into(),
+                        row: idx / a.ncols(),
+                        value: e,
+                        n_entity: sh.n_entity(),
+                    });
                 }
             }
             Ok(())
@@ -313,31 +398,50 @@ impl PartitionBuilder {
         }
         let reorder = |a: &Array2<i64>| -> Array2<i64> {
             let k = a.ncols();
-            Array2::from_shape_fn((sort_idx.len(), k), |(row, c)| a[[sort_idx[row] as usize, c]])
+            Array2::from_shape_fn((sort_idx.len(), k), |(row, c)| {
+                a[[sort_idx[row] as usize, c]]
+            })
         };
-        let broadcast = |a: &Array2<i64>| -> Array2<i64> { Array2::from_shape_fn((n0, a.ncols()), |(r, c)| a[[if a.nrows() == 1 { 0 } else { r }, c]]) };
+        let broadcast = |a: &Array2<i64>| -> Array2<i64> {
+            Array2::from_shape_fn((n0, a.ncols()), |(r, c)| {
+                a[[if a.nrows() == 1 { 0 } else { r }, c]]
+            })
+        };
         let (neg_heads, neg_tails) = if self.inverse {
             match (&self.neg_heads, &self.neg_tails) {
                 (None, None) => (None, None),
                 (Some(nh), Some(nt)) => {
                     if nh.ncols() != nt.ncols() {
-                        return Err(BessError::LengthMismatch { column: "neg_tails (negatives per row)".into(), got: nt.ncols(), other: "neg_heads".into(), expected: nh.ncols() });
+                        return Err(BessError::LengthMismatch {
+                            column: "neg_tails (negatives per row)".into(),
+                            got: nt.ncols(),
+                            other: "neg_heads".into(),
+                            expected: nh.ncols(),
+                        });
                     }
                     let (bh, bt) = (broadcast(nh), broadcast(nt));
-                    let ext_h = ndarray::concatenate(ndarray::Axis(0), &[bh.view(), bt.view()]).map_err(|e| BessError::param("neg_heads", "shape", e.to_string()))?;
-                    let ext_t = ndarray::concatenate(ndarray::Axis(0), &[bt.view(), bh.view()]).map_err(|e| BessError::param("neg_tails", "shape", e.to_string()))?;
+                    let ext_h = ndarray::concatenate(ndarray::Axis(0), &[bh.view(), bt.view()])
+                        .map_err(|e| BessError::param("neg_heads", "shape", e.to_string()))?;
+                    let ext_t = ndarray::concatenate(ndarray::Axis(0), &[bt.view(), bh.view()])
+                        .map_err(|e| BessError::param("neg_tails", "shape", e.to_string()))?;
                     (Some(reorder(&ext_h)), Some(reorder(&ext_t)))
                 }
-                _ => {
-                    return Err(BessError::param(
-                        "neg_heads/neg_tails",
-                        "one of them",
-                        "with inverse triples, give both negative heads and negative tails, or neither",
-                    ))
-                }
+                _ => return Err(BessError::param(
+                    "neg_heads/neg_tails",
+                    "one of them",
+                    "with inverse triples, give both negative heads and negative tails, or neither",
+                )),
             }
         } else {
-            let r = |a: &Option<Array2<i64>>| a.as_ref().map(|a| if a.nrows() == 1 { a.clone() } else { reorder(a) });
+            let r = |a: &Option<Array2<i64>>| {
+                a.as_ref().map(|a| {
+                    if a.nrows() == 1 {
+                        a.clone()
+                    } else {
+                        reorder(a)
+                    }
+                })
+            };
             (r(&self.neg_heads), r(&self.neg_tails))
         };
         Ok(PartitionedTriples {
@@ -358,7 +462,15 @@ impl PartitionBuilder {
 impl PartitionedTriples {
     /// Starts a builder over `sharding` in `mode`.
     pub fn builder(sharding: Arc<Sharding>, mode: PartitionMode) -> PartitionBuilder {
-        PartitionBuilder { sharding, mode, n_relation: None, inverse: false, type_offsets: None, neg_heads: None, neg_tails: None }
+        PartitionBuilder {
+            sharding,
+            mode,
+            n_relation: None,
+            inverse: false,
+            type_offsets: None,
+            neg_heads: None,
+            neg_tails: None,
+        }
     }
 
     /// Number of shards `n`.
@@ -389,7 +501,11 @@ impl PartitionedTriples {
     #[must_use]
     pub fn partition_name(&self, p: usize) -> String {
         match self.mode {
-            PartitionMode::HtShardPair => format!("(head shard {}, tail shard {})", p / self.n_shard(), p % self.n_shard()),
+            PartitionMode::HtShardPair => format!(
+                "(head shard {}, tail shard {})",
+                p / self.n_shard(),
+                p % self.n_shard()
+            ),
             _ => format!("shard {p}"),
         }
     }

@@ -200,7 +200,12 @@ impl Pcg64 {
         }
         let step = avx2::Step::new(PCG_MULT_4.wrapping_mul(PCG_MULT_4), c);
         let lanes = |n: &[u128]| avx2::Lanes {
-            hi: _mm256_set_epi64x((n[3] >> 64) as i64, (n[2] >> 64) as i64, (n[1] >> 64) as i64, (n[0] >> 64) as i64),
+            hi: _mm256_set_epi64x(
+                (n[3] >> 64) as i64,
+                (n[2] >> 64) as i64,
+                (n[1] >> 64) as i64,
+                (n[0] >> 64) as i64,
+            ),
             lo: _mm256_set_epi64x(n[3] as i64, n[2] as i64, n[1] as i64, n[0] as i64),
         };
         let (mut a, mut b) = (lanes(&next[..4]), lanes(&next[4..]));
@@ -219,7 +224,8 @@ impl Pcg64 {
             (a, b) = (step.apply(a), step.apply(b));
         }
         // The state of the last output made (at least one chunk was).
-        self.state = (u128::from(_mm256_extract_epi64::<3>(last.hi) as u64) << 64) | u128::from(_mm256_extract_epi64::<3>(last.lo) as u64);
+        self.state = (u128::from(_mm256_extract_epi64::<3>(last.hi) as u64) << 64)
+            | u128::from(_mm256_extract_epi64::<3>(last.lo) as u64);
         for o in chunks.into_remainder() {
             *o = self.next_u64();
         }
@@ -290,8 +296,10 @@ impl Fill for Avx2 {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use core::arch::x86_64::{
-        __m256i, _mm256_add_epi64, _mm256_and_si256, _mm256_blend_epi32, _mm256_cmpgt_epi64, _mm256_mul_epu32, _mm256_or_si256, _mm256_set1_epi64x,
-        _mm256_sllv_epi64, _mm256_slli_epi64, _mm256_srli_epi64, _mm256_srlv_epi64, _mm256_sub_epi64, _mm256_xor_si256,
+        __m256i, _mm256_add_epi64, _mm256_and_si256, _mm256_blend_epi32, _mm256_cmpgt_epi64,
+        _mm256_mul_epu32, _mm256_or_si256, _mm256_set1_epi64x, _mm256_slli_epi64,
+        _mm256_sllv_epi64, _mm256_srli_epi64, _mm256_srlv_epi64, _mm256_sub_epi64,
+        _mm256_xor_si256,
     };
 
     /// Four 128-bit generator states: their high and low words.
@@ -315,7 +323,11 @@ mod avx2 {
         #[target_feature(enable = "avx2")]
         pub(super) fn new(m: u128, c: u128) -> Self {
             let d = |i: u32| _mm256_set1_epi64x(((m >> (32 * i)) as u32).into());
-            Step { m: [d(0), d(1), d(2), d(3)], c_hi: _mm256_set1_epi64x((c >> 64) as i64), c_lo: _mm256_set1_epi64x(c as i64) }
+            Step {
+                m: [d(0), d(1), d(2), d(3)],
+                c_hi: _mm256_set1_epi64x((c >> 64) as i64),
+                c_lo: _mm256_set1_epi64x(c as i64),
+            }
         }
 
         #[target_feature(enable = "avx2")]
@@ -325,8 +337,16 @@ mod avx2 {
             let low = _mm256_set1_epi64x(0xffff_ffff);
             let (a1, e1) = (_mm256_srli_epi64::<32>(s.lo), _mm256_srli_epi64::<32>(s.hi));
             // The full product of the low words, `lo·m_lo`, from its four 32-bit partials.
-            let (p00, p01, p10, p11) = (_mm256_mul_epu32(s.lo, b0), _mm256_mul_epu32(s.lo, b1), _mm256_mul_epu32(a1, b0), _mm256_mul_epu32(a1, b1));
-            let mid = _mm256_add_epi64(_mm256_add_epi64(_mm256_srli_epi64::<32>(p00), _mm256_and_si256(p01, low)), _mm256_and_si256(p10, low));
+            let (p00, p01, p10, p11) = (
+                _mm256_mul_epu32(s.lo, b0),
+                _mm256_mul_epu32(s.lo, b1),
+                _mm256_mul_epu32(a1, b0),
+                _mm256_mul_epu32(a1, b1),
+            );
+            let mid = _mm256_add_epi64(
+                _mm256_add_epi64(_mm256_srli_epi64::<32>(p00), _mm256_and_si256(p01, low)),
+                _mm256_and_si256(p10, low),
+            );
             let lo = _mm256_blend_epi32::<0b1010_1010>(p00, _mm256_slli_epi64::<32>(mid));
             let hi = _mm256_add_epi64(
                 _mm256_add_epi64(p11, _mm256_srli_epi64::<32>(p01)),
@@ -334,16 +354,29 @@ mod avx2 {
             );
             // The low 64 bits of the cross products `lo·m_hi` and `hi·m_lo`.
             let cross = |x: __m256i, x1: __m256i, y0: __m256i, y1: __m256i| {
-                _mm256_add_epi64(_mm256_mul_epu32(x, y0), _mm256_slli_epi64::<32>(_mm256_add_epi64(_mm256_mul_epu32(x, y1), _mm256_mul_epu32(x1, y0))))
+                _mm256_add_epi64(
+                    _mm256_mul_epu32(x, y0),
+                    _mm256_slli_epi64::<32>(_mm256_add_epi64(
+                        _mm256_mul_epu32(x, y1),
+                        _mm256_mul_epu32(x1, y0),
+                    )),
+                )
             };
             let (x1, x2) = (cross(s.lo, a1, d0, d1), cross(s.hi, e1, b0, b1));
             let new_lo = _mm256_add_epi64(lo, self.c_lo);
             // All ones where the low add carried (`new_lo < lo` unsigned, as a signed compare
             // with the top bits flipped).
             let sign = _mm256_set1_epi64x(i64::MIN);
-            let carry = _mm256_cmpgt_epi64(_mm256_xor_si256(lo, sign), _mm256_xor_si256(new_lo, sign));
-            let new_hi = _mm256_sub_epi64(_mm256_add_epi64(_mm256_add_epi64(hi, x1), _mm256_add_epi64(x2, self.c_hi)), carry);
-            Lanes { hi: new_hi, lo: new_lo }
+            let carry =
+                _mm256_cmpgt_epi64(_mm256_xor_si256(lo, sign), _mm256_xor_si256(new_lo, sign));
+            let new_hi = _mm256_sub_epi64(
+                _mm256_add_epi64(_mm256_add_epi64(hi, x1), _mm256_add_epi64(x2, self.c_hi)),
+                carry,
+            );
+            Lanes {
+                hi: new_hi,
+                lo: new_lo,
+            }
         }
     }
 
@@ -354,7 +387,10 @@ mod avx2 {
         let x = _mm256_xor_si256(s.hi, s.lo);
         let r = _mm256_srli_epi64::<58>(s.hi);
         // A left shift by 64 (r = 0) gives 0, as the rotation needs.
-        _mm256_or_si256(_mm256_srlv_epi64(x, r), _mm256_sllv_epi64(x, _mm256_sub_epi64(_mm256_set1_epi64x(64), r)))
+        _mm256_or_si256(
+            _mm256_srlv_epi64(x, r),
+            _mm256_sllv_epi64(x, _mm256_sub_epi64(_mm256_set1_epi64x(64), r)),
+        )
     }
 }
 
@@ -373,7 +409,10 @@ impl NumpyRng {
     /// `default_rng(seed)` from the seed's little-endian 32-bit words ([`seed_words`]).
     #[must_use]
     pub fn from_words(words: &[u32]) -> Self {
-        NumpyRng { bits: Pcg64::from_seed_state(SeedSequence::from_words(words).state_u64()), half: None }
+        NumpyRng {
+            bits: Pcg64::from_seed_state(SeedSequence::from_words(words).state_u64()),
+            half: None,
+        }
     }
 
     /// `default_rng(seed)` for a seed below 2^128.
@@ -440,7 +479,12 @@ impl NumpyRng {
     /// [`Self::fill_integers_31`] with the 64-bit outputs made by `gen` (the same outputs
     /// either way).
     #[inline(always)]
-    pub(crate) fn fill_integers_31_with<T, G: Fill>(&mut self, gen: G, out: &mut [T], mut f: impl FnMut(u32) -> T) {
+    pub(crate) fn fill_integers_31_with<T, G: Fill>(
+        &mut self,
+        gen: G,
+        out: &mut [T],
+        mut f: impl FnMut(u32) -> T,
+    ) {
         let mut rest = out;
         if let (Some(first), Some(h)) = (rest.first_mut(), self.half) {
             *first = f(h >> 1);
@@ -455,7 +499,14 @@ impl NumpyRng {
         // A function rather than a closure, so that it can be inlined by force (see
         // `Pcg64::fill_u64_inline`).
         #[inline(always)]
-        fn pairs<T, G: Fill>(gen: G, bits: &mut Pcg64, f: &mut impl FnMut(u32) -> T, run: &mut [T], buf: &mut [u64], draws: &mut [u32]) {
+        fn pairs<T, G: Fill>(
+            gen: G,
+            bits: &mut Pcg64,
+            f: &mut impl FnMut(u32) -> T,
+            run: &mut [T],
+            buf: &mut [u64],
+            draws: &mut [u32],
+        ) {
             let k = run.len() / 2;
             gen.fill(bits, &mut buf[..k]);
             for (d, &v) in draws.chunks_exact_mut(2).zip(&buf[..k]) {
@@ -473,11 +524,19 @@ impl NumpyRng {
                 pairs(gen, &mut self.bits, &mut f, chunk, &mut buf, &mut draws);
             }
         }
-        let (mut small_buf, mut small_draws) = ([0u64; SMALL_FILL_BLOCK], [0u32; 2 * SMALL_FILL_BLOCK]);
+        let (mut small_buf, mut small_draws) =
+            ([0u64; SMALL_FILL_BLOCK], [0u32; 2 * SMALL_FILL_BLOCK]);
         let mut small = large.into_remainder().chunks_mut(2 * SMALL_FILL_BLOCK);
         let mut tail: &mut [T] = &mut [];
         for chunk in &mut small {
-            pairs(gen, &mut self.bits, &mut f, chunk, &mut small_buf, &mut small_draws);
+            pairs(
+                gen,
+                &mut self.bits,
+                &mut f,
+                chunk,
+                &mut small_buf,
+                &mut small_draws,
+            );
             tail = chunk;
         }
         if tail.len() % 2 == 1 {
@@ -548,8 +607,16 @@ impl FastMod {
     /// The reducer for divisor `d` (0 gives 0, numpy's `x % 0`).
     #[must_use]
     pub fn new(d: u64) -> Self {
-        let m = if d <= 1 || d > 1 << 32 { 0 } else { u128::MAX / u128::from(d) + 1 };
-        let m32 = if d <= 1 || d >= 1 << 32 { 0 } else { u64::MAX / d + 1 };
+        let m = if d <= 1 || d > 1 << 32 {
+            0
+        } else {
+            u128::MAX / u128::from(d) + 1
+        };
+        let m32 = if d <= 1 || d >= 1 << 32 {
+            0
+        } else {
+            u64::MAX / d + 1
+        };
         // `x − ⌊x·m31 / 2^s31⌋·d31`: for d = 0 the quotient is x and d31 = 1 (so 0), for d
         // beyond 2^32 it is 0 (x < d).
         let (m31, s31, d31) = match d {
@@ -575,7 +642,17 @@ impl FastMod {
                 (u64::try_from(m).unwrap_or(u64::MAX), l, d)
             }
         };
-        FastMod { d, m, m32, m31, s31, d31, m63, s63, d63 }
+        FastMod {
+            d,
+            m,
+            m32,
+            m31,
+            s31,
+            d31,
+            m63,
+            s63,
+            d63,
+        }
     }
 
     /// `x mod d`.
@@ -636,7 +713,11 @@ impl FastMod {
     /// compact table: 24 of this struct's 64 bytes.
     #[must_use]
     pub(crate) fn u63(&self) -> Mod63 {
-        Mod63 { m: self.m63, s: self.s63, d: self.d63 }
+        Mod63 {
+            m: self.m63,
+            s: self.s63,
+            d: self.d63,
+        }
     }
 }
 
@@ -665,32 +746,68 @@ mod tests {
     fn seed_sequence_matches_the_worked_examples() {
         assert_eq!(
             SeedSequence::from_words(&[1234]).state_u64(),
-            [0x5f83044cad3f26a6, 0xa0d9b3700cea3a6f, 0xa8647d8b1e3e7527, 0x687a8e7300372192]
+            [
+                0x5f83044cad3f26a6,
+                0xa0d9b3700cea3a6f,
+                0xa8647d8b1e3e7527,
+                0x687a8e7300372192
+            ]
         );
         assert_eq!(
             SeedSequence::from_words(&[0]).state_u64(),
-            [0xdb2cd7e7b0f478be, 0xabf4641a2c71ba49, 0x20c6ed6d9d7b8d41, 0x2c4099de223c39d4]
+            [
+                0xdb2cd7e7b0f478be,
+                0xabf4641a2c71ba49,
+                0x20c6ed6d9d7b8d41,
+                0x2c4099de223c39d4
+            ]
         );
     }
 
     #[test]
     fn pcg64_matches_the_worked_examples() {
         let mut g = Pcg64::from_seed_state(SeedSequence::from_words(&[1234]).state_u64());
-        assert_eq!(g.state(), (0x160ad84006fe21eaf69b873d9fe45409, 0x50c8fb163c7cea4ed0f51ce6006e4325));
-        assert_eq!([g.next_u64(), g.next_u64(), g.next_u64()], [0xfa08fef3fab6bbba, 0x615481f7fce9ac81, 0xec59dd7c2bde3cb4]);
+        assert_eq!(
+            g.state(),
+            (
+                0x160ad84006fe21eaf69b873d9fe45409,
+                0x50c8fb163c7cea4ed0f51ce6006e4325
+            )
+        );
+        assert_eq!(
+            [g.next_u64(), g.next_u64(), g.next_u64()],
+            [0xfa08fef3fab6bbba, 0x615481f7fce9ac81, 0xec59dd7c2bde3cb4]
+        );
         let mut g = NumpyRng::new(0);
-        assert_eq!([g.next_u64(), g.next_u64(), g.next_u64()], [0xa30febcfd9c2825f, 0x4510bdf882d9d721, 0x0a7d3da94ecde8b8]);
+        assert_eq!(
+            [g.next_u64(), g.next_u64(), g.next_u64()],
+            [0xa30febcfd9c2825f, 0x4510bdf882d9d721, 0x0a7d3da94ecde8b8]
+        );
     }
 
     #[test]
     fn draws_match_numpy() {
         let mut g = NumpyRng::new(1234);
         let v: Vec<u64> = (0..4).map(|_| g.integers_63()).collect();
-        assert_eq!(v, [9008465316566228445, 3506686710911391296, 8515443495629954650, 2413686584519761735]);
+        assert_eq!(
+            v,
+            [
+                9008465316566228445,
+                3506686710911391296,
+                8515443495629954650,
+                2413686584519761735
+            ]
+        );
         let mut g = NumpyRng::new(1234);
         let v: Vec<u32> = (0..5).map(|_| g.integers_31()).collect();
-        assert_eq!(v, [2103139805, 2097446777, 2121586240, 816464123, 367992410]);
-        assert_eq!(NumpyRng::new(1234).permutation(12), [0, 9, 11, 5, 6, 2, 8, 4, 7, 1, 3, 10]);
+        assert_eq!(
+            v,
+            [2103139805, 2097446777, 2121586240, 816464123, 367992410]
+        );
+        assert_eq!(
+            NumpyRng::new(1234).permutation(12),
+            [0, 9, 11, 5, 6, 2, 8, 4, 7, 1, 3, 10]
+        );
         let mut g = NumpyRng::new(7);
         let v: Vec<u32> = (0..4).map(|_| g.integers_31()).collect();
         assert_eq!(v, [2029167941, 1342382292, 1469265226, 1926751966]);
@@ -700,13 +817,43 @@ mod tests {
     fn fast_mod_is_exact() {
         let mut g = NumpyRng::new(99);
         let mut divisors: Vec<u64> = (0..=70)
-            .chain([255, 256, 257, 1000, 65535, 65536, 65537, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 32) + 1, u64::MAX])
-            .chain([(1 << 62) + 1, (1 << 63) - 1, 1 << 63, (1 << 63) + 1, u64::MAX - 1])
+            .chain([
+                255,
+                256,
+                257,
+                1000,
+                65535,
+                65536,
+                65537,
+                (1 << 31) - 1,
+                1 << 31,
+                (1 << 32) - 1,
+                1 << 32,
+                (1 << 32) + 1,
+                u64::MAX,
+            ])
+            .chain([
+                (1 << 62) + 1,
+                (1 << 63) - 1,
+                1 << 63,
+                (1 << 63) + 1,
+                u64::MAX - 1,
+            ])
             .collect();
         divisors.extend((0..200).map(|_| g.next_u64() >> (g.next_u64() % 40 + 24)));
         for d in divisors {
             let f = FastMod::new(d);
-            let mut xs = vec![0, 1, d.wrapping_sub(1), d, d.wrapping_add(1), u64::MAX, u64::MAX - 1, (1 << 63) - 1, 1 << 63];
+            let mut xs = vec![
+                0,
+                1,
+                d.wrapping_sub(1),
+                d,
+                d.wrapping_add(1),
+                u64::MAX,
+                u64::MAX - 1,
+                (1 << 63) - 1,
+                1 << 63,
+            ];
             xs.extend((0..2000).map(|_| g.next_u64()));
             xs.extend((0..2000).map(|_| g.next_u64() >> 1));
             xs.extend((0..2000).map(|_| u64::from(g.next_u32())));
@@ -719,16 +866,24 @@ mod tests {
                 }
             }
             for x in [(1 << 63) - 1, (1 << 63) - 2, (1 << 62) + 1] {
-                assert_eq!(f.reduce_u63(x), if d == 0 { 0 } else { x % d }, "{x} mod {d} (63 bits)");
+                assert_eq!(
+                    f.reduce_u63(x),
+                    if d == 0 { 0 } else { x % d },
+                    "{x} mod {d} (63 bits)"
+                );
             }
         }
     }
 
     #[test]
     fn bulk_draws_equal_single_draws() {
-        for len in [0usize, 1, 2, 3, 4, 5, 7, 8, 255, 256, 257, 511, 512, 513, 1000] {
-            let (mut a, mut b) =
-                (Pcg64::from_seed_state(SeedSequence::from_words(&[3]).state_u64()), Pcg64::from_seed_state(SeedSequence::from_words(&[3]).state_u64()));
+        for len in [
+            0usize, 1, 2, 3, 4, 5, 7, 8, 255, 256, 257, 511, 512, 513, 1000,
+        ] {
+            let (mut a, mut b) = (
+                Pcg64::from_seed_state(SeedSequence::from_words(&[3]).state_u64()),
+                Pcg64::from_seed_state(SeedSequence::from_words(&[3]).state_u64()),
+            );
             let mut out = vec![0u64; len];
             a.fill_u64(&mut out);
             let want: Vec<u64> = (0..len).map(|_| b.next_u64()).collect();
@@ -750,7 +905,10 @@ mod tests {
                 a.fill_integers_31(&mut out, |v| v);
                 let want: Vec<u32> = (0..len).map(|_| b.integers_31()).collect();
                 assert_eq!(out, want, "len {len}, pre {pre}");
-                assert_eq!([a.integers_31(), a.integers_31(), a.integers_31()], [b.integers_31(), b.integers_31(), b.integers_31()]);
+                assert_eq!(
+                    [a.integers_31(), a.integers_31(), a.integers_31()],
+                    [b.integers_31(), b.integers_31(), b.integers_31()]
+                );
                 let mut out = vec![0u64; len];
                 a.fill_integers_63(&mut out, |v| v);
                 let want: Vec<u64> = (0..len).map(|_| b.integers_63()).collect();
@@ -766,8 +924,10 @@ mod tests {
         let Some(avx2) = Avx2::new() else { return };
         for seed in [0u32, 3, 1234] {
             for len in [0usize, 1, 7, 31, 32, 33, 39, 40, 64, 100, 255, 256, 1000] {
-                let (mut a, mut b) =
-                    (Pcg64::from_seed_state(SeedSequence::from_words(&[seed]).state_u64()), Pcg64::from_seed_state(SeedSequence::from_words(&[seed]).state_u64()));
+                let (mut a, mut b) = (
+                    Pcg64::from_seed_state(SeedSequence::from_words(&[seed]).state_u64()),
+                    Pcg64::from_seed_state(SeedSequence::from_words(&[seed]).state_u64()),
+                );
                 let mut out = vec![0u64; len];
                 avx2.fill(&mut a, &mut out);
                 let want: Vec<u64> = (0..len).map(|_| b.next_u64()).collect();
@@ -780,18 +940,59 @@ mod tests {
     #[test]
     fn fast_mod_u32_is_exact() {
         let mut g = NumpyRng::new(5);
-        let mut divisors: Vec<u64> = (0..=70).chain([255, 256, 257, 1000, 65535, 65536, 65537, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32]).collect();
+        let mut divisors: Vec<u64> = (0..=70)
+            .chain([
+                255,
+                256,
+                257,
+                1000,
+                65535,
+                65536,
+                65537,
+                (1 << 31) - 1,
+                1 << 31,
+                (1 << 32) - 1,
+                1 << 32,
+            ])
+            .collect();
         divisors.extend((0..200).map(|_| g.next_u64() >> (g.next_u64() % 32 + 32)));
-        divisors.extend([(1 << 30) + 1, (1 << 31) + 1, (1 << 32) - 2, 3 << 30, u64::MAX]);
+        divisors.extend([
+            (1 << 30) + 1,
+            (1 << 31) + 1,
+            (1 << 32) - 2,
+            3 << 30,
+            u64::MAX,
+        ]);
         for d in divisors {
             let f = FastMod::new(d);
-            let mut xs = vec![0, 1, u32::MAX, u32::MAX - 1, (1 << 31) - 1, 1 << 31, d as u32, (d as u32).wrapping_sub(1)];
+            let mut xs = vec![
+                0,
+                1,
+                u32::MAX,
+                u32::MAX - 1,
+                (1 << 31) - 1,
+                1 << 31,
+                d as u32,
+                (d as u32).wrapping_sub(1),
+            ];
             xs.extend((0..3000).map(|_| g.next_u32()));
             for &x in &xs {
-                assert_eq!(f.reduce_u32(x), if d == 0 { 0 } else { u64::from(x) % d }, "{x} mod {d}");
+                assert_eq!(
+                    f.reduce_u32(x),
+                    if d == 0 { 0 } else { u64::from(x) % d },
+                    "{x} mod {d}"
+                );
             }
-            for x in xs.into_iter().map(|x| x >> 1).chain([(1 << 31) - 1, (1 << 31) - 2]) {
-                assert_eq!(u64::from(f.reduce_u31(x)), if d == 0 { 0 } else { u64::from(x) % d }, "{x} mod {d} (31 bits)");
+            for x in xs
+                .into_iter()
+                .map(|x| x >> 1)
+                .chain([(1 << 31) - 1, (1 << 31) - 2])
+            {
+                assert_eq!(
+                    u64::from(f.reduce_u31(x)),
+                    if d == 0 { 0 } else { u64::from(x) % d },
+                    "{x} mod {d} (31 bits)"
+                );
             }
         }
     }

@@ -28,7 +28,13 @@ pub fn uniform(n_entity: usize, n_relation: usize, n_triples: usize, seed: u64) 
 /// to entity ids by a random permutation, so popular entities are spread over the id space
 /// (as in real graphs, and so that `id mod N` is not trivially skewed). Self-loops are allowed.
 #[must_use]
-pub fn power_law(n_entity: usize, n_relation: usize, n_triples: usize, alpha: f64, seed: u64) -> Triples {
+pub fn power_law(
+    n_entity: usize,
+    n_relation: usize,
+    n_triples: usize,
+    alpha: f64,
+    seed: u64,
+) -> Triples {
     let mut rng = NumpyRng::new(u128::from(seed));
     let ids = rng.permutation(n_entity);
     let mut cdf = Vec::with_capacity(n_entity);
@@ -47,7 +53,8 @@ pub fn power_law(n_entity: usize, n_relation: usize, n_triples: usize, alpha: f6
         let h = ent(&mut rng);
         let tl = ent(&mut rng);
         t.head.push(h);
-        t.relation.push((rng.integers_63() % n_relation as u64) as i64);
+        t.relation
+            .push((rng.integers_63() % n_relation as u64) as i64);
         t.tail.push(tl);
     }
     t

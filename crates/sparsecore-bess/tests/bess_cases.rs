@@ -9,14 +9,23 @@ use ndarray::{Array2, ArrayD};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use sparsecore_bess::{
-    BatchOptions, BatchSampler, Corruption, NegativeSampler, PartitionMode, PartitionedTriples, RandomNegative, SamplerKind, Sharding,
-    TripleBasedNegative, Triples, TypeBasedNegative,
+    BatchOptions, BatchSampler, Corruption, NegativeSampler, PartitionMode, PartitionedTriples,
+    RandomNegative, SamplerKind, Sharding, TripleBasedNegative, Triples, TypeBasedNegative,
 };
 
 type R<T> = std::result::Result<T, String>;
 
 fn words(v: &Value) -> R<Vec<u32>> {
-    v["words"].as_array().ok_or("seed without words")?.iter().map(|w| w.as_u64().map(|x| x as u32).ok_or_else(|| "bad word".to_string())).collect()
+    v["words"]
+        .as_array()
+        .ok_or("seed without words")?
+        .iter()
+        .map(|w| {
+            w.as_u64()
+                .map(|x| x as u32)
+                .ok_or_else(|| "bad word".to_string())
+        })
+        .collect()
 }
 
 /// (shape, values) of an expected array; values are `None` for the sha256 form.
@@ -27,13 +36,30 @@ struct Expected {
 }
 
 fn expected(v: &Value) -> R<Expected> {
-    let shape = v["shape"].as_array().ok_or("array without shape")?.iter().map(|d| d.as_u64().unwrap_or(u64::MAX) as usize).collect();
-    let data = v.get("data").and_then(Value::as_array).map(|a| a.iter().map(|x| x.as_i64().or_else(|| x.as_bool().map(i64::from)).unwrap_or(i64::MIN)).collect());
+    let shape = v["shape"]
+        .as_array()
+        .ok_or("array without shape")?
+        .iter()
+        .map(|d| d.as_u64().unwrap_or(u64::MAX) as usize)
+        .collect();
+    let data = v.get("data").and_then(Value::as_array).map(|a| {
+        a.iter()
+            .map(|x| {
+                x.as_i64()
+                    .or_else(|| x.as_bool().map(i64::from))
+                    .unwrap_or(i64::MIN)
+            })
+            .collect()
+    });
     let sha256 = v.get("sha256").and_then(Value::as_str).map(str::to_string);
     if data.is_none() && sha256.is_none() {
         return Err("array without data or sha256".into());
     }
-    Ok(Expected { shape, data, sha256 })
+    Ok(Expected {
+        shape,
+        data,
+        sha256,
+    })
 }
 
 fn sha256_hex(values: &[i64]) -> String {
@@ -51,7 +77,11 @@ fn check(name: &str, exp: &Value, shape: &[usize], got: Vec<i64>) -> R<()> {
     }
     if let Some(d) = e.data {
         if d != got {
-            let first = d.iter().zip(&got).position(|(a, b)| a != b).unwrap_or(d.len().min(got.len()));
+            let first = d
+                .iter()
+                .zip(&got)
+                .position(|(a, b)| a != b)
+                .unwrap_or(d.len().min(got.len()));
             return Err(format!(
                 "{name}: values differ at flat index {first}: got {:?}, expected {:?}",
                 got.get(first),
@@ -72,7 +102,12 @@ fn check_nd<T: Copy + Into<i64>>(name: &str, exp: &Value, a: &ArrayD<T>) -> R<()
 }
 
 fn check_bool(name: &str, exp: &Value, a: &ArrayD<bool>) -> R<()> {
-    check(name, exp, a.shape(), a.iter().map(|&x| i64::from(x)).collect())
+    check(
+        name,
+        exp,
+        a.shape(),
+        a.iter().map(|&x| i64::from(x)).collect(),
+    )
 }
 
 fn check_2d(name: &str, exp: &Value, a: &Array2<i64>) -> R<()> {
@@ -96,16 +131,44 @@ fn array2(v: &Value) -> R<Array2<i64>> {
 }
 
 fn type_offsets(input: &Value) -> Option<Vec<i64>> {
-    input["type_offsets"].as_array().map(|a| a.iter().map(|x| x.as_i64().unwrap_or(-1)).collect())
+    input["type_offsets"]
+        .as_array()
+        .map(|a| a.iter().map(|x| x.as_i64().unwrap_or(-1)).collect())
 }
 
 fn check_sharding(s: &Sharding, exp: &Value) -> R<()> {
-    check_int("max_entity_per_shard", &exp["max_entity_per_shard"], s.max_entity_per_shard())?;
-    check_2d("shard_and_idx_to_entity", &exp["shard_and_idx_to_entity"], &s.shard_and_idx_to_entity)?;
-    check("entity_to_shard", &exp["entity_to_shard"], &[s.n_entity()], s.entity_to_shard.clone())?;
-    check("entity_to_idx", &exp["entity_to_idx"], &[s.n_entity()], s.entity_to_idx.clone())?;
-    check("shard_counts", &exp["shard_counts"], &[s.n_shard], s.shard_counts.clone())?;
-    for (k, a) in [("entity_type_counts", &s.entity_type_counts), ("entity_type_offsets", &s.entity_type_offsets)] {
+    check_int(
+        "max_entity_per_shard",
+        &exp["max_entity_per_shard"],
+        s.max_entity_per_shard(),
+    )?;
+    check_2d(
+        "shard_and_idx_to_entity",
+        &exp["shard_and_idx_to_entity"],
+        &s.shard_and_idx_to_entity,
+    )?;
+    check(
+        "entity_to_shard",
+        &exp["entity_to_shard"],
+        &[s.n_entity()],
+        s.entity_to_shard.clone(),
+    )?;
+    check(
+        "entity_to_idx",
+        &exp["entity_to_idx"],
+        &[s.n_entity()],
+        s.entity_to_idx.clone(),
+    )?;
+    check(
+        "shard_counts",
+        &exp["shard_counts"],
+        &[s.n_shard],
+        s.shard_counts.clone(),
+    )?;
+    for (k, a) in [
+        ("entity_type_counts", &s.entity_type_counts),
+        ("entity_type_offsets", &s.entity_type_offsets),
+    ] {
         match (exp.get(k), a) {
             (Some(e), Some(a)) => check_2d(k, e, a)?,
             (None, None) => {}
@@ -128,17 +191,45 @@ fn run_case(dir: &Path) -> R<()> {
     let n_shard = input["n_shard"].as_u64().ok_or("no n_shard")? as usize;
     let offsets = type_offsets(&input);
     if kind == "sharding" {
-        let s = Sharding::create(n_entity, n_shard, &words(&input["seed"])?, offsets.as_deref()).map_err(e)?;
+        let s = Sharding::create(
+            n_entity,
+            n_shard,
+            &words(&input["seed"])?,
+            offsets.as_deref(),
+        )
+        .map_err(e)?;
         return check_sharding(&s, &exp["sharding"]);
     }
-    let sharding = Arc::new(Sharding::create(n_entity, n_shard, &words(&input["sharding_seed"])?, offsets.as_deref()).map_err(e)?);
+    let sharding = Arc::new(
+        Sharding::create(
+            n_entity,
+            n_shard,
+            &words(&input["sharding_seed"])?,
+            offsets.as_deref(),
+        )
+        .map_err(e)?,
+    );
     check_sharding(&sharding, &exp["sharding"])?;
-    let mode = PartitionMode::parse(input["partition_mode"].as_str().ok_or("no partition_mode")?).map_err(e)?;
+    let mode = PartitionMode::parse(
+        input["partition_mode"]
+            .as_str()
+            .ok_or("no partition_mode")?,
+    )
+    .map_err(e)?;
     let t = array2(&input["triples"])?;
-    let triples = Triples::new(t.column(0).to_vec(), t.column(1).to_vec(), t.column(2).to_vec()).map_err(e)?;
+    let triples = Triples::new(
+        t.column(0).to_vec(),
+        t.column(1).to_vec(),
+        t.column(2).to_vec(),
+    )
+    .map_err(e)?;
     let mut b = PartitionedTriples::builder(sharding.clone(), mode)
         .n_relation(input["n_relation"].as_u64().ok_or("no n_relation")? as usize)
-        .inverse_triples(input["add_inverse_triples"].as_bool().ok_or("no add_inverse_triples")?);
+        .inverse_triples(
+            input["add_inverse_triples"]
+                .as_bool()
+                .ok_or("no add_inverse_triples")?,
+        );
     if let Some(o) = offsets {
         b = b.type_offsets(o);
     }
@@ -151,13 +242,36 @@ fn run_case(dir: &Path) -> R<()> {
     let part = b.build(&triples).map_err(e)?;
     let ep = &exp["partition"];
     let p = part.n_partitions();
-    let pshape: Vec<usize> = if mode == PartitionMode::HtShardPair { vec![n_shard, n_shard] } else { vec![n_shard] };
-    check("triple_counts", &ep["triple_counts"], &pshape, part.triple_counts.clone())?;
-    check("triple_offsets", &ep["triple_offsets"], &pshape, part.triple_offsets.clone())?;
+    let pshape: Vec<usize> = if mode == PartitionMode::HtShardPair {
+        vec![n_shard, n_shard]
+    } else {
+        vec![n_shard]
+    };
+    check(
+        "triple_counts",
+        &ep["triple_counts"],
+        &pshape,
+        part.triple_counts.clone(),
+    )?;
+    check(
+        "triple_offsets",
+        &ep["triple_offsets"],
+        &pshape,
+        part.triple_offsets.clone(),
+    )?;
     assert_eq!(p, pshape.iter().product::<usize>());
-    check("triple_sort_idx", &ep["triple_sort_idx"], &[part.len()], part.triple_sort_idx.clone())?;
+    check(
+        "triple_sort_idx",
+        &ep["triple_sort_idx"],
+        &[part.len()],
+        part.triple_sort_idx.clone(),
+    )?;
     check_2d("triples", &ep["triples"], &part.triples)?;
-    for (k, a) in [("types", &part.types), ("neg_heads", &part.neg_heads), ("neg_tails", &part.neg_tails)] {
+    for (k, a) in [
+        ("types", &part.types),
+        ("neg_heads", &part.neg_heads),
+        ("neg_tails", &part.neg_tails),
+    ] {
         match (ep.get(k), a) {
             (Some(x), Some(a)) => check_2d(k, x, a)?,
             (None, None) => {}
@@ -169,40 +283,102 @@ fn run_case(dir: &Path) -> R<()> {
     }
     let part = Arc::new(part);
     let neg = &input["negative"];
-    let corruption = Corruption::parse(neg["corruption_scheme"].as_str().ok_or("no corruption_scheme")?).map_err(e)?;
+    let corruption = Corruption::parse(
+        neg["corruption_scheme"]
+            .as_str()
+            .ok_or("no corruption_scheme")?,
+    )
+    .map_err(e)?;
     let flag = |v: &Value, k: &str| v[k].as_bool().ok_or_else(|| format!("no {k}"));
     let negative = match neg["kind"].as_str() {
         Some("random") => NegativeSampler::Random(
-            RandomNegative::new(neg["n_negative"].as_u64().ok_or("no n_negative")? as usize, &words(&neg["seed"])?, corruption, flag(neg, "local_sampling")?, flag(neg, "flat_negative_format")?)
-                .map_err(e)?,
+            RandomNegative::new(
+                neg["n_negative"].as_u64().ok_or("no n_negative")? as usize,
+                &words(&neg["seed"])?,
+                corruption,
+                flag(neg, "local_sampling")?,
+                flag(neg, "flat_negative_format")?,
+            )
+            .map_err(e)?,
         ),
         Some("type_based") => NegativeSampler::TypeBased(
-            TypeBasedNegative::new(neg["n_negative"].as_u64().ok_or("no n_negative")? as usize, &words(&neg["seed"])?, corruption, flag(neg, "local_sampling")?).map_err(e)?,
+            TypeBasedNegative::new(
+                neg["n_negative"].as_u64().ok_or("no n_negative")? as usize,
+                &words(&neg["seed"])?,
+                corruption,
+                flag(neg, "local_sampling")?,
+            )
+            .map_err(e)?,
         ),
         Some("triple_based") => {
-            let tb = TripleBasedNegative::new(&part, corruption, flag(neg, "mask_on_gather")?, flag(neg, "return_sort_idx")?).map_err(e)?;
+            let tb = TripleBasedNegative::new(
+                &part,
+                corruption,
+                flag(neg, "mask_on_gather")?,
+                flag(neg, "return_sort_idx")?,
+            )
+            .map_err(e)?;
             let st = &exp["triple_based_state"];
             if st["flat_negative_format"].as_bool() != Some(tb.flat_negative_format) {
                 return Err("triple_based_state.flat_negative_format differs".into());
             }
-            let rows = tb.heads.as_ref().or(tb.tails.as_ref()).map_or(0, |t| t.sort_idx.nrows());
+            let rows = tb
+                .heads
+                .as_ref()
+                .or(tb.tails.as_ref())
+                .map_or(0, |t| t.sort_idx.nrows());
             check_int("triple_based_state.N", &st["N"], rows)?;
-            check_int("triple_based_state.n_negative", &st["n_negative"], tb.n_negative)?;
-            check_int("triple_based_state.padded_shard_length", &st["padded_shard_length"], tb.padded_shard_length)?;
-            let tables: Vec<(&str, &sparsecore_bess::negative::PaddedNegatives)> = match corruption {
+            check_int(
+                "triple_based_state.n_negative",
+                &st["n_negative"],
+                tb.n_negative,
+            )?;
+            check_int(
+                "triple_based_state.padded_shard_length",
+                &st["padded_shard_length"],
+                tb.padded_shard_length,
+            )?;
+            let tables: Vec<(&str, &sparsecore_bess::negative::PaddedNegatives)> = match corruption
+            {
                 Corruption::H => vec![("", tb.heads.as_ref().ok_or("no heads")?)],
                 Corruption::T => vec![("", tb.tails.as_ref().ok_or("no tails")?)],
-                Corruption::Ht => vec![("h", tb.heads.as_ref().ok_or("no heads")?), ("t", tb.tails.as_ref().ok_or("no tails")?)],
+                Corruption::Ht => vec![
+                    ("h", tb.heads.as_ref().ok_or("no heads")?),
+                    ("t", tb.tails.as_ref().ok_or("no tails")?),
+                ],
             };
             for (sfx, tab) in tables {
                 let (si, pn, mk) = if sfx.is_empty() {
-                    ("sort_neg_idx".to_string(), "padded_negatives".to_string(), "mask".to_string())
+                    (
+                        "sort_neg_idx".to_string(),
+                        "padded_negatives".to_string(),
+                        "mask".to_string(),
+                    )
                 } else {
-                    (format!("sort_neg_{sfx}_idx"), format!("padded_negatives_{sfx}"), format!("mask_{sfx}"))
+                    (
+                        format!("sort_neg_{sfx}_idx"),
+                        format!("padded_negatives_{sfx}"),
+                        format!("mask_{sfx}"),
+                    )
                 };
-                check(&si, &st[&si], tab.sort_idx.shape(), tab.sort_idx.iter().map(|&x| i64::from(x)).collect())?;
-                check(&pn, &st[&pn], tab.padded.shape(), tab.padded.iter().copied().collect())?;
-                check(&mk, &st[&mk], tab.mask.shape(), tab.mask.iter().map(|&x| i64::from(x)).collect())?;
+                check(
+                    &si,
+                    &st[&si],
+                    tab.sort_idx.shape(),
+                    tab.sort_idx.iter().map(|&x| i64::from(x)).collect(),
+                )?;
+                check(
+                    &pn,
+                    &st[&pn],
+                    tab.padded.shape(),
+                    tab.padded.iter().copied().collect(),
+                )?;
+                check(
+                    &mk,
+                    &st[&mk],
+                    tab.mask.shape(),
+                    tab.mask.iter().map(|&x| i64::from(x)).collect(),
+                )?;
             }
             NegativeSampler::TripleBased(Box::new(tb))
         }
@@ -210,7 +386,9 @@ fn run_case(dir: &Path) -> R<()> {
     };
     let s = &input["sampler"];
     let kind = match s["kind"].as_str() {
-        Some("random") => SamplerKind::Random { seed_words: words(&s["seed"])? },
+        Some("random") => SamplerKind::Random {
+            seed_words: words(&s["seed"])?,
+        },
         Some("rigid") => {
             if s.get("shuffle").and_then(Value::as_bool) == Some(true) {
                 return Err("rigid with shuffle=True is not a reference case".into());
@@ -221,15 +399,25 @@ fn run_case(dir: &Path) -> R<()> {
     };
     let options = BatchOptions {
         shard_bs: s["shard_bs"].as_u64().ok_or("no shard_bs")? as usize,
-        batches_per_step: s["batches_per_step"].as_u64().ok_or("no batches_per_step")? as usize,
+        batches_per_step: s["batches_per_step"]
+            .as_u64()
+            .ok_or("no batches_per_step")? as usize,
         duplicate_batch: flag(s, "duplicate_batch")?,
         return_triple_idx: flag(s, "return_triple_idx")?,
         kind,
     };
     let mut sampler = BatchSampler::new(part.clone(), options, Some(negative)).map_err(e)?;
     let es = &exp["sampler"];
-    check_int("positive_per_partition", &es["positive_per_partition"], sampler.geometry().positive_per_partition)?;
-    check_int("partition_sample_size", &es["partition_sample_size"], sampler.geometry().partition_sample_size)?;
+    check_int(
+        "positive_per_partition",
+        &es["positive_per_partition"],
+        sampler.geometry().positive_per_partition,
+    )?;
+    check_int(
+        "partition_sample_size",
+        &es["partition_sample_size"],
+        sampler.geometry().partition_sample_size,
+    )?;
     check_int("len", &es["len"], sampler.len())?;
     let steps = exp["steps"].as_array().ok_or("no steps")?;
     if steps.len() as u64 != s["n_steps"].as_u64().unwrap_or(u64::MAX) {
@@ -237,7 +425,12 @@ fn run_case(dir: &Path) -> R<()> {
     }
     let pss = sampler.geometry().partition_sample_size;
     for (k, st) in steps.iter().enumerate() {
-        let idx: Vec<usize> = st["idx"].as_array().ok_or("no idx")?.iter().map(|x| x.as_u64().unwrap_or(0) as usize).collect();
+        let idx: Vec<usize> = st["idx"]
+            .as_array()
+            .ok_or("no idx")?
+            .iter()
+            .map(|x| x.as_u64().unwrap_or(0) as usize)
+            .collect();
         let step = match idx[..] {
             [i] => i,
             [a, b] if b == a + pss && a % pss == 0 => a / pss,
@@ -270,17 +463,29 @@ fn run_case(dir: &Path) -> R<()> {
             ours.insert("triple_idx");
             check_nd(&w("triple_idx"), &out["triple_idx"], a)?;
         }
-        let theirs: BTreeSet<&str> = out.as_object().ok_or("outputs not an object")?.keys().map(String::as_str).collect();
+        let theirs: BTreeSet<&str> = out
+            .as_object()
+            .ok_or("outputs not an object")?
+            .keys()
+            .map(String::as_str)
+            .collect();
         if ours != theirs {
-            return Err(format!("step {k}: output keys {ours:?}, expected {theirs:?}"));
+            return Err(format!(
+                "step {k}: output keys {ours:?}, expected {theirs:?}"
+            ));
         }
     }
     Ok(())
 }
 
 fn case_dirs(root: &Path) -> Vec<PathBuf> {
-    let entries = std::fs::read_dir(root).unwrap_or_else(|e| panic!("cases folder {} cannot be read: {e}", root.display()));
-    let mut dirs: Vec<PathBuf> = entries.flatten().map(|e| e.path()).filter(|p| p.join("input.json").is_file()).collect();
+    let entries = std::fs::read_dir(root)
+        .unwrap_or_else(|e| panic!("cases folder {} cannot be read: {e}", root.display()));
+    let mut dirs: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join("input.json").is_file())
+        .collect();
     dirs.sort();
     dirs
 }
@@ -296,10 +501,17 @@ fn bess_cases() {
     for root in &roots {
         assert!(root.is_dir(), "cases folder {} is missing", root.display());
         let dirs = case_dirs(root);
-        assert!(!dirs.is_empty(), "cases folder {} holds no case", root.display());
+        assert!(
+            !dirs.is_empty(),
+            "cases folder {} holds no case",
+            root.display()
+        );
         for dir in dirs {
             total += 1;
-            let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let name = dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
             match std::panic::catch_unwind(|| run_case(&dir)) {
                 Ok(Ok(())) => {}
                 Ok(Err(m)) => failures.push(format!("{name}: {m}")),
@@ -311,5 +523,9 @@ fn bess_cases() {
         println!("FAIL {f}");
     }
     println!("bess cases: {}/{} passed", total - failures.len(), total);
-    assert!(failures.is_empty(), "{} of {total} cases failed", failures.len());
+    assert!(
+        failures.is_empty(),
+        "{} of {total} cases failed",
+        failures.len()
+    );
 }

@@ -12,7 +12,8 @@ use sparsecore_prep::{Error, NpzBound};
 fn write_sharding(path: &std::path::Path, s: &Sharding, mib: usize) {
     let members = common::sharding_members(s);
     let mut zip = zip::ZipWriter::new(std::fs::File::create(path).unwrap());
-    let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
+    let opts = zip::write::SimpleFileOptions::default()
+        .compression_method(zip::CompressionMethod::Deflated);
     let zeros = vec![0u8; 1 << 20];
     for (name, bytes) in members {
         zip.start_file(name, opts).unwrap();
@@ -38,19 +39,40 @@ fn a_deflate_bomb_member_is_refused_naming_file_member_size_and_limit() {
     assert_eq!(Sharding::load_npz(&path).unwrap(), s);
 
     write_sharding(&path, &s, 16);
-    assert!(std::fs::metadata(&path).unwrap().len() < 200_000, "the bomb is small on disk");
+    assert!(
+        std::fs::metadata(&path).unwrap().len() < 200_000,
+        "the bomb is small on disk"
+    );
     let start = std::time::Instant::now();
     let e = Sharding::load_npz(&path).unwrap_err();
     let took = start.elapsed();
     let name = path.display().to_string();
     // encode_npy's header of a (50,) int64 array takes 128 bytes, its data 400.
     match &e {
-        BessError::Prep(Error::NpzMemberTooLarge { file, member, size, bound, limit }) => {
-            assert_eq!((file.as_str(), member.as_str(), *size, *bound, *limit), (name.as_str(), "entity_to_shard", 16_777_744, NpzBound::Declared, 528));
+        BessError::Prep(Error::NpzMemberTooLarge {
+            file,
+            member,
+            size,
+            bound,
+            limit,
+        }) => {
+            assert_eq!(
+                (file.as_str(), member.as_str(), *size, *bound, *limit),
+                (
+                    name.as_str(),
+                    "entity_to_shard",
+                    16_777_744,
+                    NpzBound::Declared,
+                    528
+                )
+            );
         }
         other => panic!("{other:?}"),
     }
     assert_eq!(e.to_string(), format!("{name}: member `entity_to_shard`: 16777744 bytes decompressed, more than its .npy header declares: 528"));
-    assert!(took < std::time::Duration::from_secs(2), "refused in {took:?}");
+    assert!(
+        took < std::time::Duration::from_secs(2),
+        "refused in {took:?}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

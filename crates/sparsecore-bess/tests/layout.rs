@@ -10,7 +10,10 @@ fn cell_counts(so: &StackOutput, n: usize, s: usize) -> Vec<Vec<i32>> {
 fn run(stream: BessStream, exact_with_negatives: bool) {
     let config = stream.config().clone();
     let counts = *stream.counts();
-    let (n, s) = (stream.layout().num_sparsecores(), stream.layout().sc_per_device);
+    let (n, s) = (
+        stream.layout().num_sparsecores(),
+        stream.layout().sc_per_device,
+    );
     let mut prep = Preprocessor::new(config).unwrap();
     let mut out = Output::new();
     let mut batches = 0;
@@ -30,11 +33,22 @@ fn run(stream: BessStream, exact_with_negatives: bool) {
         } else {
             assert!(st.iter().all(|&v| v <= limit));
             for row in cell_counts(so, n, s) {
-                assert!(row.iter().all(|&v| v <= limit && v >= counts.positive_ids_per_partition as i32), "{row:?}");
+                assert!(
+                    row.iter()
+                        .all(|&v| v <= limit && v >= counts.positive_ids_per_partition as i32),
+                    "{row:?}"
+                );
             }
         }
-        assert!(so.stats.max_unique_ids_per_partition.iter().all(|&v| v <= limit));
-        assert_eq!(so.coo_buffer_size_per_device(), counts.coo_buffer_size_per_device);
+        assert!(so
+            .stats
+            .max_unique_ids_per_partition
+            .iter()
+            .all(|&v| v <= limit));
+        assert_eq!(
+            so.coo_buffer_size_per_device(),
+            counts.coo_buffer_size_per_device
+        );
         batches += 1;
     }
     assert!(batches > 0);
@@ -45,8 +59,16 @@ fn positives_only_fill_every_cell_exactly() {
     for (l, g, s, alpha) in [(1, 1, 4, 0.0), (2, 2, 2, 1.1), (1, 4, 4, 1.1)] {
         let n = g * s;
         let e = 50 * n;
-        let triples = if alpha == 0.0 { synth::uniform(e, 7, 40 * n * n, 3) } else { synth::power_law(e, 7, 40 * n * n, alpha, 3) };
-        for sampler in [StreamSampler::Random, StreamSampler::Rigid { shuffle: false }, StreamSampler::Rigid { shuffle: true }] {
+        let triples = if alpha == 0.0 {
+            synth::uniform(e, 7, 40 * n * n, 3)
+        } else {
+            synth::power_law(e, 7, 40 * n * n, alpha, 3)
+        };
+        for sampler in [
+            StreamSampler::Random,
+            StreamSampler::Rigid { shuffle: false },
+            StreamSampler::Rigid { shuffle: true },
+        ] {
             let stream = BessStream::builder()
                 .triples(triples.clone())
                 .n_entity(e)
@@ -65,7 +87,11 @@ fn positives_only_fill_every_cell_exactly() {
 
 #[test]
 fn one_negative_per_row_keeps_every_cell_exact() {
-    for (flat, corruption) in [(true, Corruption::T), (true, Corruption::Ht), (false, Corruption::H)] {
+    for (flat, corruption) in [
+        (true, Corruption::T),
+        (true, Corruption::Ht),
+        (false, Corruption::H),
+    ] {
         let stream = BessStream::builder()
             .triples(synth::power_law(400, 5, 3000, 1.0, 9))
             .n_entity(400)
@@ -91,7 +117,9 @@ fn type_and_triple_based_negatives_stay_within_the_limits() {
         .shard_batch_size(8)
         .negatives(2)
         .flat_negatives(false)
-        .negative_sampler(NegativeKind::TypeBased { type_offsets: vec![0, 100, 250] })
+        .negative_sampler(NegativeKind::TypeBased {
+            type_offsets: vec![0, 100, 250],
+        })
         .seed(1)
         .steps(4)
         .build()
@@ -102,7 +130,10 @@ fn type_and_triple_based_negatives_stay_within_the_limits() {
         .triples(triples)
         .n_entity(300)
         .shard_batch_size(8)
-        .negative_sampler(NegativeKind::TripleBased { neg_heads: None, neg_tails: Some(tails) })
+        .negative_sampler(NegativeKind::TripleBased {
+            neg_heads: None,
+            neg_tails: Some(tails),
+        })
         .sampler(StreamSampler::Rigid { shuffle: false })
         .seed(1)
         .steps(4)
@@ -114,12 +145,34 @@ fn type_and_triple_based_negatives_stay_within_the_limits() {
 #[test]
 fn record_batch_ids_are_the_sharded_entities() {
     let triples = synth::uniform(200, 3, 1500, 4);
-    let mut stream = BessStream::builder().triples(triples.clone()).n_entity(200).shard_batch_size(4).negatives(2).annotations(true).seed(3).steps(2).build().unwrap();
+    let mut stream = BessStream::builder()
+        .triples(triples.clone())
+        .n_entity(200)
+        .shard_batch_size(4)
+        .negatives(2)
+        .annotations(true)
+        .seed(3)
+        .steps(2)
+        .build()
+        .unwrap();
     let b = stream.next().unwrap().unwrap();
     let rb = &b.record_batch;
-    let lists = |name: &str| rb.column_by_name(name).unwrap().as_any().downcast_ref::<arrow_array::ListArray>().unwrap().clone();
+    let lists = |name: &str| {
+        rb.column_by_name(name)
+            .unwrap()
+            .as_any()
+            .downcast_ref::<arrow_array::ListArray>()
+            .unwrap()
+            .clone()
+    };
     let (head, tail) = (lists("head"), lists("tail"));
-    let tidx = rb.column_by_name("triple_idx").unwrap().as_any().downcast_ref::<arrow_array::Int64Array>().unwrap().clone();
+    let tidx = rb
+        .column_by_name("triple_idx")
+        .unwrap()
+        .as_any()
+        .downcast_ref::<arrow_array::Int64Array>()
+        .unwrap()
+        .clone();
     let part = stream.partitioned().clone();
     let sh = stream.sharding().clone();
     let r = stream.counts().rows_per_sparsecore;
@@ -131,13 +184,29 @@ fn record_batch_ids_are_the_sharded_entities() {
         }
         let idx = tidx.value(row) as usize;
         let orig = part.triple_sort_idx[idx] as usize;
-        let h = head.value(row).as_any().downcast_ref::<arrow_array::Int64Array>().unwrap().value(0);
-        let tl = tail.value(row).as_any().downcast_ref::<arrow_array::Int64Array>().unwrap().value(0);
+        let h = head
+            .value(row)
+            .as_any()
+            .downcast_ref::<arrow_array::Int64Array>()
+            .unwrap()
+            .value(0);
+        let tl = tail
+            .value(row)
+            .as_any()
+            .downcast_ref::<arrow_array::Int64Array>()
+            .unwrap()
+            .value(0);
         assert_eq!(h, stream.physical_id_of_entity(triples.head[orig]).unwrap());
-        assert_eq!(tl, stream.physical_id_of_entity(triples.tail[orig]).unwrap());
+        assert_eq!(
+            tl,
+            stream.physical_id_of_entity(triples.tail[orig]).unwrap()
+        );
         // Back from the physical id to the entity.
         let (s, i) = stream.layout().shard_and_local(h);
-        assert_eq!(sh.shard_and_idx_to_entity[[s, i as usize]], triples.head[orig]);
+        assert_eq!(
+            sh.shard_and_idx_to_entity[[s, i as usize]],
+            triples.head[orig]
+        );
     }
 }
 
@@ -147,13 +216,35 @@ fn hosts_feed_their_own_sparsecores() {
     // each, concatenated (host 0's rows first).
     let triples = synth::power_law(300, 4, 2500, 0.8, 6);
     let make = |l: usize, host: usize| {
-        BessStream::builder().triples(triples.clone()).n_entity(300).devices(l, 2, 2).host(host).shard_batch_size(6).negatives(2).seed(8).steps(3).build().unwrap()
+        BessStream::builder()
+            .triples(triples.clone())
+            .n_entity(300)
+            .devices(l, 2, 2)
+            .host(host)
+            .shard_batch_size(6)
+            .negatives(2)
+            .seed(8)
+            .steps(3)
+            .build()
+            .unwrap()
     };
     let (mut both, mut h0, mut h1) = (make(2, 0), make(1, 0), make(1, 1));
-    assert!(matches!(BessStream::builder().triples(triples.clone()).n_entity(300).devices(1, 2, 2).host(2).shard_batch_size(6).build(), Err(sparsecore_bess::BessError::InvalidParameter { name: "host", .. })));
+    assert!(matches!(
+        BessStream::builder()
+            .triples(triples.clone())
+            .n_entity(300)
+            .devices(1, 2, 2)
+            .host(2)
+            .shard_batch_size(6)
+            .build(),
+        Err(sparsecore_bess::BessError::InvalidParameter { name: "host", .. })
+    ));
     for step in 0..3 {
         let all = both.draw(step).unwrap().record_batch;
-        let parts = [h0.draw(step).unwrap().record_batch, h1.draw(step).unwrap().record_batch];
+        let parts = [
+            h0.draw(step).unwrap().record_batch,
+            h1.draw(step).unwrap().record_batch,
+        ];
         let joined = arrow_select::concat::concat_batches(&all.schema(), &parts).unwrap();
         assert_eq!(all, joined);
     }

@@ -38,12 +38,16 @@
 
 use std::sync::Arc;
 
-use arrow_array::{Array, ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, ListArray, RecordBatch};
+use arrow_array::{
+    Array, ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, ListArray, RecordBatch,
+};
 use arrow_schema::{DataType, Field};
 use ndarray::{Array2, ArrayD, IxDyn};
 use sparsecore_bess::{
-    seed_words, synth, BatchOptions, BatchSampler, BessStream, CellCounts, Corruption, NegativeKind, NegativeOutput, NegativeSampler, NumpyRng, PartitionMode,
-    PartitionedTriples, RandomNegative, SamplerKind, Sharding, StreamSampler, TripleBasedNegative, Triples, TypeBasedNegative,
+    seed_words, synth, BatchOptions, BatchSampler, BessStream, CellCounts, Corruption,
+    NegativeKind, NegativeOutput, NegativeSampler, NumpyRng, PartitionMode, PartitionedTriples,
+    RandomNegative, SamplerKind, Sharding, StreamSampler, TripleBasedNegative, Triples,
+    TypeBasedNegative,
 };
 
 /// One stream configuration.
@@ -130,20 +134,49 @@ fn cells(col: &ArrayRef) -> Vec<Cell> {
             (0..a.len())
                 .map(|i| {
                     let v = a.value(i);
-                    null_or(i, Cell::Ids(v.as_any().downcast_ref::<Int64Array>().expect("int64 lists").iter().map(|x| x.expect("no null id")).collect()))
+                    null_or(
+                        i,
+                        Cell::Ids(
+                            v.as_any()
+                                .downcast_ref::<Int64Array>()
+                                .expect("int64 lists")
+                                .iter()
+                                .map(|x| x.expect("no null id"))
+                                .collect(),
+                        ),
+                    )
                 })
                 .collect()
         }
-        DataType::Int64 => any.downcast_ref::<Int64Array>().expect("int64").values().iter().enumerate().map(|(i, &v)| null_or(i, Cell::Int(v))).collect(),
-        DataType::Int32 => {
-            any.downcast_ref::<Int32Array>().expect("int32").values().iter().enumerate().map(|(i, &v)| null_or(i, Cell::Int(i64::from(v)))).collect()
-        }
-        DataType::Int8 => {
-            any.downcast_ref::<Int8Array>().expect("int8").values().iter().enumerate().map(|(i, &v)| null_or(i, Cell::Int(i64::from(v)))).collect()
-        }
+        DataType::Int64 => any
+            .downcast_ref::<Int64Array>()
+            .expect("int64")
+            .values()
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| null_or(i, Cell::Int(v)))
+            .collect(),
+        DataType::Int32 => any
+            .downcast_ref::<Int32Array>()
+            .expect("int32")
+            .values()
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| null_or(i, Cell::Int(i64::from(v))))
+            .collect(),
+        DataType::Int8 => any
+            .downcast_ref::<Int8Array>()
+            .expect("int8")
+            .values()
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| null_or(i, Cell::Int(i64::from(v))))
+            .collect(),
         DataType::Boolean => {
             let a = any.downcast_ref::<BooleanArray>().expect("bool");
-            (0..a.len()).map(|i| null_or(i, Cell::Bool(a.value(i)))).collect()
+            (0..a.len())
+                .map(|i| null_or(i, Cell::Bool(a.value(i))))
+                .collect()
         }
         other => panic!("unexpected column type {other:?}"),
     }
@@ -177,7 +210,12 @@ enum Positives {
     /// besskge's Random sampler, or its Rigid sampler without shuffle.
     Sampler(Box<BatchSampler>),
     /// Rigid with shuffle, as [`SamplerKind::Rigid`] documents it.
-    Shuffled { rng: NumpyRng, epoch: Option<usize>, perm: Vec<usize>, len: usize },
+    Shuffled {
+        rng: NumpyRng,
+        epoch: Option<usize>,
+        perm: Vec<usize>,
+        len: usize,
+    },
 }
 
 /// What one step must yield.
@@ -213,12 +251,30 @@ impl Oracle {
             NegativeKind::TypeBased { type_offsets } => Some(type_offsets.clone()),
             _ => None,
         };
-        let sharding = Arc::new(Sharding::create(case.n_entity, n, &seed_words(u128::from(case.seeds.0)), type_offsets.as_deref()).expect("sharding"));
-        let n_relation = case.triples.relation.iter().max().map_or(0, |&r| r as usize + 1);
-        let mut pb = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair).n_relation(n_relation).inverse_triples(case.inverse);
+        let sharding = Arc::new(
+            Sharding::create(
+                case.n_entity,
+                n,
+                &seed_words(u128::from(case.seeds.0)),
+                type_offsets.as_deref(),
+            )
+            .expect("sharding"),
+        );
+        let n_relation = case
+            .triples
+            .relation
+            .iter()
+            .max()
+            .map_or(0, |&r| r as usize + 1);
+        let mut pb = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair)
+            .n_relation(n_relation)
+            .inverse_triples(case.inverse);
         match &case.kind {
             NegativeKind::TypeBased { type_offsets } => pb = pb.type_offsets(type_offsets.clone()),
-            NegativeKind::TripleBased { neg_heads, neg_tails } => {
+            NegativeKind::TripleBased {
+                neg_heads,
+                neg_tails,
+            } => {
                 if let Some(h) = neg_heads {
                     pb = pb.neg_heads(h.clone());
                 }
@@ -236,30 +292,58 @@ impl Oracle {
         }
         let words = seed_words(u128::from(case.seeds.1));
         let sampler = |kind: SamplerKind| {
-            let options = BatchOptions { shard_bs: case.shard_bs, batches_per_step: 1, duplicate_batch: false, return_triple_idx: true, kind };
-            let s = BatchSampler::positives_only(part.clone(), options, case.corruption).expect("batch sampler");
-            assert_eq!(s.geometry().positive_per_partition, ppp, "{}: ppp", case.name);
+            let options = BatchOptions {
+                shard_bs: case.shard_bs,
+                batches_per_step: 1,
+                duplicate_batch: false,
+                return_triple_idx: true,
+                kind,
+            };
+            let s = BatchSampler::positives_only(part.clone(), options, case.corruption)
+                .expect("batch sampler");
+            assert_eq!(
+                s.geometry().positive_per_partition,
+                ppp,
+                "{}: ppp",
+                case.name
+            );
             Positives::Sampler(Box::new(s))
         };
         let positives = match case.sampler {
             StreamSampler::Random => sampler(SamplerKind::Random { seed_words: words }),
-            StreamSampler::Rigid { shuffle: false } => sampler(SamplerKind::Rigid { shuffle: None }),
+            StreamSampler::Rigid { shuffle: false } => {
+                sampler(SamplerKind::Rigid { shuffle: None })
+            }
             StreamSampler::Rigid { shuffle: true } => {
                 // SPEC 4.1: Rigid's `len` pads the longest partition to a multiple of pss = ppp.
-                let max = part.triple_counts.iter().copied().max().expect("partitions") as usize;
-                Positives::Shuffled { rng: NumpyRng::from_words(&words), epoch: None, perm: Vec::new(), len: max.div_ceil(ppp) * ppp }
+                let max = part
+                    .triple_counts
+                    .iter()
+                    .copied()
+                    .max()
+                    .expect("partitions") as usize;
+                Positives::Shuffled {
+                    rng: NumpyRng::from_words(&words),
+                    epoch: None,
+                    perm: Vec::new(),
+                    len: max.div_ceil(ppp) * ppp,
+                }
             }
         };
         let neg_words = seed_words(u128::from(case.seeds.2));
         let negative = match (&case.kind, case.negatives) {
-            (NegativeKind::TripleBased { .. }, _) => {
-                Some(NegativeSampler::TripleBased(Box::new(TripleBasedNegative::new(&part, case.corruption, true, false).expect("triple-based"))))
-            }
+            (NegativeKind::TripleBased { .. }, _) => Some(NegativeSampler::TripleBased(Box::new(
+                TripleBasedNegative::new(&part, case.corruption, true, false)
+                    .expect("triple-based"),
+            ))),
             (_, 0) => None,
-            (NegativeKind::Random, k) => Some(NegativeSampler::Random(RandomNegative::new(k, &neg_words, case.corruption, false, case.flat).expect("random"))),
-            (NegativeKind::TypeBased { .. }, k) => {
-                Some(NegativeSampler::TypeBased(TypeBasedNegative::new(k, &neg_words, case.corruption, false).expect("type-based")))
-            }
+            (NegativeKind::Random, k) => Some(NegativeSampler::Random(
+                RandomNegative::new(k, &neg_words, case.corruption, false, case.flat)
+                    .expect("random"),
+            )),
+            (NegativeKind::TypeBased { .. }, k) => Some(NegativeSampler::TypeBased(
+                TypeBasedNegative::new(k, &neg_words, case.corruption, false).expect("type-based"),
+            )),
         };
         Oracle {
             part,
@@ -283,18 +367,34 @@ impl Oracle {
             Positives::Sampler(s) => {
                 let b = s.sample(step).expect("batch");
                 assert_eq!(b.sample_idx.shape(), [1, n, n, ppp]);
-                (b.sample_idx.iter().copied().collect(), b.triple_mask.map(|m| m.iter().copied().collect()))
+                (
+                    b.sample_idx.iter().copied().collect(),
+                    b.triple_mask.map(|m| m.iter().copied().collect()),
+                )
             }
-            Positives::Shuffled { rng, epoch, perm, len } => {
+            Positives::Shuffled {
+                rng,
+                epoch,
+                perm,
+                len,
+            } => {
                 let per_epoch = *len / ppp;
                 let (e, window) = (step / per_epoch, step % per_epoch);
-                assert!(epoch.is_none_or(|x| x <= e), "the oracle draws epochs in order");
+                assert!(
+                    epoch.is_none_or(|x| x <= e),
+                    "the oracle draws epochs in order"
+                );
                 while *epoch != Some(e) {
                     *perm = epoch_order(rng, *len);
                     *epoch = Some(epoch.map_or(0, |x| x + 1));
                 }
                 let (mut idx, mut mask) = (Vec::new(), Vec::new());
-                for (&c, &off) in self.part.triple_counts.iter().zip(&self.part.triple_offsets) {
+                for (&c, &off) in self
+                    .part
+                    .triple_counts
+                    .iter()
+                    .zip(&self.part.triple_offsets)
+                {
                     for &pos in &perm[window * ppp..(window + 1) * ppp] {
                         idx.push(off + pos as i64 % c);
                         mask.push((pos as i64) < c);
@@ -330,14 +430,23 @@ impl Oracle {
         }
         let si = ArrayD::from_shape_vec(IxDyn(&[n, n, ppp]), si).expect("shape");
         let part = self.part.clone();
-        let neg =
-            self.negative.as_mut().map(|ns| ns.sample(&part, &si.clone().into_shape_with_order(IxDyn(&[1, n, n, ppp])).expect("shape")).expect("negatives"));
+        let neg = self.negative.as_mut().map(|ns| {
+            ns.sample(
+                &part,
+                &si.clone()
+                    .into_shape_with_order(IxDyn(&[1, n, n, ppp]))
+                    .expect("shape"),
+            )
+            .expect("negatives")
+        });
         let flat = match &self.negative {
             Some(NegativeSampler::Random(r)) => r.flat_negative_format,
             Some(NegativeSampler::TripleBased(t)) => t.flat_negative_format,
             _ => false,
         };
-        let (b, k) = neg.as_ref().map_or((0, 0), |o| (o.negative.shape()[3], o.negative.shape()[4]));
+        let (b, k) = neg
+            .as_ref()
+            .map_or((0, 0), |o| (o.negative.shape()[3], o.negative.shape()[4]));
         if let Some(o) = &neg {
             assert_eq!(o.negative.shape(), [1, n, n, b, k]);
         }
@@ -366,7 +475,8 @@ impl Oracle {
         };
         let tr = &self.part.triples;
         let mut c: [Vec<Cell>; 10] = Default::default();
-        let [head, tail, relation, triple_mask, triple_idx, negative, negative_mask, negative_shard, negative_triple, negative_side] = &mut c;
+        let [head, tail, relation, triple_mask, triple_idx, negative, negative_mask, negative_shard, negative_triple, negative_side] =
+            &mut c;
         for slot in 0..self.local {
             let g = self.first + slot;
             for row in 0..r {
@@ -390,20 +500,32 @@ impl Oracle {
                 let Some(o) = &neg else { continue };
                 if row < neg_rows {
                     let (x, bb, ii) = (row / (b * k), row / k % b, row % k);
-                    negative.push(Cell::Ids(vec![self.phys(x, i64::from(o.negative[[0, x, g, bb, ii]]))]));
-                    negative_mask.push(o.mask.as_ref().map_or(Cell::Null, |m| Cell::Bool(m[[0, x, g, bb, ii]])));
+                    negative.push(Cell::Ids(vec![
+                        self.phys(x, i64::from(o.negative[[0, x, g, bb, ii]]))
+                    ]));
+                    negative_mask.push(
+                        o.mask
+                            .as_ref()
+                            .map_or(Cell::Null, |m| Cell::Bool(m[[0, x, g, bb, ii]])),
+                    );
                     negative_shard.push(Cell::Int(x as i64));
                     negative_triple.push(Cell::Int(if flat { -1 } else { bb as i64 }));
                     negative_side.push(Cell::Int(side(bb)));
                 } else {
                     negative.push(Cell::Ids(vec![]));
-                    for col in [&mut *negative_mask, &mut *negative_shard, &mut *negative_triple, &mut *negative_side] {
+                    for col in [
+                        &mut *negative_mask,
+                        &mut *negative_shard,
+                        &mut *negative_triple,
+                        &mut *negative_side,
+                    ] {
                         col.push(Cell::Null);
                     }
                 }
             }
         }
-        let [head, tail, relation, triple_mask, triple_idx, negative, negative_mask, negative_shard, negative_triple, negative_side] = c;
+        let [head, tail, relation, triple_mask, triple_idx, negative, negative_mask, negative_shard, negative_triple, negative_side] =
+            c;
         let mut columns = vec![
             ("head", id_list(), head),
             ("tail", id_list(), tail),
@@ -436,13 +558,26 @@ impl Oracle {
 }
 
 fn compare(case: &str, step: usize, rb: &RecordBatch, want: &Expected) {
-    let got: Vec<(String, DataType)> = rb.schema().fields().iter().map(|f| (f.name().clone(), f.data_type().clone())).collect();
-    let names: Vec<(String, DataType)> = want.columns.iter().map(|(name, dt, _)| (name.to_string(), dt.clone())).collect();
+    let got: Vec<(String, DataType)> = rb
+        .schema()
+        .fields()
+        .iter()
+        .map(|f| (f.name().clone(), f.data_type().clone()))
+        .collect();
+    let names: Vec<(String, DataType)> = want
+        .columns
+        .iter()
+        .map(|(name, dt, _)| (name.to_string(), dt.clone()))
+        .collect();
     assert_eq!(got, names, "{case}: step {step}: the columns");
     let r = want.counts.rows_per_sparsecore;
     for ((name, _, expected), col) in want.columns.iter().zip(rb.columns()) {
         let actual = cells(col);
-        assert_eq!(actual.len(), expected.len(), "{case}: step {step}, column `{name}`: rows");
+        assert_eq!(
+            actual.len(),
+            expected.len(),
+            "{case}: step {step}, column `{name}`: rows"
+        );
         if let Some(row) = (0..actual.len()).find(|&x| actual[x] != expected[x]) {
             panic!(
                 "{case}: step {step}, column `{name}`, row {row} (local SparseCore {}, slice row {}): got {:?}, expected {:?}",
@@ -468,9 +603,18 @@ fn run(case: &Case) -> usize {
         assert_eq!(batch.step, step, "{name}: step number");
         assert_eq!(counts, want.counts, "{name}: the precomputed cell counts");
         compare(name, step, &batch.record_batch, &want);
-        assert_eq!(batch.sample_idx, want.sample_idx, "{name}: step {step}: StreamBatch::sample_idx");
-        assert_eq!(batch.triple_mask, want.triple_mask, "{name}: step {step}: StreamBatch::triple_mask");
-        assert_eq!(batch.negative, want.negative, "{name}: step {step}: StreamBatch::negative");
+        assert_eq!(
+            batch.sample_idx, want.sample_idx,
+            "{name}: step {step}: StreamBatch::sample_idx"
+        );
+        assert_eq!(
+            batch.triple_mask, want.triple_mask,
+            "{name}: step {step}: StreamBatch::triple_mask"
+        );
+        assert_eq!(
+            batch.negative, want.negative,
+            "{name}: step {step}: StreamBatch::negative"
+        );
         steps += 1;
     }
     assert_eq!(steps, case.steps, "{}: steps", case.name);
@@ -479,26 +623,70 @@ fn run(case: &Case) -> usize {
 
 /// The negative configurations: (name, kind, negatives, flat, corruption). `rows` is the
 /// number of input triples (for per-triple lists).
-fn negative_setups(n_entity: usize, rows: usize) -> Vec<(&'static str, NegativeKind, usize, bool, Corruption)> {
+fn negative_setups(
+    n_entity: usize,
+    rows: usize,
+) -> Vec<(&'static str, NegativeKind, usize, bool, Corruption)> {
     let e = n_entity as i64;
-    let list = |r: usize, k: usize, a: i64, b: i64| Array2::from_shape_fn((r, k), |(x, c)| (x as i64 * a + c as i64 * b) % e);
-    let typed = NegativeKind::TypeBased { type_offsets: vec![0, 100, 250] };
+    let list = |r: usize, k: usize, a: i64, b: i64| {
+        Array2::from_shape_fn((r, k), |(x, c)| (x as i64 * a + c as i64 * b) % e)
+    };
+    let typed = NegativeKind::TypeBased {
+        type_offsets: vec![0, 100, 250],
+    };
     vec![
         ("none", NegativeKind::Random, 0, true, Corruption::T),
         ("flat", NegativeKind::Random, 3, true, Corruption::T),
         ("per-triple", NegativeKind::Random, 2, false, Corruption::T),
         ("flat-ht", NegativeKind::Random, 3, true, Corruption::Ht),
-        ("per-triple-ht", NegativeKind::Random, 2, false, Corruption::Ht),
+        (
+            "per-triple-ht",
+            NegativeKind::Random,
+            2,
+            false,
+            Corruption::Ht,
+        ),
         ("typed", typed.clone(), 2, false, Corruption::T),
         ("typed-ht", typed, 2, false, Corruption::Ht),
-        ("listed", NegativeKind::TripleBased { neg_heads: None, neg_tails: Some(list(1, 12, 0, 23)) }, 0, true, Corruption::T),
-        ("listed-ht", NegativeKind::TripleBased { neg_heads: Some(list(1, 10, 0, 37)), neg_tails: Some(list(1, 10, 0, 11)) }, 0, true, Corruption::Ht),
-        ("listed-per-triple-h", NegativeKind::TripleBased { neg_heads: Some(list(rows, 5, 7, 31)), neg_tails: None }, 0, false, Corruption::H),
+        (
+            "listed",
+            NegativeKind::TripleBased {
+                neg_heads: None,
+                neg_tails: Some(list(1, 12, 0, 23)),
+            },
+            0,
+            true,
+            Corruption::T,
+        ),
+        (
+            "listed-ht",
+            NegativeKind::TripleBased {
+                neg_heads: Some(list(1, 10, 0, 37)),
+                neg_tails: Some(list(1, 10, 0, 11)),
+            },
+            0,
+            true,
+            Corruption::Ht,
+        ),
+        (
+            "listed-per-triple-h",
+            NegativeKind::TripleBased {
+                neg_heads: Some(list(rows, 5, 7, 31)),
+                neg_tails: None,
+            },
+            0,
+            false,
+            Corruption::H,
+        ),
     ]
 }
 
 fn samplers() -> [(StreamSampler, &'static str); 3] {
-    [(StreamSampler::Random, "random"), (StreamSampler::Rigid { shuffle: false }, "rigid"), (StreamSampler::Rigid { shuffle: true }, "rigid-shuffle")]
+    [
+        (StreamSampler::Random, "random"),
+        (StreamSampler::Rigid { shuffle: false }, "rigid"),
+        (StreamSampler::Rigid { shuffle: true }, "rigid-shuffle"),
+    ]
 }
 
 /// Every batch sampler × every negative setup × annotations × (one host of 4 SparseCores, the
@@ -506,7 +694,10 @@ fn samplers() -> [(StreamSampler, &'static str); 3] {
 #[test]
 fn every_sampler_and_negative_setup_matches_the_oracle() {
     let mut cases = 0;
-    for (graph, triples) in [("power law", synth::power_law(300, 4, 3000, 1.0, 5)), ("uniform", synth::uniform(300, 4, 3000, 5))] {
+    for (graph, triples) in [
+        ("power law", synth::power_law(300, 4, 3000, 1.0, 5)),
+        ("uniform", synth::uniform(300, 4, 3000, 5)),
+    ] {
         for (sampler, sname) in samplers() {
             for (neg, kind, negatives, flat, corruption) in negative_setups(300, triples.len()) {
                 for annotations in [false, true] {
@@ -537,7 +728,10 @@ fn every_sampler_and_negative_setup_matches_the_oracle() {
 #[test]
 fn rigid_across_epochs_matches_the_oracle() {
     let triples = synth::uniform(64, 3, 200, 7);
-    for (sampler, sname) in [(StreamSampler::Rigid { shuffle: false }, "rigid"), (StreamSampler::Rigid { shuffle: true }, "rigid-shuffle")] {
+    for (sampler, sname) in [
+        (StreamSampler::Rigid { shuffle: false }, "rigid"),
+        (StreamSampler::Rigid { shuffle: true }, "rigid-shuffle"),
+    ] {
         for negatives in [0, 2] {
             for annotations in [false, true] {
                 for (l, g, s, host) in [(1, 1, 4, 0), (1, 2, 2, 1)] {
@@ -551,7 +745,11 @@ fn rigid_across_epochs_matches_the_oracle() {
                     c.annotations = annotations;
                     c.steps = 40;
                     let per_epoch = c.stream().batch_sampler().steps_per_epoch();
-                    assert!(c.steps > 2 * per_epoch, "{}: {per_epoch} steps per epoch", c.name);
+                    assert!(
+                        c.steps > 2 * per_epoch,
+                        "{}: {per_epoch} steps per epoch",
+                        c.name
+                    );
                     run(&c);
                 }
             }
@@ -571,7 +769,11 @@ fn col_shift_and_inverse_triples_match_the_oracle() {
                 continue;
             }
             for (shift, inverse) in [(1u32, true), (6, false)] {
-                let mut c = Case::new(format!("{sname} {neg} col_shift={shift} inverse={inverse}"), triples.clone(), 300);
+                let mut c = Case::new(
+                    format!("{sname} {neg} col_shift={shift} inverse={inverse}"),
+                    triples.clone(),
+                    300,
+                );
                 c.devices = (2, 2, 2);
                 c.col_shift = shift;
                 c.inverse = inverse;
@@ -602,7 +804,11 @@ fn large_steps_match_the_oracle() {
     run(&c);
     // 4 · 4 · 64 lists · 64 negatives = 2^16.
     for annotations in [false, true] {
-        let mut c = Case::new(format!("large negatives annotations={annotations}"), triples.clone(), 300);
+        let mut c = Case::new(
+            format!("large negatives annotations={annotations}"),
+            triples.clone(),
+            300,
+        );
         c.shard_bs = 64;
         c.negatives = 64;
         c.flat = false;

@@ -108,7 +108,13 @@ pub struct Balancing<I> {
 }
 
 impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Balancing<I> {
-    pub fn new(inner: I, config: Config, window: usize, refinement: Refinement, input: &Path) -> Self {
+    pub fn new(
+        inner: I,
+        config: Config,
+        window: usize,
+        refinement: Refinement,
+        input: &Path,
+    ) -> Self {
         Balancing {
             inner,
             config,
@@ -137,29 +143,56 @@ impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Balancing<I> {
         // input holds only the input's batches.
         let (mut indices, mut batches) = (Vec::new(), Vec::new());
         while batches.len() < self.window {
-            let Some((index, batch)) = self.inner.next() else { break };
+            let Some((index, batch)) = self.inner.next() else {
+                break;
+            };
             indices.push(index);
             batches.push(batch?);
         }
-        let (Some(&a), Some(&b)) = (indices.first(), indices.last()) else { return Ok(()) };
-        let context = |e: Error| e.context(format!("input {}, balancing record batches {a}..={b}", self.input.display()));
+        let (Some(&a), Some(&b)) = (indices.first(), indices.last()) else {
+            return Ok(());
+        };
+        let context = |e: Error| {
+            e.context(format!(
+                "input {}, balancing record batches {a}..={b}",
+                self.input.display()
+            ))
+        };
         let balancer = match &mut self.balancer {
             Some(balancer) => balancer,
-            None => self.balancer.insert(Balancer::new(self.config.clone()).map_err(context)?.refinement(self.refinement)),
+            None => self.balancer.insert(
+                Balancer::new(self.config.clone())
+                    .map_err(context)?
+                    .refinement(self.refinement),
+            ),
         };
         let balanced = balancer.balance(&batches).map_err(context)?;
         if self.measuring {
             let before = measure(&self.config, &batches).map_err(context)?;
-            let after = if balanced.report.reordered() { measure(&self.config, &balanced.batches).map_err(context)? } else { before.clone() };
+            let after = if balanced.report.reordered() {
+                measure(&self.config, &balanced.batches).map_err(context)?
+            } else {
+                before.clone()
+            };
             self.measured.push((before, after));
         }
         let origins: Vec<Origin> = if balanced.report.reordered() {
-            balanced.permutation.iter().map(|rows| Some(rows.iter().map(|r| (indices[r.batch], r.row)).collect())).collect()
+            balanced
+                .permutation
+                .iter()
+                .map(|rows| Some(rows.iter().map(|r| (indices[r.batch], r.row)).collect()))
+                .collect()
         } else {
             vec![None; indices.len()]
         };
         self.reports.push(balanced.report);
-        self.ready.extend(indices.into_iter().zip(balanced.batches).zip(origins).map(|((i, b), o)| (i, b, o)));
+        self.ready.extend(
+            indices
+                .into_iter()
+                .zip(balanced.batches)
+                .zip(origins)
+                .map(|((i, b), o)| (i, b, o)),
+        );
         Ok(())
     }
 }
@@ -184,7 +217,9 @@ impl<I: Iterator<Item = (usize, Result<RecordBatch>)>> Iterator for Balancing<I>
 /// The context of an error about balanced batch `index`: where the row it names came from.
 pub fn balanced_at(input: &Path, index: usize, origin: &Origin, e: &Error) -> String {
     let row = match e.root() {
-        Error::IdOutOfRange { row, .. } | Error::InvalidWeight { row, .. } | Error::WeightsShape { row, .. } => Some(*row),
+        Error::IdOutOfRange { row, .. }
+        | Error::InvalidWeight { row, .. }
+        | Error::WeightsShape { row, .. } => Some(*row),
         _ => None,
     };
     match (origin, row) {
@@ -197,11 +232,16 @@ pub fn balanced_at(input: &Path, index: usize, origin: &Origin, e: &Error) -> St
 }
 
 /// Per stack (in plan order), the worst before and after over all windows.
-pub fn aggregate(reports: &[BalanceReport], measured: &[(Vec<StackLoad>, Vec<StackLoad>)]) -> Vec<(String, StackLoad, StackLoad)> {
+pub fn aggregate(
+    reports: &[BalanceReport],
+    measured: &[(Vec<StackLoad>, Vec<StackLoad>)],
+) -> Vec<(String, StackLoad, StackLoad)> {
     let mut out: Vec<(String, StackLoad, StackLoad)> = Vec::new();
     let worse = |w: &mut StackLoad, l: &StackLoad| {
         w.max_ids_per_partition = w.max_ids_per_partition.max(l.max_ids_per_partition);
-        w.max_unique_ids_per_partition = w.max_unique_ids_per_partition.max(l.max_unique_ids_per_partition);
+        w.max_unique_ids_per_partition = w
+            .max_unique_ids_per_partition
+            .max(l.max_unique_ids_per_partition);
         w.required_buffer = w.required_buffer.max(l.required_buffer);
     };
     for (r, (before, after)) in reports.iter().zip(measured) {
@@ -230,19 +270,33 @@ pub fn run(a: Args) -> error::Result<()> {
     let schema = reader.schema();
     clean_stale(&a.out, false);
     let out = OutputFile::new(&a.out)?;
-    let arrow = |source| Error::Arrow { context: format!("writing {}", a.out.display()), source };
+    let arrow = |source| Error::Arrow {
+        context: format!("writing {}", a.out.display()),
+        source,
+    };
     let mut batches = 0usize;
     let mut rows = 0usize;
     let mut reordered = 0usize;
     let mut reports = Vec::new();
     let mut measured = Vec::new();
     let write = || -> Result<()> {
-        let mut writer = FileWriter::try_new(BufWriter::new(out.create()?), &schema).map_err(arrow)?;
-        let mut it = Balancing::new(reader.enumerate(), config, a.window, a.refine.into(), &a.input).measuring();
+        let mut writer =
+            FileWriter::try_new(BufWriter::new(out.create()?), &schema).map_err(arrow)?;
+        let mut it = Balancing::new(
+            reader.enumerate(),
+            config,
+            a.window,
+            a.refine.into(),
+            &a.input,
+        )
+        .measuring();
         for (index, batch, _) in it.by_ref() {
             let batch = batch?;
             if batch.schema() != schema {
-                return Err(Error::data(format!("input {}, record batch {index}", a.input.display()), "another schema than the file's"));
+                return Err(Error::data(
+                    format!("input {}, record batch {index}", a.input.display()),
+                    "another schema than the file's",
+                ));
             }
             writer.write(&batch).map_err(arrow)?;
             batches += 1;
@@ -263,7 +317,10 @@ pub fn run(a: Args) -> error::Result<()> {
     // windows and the stacks it named.
     let mut kept: Vec<(&'static str, usize, Vec<&str>)> = Vec::new();
     for r in reports.iter().filter(|r| !r.reordered()) {
-        let i = match kept.iter().position(|(name, _, _)| *name == r.outcome.name()) {
+        let i = match kept
+            .iter()
+            .position(|(name, _, _)| *name == r.outcome.name())
+        {
             Some(i) => i,
             None => {
                 kept.push((r.outcome.name(), 0, Vec::new()));
@@ -301,7 +358,11 @@ pub fn run(a: Args) -> error::Result<()> {
         let why = kept
             .iter()
             .map(|(name, n, stacks)| {
-                let stacks = if stacks.is_empty() { String::new() } else { format!(" ({})", stacks.join(", ")) };
+                let stacks = if stacks.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", stacks.join(", "))
+                };
                 format!(", {n} kept: {}{stacks}", name.replace('_', " "))
             })
             .collect::<String>();

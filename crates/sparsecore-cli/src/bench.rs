@@ -41,21 +41,35 @@ const MAX_PASSES: usize = 100_000;
 fn parse_passes(s: &str) -> std::result::Result<usize, String> {
     match s.trim().parse::<usize>() {
         Ok(n) if n <= MAX_PASSES => Ok(n),
-        _ => Err(format!("expected a number of passes from 0 to {MAX_PASSES}, got {s:?}")),
+        _ => Err(format!(
+            "expected a number of passes from 0 to {MAX_PASSES}, got {s:?}"
+        )),
     }
 }
 
 pub fn run(a: Args) -> error::Result<()> {
     let config = Config::from_path(&a.config)?;
     let batches = BatchReader::open(&a.input)?.collect::<Result<Vec<_>>>()?;
-    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let mut prep = Preprocessor::builder(config.clone()).threads(threads).build()?;
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let mut prep = Preprocessor::builder(config.clone())
+        .threads(threads)
+        .build()?;
     // Map columns once, like the reference's untimed Arrow -> numpy conversion.
-    let features: Vec<Vec<ArrowListInput<'_>>> =
-        batches.iter().map(|b| features_from_record_batch(&config, b)).collect::<Result<_>>()?;
-    let inputs: Vec<Vec<&dyn SampleSource>> =
-        features.iter().map(|fs| fs.iter().map(|f| f as &dyn SampleSource).collect()).collect();
-    let ids: u64 = inputs.iter().flatten().map(|s| s.view().num_ids() as u64).sum();
+    let features: Vec<Vec<ArrowListInput<'_>>> = batches
+        .iter()
+        .map(|b| features_from_record_batch(&config, b))
+        .collect::<Result<_>>()?;
+    let inputs: Vec<Vec<&dyn SampleSource>> = features
+        .iter()
+        .map(|fs| fs.iter().map(|f| f as &dyn SampleSource).collect())
+        .collect();
+    let ids: u64 = inputs
+        .iter()
+        .flatten()
+        .map(|s| s.view().num_ids() as u64)
+        .sum();
 
     let mut outs: Vec<Output> = (0..inputs.len()).map(|_| Output::new()).collect();
     let mut pass = |prep: &mut Preprocessor| -> Result<f64> {
@@ -73,8 +87,15 @@ pub fn run(a: Args) -> error::Result<()> {
         times.push(pass(&mut prep)?);
     }
     times.sort_by(f64::total_cmp);
-    let median = if times.is_empty() { None } else { Some(times[times.len() / 2]) };
-    let dropped: u64 = outs.iter().flat_map(|o| o.stacks.iter().map(|s| s.stats.dropped_id_count)).sum();
+    let median = if times.is_empty() {
+        None
+    } else {
+        Some(times[times.len() / 2])
+    };
+    let dropped: u64 = outs
+        .iter()
+        .flat_map(|o| o.stacks.iter().map(|s| s.stats.dropped_id_count))
+        .sum();
     let plan = prep.plan().cloned();
     let weights = config.features.iter().any(|f| f.weights_column.is_some());
     let line = serde_json::json!({
@@ -115,7 +136,10 @@ pub fn run(a: Args) -> error::Result<()> {
             let stats: Vec<_> = out.stacks.iter().map(|s| &s.stats).collect();
             let per_stack = super::count_ids(plan, inputs.last().map(Vec::as_slice).unwrap_or(&[]));
             outln!("last batch:");
-            table::print(&table::rows(plan, &stats, &per_stack, true), plan.layout.sc_per_device);
+            table::print(
+                &table::rows(plan, &stats, &per_stack, true),
+                plan.layout.sc_per_device,
+            );
         }
     }
     Ok(())

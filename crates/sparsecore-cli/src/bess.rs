@@ -22,7 +22,9 @@ use arrow_array::types::Int64Type;
 use arrow_array::{Array, RecordBatch};
 use arrow_ipc::writer::FileWriter;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use sparsecore_bess::{seed_words, BessError, BessStream, Corruption, Sharding, StreamSampler, Triples};
+use sparsecore_bess::{
+    seed_words, BessError, BessStream, Corruption, Sharding, StreamSampler, Triples,
+};
 use sparsecore_prep::io::{BatchReader, OutputFile};
 
 use super::error::{CliError, ColumnProblem, Result, ShardingUse};
@@ -171,23 +173,60 @@ pub enum ShardCommand {
 pub fn run(command: Command) -> Result<()> {
     match command {
         Command::Batches(a) => batches(a),
-        Command::Shard { command: ShardCommand::Create { entities, shards, layout, seed, type_offsets, out } } => {
+        Command::Shard {
+            command:
+                ShardCommand::Create {
+                    entities,
+                    shards,
+                    layout,
+                    seed,
+                    type_offsets,
+                    out,
+                },
+        } => {
             let n = match (shards, layout) {
                 (Some(n), _) => n,
                 (None, Some((_, g, s))) => g * s,
-                (None, None) => return Err(CliError::MissingArgument { command: "bess shard create", choices: "--shards N or --layout L/G/S" }),
+                (None, None) => {
+                    return Err(CliError::MissingArgument {
+                        command: "bess shard create",
+                        choices: "--shards N or --layout L/G/S",
+                    })
+                }
             };
-            let sharding = Sharding::create(entities, n, &seed_words(u128::from(seed)), type_offsets.as_deref())
-                .map_err(|source| CliError::CreateSharding { source: Box::new(source) })?;
+            let sharding = Sharding::create(
+                entities,
+                n,
+                &seed_words(u128::from(seed)),
+                type_offsets.as_deref(),
+            )
+            .map_err(|source| CliError::CreateSharding {
+                source: Box::new(source),
+            })?;
             clean_stale(&out, false);
-            sharding.save_npz(&out).map_err(|source| CliError::ShardingFile { action: ShardingUse::Write, path: out.clone(), source: Box::new(source) })?;
-            outln!("wrote {} ({} entities, seed {seed})", out.display(), entities);
+            sharding
+                .save_npz(&out)
+                .map_err(|source| CliError::ShardingFile {
+                    action: ShardingUse::Write,
+                    path: out.clone(),
+                    source: Box::new(source),
+                })?;
+            outln!(
+                "wrote {} ({} entities, seed {seed})",
+                out.display(),
+                entities
+            );
             print_sharding(&sharding);
             Ok(())
         }
-        Command::Shard { command: ShardCommand::Show { file } } => {
-            let sharding = Sharding::load_npz(&file)
-                .map_err(|source| CliError::ShardingFile { action: ShardingUse::Read, path: file.clone(), source: Box::new(source) })?;
+        Command::Shard {
+            command: ShardCommand::Show { file },
+        } => {
+            let sharding = Sharding::load_npz(&file).map_err(|source| CliError::ShardingFile {
+                action: ShardingUse::Read,
+                path: file.clone(),
+                source: Box::new(source),
+            })?;
             outln!("{}", file.display());
             print_sharding(&sharding);
             Ok(())
@@ -196,7 +235,12 @@ pub fn run(command: Command) -> Result<()> {
 }
 
 fn print_sharding(sh: &Sharding) {
-    outln!("shards {}, entities {}, slots per shard {}", sh.n_shard, sh.n_entity(), sh.max_entity_per_shard());
+    outln!(
+        "shards {}, entities {}, slots per shard {}",
+        sh.n_shard,
+        sh.n_entity(),
+        sh.max_entity_per_shard()
+    );
     let counts: Vec<String> = sh.shard_counts.iter().map(i64::to_string).collect();
     outln!("entities per shard: {}", counts.join(" "));
     if let Some(types) = &sh.entity_type_counts {
@@ -209,7 +253,10 @@ fn print_sharding(sh: &Sharding) {
 
 /// Reads every record batch of the triples file into one set of triples.
 fn read_triples(path: &Path) -> Result<Triples> {
-    let file = |source| CliError::TriplesFile { path: path.to_path_buf(), source };
+    let file = |source| CliError::TriplesFile {
+        path: path.to_path_buf(),
+        source,
+    };
     let reader = BatchReader::open(path).map_err(file)?;
     let (mut head, mut relation, mut tail) = (Vec::new(), Vec::new(), Vec::new());
     for (i, batch) in reader.enumerate() {
@@ -226,9 +273,14 @@ fn read_triples(path: &Path) -> Result<Triples> {
         tail.extend(t.tail);
     }
     if head.is_empty() {
-        return Err(CliError::NoTriples { path: path.to_path_buf() });
+        return Err(CliError::NoTriples {
+            path: path.to_path_buf(),
+        });
     }
-    Triples::new(head, relation, tail).map_err(|source| CliError::Triples { path: path.to_path_buf(), source: Box::new(source) })
+    Triples::new(head, relation, tail).map_err(|source| CliError::Triples {
+        path: path.to_path_buf(),
+        source: Box::new(source),
+    })
 }
 
 /// Per (local SparseCore slot, partition): the fewest and most ids over the steps.
@@ -258,15 +310,30 @@ impl Loads {
     }
 
     /// Counts one step's record batch: slot `k` is rows `k·R .. (k+1)·R`.
-    fn add(&mut self, rb: &RecordBatch, rows_per_slot: usize, partition_of: impl Fn(i64) -> usize) -> Result<()> {
+    fn add(
+        &mut self,
+        rb: &RecordBatch,
+        rows_per_slot: usize,
+        partition_of: impl Fn(i64) -> usize,
+    ) -> Result<()> {
         let (slots, n) = (self.pos_max.len(), self.pos_max.first().map_or(0, Vec::len));
         let mut pos = vec![vec![0usize; n]; slots];
         let mut neg = vec![vec![0usize; n]; slots];
         let count = |name: &str, into: &mut Vec<Vec<usize>>| -> Result<()> {
-            let Some(col) = rb.column_by_name(name) else { return Ok(()) };
-            let column = |reason| CliError::Column { column: name.to_string(), reason };
-            let list = col.as_list_opt::<i32>().ok_or_else(|| column(ColumnProblem::NotAList))?;
-            let values = list.values().as_primitive_opt::<Int64Type>().ok_or_else(|| column(ColumnProblem::NotInt64))?;
+            let Some(col) = rb.column_by_name(name) else {
+                return Ok(());
+            };
+            let column = |reason| CliError::Column {
+                column: name.to_string(),
+                reason,
+            };
+            let list = col
+                .as_list_opt::<i32>()
+                .ok_or_else(|| column(ColumnProblem::NotAList))?;
+            let values = list
+                .values()
+                .as_primitive_opt::<Int64Type>()
+                .ok_or_else(|| column(ColumnProblem::NotInt64))?;
             let offsets = list.value_offsets();
             for row in 0..list.len() {
                 let slot = row / rows_per_slot;
@@ -288,7 +355,10 @@ impl Loads {
                 self.total_max[k] = self.total_max[k].max(pos[k][p] + neg[k][p]);
             }
         }
-        if let (Some(head), Some(mask)) = (rb.column_by_name(sparsecore_bess::stream::HEAD), rb.column_by_name("triple_mask")) {
+        if let (Some(head), Some(mask)) = (
+            rb.column_by_name(sparsecore_bess::stream::HEAD),
+            rb.column_by_name("triple_mask"),
+        ) {
             let (head, mask) = (head.as_list::<i32>(), mask.as_boolean());
             for row in 0..head.len() {
                 if head.value_length(row) > 0 {
@@ -314,7 +384,9 @@ fn range(lo: usize, hi: usize) -> String {
 
 fn progress(len: Option<u64>, template: &str) -> ProgressBar {
     let pb = ProgressBar::with_draw_target(len, ProgressDrawTarget::stderr());
-    pb.set_style(ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_spinner()));
+    pb.set_style(
+        ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
     if !pb.is_hidden() {
         pb.enable_steady_tick(Duration::from_millis(100));
     }
@@ -326,10 +398,18 @@ fn batches(a: BatchesArgs) -> Result<()> {
     // Checked before anything is read or written: both outputs go through a temporary next to
     // them, and the same file twice would end up holding the config alone.
     if same_file(&a.out, &a.config_out) {
-        return Err(CliError::SameFile { out: a.out.clone(), config_out: a.config_out.clone(), resolved: resolved(&a.out) });
+        return Err(CliError::SameFile {
+            out: a.out.clone(),
+            config_out: a.config_out.clone(),
+            resolved: resolved(&a.out),
+        });
     }
     if a.steps == Some(0) {
-        return Err(CliError::Argument { flag: "--steps", value: "0".into(), reason: "steps must be at least 1 (leave --steps out for one epoch)".into() });
+        return Err(CliError::Argument {
+            flag: "--steps",
+            value: "0".into(),
+            reason: "steps must be at least 1 (leave --steps out for one epoch)".into(),
+        });
     }
     let corruption = match a.corruption {
         CorruptionArg::H => Corruption::H,
@@ -338,11 +418,19 @@ fn batches(a: BatchesArgs) -> Result<()> {
     };
     let sampler = match a.sampler {
         Sampler::Rigid => StreamSampler::Rigid { shuffle: a.shuffle },
-        Sampler::Random if a.shuffle => return Err(CliError::OnlyWith { flag: "--shuffle", requires: "--sampler rigid" }),
+        Sampler::Random if a.shuffle => {
+            return Err(CliError::OnlyWith {
+                flag: "--shuffle",
+                requires: "--sampler rigid",
+            })
+        }
         Sampler::Random => StreamSampler::Random,
     };
     let pb = progress(None, "{spinner} [{elapsed_precise}] {wide_msg}");
-    pb.set_message(format!("reading {} and partitioning the triples", a.triples.display()));
+    pb.set_message(format!(
+        "reading {} and partitioning the triples",
+        a.triples.display()
+    ));
     let triples = read_triples(&a.triples)?;
     let n_triples = triples.len();
     let mut builder = BessStream::builder()
@@ -368,13 +456,21 @@ fn batches(a: BatchesArgs) -> Result<()> {
         builder = builder.max_step_bytes(bytes);
     }
     if let Some(path) = &a.sharding {
-        let sh = Sharding::load_npz(path)
-            .map_err(|source| CliError::ShardingFile { action: ShardingUse::Batches, path: path.clone(), source: Box::new(source) })?;
+        let sh = Sharding::load_npz(path).map_err(|source| CliError::ShardingFile {
+            action: ShardingUse::Batches,
+            path: path.clone(),
+            source: Box::new(source),
+        })?;
         builder = builder.sharding(Arc::new(sh));
     }
-    let triples_err = |source| CliError::Triples { path: a.triples.clone(), source: Box::new(source) };
+    let triples_err = |source| CliError::Triples {
+        path: a.triples.clone(),
+        source: Box::new(source),
+    };
     let mut stream = builder.build().map_err(|e| match (e, a.max_step_bytes) {
-        (BessError::TooLarge { what, bytes, .. }, Some(cap)) if bytes > cap as u128 => CliError::StepTooLarge { cap, what, bytes },
+        (BessError::TooLarge { what, bytes, .. }, Some(cap)) if bytes > cap as u128 => {
+            CliError::StepTooLarge { cap, what, bytes }
+        }
         (e, _) => triples_err(e),
     })?;
     pb.finish_and_clear();
@@ -384,7 +480,8 @@ fn batches(a: BatchesArgs) -> Result<()> {
     let (n, slots) = (layout.num_sparsecores(), layout.local_sparsecores());
     let steps = stream.steps();
     let schema = stream.schema().clone();
-    let padding_fraction = matches!(sampler, StreamSampler::Rigid { .. }).then(|| stream.batch_sampler().rigid_padding_fraction());
+    let padding_fraction = matches!(sampler, StreamSampler::Rigid { .. })
+        .then(|| stream.batch_sampler().rigid_padding_fraction());
     let config_json = stream.config().to_json();
 
     clean_stale(&a.out, false);
@@ -397,18 +494,26 @@ fn batches(a: BatchesArgs) -> Result<()> {
     let mut loads = Loads::new(slots, n);
     let mut rows = 0u64;
     let mut write = || -> Result<()> {
-        let arrow = |source| CliError::WriteArrow { path: a.out.clone(), source };
+        let arrow = |source| CliError::WriteArrow {
+            path: a.out.clone(),
+            source,
+        };
         let file = out.create()?;
         let mut writer = FileWriter::try_new(BufWriter::new(file), &schema).map_err(arrow)?;
         for batch in stream.by_ref() {
             let batch = batch.map_err(triples_err)?;
-            loads.add(&batch.record_batch, counts.rows_per_sparsecore, |id| layout.partition_of(id))?;
+            loads.add(&batch.record_batch, counts.rows_per_sparsecore, |id| {
+                layout.partition_of(id)
+            })?;
             rows += batch.record_batch.num_rows() as u64;
             writer.write(&batch.record_batch).map_err(arrow)?;
             pb.inc(1);
         }
         writer.finish().map_err(arrow)?;
-        std::fs::write(config_out.path(), &config_json).map_err(|source| CliError::Write { path: config_out.path().to_path_buf(), source })
+        std::fs::write(config_out.path(), &config_json).map_err(|source| CliError::Write {
+            path: config_out.path().to_path_buf(),
+            source,
+        })
     };
     let written = write();
     pb.finish_and_clear();
@@ -443,7 +548,13 @@ fn batches(a: BatchesArgs) -> Result<()> {
 
 /// The per-partition load table: per local SparseCore slot, positives and negatives per
 /// partition over the steps, against the config's limits.
-fn print_loads(loads: &Loads, c: &sparsecore_bess::CellCounts, n: usize, global: impl Fn(usize) -> usize, steps: usize) {
+fn print_loads(
+    loads: &Loads,
+    c: &sparsecore_bess::CellCounts,
+    n: usize,
+    global: impl Fn(usize) -> usize,
+    steps: usize,
+) {
     outln!(
         "per-partition load over {steps} steps (limits: positives {}, negatives {}, max_ids_per_partition {})",
         c.positive_ids_per_partition,
@@ -451,7 +562,10 @@ fn print_loads(loads: &Loads, c: &sparsecore_bess::CellCounts, n: usize, global:
         c.max_ids_per_partition
     );
     let detailed = n <= 8;
-    let mut header = format!("{:>4} {:>4} {:>12} {:>12} {:>13} {:>6}", "slot", "sc", "positives", "negatives", "max ids/lim", "ok");
+    let mut header = format!(
+        "{:>4} {:>4} {:>12} {:>12} {:>13} {:>6}",
+        "slot", "sc", "positives", "negatives", "max ids/lim", "ok"
+    );
     if detailed {
         for p in 0..n {
             header.push_str(&format!(" {:>11}", format!("p{p} pos+neg")));
@@ -460,7 +574,13 @@ fn print_loads(loads: &Loads, c: &sparsecore_bess::CellCounts, n: usize, global:
     outln!("{header}");
     let mut over = 0;
     for k in 0..loads.pos_max.len() {
-        let lo = |v: &[usize]| v.iter().copied().min().unwrap_or(0).min(v.iter().copied().max().unwrap_or(0));
+        let lo = |v: &[usize]| {
+            v.iter()
+                .copied()
+                .min()
+                .unwrap_or(0)
+                .min(v.iter().copied().max().unwrap_or(0))
+        };
         let hi = |v: &[usize]| v.iter().copied().max().unwrap_or(0);
         let (pmin, pmax) = (lo(&loads.pos_min[k]), hi(&loads.pos_max[k]));
         let (nmin, nmax) = (lo(&loads.neg_min[k]), hi(&loads.neg_max[k]));
@@ -481,7 +601,10 @@ fn print_loads(loads: &Loads, c: &sparsecore_bess::CellCounts, n: usize, global:
         );
         if detailed {
             for p in 0..n {
-                line.push_str(&format!(" {:>11}", format!("{}+{}", loads.pos_max[k][p], loads.neg_max[k][p])));
+                line.push_str(&format!(
+                    " {:>11}",
+                    format!("{}+{}", loads.pos_max[k][p], loads.neg_max[k][p])
+                ));
             }
         }
         outln!("{line}");

@@ -16,12 +16,18 @@ const BATCH: &[u8] = include_bytes!("../../../testdata/demo/criteo_256.arrow");
 
 pub fn run(threads: Option<usize>) -> error::Result<()> {
     let config = Config::from_json(CONFIG)?;
-    let mut reader = FileReader::try_new(Cursor::new(BATCH), None)
-        .map_err(|source| Error::Arrow { context: "bundled demo batch".into(), source })?;
+    let mut reader =
+        FileReader::try_new(Cursor::new(BATCH), None).map_err(|source| Error::Arrow {
+            context: "bundled demo batch".into(),
+            source,
+        })?;
     let batch = reader
         .next()
         .ok_or_else(|| Error::data("demo", "the bundled Arrow file has no record batch"))?
-        .map_err(|source| Error::Arrow { context: "bundled demo batch".into(), source })?;
+        .map_err(|source| Error::Arrow {
+            context: "bundled demo batch".into(),
+            source,
+        })?;
 
     let mut builder = Preprocessor::builder(config);
     if let Some(t) = threads {
@@ -50,6 +56,9 @@ pub fn run(threads: Option<usize>) -> error::Result<()> {
         elapsed.as_secs_f64() * 1e3
     );
     let stats: Vec<_> = out.stacks.iter().map(|s| &s.stats).collect();
-    table::print(&table::rows(plan, &stats, &ids, true), plan.layout.sc_per_device);
+    table::print(
+        &table::rows(plan, &stats, &ids, true),
+        plan.layout.sc_per_device,
+    );
     Ok(())
 }

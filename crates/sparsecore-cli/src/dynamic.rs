@@ -5,7 +5,9 @@
 
 use std::time::{Duration, Instant};
 
-use sparsecore_kernel::dynamic::{DynamicTable, DynamicTableSpec, Initializer, LoadStream, MemoryTable};
+use sparsecore_kernel::dynamic::{
+    DynamicTable, DynamicTableSpec, Initializer, LoadStream, MemoryTable,
+};
 use sparsecore_kernel::Optimizer;
 use sparsecore_kernel::{KernelError, Result};
 
@@ -82,8 +84,18 @@ pub fn optimizer(name: &str, lr: f32) -> Result<Optimizer> {
     match name {
         "sgd" => Ok(Optimizer::Sgd { lr }),
         "adagrad" => Ok(Optimizer::Adagrad { lr }),
-        "adam" => Ok(Optimizer::Adam { lr, beta1: 0.9, beta2: 0.999, epsilon: 1e-8, step: 0 }),
-        _ => Err(KernelError::parameter("optimizer", name, "expected sgd, adagrad or adam")),
+        "adam" => Ok(Optimizer::Adam {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-8,
+            step: 0,
+        }),
+        _ => Err(KernelError::parameter(
+            "optimizer",
+            name,
+            "expected sgd, adagrad or adam",
+        )),
     }
 }
 
@@ -95,7 +107,15 @@ pub fn run(command: Command) -> error::Result<()> {
 
 fn load(a: LoadArgs) -> Result<()> {
     let opt = optimizer(&a.optimizer, a.lr)?;
-    let spec = DynamicTableSpec::new(&a.table, a.dim, &opt, Initializer::Uniform { scale: a.init_scale, seed: a.seed })?;
+    let spec = DynamicTableSpec::new(
+        &a.table,
+        a.dim,
+        &opt,
+        Initializer::Uniform {
+            scale: a.init_scale,
+            seed: a.seed,
+        },
+    )?;
     let stream = LoadStream {
         seed: a.seed,
         keys_per_batch: a.keys_per_batch,
@@ -125,10 +145,15 @@ fn load(a: LoadArgs) -> Result<()> {
         let all: Vec<u64> = keys.iter().chain(&lookups).copied().collect();
         rows.resize(all.len() * a.dim, 0.0);
         let t = Instant::now();
-        table.get_or_init(&all, &mut rows).map_err(|e| e.context(format!("batch {i} (update id {id})")))?;
+        table
+            .get_or_init(&all, &mut rows)
+            .map_err(|e| e.context(format!("batch {i} (update id {id})")))?;
         lookup_time += t.elapsed();
         let t = Instant::now();
-        match table.apply_update(Some(id), &keys, &grads, &opt).map_err(|e| e.context(format!("batch {i} (update id {id})")))? {
+        match table
+            .apply_update(Some(id), &keys, &grads, &opt)
+            .map_err(|e| e.context(format!("batch {i} (update id {id})")))?
+        {
             sparsecore_kernel::dynamic::Applied::Now => applied += 1,
             sparsecore_kernel::dynamic::Applied::Already => already += 1,
         }
@@ -136,7 +161,13 @@ fn load(a: LoadArgs) -> Result<()> {
         looked_up += all.len() as u64;
         updated += keys.len() as u64;
     }
-    let rate = |n: u64, d: Duration| if d.is_zero() { 0.0 } else { n as f64 / d.as_secs_f64() };
+    let rate = |n: u64, d: Duration| {
+        if d.is_zero() {
+            0.0
+        } else {
+            n as f64 / d.as_secs_f64()
+        }
+    };
     let line = serde_json::json!({
         "backend": match a.backend {
             Backend::Memory => "memory",

@@ -7,8 +7,8 @@ use sparsecore_prep::fdo::{csv, npz, tune, FdoStats, LayoutKey};
 use sparsecore_prep::{Config, Error};
 
 use super::error::{self, CliError};
-use super::stdio::{outln, warning};
 use super::outdir::clean_stale;
+use super::stdio::{outln, warning};
 use super::{parse_layout, write_config};
 
 #[derive(Subcommand)]
@@ -61,7 +61,9 @@ pub enum Command {
 }
 
 fn ext(p: &Path) -> String {
-    p.extension().map(|e| e.to_string_lossy().to_ascii_lowercase()).unwrap_or_default()
+    p.extension()
+        .map(|e| e.to_string_lossy().to_ascii_lowercase())
+        .unwrap_or_default()
 }
 
 pub fn run(c: Command) -> error::Result<()> {
@@ -72,27 +74,58 @@ pub fn run(c: Command) -> error::Result<()> {
                 let s = FdoStats::from_path(p)?;
                 match &mut merged {
                     None => merged = Some(s),
-                    Some(m) => m
-                        .merge(&s)
-                        .map_err(|e| e.context(format!("merging {} into {}", p.display(), inputs[0].display())))?,
+                    Some(m) => m.merge(&s).map_err(|e| {
+                        e.context(format!(
+                            "merging {} into {}",
+                            p.display(),
+                            inputs[0].display()
+                        ))
+                    })?,
                 }
             }
             let merged = merged.expect("clap requires at least one input");
             clean_stale(&out, false);
             merged.write(&out)?;
-            outln!("merged {} files, {} batches, {} stacks -> {}", inputs.len(), merged.batches, merged.stacks.len(), out.display());
+            outln!(
+                "merged {} files, {} batches, {} stacks -> {}",
+                inputs.len(),
+                merged.batches,
+                merged.stacks.len(),
+                out.display()
+            );
             Ok(())
         }
-        Command::Tune { config, stats, headroom, out } => {
+        Command::Tune {
+            config,
+            stats,
+            headroom,
+            out,
+        } => {
             let cfg = Config::from_path(&config)?;
             let st = FdoStats::from_path(&stats)?;
-            let (tuned, changes) = tune(&cfg, &st, headroom)
-                .map_err(|e| e.context(format!("tuning config {} with stats {}", config.display(), stats.display())))?;
+            let (tuned, changes) = tune(&cfg, &st, headroom).map_err(|e| {
+                e.context(format!(
+                    "tuning config {} with stats {}",
+                    config.display(),
+                    stats.display()
+                ))
+            })?;
             // The tuned config must itself be valid.
-            sparsecore_prep::Preprocessor::new(tuned.clone())
-                .map_err(|e| e.context(format!("the tuned config for {} ({})", out.display(), config.display())))?;
+            sparsecore_prep::Preprocessor::new(tuned.clone()).map_err(|e| {
+                e.context(format!(
+                    "the tuned config for {} ({})",
+                    out.display(),
+                    config.display()
+                ))
+            })?;
             write_config(&out, &tuned)?;
-            outln!("{:<24} {:>17} {:>17} {:>21}", "table/stack", "max ids", "max unique", "suggested buffer");
+            outln!(
+                "{:<24} {:>17} {:>17} {:>21}",
+                "table/stack",
+                "max ids",
+                "max unique",
+                "suggested buffer"
+            );
             for ch in &changes {
                 let opt = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
                 outln!(
@@ -107,7 +140,11 @@ pub fn run(c: Command) -> error::Result<()> {
             Ok(())
         }
         Command::Import { input, layout, out } => {
-            let key = LayoutKey { local_device_count: layout.0, global_device_count: layout.1, num_sc_per_device: layout.2 };
+            let key = LayoutKey {
+                local_device_count: layout.0,
+                global_device_count: layout.1,
+                num_sc_per_device: layout.2,
+            };
             let format = Format::of(&input, "--input")?;
             let name = input.display().to_string();
             // What `npz::import` / `csv::import` do, keeping the arrays for the summary and the
@@ -115,7 +152,10 @@ pub fn run(c: Command) -> error::Result<()> {
             let arrays = match format {
                 Format::Npz => npz::read_npz(&input)?,
                 Format::Csv => {
-                    let text = std::fs::read_to_string(&input).map_err(|source| Error::Io { context: format!("reading {name}"), source })?;
+                    let text = std::fs::read_to_string(&input).map_err(|source| Error::Io {
+                        context: format!("reading {name}"),
+                        source,
+                    })?;
                     csv::parse(&text, &name)?
                 }
             };
@@ -233,13 +273,27 @@ fn export_losses(ours: &FdoStats, back: &FdoStats, format: Format) -> Vec<String
             continue;
         };
         let arrays = [
-            ("max_ids_per_partition", &st.max_ids_per_partition, &b.max_ids_per_partition),
-            ("max_unique_ids_per_partition", &st.max_unique_ids_per_partition, &b.max_unique_ids_per_partition),
-            ("required_buffer_size_per_sc", &st.required_buffer_size_per_sc, &b.required_buffer_size_per_sc),
+            (
+                "max_ids_per_partition",
+                &st.max_ids_per_partition,
+                &b.max_ids_per_partition,
+            ),
+            (
+                "max_unique_ids_per_partition",
+                &st.max_unique_ids_per_partition,
+                &b.max_unique_ids_per_partition,
+            ),
+            (
+                "required_buffer_size_per_sc",
+                &st.required_buffer_size_per_sc,
+                &b.required_buffer_size_per_sc,
+            ),
         ];
         for (field, a, b) in arrays {
             if a != b {
-                lost.push(format!("stack `{name}`: {field} reads back as {b:?}, not {a:?}"));
+                lost.push(format!(
+                    "stack `{name}`: {field} reads back as {b:?}, not {a:?}"
+                ));
             }
         }
         if st.dropped_id_count != b.dropped_id_count {
@@ -250,7 +304,9 @@ fn export_losses(ours: &FdoStats, back: &FdoStats, format: Format) -> Vec<String
         }
     }
     for name in back.stacks.keys().filter(|n| !ours.stacks.contains_key(*n)) {
-        lost.push(format!("reads back with a stack `{name}` the stats do not have"));
+        lost.push(format!(
+            "reads back with a stack `{name}` the stats do not have"
+        ));
     }
     lost
 }
@@ -260,7 +316,10 @@ fn export_losses(ours: &FdoStats, back: &FdoStats, format: Format) -> Vec<String
 fn import_losses(arrays: &std::collections::BTreeMap<String, npz::NpyArray>) -> Vec<String> {
     let mut lost = Vec::new();
     // Only the drop counters: counts outside int32, or negative, are errors of the import.
-    for (key, a) in arrays.iter().filter(|(key, _)| matches!(npz::split_key(key), Some((_, 3)))) {
+    for (key, a) in arrays
+        .iter()
+        .filter(|(key, _)| matches!(npz::split_key(key), Some((_, 3))))
+    {
         // The count is the largest value; a negative one cannot be a count.
         if let Some(v) = a.data.iter().copied().max().filter(|&v| v < 0) {
             lost.push(format!("{key} is negative ({v}), imported as 0"));

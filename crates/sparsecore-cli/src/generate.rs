@@ -8,8 +8,8 @@ use arrow_ipc::writer::FileWriter;
 use indicatif::{HumanBytes, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sparsecore_prep::io::OutputFile;
 use sparsecore_prep::spec::Stacking;
-use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 use sparsecore_prep::{Error, Result};
+use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 
 use super::error::{self, CliError};
 use super::stdio::outln;
@@ -90,21 +90,43 @@ pub fn run(a: Args) -> error::Result<()> {
     super::outdir::clean_stale(&a.config_out, false);
     let (out, config_out) = (OutputFile::new(&a.out)?, OutputFile::new(&a.config_out)?);
     if super::outdir::same_file(&a.out, &a.config_out) {
-        return Err(CliError::SameFile { out: a.out.clone(), config_out: a.config_out.clone(), resolved: super::outdir::resolved(&a.out) });
+        return Err(CliError::SameFile {
+            out: a.out.clone(),
+            config_out: a.config_out.clone(),
+            resolved: super::outdir::resolved(&a.out),
+        });
     }
-    let pb = progress(Some(w.batches.len() as u64), "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} batches written to {wide_msg}");
+    let pb = progress(
+        Some(w.batches.len() as u64),
+        "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} batches written to {wide_msg}",
+    );
     let write = || -> Result<()> {
         let file = out.create()?;
-        let arrow = |source| Error::Arrow { context: format!("writing {}", a.out.display()), source };
-        let mut writer = FileWriter::try_new(Counting { inner: file, bytes: 0 }, &w.schema).map_err(arrow)?;
+        let arrow = |source| Error::Arrow {
+            context: format!("writing {}", a.out.display()),
+            source,
+        };
+        let mut writer = FileWriter::try_new(
+            Counting {
+                inner: file,
+                bytes: 0,
+            },
+            &w.schema,
+        )
+        .map_err(arrow)?;
         pb.set_message(format!("{} (0 B)", a.out.display()));
         for b in &w.batches {
             writer.write(b).map_err(arrow)?;
-            pb.set_message(format!("{} ({})", a.out.display(), HumanBytes(writer.get_ref().bytes)));
+            pb.set_message(format!(
+                "{} ({})",
+                a.out.display(),
+                HumanBytes(writer.get_ref().bytes)
+            ));
             pb.inc(1);
         }
         writer.finish().map_err(arrow)?;
-        std::fs::write(config_out.path(), w.config.to_json()).map_err(io_err(format!("writing {}", config_out.path().display())))
+        std::fs::write(config_out.path(), w.config.to_json())
+            .map_err(io_err(format!("writing {}", config_out.path().display())))
     };
     let written = write();
     pb.finish_and_clear();
@@ -133,7 +155,9 @@ pub fn run(a: Args) -> error::Result<()> {
 /// A progress bar (or spinner, without a length) on stderr, ticking on its own when drawn.
 fn progress(len: Option<u64>, template: &str) -> ProgressBar {
     let pb = ProgressBar::with_draw_target(len, ProgressDrawTarget::stderr());
-    pb.set_style(ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_spinner()));
+    pb.set_style(
+        ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
     if !pb.is_hidden() {
         pb.enable_steady_tick(Duration::from_millis(100));
     }

@@ -116,7 +116,15 @@ fn run() -> i32 {
 
 /// Ids per stack of a batch (duplicates included).
 fn count_ids(plan: &sparsecore_prep::Plan, inputs: &[&dyn SampleSource]) -> Vec<u64> {
-    plan.stacks.iter().map(|s| s.features.iter().map(|&f| inputs[f].view().num_ids() as u64).sum()).collect()
+    plan.stacks
+        .iter()
+        .map(|s| {
+            s.features
+                .iter()
+                .map(|&f| inputs[f].view().num_ids() as u64)
+                .sum()
+        })
+        .collect()
 }
 
 /// Parses `L/G/S`.
@@ -125,14 +133,25 @@ fn parse_layout(s: &str) -> std::result::Result<(usize, usize, usize), String> {
     let nums: Vec<usize> = parts.iter().filter_map(|p| p.trim().parse().ok()).collect();
     match nums.as_slice() {
         [l, g, sc] if parts.len() == 3 && *l > 0 && *g > 0 && *sc > 0 => Ok((*l, *g, *sc)),
-        _ => Err(format!("expected L/G/S (three integers, each at least 1), got {s:?}")),
+        _ => Err(format!(
+            "expected L/G/S (three integers, each at least 1), got {s:?}"
+        )),
     }
 }
 
 /// Parses `i/N` with `i < N`.
 fn parse_shard(s: &str) -> std::result::Result<(usize, usize), String> {
-    let (i, n) = s.split_once('/').ok_or_else(|| format!("expected i/N, got {s:?}"))?;
-    let (i, n): (usize, usize) = (i.trim().parse().map_err(|_| format!("bad shard index in {s:?}"))?, n.trim().parse().map_err(|_| format!("bad shard count in {s:?}"))?);
+    let (i, n) = s
+        .split_once('/')
+        .ok_or_else(|| format!("expected i/N, got {s:?}"))?;
+    let (i, n): (usize, usize) = (
+        i.trim()
+            .parse()
+            .map_err(|_| format!("bad shard index in {s:?}"))?,
+        n.trim()
+            .parse()
+            .map_err(|_| format!("bad shard count in {s:?}"))?,
+    );
     if n == 0 || i >= n {
         return Err(format!("shard {i}/{n}: need 0 <= i < N"));
     }

@@ -129,7 +129,10 @@ fn remove_temp(path: &Path, removed: &mut Vec<PathBuf>) {
     match gone {
         Ok(()) => removed.push(path.to_path_buf()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => crate::stdio::warning!("could not remove the stale temporary {}: {e}", path.display()),
+        Err(e) => crate::stdio::warning!(
+            "could not remove the stale temporary {}: {e}",
+            path.display()
+        ),
     }
 }
 
@@ -140,15 +143,24 @@ fn remove_temp(path: &Path, removed: &mut Vec<PathBuf>) {
 /// removed or restored; errors only warn (a stale temporary never fails a run).
 pub fn clean_stale(path: &Path, old: bool) -> Vec<PathBuf> {
     let mut removed = Vec::new();
-    let (Some(name), Some(parent)) = (path.file_name().and_then(|n| n.to_str()), path.parent()) else {
+    let (Some(name), Some(parent)) = (path.file_name().and_then(|n| n.to_str()), path.parent())
+    else {
         return removed;
     };
-    let parent = if parent.as_os_str().is_empty() { Path::new(".") } else { parent };
-    let Ok(entries) = std::fs::read_dir(parent) else { return removed };
+    let parent = if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    };
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return removed;
+    };
     let mut olds = Vec::new();
     for e in entries.flatten() {
         let entry = e.file_name();
-        let Some(entry) = entry.to_str() else { continue };
+        let Some(entry) = entry.to_str() else {
+            continue;
+        };
         if let Some(pid) = temp_pid(entry, name, ".tmp-") {
             if process_is_dead(pid) {
                 remove_temp(&parent.join(entry), &mut removed);
@@ -172,7 +184,11 @@ pub fn clean_stale(path: &Path, old: bool) -> Vec<PathBuf> {
                     removed.push(o);
                     continue;
                 }
-                Err(e) => crate::stdio::warning!("could not move {} back to {}: {e}", o.display(), path.display()),
+                Err(e) => crate::stdio::warning!(
+                    "could not move {} back to {}: {e}",
+                    o.display(),
+                    path.display()
+                ),
             }
         }
         remove_temp(&o, &mut removed);
@@ -184,11 +200,17 @@ pub fn clean_stale(path: &Path, old: bool) -> Vec<PathBuf> {
 /// `<output>.tmp-<pid>` files.
 fn clean_stale_inside(dir: &Path) -> Vec<PathBuf> {
     let mut removed = Vec::new();
-    let Ok(entries) = std::fs::read_dir(dir) else { return removed };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return removed;
+    };
     for e in entries.flatten() {
         let entry = e.file_name();
-        let Some(entry) = entry.to_str() else { continue };
-        let Some(i) = entry.rfind(".tmp-") else { continue };
+        let Some(entry) = entry.to_str() else {
+            continue;
+        };
+        let Some(i) = entry.rfind(".tmp-") else {
+            continue;
+        };
         let base = &entry[..i];
         if base != ".staging" && !is_output_name(base) {
             continue;
@@ -204,7 +226,11 @@ impl Staged {
     /// Checks `out` and creates the staging directory; fails before any work is done if `out`
     /// cannot take the outputs.
     pub fn prepare(out: &Path, overwrite: bool) -> error::Result<Staged> {
-        let refuse = |reason: String| CliError::Argument { flag: "--out", value: out.display().to_string(), reason };
+        let refuse = |reason: String| CliError::Argument {
+            flag: "--out",
+            value: out.display().to_string(),
+            reason,
+        };
         // Temporaries of killed runs go first: they must not make `out` look non-empty.
         let resolved = std::fs::canonicalize(out).unwrap_or_else(|_| out.to_path_buf());
         let mut stale = clean_stale(&resolved, true);
@@ -214,16 +240,38 @@ impl Staged {
         let (target, mode) = match std::fs::metadata(out) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 if let Some(parent) = out.parent() {
-                    std::fs::create_dir_all(parent).map_err(io_err(format!("creating output directory {}", out.display())))?;
+                    std::fs::create_dir_all(parent).map_err(io_err(format!(
+                        "creating output directory {}",
+                        out.display()
+                    )))?;
                 }
                 (out.to_path_buf(), Mode::Create)
             }
-            Err(source) => return Err(Error::Io { context: format!("output directory {}", out.display()), source }.into()),
+            Err(source) => {
+                return Err(Error::Io {
+                    context: format!("output directory {}", out.display()),
+                    source,
+                }
+                .into())
+            }
             Ok(m) if !m.is_dir() => return Err(refuse("not a directory".into())),
             Ok(_) => {
-                let target = std::fs::canonicalize(out).map_err(io_err(format!("output directory {}", out.display())))?;
-                let found = entries(&target).map_err(io_err(format!("reading output directory {}", out.display())))?;
-                let names: Vec<String> = found.iter().map(|(n, t)| if t.is_dir() { format!("{n}/") } else { n.clone() }).collect();
+                let target = std::fs::canonicalize(out)
+                    .map_err(io_err(format!("output directory {}", out.display())))?;
+                let found = entries(&target).map_err(io_err(format!(
+                    "reading output directory {}",
+                    out.display()
+                )))?;
+                let names: Vec<String> = found
+                    .iter()
+                    .map(|(n, t)| {
+                        if t.is_dir() {
+                            format!("{n}/")
+                        } else {
+                            n.clone()
+                        }
+                    })
+                    .collect();
                 if found.is_empty() {
                     (target, Mode::Fill)
                 } else if !overwrite {
@@ -247,7 +295,12 @@ impl Staged {
                     if target.parent().is_none() {
                         return Err(refuse("--overwrite cannot replace a root directory".into()));
                     }
-                    (target, Mode::Replace { old_files: found.into_iter().map(|(n, _)| n).collect() })
+                    (
+                        target,
+                        Mode::Replace {
+                            old_files: found.into_iter().map(|(n, _)| n).collect(),
+                        },
+                    )
                 }
             }
         };
@@ -257,9 +310,19 @@ impl Staged {
         };
         // A leftover of an earlier run with the same process id is ours to remove.
         let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir(&dir)
-            .map_err(io_err(format!("output directory {}: creating the staging directory {}", out.display(), dir.display())))?;
-        Ok(Staged { out: out.to_path_buf(), target, dir, mode, committed: false, stale })
+        std::fs::create_dir(&dir).map_err(io_err(format!(
+            "output directory {}: creating the staging directory {}",
+            out.display(),
+            dir.display()
+        )))?;
+        Ok(Staged {
+            out: out.to_path_buf(),
+            target,
+            dir,
+            mode,
+            committed: false,
+            stale,
+        })
     }
 
     /// Temporaries of killed runs that [`Staged::prepare`] removed (or restored).
@@ -275,18 +338,30 @@ impl Staged {
     /// Moves the staged outputs into `--out`. On an error `--out` is as it was.
     pub fn commit(mut self) -> Result<Committed> {
         let new_files: Vec<String> = entries(&self.dir)
-            .map_err(io_err(format!("reading the staging directory {}", self.dir.display())))?
+            .map_err(io_err(format!(
+                "reading the staging directory {}",
+                self.dir.display()
+            )))?
             .into_iter()
             .map(|(n, _)| n)
             .collect();
         let rename_err = |from: &Path, to: &Path| {
-            let context = format!("output directory {}: renaming {} to {}", self.out.display(), from.display(), to.display());
+            let context = format!(
+                "output directory {}: renaming {} to {}",
+                self.out.display(),
+                from.display(),
+                to.display()
+            );
             move |source| Error::Io { context, source }
         };
         let done = match &self.mode {
             Mode::Create => {
-                std::fs::rename(&self.dir, &self.target).map_err(rename_err(&self.dir, &self.target))?;
-                Committed { replaced: Vec::new(), stale: Vec::new() }
+                std::fs::rename(&self.dir, &self.target)
+                    .map_err(rename_err(&self.dir, &self.target))?;
+                Committed {
+                    replaced: Vec::new(),
+                    stale: Vec::new(),
+                }
             }
             Mode::Fill => {
                 let mut moved: Vec<PathBuf> = Vec::new();
@@ -301,12 +376,19 @@ impl Staged {
                     moved.push(to);
                 }
                 let _ = std::fs::remove_dir(&self.dir);
-                Committed { replaced: Vec::new(), stale: Vec::new() }
+                Committed {
+                    replaced: Vec::new(),
+                    stale: Vec::new(),
+                }
             }
             Mode::Replace { old_files } => {
                 let permissions = std::fs::metadata(&self.target).map(|m| m.permissions());
                 let old = self.target.with_file_name({
-                    let mut n = self.target.file_name().expect("checked in prepare").to_os_string();
+                    let mut n = self
+                        .target
+                        .file_name()
+                        .expect("checked in prepare")
+                        .to_os_string();
                     n.push(format!(".old-{}", std::process::id()));
                     n
                 });
@@ -326,9 +408,15 @@ impl Staged {
                     let _ = std::fs::set_permissions(&self.target, p);
                 }
                 if let Err(e) = std::fs::remove_dir_all(&old) {
-                    crate::stdio::warning!("could not remove the earlier outputs, now in {}: {e}", old.display());
+                    crate::stdio::warning!(
+                        "could not remove the earlier outputs, now in {}: {e}",
+                        old.display()
+                    );
                 }
-                let (replaced, stale) = old_files.iter().cloned().partition(|n| new_files.contains(n));
+                let (replaced, stale) = old_files
+                    .iter()
+                    .cloned()
+                    .partition(|n| new_files.contains(n));
                 Committed { replaced, stale }
             }
         };
@@ -385,10 +473,22 @@ mod tests {
 
     #[test]
     fn output_names() {
-        for n in ["stats.json", "t00.arrow", "a b.arrow", "t00.arrow.tmp-123", "stats.json.tmp-9"] {
+        for n in [
+            "stats.json",
+            "t00.arrow",
+            "a b.arrow",
+            "t00.arrow.tmp-123",
+            "stats.json.tmp-9",
+        ] {
             assert!(is_output_name(n), "{n}");
         }
-        for n in [".arrow", "notes.txt", "stats.json.bak", "data.parquet", "x.arrows"] {
+        for n in [
+            ".arrow",
+            "notes.txt",
+            "stats.json.bak",
+            "data.parquet",
+            "x.arrows",
+        ] {
             assert!(!is_output_name(n), "{n}");
         }
     }
@@ -397,7 +497,13 @@ mod tests {
     fn temp_pids() {
         assert_eq!(temp_pid("out.tmp-123", "out", ".tmp-"), Some(123));
         assert_eq!(temp_pid("out.old-7", "out", ".old-"), Some(7));
-        for n in ["out.tmp-", "out.tmp-12a", "outx.tmp-1", "out.tmp-+1", "out.tmp-99999999999"] {
+        for n in [
+            "out.tmp-",
+            "out.tmp-12a",
+            "outx.tmp-1",
+            "out.tmp-+1",
+            "out.tmp-99999999999",
+        ] {
             assert_eq!(temp_pid(n, "out", ".tmp-"), None, "{n}");
         }
         assert!(!process_is_dead(std::process::id()));

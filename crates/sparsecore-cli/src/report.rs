@@ -60,7 +60,10 @@ enum Format {
 
 impl Format {
     fn of(path: &Path) -> error::Result<Format> {
-        let ext = path.extension().map(|e| e.to_string_lossy().to_ascii_lowercase()).unwrap_or_default();
+        let ext = path
+            .extension()
+            .map(|e| e.to_string_lossy().to_ascii_lowercase())
+            .unwrap_or_default();
         match ext.as_str() {
             "svg" => Ok(Format::Svg),
             "html" | "htm" => Ok(Format::Html),
@@ -92,23 +95,43 @@ struct Limits {
 pub fn run(a: Args) -> error::Result<()> {
     let format = Format::of(&a.out)?;
     if a.stats.is_empty() {
-        return Err(CliError::MissingArgument { command: "report", choices: "at least one --stats FILE to draw" });
+        return Err(CliError::MissingArgument {
+            command: "report",
+            choices: "at least one --stats FILE to draw",
+        });
     }
     if !a.labels.is_empty() && a.labels.len() != a.stats.len() {
         return Err(CliError::Argument {
             flag: "--label",
             value: a.labels.join(", "),
-            reason: format!("{} --label for {} --stats; give one per stats file, in the same order, or none", a.labels.len(), a.stats.len()),
+            reason: format!(
+                "{} --label for {} --stats; give one per stats file, in the same order, or none",
+                a.labels.len(),
+                a.stats.len()
+            ),
         });
     }
-    let labels = if a.labels.is_empty() { default_labels(&a.stats) } else { a.labels.clone() };
+    let labels = if a.labels.is_empty() {
+        default_labels(&a.stats)
+    } else {
+        a.labels.clone()
+    };
     let mut runs = Vec::with_capacity(a.stats.len());
     for (path, label) in a.stats.iter().zip(labels) {
         let stats = FdoStats::from_path(path)?;
         check_shapes(&stats, path)?;
-        runs.push(Run { label, path: path.clone(), stats });
+        runs.push(Run {
+            label,
+            path: path.clone(),
+            stats,
+        });
     }
-    let stacks: Vec<String> = runs.iter().flat_map(|r| r.stats.stacks.keys().cloned()).collect::<BTreeSet<_>>().into_iter().collect();
+    let stacks: Vec<String> = runs
+        .iter()
+        .flat_map(|r| r.stats.stacks.keys().cloned())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
     if stacks.is_empty() {
         return Err(CliError::Argument {
             flag: "--stats",
@@ -132,7 +155,11 @@ pub fn run(a: Args) -> error::Result<()> {
         count(stacks.len(), "stack"),
         count(runs.len(), "run"),
         a.out.display(),
-        if limits.is_some() { " with the config's limits" } else { "" }
+        if limits.is_some() {
+            " with the config's limits"
+        } else {
+            ""
+        }
     );
     Ok(())
 }
@@ -145,7 +172,11 @@ fn count(n: usize, word: &str) -> String {
 /// File stems; where two are the same (every `preprocess` run writes `stats.json`), each run is
 /// named `parent/stem` instead.
 fn default_labels(paths: &[PathBuf]) -> Vec<String> {
-    let stem = |p: &Path| p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| p.display().to_string());
+    let stem = |p: &Path| {
+        p.file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| p.display().to_string())
+    };
     let stems: Vec<String> = paths.iter().map(|p| stem(p)).collect();
     let unique = stems.iter().collect::<BTreeSet<_>>().len() == stems.len();
     if unique {
@@ -169,9 +200,24 @@ fn check_shapes(stats: &FdoStats, path: &Path) -> error::Result<()> {
     let scs = l.local_device_count * l.num_sc_per_device;
     for (name, st) in &stats.stacks {
         let arrays = [
-            ("max_ids_per_partition", st.max_ids_per_partition.len(), partitions, "L·G·S"),
-            ("max_unique_ids_per_partition", st.max_unique_ids_per_partition.len(), partitions, "L·G·S"),
-            ("required_buffer_size_per_sc", st.required_buffer_size_per_sc.len(), scs, "L·S"),
+            (
+                "max_ids_per_partition",
+                st.max_ids_per_partition.len(),
+                partitions,
+                "L·G·S",
+            ),
+            (
+                "max_unique_ids_per_partition",
+                st.max_unique_ids_per_partition.len(),
+                partitions,
+                "L·G·S",
+            ),
+            (
+                "required_buffer_size_per_sc",
+                st.required_buffer_size_per_sc.len(),
+                scs,
+                "L·S",
+            ),
         ];
         for (field, got, want, formula) in arrays {
             if got != want {
@@ -187,7 +233,12 @@ fn check_shapes(stats: &FdoStats, path: &Path) -> error::Result<()> {
 
 /// Plans the config and takes each drawn stack's limits and buffer from the plan. The config's
 /// layout must be the stats' layout, and every stack in the stats a stack of the plan.
-fn config_limits(path: &Path, batch_size: Option<usize>, runs: &[Run], stacks: &[String]) -> error::Result<BTreeMap<String, Limits>> {
+fn config_limits(
+    path: &Path,
+    batch_size: Option<usize>,
+    runs: &[Run],
+    stacks: &[String],
+) -> error::Result<BTreeMap<String, Limits>> {
     let config = Config::from_path(path)?;
     let o = &config.config;
     let batch = match (batch_size, o.stacking) {
@@ -207,7 +258,9 @@ fn config_limits(path: &Path, batch_size: Option<usize>, runs: &[Run], stacks: &
             return Err(CliError::Argument {
                 flag: "--config",
                 value: path.display().to_string(),
-                reason: "uses auto stacking, whose stacks depend on the batch size: give --batch-size".into(),
+                reason:
+                    "uses auto stacking, whose stacks depend on the batch size: give --batch-size"
+                        .into(),
             })
         }
     };
@@ -222,20 +275,37 @@ fn config_limits(path: &Path, batch_size: Option<usize>, runs: &[Run], stacks: &
             return Err(CliError::Argument {
                 flag: "--config",
                 value: path.display().to_string(),
-                reason: format!("its layout L/G/S is {key} but stats {} were measured on {}", r.path.display(), r.stats.layout),
+                reason: format!(
+                    "its layout L/G/S is {key} but stats {} were measured on {}",
+                    r.path.display(),
+                    r.stats.layout
+                ),
             });
         }
     }
-    let plan = Plan::for_local_batches(&config, &vec![batch; config.features.len()])
-        .map_err(|e| e.context(format!("planning config {} for batches of {batch} samples", path.display())))?;
+    let plan =
+        Plan::for_local_batches(&config, &vec![batch; config.features.len()]).map_err(|e| {
+            e.context(format!(
+                "planning config {} for batches of {batch} samples",
+                path.display()
+            ))
+        })?;
     let mut limits = BTreeMap::new();
     for name in stacks {
         let Some(s) = plan.stack(name) else {
             let planned: Vec<&str> = plan.stacks.iter().map(|s| s.name.as_str()).collect();
-            let run = runs.iter().find(|r| r.stats.stacks.contains_key(name)).map(|r| r.path.display().to_string()).unwrap_or_default();
+            let run = runs
+                .iter()
+                .find(|r| r.stats.stacks.contains_key(name))
+                .map(|r| r.path.display().to_string())
+                .unwrap_or_default();
             return Err(CliError::Stack {
                 stack: name.clone(),
-                reason: format!("in stats {run} but not a stack of config {} (its stacks: {})", path.display(), planned.join(", ")),
+                reason: format!(
+                    "in stats {run} but not a stack of config {} (its stacks: {})",
+                    path.display(),
+                    planned.join(", ")
+                ),
             });
         };
         limits.insert(
@@ -270,12 +340,19 @@ const BUFFER_LIMIT: RGBColor = RGBColor(0, 90, 50);
 
 /// A plotters error as ours: drawing into a string does no I/O, so this only reports a bug.
 fn plot_err<E: std::error::Error + Send + Sync + 'static>(e: E) -> Error {
-    Error::Io { context: "drawing the report".into(), source: std::io::Error::other(e.to_string()) }
+    Error::Io {
+        context: "drawing the report".into(),
+        source: std::io::Error::other(e.to_string()),
+    }
 }
 
 /// The whole picture: a header (title and legend), then one row per stack and one column per
 /// run. A stack's panels share their y scales so that runs compare by bar height.
-fn draw(runs: &[Run], stacks: &[String], limits: Option<&BTreeMap<String, Limits>>) -> Result<String> {
+fn draw(
+    runs: &[Run],
+    stacks: &[String],
+    limits: Option<&BTreeMap<String, Limits>>,
+) -> Result<String> {
     let width = PANEL_W * runs.len() as u32;
     let height = HEADER_H + (IDS_H + BUF_H) * stacks.len() as u32;
     let mut svg = String::new();
@@ -298,7 +375,8 @@ fn draw(runs: &[Run], stacks: &[String], limits: Option<&BTreeMap<String, Limits
                         let style = ("sans-serif", 18).into_font().color(&BLACK);
                         let (w, h) = area.dim_in_pixel();
                         let text = format!("{stack} · {}: not in this run's stats", r.label);
-                        area.draw(&Text::new(text, (w as i32 / 8, h as i32 / 2), style)).map_err(plot_err)?;
+                        area.draw(&Text::new(text, (w as i32 / 8, h as i32 / 2), style))
+                            .map_err(plot_err)?;
                     }
                 }
             }
@@ -309,26 +387,74 @@ fn draw(runs: &[Run], stacks: &[String], limits: Option<&BTreeMap<String, Limits
 }
 
 /// The title (what is drawn, over how many batches) and one legend for every panel.
-fn draw_header(area: &DrawingArea<SVGBackend<'_>, Shift>, runs: &[Run], with_limits: bool) -> Result<()> {
-    let names: Vec<String> = runs.iter().map(|r| format!("{} ({} batches, {})", r.label, r.stats.batches, r.stats.layout)).collect();
+fn draw_header(
+    area: &DrawingArea<SVGBackend<'_>, Shift>,
+    runs: &[Run],
+    with_limits: bool,
+) -> Result<()> {
+    let names: Vec<String> = runs
+        .iter()
+        .map(|r| {
+            format!(
+                "{} ({} batches, {})",
+                r.label, r.stats.batches, r.stats.layout
+            )
+        })
+        .collect();
     let title = format!("Per-partition load per stack: {}", names.join(" | "));
-    area.draw(&Text::new(title, (10, 8), ("sans-serif", 22).into_font().color(&BLACK))).map_err(plot_err)?;
+    area.draw(&Text::new(
+        title,
+        (10, 8),
+        ("sans-serif", 22).into_font().color(&BLACK),
+    ))
+    .map_err(plot_err)?;
     // One row per quantity: its bar colour, then the line of its limit in the config.
     let rows = [
-        (IDS, "max ids per partition", IDS_LIMIT, "max_ids_per_partition limit"),
-        (UNIQUE, "max unique ids per partition", UNIQUE_LIMIT, "max_unique_ids_per_partition limit"),
-        (BUFFER, "required COO buffer per SparseCore", BUFFER_LIMIT, "COO buffer per SparseCore"),
+        (
+            IDS,
+            "max ids per partition",
+            IDS_LIMIT,
+            "max_ids_per_partition limit",
+        ),
+        (
+            UNIQUE,
+            "max unique ids per partition",
+            UNIQUE_LIMIT,
+            "max_unique_ids_per_partition limit",
+        ),
+        (
+            BUFFER,
+            "required COO buffer per SparseCore",
+            BUFFER_LIMIT,
+            "COO buffer per SparseCore",
+        ),
     ];
     let font = ("sans-serif", 17).into_font().color(&BLACK);
     for (i, (bar, name, line, limit)) in rows.into_iter().enumerate() {
         let y = 44 + 20 * i as i32;
-        area.draw(&Rectangle::new([(10, y - 6), (28, y + 6)], bar.filled())).map_err(plot_err)?;
-        area.draw(&Text::new(name, (34, y - 7), font.clone())).map_err(plot_err)?;
+        area.draw(&Rectangle::new([(10, y - 6), (28, y + 6)], bar.filled()))
+            .map_err(plot_err)?;
+        area.draw(&Text::new(name, (34, y - 7), font.clone()))
+            .map_err(plot_err)?;
         if with_limits {
-            area.draw(&PathElement::new(vec![(LEGEND_LIMITS_X, y), (LEGEND_LIMITS_X + 18, y)], line.stroke_width(3))).map_err(plot_err)?;
-            area.draw(&Text::new(limit, (LEGEND_LIMITS_X + 24, y - 7), font.clone())).map_err(plot_err)?;
+            area.draw(&PathElement::new(
+                vec![(LEGEND_LIMITS_X, y), (LEGEND_LIMITS_X + 18, y)],
+                line.stroke_width(3),
+            ))
+            .map_err(plot_err)?;
+            area.draw(&Text::new(
+                limit,
+                (LEGEND_LIMITS_X + 24, y - 7),
+                font.clone(),
+            ))
+            .map_err(plot_err)?;
         } else if i == 0 {
-            area.draw(&Text::new("(no --config: limits not drawn)", (LEGEND_LIMITS_X, y - 7), font.clone())).map_err(plot_err)?;
+            area.draw(&Text::new(
+                "(no --config: limits not drawn)",
+                (LEGEND_LIMITS_X, y - 7),
+                font.clone(),
+            ))
+            .map_err(plot_err)?;
         }
     }
     Ok(())
@@ -340,7 +466,14 @@ fn y_ranges(runs: &[Run], stack: &str, limits: Option<&Limits>) -> (f64, f64) {
     let mut buf = limits.map_or(0, |l| l.buffer_per_sc);
     for st in runs.iter().filter_map(|r| r.stats.stacks.get(stack)) {
         ids = ids.max(st.max_ids().max(st.max_unique_ids()).max(0) as u64);
-        buf = buf.max(st.required_buffer_size_per_sc.iter().copied().max().unwrap_or(0).max(0) as u64);
+        buf = buf.max(
+            st.required_buffer_size_per_sc
+                .iter()
+                .copied()
+                .max()
+                .unwrap_or(0)
+                .max(0) as u64,
+        );
     }
     (ids.max(1) as f64 * 1.12, buf.max(1) as f64 * 1.12)
 }
@@ -384,29 +517,71 @@ fn draw_panel(
         st.max_unique_ids(),
         st.dropped_id_count
     );
-    let x_desc = if devices > 1 { "local device:destination partition" } else { "destination partition" };
-    let mut chart = axes(&top, Axes { caption, caption_size: 19, columns: cells, per: n, devices, x_desc, y_desc: "ids", y_labels: 6, y_max: ids_max })?;
+    let x_desc = if devices > 1 {
+        "local device:destination partition"
+    } else {
+        "destination partition"
+    };
+    let mut chart = axes(
+        &top,
+        Axes {
+            caption,
+            caption_size: 19,
+            columns: cells,
+            per: n,
+            devices,
+            x_desc,
+            y_desc: "ids",
+            y_labels: 6,
+            y_max: ids_max,
+        },
+    )?;
     let bars = |values: &[i32], left: f64, colour: RGBColor| {
         values
             .iter()
             .enumerate()
-            .map(move |(i, &v)| Rectangle::new([(i as f64 + left, 0.0), (i as f64 + left + 0.4, v.max(0) as f64)], colour.filled()))
+            .map(move |(i, &v)| {
+                Rectangle::new(
+                    [
+                        (i as f64 + left, 0.0),
+                        (i as f64 + left + 0.4, v.max(0) as f64),
+                    ],
+                    colour.filled(),
+                )
+            })
             .collect::<Vec<_>>()
     };
     // Each bar's value just above it, centred at `centre` from the cell.
     let values = |values: &[i32], centre: f64| {
-        let style = ("sans-serif", 14).into_font().color(&BLACK).pos(Pos::new(HPos::Center, VPos::Bottom));
+        let style = ("sans-serif", 14)
+            .into_font()
+            .color(&BLACK)
+            .pos(Pos::new(HPos::Center, VPos::Bottom));
         values
             .iter()
             .enumerate()
-            .map(move |(i, &v)| Text::new(v.to_string(), (i as f64 + centre, v.max(0) as f64), style.clone()))
+            .map(move |(i, &v)| {
+                Text::new(
+                    v.to_string(),
+                    (i as f64 + centre, v.max(0) as f64),
+                    style.clone(),
+                )
+            })
             .collect::<Vec<_>>()
     };
-    chart.draw_series(bars(&st.max_ids_per_partition, -0.4, IDS)).map_err(plot_err)?;
-    chart.draw_series(bars(&st.max_unique_ids_per_partition, 0.0, UNIQUE)).map_err(plot_err)?;
+    chart
+        .draw_series(bars(&st.max_ids_per_partition, -0.4, IDS))
+        .map_err(plot_err)?;
+    chart
+        .draw_series(bars(&st.max_unique_ids_per_partition, 0.0, UNIQUE))
+        .map_err(plot_err)?;
     if 2 * cells <= MAX_VALUE_LABELS {
-        chart.draw_series(values(&st.max_ids_per_partition, -0.2)).map_err(plot_err)?;
-        chart.draw_series(values(&st.max_unique_ids_per_partition, 0.2)).map_err(plot_err)?;
+        chart
+            .draw_series(values(&st.max_ids_per_partition, -0.2))
+            .map_err(plot_err)?;
+        chart
+            .draw_series(values(&st.max_unique_ids_per_partition, 0.2))
+            .map_err(plot_err)?;
     }
     if let Some(l) = limits {
         limit_line(&mut chart, cells, l.max_ids as f64, IDS_LIMIT)?;
@@ -414,16 +589,45 @@ fn draw_panel(
     }
 
     let scs = st.required_buffer_size_per_sc.len();
-    let peak = st.required_buffer_size_per_sc.iter().copied().max().unwrap_or(0);
+    let peak = st
+        .required_buffer_size_per_sc
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0);
     let caption = match limits {
-        Some(l) => format!("COO buffer per local SparseCore: peak {peak} of {} slots", l.buffer_per_sc),
+        Some(l) => format!(
+            "COO buffer per local SparseCore: peak {peak} of {} slots",
+            l.buffer_per_sc
+        ),
         None => format!("COO buffer per local SparseCore: peak {peak} slots"),
     };
-    let x_desc = if devices > 1 { "local device:SparseCore" } else { "SparseCore" };
-    let mut chart = axes(&bottom, Axes { caption, caption_size: 17, columns: scs, per: s, devices, x_desc, y_desc: "slots", y_labels: 4, y_max: buf_max })?;
-    chart.draw_series(bars(&st.required_buffer_size_per_sc, -0.2, BUFFER)).map_err(plot_err)?;
+    let x_desc = if devices > 1 {
+        "local device:SparseCore"
+    } else {
+        "SparseCore"
+    };
+    let mut chart = axes(
+        &bottom,
+        Axes {
+            caption,
+            caption_size: 17,
+            columns: scs,
+            per: s,
+            devices,
+            x_desc,
+            y_desc: "slots",
+            y_labels: 4,
+            y_max: buf_max,
+        },
+    )?;
+    chart
+        .draw_series(bars(&st.required_buffer_size_per_sc, -0.2, BUFFER))
+        .map_err(plot_err)?;
     if scs <= MAX_VALUE_LABELS {
-        chart.draw_series(values(&st.required_buffer_size_per_sc, 0.0)).map_err(plot_err)?;
+        chart
+            .draw_series(values(&st.required_buffer_size_per_sc, 0.0))
+            .map_err(plot_err)?;
     }
     if let Some(l) = limits {
         limit_line(&mut chart, scs, l.buffer_per_sc as f64, BUFFER_LIMIT)?;
@@ -445,10 +649,17 @@ struct Axes<'a> {
     y_max: f64,
 }
 
-type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>>;
+type Chart<'a, 'b> = ChartContext<
+    'a,
+    SVGBackend<'b>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
 
 /// A chart on `area` with its caption, axes and mesh drawn: columns centred on 0, 1, …
-fn axes<'a, 'b>(area: &'a DrawingArea<SVGBackend<'b>, Shift>, a: Axes<'_>) -> Result<Chart<'a, 'b>> {
+fn axes<'a, 'b>(
+    area: &'a DrawingArea<SVGBackend<'b>, Shift>,
+    a: Axes<'_>,
+) -> Result<Chart<'a, 'b>> {
     let whole = |v: &f64| format!("{v:.0}");
     let label = |v: &f64| cell_label(*v, a.per, a.devices);
     let mut chart = ChartBuilder::on(area)
@@ -476,7 +687,12 @@ fn axes<'a, 'b>(area: &'a DrawingArea<SVGBackend<'b>, Shift>, a: Axes<'_>) -> Re
 }
 
 /// A horizontal line at `value` across a chart of `columns` bars.
-fn limit_line(chart: &mut Chart<'_, '_>, columns: usize, value: f64, colour: RGBColor) -> Result<()> {
+fn limit_line(
+    chart: &mut Chart<'_, '_>,
+    columns: usize,
+    value: f64,
+    colour: RGBColor,
+) -> Result<()> {
     let (left, right) = (-0.5, columns.max(1) as f64 - 0.5);
     let line = PathElement::new(vec![(left, value), (right, value)], colour.stroke_width(2));
     chart.draw_series(std::iter::once(line)).map_err(plot_err)?;
@@ -500,7 +716,13 @@ fn esc(s: &str) -> String {
 
 /// A page with the picture inline and the numbers it draws: a summary per (stack, run) and the
 /// arrays cell by cell.
-fn html(runs: &[Run], stacks: &[String], limits: Option<&BTreeMap<String, Limits>>, svg: &str, config: Option<&Path>) -> String {
+fn html(
+    runs: &[Run],
+    stacks: &[String],
+    limits: Option<&BTreeMap<String, Limits>>,
+    svg: &str,
+    config: Option<&Path>,
+) -> String {
     let mut h = String::new();
     let _ = write!(
         h,
@@ -520,8 +742,15 @@ fn html(runs: &[Run], stacks: &[String], limits: Option<&BTreeMap<String, Limits
         );
     }
     let _ = match config {
-        Some(c) => writeln!(h, "</ul>\n<p>Limits and buffers from config {}.</p>", esc(&c.display().to_string())),
-        None => writeln!(h, "</ul>\n<p>No config given: limits and buffers are not known.</p>"),
+        Some(c) => writeln!(
+            h,
+            "</ul>\n<p>Limits and buffers from config {}.</p>",
+            esc(&c.display().to_string())
+        ),
+        None => writeln!(
+            h,
+            "</ul>\n<p>No config given: limits and buffers are not known.</p>"
+        ),
     };
     h.push_str(svg);
     h.push_str("\n<h2>Summary</h2>\n<table>\n<tr><th>stack</th><th>run</th><th>max ids per partition</th><th>limit</th>\
@@ -531,7 +760,9 @@ fn html(runs: &[Run], stacks: &[String], limits: Option<&BTreeMap<String, Limits
     for stack in stacks {
         let lim = limits.and_then(|l| l.get(stack));
         for r in runs {
-            let Some(st) = r.stats.stacks.get(stack) else { continue };
+            let Some(st) = r.stats.stacks.get(stack) else {
+                continue;
+            };
             let _ = writeln!(
                 h,
                 "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
@@ -550,9 +781,14 @@ fn html(runs: &[Run], stacks: &[String], limits: Option<&BTreeMap<String, Limits
     h.push_str("</table>\n<h2>Per cell</h2>\n");
     for stack in stacks {
         for r in runs {
-            let Some(st) = r.stats.stacks.get(stack) else { continue };
+            let Some(st) = r.stats.stacks.get(stack) else {
+                continue;
+            };
             let _ = writeln!(h, "<h3>{} · {}</h3>\n<table>", esc(stack), esc(&r.label));
-            let cells = st.max_ids_per_partition.len().max(st.required_buffer_size_per_sc.len());
+            let cells = st
+                .max_ids_per_partition
+                .len()
+                .max(st.required_buffer_size_per_sc.len());
             h.push_str("<tr><th>cell</th>");
             for i in 0..cells {
                 let _ = write!(h, "<th>{i}</th>");
@@ -560,8 +796,14 @@ fn html(runs: &[Run], stacks: &[String], limits: Option<&BTreeMap<String, Limits
             h.push_str("</tr>\n");
             for (name, values) in [
                 ("max_ids_per_partition", &st.max_ids_per_partition),
-                ("max_unique_ids_per_partition", &st.max_unique_ids_per_partition),
-                ("required_buffer_size_per_sc", &st.required_buffer_size_per_sc),
+                (
+                    "max_unique_ids_per_partition",
+                    &st.max_unique_ids_per_partition,
+                ),
+                (
+                    "required_buffer_size_per_sc",
+                    &st.required_buffer_size_per_sc,
+                ),
             ] {
                 let _ = write!(h, "<tr><td>{name}</td>");
                 for i in 0..cells {

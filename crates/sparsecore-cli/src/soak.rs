@@ -18,7 +18,6 @@
 //! largest, with a check, and then once a second; the run fails if the RSS at the end is more
 //! than 5% above the warm-up's.
 
-
 use std::io::Write;
 use std::time::{Duration, Instant};
 
@@ -79,8 +78,15 @@ const CONFIG: &str = r#"{
 }"#;
 
 /// Per feature (config order): max ids per sample, hot-set size, whether weighted.
-const SHAPES: [(usize, u64, bool); 7] =
-    [(1, 1 << 20, false), (6, 64, false), (12, 32, true), (4, 8, false), (20, 128, true), (2, 4, false), (3, 1 << 40, false)];
+const SHAPES: [(usize, u64, bool); 7] = [
+    (1, 1 << 20, false),
+    (6, 64, false),
+    (12, 32, true),
+    (4, 8, false),
+    (20, 128, true),
+    (2, 4, false),
+    (3, 1 << 40, false),
+];
 
 /// Samples per SparseCore a feature can have in one batch.
 const SAMPLES_PER_SC: [usize; 4] = [8, 32, 128, 512];
@@ -97,17 +103,32 @@ fn mib(kib: Option<u64>) -> String {
 }
 
 /// A random batch; `largest` gives every feature its largest shape and longest rows.
-fn random_batch(config: &Config, rng: &mut StdRng, local_scs: usize, largest: bool, plant_error: bool) -> Batch {
+fn random_batch(
+    config: &Config,
+    rng: &mut StdRng,
+    local_scs: usize,
+    largest: bool,
+    plant_error: bool,
+) -> Batch {
     let mut features: Vec<Feature> = config
         .features
         .iter()
         .zip(SHAPES)
         .map(|(f, (max_len, hot, weighted))| {
-            let vocab = config.tables[config.table_index(&f.table).expect("config is consistent")].vocabulary_size;
-            let per_sc = if largest { SAMPLES_PER_SC[SAMPLES_PER_SC.len() - 1] } else { SAMPLES_PER_SC[rng.random_range(0..SAMPLES_PER_SC.len())] };
+            let vocab = config.tables[config.table_index(&f.table).expect("config is consistent")]
+                .vocabulary_size;
+            let per_sc = if largest {
+                SAMPLES_PER_SC[SAMPLES_PER_SC.len() - 1]
+            } else {
+                SAMPLES_PER_SC[rng.random_range(0..SAMPLES_PER_SC.len())]
+            };
             let rows: Vec<Vec<i64>> = (0..per_sc * local_scs)
                 .map(|_| {
-                    let len = if largest { max_len } else { rng.random_range(0..=max_len) };
+                    let len = if largest {
+                        max_len
+                    } else {
+                        rng.random_range(0..=max_len)
+                    };
                     (0..len)
                         .map(|_| match rng.random_range(0..16) {
                             0 => vocab as i64 - 1,
@@ -117,13 +138,28 @@ fn random_batch(config: &Config, rng: &mut StdRng, local_scs: usize, largest: bo
                         .collect()
                 })
                 .collect();
-            let weights = weighted.then(|| rows.iter().map(|r| r.iter().map(|_| rng.random_range(-16..=64) as f32 / 16.0).collect()).collect());
-            Feature { name: f.name.clone(), rows, weights }
+            let weights = weighted.then(|| {
+                rows.iter()
+                    .map(|r| {
+                        r.iter()
+                            .map(|_| rng.random_range(-16..=64) as f32 / 16.0)
+                            .collect()
+                    })
+                    .collect()
+            });
+            Feature {
+                name: f.name.clone(),
+                rows,
+                weights,
+            }
         })
         .collect();
     if plant_error {
         let f = rng.random_range(0..features.len());
-        let vocab = config.tables[config.table_index(&config.features[f].table).expect("consistent")].vocabulary_size;
+        let vocab = config.tables[config
+            .table_index(&config.features[f].table)
+            .expect("consistent")]
+        .vocabulary_size;
         let rows = &mut features[f].rows;
         let r = rng.random_range(0..rows.len());
         rows[r].push(vocab as i64);
@@ -149,11 +185,19 @@ struct Tally {
 /// Runs the soak; `Ok(false)` means a mismatch or RSS growth (the details are printed).
 pub fn run(a: Args) -> error::Result<bool> {
     if !(a.minutes.is_finite() && a.minutes >= 0.0) {
-        return Err(CliError::Argument { flag: "--minutes", value: a.minutes.to_string(), reason: "a finite number of minutes, at least 0".into() });
+        return Err(CliError::Argument {
+            flag: "--minutes",
+            value: a.minutes.to_string(),
+            reason: "a finite number of minutes, at least 0".into(),
+        });
     }
     let config = Config::from_json(CONFIG)?;
-    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let mut prep = Preprocessor::builder(config.clone()).threads(threads).build()?;
+    let threads = a
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let mut prep = Preprocessor::builder(config.clone())
+        .threads(threads)
+        .build()?;
     let local_scs = config.config.local_device_count * config.config.num_sc_per_device;
     let check_every = a.check_every.max(1);
     let mut rng = StdRng::seed_from_u64(a.seed);
@@ -169,7 +213,12 @@ pub fn run(a: Args) -> error::Result<bool> {
     );
 
     // One batch: run, maybe check; false on a mismatch.
-    let mut step = |batch: &Batch, check: bool, prep: &mut Preprocessor, out: &mut Output, t: &mut Tally| -> Result<bool> {
+    let mut step = |batch: &Batch,
+                    check: bool,
+                    prep: &mut Preprocessor,
+                    out: &mut Output,
+                    t: &mut Tally|
+     -> Result<bool> {
         let flat = FlatBatch::new(batch);
         let sources = flat.sources()?;
         let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
@@ -180,18 +229,34 @@ pub fn run(a: Args) -> error::Result<bool> {
         t.batches += 1;
         t.ids += flat.num_ids() as u64;
         match &result {
-            Ok(()) => t.dropped += out.stacks.iter().map(|s| s.stats.dropped_id_count).sum::<u64>(),
+            Ok(()) => {
+                t.dropped += out
+                    .stacks
+                    .iter()
+                    .map(|s| s.stats.dropped_id_count)
+                    .sum::<u64>()
+            }
             Err(_) => t.error_batches += 1,
         }
         if !check {
             return Ok(true);
         }
         t.checks += 1;
-        match model::check(&config, batch, t.batches - 1, result.as_ref().map(|_| &*out)) {
+        match model::check(
+            &config,
+            batch,
+            t.batches - 1,
+            result.as_ref().map(|_| &*out),
+        ) {
             Ok(()) => Ok(true),
             Err(e) => {
                 t.failures += 1;
-                let _ = writeln!(stderr, "soak: batch {} (seed {}) disagrees with the model: {e}", t.batches - 1, a.seed);
+                let _ = writeln!(
+                    stderr,
+                    "soak: batch {} (seed {}) disagrees with the model: {e}",
+                    t.batches - 1,
+                    a.seed
+                );
                 Ok(false)
             }
         }
@@ -201,16 +266,33 @@ pub fn run(a: Args) -> error::Result<bool> {
     let deadline = started + Duration::from_secs_f64((a.minutes * 60.0).max(0.0));
     // Warm-up: every shape once at its largest (with a check), then random batches, so that
     // caches, workspaces and the allocator have seen the peak before the baseline.
-    let mut ok = step(&random_batch(&config, &mut rng, local_scs, true, false), true, &mut prep, &mut out, &mut t)?;
+    let mut ok = step(
+        &random_batch(&config, &mut rng, local_scs, true, false),
+        true,
+        &mut prep,
+        &mut out,
+        &mut t,
+    )?;
     let warm_until = started + Duration::from_secs_f64((a.minutes * 60.0 * 0.1).clamp(1.0, 30.0));
     while ok && Instant::now() < warm_until {
         let plant = rng.random_range(0..64) == 0;
         let check = plant || t.batches % check_every == 0;
-        ok = step(&random_batch(&config, &mut rng, local_scs, false, plant), check, &mut prep, &mut out, &mut t)?;
+        ok = step(
+            &random_batch(&config, &mut rng, local_scs, false, plant),
+            check,
+            &mut prep,
+            &mut out,
+            &mut t,
+        )?;
     }
     let warm_rss = rss_kib();
     let warm_batches = t.batches;
-    outln!("soak: warm-up {} batches in {:.1} s, RSS {}", t.batches, started.elapsed().as_secs_f64(), mib(warm_rss));
+    outln!(
+        "soak: warm-up {} batches in {:.1} s, RSS {}",
+        t.batches,
+        started.elapsed().as_secs_f64(),
+        mib(warm_rss)
+    );
 
     let mut peak = warm_rss;
     let mut next_sample = Instant::now() + Duration::from_secs(1);
@@ -218,7 +300,13 @@ pub fn run(a: Args) -> error::Result<bool> {
     while ok && Instant::now() < deadline {
         let plant = rng.random_range(0..64) == 0;
         let check = plant || t.batches % check_every == 0;
-        ok = step(&random_batch(&config, &mut rng, local_scs, false, plant), check, &mut prep, &mut out, &mut t)?;
+        ok = step(
+            &random_batch(&config, &mut rng, local_scs, false, plant),
+            check,
+            &mut prep,
+            &mut out,
+            &mut t,
+        )?;
         let now = Instant::now();
         if now >= next_sample {
             peak = peak.max(rss_kib());
@@ -267,7 +355,10 @@ pub fn run(a: Args) -> error::Result<bool> {
         mib(peak)
     );
     if t.failures > 0 {
-        outln!("soak: FAILED: {} batch(es) disagree with the model", t.failures);
+        outln!(
+            "soak: FAILED: {} batch(es) disagree with the model",
+            t.failures
+        );
         return Ok(false);
     }
     if let Some(g) = growth {

@@ -33,7 +33,9 @@ fn stdout_failed(e: io::Error) -> ! {
     if e.kind() == io::ErrorKind::BrokenPipe {
         std::process::exit(BROKEN_PIPE_EXIT);
     }
-    write_stderr(format_args!("sparsecore-prep: error: writing to stdout: {e}\n"));
+    write_stderr(format_args!(
+        "sparsecore-prep: error: writing to stdout: {e}\n"
+    ));
     std::process::exit(1);
 }
 

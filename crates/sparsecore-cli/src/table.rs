@@ -17,7 +17,12 @@ pub struct Row<'a> {
 }
 
 /// Rows for every stack of `plan`, from per-stack stats and id counts.
-pub fn rows<'a>(plan: &'a Plan, stats: &'a [&'a StackStats], ids: &[u64], buffers: bool) -> Vec<Row<'a>> {
+pub fn rows<'a>(
+    plan: &'a Plan,
+    stats: &'a [&'a StackStats],
+    ids: &[u64],
+    buffers: bool,
+) -> Vec<Row<'a>> {
     plan.stacks
         .iter()
         .zip(stats)
@@ -39,12 +44,23 @@ pub fn rows<'a>(plan: &'a Plan, stats: &'a [&'a StackStats], ids: &[u64], buffer
 pub fn print(rows: &[Row<'_>], sc_per_device: usize) {
     outln!(
         "{:<24} {:>4} {:>10} {:>9} {:>9} {:>6} {:>13} {:>13} {:>8}",
-        "stack", "feat", "ids", "C/device", "required", "use%", "max ids/lim", "max uniq/lim", "dropped"
+        "stack",
+        "feat",
+        "ids",
+        "C/device",
+        "required",
+        "use%",
+        "max ids/lim",
+        "max uniq/lim",
+        "dropped"
     );
     for r in rows {
         let required = r.stats.required_buffer_size_per_device(sc_per_device);
         let (c, pct) = match r.coo_per_device {
-            Some(c) => (c.to_string(), format!("{:.1}%", 100.0 * required as f64 / c as f64)),
+            Some(c) => (
+                c.to_string(),
+                format!("{:.1}%", 100.0 * required as f64 / c as f64),
+            ),
             None => ("-".to_string(), "-".to_string()),
         };
         outln!(

@@ -48,7 +48,9 @@ fn fails(args: &[&str]) -> String {
 fn triples(n: usize) -> (Vec<i64>, Vec<i32>, Vec<i64>) {
     let mut x = 0x2545_f491_4f6c_dd1du64;
     let mut next = |m: u64| {
-        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((x >> 33) % m) as i64
     };
     let (mut h, mut r, mut t) = (Vec::new(), Vec::new(), Vec::new());
@@ -66,7 +68,11 @@ fn triples_batch(h: Vec<i64>, r: Vec<i32>, t: Vec<i64>) -> RecordBatch {
         Field::new("relation", DataType::Int32, false),
         Field::new("tail", DataType::Int64, false),
     ]));
-    let cols: Vec<ArrayRef> = vec![Arc::new(Int64Array::from(h)), Arc::new(Int32Array::from(r)), Arc::new(Int64Array::from(t))];
+    let cols: Vec<ArrayRef> = vec![
+        Arc::new(Int64Array::from(h)),
+        Arc::new(Int32Array::from(r)),
+        Arc::new(Int64Array::from(t)),
+    ];
     RecordBatch::try_new(schema, cols).unwrap()
 }
 
@@ -99,22 +105,58 @@ fn read_json(p: &Path) -> Value {
 
 /// `bess batches` with `extra`, then `preprocess` of its output; returns (bess stdout, config,
 /// stats.json).
-fn batches_then_preprocess(dir: &TempDir, triples: &Path, tag: &str, extra: &[&str]) -> (String, Value, Value) {
-    let (out, cfg, pre) = (dir.join(&format!("{tag}.arrow")), dir.join(&format!("{tag}.json")), dir.join(&format!("{tag}-out")));
-    let mut args = vec!["bess", "batches", "--triples", s(triples), "--entities", "64", "--layout", "1/1/4", "--out", s(&out), "--config-out", s(&cfg)];
+fn batches_then_preprocess(
+    dir: &TempDir,
+    triples: &Path,
+    tag: &str,
+    extra: &[&str],
+) -> (String, Value, Value) {
+    let (out, cfg, pre) = (
+        dir.join(&format!("{tag}.arrow")),
+        dir.join(&format!("{tag}.json")),
+        dir.join(&format!("{tag}-out")),
+    );
+    let mut args = vec![
+        "bess",
+        "batches",
+        "--triples",
+        s(triples),
+        "--entities",
+        "64",
+        "--layout",
+        "1/1/4",
+        "--out",
+        s(&out),
+        "--config-out",
+        s(&cfg),
+    ];
     args.extend_from_slice(extra);
     let stdout = ok(&args);
     eprintln!("{stdout}");
-    ok(&["preprocess", "--config", s(&cfg), "--input", s(&out), "--out", s(&pre)]);
+    ok(&[
+        "preprocess",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&out),
+        "--out",
+        s(&pre),
+    ]);
     (stdout, read_json(&cfg), read_json(&pre.join("stats.json")))
 }
 
 /// Nothing dropped, and every (device, partition) max_ids equals the table's limit.
 fn assert_exact_limits(config: &Value, stats: &Value, steps: u64) -> u64 {
-    let limit = config["tables"][0]["max_ids_per_partition"].as_u64().unwrap();
+    let limit = config["tables"][0]["max_ids_per_partition"]
+        .as_u64()
+        .unwrap();
     assert_eq!(stats["batches"].as_u64(), Some(steps));
     let stacks = stats["stacks"].as_object().unwrap();
-    assert_eq!(stacks.len(), 1, "one stack: head, tail and negative share the entity table");
+    assert_eq!(
+        stacks.len(),
+        1,
+        "one stack: head, tail and negative share the entity table"
+    );
     let st = stacks.values().next().unwrap();
     assert_eq!(st["dropped_id_count"], 0);
     let max = st["max_ids_per_partition"].as_array().unwrap();
@@ -129,18 +171,50 @@ fn assert_exact_limits(config: &Value, stats: &Value, steps: u64) -> u64 {
 fn batches_without_negatives_fill_every_cell_to_the_limit() {
     let dir = TempDir::new("neg0");
     let tr = triples_file(&dir);
-    let (stdout, config, stats) = batches_then_preprocess(&dir, &tr, "b", &["--shard-batch-size", "8", "--negatives", "0", "--seed", "3", "--steps", "5"]);
+    let (stdout, config, stats) = batches_then_preprocess(
+        &dir,
+        &tr,
+        "b",
+        &[
+            "--shard-batch-size",
+            "8",
+            "--negatives",
+            "0",
+            "--seed",
+            "3",
+            "--steps",
+            "5",
+        ],
+    );
     // ppp = ceil(8 / 4) = 2: every cell takes 2 heads and 2 tails.
     assert_eq!(assert_exact_limits(&config, &stats, 5), 4);
     assert_eq!(config["features"].as_array().unwrap().len(), 2);
     assert!(stdout.contains("wrote 5 steps"), "{stdout}");
-    assert!(stdout.contains("limits: positives 4, negatives 0, max_ids_per_partition 4"), "{stdout}");
+    assert!(
+        stdout.contains("limits: positives 4, negatives 0, max_ids_per_partition 4"),
+        "{stdout}"
+    );
     // One row per local SparseCore, every partition at 4+0.
-    let rows: Vec<&str> = stdout.lines().skip_while(|l| !l.trim_start().starts_with("slot")).skip(1).collect();
+    let rows: Vec<&str> = stdout
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("slot"))
+        .skip(1)
+        .collect();
     assert_eq!(rows.len(), 4, "{stdout}");
     for (k, row) in rows.iter().enumerate() {
         let f: Vec<&str> = row.split_whitespace().collect();
-        assert_eq!(&f[..6], &[k.to_string().as_str(), k.to_string().as_str(), "4", "0", "4/4", "yes"], "{row}");
+        assert_eq!(
+            &f[..6],
+            &[
+                k.to_string().as_str(),
+                k.to_string().as_str(),
+                "4",
+                "0",
+                "4/4",
+                "yes"
+            ],
+            "{row}"
+        );
         assert_eq!(&f[6..], &["4+0"; 4], "{row}");
     }
     assert!(!stdout.contains("rigid padding"));
@@ -151,10 +225,26 @@ fn batches_with_negatives_random_and_rigid() {
     let dir = TempDir::new("neg");
     let tr = triples_file(&dir);
     // Per-triple negatives: B = T = 4·ppp = 8 lists of k = 2 per shard: 16 negatives per cell.
-    let (stdout, config, stats) =
-        batches_then_preprocess(&dir, &tr, "r", &["--shard-batch-size", "8", "--negatives", "2", "--seed", "1", "--steps", "3"]);
+    let (stdout, config, stats) = batches_then_preprocess(
+        &dir,
+        &tr,
+        "r",
+        &[
+            "--shard-batch-size",
+            "8",
+            "--negatives",
+            "2",
+            "--seed",
+            "1",
+            "--steps",
+            "3",
+        ],
+    );
     assert_eq!(assert_exact_limits(&config, &stats, 3), 4 + 16);
-    assert!(stdout.contains("limits: positives 4, negatives 16, max_ids_per_partition 20"), "{stdout}");
+    assert!(
+        stdout.contains("limits: positives 4, negatives 16, max_ids_per_partition 20"),
+        "{stdout}"
+    );
     assert_eq!(config["features"].as_array().unwrap().len(), 3);
 
     // Rigid, flat negatives, ht: one list per side, k = 3 → 6 negatives per cell; one epoch.
@@ -162,13 +252,41 @@ fn batches_with_negatives_random_and_rigid() {
         &dir,
         &tr,
         "g",
-        &["--shard-batch-size", "8", "--negatives", "3", "--sampler", "rigid", "--corruption", "ht", "--flat-negatives", "--seed", "1"],
+        &[
+            "--shard-batch-size",
+            "8",
+            "--negatives",
+            "3",
+            "--sampler",
+            "rigid",
+            "--corruption",
+            "ht",
+            "--flat-negatives",
+            "--seed",
+            "1",
+        ],
     );
-    let steps: u64 = stdout.split("wrote ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    let steps: u64 = stdout
+        .split("wrote ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!(steps > 1, "{stdout}");
     assert_eq!(assert_exact_limits(&config, &stats, steps), 4 + 6);
-    let pad = stdout.lines().find(|l| l.starts_with("rigid padding: ")).unwrap_or_else(|| panic!("{stdout}"));
-    let pct: f64 = pad["rigid padding: ".len()..].split('%').next().unwrap().parse().unwrap();
+    let pad = stdout
+        .lines()
+        .find(|l| l.starts_with("rigid padding: "))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    let pct: f64 = pad["rigid padding: ".len()..]
+        .split('%')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!(pct > 0.0 && pct < 100.0, "{pad}");
     // Every slot draws T = 4 shards · ppp 2 = 8 triples per step, padding included.
     let w: Vec<&str> = pad.split("; ").nth(1).unwrap().split_whitespace().collect();
@@ -182,24 +300,82 @@ fn shard_create_show_and_reuse() {
     let dir = TempDir::new("shard");
     let tr = triples_file(&dir);
     let npz = dir.join("sh.npz");
-    let created = ok(&["bess", "shard", "create", "--entities", "64", "--layout", "1/1/4", "--seed", "7", "--out", s(&npz)]);
-    assert!(created.contains("shards 4, entities 64, slots per shard 16"), "{created}");
-    assert!(created.contains("entities per shard: 16 16 16 16"), "{created}");
+    let created = ok(&[
+        "bess",
+        "shard",
+        "create",
+        "--entities",
+        "64",
+        "--layout",
+        "1/1/4",
+        "--seed",
+        "7",
+        "--out",
+        s(&npz),
+    ]);
+    assert!(
+        created.contains("shards 4, entities 64, slots per shard 16"),
+        "{created}"
+    );
+    assert!(
+        created.contains("entities per shard: 16 16 16 16"),
+        "{created}"
+    );
     let shown = ok(&["bess", "shard", "show", s(&npz)]);
-    assert_eq!(shown.lines().skip(1).collect::<Vec<_>>(), created.lines().skip(1).collect::<Vec<_>>());
+    assert_eq!(
+        shown.lines().skip(1).collect::<Vec<_>>(),
+        created.lines().skip(1).collect::<Vec<_>>()
+    );
     // The file is the library's sharding for that seed.
     let loaded = sparsecore_bess::Sharding::load_npz(&npz).unwrap();
-    let made = sparsecore_bess::Sharding::create(64, 4, &sparsecore_bess::seed_words(7), None).unwrap();
+    let made =
+        sparsecore_bess::Sharding::create(64, 4, &sparsecore_bess::seed_words(7), None).unwrap();
     assert_eq!(loaded, made);
 
     // Batches from the stored sharding equal batches from the seed.
-    let common = ["--shard-batch-size", "8", "--negatives", "1", "--seed", "7", "--steps", "2"];
+    let common = [
+        "--shard-batch-size",
+        "8",
+        "--negatives",
+        "1",
+        "--seed",
+        "7",
+        "--steps",
+        "2",
+    ];
     let (a, b) = (dir.join("a.arrow"), dir.join("b.arrow"));
-    let (aj, bj, c, cj) = (dir.join("a.json"), dir.join("b.json"), dir.join("c.arrow"), dir.join("c.json"));
-    let mut args = vec!["bess", "batches", "--triples", s(&tr), "--entities", "64", "--out", s(&a), "--config-out", s(&aj)];
+    let (aj, bj, c, cj) = (
+        dir.join("a.json"),
+        dir.join("b.json"),
+        dir.join("c.arrow"),
+        dir.join("c.json"),
+    );
+    let mut args = vec![
+        "bess",
+        "batches",
+        "--triples",
+        s(&tr),
+        "--entities",
+        "64",
+        "--out",
+        s(&a),
+        "--config-out",
+        s(&aj),
+    ];
     args.extend_from_slice(&common);
     ok(&args);
-    let mut args = vec!["bess", "batches", "--triples", s(&tr), "--entities", "64", "--out", s(&b), "--config-out", s(&bj)];
+    let mut args = vec![
+        "bess",
+        "batches",
+        "--triples",
+        s(&tr),
+        "--entities",
+        "64",
+        "--out",
+        s(&b),
+        "--config-out",
+        s(&bj),
+    ];
     args.extend_from_slice(&common);
     args.extend_from_slice(&["--sharding", s(&npz)]);
     ok(&args);
@@ -207,23 +383,70 @@ fn shard_create_show_and_reuse() {
 
     // Typed shardings show their per-type counts.
     let typed = dir.join("typed.npz");
-    let out = ok(&["bess", "shard", "create", "--entities", "64", "--shards", "4", "--type-offsets", "0,40", "--out", s(&typed)]);
-    assert_eq!(out.lines().filter(|l| l.contains("entities per type:")).count(), 4, "{out}");
+    let out = ok(&[
+        "bess",
+        "shard",
+        "create",
+        "--entities",
+        "64",
+        "--shards",
+        "4",
+        "--type-offsets",
+        "0,40",
+        "--out",
+        s(&typed),
+    ]);
+    assert_eq!(
+        out.lines()
+            .filter(|l| l.contains("entities per type:"))
+            .count(),
+        4,
+        "{out}"
+    );
     let sums: i64 = out
         .lines()
         .filter_map(|l| l.split("entities per type: ").nth(1))
-        .flat_map(|l| l.split_whitespace().map(|x| x.parse::<i64>().unwrap()).collect::<Vec<_>>())
+        .flat_map(|l| {
+            l.split_whitespace()
+                .map(|x| x.parse::<i64>().unwrap())
+                .collect::<Vec<_>>()
+        })
         .sum();
     assert_eq!(sums, 64);
 
     // A sharding with the wrong shard count for the layout.
     let eight = dir.join("eight.npz");
-    ok(&["bess", "shard", "create", "--entities", "64", "--shards", "8", "--out", s(&eight)]);
-    let mut args = vec!["bess", "batches", "--triples", s(&tr), "--entities", "64", "--out", s(&c), "--config-out", s(&cj)];
+    ok(&[
+        "bess",
+        "shard",
+        "create",
+        "--entities",
+        "64",
+        "--shards",
+        "8",
+        "--out",
+        s(&eight),
+    ]);
+    let mut args = vec![
+        "bess",
+        "batches",
+        "--triples",
+        s(&tr),
+        "--entities",
+        "64",
+        "--out",
+        s(&c),
+        "--config-out",
+        s(&cj),
+    ];
     args.extend_from_slice(&common);
     args.extend_from_slice(&["--sharding", s(&eight)]);
     let e = fails(&args);
-    assert!(e.contains("n = 8 shards") && e.contains("N = global_device_count 1 * num_sc_per_device 4 = 4"), "{e}");
+    assert!(
+        e.contains("n = 8 shards")
+            && e.contains("N = global_device_count 1 * num_sc_per_device 4 = 4"),
+        "{e}"
+    );
     assert!(!dir.join("c.arrow").exists() && !dir.join("c.json").exists());
     // Not a sharding at all.
     let e = fails(&["bess", "shard", "show", s(&tr)]);
@@ -237,12 +460,33 @@ fn parquet_triples_give_what_ipc_gives() {
     let (h, r, t) = triples(600);
     let pq = dir.join("triples.parquet");
     let batch = triples_batch(h, r, t);
-    let mut w = parquet::arrow::ArrowWriter::try_new(File::create(&pq).unwrap(), batch.schema(), None).unwrap();
+    let mut w =
+        parquet::arrow::ArrowWriter::try_new(File::create(&pq).unwrap(), batch.schema(), None)
+            .unwrap();
     w.write(&batch).unwrap();
     w.close().unwrap();
     let run_on = |input: &Path, tag: &str| {
         let out = dir.join(&format!("{tag}.arrow"));
-        ok(&["bess", "batches", "--triples", s(input), "--entities", "64", "--shard-batch-size", "8", "--negatives", "2", "--seed", "5", "--steps", "2", "--out", s(&out), "--config-out", s(&dir.join(&format!("{tag}.json")))]);
+        ok(&[
+            "bess",
+            "batches",
+            "--triples",
+            s(input),
+            "--entities",
+            "64",
+            "--shard-batch-size",
+            "8",
+            "--negatives",
+            "2",
+            "--seed",
+            "5",
+            "--steps",
+            "2",
+            "--out",
+            s(&out),
+            "--config-out",
+            s(&dir.join(&format!("{tag}.json"))),
+        ]);
         std::fs::read(out).unwrap()
     };
     assert_eq!(run_on(&tr, "ipc"), run_on(&pq, "pq"));
@@ -252,17 +496,41 @@ fn parquet_triples_give_what_ipc_gives() {
 fn bad_triples_are_typed_errors() {
     let dir = TempDir::new("bad");
     let base = |tag: &str, input: &Path| -> Vec<String> {
-        ["bess", "batches", "--triples", s(input), "--entities", "64", "--shard-batch-size", "8", "--steps", "1", "--out"]
-            .iter()
-            .map(|x| x.to_string())
-            .chain([s(&dir.join(&format!("o-{tag}.arrow"))).to_string(), "--config-out".into(), s(&dir.join(&format!("o-{tag}.json"))).to_string()])
-            .collect()
+        [
+            "bess",
+            "batches",
+            "--triples",
+            s(input),
+            "--entities",
+            "64",
+            "--shard-batch-size",
+            "8",
+            "--steps",
+            "1",
+            "--out",
+        ]
+        .iter()
+        .map(|x| x.to_string())
+        .chain([
+            s(&dir.join(&format!("o-{tag}.arrow"))).to_string(),
+            "--config-out".into(),
+            s(&dir.join(&format!("o-{tag}.json"))).to_string(),
+        ])
+        .collect()
     };
     let fails_on = |tag: &str, input: &Path| -> String {
         let args = base(tag, input);
         let e = fails(&args.iter().map(String::as_str).collect::<Vec<_>>());
-        assert!(!dir.join(&format!("o-{tag}.arrow")).exists() && !dir.join(&format!("o-{tag}.json")).exists(), "{tag}: outputs left behind");
-        let left: Vec<_> = std::fs::read_dir(&dir.0).unwrap().filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().contains(".tmp-")).collect();
+        assert!(
+            !dir.join(&format!("o-{tag}.arrow")).exists()
+                && !dir.join(&format!("o-{tag}.json")).exists(),
+            "{tag}: outputs left behind"
+        );
+        let left: Vec<_> = std::fs::read_dir(&dir.0)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
+            .collect();
         assert!(left.is_empty(), "{tag}: temporaries left behind");
         e
     };
@@ -271,25 +539,50 @@ fn bad_triples_are_typed_errors() {
     let (h, r, mut t) = triples(600);
     t[300] = E;
     let p = dir.join("tail.arrow");
-    write_ipc(&p, &[triples_batch(h[..250].to_vec(), r[..250].to_vec(), t[..250].to_vec()), triples_batch(h[250..].to_vec(), r[250..].to_vec(), t[250..].to_vec())]);
+    write_ipc(
+        &p,
+        &[
+            triples_batch(h[..250].to_vec(), r[..250].to_vec(), t[..250].to_vec()),
+            triples_batch(h[250..].to_vec(), r[250..].to_vec(), t[250..].to_vec()),
+        ],
+    );
     let e = fails_on("tail", &p);
-    assert!(e.contains("column `tail`, row 300: entity id 64 is outside 0..64"), "{e}");
+    assert!(
+        e.contains("column `tail`, row 300: entity id 64 is outside 0..64"),
+        "{e}"
+    );
 
     let (mut h, r, t) = triples(600);
     h[7] = -1;
     let p = dir.join("head.arrow");
     write_ipc(&p, &[triples_batch(h, r, t)]);
     let e = fails_on("head", &p);
-    assert!(e.contains("column `head`, row 7: entity id -1 is outside 0..64"), "{e}");
+    assert!(
+        e.contains("column `head`, row 7: entity id -1 is outside 0..64"),
+        "{e}"
+    );
 
     // No tail column.
     let (h, r, _) = triples(10);
-    let schema = Arc::new(Schema::new(vec![Field::new("head", DataType::Int64, false), Field::new("relation", DataType::Int32, false)]));
-    let b = RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from(h)) as ArrayRef, Arc::new(Int32Array::from(r))]).unwrap();
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("head", DataType::Int64, false),
+        Field::new("relation", DataType::Int32, false),
+    ]));
+    let b = RecordBatch::try_new(
+        schema,
+        vec![
+            Arc::new(Int64Array::from(h)) as ArrayRef,
+            Arc::new(Int32Array::from(r)),
+        ],
+    )
+    .unwrap();
     let p = dir.join("notail.arrow");
     write_ipc(&p, &[b]);
     let e = fails_on("notail", &p);
-    assert!(e.contains("missing column `tail`") && e.contains("record batch 0"), "{e}");
+    assert!(
+        e.contains("missing column `tail`") && e.contains("record batch 0"),
+        "{e}"
+    );
 
     // A string relation column.
     let (h, _, t) = triples(10);
@@ -299,7 +592,15 @@ fn bad_triples_are_typed_errors() {
         Field::new("tail", DataType::Int64, false),
     ]));
     let rel: Vec<&str> = vec!["x"; 10];
-    let b = RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from(h)) as ArrayRef, Arc::new(StringArray::from(rel)), Arc::new(Int64Array::from(t))]).unwrap();
+    let b = RecordBatch::try_new(
+        schema,
+        vec![
+            Arc::new(Int64Array::from(h)) as ArrayRef,
+            Arc::new(StringArray::from(rel)),
+            Arc::new(Int64Array::from(t)),
+        ],
+    )
+    .unwrap();
     let p = dir.join("str.arrow");
     write_ipc(&p, &[b]);
     let e = fails_on("str", &p);
@@ -316,7 +617,10 @@ fn bad_triples_are_typed_errors() {
     let mut args = base("opt", &tr);
     args.push("--shuffle".into());
     let e = fails(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(e.contains("--shuffle applies to --sampler rigid only"), "{e}");
+    assert!(
+        e.contains("--shuffle applies to --sampler rigid only"),
+        "{e}"
+    );
     let mut args = base("opt", &tr);
     args[7] = "0".into(); // --shard-batch-size 0
     let e = fails(&args.iter().map(String::as_str).collect::<Vec<_>>());
@@ -328,38 +632,88 @@ fn progress_on_a_terminal_only_and_quiet_on_a_closed_stdout() {
     let dir = TempDir::new("tty");
     let tr = triples_file(&dir);
     let args = |tag: &str| -> Vec<String> {
-        ["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--negatives", "2", "--steps", "50", "--out"]
-            .iter()
-            .map(|x| x.to_string())
-            .chain([s(&dir.join(&format!("{tag}.arrow"))).to_string(), "--config-out".into(), s(&dir.join(&format!("{tag}.json"))).to_string()])
-            .collect()
+        [
+            "bess",
+            "batches",
+            "--triples",
+            s(&tr),
+            "--entities",
+            "64",
+            "--shard-batch-size",
+            "8",
+            "--negatives",
+            "2",
+            "--steps",
+            "50",
+            "--out",
+        ]
+        .iter()
+        .map(|x| x.to_string())
+        .chain([
+            s(&dir.join(&format!("{tag}.arrow"))).to_string(),
+            "--config-out".into(),
+            s(&dir.join(&format!("{tag}.json"))).to_string(),
+        ])
+        .collect()
     };
     let o = Command::new(BIN).args(args("piped")).output().unwrap();
     assert!(o.status.success());
-    assert_eq!(String::from_utf8_lossy(&o.stderr), "", "progress drawn into a pipe");
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr),
+        "",
+        "progress drawn into a pipe"
+    );
 
     // A closed stdout: status 141, nothing on stderr, the files complete.
     let (reader, writer) = std::io::pipe().unwrap();
     drop(reader);
-    let o = Command::new(BIN).args(args("closed")).stdout(writer).output().unwrap();
+    let o = Command::new(BIN)
+        .args(args("closed"))
+        .stdout(writer)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(141));
     assert_eq!(String::from_utf8_lossy(&o.stderr), "");
-    assert_eq!(std::fs::read(dir.join("closed.arrow")).unwrap(), std::fs::read(dir.join("piped.arrow")).unwrap());
+    assert_eq!(
+        std::fs::read(dir.join("closed.arrow")).unwrap(),
+        std::fs::read(dir.join("piped.arrow")).unwrap()
+    );
 
     // The terminal half runs under util-linux `script`, which every Linux base system has: on
     // Linux its absence fails the test rather than skipping half of it.
     if !cfg!(target_os = "linux") {
         return;
     }
-    let has_script = Command::new("script").arg("--version").output().is_ok_and(|o| o.status.success());
-    assert!(has_script, "the terminal half of this test needs util-linux `script`");
-    let quoted: Vec<String> = std::iter::once(BIN.to_string()).chain(args("tty")).map(|a| format!("'{a}'")).collect();
-    let o = Command::new("script").args(["-qec", &quoted.join(" "), "/dev/null"]).output().unwrap();
+    let has_script = Command::new("script")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        has_script,
+        "the terminal half of this test needs util-linux `script`"
+    );
+    let quoted: Vec<String> = std::iter::once(BIN.to_string())
+        .chain(args("tty"))
+        .map(|a| format!("'{a}'"))
+        .collect();
+    let o = Command::new("script")
+        .args(["-qec", &quoted.join(" "), "/dev/null"])
+        .output()
+        .unwrap();
     let shown = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{shown}");
-    assert!(shown.contains("steps written to "), "no progress bar in {shown:?}");
-    assert!(shown.contains("per-partition load over 50 steps"), "no summary in {shown:?}");
-    assert_eq!(std::fs::read(dir.join("tty.arrow")).unwrap(), std::fs::read(dir.join("piped.arrow")).unwrap());
+    assert!(
+        shown.contains("steps written to "),
+        "no progress bar in {shown:?}"
+    );
+    assert!(
+        shown.contains("per-partition load over 50 steps"),
+        "no summary in {shown:?}"
+    );
+    assert_eq!(
+        std::fs::read(dir.join("tty.arrow")).unwrap(),
+        std::fs::read(dir.join("piped.arrow")).unwrap()
+    );
 }
 
 /// One `.npy` member: little-endian `descr` data of `shape`, header padded as numpy pads it.
@@ -382,7 +736,9 @@ fn npy(descr: &str, shape: &[usize], data: &[u8]) -> Vec<u8> {
 }
 
 fn i32_bytes(v: impl IntoIterator<Item = i64>) -> Vec<u8> {
-    v.into_iter().flat_map(|x| (x as i32).to_le_bytes()).collect()
+    v.into_iter()
+        .flat_map(|x| (x as i32).to_le_bytes())
+        .collect()
 }
 
 /// besskge's `Sharding.save` of an untyped sharding: `np.savez` of the dataclass fields, the
@@ -392,17 +748,35 @@ fn a_besskge_sharding_file_reads_back() {
     use std::io::Write;
     let dir = TempDir::new("besskge");
     let tr = triples_file(&dir);
-    let sh = sparsecore_bess::Sharding::create(64, 4, &sparsecore_bess::seed_words(11), None).unwrap();
+    let sh =
+        sparsecore_bess::Sharding::create(64, 4, &sparsecore_bess::seed_words(11), None).unwrap();
     let path = dir.join("besskge.npz");
     let mut zip = zip::ZipWriter::new(File::create(&path).unwrap());
-    let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    let opts =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
     let m = sh.max_entity_per_shard();
     let members: Vec<(&str, Vec<u8>)> = vec![
         ("n_shard", npy("<i8", &[], &4i64.to_le_bytes())),
-        ("entity_to_shard", npy("<i4", &[64], &i32_bytes(sh.entity_to_shard.iter().copied()))),
-        ("entity_to_idx", npy("<i4", &[64], &i32_bytes(sh.entity_to_idx.iter().copied()))),
-        ("shard_and_idx_to_entity", npy("<i4", &[4, m], &i32_bytes(sh.shard_and_idx_to_entity.iter().copied()))),
-        ("shard_counts", npy("<i4", &[4], &i32_bytes(sh.shard_counts.iter().copied()))),
+        (
+            "entity_to_shard",
+            npy("<i4", &[64], &i32_bytes(sh.entity_to_shard.iter().copied())),
+        ),
+        (
+            "entity_to_idx",
+            npy("<i4", &[64], &i32_bytes(sh.entity_to_idx.iter().copied())),
+        ),
+        (
+            "shard_and_idx_to_entity",
+            npy(
+                "<i4",
+                &[4, m],
+                &i32_bytes(sh.shard_and_idx_to_entity.iter().copied()),
+            ),
+        ),
+        (
+            "shard_counts",
+            npy("<i4", &[4], &i32_bytes(sh.shard_counts.iter().copied())),
+        ),
         ("entity_type_counts", npy("|O", &[], b"\x80\x02N.")),
         ("entity_type_offsets", npy("|O", &[], b"\x80\x02N.")),
     ];
@@ -413,25 +787,59 @@ fn a_besskge_sharding_file_reads_back() {
     zip.finish().unwrap();
 
     let shown = ok(&["bess", "shard", "show", s(&path)]);
-    assert!(shown.contains("shards 4, entities 64, slots per shard 16"), "{shown}");
+    assert!(
+        shown.contains("shards 4, entities 64, slots per shard 16"),
+        "{shown}"
+    );
     let counts: Vec<String> = sh.shard_counts.iter().map(i64::to_string).collect();
-    assert!(shown.contains(&format!("entities per shard: {}", counts.join(" "))), "{shown}");
+    assert!(
+        shown.contains(&format!("entities per shard: {}", counts.join(" "))),
+        "{shown}"
+    );
     assert!(!shown.contains("per type"), "{shown}");
 
     // Batches over it equal batches over the sharding of seed 11.
     let run_with = |tag: &str, extra: &[&str]| {
-        let (out, cfg) = (dir.join(&format!("{tag}.arrow")), dir.join(&format!("{tag}.json")));
-        let mut args = vec!["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--negatives", "2", "--seed", "11", "--steps", "2", "--out", s(&out), "--config-out", s(&cfg)];
+        let (out, cfg) = (
+            dir.join(&format!("{tag}.arrow")),
+            dir.join(&format!("{tag}.json")),
+        );
+        let mut args = vec![
+            "bess",
+            "batches",
+            "--triples",
+            s(&tr),
+            "--entities",
+            "64",
+            "--shard-batch-size",
+            "8",
+            "--negatives",
+            "2",
+            "--seed",
+            "11",
+            "--steps",
+            "2",
+            "--out",
+            s(&out),
+            "--config-out",
+            s(&cfg),
+        ];
         args.extend_from_slice(extra);
         ok(&args);
         std::fs::read(out).unwrap()
     };
-    assert_eq!(run_with("file", &["--sharding", s(&path)]), run_with("seed", &[]));
+    assert_eq!(
+        run_with("file", &["--sharding", s(&path)]),
+        run_with("seed", &[])
+    );
 }
 
 /// The files in `dir` (names), sorted.
 fn listing(dir: &TempDir) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(&dir.0).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let mut v: Vec<String> = std::fs::read_dir(&dir.0)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
     v.sort();
     v
 }
@@ -441,31 +849,82 @@ fn out_and_config_out_naming_one_file_are_refused_and_nothing_is_written() {
     let dir = TempDir::new("samepath");
     let tr = triples_file(&dir);
     let batches = |out: &Path, cfg: &Path| {
-        fails(&["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--steps", "2", "--out", s(out), "--config-out", s(cfg)])
+        fails(&[
+            "bess",
+            "batches",
+            "--triples",
+            s(&tr),
+            "--entities",
+            "64",
+            "--shard-batch-size",
+            "8",
+            "--steps",
+            "2",
+            "--out",
+            s(out),
+            "--config-out",
+            s(cfg),
+        ])
     };
     let x = dir.join("o.arrow");
     let canonical = std::fs::canonicalize(&dir.0).unwrap().join("o.arrow");
     // The same path twice; the same file through `.`; the same file through a symlink, to a
     // file that does not exist yet and then to one that does (kept as it was).
     let e = batches(&x, &x);
-    assert!(e.contains(&format!("--out {} and --config-out {} are the same file ({})", s(&x), s(&x), canonical.display())), "{e}");
+    assert!(
+        e.contains(&format!(
+            "--out {} and --config-out {} are the same file ({})",
+            s(&x),
+            s(&x),
+            canonical.display()
+        )),
+        "{e}"
+    );
     assert_eq!(listing(&dir), ["triples.arrow"]);
     let dotted = dir.0.join(".").join("o.arrow");
     let e = batches(&x, &dotted);
-    assert!(e.contains(&format!("--config-out {} are the same file ({})", s(&dotted), canonical.display())), "{e}");
+    assert!(
+        e.contains(&format!(
+            "--config-out {} are the same file ({})",
+            s(&dotted),
+            canonical.display()
+        )),
+        "{e}"
+    );
     assert_eq!(listing(&dir), ["triples.arrow"]);
     let link = dir.join("link.json");
     std::os::unix::fs::symlink("o.arrow", &link).unwrap();
     let e = batches(&x, &link);
-    assert!(e.contains(&format!("are the same file ({})", canonical.display())), "{e}");
+    assert!(
+        e.contains(&format!("are the same file ({})", canonical.display())),
+        "{e}"
+    );
     assert_eq!(listing(&dir), ["link.json", "triples.arrow"]);
     std::fs::write(&x, b"kept").unwrap();
     let e = batches(&link, &x);
-    assert!(e.contains(&format!("--out {} and --config-out {}", s(&link), s(&x))), "{e}");
+    assert!(
+        e.contains(&format!("--out {} and --config-out {}", s(&link), s(&x))),
+        "{e}"
+    );
     assert_eq!(std::fs::read(&x).unwrap(), b"kept");
     assert_eq!(listing(&dir), ["link.json", "o.arrow", "triples.arrow"]);
     // Two different files in one directory are still allowed.
-    ok(&["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--steps", "2", "--out", s(&x), "--config-out", s(&dir.join("c.json"))]);
+    ok(&[
+        "bess",
+        "batches",
+        "--triples",
+        s(&tr),
+        "--entities",
+        "64",
+        "--shard-batch-size",
+        "8",
+        "--steps",
+        "2",
+        "--out",
+        s(&x),
+        "--config-out",
+        s(&dir.join("c.json")),
+    ]);
     assert!(std::fs::read(&x).unwrap().starts_with(b"ARROW1"));
 }
 
@@ -474,7 +933,22 @@ fn zero_steps_are_refused_before_anything_is_written() {
     let dir = TempDir::new("steps0");
     let tr = triples_file(&dir);
     let (out, cfg) = (dir.join("o.arrow"), dir.join("c.json"));
-    let e = fails(&["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--steps", "0", "--out", s(&out), "--config-out", s(&cfg)]);
+    let e = fails(&[
+        "bess",
+        "batches",
+        "--triples",
+        s(&tr),
+        "--entities",
+        "64",
+        "--shard-batch-size",
+        "8",
+        "--steps",
+        "0",
+        "--out",
+        s(&out),
+        "--config-out",
+        s(&cfg),
+    ]);
     assert!(e.contains("--steps 0: steps must be at least 1"), "{e}");
     assert_eq!(listing(&dir), ["triples.arrow"]);
 }
@@ -486,22 +960,65 @@ fn shard_and_triples_errors_name_the_flags_and_the_file() {
     let tr = triples_file(&dir);
     let npz = dir.join("sh.npz");
     let line = |e: &str| format!("sparsecore-prep: error: {e}\n");
-    let e = fails(&["bess", "shard", "create", "--entities", "64", "--out", s(&npz)]);
-    assert_eq!(e, line("bess shard create: give --shards N or --layout L/G/S"));
-    let e = fails(&["bess", "shard", "create", "--entities", "0", "--shards", "4", "--out", s(&npz)]);
-    assert_eq!(e, line("creating the sharding: invalid `n_entity` = 0: must be at least 1"));
+    let e = fails(&[
+        "bess",
+        "shard",
+        "create",
+        "--entities",
+        "64",
+        "--out",
+        s(&npz),
+    ]);
+    assert_eq!(
+        e,
+        line("bess shard create: give --shards N or --layout L/G/S")
+    );
+    let e = fails(&[
+        "bess",
+        "shard",
+        "create",
+        "--entities",
+        "0",
+        "--shards",
+        "4",
+        "--out",
+        s(&npz),
+    ]);
+    assert_eq!(
+        e,
+        line("creating the sharding: invalid `n_entity` = 0: must be at least 1")
+    );
     assert!(!npz.exists());
     // The triples file is no .npz, read as a sharding by `shard show` and by `--sharding`.
     let e = fails(&["bess", "shard", "show", s(&tr)]);
-    assert!(e.starts_with(&format!("sparsecore-prep: error: reading {}: ", s(&tr))), "{e}");
+    assert!(
+        e.starts_with(&format!("sparsecore-prep: error: reading {}: ", s(&tr))),
+        "{e}"
+    );
     let (out, cfg) = (dir.join("o.arrow"), dir.join("c.json"));
     let batches = |triples: &Path, extra: &[&str]| {
-        let mut args = vec!["bess", "batches", "--triples", s(triples), "--entities", "64", "--shard-batch-size", "8", "--out", s(&out), "--config-out", s(&cfg)];
+        let mut args = vec![
+            "bess",
+            "batches",
+            "--triples",
+            s(triples),
+            "--entities",
+            "64",
+            "--shard-batch-size",
+            "8",
+            "--out",
+            s(&out),
+            "--config-out",
+            s(&cfg),
+        ];
         args.extend_from_slice(extra);
         fails(&args)
     };
     let e = batches(&tr, &["--sharding", s(&tr)]);
-    assert!(e.starts_with(&format!("sparsecore-prep: error: sharding {}: ", s(&tr))), "{e}");
+    assert!(
+        e.starts_with(&format!("sparsecore-prep: error: sharding {}: ", s(&tr))),
+        "{e}"
+    );
     // A file with its columns but no rows.
     let empty = dir.join("empty.arrow");
     write_ipc(&empty, &[triples_batch(vec![], vec![], vec![])]);
@@ -520,8 +1037,29 @@ fn a_step_the_process_cannot_hold_is_an_error_not_an_abort() {
     let tr = triples_file(&dir);
     let (out, cfg) = (dir.join("o.arrow"), dir.join("c.json"));
     let o = Command::new("sh")
-        .args(["-c", "ulimit -v 3000000 && exec \"$0\" \"$@\"", BIN, "bess", "batches", "--triples", s(&tr), "--entities", "64"])
-        .args(["--shard-batch-size", "8", "--negatives", "10000000", "--steps", "1", "--out", s(&out), "--config-out", s(&cfg)])
+        .args([
+            "-c",
+            "ulimit -v 3000000 && exec \"$0\" \"$@\"",
+            BIN,
+            "bess",
+            "batches",
+            "--triples",
+            s(&tr),
+            "--entities",
+            "64",
+        ])
+        .args([
+            "--shard-batch-size",
+            "8",
+            "--negatives",
+            "10000000",
+            "--steps",
+            "1",
+            "--out",
+            s(&out),
+            "--config-out",
+            s(&cfg),
+        ])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&o.stderr);
@@ -530,7 +1068,11 @@ fn a_step_the_process_cannot_hold_is_an_error_not_an_abort() {
     // 4 slices · (320 M rows · 12 + 8 · 20 + 320 M · 8) bytes.
     let bytes = 4u64 * (320_000_000 * 12 + 8 * 20 + 320_000_000 * 8);
     assert!(stderr.contains("shard batch size 8 (8 triples per SparseCore) and 8 negative lists of 10000000 per shard"), "{stderr}");
-    assert!(stderr.contains(&format!("needs {bytes} bytes")) && stderr.contains("the allocator refuses that much"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("needs {bytes} bytes"))
+            && stderr.contains("the allocator refuses that much"),
+        "{stderr}"
+    );
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert_eq!(listing(&dir), ["triples.arrow"]);
 }
@@ -544,8 +1086,28 @@ fn max_step_bytes_refuses_a_larger_step_before_anything_is_written() {
     let (out, cfg) = (dir.join("o.arrow"), dir.join("c.json"));
     let run = |cap: &str| {
         Command::new(BIN)
-            .args(["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "8", "--negatives", "2"])
-            .args(["--steps", "1", "--max-step-bytes", cap, "--out", s(&out), "--config-out", s(&cfg)])
+            .args([
+                "bess",
+                "batches",
+                "--triples",
+                s(&tr),
+                "--entities",
+                "64",
+                "--shard-batch-size",
+                "8",
+                "--negatives",
+                "2",
+            ])
+            .args([
+                "--steps",
+                "1",
+                "--max-step-bytes",
+                cap,
+                "--out",
+                s(&out),
+                "--config-out",
+                s(&cfg),
+            ])
             .output()
             .unwrap()
     };
@@ -580,7 +1142,25 @@ fn batches_help_says_how_rows_and_the_shard_batch_size_are_laid_out() {
     let dir = TempDir::new("sbs6");
     let tr = triples_file(&dir);
     let (out, cfg) = (dir.join("o.arrow"), dir.join("c.json"));
-    let stdout = ok(&["bess", "batches", "--triples", s(&tr), "--entities", "64", "--shard-batch-size", "6", "--steps", "1", "--out", s(&out), "--config-out", s(&cfg)]);
-    assert!(stdout.contains("ppp 2 triples per shard-pair block per step"), "{stdout}");
+    let stdout = ok(&[
+        "bess",
+        "batches",
+        "--triples",
+        s(&tr),
+        "--entities",
+        "64",
+        "--shard-batch-size",
+        "6",
+        "--steps",
+        "1",
+        "--out",
+        s(&out),
+        "--config-out",
+        s(&cfg),
+    ]);
+    assert!(
+        stdout.contains("ppp 2 triples per shard-pair block per step"),
+        "{stdout}"
+    );
     assert_eq!(read_json(&cfg)["tables"][0]["max_ids_per_partition"], 4);
 }

@@ -28,7 +28,9 @@ use std::process::{Command, Output as ProcOutput};
 use std::sync::Arc;
 
 use arrow_array::builder::{ListBuilder, StringBuilder};
-use arrow_array::{Array, ArrayRef, FixedSizeListArray, Float32Array, Int32Array, RecordBatch, UInt64Array};
+use arrow_array::{
+    Array, ArrayRef, FixedSizeListArray, Float32Array, Int32Array, RecordBatch, UInt64Array,
+};
 use arrow_ipc::reader::FileReader;
 use arrow_ipc::writer::{FileWriter, StreamWriter};
 use arrow_schema::{DataType, Schema};
@@ -49,17 +51,40 @@ use support::{ok, run, s, BIN};
 fn fail(args: &[&str]) -> String {
     let o = run(args);
     let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert!(!o.status.success(), "`sparsecore-prep {}` succeeded; stdout: {}", args.join(" "), String::from_utf8_lossy(&o.stdout));
-    assert_eq!(o.status.code(), Some(1), "exit status of `{}`: {}; stderr: {stderr}", args.join(" "), o.status);
+    assert!(
+        !o.status.success(),
+        "`sparsecore-prep {}` succeeded; stdout: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&o.stdout)
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "exit status of `{}`: {}; stderr: {stderr}",
+        args.join(" "),
+        o.status
+    );
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "`{}`: expected one line on stderr, got {stderr:?}", args.join(" "));
-    assert!(lines[0].starts_with("sparsecore-prep: error: "), "stderr line: {:?}", lines[0]);
+    assert_eq!(
+        lines.len(),
+        1,
+        "`{}`: expected one line on stderr, got {stderr:?}",
+        args.join(" ")
+    );
+    assert!(
+        lines[0].starts_with("sparsecore-prep: error: "),
+        "stderr line: {:?}",
+        lines[0]
+    );
     lines[0].to_string()
 }
 
 fn assert_mentions(line: &str, words: &[&str]) {
     for w in words {
-        assert!(line.contains(w), "error line {line:?} does not mention {w:?}");
+        assert!(
+            line.contains(w),
+            "error line {line:?} does not mention {w:?}"
+        );
     }
 }
 
@@ -75,7 +100,9 @@ fn write_json(p: &Path, v: &Value) {
 /// Names of the entries of a directory (empty if it does not exist), sorted.
 fn listing(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> = match std::fs::read_dir(dir) {
-        Ok(rd) => rd.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect(),
+        Ok(rd) => rd
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect(),
         Err(_) => Vec::new(),
     };
     v.sort();
@@ -85,21 +112,42 @@ fn listing(dir: &Path) -> Vec<String> {
 /// No `<stack>.arrow`, no `stats.json`, no temporary file in `dir`.
 fn assert_no_outputs(dir: &Path) {
     let left = listing(dir);
-    let bad: Vec<&String> =
-        left.iter().filter(|n| n.ends_with(".arrow") || n.as_str() == "stats.json" || n.contains(".tmp-")).collect();
-    assert!(bad.is_empty(), "partial outputs left in {}: {bad:?}", dir.display());
+    let bad: Vec<&String> = left
+        .iter()
+        .filter(|n| n.ends_with(".arrow") || n.as_str() == "stats.json" || n.contains(".tmp-"))
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "partial outputs left in {}: {bad:?}",
+        dir.display()
+    );
 }
 
 /// No temporary file next to `path`, and `path` itself absent.
 fn assert_not_written(path: &Path) {
     assert!(!path.exists(), "{} was written", path.display());
     let dir = path.parent().unwrap();
-    let tmps: Vec<String> = listing(dir).into_iter().filter(|n| n.contains(".tmp-")).collect();
-    assert!(tmps.is_empty(), "temporary files left in {}: {tmps:?}", dir.display());
+    let tmps: Vec<String> = listing(dir)
+        .into_iter()
+        .filter(|n| n.contains(".tmp-"))
+        .collect();
+    assert!(
+        tmps.is_empty(),
+        "temporary files left in {}: {tmps:?}",
+        dir.display()
+    );
 }
 
 /// `generate` into `dir`: returns (data, config, generate's JSON line).
-fn generate(dir: &TempDir, tag: &str, profile: &str, batch: usize, batches: usize, layout: &str, weights: bool) -> (PathBuf, PathBuf, Value) {
+fn generate(
+    dir: &TempDir,
+    tag: &str,
+    profile: &str,
+    batch: usize,
+    batches: usize,
+    layout: &str,
+    weights: bool,
+) -> (PathBuf, PathBuf, Value) {
     let data = dir.join(&format!("{tag}.arrow"));
     let cfg = dir.join(&format!("{tag}.json"));
     let bs = batch.to_string();
@@ -130,14 +178,26 @@ fn generate(dir: &TempDir, tag: &str, profile: &str, batch: usize, batches: usiz
 }
 
 fn preprocess(cfg: &Path, input: &Path, out: &Path, extra: &[&str]) -> String {
-    let mut args = vec!["preprocess", "--config", s(cfg), "--input", s(input), "--out", s(out)];
+    let mut args = vec![
+        "preprocess",
+        "--config",
+        s(cfg),
+        "--input",
+        s(input),
+        "--out",
+        s(out),
+    ];
     args.extend_from_slice(extra);
     ok(&args)
 }
 
 /// Reads a per-stack output file: its schema and record batches.
 fn read_stack_file(p: &Path) -> (Arc<Schema>, Vec<RecordBatch>) {
-    let r = FileReader::try_new(File::open(p).unwrap_or_else(|e| panic!("{}: {e}", p.display())), None).unwrap();
+    let r = FileReader::try_new(
+        File::open(p).unwrap_or_else(|e| panic!("{}: {e}", p.display())),
+        None,
+    )
+    .unwrap();
     let schema = r.schema();
     let batches = r.collect::<Result<Vec<_>, _>>().unwrap();
     (schema, batches)
@@ -153,15 +213,35 @@ fn width(schema: &Schema, column: &str) -> usize {
 
 /// Per-stack COO buffer size per device, from the output files of a run.
 fn buffer_widths(out: &Path, stacks: &[String]) -> BTreeMap<String, usize> {
-    stacks.iter().map(|name| (name.clone(), width(&read_stack_file(&out.join(format!("{name}.arrow"))).0, "embedding_ids"))).collect()
+    stacks
+        .iter()
+        .map(|name| {
+            (
+                name.clone(),
+                width(
+                    &read_stack_file(&out.join(format!("{name}.arrow"))).0,
+                    "embedding_ids",
+                ),
+            )
+        })
+        .collect()
 }
 
 fn stack_names(stats: &Value) -> Vec<String> {
-    stats["stacks"].as_object().unwrap().keys().cloned().collect()
+    stats["stacks"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect()
 }
 
 fn ints(v: &Value) -> Vec<i64> {
-    v.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect()
 }
 
 fn vmax(v: &Value) -> i64 {
@@ -173,11 +253,19 @@ fn roundup(x: i64, m: i64) -> i64 {
 }
 
 fn table<'a>(cfg: &'a Value, name: &str) -> &'a Value {
-    cfg["tables"].as_array().unwrap().iter().find(|t| t["name"] == name).unwrap()
+    cfg["tables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == name)
+        .unwrap()
 }
 
 fn record_batches(path: &Path) -> Vec<RecordBatch> {
-    BatchReader::open(path).unwrap().collect::<Result<Vec<_>, _>>().unwrap()
+    BatchReader::open(path)
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap()
 }
 
 fn write_arrow_file(path: &Path, batches: &[RecordBatch]) {
@@ -198,7 +286,12 @@ fn write_arrow_stream(path: &Path, batches: &[RecordBatch]) {
 
 /// Writes batches as Parquet; with `row_group_per_batch`, one row group per record batch.
 fn write_parquet(path: &Path, batches: &[RecordBatch], row_group_per_batch: bool) {
-    let mut w = parquet::arrow::ArrowWriter::try_new(File::create(path).unwrap(), batches[0].schema(), None).unwrap();
+    let mut w = parquet::arrow::ArrowWriter::try_new(
+        File::create(path).unwrap(),
+        batches[0].schema(),
+        None,
+    )
+    .unwrap();
     for b in batches {
         w.write(b).unwrap();
         if row_group_per_batch {
@@ -227,7 +320,8 @@ fn fdo_loop_generate_preprocess_merge_tune_preprocess() {
     for t in loose["tables"].as_array_mut().unwrap() {
         t["suggested_coo_buffer_size_per_device"] = Value::Null;
         t["max_ids_per_partition"] = json!(t["max_ids_per_partition"].as_u64().unwrap() * 2);
-        t["max_unique_ids_per_partition"] = json!(t["max_unique_ids_per_partition"].as_u64().unwrap() * 2);
+        t["max_unique_ids_per_partition"] =
+            json!(t["max_unique_ids_per_partition"].as_u64().unwrap() * 2);
     }
     let loose_path = dir.join("loose.json");
     write_json(&loose_path, &loose);
@@ -238,20 +332,45 @@ fn fdo_loop_generate_preprocess_merge_tune_preprocess() {
     assert!(summary.contains("4 batches"), "summary: {summary}");
     let stats1 = read_json(&out1.join("stats.json"));
     assert_eq!(stats1["batches"], json!(4));
-    assert_eq!(stats1["layout"], json!({"local_device_count": 1, "global_device_count": 1, "num_sc_per_device": 4}));
+    assert_eq!(
+        stats1["layout"],
+        json!({"local_device_count": 1, "global_device_count": 1, "num_sc_per_device": 4})
+    );
     let stacks = stack_names(&stats1);
     assert_eq!(stacks.len(), 26);
     let mut files = listing(&out1);
     files.retain(|n| n != "stats.json");
-    assert_eq!(files, stacks.iter().map(|s| format!("{s}.arrow")).collect::<Vec<_>>(), "one file per stack, nothing else");
+    assert_eq!(
+        files,
+        stacks
+            .iter()
+            .map(|s| format!("{s}.arrow"))
+            .collect::<Vec<_>>(),
+        "one file per stack, nothing else"
+    );
     let w1 = buffer_widths(&out1, &stacks);
     for name in &stacks {
         // No suggestion: C = T = roundup(max_ids, 8) * S * N, with S = N = 4.
-        let max_ids = table(&loose, name)["max_ids_per_partition"].as_i64().unwrap();
-        assert_eq!(w1[name] as i64, roundup(max_ids, 8) * 16, "stack {name}: theoretical max buffer");
-        assert_eq!(stats1["stacks"][name]["dropped_id_count"], json!(0), "stack {name}");
+        let max_ids = table(&loose, name)["max_ids_per_partition"]
+            .as_i64()
+            .unwrap();
+        assert_eq!(
+            w1[name] as i64,
+            roundup(max_ids, 8) * 16,
+            "stack {name}: theoretical max buffer"
+        );
+        assert_eq!(
+            stats1["stacks"][name]["dropped_id_count"],
+            json!(0),
+            "stack {name}"
+        );
         // The generated config's limits are the exact maxima of the batches.
-        assert_eq!(vmax(&stats1["stacks"][name]["max_ids_per_partition"]), table(&generated, name)["max_ids_per_partition"].as_i64().unwrap());
+        assert_eq!(
+            vmax(&stats1["stacks"][name]["max_ids_per_partition"]),
+            table(&generated, name)["max_ids_per_partition"]
+                .as_i64()
+                .unwrap()
+        );
     }
 
     // Shards, merged.
@@ -260,32 +379,80 @@ fn fdo_loop_generate_preprocess_merge_tune_preprocess() {
     preprocess(&loose_path, &data, &sh0, &["--shard", "0/2"]);
     preprocess(&loose_path, &data, &sh1, &["--shard", "1/2"]);
     let merged = dir.join("merged.json");
-    let msg = ok(&["fdo", "merge", s(&sh0.join("stats.json")), s(&sh1.join("stats.json")), "-o", s(&merged)]);
-    assert!(msg.contains("merged 2 files, 4 batches, 26 stacks"), "merge said: {msg}");
-    assert_eq!(read_json(&merged), stats1, "merged shard stats equal the unsharded run's");
+    let msg = ok(&[
+        "fdo",
+        "merge",
+        s(&sh0.join("stats.json")),
+        s(&sh1.join("stats.json")),
+        "-o",
+        s(&merged),
+    ]);
+    assert!(
+        msg.contains("merged 2 files, 4 batches, 26 stacks"),
+        "merge said: {msg}"
+    );
+    assert_eq!(
+        read_json(&merged),
+        stats1,
+        "merged shard stats equal the unsharded run's"
+    );
 
     // Tune.
     let tuned_path = dir.join("tuned.json");
-    let report = ok(&["fdo", "tune", "--config", s(&loose_path), "--stats", s(&merged), "--headroom", "1.1", "-o", s(&tuned_path)]);
-    assert!(report.contains(&format!("wrote {}", tuned_path.display())), "tune said: {report}");
-    assert!(listing(&dir.0).iter().all(|n| !n.contains(".tmp-")), "no temporary file next to tuned.json");
+    let report = ok(&[
+        "fdo",
+        "tune",
+        "--config",
+        s(&loose_path),
+        "--stats",
+        s(&merged),
+        "--headroom",
+        "1.1",
+        "-o",
+        s(&tuned_path),
+    ]);
+    assert!(
+        report.contains(&format!("wrote {}", tuned_path.display())),
+        "tune said: {report}"
+    );
+    assert!(
+        listing(&dir.0).iter().all(|n| !n.contains(".tmp-")),
+        "no temporary file next to tuned.json"
+    );
     let tuned = read_json(&tuned_path);
     assert_eq!(tuned["config"], loose["config"], "options are kept");
     assert_eq!(tuned["features"], loose["features"], "features are kept");
     for name in &stacks {
         let st = &stats1["stacks"][name];
         let t = table(&tuned, name);
-        let (ids, uniq, req) = (vmax(&st["max_ids_per_partition"]), vmax(&st["max_unique_ids_per_partition"]), vmax(&st["required_buffer_size_per_sc"]) * 4);
+        let (ids, uniq, req) = (
+            vmax(&st["max_ids_per_partition"]),
+            vmax(&st["max_unique_ids_per_partition"]),
+            vmax(&st["required_buffer_size_per_sc"]) * 4,
+        );
         let new_ids = t["max_ids_per_partition"].as_i64().unwrap();
         let new_uniq = t["max_unique_ids_per_partition"].as_i64().unwrap();
         let new_sugg = t["suggested_coo_buffer_size_per_device"].as_i64().unwrap();
         // ceil8(1.1 * max) (integer bounds: no float in the test).
         assert_eq!(new_ids % 8, 0, "{name}: max ids {new_ids}");
-        assert!(10 * new_ids >= 11 * ids && new_ids < roundup((11 * ids + 9) / 10, 8) + 8, "{name}: max ids {ids} -> {new_ids}");
+        assert!(
+            10 * new_ids >= 11 * ids && new_ids < roundup((11 * ids + 9) / 10, 8) + 8,
+            "{name}: max ids {ids} -> {new_ids}"
+        );
         assert_eq!(new_uniq % 8, 0, "{name}");
-        assert!(10 * new_uniq >= 11 * uniq && new_uniq <= new_ids, "{name}: unique {uniq} -> {new_uniq}");
-        assert_eq!(new_sugg % 32, 0, "{name}: suggested {new_sugg} is a multiple of 8 * S");
-        assert!(10 * new_sugg >= 11 * req && new_sugg < roundup((11 * req + 9) / 10, 32) + 32, "{name}: required {req} -> {new_sugg}");
+        assert!(
+            10 * new_uniq >= 11 * uniq && new_uniq <= new_ids,
+            "{name}: unique {uniq} -> {new_uniq}"
+        );
+        assert_eq!(
+            new_sugg % 32,
+            0,
+            "{name}: suggested {new_sugg} is a multiple of 8 * S"
+        );
+        assert!(
+            10 * new_sugg >= 11 * req && new_sugg < roundup((11 * req + 9) / 10, 32) + 32,
+            "{name}: required {req} -> {new_sugg}"
+        );
         assert!(report.contains(name.as_str()), "tune report names {name}");
     }
 
@@ -294,14 +461,25 @@ fn fdo_loop_generate_preprocess_merge_tune_preprocess() {
     preprocess(&tuned_path, &data, &out2, &[]);
     let stats2 = read_json(&out2.join("stats.json"));
     for name in &stacks {
-        assert_eq!(stats2["stacks"][name]["dropped_id_count"], json!(0), "stack {name} dropped ids after tuning");
+        assert_eq!(
+            stats2["stacks"][name]["dropped_id_count"],
+            json!(0),
+            "stack {name} dropped ids after tuning"
+        );
     }
     assert_eq!(stats2, stats1, "same data, no drops: the same stats");
     let w2 = buffer_widths(&out2, &stacks);
     for name in &stacks {
-        let sugg = table(&tuned, name)["suggested_coo_buffer_size_per_device"].as_u64().unwrap() as usize;
+        let sugg = table(&tuned, name)["suggested_coo_buffer_size_per_device"]
+            .as_u64()
+            .unwrap() as usize;
         assert_eq!(w2[name], sugg, "stack {name}: buffer = tuned suggestion");
-        assert!(w2[name] < w1[name], "stack {name}: tuned buffer {} not below the loose {}", w2[name], w1[name]);
+        assert!(
+            w2[name] < w1[name],
+            "stack {name}: tuned buffer {} not below the loose {}",
+            w2[name],
+            w1[name]
+        );
     }
 }
 
@@ -317,7 +495,11 @@ fn fdo_tune_keeps_limits_of_stacks_without_ids() {
     assert_eq!(stack_names(&stats), vec!["cats", "items", "queries"]);
     // `cats` saw no ids; `queries` is missing from the stats.
     let cats = &mut stats["stacks"]["cats"];
-    for k in ["max_ids_per_partition", "max_unique_ids_per_partition", "required_buffer_size_per_sc"] {
+    for k in [
+        "max_ids_per_partition",
+        "max_unique_ids_per_partition",
+        "required_buffer_size_per_sc",
+    ] {
         cats[k] = json!([0, 0, 0, 0]);
     }
     stats["stacks"].as_object_mut().unwrap().remove("queries");
@@ -326,16 +508,44 @@ fn fdo_tune_keeps_limits_of_stacks_without_ids() {
 
     let config = read_json(&cfg);
     let tuned_path = dir.join("tuned.json");
-    ok(&["fdo", "tune", "--config", s(&cfg), "--stats", s(&crafted), "--headroom", "1.0", "-o", s(&tuned_path)]);
+    ok(&[
+        "fdo",
+        "tune",
+        "--config",
+        s(&cfg),
+        "--stats",
+        s(&crafted),
+        "--headroom",
+        "1.0",
+        "-o",
+        s(&tuned_path),
+    ]);
     let tuned = read_json(&tuned_path);
-    assert_eq!(table(&tuned, "cats"), table(&config, "cats"), "no ids: old limits kept");
-    assert_eq!(table(&tuned, "queries"), table(&config, "queries"), "absent: old limits kept");
+    assert_eq!(
+        table(&tuned, "cats"),
+        table(&config, "cats"),
+        "no ids: old limits kept"
+    );
+    assert_eq!(
+        table(&tuned, "queries"),
+        table(&config, "queries"),
+        "absent: old limits kept"
+    );
     // `items` is tuned with headroom 1.0: ceil8(max), ceil_{8S}(required).
     let st = &stats["stacks"]["items"];
     let t = table(&tuned, "items");
-    assert_eq!(t["max_ids_per_partition"].as_i64().unwrap(), roundup(vmax(&st["max_ids_per_partition"]), 8));
-    assert_eq!(t["max_unique_ids_per_partition"].as_i64().unwrap(), roundup(vmax(&st["max_unique_ids_per_partition"]), 8));
-    assert_eq!(t["suggested_coo_buffer_size_per_device"].as_i64().unwrap(), roundup(vmax(&st["required_buffer_size_per_sc"]) * 4, 32));
+    assert_eq!(
+        t["max_ids_per_partition"].as_i64().unwrap(),
+        roundup(vmax(&st["max_ids_per_partition"]), 8)
+    );
+    assert_eq!(
+        t["max_unique_ids_per_partition"].as_i64().unwrap(),
+        roundup(vmax(&st["max_unique_ids_per_partition"]), 8)
+    );
+    assert_eq!(
+        t["suggested_coo_buffer_size_per_device"].as_i64().unwrap(),
+        roundup(vmax(&st["required_buffer_size_per_sc"]) * 4, 32)
+    );
     // The tuned config runs.
     let out2 = dir.join("out2");
     preprocess(&tuned_path, &data, &out2, &[]);
@@ -346,16 +556,29 @@ fn fdo_tune_keeps_limits_of_stacks_without_ids() {
 // ---------------------------------------------------------------------------------------------
 
 fn fsl_values_i32(batch: &RecordBatch, column: &str) -> (usize, Vec<i32>) {
-    let a = batch.column_by_name(column).unwrap().as_any().downcast_ref::<FixedSizeListArray>().unwrap();
+    let a = batch
+        .column_by_name(column)
+        .unwrap()
+        .as_any()
+        .downcast_ref::<FixedSizeListArray>()
+        .unwrap();
     assert_eq!(a.null_count(), 0);
     let v = a.values().as_any().downcast_ref::<Int32Array>().unwrap();
     (a.value_length() as usize, v.values().to_vec())
 }
 
 fn fsl_values_f32_bits(batch: &RecordBatch, column: &str) -> (usize, Vec<u32>) {
-    let a = batch.column_by_name(column).unwrap().as_any().downcast_ref::<FixedSizeListArray>().unwrap();
+    let a = batch
+        .column_by_name(column)
+        .unwrap()
+        .as_any()
+        .downcast_ref::<FixedSizeListArray>()
+        .unwrap();
     let v = a.values().as_any().downcast_ref::<Float32Array>().unwrap();
-    (a.value_length() as usize, v.values().iter().map(|x| x.to_bits()).collect())
+    (
+        a.value_length() as usize,
+        v.values().iter().map(|x| x.to_bits()).collect(),
+    )
 }
 
 /// Runs `preprocess` and compares every stack file, record batch by record batch and device
@@ -383,38 +606,91 @@ fn check_files_match_library(profile: &str, batch: usize, layout: &str, l: usize
     for (si, name) in names.iter().enumerate() {
         let (schema, batches) = read_stack_file(&out.join(format!("{name}.arrow")));
         let cols: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
-        assert_eq!(cols, ["batch", "device", "row_pointers", "embedding_ids", "sample_ids", "gains"]);
+        assert_eq!(
+            cols,
+            [
+                "batch",
+                "device",
+                "row_pointers",
+                "embedding_ids",
+                "sample_ids",
+                "gains"
+            ]
+        );
         assert_eq!(schema.field(0).data_type(), &DataType::UInt64);
         assert_eq!(schema.field(1).data_type(), &DataType::Int32);
-        assert_eq!(batches.len(), lib.len(), "{name}: one record batch per input batch");
+        assert_eq!(
+            batches.len(),
+            lib.len(),
+            "{name}: one record batch per input batch"
+        );
         for (bi, (rb, o)) in batches.iter().zip(&lib).enumerate() {
             let so = &o.stacks[si];
             assert_eq!(so.name, *name);
             assert_eq!(rb.num_rows(), l, "{name}: one row per local device");
             let bcol = rb.column(0).as_any().downcast_ref::<UInt64Array>().unwrap();
-            assert_eq!(bcol.values().to_vec(), vec![bi as u64; l], "{name}: batch column");
+            assert_eq!(
+                bcol.values().to_vec(),
+                vec![bi as u64; l],
+                "{name}: batch column"
+            );
             let dcol = rb.column(1).as_any().downcast_ref::<Int32Array>().unwrap();
-            assert_eq!(dcol.values().to_vec(), (0..l as i32).collect::<Vec<_>>(), "{name}: device column");
+            assert_eq!(
+                dcol.values().to_vec(),
+                (0..l as i32).collect::<Vec<_>>(),
+                "{name}: device column"
+            );
             let (rp, row_pointers) = fsl_values_i32(rb, "row_pointers");
             let (c, embedding_ids) = fsl_values_i32(rb, "embedding_ids");
             let (c2, sample_ids) = fsl_values_i32(rb, "sample_ids");
             let (c3, gains) = fsl_values_f32_bits(rb, "gains");
             assert_eq!(rp, so.row_pointers_per_device());
-            assert_eq!((c, c2, c3), (so.coo_buffer_size_per_device(), so.coo_buffer_size_per_device(), so.coo_buffer_size_per_device()));
+            assert_eq!(
+                (c, c2, c3),
+                (
+                    so.coo_buffer_size_per_device(),
+                    so.coo_buffer_size_per_device(),
+                    so.coo_buffer_size_per_device()
+                )
+            );
             let lib_gains: Vec<u32> = so.gains.iter().map(|g| g.to_bits()).collect();
             for d in 0..l {
-                assert_eq!(row_pointers[d * rp..(d + 1) * rp], so.row_pointers[d * rp..(d + 1) * rp], "{name} batch {bi} device {d}: row_pointers");
-                assert_eq!(embedding_ids[d * c..(d + 1) * c], so.embedding_ids[d * c..(d + 1) * c], "{name} batch {bi} device {d}: embedding_ids");
-                assert_eq!(sample_ids[d * c..(d + 1) * c], so.sample_ids[d * c..(d + 1) * c], "{name} batch {bi} device {d}: sample_ids");
-                assert_eq!(gains[d * c..(d + 1) * c], lib_gains[d * c..(d + 1) * c], "{name} batch {bi} device {d}: gains (bits)");
+                assert_eq!(
+                    row_pointers[d * rp..(d + 1) * rp],
+                    so.row_pointers[d * rp..(d + 1) * rp],
+                    "{name} batch {bi} device {d}: row_pointers"
+                );
+                assert_eq!(
+                    embedding_ids[d * c..(d + 1) * c],
+                    so.embedding_ids[d * c..(d + 1) * c],
+                    "{name} batch {bi} device {d}: embedding_ids"
+                );
+                assert_eq!(
+                    sample_ids[d * c..(d + 1) * c],
+                    so.sample_ids[d * c..(d + 1) * c],
+                    "{name} batch {bi} device {d}: sample_ids"
+                );
+                assert_eq!(
+                    gains[d * c..(d + 1) * c],
+                    lib_gains[d * c..(d + 1) * c],
+                    "{name} batch {bi} device {d}: gains (bits)"
+                );
             }
             assert_eq!(row_pointers.len(), so.row_pointers.len());
             assert_eq!(embedding_ids.len(), so.embedding_ids.len());
         }
     }
     // The weights are not all one: gains carry information.
-    let g: Vec<f32> = lib[0].stacks[0].gains.iter().copied().filter(|g| !g.is_nan()).collect();
-    assert!(g.iter().any(|&x| x != 1.0), "weighted workload has non-unit gains");
+    let g: Vec<f32> = lib[0].stacks[0]
+        .gains
+        .iter()
+        .copied()
+        .filter(|g| !g.is_nan())
+        .collect();
+    assert!(
+        g.iter().any(|&x| x != 1.0),
+        "weighted workload has non-unit gains"
+    );
 }
 
 #[test]
@@ -451,7 +727,12 @@ fn shards_merged_equal_unsharded_run() {
     let all = dir.join("all");
     preprocess(&tight, &data, &all, &[]);
     let full = read_json(&all.join("stats.json"));
-    let total_dropped: u64 = full["stacks"].as_object().unwrap().values().map(|s| s["dropped_id_count"].as_u64().unwrap()).sum();
+    let total_dropped: u64 = full["stacks"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|s| s["dropped_id_count"].as_u64().unwrap())
+        .sum();
     assert!(total_dropped > 0, "the tight config drops ids");
 
     let mut shard_stats = Vec::new();
@@ -462,19 +743,36 @@ fn shards_merged_equal_unsharded_run() {
         let st = read_json(&out.join("stats.json"));
         assert_eq!(st["batches"], json!(2));
         let (_, rbs) = read_stack_file(&out.join("t07.arrow"));
-        let got: Vec<u64> = rbs.iter().map(|b| b.column(0).as_any().downcast_ref::<UInt64Array>().unwrap().value(0)).collect();
+        let got: Vec<u64> = rbs
+            .iter()
+            .map(|b| {
+                b.column(0)
+                    .as_any()
+                    .downcast_ref::<UInt64Array>()
+                    .unwrap()
+                    .value(0)
+            })
+            .collect();
         assert_eq!(got, want_batches, "shard {i} holds batches i, i + N");
         shard_stats.push(out.join("stats.json"));
     }
     let merged = dir.join("merged.json");
-    ok(&["fdo", "merge", s(&shard_stats[0]), s(&shard_stats[1]), "-o", s(&merged)]);
+    ok(&[
+        "fdo",
+        "merge",
+        s(&shard_stats[0]),
+        s(&shard_stats[1]),
+        "-o",
+        s(&merged),
+    ]);
     let m = read_json(&merged);
     assert_eq!(m["batches"], json!(4));
     for name in stack_names(&full) {
         let (a, b) = (read_json(&shard_stats[0]), read_json(&shard_stats[1]));
         assert_eq!(
             m["stacks"][&name]["dropped_id_count"].as_u64().unwrap(),
-            a["stacks"][&name]["dropped_id_count"].as_u64().unwrap() + b["stacks"][&name]["dropped_id_count"].as_u64().unwrap(),
+            a["stacks"][&name]["dropped_id_count"].as_u64().unwrap()
+                + b["stacks"][&name]["dropped_id_count"].as_u64().unwrap(),
             "{name}: drops are summed"
         );
     }
@@ -482,7 +780,17 @@ fn shards_merged_equal_unsharded_run() {
 
     // The same through the stats subcommand.
     let s0 = dir.join("s0.json");
-    ok(&["stats", "--config", s(&tight), "--input", s(&data), "--shard", "0/2", "--out", s(&s0)]);
+    ok(&[
+        "stats",
+        "--config",
+        s(&tight),
+        "--input",
+        s(&data),
+        "--shard",
+        "0/2",
+        "--out",
+        s(&s0),
+    ]);
     assert_eq!(read_json(&s0), read_json(&shard_stats[0]));
 }
 
@@ -500,14 +808,38 @@ fn stats_subcommand_equals_preprocess_stats() {
     assert_eq!(want["batches"], json!(3));
 
     let st = dir.join("st.json");
-    let summary = ok(&["stats", "--config", s(&cfg), "--input", s(&data), "--out", s(&st)]);
+    let summary = ok(&[
+        "stats",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&data),
+        "--out",
+        s(&st),
+    ]);
     assert_eq!(read_json(&st), want);
-    assert!(summary.contains("3 batches") && summary.contains("items"), "summary: {summary}");
+    assert!(
+        summary.contains("3 batches") && summary.contains("items"),
+        "summary: {summary}"
+    );
 
-    let stdout = ok(&["stats", "--config", s(&cfg), "--input", s(&data), "--threads", "2"]);
-    let printed: Value = serde_json::from_str(&stdout).expect("stats without --out prints JSON only");
+    let stdout = ok(&[
+        "stats",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&data),
+        "--threads",
+        "2",
+    ]);
+    let printed: Value =
+        serde_json::from_str(&stdout).expect("stats without --out prints JSON only");
     assert_eq!(printed, want);
-    assert_eq!(listing(&dir.0), vec!["out", "st.json", "w.arrow", "w.json"], "nothing else written");
+    assert_eq!(
+        listing(&dir.0),
+        vec!["out", "st.json", "w.arrow", "w.json"],
+        "nothing else written"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -518,7 +850,20 @@ fn stats_subcommand_equals_preprocess_stats() {
 fn bench_json_prints_one_line() {
     let dir = TempDir::new("bench");
     let (data, cfg, gen) = generate(&dir, "w", "criteo", 64, 2, "1/1/4", false);
-    let o = run(&["bench", "--config", s(&cfg), "--input", s(&data), "--threads", "2", "--repeat", "3", "--warmup", "1", "--json"]);
+    let o = run(&[
+        "bench",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&data),
+        "--threads",
+        "2",
+        "--repeat",
+        "3",
+        "--warmup",
+        "1",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let stdout = String::from_utf8(o.stdout).unwrap();
     assert_eq!(stdout.lines().count(), 1, "exactly one line: {stdout:?}");
@@ -527,16 +872,24 @@ fn bench_json_prints_one_line() {
     assert_eq!(v["tool"], json!("sparsecore-prep"));
     assert_eq!(v["version"], json!(env!("CARGO_PKG_VERSION")));
     assert!(v["ids"].is_u64());
-    assert_eq!(v["ids"], gen["total_ids"], "ids = the generator's total_ids");
+    assert_eq!(
+        v["ids"], gen["total_ids"],
+        "ids = the generator's total_ids"
+    );
     assert!(gen["total_ids"].as_u64().unwrap() > 0);
     assert_eq!(v["batches"], json!(2));
     assert_eq!(v["threads"], json!(2));
     let median = v["median_ms"].as_f64().expect("median_ms is a number");
     let min = v["min_ms"].as_f64().expect("min_ms is a number");
     assert!(min > 0.0 && min <= median, "min {min} median {median}");
-    let ips = v["ids_per_sec"].as_u64().expect("ids_per_sec is an integer");
+    let ips = v["ids_per_sec"]
+        .as_u64()
+        .expect("ids_per_sec is an integer");
     let expect = v["ids"].as_f64().unwrap() / (median / 1e3);
-    assert!((ips as f64 - expect).abs() <= 1.0, "ids_per_sec {ips} vs {expect}");
+    assert!(
+        (ips as f64 - expect).abs() <= 1.0,
+        "ids_per_sec {ips} vs {expect}"
+    );
 }
 
 #[test]
@@ -545,13 +898,27 @@ fn demo_prints_26_stacks() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let stdout = String::from_utf8(o.stdout).unwrap();
     let lines: Vec<&str> = stdout.lines().collect();
-    assert!(lines[0].starts_with("demo batch: 256 samples, 26 features") && lines[0].contains("26 stacks"), "{}", lines[0]);
-    assert!(lines[1].starts_with("stack") && lines[1].contains("dropped"), "{}", lines[1]);
-    let rows: Vec<&str> = lines[2..].iter().map(|l| l.split_whitespace().next().unwrap()).collect();
+    assert!(
+        lines[0].starts_with("demo batch: 256 samples, 26 features")
+            && lines[0].contains("26 stacks"),
+        "{}",
+        lines[0]
+    );
+    assert!(
+        lines[1].starts_with("stack") && lines[1].contains("dropped"),
+        "{}",
+        lines[1]
+    );
+    let rows: Vec<&str> = lines[2..]
+        .iter()
+        .map(|l| l.split_whitespace().next().unwrap())
+        .collect();
     let want: Vec<String> = (0..26).map(|i| format!("t{i:02}")).collect();
     assert_eq!(rows, want, "one row per stack");
     // No drops in the demo batch.
-    assert!(lines[2..].iter().all(|l| l.split_whitespace().last() == Some("0")));
+    assert!(lines[2..]
+        .iter()
+        .all(|l| l.split_whitespace().last() == Some("0")));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -565,7 +932,15 @@ fn small(dir: &TempDir) -> (PathBuf, PathBuf) {
 }
 
 fn preprocess_fails(cfg: &Path, input: &Path, out: &Path) -> String {
-    let line = fail(&["preprocess", "--config", s(cfg), "--input", s(input), "--out", s(out)]);
+    let line = fail(&[
+        "preprocess",
+        "--config",
+        s(cfg),
+        "--input",
+        s(input),
+        "--out",
+        s(out),
+    ]);
     assert_no_outputs(out);
     line
 }
@@ -582,7 +957,15 @@ fn missing_column_is_refused() {
     let line = preprocess_fails(&bad, &data, &out);
     assert_mentions(&line, &["no_such_column", "f03", "not found"]);
     // stats fails the same way.
-    let line = fail(&["stats", "--config", s(&bad), "--input", s(&data), "--out", s(&dir.join("st.json"))]);
+    let line = fail(&[
+        "stats",
+        "--config",
+        s(&bad),
+        "--input",
+        s(&data),
+        "--out",
+        s(&dir.join("st.json")),
+    ]);
     assert_mentions(&line, &["no_such_column"]);
     assert_not_written(&dir.join("st.json"));
 }
@@ -635,7 +1018,13 @@ fn corrupt_arrow_file_is_refused() {
     let text = dir.join("notes.arrow");
     std::fs::write(&text, "hello, this is not a columnar file\n").unwrap();
     let line = preprocess_fails(&cfg, &text, &dir.join("out2"));
-    assert_mentions(&line, &["notes.arrow", "neither Parquet nor an Arrow IPC file or stream"]);
+    assert_mentions(
+        &line,
+        &[
+            "notes.arrow",
+            "neither Parquet nor an Arrow IPC file or stream",
+        ],
+    );
 
     // Empty file.
     let empty = dir.join("empty.arrow");
@@ -724,7 +1113,10 @@ fn limit_exceeded_midway_leaves_nothing() {
     let (_, cfg1, _) = generate(&dir, "one", "criteo", 64, 1, "1/1/4", false);
     let (data4, cfg4, _) = generate(&dir, "four", "criteo", 64, 4, "1/1/4", false);
     let (c1, c4) = (read_json(&cfg1), read_json(&cfg4));
-    assert_ne!(c1["tables"], c4["tables"], "later batches need larger limits");
+    assert_ne!(
+        c1["tables"], c4["tables"],
+        "later batches need larger limits"
+    );
     let line = preprocess_fails(&cfg1, &data4, &dir.join("out"));
     assert_mentions(&line, &["stack `t", "is greater than the set"]);
 }
@@ -759,7 +1151,16 @@ fn fdo_merge_and_tune_refuse_another_layout() {
     assert_not_written(&merged);
 
     let tuned = dir.join("tuned.json");
-    let line = fail(&["fdo", "tune", "--config", s(&cfg), "--stats", s(&b), "-o", s(&tuned)]);
+    let line = fail(&[
+        "fdo",
+        "tune",
+        "--config",
+        s(&cfg),
+        "--stats",
+        s(&b),
+        "-o",
+        s(&tuned),
+    ]);
     assert_mentions(&line, &["1/1/4", "1/2/4"]);
     assert_not_written(&tuned);
 }
@@ -791,7 +1192,13 @@ fn fdo_merge_reports_unreadable_stats() {
     let merged = dir.join("merged.json");
     let line = fail(&["fdo", "merge", s(&a), "-o", s(&merged)]);
     assert_mentions(&line, &["a.json"]);
-    let line = fail(&["fdo", "merge", s(&dir.join("missing.json")), "-o", s(&merged)]);
+    let line = fail(&[
+        "fdo",
+        "merge",
+        s(&dir.join("missing.json")),
+        "-o",
+        s(&merged),
+    ]);
     assert_mentions(&line, &["missing.json"]);
     assert_not_written(&merged);
 }
@@ -803,16 +1210,40 @@ fn non_writable_output_dir_is_refused() {
     let file = dir.join("regular_file");
     std::fs::write(&file, "x").unwrap();
     let under = file.join("out");
-    let line = fail(&["preprocess", "--config", s(&cfg), "--input", s(&data), "--out", s(&under)]);
+    let line = fail(&[
+        "preprocess",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&data),
+        "--out",
+        s(&under),
+    ]);
     assert_mentions(&line, &["regular_file/out", "output directory"]);
     // --out is itself a regular file.
-    let line = fail(&["preprocess", "--config", s(&cfg), "--input", s(&data), "--out", s(&file)]);
+    let line = fail(&[
+        "preprocess",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&data),
+        "--out",
+        s(&file),
+    ]);
     assert_mentions(&line, &["regular_file"]);
     assert_eq!(std::fs::read(&file).unwrap(), b"x");
     // Nothing but the inputs and the file in the temp dir.
     assert_eq!(listing(&dir.0), vec!["regular_file", "w.arrow", "w.json"]);
     // stats --out and fdo merge -o under a regular file.
-    let line = fail(&["stats", "--config", s(&cfg), "--input", s(&data), "--out", s(&file.join("st.json"))]);
+    let line = fail(&[
+        "stats",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&data),
+        "--out",
+        s(&file.join("st.json")),
+    ]);
     assert_mentions(&line, &["regular_file/st.json"]);
 }
 
@@ -825,9 +1256,20 @@ fn failure_when_finishing_leaves_no_stack_files() {
     let (data, cfg) = small(&dir);
     let out = dir.join("out");
     std::fs::create_dir_all(out.join("stats.json")).unwrap();
-    let line = fail(&["preprocess", "--config", s(&cfg), "--input", s(&data), "--out", s(&out)]);
+    let line = fail(&[
+        "preprocess",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&data),
+        "--out",
+        s(&out),
+    ]);
     assert_mentions(&line, &["stats.json"]);
-    let left: Vec<String> = listing(&out).into_iter().filter(|n| n.ends_with(".arrow") || n.contains(".tmp-")).collect();
+    let left: Vec<String> = listing(&out)
+        .into_iter()
+        .filter(|n| n.ends_with(".arrow") || n.contains(".tmp-"))
+        .collect();
     assert!(left.is_empty(), "a failed run left outputs: {left:?}");
 }
 
@@ -846,25 +1288,55 @@ fn bad_input_messages_name_the_file() {
     c["features"][3]["column"] = json!("no_such_column");
     let missing = dir.join("missing_col.json");
     write_json(&missing, &c);
-    let line = fail(&["preprocess", "--config", s(&missing), "--input", s(&data), "--out", s(&dir.join("o1"))]);
+    let line = fail(&[
+        "preprocess",
+        "--config",
+        s(&missing),
+        "--input",
+        s(&data),
+        "--out",
+        s(&dir.join("o1")),
+    ]);
     if !line.contains("w.arrow") {
-        failures.push(format!("missing column: {line:?} does not name the input w.arrow"));
+        failures.push(format!(
+            "missing column: {line:?} does not name the input w.arrow"
+        ));
     }
 
     let sub = TempDir::new("names-file-utf8");
     let (utf8, ucfg) = utf8_column_file(&sub);
-    let line = fail(&["preprocess", "--config", s(&ucfg), "--input", s(&utf8), "--out", s(&dir.join("o2"))]);
+    let line = fail(&[
+        "preprocess",
+        "--config",
+        s(&ucfg),
+        "--input",
+        s(&utf8),
+        "--out",
+        s(&dir.join("o2")),
+    ]);
     if !line.contains("utf8.arrow") {
-        failures.push(format!("wrongly typed column: {line:?} does not name the input utf8.arrow"));
+        failures.push(format!(
+            "wrongly typed column: {line:?} does not name the input utf8.arrow"
+        ));
     }
 
     let mut c = read_json(&cfg);
     c["features"][5]["table"] = json!("no_such_table");
     let unknown = dir.join("unknown_table.json");
     write_json(&unknown, &c);
-    let line = fail(&["preprocess", "--config", s(&unknown), "--input", s(&data), "--out", s(&dir.join("o3"))]);
+    let line = fail(&[
+        "preprocess",
+        "--config",
+        s(&unknown),
+        "--input",
+        s(&data),
+        "--out",
+        s(&dir.join("o3")),
+    ]);
     if !line.contains("unknown_table.json") {
-        failures.push(format!("unknown table: {line:?} does not name the config unknown_table.json"));
+        failures.push(format!(
+            "unknown table: {line:?} does not name the config unknown_table.json"
+        ));
     }
 
     let out = dir.join("o4");
@@ -873,9 +1345,20 @@ fn bad_input_messages_name_the_file() {
     st["layout"]["local_device_count"] = json!(2);
     let other = dir.join("l2_stats.json");
     write_json(&other, &st);
-    let line = fail(&["fdo", "tune", "--config", s(&cfg), "--stats", s(&other), "-o", s(&dir.join("t.json"))]);
+    let line = fail(&[
+        "fdo",
+        "tune",
+        "--config",
+        s(&cfg),
+        "--stats",
+        s(&other),
+        "-o",
+        s(&dir.join("t.json")),
+    ]);
     if !line.contains("l2_stats.json") {
-        failures.push(format!("tune layout: {line:?} does not name the stats l2_stats.json"));
+        failures.push(format!(
+            "tune layout: {line:?} does not name the stats l2_stats.json"
+        ));
     }
     // The config is 1/1/4 and the stats 2/1/4; the message must not call 1/1/4 the stats' layout.
     if line.contains("stats of layout L/G/S = 1/1/4") {
@@ -891,9 +1374,16 @@ fn bad_input_messages_name_the_file() {
 /// Compares two output directories: the same file names, stats and record batches.
 fn assert_same_outputs(a: &Path, b: &Path) {
     assert_eq!(listing(a), listing(b));
-    assert_eq!(read_json(&a.join("stats.json")), read_json(&b.join("stats.json")));
+    assert_eq!(
+        read_json(&a.join("stats.json")),
+        read_json(&b.join("stats.json"))
+    );
     for name in listing(a).into_iter().filter(|n| n.ends_with(".arrow")) {
-        assert_eq!(read_stack_file(&a.join(&name)).1, read_stack_file(&b.join(&name)).1, "{name}");
+        assert_eq!(
+            read_stack_file(&a.join(&name)).1,
+            read_stack_file(&b.join(&name)).1,
+            "{name}"
+        );
     }
 }
 
@@ -929,7 +1419,15 @@ fn parquet_input_equals_arrow_file_input() {
     assert_same_outputs(&a, &b);
 
     let st = dir.join("st.json");
-    ok(&["stats", "--config", s(&cfg), "--input", s(&pq), "--out", s(&st)]);
+    ok(&[
+        "stats",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&pq),
+        "--out",
+        s(&st),
+    ]);
     assert_eq!(read_json(&st), read_json(&a.join("stats.json")));
 }
 
@@ -946,17 +1444,37 @@ fn parquet_keeps_record_batches() {
         let (data, cfg, _) = generate(&dir, tag, profile, batch, n, "1/1/4", false);
         let pq = dir.join(&format!("{tag}.parquet"));
         write_parquet(&pq, &record_batches(&data), true);
-        let (a, b) = (dir.join(&format!("{tag}_from_arrow")), dir.join(&format!("{tag}_from_parquet")));
+        let (a, b) = (
+            dir.join(&format!("{tag}_from_arrow")),
+            dir.join(&format!("{tag}_from_parquet")),
+        );
         preprocess(&cfg, &data, &a, &[]);
         assert_eq!(read_json(&a.join("stats.json"))["batches"], json!(n));
-        let o = run(&["preprocess", "--config", s(&cfg), "--input", s(&pq), "--out", s(&b)]);
+        let o = run(&[
+            "preprocess",
+            "--config",
+            s(&cfg),
+            "--input",
+            s(&pq),
+            "--out",
+            s(&b),
+        ]);
         if !o.status.success() {
-            failures.push(format!("{n} x {batch} rows: preprocess of the Parquet failed: {}", String::from_utf8_lossy(&o.stderr).trim()));
+            failures.push(format!(
+                "{n} x {batch} rows: preprocess of the Parquet failed: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            ));
             continue;
         }
-        let (want, got) = (read_json(&a.join("stats.json")), read_json(&b.join("stats.json")));
+        let (want, got) = (
+            read_json(&a.join("stats.json")),
+            read_json(&b.join("stats.json")),
+        );
         if got != want {
-            failures.push(format!("{n} x {batch} rows: Parquet stats.json has {} batches (Arrow: {}) and differs", got["batches"], want["batches"]));
+            failures.push(format!(
+                "{n} x {batch} rows: Parquet stats.json has {} batches (Arrow: {}) and differs",
+                got["batches"], want["batches"]
+            ));
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -972,30 +1490,53 @@ fn parquet_keeps_record_batches() {
 fn preprocess_is_quiet_on_stderr_when_not_a_terminal() {
     let dir = TempDir::new("quiet");
     let (data, cfg) = small(&dir);
-    let o = run(&["preprocess", "--config", s(&cfg), "--input", s(&data), "--out", s(&dir.join("out"))]);
+    let o = run(&[
+        "preprocess",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&data),
+        "--out",
+        s(&dir.join("out")),
+    ]);
     assert!(o.status.success());
     assert_eq!(String::from_utf8_lossy(&o.stderr), "");
     let stdout = String::from_utf8(o.stdout).unwrap();
     assert!(stdout.starts_with("2 batches, "), "{stdout}");
-    assert_eq!(stdout.lines().filter(|l| l.starts_with('t')).count(), 26, "{stdout}");
+    assert_eq!(
+        stdout.lines().filter(|l| l.starts_with('t')).count(),
+        26,
+        "{stdout}"
+    );
 }
 
 /// Every file of a directory and its bytes.
 fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    listing(dir).into_iter().map(|n| (n.clone(), std::fs::read(dir.join(&n)).unwrap())).collect()
+    listing(dir)
+        .into_iter()
+        .map(|n| (n.clone(), std::fs::read(dir.join(&n)).unwrap()))
+        .collect()
 }
 
 /// No temporary, staging or set-aside directory or file of a run in `dir`.
 fn assert_no_leftovers(dir: &Path) {
-    let left: Vec<String> = listing(dir).into_iter().filter(|n| n.contains(".tmp-") || n.contains(".old-")).collect();
+    let left: Vec<String> = listing(dir)
+        .into_iter()
+        .filter(|n| n.contains(".tmp-") || n.contains(".old-"))
+        .collect();
     assert!(left.is_empty(), "leftovers in {}: {left:?}", dir.display());
 }
 
 /// `preprocess`'s last stdout line, `wrote N files to DIR: a, b, ...`: the names it lists.
 fn wrote_line(stdout: &str, out: &Path) -> Vec<String> {
-    let line = stdout.lines().find(|l| l.starts_with("wrote ")).unwrap_or_else(|| panic!("no `wrote` line in {stdout}"));
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("wrote "))
+        .unwrap_or_else(|| panic!("no `wrote` line in {stdout}"));
     let prefix = format!("files to {}: ", out.display());
-    let (head, names) = line.split_once(&prefix).unwrap_or_else(|| panic!("{line:?} does not name {}", out.display()));
+    let (head, names) = line
+        .split_once(&prefix)
+        .unwrap_or_else(|| panic!("{line:?} does not name {}", out.display()));
     let names: Vec<String> = names.split(", ").map(String::from).collect();
     assert_eq!(head, format!("wrote {} ", names.len()), "{line}");
     names
@@ -1005,8 +1546,17 @@ fn wrote_line(stdout: &str, out: &Path) -> Vec<String> {
 fn first_features(cfg: &Path, n: usize, to: &Path) -> Vec<String> {
     let mut c = read_json(cfg);
     let features: Vec<Value> = c["features"].as_array().unwrap()[..n].to_vec();
-    let used: Vec<String> = features.iter().map(|f| f["table"].as_str().unwrap().to_string()).collect();
-    let tables: Vec<Value> = c["tables"].as_array().unwrap().iter().filter(|t| used.contains(&t["name"].as_str().unwrap().to_string())).cloned().collect();
+    let used: Vec<String> = features
+        .iter()
+        .map(|f| f["table"].as_str().unwrap().to_string())
+        .collect();
+    let tables: Vec<Value> = c["tables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| used.contains(&t["name"].as_str().unwrap().to_string()))
+        .cloned()
+        .collect();
     c["features"] = json!(features);
     c["tables"] = json!(tables);
     write_json(to, &c);
@@ -1036,8 +1586,14 @@ fn preprocess_says_where_it_wrote() {
     let small_cfg = dir.join("three.json");
     first_features(&cfg, 3, &small_cfg);
     let stdout = preprocess(&small_cfg, &data, &empty, &[]);
-    assert_eq!(wrote_line(&stdout, &empty), ["t00.arrow", "t01.arrow", "t02.arrow", "stats.json"]);
-    assert_eq!(listing(&empty), ["stats.json", "t00.arrow", "t01.arrow", "t02.arrow"]);
+    assert_eq!(
+        wrote_line(&stdout, &empty),
+        ["t00.arrow", "t01.arrow", "t02.arrow", "stats.json"]
+    );
+    assert_eq!(
+        listing(&empty),
+        ["stats.json", "t00.arrow", "t01.arrow", "t02.arrow"]
+    );
     assert_no_leftovers(&dir.0);
 }
 
@@ -1055,9 +1611,23 @@ fn preprocess_overwrites_previous_outputs() {
     preprocess(&cfg, &data, &out, &[]);
     let first = read_json(&out.join("stats.json"));
     let before = snapshot(&out);
-    let line = fail(&["preprocess", "--config", s(&cfg), "--input", s(&data), "--out", s(&out), "--shard", "0/2"]);
+    let line = fail(&[
+        "preprocess",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&data),
+        "--out",
+        s(&out),
+        "--shard",
+        "0/2",
+    ]);
     assert_mentions(&line, &[s(&out), "not empty", "stats.json", "--overwrite"]);
-    assert_eq!(snapshot(&out), before, "a refused run changed the earlier outputs");
+    assert_eq!(
+        snapshot(&out),
+        before,
+        "a refused run changed the earlier outputs"
+    );
     assert_no_leftovers(&dir.0);
 
     let stdout = preprocess(&cfg, &data, &out, &["--shard", "0/2", "--overwrite"]);
@@ -1066,7 +1636,13 @@ fn preprocess_overwrites_previous_outputs() {
     assert_eq!(second["batches"], json!(1));
     assert_eq!(read_stack_file(&out.join("t00.arrow")).1.len(), 1);
     assert_eq!(wrote_line(&stdout, &out).len(), 27);
-    assert!(stdout.contains(&format!("replaced the 27 files of the earlier run in {} (none stale)", out.display())), "{stdout}");
+    assert!(
+        stdout.contains(&format!(
+            "replaced the 27 files of the earlier run in {} (none stale)",
+            out.display()
+        )),
+        "{stdout}"
+    );
     assert_no_leftovers(&out);
     assert_no_leftovers(&dir.0);
 }
@@ -1087,9 +1663,16 @@ fn overwrite_removes_stale_stack_files() {
     want.push("stats.json".into());
     assert_eq!(wrote_line(&stdout, &out), want);
     want.sort();
-    assert_eq!(listing(&out), want, "stale stack files of the earlier run are left");
+    assert_eq!(
+        listing(&out),
+        want,
+        "stale stack files of the earlier run are left"
+    );
     assert_eq!(stack_names(&read_json(&out.join("stats.json"))), tables);
-    assert!(stdout.contains("(removed 23 stale: t03.arrow, t04.arrow,"), "{stdout}");
+    assert!(
+        stdout.contains("(removed 23 stale: t03.arrow, t04.arrow,"),
+        "{stdout}"
+    );
     // The stack files are this run's: the same bytes as a fresh run's.
     let fresh = dir.join("fresh");
     preprocess(&three, &data, &fresh, &[]);
@@ -1107,7 +1690,16 @@ fn failed_overwrite_keeps_the_earlier_outputs() {
     let out = dir.join("out");
     preprocess(&cfg4, &data4, &out, &[]);
     let before = snapshot(&out);
-    let line = fail(&["preprocess", "--config", s(&cfg1), "--input", s(&data4), "--out", s(&out), "--overwrite"]);
+    let line = fail(&[
+        "preprocess",
+        "--config",
+        s(&cfg1),
+        "--input",
+        s(&data4),
+        "--out",
+        s(&out),
+        "--overwrite",
+    ]);
     assert_mentions(&line, &["is greater than the set"]);
     assert_eq!(snapshot(&out), before);
     assert_no_leftovers(&dir.0);
@@ -1123,9 +1715,21 @@ fn overwrite_refuses_foreign_files_and_keeps_symlinks() {
     preprocess(&cfg, &data, &out, &[]);
     std::fs::write(out.join("notes.txt"), "mine").unwrap();
     std::fs::create_dir(out.join("sub")).unwrap();
-    let line = fail(&["preprocess", "--config", s(&cfg), "--input", s(&data), "--out", s(&out), "--overwrite"]);
+    let line = fail(&[
+        "preprocess",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&data),
+        "--out",
+        s(&out),
+        "--overwrite",
+    ]);
     assert_mentions(&line, &[s(&out), "notes.txt", "sub/", "--overwrite"]);
-    assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
+    assert_eq!(
+        std::fs::read_to_string(out.join("notes.txt")).unwrap(),
+        "mine"
+    );
     assert!(out.join("sub").is_dir());
     assert_eq!(listing(&out).len(), 29);
     assert_no_leftovers(&dir.0);
@@ -1136,7 +1740,10 @@ fn overwrite_refuses_foreign_files_and_keeps_symlinks() {
     let link = dir.join("link");
     std::os::unix::fs::symlink(&real, &link).unwrap();
     preprocess(&cfg, &data, &link, &["--overwrite", "--shard", "1/2"]);
-    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
     assert_eq!(read_json(&real.join("stats.json"))["batches"], json!(1));
     assert_no_leftovers(&dir.0);
 }
@@ -1150,9 +1757,28 @@ fn generate_is_deterministic() {
     assert_eq!(std::fs::read(&d1).unwrap(), std::fs::read(&d2).unwrap());
     assert_eq!(std::fs::read(&c1).unwrap(), std::fs::read(&c2).unwrap());
     assert_eq!(l1["total_ids"], l2["total_ids"]);
-    assert_eq!(l1["total_ids"], json!(64 * 4 * 100 * 2), "long: 4 features of exactly 100 ids");
+    assert_eq!(
+        l1["total_ids"],
+        json!(64 * 4 * 100 * 2),
+        "long: 4 features of exactly 100 ids"
+    );
     let d3 = dir.join("three.arrow");
-    ok(&["generate", "--profile", "long", "--out", s(&d3), "--config-out", s(&dir.join("three.json")), "--batch-size", "64", "--num-batches", "2", "--weights", "--seed", "7"]);
+    ok(&[
+        "generate",
+        "--profile",
+        "long",
+        "--out",
+        s(&d3),
+        "--config-out",
+        s(&dir.join("three.json")),
+        "--batch-size",
+        "64",
+        "--num-batches",
+        "2",
+        "--weights",
+        "--seed",
+        "7",
+    ]);
     assert_ne!(std::fs::read(&d1).unwrap(), std::fs::read(&d3).unwrap());
     assert!(listing(&dir.0).iter().all(|n| !n.contains(".tmp-")));
 }
@@ -1167,7 +1793,19 @@ fn generate_raw_keys_writes_hashed_string_features() {
     let data = dir.join("raw.arrow");
     let cfg = dir.join("raw.json");
     let line: Value = serde_json::from_str(
-        ok(&["generate", "--profile", "criteo", "--raw-keys", "--out", s(&data), "--config-out", s(&cfg), "--batch-size", "64"]).trim(),
+        ok(&[
+            "generate",
+            "--profile",
+            "criteo",
+            "--raw-keys",
+            "--out",
+            s(&data),
+            "--config-out",
+            s(&cfg),
+            "--batch-size",
+            "64",
+        ])
+        .trim(),
     )
     .unwrap();
     assert_eq!(line["raw_keys"], json!(true));
@@ -1175,16 +1813,37 @@ fn generate_raw_keys_writes_hashed_string_features() {
     let ids = &record_batches(&ids_file)[0];
     let raw = &record_batches(&data)[0];
     for (i, f) in config["features"].as_array().unwrap().iter().enumerate() {
-        assert_eq!(f["hash"], json!({"seed": i}), "feature {i} declares its hash seed");
+        assert_eq!(
+            f["hash"],
+            json!({"seed": i}),
+            "feature {i} declares its hash seed"
+        );
         let name = f["name"].as_str().unwrap();
-        let keys = raw.column_by_name(name).unwrap().as_any().downcast_ref::<ListArray>().expect("List<Utf8>");
-        let keys = keys.values().as_any().downcast_ref::<StringArray>().expect("Utf8 keys");
-        let ids = ids.column_by_name(name).unwrap().as_any().downcast_ref::<ListArray>().unwrap();
+        let keys = raw
+            .column_by_name(name)
+            .unwrap()
+            .as_any()
+            .downcast_ref::<ListArray>()
+            .expect("List<Utf8>");
+        let keys = keys
+            .values()
+            .as_any()
+            .downcast_ref::<StringArray>()
+            .expect("Utf8 keys");
+        let ids = ids
+            .column_by_name(name)
+            .unwrap()
+            .as_any()
+            .downcast_ref::<ListArray>()
+            .unwrap();
         let ids = ids.values().as_any().downcast_ref::<Int64Array>().unwrap();
         assert_eq!(keys.len(), ids.len());
         let salt = 0x5bd1_e995u32.wrapping_mul(i as u32 + 1);
         for (k, &id) in keys.iter().zip(ids.values()) {
-            assert_eq!(k.unwrap(), format!("{:08x}", (id as u32).wrapping_mul(0x9E37_79B1) ^ salt));
+            assert_eq!(
+                k.unwrap(),
+                format!("{:08x}", (id as u32).wrapping_mul(0x9E37_79B1) ^ salt)
+            );
         }
     }
     let out = dir.join("out");
@@ -1192,7 +1851,17 @@ fn generate_raw_keys_writes_hashed_string_features() {
     let stats = read_json(&out.join("stats.json"));
     assert_eq!(stats["batches"], json!(1));
     // Mixing raw keys with int32 ids is refused.
-    let o = run(&["generate", "--profile", "criteo", "--raw-keys", "--int32-ids", "--out", s(&data), "--config-out", s(&cfg)]);
+    let o = run(&[
+        "generate",
+        "--profile",
+        "criteo",
+        "--raw-keys",
+        "--int32-ids",
+        "--out",
+        s(&data),
+        "--config-out",
+        s(&cfg),
+    ]);
     assert!(!o.status.success());
 }
 
@@ -1205,7 +1874,10 @@ fn generate_raw_keys_writes_hashed_string_features() {
 fn assert_quiet_pipe_end(what: &str, o: &ProcOutput) {
     use std::os::unix::process::ExitStatusExt;
     let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(!stderr.contains("panicked") && !stderr.contains("Broken pipe"), "{what}: stderr {stderr:?}");
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("Broken pipe"),
+        "{what}: stderr {stderr:?}"
+    );
     assert_eq!(stderr, "", "{what}: a closed stdout is not an error");
     assert!(
         matches!(o.status.code(), Some(0) | Some(141)) || o.status.signal() == Some(13),
@@ -1227,8 +1899,17 @@ fn closed_stdout_ends_quietly() {
     let (data, cfg, _) = generate(&dir, "w", "criteo", 256, 1, "8/64/4", false);
     let args = ["stats", "--config", s(&cfg), "--input", s(&data)];
     let full = ok(&args);
-    assert!(full.len() > 1 << 20, "stats prints {} bytes; the test needs more than a pipe holds", full.len());
-    let mut child = Command::new(BIN).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    assert!(
+        full.len() > 1 << 20,
+        "stats prints {} bytes; the test needs more than a pipe holds",
+        full.len()
+    );
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let mut head = [0u8; 16];
     let mut reader = child.stdout.take().unwrap();
     reader.read_exact(&mut head).unwrap();
@@ -1237,7 +1918,12 @@ fn closed_stdout_ends_quietly() {
     let o = child.wait_with_output().unwrap();
     assert_quiet_pipe_end("stats | head -c 16", &o);
     // It could not have written everything: it saw the closed pipe, so the status is 141.
-    assert_eq!(o.status.code(), Some(141), "stats | head -c 16: {}", o.status);
+    assert_eq!(
+        o.status.code(),
+        Some(141),
+        "stats | head -c 16: {}",
+        o.status
+    );
 }
 
 /// Every subcommand that prints, run with a stdout whose reader is gone before it starts: each
@@ -1250,46 +1936,134 @@ fn every_subcommand_ends_quietly_on_a_closed_stdout() {
     let closed = |args: &[&str]| -> ProcOutput {
         let (reader, writer) = std::io::pipe().unwrap();
         drop(reader);
-        Command::new(BIN).args(args).stdout(writer).output().unwrap()
+        Command::new(BIN)
+            .args(args)
+            .stdout(writer)
+            .output()
+            .unwrap()
     };
     let check = |args: &[&str]| {
         let o = closed(args);
         assert_quiet_pipe_end(&args.join(" "), &o);
-        assert_eq!(o.status.code(), Some(141), "`{}`: {}", args.join(" "), o.status);
+        assert_eq!(
+            o.status.code(),
+            Some(141),
+            "`{}`: {}",
+            args.join(" "),
+            o.status
+        );
     };
     check(&["demo", "--threads", "1"]);
     let g = dir.join("g.arrow");
-    check(&["generate", "--profile", "criteo", "--batch-size", "64", "--out", s(&g), "--config-out", s(&dir.join("g.json"))]);
+    check(&[
+        "generate",
+        "--profile",
+        "criteo",
+        "--batch-size",
+        "64",
+        "--out",
+        s(&g),
+        "--config-out",
+        s(&dir.join("g.json")),
+    ]);
     assert_eq!(record_batches(&g).len(), 1);
     let out = dir.join("out");
-    check(&["preprocess", "--config", s(&cfg), "--input", s(&data), "--out", s(&out)]);
+    check(&[
+        "preprocess",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&data),
+        "--out",
+        s(&out),
+    ]);
     let reference = dir.join("reference");
     preprocess(&cfg, &data, &reference, &[]);
     assert_same_outputs(&out, &reference);
     check(&["stats", "--config", s(&cfg), "--input", s(&data)]);
     let st = out.join("stats.json");
-    check(&["stats", "--config", s(&cfg), "--input", s(&data), "--out", s(&dir.join("st.json"))]);
+    check(&[
+        "stats",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&data),
+        "--out",
+        s(&dir.join("st.json")),
+    ]);
     assert_eq!(read_json(&dir.join("st.json")), read_json(&st));
     check(&["fdo", "merge", s(&st), s(&st), "-o", s(&dir.join("m.json"))]);
     assert_eq!(read_json(&dir.join("m.json"))["batches"], json!(4));
-    check(&["fdo", "tune", "--config", s(&cfg), "--stats", s(&st), "--headroom", "1.0", "-o", s(&dir.join("t.json"))]);
+    check(&[
+        "fdo",
+        "tune",
+        "--config",
+        s(&cfg),
+        "--stats",
+        s(&st),
+        "--headroom",
+        "1.0",
+        "-o",
+        s(&dir.join("t.json")),
+    ]);
     assert!(dir.join("t.json").exists());
-    check(&["bench", "--config", s(&cfg), "--input", s(&data), "--threads", "1", "--repeat", "1"]);
-    check(&["bench", "--config", s(&cfg), "--input", s(&data), "--threads", "1", "--repeat", "1", "--json"]);
+    check(&[
+        "bench",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&data),
+        "--threads",
+        "1",
+        "--repeat",
+        "1",
+    ]);
+    check(&[
+        "bench",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&data),
+        "--threads",
+        "1",
+        "--repeat",
+        "1",
+        "--json",
+    ]);
     // One batch: the export loses nothing, so it warns about nothing.
     let mut one = read_json(&st);
     one["batches"] = json!(1);
     write_json(&dir.join("one.json"), &one);
-    check(&["fdo", "export", s(&dir.join("one.json")), "-o", s(&dir.join("m.npz"))]);
-    check(&["fdo", "import", s(&dir.join("m.npz")), "--layout", "1/1/4", "-o", s(&dir.join("i.json"))]);
-    assert_eq!(read_json(&dir.join("i.json"))["stacks"], read_json(&st)["stacks"]);
+    check(&[
+        "fdo",
+        "export",
+        s(&dir.join("one.json")),
+        "-o",
+        s(&dir.join("m.npz")),
+    ]);
+    check(&[
+        "fdo",
+        "import",
+        s(&dir.join("m.npz")),
+        "--layout",
+        "1/1/4",
+        "-o",
+        s(&dir.join("i.json")),
+    ]);
+    assert_eq!(
+        read_json(&dir.join("i.json"))["stacks"],
+        read_json(&st)["stacks"]
+    );
     check(&["dynamic", "load", "--backend", "memory", "--batches", "2"]);
     // soak prints its first line before any batch.
     check(&["soak", "--minutes", "0.01", "--threads", "1"]);
     // A duration that is no number of minutes is an error, not a panic.
     for bad in ["inf", "NaN", "-1"] {
         let e = fail(&["soak", &format!("--minutes={bad}"), "--threads", "1"]);
-        assert!(e.contains("--minutes ") && e.contains("a finite number of minutes, at least 0"), "{bad}: {e}");
+        assert!(
+            e.contains("--minutes ") && e.contains("a finite number of minutes, at least 0"),
+            "{bad}: {e}"
+        );
     }
 }
 
@@ -1301,8 +2075,19 @@ fn counts_past_what_a_command_can_hold_are_errors_not_panics() {
     let dir = TempDir::new("huge-counts");
     let (data, cfg) = small(&dir);
     let (out, config_out) = (dir.join("g.arrow"), dir.join("g.json"));
-    let generate_with =
-        |flag: &str, value: &str| fail(&["generate", "--profile", "criteo", "--out", s(&out), "--config-out", s(&config_out), flag, value]);
+    let generate_with = |flag: &str, value: &str| {
+        fail(&[
+            "generate",
+            "--profile",
+            "criteo",
+            "--out",
+            s(&out),
+            "--config-out",
+            s(&config_out),
+            flag,
+            value,
+        ])
+    };
     let started = std::time::Instant::now();
     // criteo: 16384 samples per batch, 26 features of one int64 id (8 bytes) and its offset (4).
     assert_eq!(
@@ -1316,7 +2101,15 @@ fn counts_past_what_a_command_can_hold_are_errors_not_panics() {
          least one id, and a list column's offsets are int32"
     );
     assert!(!out.exists() && !config_out.exists(), "nothing written");
-    let o = run(&["bench", "--config", s(&cfg), "--input", s(&data), "--repeat", "18446744073709551615"]);
+    let o = run(&[
+        "bench",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&data),
+        "--repeat",
+        "18446744073709551615",
+    ]);
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "a usage error: {stderr}");
     assert!(
@@ -1325,7 +2118,10 @@ fn counts_past_what_a_command_can_hold_are_errors_not_panics() {
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
     let took = started.elapsed();
-    assert!(took < std::time::Duration::from_secs(20), "three refusals took {took:?}");
+    assert!(
+        took < std::time::Duration::from_secs(20),
+        "three refusals took {took:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1338,16 +2134,33 @@ fn counts_past_what_a_command_can_hold_are_errors_not_panics() {
 fn generate_shows_progress_on_a_terminal_only() {
     let dir = TempDir::new("gen-progress");
     let args = |tag: &str| -> Vec<String> {
-        ["generate", "--profile", "criteo", "--batch-size", "64", "--num-batches", "2", "--out"]
-            .iter()
-            .map(|a| a.to_string())
-            .chain([s(&dir.join(&format!("{tag}.arrow"))).to_string(), "--config-out".into(), s(&dir.join(&format!("{tag}.json"))).to_string()])
-            .collect()
+        [
+            "generate",
+            "--profile",
+            "criteo",
+            "--batch-size",
+            "64",
+            "--num-batches",
+            "2",
+            "--out",
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .chain([
+            s(&dir.join(&format!("{tag}.arrow"))).to_string(),
+            "--config-out".into(),
+            s(&dir.join(&format!("{tag}.json"))).to_string(),
+        ])
+        .collect()
     };
     let piped = args("piped");
     let o = Command::new(BIN).args(&piped).output().unwrap();
     assert!(o.status.success());
-    assert_eq!(String::from_utf8_lossy(&o.stderr), "", "progress drawn into a pipe");
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr),
+        "",
+        "progress drawn into a pipe"
+    );
     assert_eq!(String::from_utf8(o.stdout).unwrap().lines().count(), 1);
 
     // The terminal half runs under util-linux `script`, which every Linux base system has: on
@@ -1355,16 +2168,44 @@ fn generate_shows_progress_on_a_terminal_only() {
     if !cfg!(target_os = "linux") {
         return;
     }
-    let has_script = Command::new("script").arg("--version").output().is_ok_and(|o| o.status.success());
-    assert!(has_script, "the terminal half of this test needs util-linux `script`");
-    let quoted: Vec<String> = std::iter::once(BIN.to_string()).chain(args("tty")).map(|a| format!("'{a}'")).collect();
-    let o = Command::new("script").args(["-qec", &quoted.join(" "), "/dev/null"]).output().unwrap();
+    let has_script = Command::new("script")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        has_script,
+        "the terminal half of this test needs util-linux `script`"
+    );
+    let quoted: Vec<String> = std::iter::once(BIN.to_string())
+        .chain(args("tty"))
+        .map(|a| format!("'{a}'"))
+        .collect();
+    let o = Command::new("script")
+        .args(["-qec", &quoted.join(" "), "/dev/null"])
+        .output()
+        .unwrap();
     let shown = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{shown}\n{}", String::from_utf8_lossy(&o.stderr));
-    assert!(shown.contains("generating 2 batches of 64 samples (criteo)"), "no generation spinner in {shown:?}");
-    assert!(shown.contains("batches written to "), "no writing bar in {shown:?}");
-    assert!(shown.contains("\"batches\":2"), "no summary line in {shown:?}");
-    assert_eq!(std::fs::read(dir.join("tty.arrow")).unwrap(), std::fs::read(dir.join("piped.arrow")).unwrap());
+    assert!(
+        o.status.success(),
+        "{shown}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        shown.contains("generating 2 batches of 64 samples (criteo)"),
+        "no generation spinner in {shown:?}"
+    );
+    assert!(
+        shown.contains("batches written to "),
+        "no writing bar in {shown:?}"
+    );
+    assert!(
+        shown.contains("\"batches\":2"),
+        "no summary line in {shown:?}"
+    );
+    assert_eq!(
+        std::fs::read(dir.join("tty.arrow")).unwrap(),
+        std::fs::read(dir.join("piped.arrow")).unwrap()
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1375,8 +2216,16 @@ fn generate_shows_progress_on_a_terminal_only() {
 fn ok_with_stderr(args: &[&str]) -> (String, Vec<String>) {
     let o = run(args);
     let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert!(o.status.success(), "`sparsecore-prep {}` failed ({}): {stderr}", args.join(" "), o.status);
-    (String::from_utf8(o.stdout).unwrap(), stderr.lines().map(String::from).collect())
+    assert!(
+        o.status.success(),
+        "`sparsecore-prep {}` failed ({}): {stderr}",
+        args.join(" "),
+        o.status
+    );
+    (
+        String::from_utf8(o.stdout).unwrap(),
+        stderr.lines().map(String::from).collect(),
+    )
 }
 
 // Regression: `fdo export` and `fdo import` printed nothing, and the NPZ/CSV round trip silently
@@ -1396,7 +2245,10 @@ fn fdo_export_and_import_summarise_and_warn_about_batches() {
     ok(&["fdo", "merge", s(&st), s(&st), "-o", s(&merged)]);
     let original = read_json(&merged);
     assert_eq!(original["batches"], json!(4));
-    for (ext, format, client) in [("npz", "NPZ", "NPZFileFDOClient"), ("csv", "CSV", "CSVFileFDOClient")] {
+    for (ext, format, client) in [
+        ("npz", "NPZ", "NPZFileFDOClient"),
+        ("csv", "CSV", "CSVFileFDOClient"),
+    ] {
         let dump = dir.join(&format!("fdo_stats.{ext}"));
         let (stdout, warnings) = ok_with_stderr(&["fdo", "export", s(&merged), "-o", s(&dump)]);
         assert_eq!(
@@ -1416,7 +2268,15 @@ fn fdo_export_and_import_summarise_and_warn_about_batches() {
         );
 
         let back = dir.join(&format!("back_{ext}.json"));
-        let (stdout, warnings) = ok_with_stderr(&["fdo", "import", s(&dump), "--layout", "1/1/4", "-o", s(&back)]);
+        let (stdout, warnings) = ok_with_stderr(&[
+            "fdo",
+            "import",
+            s(&dump),
+            "--layout",
+            "1/1/4",
+            "-o",
+            s(&back),
+        ]);
         assert_eq!(
             stdout,
             format!(
@@ -1428,12 +2288,17 @@ fn fdo_export_and_import_summarise_and_warn_about_batches() {
         assert_eq!(warnings, Vec::<String>::new());
         let mut want = original.clone();
         want["batches"] = json!(1);
-        assert_eq!(read_json(&back), want, "{ext}: everything but batches reads back");
+        assert_eq!(
+            read_json(&back),
+            want,
+            "{ext}: everything but batches reads back"
+        );
     }
 
     // Stats of one batch lose nothing: no warning.
     let one = dir.join("one.npz");
-    let (stdout, warnings) = ok_with_stderr(&["fdo", "export", s(&out.join("stats.json")), "-o", s(&one)]);
+    let (stdout, warnings) =
+        ok_with_stderr(&["fdo", "export", s(&out.join("stats.json")), "-o", s(&one)]);
     assert!(stdout.contains("(batches 2, layout 1/1/4)"), "{stdout}");
     assert_eq!(warnings.len(), 1, "{warnings:?}");
     let mut single = read_json(&st);
@@ -1463,7 +2328,10 @@ fn fdo_export_and_import_warn_about_values_they_cannot_hold() {
     );
     let dump = dir.join("a.csv");
     let (stdout, warnings) = ok_with_stderr(&["fdo", "export", s(&stats), "-o", s(&dump)]);
-    assert!(stdout.starts_with("exported 1 stack (4 arrays) of "), "{stdout}");
+    assert!(
+        stdout.starts_with("exported 1 stack (4 arrays) of "),
+        "{stdout}"
+    );
     assert_eq!(
         warnings,
         [format!(
@@ -1473,22 +2341,73 @@ fn fdo_export_and_import_warn_about_values_they_cannot_hold() {
     );
 
     let odd = dir.join("odd.csv");
-    std::fs::write(&odd, "key,values\nx_max_ids,1 2 3\nx_max_unique_ids,1 1 1\nx_id_drop_counters,-3\n").unwrap();
+    std::fs::write(
+        &odd,
+        "key,values\nx_max_ids,1 2 3\nx_max_unique_ids,1 1 1\nx_id_drop_counters,-3\n",
+    )
+    .unwrap();
     let back = dir.join("odd.json");
-    let (stdout, warnings) = ok_with_stderr(&["fdo", "import", s(&odd), "--layout", "1/1/3", "-o", s(&back)]);
-    assert!(stdout.starts_with(&format!("imported 1 stack (3 arrays) from {} (CSV) to {}: layout 1/1/3, batches 1", odd.display(), back.display())), "{stdout}");
+    let (stdout, warnings) = ok_with_stderr(&[
+        "fdo",
+        "import",
+        s(&odd),
+        "--layout",
+        "1/1/3",
+        "-o",
+        s(&back),
+    ]);
+    assert!(
+        stdout.starts_with(&format!(
+            "imported 1 stack (3 arrays) from {} (CSV) to {}: layout 1/1/3, batches 1",
+            odd.display(),
+            back.display()
+        )),
+        "{stdout}"
+    );
     let w = |m: &str| format!("sparsecore-prep: warning: {}: {m}", odd.display());
-    assert_eq!(warnings, [w("x_id_drop_counters is negative (-3), imported as 0")]);
+    assert_eq!(
+        warnings,
+        [w("x_id_drop_counters is negative (-3), imported as 0")]
+    );
     let got = read_json(&back);
-    assert_eq!(got["stacks"]["x"]["max_ids_per_partition"], json!([1, 2, 3]));
+    assert_eq!(
+        got["stacks"]["x"]["max_ids_per_partition"],
+        json!([1, 2, 3])
+    );
     assert_eq!(got["stacks"]["x"]["dropped_id_count"], json!(0));
 
     let (big, negative) = (dir.join("big.csv"), dir.join("negative.csv"));
     std::fs::write(&big, "key,values\nx_max_ids,1 5000000000 3\n").unwrap();
     std::fs::write(&negative, "key,values\nx_max_ids,1 -5 3\n").unwrap();
-    let e = fail(&["fdo", "import", s(&big), "--layout", "1/1/3", "-o", s(&dir.join("big.json"))]);
-    assert!(e.ends_with(&format!("{}: `x_max_ids` holds 5000000000, past the 32-bit counts stats hold", big.display())), "{e}");
-    let e = fail(&["fdo", "import", s(&negative), "--layout", "1/1/3", "-o", s(&dir.join("negative.json"))]);
-    assert!(e.contains("stack `x`") && e.contains("`max_ids_per_partition`[1] is -5: counts cannot be negative"), "{e}");
+    let e = fail(&[
+        "fdo",
+        "import",
+        s(&big),
+        "--layout",
+        "1/1/3",
+        "-o",
+        s(&dir.join("big.json")),
+    ]);
+    assert!(
+        e.ends_with(&format!(
+            "{}: `x_max_ids` holds 5000000000, past the 32-bit counts stats hold",
+            big.display()
+        )),
+        "{e}"
+    );
+    let e = fail(&[
+        "fdo",
+        "import",
+        s(&negative),
+        "--layout",
+        "1/1/3",
+        "-o",
+        s(&dir.join("negative.json")),
+    ]);
+    assert!(
+        e.contains("stack `x`")
+            && e.contains("`max_ids_per_partition`[1] is -5: counts cannot be negative"),
+        "{e}"
+    );
     assert!(!dir.join("big.json").exists() && !dir.join("negative.json").exists());
 }

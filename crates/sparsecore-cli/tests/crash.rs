@@ -37,7 +37,10 @@ fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
         .unwrap()
         .map(|e| {
             let e = e.unwrap();
-            (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap())
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
         })
         .collect()
 }
@@ -51,8 +54,28 @@ fn junk_dir(p: &Path) {
 /// The input, its config, and the outputs of a clean run.
 fn setup(t: &TempDir) -> (PathBuf, PathBuf, BTreeMap<String, Vec<u8>>) {
     let (input, config, reference) = (t.join("data.arrow"), t.join("cfg.json"), t.join("ref"));
-    ok(&["generate", "--profile", "criteo", "--batch-size", "256", "--num-batches", "2", "--out", s(&input), "--config-out", s(&config)]);
-    ok(&["preprocess", "--config", s(&config), "--input", s(&input), "--out", s(&reference)]);
+    ok(&[
+        "generate",
+        "--profile",
+        "criteo",
+        "--batch-size",
+        "256",
+        "--num-batches",
+        "2",
+        "--out",
+        s(&input),
+        "--config-out",
+        s(&config),
+    ]);
+    ok(&[
+        "preprocess",
+        "--config",
+        s(&config),
+        "--input",
+        s(&input),
+        "--out",
+        s(&reference),
+    ]);
     let want = files(&reference);
     assert_eq!(want.len(), 27, "26 stacks and stats.json");
     (input, config, want)
@@ -64,7 +87,15 @@ fn stale_temporaries_of_dead_runs_are_removed_and_live_ones_kept() {
     let (input, config, want) = setup(&t);
     let (dead, live) = (dead_pid(), std::process::id());
     let pre = |out: &Path, extra: &[&str]| {
-        let mut args = vec!["preprocess", "--config", s(&config), "--input", s(&input), "--out", s(out)];
+        let mut args = vec![
+            "preprocess",
+            "--config",
+            s(&config),
+            "--input",
+            s(&input),
+            "--out",
+            s(out),
+        ];
         args.extend_from_slice(extra);
         run(&args)
     };
@@ -77,9 +108,15 @@ fn stale_temporaries_of_dead_runs_are_removed_and_live_ones_kept() {
     let o = pre(&a, &[]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(stdout.contains("cleaned up 1 temporaries of killed runs"), "{stdout}");
+    assert!(
+        stdout.contains("cleaned up 1 temporaries of killed runs"),
+        "{stdout}"
+    );
     assert!(!t.join(&format!("a.tmp-{dead}")).exists());
-    assert!(not_ours.join("t00.arrow").exists(), "a live process's staging directory is left alone");
+    assert!(
+        not_ours.join("t00.arrow").exists(),
+        "a live process's staging directory is left alone"
+    );
     assert_eq!(files(&a), want);
 
     // --out empty but for a dead run's inner staging directory: not "non-empty" any more.
@@ -92,7 +129,15 @@ fn stale_temporaries_of_dead_runs_are_removed_and_live_ones_kept() {
     // --out holds earlier outputs: --overwrite, with a dead run's .tmp and .old siblings and a
     // temporary stats file inside.
     let c = t.join("c");
-    ok(&["preprocess", "--config", s(&config), "--input", s(&input), "--out", s(&c)]);
+    ok(&[
+        "preprocess",
+        "--config",
+        s(&config),
+        "--input",
+        s(&input),
+        "--out",
+        s(&c),
+    ]);
     junk_dir(&t.join(&format!("c.tmp-{dead}")));
     junk_dir(&t.join(&format!("c.old-{dead}")));
     std::fs::write(c.join(format!("stats.json.tmp-{dead}")), b"{").unwrap();
@@ -113,12 +158,17 @@ fn stale_temporaries_of_dead_runs_are_removed_and_live_ones_kept() {
     }
     junk_dir(&t.join(&format!("d.tmp-{dead}")));
     let o = pre(&d, &[]);
-    assert!(!o.status.success(), "the restored outputs make --out non-empty");
+    assert!(
+        !o.status.success(),
+        "the restored outputs make --out non-empty"
+    );
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(stderr.contains("moved them back"), "{stderr}");
     assert!(stderr.contains("not empty"), "{stderr}");
     assert_eq!(files(&d), want);
-    assert!(!t.join(&format!("d.tmp-{dead}")).exists() && !t.join(&format!("d.old-{dead}")).exists());
+    assert!(
+        !t.join(&format!("d.tmp-{dead}")).exists() && !t.join(&format!("d.old-{dead}")).exists()
+    );
     let o = pre(&d, &["--overwrite"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(files(&d), want);
@@ -126,7 +176,15 @@ fn stale_temporaries_of_dead_runs_are_removed_and_live_ones_kept() {
     // stats --out: a dead run's temporary file beside the stats file goes.
     let st = t.join("stats.json");
     std::fs::write(t.join(&format!("stats.json.tmp-{dead}")), b"{").unwrap();
-    ok(&["stats", "--config", s(&config), "--input", s(&input), "--out", s(&st)]);
+    ok(&[
+        "stats",
+        "--config",
+        s(&config),
+        "--input",
+        s(&input),
+        "--out",
+        s(&st),
+    ]);
     assert!(!t.join(&format!("stats.json.tmp-{dead}")).exists());
     assert_eq!(std::fs::read(&st).unwrap(), want["stats.json"]);
 
@@ -136,7 +194,10 @@ fn stale_temporaries_of_dead_runs_are_removed_and_live_ones_kept() {
     std::fs::write(t.join(&format!("merged.json.tmp-{live}")), b"{").unwrap();
     ok(&["fdo", "merge", s(&st), "-o", s(&merged)]);
     assert!(!t.join(&format!("merged.json.tmp-{dead}")).exists());
-    assert!(t.join(&format!("merged.json.tmp-{live}")).exists(), "a live process's temporary is left alone");
+    assert!(
+        t.join(&format!("merged.json.tmp-{live}")).exists(),
+        "a live process's temporary is left alone"
+    );
 }
 
 #[test]
@@ -159,7 +220,17 @@ fn a_run_killed_with_sigkill_is_cleaned_up_by_the_next() {
     }
     let out = t.join("out");
     let mut child = Command::new(BIN)
-        .args(["preprocess", "--config", s(&config), "--input", s(&big), "--out", s(&out), "--threads", "1"])
+        .args([
+            "preprocess",
+            "--config",
+            s(&config),
+            "--input",
+            s(&big),
+            "--out",
+            s(&out),
+            "--threads",
+            "1",
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -170,7 +241,10 @@ fn a_run_killed_with_sigkill_is_cleaned_up_by_the_next() {
         if let Some(status) = child.try_wait().unwrap() {
             panic!("preprocess ended ({status}) before it could be killed; the input is too small");
         }
-        if std::fs::read_dir(&staging).map(|mut d| d.next().is_some()).unwrap_or(false) {
+        if std::fs::read_dir(&staging)
+            .map(|mut d| d.next().is_some())
+            .unwrap_or(false)
+        {
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(2));
@@ -178,13 +252,27 @@ fn a_run_killed_with_sigkill_is_cleaned_up_by_the_next() {
     child.kill().unwrap(); // SIGKILL
     let status = child.wait().unwrap();
     assert!(!status.success());
-    assert!(staging.is_dir(), "SIGKILL leaves the staging directory behind");
+    assert!(
+        staging.is_dir(),
+        "SIGKILL leaves the staging directory behind"
+    );
     assert!(!out.exists());
 
-    let o = run(&["preprocess", "--config", s(&config), "--input", s(&input), "--out", s(&out)]);
+    let o = run(&[
+        "preprocess",
+        "--config",
+        s(&config),
+        "--input",
+        s(&input),
+        "--out",
+        s(&out),
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stdout).contains("cleaned up 1 temporaries of killed runs"));
-    assert!(!staging.exists(), "the killed run's staging directory is gone");
+    assert!(
+        !staging.exists(),
+        "the killed run's staging directory is gone"
+    );
     assert_eq!(files(&out), want);
     let left: Vec<String> = std::fs::read_dir(&t.0)
         .unwrap()

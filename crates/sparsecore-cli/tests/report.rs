@@ -25,7 +25,6 @@ use sparsecore_prep::FdoStats;
 mod support;
 use support::{ok, run, s};
 
-
 /// Runs, requires exit status 1 and one stderr line; returns it.
 fn fails(args: &[&str]) -> String {
     let o = run(args);
@@ -37,7 +36,10 @@ fn fails(args: &[&str]) -> String {
 }
 
 fn listing(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
     names.sort();
     names
 }
@@ -46,8 +48,19 @@ fn listing(dir: &Path) -> Vec<String> {
 fn measured(dir: &TempDir) -> (PathBuf, PathBuf, PathBuf) {
     let (input, cfg) = (dir.join("in.arrow"), dir.join("cfg.json"));
     ok(&[
-        "generate", "--profile", "long", "--batch-size", "128", "--num-batches", "4", "--layout", "1/1/4", "--out", s(&input),
-        "--config-out", s(&cfg),
+        "generate",
+        "--profile",
+        "long",
+        "--batch-size",
+        "128",
+        "--num-batches",
+        "4",
+        "--layout",
+        "1/1/4",
+        "--out",
+        s(&input),
+        "--config-out",
+        s(&cfg),
     ]);
     // The generated limits equal the batches' largest counts, so no reordered batch could keep
     // every stack within them and balancing would keep the input order; a tuned config has
@@ -57,14 +70,35 @@ fn measured(dir: &TempDir) -> (PathBuf, PathBuf, PathBuf) {
         for key in ["max_ids_per_partition", "max_unique_ids_per_partition"] {
             t[key] = Value::from(t[key].as_u64().unwrap() * 2);
         }
-        if let Some(b) = t.get("suggested_coo_buffer_size_per_device").and_then(Value::as_u64) {
+        if let Some(b) = t
+            .get("suggested_coo_buffer_size_per_device")
+            .and_then(Value::as_u64)
+        {
             t["suggested_coo_buffer_size_per_device"] = Value::from(b * 2);
         }
     }
     std::fs::write(&cfg, config.to_string()).unwrap();
     let (before, after) = (dir.join("before"), dir.join("after"));
-    ok(&["preprocess", "--config", s(&cfg), "--input", s(&input), "--out", s(&before)]);
-    ok(&["preprocess", "--config", s(&cfg), "--input", s(&input), "--out", s(&after), "--balance", "4"]);
+    ok(&[
+        "preprocess",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&input),
+        "--out",
+        s(&before),
+    ]);
+    ok(&[
+        "preprocess",
+        "--config",
+        s(&cfg),
+        "--input",
+        s(&input),
+        "--out",
+        s(&after),
+        "--balance",
+        "4",
+    ]);
     (cfg, before.join("stats.json"), after.join("stats.json"))
 }
 
@@ -75,9 +109,16 @@ fn options() -> usvg::Options<'static> {
     let db = opt.fontdb_mut();
     db.load_system_fonts();
     let family = {
-        let names: Vec<String> = db.faces().filter_map(|f| f.families.first().map(|(n, _)| n.clone())).collect();
+        let names: Vec<String> = db
+            .faces()
+            .filter_map(|f| f.families.first().map(|(n, _)| n.clone()))
+            .collect();
         assert!(!names.is_empty(), "no system fonts: the test needs one to lay out the SVG's text (install e.g. fonts-dejavu-core)");
-        names.iter().find(|n| n.contains("Sans")).unwrap_or(&names[0]).clone()
+        names
+            .iter()
+            .find(|n| n.contains("Sans"))
+            .unwrap_or(&names[0])
+            .clone()
     };
     db.set_sans_serif_family(family.clone());
     db.set_serif_family(family);
@@ -91,8 +132,19 @@ fn texts(group: &usvg::Group, out: &mut Vec<String>) {
             Node::Group(g) => texts(g, out),
             Node::Text(t) => {
                 // Laid out with a font: usvg turned the glyphs into paths.
-                assert!(!t.flattened().children().is_empty(), "text {:?} has no glyphs", t.chunks()[0].text());
-                out.push(t.chunks().iter().map(|c| c.text()).collect::<String>().trim().to_string())
+                assert!(
+                    !t.flattened().children().is_empty(),
+                    "text {:?} has no glyphs",
+                    t.chunks()[0].text()
+                );
+                out.push(
+                    t.chunks()
+                        .iter()
+                        .map(|c| c.text())
+                        .collect::<String>()
+                        .trim()
+                        .to_string(),
+                )
             }
             _ => {}
         }
@@ -101,8 +153,16 @@ fn texts(group: &usvg::Group, out: &mut Vec<String>) {
 
 /// The config's limits of a table: (max_ids_per_partition, max_unique_ids_per_partition).
 fn table_limits(cfg: &Value, table: &str) -> (u64, u64) {
-    let t = cfg["tables"].as_array().unwrap().iter().find(|t| t["name"] == table).unwrap();
-    (t["max_ids_per_partition"].as_u64().unwrap(), t["max_unique_ids_per_partition"].as_u64().unwrap())
+    let t = cfg["tables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == table)
+        .unwrap();
+    (
+        t["max_ids_per_partition"].as_u64().unwrap(),
+        t["max_unique_ids_per_partition"].as_u64().unwrap(),
+    )
 }
 
 #[test]
@@ -111,16 +171,41 @@ fn svg_renders_and_names_every_stack_of_every_run() {
     let (cfg, before, after) = measured(&dir);
     let out = dir.join("report.svg");
     let stdout = ok(&[
-        "report", "--stats", s(&before), "--stats", s(&after), "--label", "before", "--label", "after", "--config", s(&cfg), "--out",
+        "report",
+        "--stats",
+        s(&before),
+        "--stats",
+        s(&after),
+        "--label",
+        "before",
+        "--label",
+        "after",
+        "--config",
+        s(&cfg),
+        "--out",
         s(&out),
     ]);
-    assert_eq!(stdout.trim(), format!("drew 3 stacks x 2 runs (stacks x runs) to {} with the config's limits", out.display()));
+    assert_eq!(
+        stdout.trim(),
+        format!(
+            "drew 3 stacks x 2 runs (stacks x runs) to {} with the config's limits",
+            out.display()
+        )
+    );
 
-    let (b, a) = (FdoStats::from_path(&before).unwrap(), FdoStats::from_path(&after).unwrap());
+    let (b, a) = (
+        FdoStats::from_path(&before).unwrap(),
+        FdoStats::from_path(&after).unwrap(),
+    );
     let stacks: Vec<&String> = b.stacks.keys().collect();
     assert_eq!(stacks, ["cats", "items", "queries"]);
     // Balancing lowered the worst cell of some stack: the two columns differ.
-    assert!(stacks.iter().any(|k| a.stacks[*k].max_ids() < b.stacks[*k].max_ids()), "{b:?}\n{a:?}");
+    assert!(
+        stacks
+            .iter()
+            .any(|k| a.stacks[*k].max_ids() < b.stacks[*k].max_ids()),
+        "{b:?}\n{a:?}"
+    );
 
     let data = std::fs::read(&out).unwrap();
     let tree = usvg::Tree::from_data(&data, &options()).expect("the SVG parses");
@@ -135,43 +220,81 @@ fn svg_renders_and_names_every_stack_of_every_run() {
                 st.max_unique_ids(),
                 st.dropped_id_count
             );
-            assert!(found.contains(&caption), "no text node {caption:?} in {found:?}");
+            assert!(
+                found.contains(&caption),
+                "no text node {caption:?} in {found:?}"
+            );
         }
     }
     // The buffer captions carry the config's buffer per SparseCore: the generated config
     // suggests a buffer per device (a multiple of 8·S), and the plan takes it as given.
     let config: Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
     for (name, st) in &b.stacks {
-        let t = config["tables"].as_array().unwrap().iter().find(|t| t["name"] == name.as_str()).unwrap();
+        let t = config["tables"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["name"] == name.as_str())
+            .unwrap();
         let per_sc = t["suggested_coo_buffer_size_per_device"].as_u64().unwrap() / 4;
         let peak = st.required_buffer_size_per_sc.iter().max().unwrap();
         let caption = format!("COO buffer per local SparseCore: peak {peak} of {per_sc} slots");
-        assert!(found.contains(&caption), "no text node {caption:?} in {found:?}");
+        assert!(
+            found.contains(&caption),
+            "no text node {caption:?} in {found:?}"
+        );
     }
     // A config measured on this data has exactly the limits the input order needs; `measured`
     // doubled them.
     for name in &stacks {
         let (ids, uniq) = table_limits(&config, name);
-        assert_eq!((ids, uniq), (2 * b.stacks[*name].max_ids() as u64, 2 * b.stacks[*name].max_unique_ids() as u64));
+        assert_eq!(
+            (ids, uniq),
+            (
+                2 * b.stacks[*name].max_ids() as u64,
+                2 * b.stacks[*name].max_unique_ids() as u64
+            )
+        );
     }
 
     // Rendered, the picture is not blank.
     let size = tree.size().to_int_size();
-    assert_eq!((size.width(), size.height()), (2 * 620, 100 + 3 * (300 + 190)));
+    assert_eq!(
+        (size.width(), size.height()),
+        (2 * 620, 100 + 3 * (300 + 190))
+    );
     let mut pixmap = Pixmap::new(size.width(), size.height()).unwrap();
     resvg::render(&tree, Transform::default(), &mut pixmap.as_mut());
-    let pixels: Vec<[u8; 4]> = pixmap.pixels().iter().map(|p| [p.red(), p.green(), p.blue(), p.alpha()]).collect();
-    let background = pixels.iter().filter(|p| **p == [255, 255, 255, 255]).count();
+    let pixels: Vec<[u8; 4]> = pixmap
+        .pixels()
+        .iter()
+        .map(|p| [p.red(), p.green(), p.blue(), p.alpha()])
+        .collect();
+    let background = pixels
+        .iter()
+        .filter(|p| **p == [255, 255, 255, 255])
+        .count();
     let inked = pixels.len() - background;
-    assert!(inked * 100 > 10 * pixels.len(), "only {inked} of {} pixels are not white", pixels.len());
+    assert!(
+        inked * 100 > 10 * pixels.len(),
+        "only {inked} of {} pixels are not white",
+        pixels.len()
+    );
     let mut colours: Vec<[u8; 4]> = pixels.clone();
     colours.sort();
     colours.dedup();
     assert!(colours.len() > 20, "only {} colours", colours.len());
     // The bars of each quantity (ids blue, unique ids orange, buffer green), each a solid area.
-    for (what, rgb) in [("max ids", [31, 119, 180]), ("max unique ids", [255, 127, 14]), ("buffer", [44, 160, 44])] {
+    for (what, rgb) in [
+        ("max ids", [31, 119, 180]),
+        ("max unique ids", [255, 127, 14]),
+        ("buffer", [44, 160, 44]),
+    ] {
         let n = pixels.iter().filter(|p| p[..3] == rgb).count();
-        assert!(n > 10_000, "{what}: only {n} pixels of its bar colour {rgb:?}");
+        assert!(
+            n > 10_000,
+            "{what}: only {n} pixels of its bar colour {rgb:?}"
+        );
     }
 }
 
@@ -180,7 +303,17 @@ fn html_has_the_picture_and_the_numbers() {
     let dir = TempDir::new("report-html");
     let (cfg, before, after) = measured(&dir);
     let out = dir.join("report.html");
-    ok(&["report", "--stats", s(&before), "--stats", s(&after), "--config", s(&cfg), "--out", s(&out)]);
+    ok(&[
+        "report",
+        "--stats",
+        s(&before),
+        "--stats",
+        s(&after),
+        "--config",
+        s(&cfg),
+        "--out",
+        s(&out),
+    ]);
     let page = std::fs::read_to_string(&out).unwrap();
     assert!(page.starts_with("<!DOCTYPE html>"), "{}", &page[..80]);
     assert_eq!(page.matches("<svg").count(), 1);
@@ -190,7 +323,12 @@ fn html_has_the_picture_and_the_numbers() {
         let stats = FdoStats::from_path(path).unwrap();
         for (name, st) in &stats.stacks {
             let (ids, uniq) = table_limits(&config, name);
-            let t = config["tables"].as_array().unwrap().iter().find(|t| t["name"] == name.as_str()).unwrap();
+            let t = config["tables"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|t| t["name"] == name.as_str())
+                .unwrap();
             let per_sc = t["suggested_coo_buffer_size_per_device"].as_u64().unwrap() / 4;
             let row = format!(
                 "<tr><td>{name}</td><td>{label}</td><td>{}</td><td>{ids}</td><td>{}</td><td>{uniq}</td><td>{}</td><td>{per_sc}</td><td>{}</td></tr>",
@@ -200,8 +338,15 @@ fn html_has_the_picture_and_the_numbers() {
                 st.dropped_id_count
             );
             assert!(page.contains(&row), "no row {row:?}");
-            let cells: String = st.max_ids_per_partition.iter().map(|v| format!("<td>{v}</td>")).collect();
-            assert!(page.contains(&format!("<tr><td>max_ids_per_partition</td>{cells}</tr>")), "{name} {label}: no cell row");
+            let cells: String = st
+                .max_ids_per_partition
+                .iter()
+                .map(|v| format!("<td>{v}</td>"))
+                .collect();
+            assert!(
+                page.contains(&format!("<tr><td>max_ids_per_partition</td>{cells}</tr>")),
+                "{name} {label}: no cell row"
+            );
         }
     }
 
@@ -212,9 +357,17 @@ fn html_has_the_picture_and_the_numbers() {
     assert!(svg.contains("\n(no --config: limits not drawn)\n"));
     for st in FdoStats::from_path(&before).unwrap().stacks.values() {
         let peak = st.required_buffer_size_per_sc.iter().max().unwrap();
-        assert!(svg.contains(&format!("\nCOO buffer per local SparseCore: peak {peak} slots\n")), "{peak}");
+        assert!(
+            svg.contains(&format!(
+                "\nCOO buffer per local SparseCore: peak {peak} slots\n"
+            )),
+            "{peak}"
+        );
     }
-    assert!(!svg.contains("max_ids_per_partition limit"), "a limit in the legend without a config");
+    assert!(
+        !svg.contains("max_ids_per_partition limit"),
+        "a limit in the legend without a config"
+    );
 }
 
 #[test]
@@ -275,7 +428,16 @@ fn bad_invocations_fail_with_one_line_and_write_nothing() {
     ];
     for (args, want) in cases {
         let e = fails(&args);
-        assert!(e.contains(&want), "`{}`: {e:?} does not contain {want:?}", args.join(" "));
-        assert!(listing(&outdir).is_empty(), "`{}` wrote {:?}", args.join(" "), listing(&outdir));
+        assert!(
+            e.contains(&want),
+            "`{}`: {e:?} does not contain {want:?}",
+            args.join(" ")
+        );
+        assert!(
+            listing(&outdir).is_empty(),
+            "`{}` wrote {:?}",
+            args.join(" "),
+            listing(&outdir)
+        );
     }
 }

@@ -17,7 +17,17 @@ fn fraction_after(text: &str, label: &str) -> Option<(u64, u64)> {
 fn soak_short() {
     let minutes = std::env::var("SPARSECORE_SOAK_MINUTES").unwrap_or_else(|_| "0.08".into());
     let out = Command::new(env!("CARGO_BIN_EXE_sparsecore-prep"))
-        .args(["soak", "--minutes", &minutes, "--seed", "7", "--threads", "2", "--check-every", "3"])
+        .args([
+            "soak",
+            "--minutes",
+            &minutes,
+            "--seed",
+            "7",
+            "--threads",
+            "2",
+            "--check-every",
+            "3",
+        ])
         .output()
         .expect("the binary runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -26,5 +36,8 @@ fn soak_short() {
     assert!(out.status.success(), "soak failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("soak: OK"), "{stdout}");
     let (passed, checks) = fraction_after(&stdout, "checks passed").expect("a checks line");
-    assert!(checks >= 10 && passed == checks, "checks passed {passed}/{checks}");
+    assert!(
+        checks >= 10 && passed == checks,
+        "checks passed {passed}/{checks}"
+    );
 }

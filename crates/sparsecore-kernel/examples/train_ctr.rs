@@ -32,7 +32,10 @@ use std::time::Instant;
 
 use arrow_array::{Array, ArrayRef, Float32Array, Int64Array, ListArray, RecordBatch};
 use ndarray::{Array1, Array2, ArrayView2, Axis};
-use sparsecore_kernel::{apply_gradients, feature_activations, sparse_dense_matmul, stack_feature_gradients, KernelError, Optimizer, Result, Slots, StackedTable, Subject};
+use sparsecore_kernel::{
+    apply_gradients, feature_activations, sparse_dense_matmul, stack_feature_gradients,
+    KernelError, Optimizer, Result, Slots, StackedTable, Subject,
+};
 use sparsecore_prep::spec::Plan;
 use sparsecore_prep::{Config, Error, Output, Preprocessor};
 use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
@@ -132,7 +135,10 @@ fn list_ids(column: &ListArray, row: usize) -> Vec<i64> {
     if let Some(v) = values.as_any().downcast_ref::<Int64Array>() {
         v.values().to_vec()
     } else {
-        let v = values.as_any().downcast_ref::<arrow_array::Int32Array>().expect("Int32 or Int64 ids");
+        let v = values
+            .as_any()
+            .downcast_ref::<arrow_array::Int32Array>()
+            .expect("Int32 or Int64 ids");
         v.values().iter().map(|&x| x as i64).collect()
     }
 }
@@ -146,14 +152,20 @@ pub fn dataset(settings: &Settings) -> Result<Dataset> {
     let workload = generate(&spec)?;
     let mut config = workload.config.clone();
     if settings.features == 0 || settings.features > config.features.len() {
-        return Err(KernelError::parameter("features", settings.features, format!("between 1 and {}", config.features.len())));
+        return Err(KernelError::parameter(
+            "features",
+            settings.features,
+            format!("between 1 and {}", config.features.len()),
+        ));
     }
     // Criteo's feature i reads table i: keep the first `features` of both.
     config.features.truncate(settings.features);
     config.tables.truncate(settings.features);
     let dim = config.tables[0].embedding_dim as usize;
     // The planted model: z*(t, id) = ⟨e*(t, id), w*⟩, e* and w* uniform with unit variance.
-    let w_star: Vec<f64> = (0..dim).map(|c| sym(key(settings.seed, 1, 0, c as u64)) * 3f64.sqrt()).collect();
+    let w_star: Vec<f64> = (0..dim)
+        .map(|c| sym(key(settings.seed, 1, 0, c as u64)) * 3f64.sqrt())
+        .collect();
     let z_star: Vec<Vec<f64>> = config
         .tables
         .iter()
@@ -162,7 +174,10 @@ pub fn dataset(settings: &Settings) -> Result<Dataset> {
             (0..table.vocabulary_size)
                 .map(|id| {
                     let salt = key(settings.seed, 2, t as u64, id);
-                    (0..dim).map(|c| sym(splitmix(salt ^ c as u64)) * 3f64.sqrt() * w_star[c]).sum::<f64>() / (dim as f64).sqrt()
+                    (0..dim)
+                        .map(|c| sym(splitmix(salt ^ c as u64)) * 3f64.sqrt() * w_star[c])
+                        .sum::<f64>()
+                        / (dim as f64).sqrt()
                 })
                 .collect()
         })
@@ -175,18 +190,34 @@ pub fn dataset(settings: &Settings) -> Result<Dataset> {
             let columns: Vec<&ListArray> = config
                 .features
                 .iter()
-                .map(|f| batch.column_by_name(f.column_name()).and_then(|c| c.as_any().downcast_ref::<ListArray>()).expect("list column"))
+                .map(|f| {
+                    batch
+                        .column_by_name(f.column_name())
+                        .and_then(|c| c.as_any().downcast_ref::<ListArray>())
+                        .expect("list column")
+                })
                 .collect();
             (0..batch.num_rows())
                 .map(|r| {
-                    columns.iter().enumerate().map(|(t, col)| list_ids(col, r).iter().map(|&id| z_star[t][id as usize]).sum::<f64>()).sum()
+                    columns
+                        .iter()
+                        .enumerate()
+                        .map(|(t, col)| {
+                            list_ids(col, r)
+                                .iter()
+                                .map(|&id| z_star[t][id as usize])
+                                .sum::<f64>()
+                        })
+                        .sum()
                 })
                 .collect()
         })
         .collect();
     let all: Vec<f64> = raw.iter().flatten().copied().collect();
     let mean = all.iter().sum::<f64>() / all.len() as f64;
-    let std = (all.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / all.len() as f64).sqrt().max(1e-12);
+    let std = (all.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / all.len() as f64)
+        .sqrt()
+        .max(1e-12);
     let alpha = settings.logit_std / std;
     let mut positives = 0usize;
     let mut batches = Vec::with_capacity(workload.batches.len());
@@ -200,18 +231,40 @@ pub fn dataset(settings: &Settings) -> Result<Dataset> {
             })
             .collect();
         positives += labels.iter().filter(|&&y| y == 1.0).count();
-        let mut columns: Vec<(String, ArrayRef)> =
-            batch.schema().fields().iter().zip(batch.columns()).map(|(f, c)| (f.name().clone(), c.clone())).collect();
+        let mut columns: Vec<(String, ArrayRef)> = batch
+            .schema()
+            .fields()
+            .iter()
+            .zip(batch.columns())
+            .map(|(f, c)| (f.name().clone(), c.clone()))
+            .collect();
         columns.push(("label".to_string(), Arc::new(Float32Array::from(labels))));
         batches.push(
-            RecordBatch::try_from_iter(columns).map_err(|source| Error::Arrow { context: "adding the label column".into(), source })?,
+            RecordBatch::try_from_iter(columns).map_err(|source| Error::Arrow {
+                context: "adding the label column".into(),
+                source,
+            })?,
         );
     }
     let heldout = batches.split_off(settings.train_batches);
-    let planted: Vec<f32> = raw[settings.train_batches..].iter().flatten().map(|&x| x as f32).collect();
-    let heldout_labels: Vec<f32> = heldout.iter().map(|b| labels(b).map(|y| y.to_vec())).collect::<Result<Vec<_>>>()?.concat();
+    let planted: Vec<f32> = raw[settings.train_batches..]
+        .iter()
+        .flatten()
+        .map(|&x| x as f32)
+        .collect();
+    let heldout_labels: Vec<f32> = heldout
+        .iter()
+        .map(|b| labels(b).map(|y| y.to_vec()))
+        .collect::<Result<Vec<_>>>()?
+        .concat();
     let planted_heldout_auc = auc(&planted, &heldout_labels);
-    Ok(Dataset { config, train: batches, heldout, positive_rate: positives as f64 / all.len() as f64, planted_heldout_auc })
+    Ok(Dataset {
+        config,
+        train: batches,
+        heldout,
+        positive_rate: positives as f64 / all.len() as f64,
+        planted_heldout_auc,
+    })
 }
 
 /// The model: one stacked table (and Adagrad slots) per stack, and the head.
@@ -235,9 +288,10 @@ impl Model {
                 .iter()
                 .map(|&t| {
                     let tc = &config.tables[t];
-                    Array2::from_shape_fn((tc.vocabulary_size as usize, tc.embedding_dim as usize), |(r, c)| {
-                        0.05 * sym(key(seed, 4, t as u64, (r * 1024 + c) as u64)) as f32
-                    })
+                    Array2::from_shape_fn(
+                        (tc.vocabulary_size as usize, tc.embedding_dim as usize),
+                        |(r, c)| 0.05 * sym(key(seed, 4, t as u64, (r * 1024 + c) as u64)) as f32,
+                    )
                 })
                 .collect();
             let views: Vec<ArrayView2<'_, f32>> = members.iter().map(|m| m.view()).collect();
@@ -249,10 +303,24 @@ impl Model {
             .features
             .iter()
             .enumerate()
-            .map(|(f, fp)| Array1::from_shape_fn(fp.embedding_dim as usize, |c| 0.1 * sym(key(seed, 5, f as u64, c as u64)) as f32))
+            .map(|(f, fp)| {
+                Array1::from_shape_fn(fp.embedding_dim as usize, |c| {
+                    0.1 * sym(key(seed, 5, f as u64, c as u64)) as f32
+                })
+            })
             .collect::<Vec<_>>();
-        let head_acc = head.iter().map(|h| Array1::from_elem(h.len(), optimizer.slot_inits()[0])).collect();
-        Ok(Model { tables, slots, head, head_acc, bias: 0.0, bias_acc: optimizer.slot_inits()[0] })
+        let head_acc = head
+            .iter()
+            .map(|h| Array1::from_elem(h.len(), optimizer.slot_inits()[0]))
+            .collect();
+        Ok(Model {
+            tables,
+            slots,
+            head,
+            head_acc,
+            bias: 0.0,
+            bias_acc: optimizer.slot_inits()[0],
+        })
     }
 
     /// Forward pass: per feature its activations `[B, dim]` (layout 1/1/S: device 0, rows in
@@ -265,7 +333,10 @@ impl Model {
                 acts[f] = Some(feature_activations(plan, f, device[0].view())?);
             }
         }
-        let acts: Vec<Array2<f32>> = acts.into_iter().map(|a| a.expect("every feature is in a stack")).collect();
+        let acts: Vec<Array2<f32>> = acts
+            .into_iter()
+            .map(|a| a.expect("every feature is in a stack"))
+            .collect();
         let mut logits = Array1::from_elem(acts[0].nrows(), self.bias);
         for (a, v) in acts.iter().zip(&self.head) {
             logits += &a.dot(v);
@@ -325,14 +396,28 @@ pub fn auc(scores: &[f32], labels: &[f32]) -> f64 {
 }
 
 /// Trains on `data`, calling `on_epoch` after each epoch.
-pub fn train(settings: &Settings, data: &Dataset, mut on_epoch: impl FnMut(&EpochReport)) -> Result<Vec<EpochReport>> {
+pub fn train(
+    settings: &Settings,
+    data: &Dataset,
+    mut on_epoch: impl FnMut(&EpochReport),
+) -> Result<Vec<EpochReport>> {
     let mut prep = Preprocessor::new(data.config.clone())?;
-    let plan = prep.plan_for(&vec![settings.batch_size; data.config.features.len()])?.clone();
+    let plan = prep
+        .plan_for(&vec![settings.batch_size; data.config.features.len()])?
+        .clone();
     if plan.layout.local_devices != 1 || plan.layout.global_devices != 1 {
-        return Err(KernelError::parameter("layout", "L/G", "this example trains on one device"));
+        return Err(KernelError::parameter(
+            "layout",
+            "L/G",
+            "this example trains on one device",
+        ));
     }
-    let emb_opt = Optimizer::Adagrad { lr: settings.embedding_lr };
-    let head_opt = Optimizer::Adagrad { lr: settings.head_lr };
+    let emb_opt = Optimizer::Adagrad {
+        lr: settings.embedding_lr,
+    };
+    let head_opt = Optimizer::Adagrad {
+        lr: settings.head_lr,
+    };
     let mut model = Model::new(&plan, &data.config, &emb_opt, settings.seed)?;
     let mut out = Output::new();
     let mut reports = Vec::new();
@@ -345,24 +430,52 @@ pub fn train(settings: &Settings, data: &Dataset, mut on_epoch: impl FnMut(&Epoc
             loss_sum += log_loss(&logits, &y);
             // d(Σ loss)/d logit = σ(z) − y, per sample (the sum over the batch, so that a row's
             // gradient adds up over the samples that use it).
-            let dz: Array1<f32> = logits.iter().zip(&y).map(|(&z, &y)| 1.0 / (1.0 + (-z).exp()) - y).collect();
+            let dz: Array1<f32> = logits
+                .iter()
+                .zip(&y)
+                .map(|(&z, &y)| 1.0 / (1.0 + (-z).exp()) - y)
+                .collect();
             let dz_col = dz.view().insert_axis(Axis(1));
             // Back through the head into every stack's device layout, then Adagrad on the rows.
             for (s, stack) in plan.stacks.iter().enumerate() {
-                let grads: Vec<(usize, Array2<f32>)> =
-                    stack.features.iter().map(|&f| (f, &dz_col * &model.head[f].view().insert_axis(Axis(0)))).collect();
-                let views: Vec<(usize, ArrayView2<'_, f32>)> = grads.iter().map(|(f, g)| (*f, g.view())).collect();
+                let grads: Vec<(usize, Array2<f32>)> = stack
+                    .features
+                    .iter()
+                    .map(|&f| (f, &dz_col * &model.head[f].view().insert_axis(Axis(0))))
+                    .collect();
+                let views: Vec<(usize, ArrayView2<'_, f32>)> =
+                    grads.iter().map(|(f, g)| (*f, g.view())).collect();
                 let device_grad = stack_feature_gradients(&plan, &stack.name, &views)?;
-                apply_gradients(&plan, &out.stacks[s], out.num_minibatches, &[device_grad.view()], &emb_opt, &mut model.tables[s], &mut model.slots[s])?;
+                apply_gradients(
+                    &plan,
+                    &out.stacks[s],
+                    out.num_minibatches,
+                    &[device_grad.view()],
+                    &emb_opt,
+                    &mut model.tables[s],
+                    &mut model.slots[s],
+                )?;
             }
             // The head's own step, mean gradient over the batch.
             let n = y.len() as f32;
-            for ((a, v), acc) in acts.iter().zip(model.head.iter_mut()).zip(model.head_acc.iter_mut()) {
+            for ((a, v), acc) in acts
+                .iter()
+                .zip(model.head.iter_mut())
+                .zip(model.head_acc.iter_mut())
+            {
                 let g = a.t().dot(&dz) / n;
-                head_opt.apply(g.as_slice().expect("contiguous"), v.as_slice_mut().expect("contiguous"), &mut [acc.as_slice_mut().expect("contiguous")]);
+                head_opt.apply(
+                    g.as_slice().expect("contiguous"),
+                    v.as_slice_mut().expect("contiguous"),
+                    &mut [acc.as_slice_mut().expect("contiguous")],
+                );
             }
             let gb = [dz.sum() / n];
-            head_opt.apply(&gb, std::slice::from_mut(&mut model.bias), &mut [std::slice::from_mut(&mut model.bias_acc)]);
+            head_opt.apply(
+                &gb,
+                std::slice::from_mut(&mut model.bias),
+                &mut [std::slice::from_mut(&mut model.bias_acc)],
+            );
         }
         // Held-out evaluation.
         let (mut scores, mut ys, mut heldout_loss) = (Vec::new(), Vec::new(), 0.0);
@@ -395,10 +508,18 @@ pub fn check(reports: &[EpochReport]) -> std::result::Result<(), String> {
     };
     let fall = 1.0 - last.train_loss / first.train_loss;
     if fall.is_nan() || fall < 0.10 {
-        return Err(format!("training loss fell by {:.1}% (from {:.4} to {:.4}), expected at least 10%", 100.0 * fall, first.train_loss, last.train_loss));
+        return Err(format!(
+            "training loss fell by {:.1}% (from {:.4} to {:.4}), expected at least 10%",
+            100.0 * fall,
+            first.train_loss,
+            last.train_loss
+        ));
     }
     if last.heldout_auc.is_nan() || last.heldout_auc < 0.70 {
-        return Err(format!("held-out AUC {:.4}, expected at least 0.70", last.heldout_auc));
+        return Err(format!(
+            "held-out AUC {:.4}, expected at least 0.70",
+            last.heldout_auc
+        ));
     }
     Ok(())
 }
@@ -445,7 +566,11 @@ fn main() -> ExitCode {
     match check(&reports) {
         Ok(()) => {
             let (f, l) = (reports[0], reports[reports.len() - 1]);
-            println!("ok: training loss fell {:.1}%, held-out AUC {:.4}", 100.0 * (1.0 - l.train_loss / f.train_loss), l.heldout_auc);
+            println!(
+                "ok: training loss fell {:.1}%, held-out AUC {:.4}",
+                100.0 * (1.0 - l.train_loss / f.train_loss),
+                l.heldout_auc
+            );
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -79,10 +79,21 @@ struct Geometry<'p> {
 /// Checks the buffers against the plan and walks the row pointers into segments, in buffer
 /// order (device, SparseCore, minibatch, partition), as [`crate::sparse_dense_matmul`] reads
 /// them; padding slots belong to no segment.
-fn geometry<'p>(plan: &'p Plan, b: &StackBuffers<'_>, num_minibatches: usize, table_dim: (usize, usize)) -> Result<Geometry<'p>> {
-    let sp = plan.stack(b.stack).ok_or_else(|| KernelError::plan(PlanItem::Stack, b.stack, "not in the plan"))?;
+fn geometry<'p>(
+    plan: &'p Plan,
+    b: &StackBuffers<'_>,
+    num_minibatches: usize,
+    table_dim: (usize, usize),
+) -> Result<Geometry<'p>> {
+    let sp = plan
+        .stack(b.stack)
+        .ok_or_else(|| KernelError::plan(PlanItem::Stack, b.stack, "not in the plan"))?;
     let layout = plan.layout;
-    let (n, s_count, l) = (layout.num_partitions(), layout.sc_per_device, layout.local_devices);
+    let (n, s_count, l) = (
+        layout.num_partitions(),
+        layout.sc_per_device,
+        layout.local_devices,
+    );
     let rows = sp.stack_vocab_size as usize / n;
     let dim = sp.stack_embedding_dim as usize;
     if table_dim != (n * rows, dim) {
@@ -93,7 +104,11 @@ fn geometry<'p>(plan: &'p Plan, b: &StackBuffers<'_>, num_minibatches: usize, ta
         ));
     }
     let (rp_len, c) = (sp.row_pointers_per_device, sp.coo_buffer_size_per_device);
-    if c == 0 || b.row_pointers.len() != l * rp_len || [b.embedding_ids.len(), b.sample_ids.len(), b.gains.len()].iter().any(|&x| x != l * c)
+    if c == 0
+        || b.row_pointers.len() != l * rp_len
+        || [b.embedding_ids.len(), b.sample_ids.len(), b.gains.len()]
+            .iter()
+            .any(|&x| x != l * c)
     {
         return Err(KernelError::input(
             Subject::Stack(sp.name.clone()),
@@ -112,14 +127,33 @@ fn geometry<'p>(plan: &'p Plan, b: &StackBuffers<'_>, num_minibatches: usize, ta
     let bsps = bsd / s_count;
     let mut segments = Vec::with_capacity(l * s_count * n);
     for d in 0..l {
-        for_each_segment(plan, num_minibatches, &b.row_pointers[d * rp_len..(d + 1) * rp_len], c, |sc, partition, start, end| {
-            if start < end {
-                segments.push(Segment { device: d, sc, partition, lo: d * c + start, hi: d * c + end });
-            }
-            Ok(())
-        })?;
+        for_each_segment(
+            plan,
+            num_minibatches,
+            &b.row_pointers[d * rp_len..(d + 1) * rp_len],
+            c,
+            |sc, partition, start, end| {
+                if start < end {
+                    segments.push(Segment {
+                        device: d,
+                        sc,
+                        partition,
+                        lo: d * c + start,
+                        hi: d * c + end,
+                    });
+                }
+                Ok(())
+            },
+        )?;
     }
-    Ok(Geometry { sp, bsps, bsd, rows, dim, segments })
+    Ok(Geometry {
+        sp,
+        bsps,
+        bsd,
+        rows,
+        dim,
+        segments,
+    })
 }
 
 impl Geometry<'_> {
@@ -130,12 +164,22 @@ impl Geometry<'_> {
         if e < 0 || e as usize >= self.rows {
             KernelError::input(
                 Subject::Stack(self.sp.name.clone()),
-                format!("embedding id {e} at device {} slot {} is outside the shard of {} rows", s.device, i - s.device * c, self.rows),
+                format!(
+                    "embedding id {e} at device {} slot {} is outside the shard of {} rows",
+                    s.device,
+                    i - s.device * c,
+                    self.rows
+                ),
             )
         } else {
             KernelError::input(
                 Subject::Stack(self.sp.name.clone()),
-                format!("sample id {smp} at device {} slot {} is outside the {} samples", s.device, i - s.device * c, self.bsps),
+                format!(
+                    "sample id {smp} at device {} slot {} is outside the {} samples",
+                    s.device,
+                    i - s.device * c,
+                    self.bsps
+                ),
             )
         }
     }
@@ -156,7 +200,11 @@ fn prefetch_row(shard: &[f32], e: usize, dim: usize) {
         while k < dim {
             // SAFETY: PREFETCHT0 is a hint that never faults and reads nothing into the program,
             // whatever the address; SSE, which it needs, is part of the x86_64 baseline.
-            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(base.wrapping_add(k) as *const i8) };
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    base.wrapping_add(k) as *const i8,
+                )
+            };
             k += 16; // one 64-byte cache line of f32s
         }
     }
@@ -200,7 +248,12 @@ fn axpy_any(y: &mut [f32], x: &[f32], a: f32) {
 }
 
 fn contiguous<'a>(what: &str, stack: &str, a: &'a ArrayView2<'_, f32>) -> Result<&'a [f32]> {
-    a.as_slice().ok_or_else(|| KernelError::input(Subject::Stack(stack.to_string()), format!("{what} must be a C-contiguous (row-major) array")))
+    a.as_slice().ok_or_else(|| {
+        KernelError::input(
+            Subject::Stack(stack.to_string()),
+            format!("{what} must be a C-contiguous (row-major) array"),
+        )
+    })
 }
 
 /// The forward pass of one stack into `activations` (`[L · bsd, D]`, device-major, overwritten):
@@ -217,45 +270,69 @@ pub fn sparse_dense_matmul_into(
     mut activations: ArrayViewMut2<'_, f32>,
 ) -> Result<()> {
     let geo = geometry(plan, buffers, num_minibatches, table.dim())?;
-    let (l, s_count, dim, bsps) = (plan.layout.local_devices, plan.layout.sc_per_device, geo.dim, geo.bsps);
+    let (l, s_count, dim, bsps) = (
+        plan.layout.local_devices,
+        plan.layout.sc_per_device,
+        geo.dim,
+        geo.bsps,
+    );
     if activations.dim() != (l * geo.bsd, dim) {
         return Err(KernelError::input(
             Subject::Stack(geo.sp.name.clone()),
-            format!("activations of shape {:?}, expected [L · bsd, D] = [{}, {dim}]", activations.dim(), l * geo.bsd),
+            format!(
+                "activations of shape {:?}, expected [L · bsd, D] = [{}, {dim}]",
+                activations.dim(),
+                l * geo.bsd
+            ),
         ));
     }
     let t = contiguous("the table", &geo.sp.name, &table)?;
-    let out = activations.as_slice_mut().ok_or_else(|| KernelError::input(Subject::Stack(geo.sp.name.clone()), "activations must be C-contiguous"))?;
+    let out = activations.as_slice_mut().ok_or_else(|| {
+        KernelError::input(
+            Subject::Stack(geo.sp.name.clone()),
+            "activations must be C-contiguous",
+        )
+    })?;
     if dim == 0 || bsps == 0 {
         out.fill(0.0);
         return Ok(());
     }
     let rows = geo.rows;
     // One chunk per (device, SparseCore): `bsps` activation rows that no other chunk writes.
-    out.par_chunks_mut(bsps * dim).enumerate().try_for_each(|(unit, chunk)| {
-        let (d, sc) = (unit / s_count, unit % s_count);
-        // Zeroed here, by the thread that accumulates into it next.
-        chunk.fill(0.0);
-        for s in geo.segments.iter().filter(|s| s.device == d && s.sc == sc) {
-            let shard = &t[s.partition * rows * dim..(s.partition + 1) * rows * dim];
-            for i in s.lo..s.hi {
-                // The table rows are the random reads of this loop (ids are sorted within a
-                // partition, but sparse over a large table): ask for a row a few slots ahead,
-                // so that several misses are in flight instead of one.
-                if let Some(&ahead) = buffers.embedding_ids.get(i + PREFETCH_SLOTS).filter(|_| i + PREFETCH_SLOTS < s.hi) {
-                    prefetch_row(shard, ahead as usize, dim);
+    out.par_chunks_mut(bsps * dim)
+        .enumerate()
+        .try_for_each(|(unit, chunk)| {
+            let (d, sc) = (unit / s_count, unit % s_count);
+            // Zeroed here, by the thread that accumulates into it next.
+            chunk.fill(0.0);
+            for s in geo.segments.iter().filter(|s| s.device == d && s.sc == sc) {
+                let shard = &t[s.partition * rows * dim..(s.partition + 1) * rows * dim];
+                for i in s.lo..s.hi {
+                    // The table rows are the random reads of this loop (ids are sorted within a
+                    // partition, but sparse over a large table): ask for a row a few slots ahead,
+                    // so that several misses are in flight instead of one.
+                    if let Some(&ahead) = buffers
+                        .embedding_ids
+                        .get(i + PREFETCH_SLOTS)
+                        .filter(|_| i + PREFETCH_SLOTS < s.hi)
+                    {
+                        prefetch_row(shard, ahead as usize, dim);
+                    }
+                    let (e, smp, gain) = (
+                        buffers.embedding_ids[i],
+                        buffers.sample_ids[i],
+                        buffers.gains[i],
+                    );
+                    if e < 0 || e as usize >= rows || smp < 0 || smp as usize >= bsps {
+                        return Err(geo.bad_slot(buffers, s, i));
+                    }
+                    let src = &shard[e as usize * dim..(e as usize + 1) * dim];
+                    let dst = &mut chunk[smp as usize * dim..(smp as usize + 1) * dim];
+                    axpy(dst, src, gain);
                 }
-                let (e, smp, gain) = (buffers.embedding_ids[i], buffers.sample_ids[i], buffers.gains[i]);
-                if e < 0 || e as usize >= rows || smp < 0 || smp as usize >= bsps {
-                    return Err(geo.bad_slot(buffers, s, i));
-                }
-                let src = &shard[e as usize * dim..(e as usize + 1) * dim];
-                let dst = &mut chunk[smp as usize * dim..(smp as usize + 1) * dim];
-                axpy(dst, src, gain);
             }
-        }
-        Ok(())
-    })
+            Ok(())
+        })
 }
 
 /// One referenced slot of a shard: the in-shard row, the activation-gradient row, the gain.
@@ -291,7 +368,11 @@ pub fn apply_gradients_into(
     let stack = geo.sp.name.as_str();
     let (lo, hi) = limits;
     if lo.is_nan() || hi.is_nan() || lo > hi {
-        return Err(KernelError::parameter("embedding_var_limits", format!("({lo}, {hi})"), format!("stack `{stack}`: need min <= max, not NaN")));
+        return Err(KernelError::parameter(
+            "embedding_var_limits",
+            format!("({lo}, {hi})"),
+            format!("stack `{stack}`: need min <= max, not NaN"),
+        ));
     }
     let names = optimizer.slot_names();
     if slots.len() != names.len() || slots.iter().any(|s| s.dim() != table.dim()) {
@@ -333,7 +414,11 @@ pub fn apply_gradients_into(
                         return Err(geo.bad_slot(buffers, s, i));
                     }
                     let act_row = s.device * geo.bsd + s.sc * geo.bsps + smp as usize;
-                    v.push(Touch { row: e as u32, act_row: act_row as u32, gain: buffers.gains[i] });
+                    v.push(Touch {
+                        row: e as u32,
+                        act_row: act_row as u32,
+                        gain: buffers.gains[i],
+                    });
                 }
             }
             // Stable: a row's touches stay in buffer order, so its gradient sums as the
@@ -343,49 +428,67 @@ pub fn apply_gradients_into(
         })
         .collect::<Result<_>>()?;
     // Phase 2: per shard, each touched row's gradient, then the optimizer step.
-    let w = table.as_slice_mut().ok_or_else(|| KernelError::input(Subject::Stack(stack.to_string()), "the table must be C-contiguous"))?;
+    let w = table.as_slice_mut().ok_or_else(|| {
+        KernelError::input(
+            Subject::Stack(stack.to_string()),
+            "the table must be C-contiguous",
+        )
+    })?;
     let mut slot_slices = Vec::with_capacity(slots.len());
     for s in slots.iter_mut() {
-        slot_slices.push(s.as_slice_mut().ok_or_else(|| KernelError::input(Subject::Stack(stack.to_string()), "slot variables must be C-contiguous"))?);
+        slot_slices.push(s.as_slice_mut().ok_or_else(|| {
+            KernelError::input(
+                Subject::Stack(stack.to_string()),
+                "slot variables must be C-contiguous",
+            )
+        })?);
     }
     let shard_len = rows * dim;
-    let mut slot_shards: Vec<Vec<&mut [f32]>> = (0..n).map(|_| Vec::with_capacity(slot_slices.len())).collect();
+    let mut slot_shards: Vec<Vec<&mut [f32]>> = (0..n)
+        .map(|_| Vec::with_capacity(slot_slices.len()))
+        .collect();
     for s in slot_slices {
         for (p, chunk) in s.chunks_mut(shard_len).enumerate() {
             slot_shards[p].push(chunk);
         }
     }
-    w.par_chunks_mut(shard_len).zip(slot_shards.into_par_iter()).zip(touches.into_par_iter()).for_each(|((w, mut slot_shard), touches)| {
-        let mut g = vec![0f32; dim];
-        let mut k = 0;
-        while k < touches.len() {
-            let row = touches[k].row as usize;
-            g.fill(0.0);
-            while k < touches.len() && touches[k].row as usize == row {
-                let t = touches[k];
-                let src = &dact[t.act_row as usize * dim..(t.act_row as usize + 1) * dim];
-                axpy(&mut g, src, t.gain);
-                k += 1;
-            }
-            let range = row * dim..(row + 1) * dim;
-            let w_row = &mut w[range.clone()];
-            // No optimizer has more than two slots (checked against `slot_names` above); a
-            // match instead of a Vec spares an allocation per row.
-            match slot_shard.as_mut_slice() {
-                [] => optimizer.apply(&g, w_row, &mut []),
-                [a] => optimizer.apply(&g, w_row, &mut [&mut a[range]]),
-                [a, b] => optimizer.apply(&g, w_row, &mut [&mut a[range.clone()], &mut b[range]]),
-                more => {
-                    let mut rows: Vec<&mut [f32]> = more.iter_mut().map(|s| &mut s[range.clone()]).collect();
-                    optimizer.apply(&g, w_row, &mut rows)
+    w.par_chunks_mut(shard_len)
+        .zip(slot_shards.into_par_iter())
+        .zip(touches.into_par_iter())
+        .for_each(|((w, mut slot_shard), touches)| {
+            let mut g = vec![0f32; dim];
+            let mut k = 0;
+            while k < touches.len() {
+                let row = touches[k].row as usize;
+                g.fill(0.0);
+                while k < touches.len() && touches[k].row as usize == row {
+                    let t = touches[k];
+                    let src = &dact[t.act_row as usize * dim..(t.act_row as usize + 1) * dim];
+                    axpy(&mut g, src, t.gain);
+                    k += 1;
+                }
+                let range = row * dim..(row + 1) * dim;
+                let w_row = &mut w[range.clone()];
+                // No optimizer has more than two slots (checked against `slot_names` above); a
+                // match instead of a Vec spares an allocation per row.
+                match slot_shard.as_mut_slice() {
+                    [] => optimizer.apply(&g, w_row, &mut []),
+                    [a] => optimizer.apply(&g, w_row, &mut [&mut a[range]]),
+                    [a, b] => {
+                        optimizer.apply(&g, w_row, &mut [&mut a[range.clone()], &mut b[range]])
+                    }
+                    more => {
+                        let mut rows: Vec<&mut [f32]> =
+                            more.iter_mut().map(|s| &mut s[range.clone()]).collect();
+                        optimizer.apply(&g, w_row, &mut rows)
+                    }
+                }
+                if lo > f32::NEG_INFINITY || hi < f32::INFINITY {
+                    for x in w_row.iter_mut() {
+                        *x = x.clamp(lo, hi);
+                    }
                 }
             }
-            if lo > f32::NEG_INFINITY || hi < f32::INFINITY {
-                for x in w_row.iter_mut() {
-                    *x = x.clamp(lo, hi);
-                }
-            }
-        }
-    });
+        });
     Ok(())
 }

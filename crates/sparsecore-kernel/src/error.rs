@@ -89,7 +89,10 @@ impl KernelError {
     /// Wraps the error with context (a batch index, an update id), keeping its kind reachable
     /// through [`KernelError::root`].
     pub fn context(self, context: impl Into<String>) -> Self {
-        KernelError::Context { context: context.into(), source: Box::new(self) }
+        KernelError::Context {
+            context: context.into(),
+            source: Box::new(self),
+        }
     }
 
     /// The innermost error, below any [`KernelError::Context`] wrappers.
@@ -102,17 +105,32 @@ impl KernelError {
 
     /// A [`KernelError::InvalidInput`].
     pub fn input(subject: Subject, reason: impl Into<String>) -> Self {
-        KernelError::InvalidInput { subject, reason: reason.into() }
+        KernelError::InvalidInput {
+            subject,
+            reason: reason.into(),
+        }
     }
 
     /// A [`KernelError::Plan`].
     pub fn plan(kind: PlanItem, name: impl Into<String>, reason: impl Into<String>) -> Self {
-        KernelError::Plan { kind, name: name.into(), reason: reason.into() }
+        KernelError::Plan {
+            kind,
+            name: name.into(),
+            reason: reason.into(),
+        }
     }
 
     /// A [`KernelError::Parameter`].
-    pub fn parameter(name: &'static str, value: impl fmt::Display, reason: impl Into<String>) -> Self {
-        KernelError::Parameter { name, value: value.to_string(), reason: reason.into() }
+    pub fn parameter(
+        name: &'static str,
+        value: impl fmt::Display,
+        reason: impl Into<String>,
+    ) -> Self {
+        KernelError::Parameter {
+            name,
+            value: value.to_string(),
+            reason: reason.into(),
+        }
     }
 }
 
@@ -138,7 +156,10 @@ impl Subject {
     /// The name it carries (the argument's name; "host table" for a host table).
     pub fn name(&self) -> &str {
         match self {
-            Subject::Stack(n) | Subject::Feature(n) | Subject::DynamicTable(n) | Subject::Column(n) => n,
+            Subject::Stack(n)
+            | Subject::Feature(n)
+            | Subject::DynamicTable(n)
+            | Subject::Column(n) => n,
             Subject::HostTable => "host table",
             Subject::Argument(n) => n,
         }

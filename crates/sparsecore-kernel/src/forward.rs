@@ -5,8 +5,8 @@ use ndarray::{s, Array2, ArrayView2};
 
 use super::StackedTable;
 use crate::error::{KernelError, PlanItem, Result, Subject};
-use sparsecore_prep::StackOutput;
 use sparsecore_prep::spec::Plan;
+use sparsecore_prep::StackOutput;
 
 use crate::segments::for_each_segment;
 
@@ -20,10 +20,15 @@ pub(crate) fn for_each_slot(
     table: &StackedTable,
     mut f: impl FnMut(usize, usize, usize, usize, f32) -> Result<()>,
 ) -> Result<()> {
-    let sp = plan.stack(&out.name).ok_or_else(|| KernelError::plan(PlanItem::Stack, &out.name, "not in the plan"))?;
+    let sp = plan
+        .stack(&out.name)
+        .ok_or_else(|| KernelError::plan(PlanItem::Stack, &out.name, "not in the plan"))?;
     let layout = plan.layout;
     let (n, s_count) = (layout.num_partitions(), layout.sc_per_device);
-    if table.num_shards != n || table.dim != sp.stack_embedding_dim as usize || table.stack != sp.name {
+    if table.num_shards != n
+        || table.dim != sp.stack_embedding_dim as usize
+        || table.stack != sp.name
+    {
         return Err(KernelError::plan(
             PlanItem::Stack,
             &sp.name,
@@ -41,37 +46,56 @@ pub(crate) fn for_each_slot(
     let rp_len = out.row_pointers_per_device();
     if c == 0
         || out.row_pointers.len() != l * rp_len
-        || [out.embedding_ids.len(), out.sample_ids.len(), out.gains.len()].iter().any(|&n| n != l * c)
+        || [
+            out.embedding_ids.len(),
+            out.sample_ids.len(),
+            out.gains.len(),
+        ]
+        .iter()
+        .any(|&n| n != l * c)
     {
-        return Err(KernelError::input(Subject::Stack(sp.name.clone()), "the output has no buffers of the plan's sizes (a stats-only run?)"));
+        return Err(KernelError::input(
+            Subject::Stack(sp.name.clone()),
+            "the output has no buffers of the plan's sizes (a stats-only run?)",
+        ));
     }
     for d in 0..layout.local_devices {
         let emb = &out.embedding_ids[d * c..(d + 1) * c];
         let smp = &out.sample_ids[d * c..(d + 1) * c];
         let gains = &out.gains[d * c..(d + 1) * c];
-        for_each_segment(plan, num_minibatches, &out.row_pointers[d * rp_len..(d + 1) * rp_len], c, |sc, p, start, end| {
-            for i in start..end {
-                let (e, smp_id) = (emb[i], smp[i]);
-                if e < 0 || e as usize >= table.rows_per_shard {
-                    return Err(KernelError::input(
+        for_each_segment(
+            plan,
+            num_minibatches,
+            &out.row_pointers[d * rp_len..(d + 1) * rp_len],
+            c,
+            |sc, p, start, end| {
+                for i in start..end {
+                    let (e, smp_id) = (emb[i], smp[i]);
+                    if e < 0 || e as usize >= table.rows_per_shard {
+                        return Err(KernelError::input(
                         Subject::Stack(sp.name.clone()),
                         format!("embedding id {e} at device {d} slot {i} is outside the shard of {} rows", table.rows_per_shard),
                     ));
+                    }
+                    if smp_id < 0 || smp_id as usize >= bsps {
+                        return Err(KernelError::input(Subject::Stack(sp.name.clone()), format!("sample id {smp_id} at device {d} slot {i} is outside the {bsps} samples")));
+                    }
+                    f(d, sc * bsps + smp_id as usize, p, e as usize, gains[i])?;
                 }
-                if smp_id < 0 || smp_id as usize >= bsps {
-                    return Err(KernelError::input(Subject::Stack(sp.name.clone()), format!("sample id {smp_id} at device {d} slot {i} is outside the {bsps} samples")));
-                }
-                f(d, sc * bsps + smp_id as usize, p, e as usize, gains[i])?;
-            }
-            Ok(())
-        })?;
+                Ok(())
+            },
+        )?;
     }
     Ok(())
 }
 
 /// A table whose public fields were set by hand must still be the plan's `[N · R, D]`, with
 /// `R = stack_vocab_size / N`: otherwise reading a shard would slice out of bounds.
-pub(crate) fn check_table_shape(sp: &sparsecore_prep::spec::StackPlan, n: usize, table: &StackedTable) -> Result<()> {
+pub(crate) fn check_table_shape(
+    sp: &sparsecore_prep::spec::StackPlan,
+    n: usize,
+    table: &StackedTable,
+) -> Result<()> {
     let r = sp.stack_vocab_size as usize / n;
     let d = sp.stack_embedding_dim as usize;
     if table.rows_per_shard != r || table.data.dim() != (n * r, d) {
@@ -95,12 +119,23 @@ pub(crate) fn check_table_shape(sp: &sparsecore_prep::spec::StackPlan, n: usize,
 ///
 /// `num_minibatches` is [`crate::Output::num_minibatches`]; with minibatching enabled the row
 /// pointers are absolute and segments are (SparseCore, minibatch) pairs.
-pub fn sparse_dense_matmul(plan: &Plan, out: &StackOutput, num_minibatches: usize, table: &StackedTable) -> Result<Vec<Array2<f32>>> {
-    let sp = plan.stack(&out.name).ok_or_else(|| KernelError::plan(PlanItem::Stack, &out.name, "not in the plan"))?;
+pub fn sparse_dense_matmul(
+    plan: &Plan,
+    out: &StackOutput,
+    num_minibatches: usize,
+    table: &StackedTable,
+) -> Result<Vec<Array2<f32>>> {
+    let sp = plan
+        .stack(&out.name)
+        .ok_or_else(|| KernelError::plan(PlanItem::Stack, &out.name, "not in the plan"))?;
     let bsd = (sp.total_sample_count / plan.layout.global_devices as u64) as usize;
-    let mut acts: Vec<Array2<f32>> = (0..plan.layout.local_devices).map(|_| Array2::zeros((bsd, table.dim))).collect();
+    let mut acts: Vec<Array2<f32>> = (0..plan.layout.local_devices)
+        .map(|_| Array2::zeros((bsd, table.dim)))
+        .collect();
     for_each_slot(plan, out, num_minibatches, table, |d, row, p, e, gain| {
-        acts[d].row_mut(row).scaled_add(gain, &table.shard(p)?.row(e));
+        acts[d]
+            .row_mut(row)
+            .scaled_add(gain, &table.shard(p)?.row(e));
         Ok(())
     })?;
     Ok(acts)
@@ -109,8 +144,14 @@ pub fn sparse_dense_matmul(plan: &Plan, out: &StackOutput, num_minibatches: usiz
 /// One feature's activations from a device's stacked activations (the reference's
 /// `_get_activation_for_feature`): for each SparseCore, the feature's rows of its slice, and
 /// the table's own columns. Returns `[S · rows, dim]`.
-pub fn feature_activations(plan: &Plan, feature: usize, device_act: ArrayView2<'_, f32>) -> Result<Array2<f32>> {
-    let f = plan.features.get(feature).ok_or_else(|| KernelError::plan(PlanItem::Feature, feature.to_string(), "no such feature"))?;
+pub fn feature_activations(
+    plan: &Plan,
+    feature: usize,
+    device_act: ArrayView2<'_, f32>,
+) -> Result<Array2<f32>> {
+    let f = plan.features.get(feature).ok_or_else(|| {
+        KernelError::plan(PlanItem::Feature, feature.to_string(), "no such feature")
+    })?;
     let layout = plan.layout;
     let s_count = layout.sc_per_device;
     let per_sc = device_act.nrows() / s_count;
@@ -118,7 +159,11 @@ pub fn feature_activations(plan: &Plan, feature: usize, device_act: ArrayView2<'
     let rows = f.global_batch_size / layout.num_partitions();
     let dim = f.embedding_dim as usize;
     if base + rows > per_sc || dim > device_act.ncols() {
-        return Err(KernelError::plan(PlanItem::Feature, &f.name, "activations do not cover this feature"));
+        return Err(KernelError::plan(
+            PlanItem::Feature,
+            &f.name,
+            "activations do not cover this feature",
+        ));
     }
     let mut out = Array2::<f32>::zeros((s_count * rows, dim));
     for sc in 0..s_count {
@@ -144,8 +189,14 @@ pub fn feature_activations(plan: &Plan, feature: usize, device_act: ArrayView2<'
 ///
 /// Errors name the stack or the feature: a stack not in the plan, a feature index out of
 /// range or of another stack, a gradient of the wrong shape.
-pub fn stack_feature_gradients(plan: &Plan, stack: &str, feature_grads: &[(usize, ArrayView2<'_, f32>)]) -> Result<Array2<f32>> {
-    let sp = plan.stack(stack).ok_or_else(|| KernelError::plan(PlanItem::Stack, stack, "not in the plan"))?;
+pub fn stack_feature_gradients(
+    plan: &Plan,
+    stack: &str,
+    feature_grads: &[(usize, ArrayView2<'_, f32>)],
+) -> Result<Array2<f32>> {
+    let sp = plan
+        .stack(stack)
+        .ok_or_else(|| KernelError::plan(PlanItem::Stack, stack, "not in the plan"))?;
     let layout = plan.layout;
     let s_count = layout.sc_per_device;
     let n = layout.num_partitions();
@@ -154,10 +205,16 @@ pub fn stack_feature_gradients(plan: &Plan, stack: &str, feature_grads: &[(usize
     let stack_dim = sp.stack_embedding_dim as usize;
     let mut out = Array2::<f32>::zeros((bsd, stack_dim));
     for (feature, grad) in feature_grads {
-        let f = plan.features.get(*feature).ok_or_else(|| KernelError::plan(PlanItem::Feature, feature.to_string(), "no such feature"))?;
+        let f = plan.features.get(*feature).ok_or_else(|| {
+            KernelError::plan(PlanItem::Feature, feature.to_string(), "no such feature")
+        })?;
         if !sp.features.contains(feature) {
             let other = plan.stacks.get(f.stack).map_or("?", |s| s.name.as_str());
-            return Err(KernelError::plan(PlanItem::Feature, &f.name, format!("belongs to stack `{other}`, not `{stack}`")));
+            return Err(KernelError::plan(
+                PlanItem::Feature,
+                &f.name,
+                format!("belongs to stack `{other}`, not `{stack}`"),
+            ));
         }
         let base = (f.row_offset / n as u64) as usize;
         let rows = f.global_batch_size / n;
@@ -169,7 +226,11 @@ pub fn stack_feature_gradients(plan: &Plan, stack: &str, feature_grads: &[(usize
             ));
         }
         if base + rows > per_sc || dim > stack_dim {
-            return Err(KernelError::plan(PlanItem::Feature, &f.name, format!("does not fit the activations of stack `{stack}`")));
+            return Err(KernelError::plan(
+                PlanItem::Feature,
+                &f.name,
+                format!("does not fit the activations of stack `{stack}`"),
+            ));
         }
         for sc in 0..s_count {
             let mut dst = out.slice_mut(s![sc * per_sc + base..sc * per_sc + base + rows, ..dim]);

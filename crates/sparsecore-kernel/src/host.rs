@@ -32,15 +32,26 @@ pub struct PartitionedTable {
 
 impl PartitionedTable {
     /// Splits `table` and `slots` (same shape as `table`) over `replicas` replicas.
-    pub fn new<'a>(table: ArrayView2<'a, f32>, slots: &'a Slots, partition: Partition, replicas: usize) -> Result<Self> {
+    pub fn new<'a>(
+        table: ArrayView2<'a, f32>,
+        slots: &'a Slots,
+        partition: Partition,
+        replicas: usize,
+    ) -> Result<Self> {
         if replicas == 0 {
             return Err(KernelError::parameter("replicas", 0, "must be at least 1"));
         }
         if slots.values.iter().any(|s| s.dim() != table.dim()) {
-            return Err(KernelError::parameter("slots", slots.values.len(), "slots must have the table's shape"));
+            return Err(KernelError::parameter(
+                "slots",
+                slots.values.len(),
+                "slots must have the table's shape",
+            ));
         }
         let (rows, dim) = table.dim();
-        let arrays: Vec<ArrayView2<'a, f32>> = std::iter::once(table).chain(slots.values.iter().map(|s| s.view())).collect();
+        let arrays: Vec<ArrayView2<'a, f32>> = std::iter::once(table)
+            .chain(slots.values.iter().map(|s| s.view()))
+            .collect();
         let parts = (0..replicas)
             .map(|k| {
                 arrays
@@ -58,14 +69,20 @@ impl PartitionedTable {
                             let c = dim.div_ceil(replicas);
                             let (lo, hi) = ((k * c).min(dim), ((k + 1) * c).min(dim));
                             let mut p = Array2::<f32>::zeros((rows, c));
-                            p.slice_mut(s![.., ..hi - lo]).assign(&a.slice(s![.., lo..hi]));
+                            p.slice_mut(s![.., ..hi - lo])
+                                .assign(&a.slice(s![.., lo..hi]));
                             p
                         }
                     })
                     .collect()
             })
             .collect();
-        Ok(PartitionedTable { partition, rows, dim, replicas: parts })
+        Ok(PartitionedTable {
+            partition,
+            rows,
+            dim,
+            replicas: parts,
+        })
     }
 
     /// Replicas.
@@ -83,7 +100,8 @@ impl PartitionedTable {
                 let mut out = Array1::zeros(self.dim);
                 for (k, rep) in self.replicas.iter().enumerate() {
                     let (lo, hi) = ((k * c).min(self.dim), ((k + 1) * c).min(self.dim));
-                    out.slice_mut(s![lo..hi]).assign(&rep[a].slice(s![r, ..hi - lo]));
+                    out.slice_mut(s![lo..hi])
+                        .assign(&rep[a].slice(s![r, ..hi - lo]));
                 }
                 out
             }
@@ -93,7 +111,10 @@ impl PartitionedTable {
     /// The table's row `r` (a lookup).
     pub fn row(&self, r: usize) -> Result<Array1<f32>> {
         if r >= self.rows {
-            return Err(KernelError::input(Subject::HostTable, format!("row {r} is outside the table of {} rows", self.rows)));
+            return Err(KernelError::input(
+                Subject::HostTable,
+                format!("row {r} is outside the table of {} rows", self.rows),
+            ));
         }
         Ok(self.gather(0, r))
     }
@@ -103,7 +124,11 @@ impl PartitionedTable {
     /// Errors, before any row changes: non-finite hyper-parameters, slots that are not the
     /// optimizer's (the table was split with another optimizer's slots), a row outside the
     /// table or a gradient of another length.
-    pub fn apply_gradients(&mut self, grads: &BTreeMap<usize, Array1<f32>>, optimizer: &Optimizer) -> Result<()> {
+    pub fn apply_gradients(
+        &mut self,
+        grads: &BTreeMap<usize, Array1<f32>>,
+        optimizer: &Optimizer,
+    ) -> Result<()> {
         optimizer.validate()?;
         let names = optimizer.slot_names();
         let have = self.replicas.first().map_or(0, |r| r.len() - 1);
@@ -113,18 +138,41 @@ impl PartitionedTable {
                 format!(
                     "split with {have} slot variables, but the optimizer needs {} ({})",
                     names.len(),
-                    if names.is_empty() { "none".to_string() } else { names.join(", ") }
+                    if names.is_empty() {
+                        "none".to_string()
+                    } else {
+                        names.join(", ")
+                    }
                 ),
             ));
         }
-        if let Some((&r, g)) = grads.iter().find(|(&r, g)| r >= self.rows || g.len() != self.dim) {
-            return Err(KernelError::input(Subject::HostTable, format!("gradient for row {r} of length {} does not fit {}x{}", g.len(), self.rows, self.dim)));
+        if let Some((&r, g)) = grads
+            .iter()
+            .find(|(&r, g)| r >= self.rows || g.len() != self.dim)
+        {
+            return Err(KernelError::input(
+                Subject::HostTable,
+                format!(
+                    "gradient for row {r} of length {} does not fit {}x{}",
+                    g.len(),
+                    self.rows,
+                    self.dim
+                ),
+            ));
         }
         let n = self.replicas.len();
         let c = self.dim.div_ceil(n);
         for (&r, g) in grads {
             if r >= self.rows || g.len() != self.dim {
-                return Err(KernelError::input(Subject::HostTable, format!("gradient for row {r} of length {} does not fit {}x{}", g.len(), self.rows, self.dim)));
+                return Err(KernelError::input(
+                    Subject::HostTable,
+                    format!(
+                        "gradient for row {r} of length {} does not fit {}x{}",
+                        g.len(),
+                        self.rows,
+                        self.dim
+                    ),
+                ));
             }
             // A strided view of a caller's array is copied; a contiguous one is read in place.
             let g: std::borrow::Cow<'_, [f32]> = match g.as_slice() {
@@ -153,8 +201,13 @@ impl PartitionedTable {
         let arrays = self.replicas.first().map_or(0, Vec::len);
         if a >= arrays {
             let reason = match arrays {
-                0 | 1 => "must be 0 (the table): the table was split without slot variables".to_string(),
-                _ => format!("must be below {arrays}: 0 is the table, 1..={} its slot variables", arrays - 1),
+                0 | 1 => {
+                    "must be 0 (the table): the table was split without slot variables".to_string()
+                }
+                _ => format!(
+                    "must be below {arrays}: 0 is the table, 1..={} its slot variables",
+                    arrays - 1
+                ),
             };
             return Err(KernelError::parameter("array", a, reason));
         }
@@ -169,6 +222,9 @@ impl PartitionedTable {
 fn step(parts: &mut [Array2<f32>], row: usize, g: &[f32], optimizer: &Optimizer) {
     let (table, slots) = parts.split_first_mut().expect("the table part exists");
     let mut w = table.row_mut(row);
-    let mut slot_rows: Vec<&mut [f32]> = slots.iter_mut().map(|s| s.row_mut(row).into_slice().expect("row-major")).collect();
+    let mut slot_rows: Vec<&mut [f32]> = slots
+        .iter_mut()
+        .map(|s| s.row_mut(row).into_slice().expect("row-major"))
+        .collect();
     optimizer.apply(g, w.as_slice_mut().expect("row-major"), &mut slot_rows);
 }

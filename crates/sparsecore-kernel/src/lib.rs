@@ -33,7 +33,7 @@ mod table;
 
 pub use buffers::{apply_gradients_into, sparse_dense_matmul_into, StackBuffers};
 pub use error::{KernelError, PlanItem, Result, StoreErrorKind, Subject};
-pub use host::{Partition, PartitionedTable};
 pub use forward::{feature_activations, sparse_dense_matmul, stack_feature_gradients};
+pub use host::{Partition, PartitionedTable};
 pub use optimizer::{apply_gradients, row_gradients, Optimizer, Slots};
 pub use table::StackedTable;

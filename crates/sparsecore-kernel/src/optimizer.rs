@@ -9,8 +9,8 @@ use ndarray::{Array1, Array2, ArrayView2};
 use super::forward::for_each_slot;
 use super::StackedTable;
 use crate::error::{KernelError, PlanItem, Result, Subject};
-use sparsecore_prep::StackOutput;
 use sparsecore_prep::spec::Plan;
+use sparsecore_prep::StackOutput;
 
 /// An optimizer and its hyper-parameters (SPEC 6.3, with the reference's defaults in the docs).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -112,14 +112,53 @@ impl Optimizer {
     fn hyper(&self) -> Vec<(&'static str, f32)> {
         match *self {
             Optimizer::Sgd { lr } | Optimizer::Adagrad { lr } => vec![("lr", lr)],
-            Optimizer::AdagradMomentum { lr, momentum, beta2, epsilon, exponent, .. } => {
-                vec![("lr", lr), ("momentum", momentum), ("beta2", beta2), ("epsilon", epsilon), ("exponent", exponent)]
+            Optimizer::AdagradMomentum {
+                lr,
+                momentum,
+                beta2,
+                epsilon,
+                exponent,
+                ..
+            } => {
+                vec![
+                    ("lr", lr),
+                    ("momentum", momentum),
+                    ("beta2", beta2),
+                    ("epsilon", epsilon),
+                    ("exponent", exponent),
+                ]
             }
-            Optimizer::Adam { lr, beta1, beta2, epsilon, .. } => vec![("lr", lr), ("beta1", beta1), ("beta2", beta2), ("epsilon", epsilon)],
-            Optimizer::Ftrl { lr, lr_power, l1, l2, beta, .. } => {
-                vec![("lr", lr), ("lr_power", lr_power), ("l1", l1), ("l2", l2), ("beta", beta)]
+            Optimizer::Adam {
+                lr,
+                beta1,
+                beta2,
+                epsilon,
+                ..
+            } => vec![
+                ("lr", lr),
+                ("beta1", beta1),
+                ("beta2", beta2),
+                ("epsilon", epsilon),
+            ],
+            Optimizer::Ftrl {
+                lr,
+                lr_power,
+                l1,
+                l2,
+                beta,
+                ..
+            } => {
+                vec![
+                    ("lr", lr),
+                    ("lr_power", lr_power),
+                    ("l1", l1),
+                    ("l2", l2),
+                    ("beta", beta),
+                ]
             }
-            Optimizer::Laprop { lr, b1, b2, eps, .. } => vec![("lr", lr), ("b1", b1), ("b2", b2), ("eps", eps)],
+            Optimizer::Laprop {
+                lr, b1, b2, eps, ..
+            } => vec![("lr", lr), ("b1", b1), ("b2", b2), ("eps", eps)],
         }
     }
 
@@ -127,12 +166,20 @@ impl Optimizer {
     pub fn validate(&self) -> Result<()> {
         for (name, v) in self.hyper() {
             if !v.is_finite() {
-                return Err(KernelError::parameter("optimizer", format!("{name} = {v}"), "hyper-parameters must be finite"));
+                return Err(KernelError::parameter(
+                    "optimizer",
+                    format!("{name} = {v}"),
+                    "hyper-parameters must be finite",
+                ));
             }
         }
         if let Optimizer::Ftrl { lr, .. } = self {
             if *lr == 0.0 {
-                return Err(KernelError::parameter("optimizer", "lr = 0", "FTRL divides by its learning rate"));
+                return Err(KernelError::parameter(
+                    "optimizer",
+                    "lr = 0",
+                    "FTRL divides by its learning rate",
+                ));
             }
         }
         Ok(())
@@ -154,18 +201,39 @@ impl Optimizer {
                     *w -= lr * g / a.sqrt();
                 }
             }
-            Optimizer::AdagradMomentum { lr, momentum, beta2, epsilon, exponent, use_nesterov } => {
+            Optimizer::AdagradMomentum {
+                lr,
+                momentum,
+                beta2,
+                epsilon,
+                exponent,
+                use_nesterov,
+            } => {
                 let (a, rest) = slots.split_at_mut(1);
                 let (a, m) = (&mut a[0], &mut rest[0]);
                 for i in 0..w.len() {
-                    a[i] = if beta2 == 1.0 { a[i] + g[i] * g[i] } else { beta2 * a[i] + (1.0 - beta2) * g[i] * g[i] };
+                    a[i] = if beta2 == 1.0 {
+                        a[i] + g[i] * g[i]
+                    } else {
+                        beta2 * a[i] + (1.0 - beta2) * g[i] * g[i]
+                    };
                     let s = (a[i] + epsilon).powf(-1.0 / exponent) * g[i];
                     m[i] = momentum * m[i] + s;
-                    let u = if use_nesterov { momentum * m[i] + s } else { m[i] };
+                    let u = if use_nesterov {
+                        momentum * m[i] + s
+                    } else {
+                        m[i]
+                    };
                     w[i] -= lr * u;
                 }
             }
-            Optimizer::Adam { lr, beta1, beta2, epsilon, step } => {
+            Optimizer::Adam {
+                lr,
+                beta1,
+                beta2,
+                epsilon,
+                step,
+            } => {
                 let t = u64::from(step) + 1;
                 let c2 = (1.0 - pow_steps(beta2, t)).sqrt();
                 let alpha = lr * c2 / (1.0 - pow_steps(beta1, t));
@@ -178,7 +246,14 @@ impl Optimizer {
                     w[i] -= alpha * m[i] / (v[i].sqrt() + eps);
                 }
             }
-            Optimizer::Ftrl { lr, lr_power, l1, l2, beta, multiply_linear_by_lr } => {
+            Optimizer::Ftrl {
+                lr,
+                lr_power,
+                l1,
+                l2,
+                beta,
+                multiply_linear_by_lr,
+            } => {
                 let (acc, rest) = slots.split_at_mut(1);
                 let (acc, lin) = (&mut acc[0], &mut rest[0]);
                 for i in 0..w.len() {
@@ -186,18 +261,39 @@ impl Optimizer {
                     let p_old = acc[i].powf(-lr_power);
                     let p_new = a_new.powf(-lr_power);
                     let dp = p_new - p_old;
-                    lin[i] = if multiply_linear_by_lr { lin[i] + lr * g[i] - dp * w[i] } else { lin[i] + g[i] - (dp / lr) * w[i] };
+                    lin[i] = if multiply_linear_by_lr {
+                        lin[i] + lr * g[i] - dp * w[i]
+                    } else {
+                        lin[i] + g[i] - (dp / lr) * w[i]
+                    };
                     let l1s = l1 * if multiply_linear_by_lr { lr } else { 1.0 };
-                    let num = if l1 == 0.0 { -lin[i] } else { lin[i].clamp(-l1s, l1s) - lin[i] };
-                    let den = if multiply_linear_by_lr { p_new + 2.0 * lr * l2 + beta } else { (p_new + beta) / lr + 2.0 * l2 };
+                    let num = if l1 == 0.0 {
+                        -lin[i]
+                    } else {
+                        lin[i].clamp(-l1s, l1s) - lin[i]
+                    };
+                    let den = if multiply_linear_by_lr {
+                        p_new + 2.0 * lr * l2 + beta
+                    } else {
+                        (p_new + beta) / lr + 2.0 * l2
+                    };
                     w[i] = num / den;
                     acc[i] = a_new;
                 }
             }
-            Optimizer::Laprop { lr, b1, b2, eps, step } => {
+            Optimizer::Laprop {
+                lr,
+                b1,
+                b2,
+                eps,
+                step,
+            } => {
                 let decay = match step {
                     None => b2,
-                    Some(s) => b2 * (1.0 - pow_steps(b2, u64::from(s))) / (1.0 - pow_steps(b2, u64::from(s) + 1)),
+                    Some(s) => {
+                        b2 * (1.0 - pow_steps(b2, u64::from(s)))
+                            / (1.0 - pow_steps(b2, u64::from(s) + 1))
+                    }
                 };
                 let (mu, rest) = slots.split_at_mut(1);
                 let (mu, nu) = (&mut mu[0], &mut rest[0]);
@@ -233,7 +329,13 @@ pub struct Slots {
 impl Slots {
     /// Slots for `table` initialised for `optimizer`.
     pub fn new(table: &StackedTable, optimizer: &Optimizer) -> Self {
-        Slots { values: optimizer.slot_inits().iter().map(|&v| Array2::from_elem(table.data.dim(), v)).collect() }
+        Slots {
+            values: optimizer
+                .slot_inits()
+                .iter()
+                .map(|&v| Array2::from_elem(table.data.dim(), v))
+                .collect(),
+        }
     }
 }
 
@@ -247,18 +349,33 @@ pub fn row_gradients(
     activation_grads: &[ArrayView2<'_, f32>],
 ) -> Result<BTreeMap<usize, Array1<f32>>> {
     if table.stack != out.name {
-        return Err(KernelError::plan(PlanItem::Stack, &out.name, format!("the table given is stack `{}`'s, not this stack's", table.stack)));
+        return Err(KernelError::plan(
+            PlanItem::Stack,
+            &out.name,
+            format!(
+                "the table given is stack `{}`'s, not this stack's",
+                table.stack
+            ),
+        ));
     }
     if activation_grads.len() != plan.layout.local_devices {
         return Err(KernelError::input(
             Subject::Stack(table.stack.clone()),
-            format!("{} activation gradients for {} local devices (one per device)", activation_grads.len(), plan.layout.local_devices),
+            format!(
+                "{} activation gradients for {} local devices (one per device)",
+                activation_grads.len(),
+                plan.layout.local_devices
+            ),
         ));
     }
     // Exactly the forward pass's shape, `[bsd, D]` per device.
     if let Some(sp) = plan.stack(&table.stack) {
         let bsd = (sp.total_sample_count / plan.layout.global_devices as u64) as usize;
-        if let Some((d, g)) = activation_grads.iter().enumerate().find(|(_, g)| g.dim() != (bsd, table.dim)) {
+        if let Some((d, g)) = activation_grads
+            .iter()
+            .enumerate()
+            .find(|(_, g)| g.dim() != (bsd, table.dim))
+        {
             return Err(KernelError::input(
                 Subject::Stack(table.stack.clone()),
                 format!("activation gradient of device {d} has shape {:?}, expected the activations' [{bsd}, {}]", g.dim(), table.dim),
@@ -266,19 +383,29 @@ pub fn row_gradients(
         }
     }
     let mut grads: BTreeMap<usize, Array1<f32>> = BTreeMap::new();
-    for_each_slot(plan, out, num_minibatches, table, |d, act_row, p, e, gain| {
-        let dact = &activation_grads[d];
-        if act_row >= dact.nrows() || dact.ncols() != table.dim {
-            return Err(KernelError::input(
-                Subject::Stack(table.stack.clone()),
-                format!("activation gradient of device {d} is {:?}, expected [>{act_row}, {}]", dact.dim(), table.dim),
-            ));
-        }
-        let row = p * table.rows_per_shard + e;
-        let g = grads.entry(row).or_insert_with(|| Array1::zeros(table.dim));
-        g.scaled_add(gain, &dact.row(act_row));
-        Ok(())
-    })?;
+    for_each_slot(
+        plan,
+        out,
+        num_minibatches,
+        table,
+        |d, act_row, p, e, gain| {
+            let dact = &activation_grads[d];
+            if act_row >= dact.nrows() || dact.ncols() != table.dim {
+                return Err(KernelError::input(
+                    Subject::Stack(table.stack.clone()),
+                    format!(
+                        "activation gradient of device {d} is {:?}, expected [>{act_row}, {}]",
+                        dact.dim(),
+                        table.dim
+                    ),
+                ));
+            }
+            let row = p * table.rows_per_shard + e;
+            let g = grads.entry(row).or_insert_with(|| Array1::zeros(table.dim));
+            g.scaled_add(gain, &dact.row(act_row));
+            Ok(())
+        },
+    )?;
     Ok(grads)
 }
 
@@ -302,10 +429,15 @@ pub fn apply_gradients(
     optimizer.validate()?;
     // Rows are updated as slices: a column-major (Fortran-order) table or slot has none.
     if !table.data.is_standard_layout() || slots.values.iter().any(|s| !s.is_standard_layout()) {
-        return Err(KernelError::plan(PlanItem::Stack, &table.stack, "the table and its slot variables must be row-major (C order) arrays"));
+        return Err(KernelError::plan(
+            PlanItem::Stack,
+            &table.stack,
+            "the table and its slot variables must be row-major (C order) arrays",
+        ));
     }
     let names = optimizer.slot_names();
-    if slots.values.len() != names.len() || slots.values.iter().any(|s| s.dim() != table.data.dim()) {
+    if slots.values.len() != names.len() || slots.values.iter().any(|s| s.dim() != table.data.dim())
+    {
         let got: Vec<_> = slots.values.iter().map(|s| s.dim()).collect();
         return Err(KernelError::plan(
             PlanItem::Stack,
@@ -324,8 +456,11 @@ pub fn apply_gradients(
         let g = g.as_slice().expect("contiguous gradient");
         let mut w = table.data.row_mut(row);
         let w = w.as_slice_mut().expect("row-major table");
-        let mut slot_rows: Vec<&mut [f32]> =
-            slots.values.iter_mut().map(|s| s.row_mut(row).into_slice().expect("row-major slots")).collect();
+        let mut slot_rows: Vec<&mut [f32]> = slots
+            .values
+            .iter_mut()
+            .map(|s| s.row_mut(row).into_slice().expect("row-major slots"))
+            .collect();
         optimizer.apply(g, w, &mut slot_rows);
     }
     Ok(())

@@ -25,19 +25,37 @@ pub(crate) fn for_each_segment(
         ));
     }
     let layout = plan.layout;
-    let (n, s_count, per_segment) = (layout.num_partitions(), layout.sc_per_device, layout.row_pointers_per_segment());
+    let (n, s_count, per_segment) = (
+        layout.num_partitions(),
+        layout.sc_per_device,
+        layout.row_pointers_per_segment(),
+    );
     let share = capacity / s_count;
-    let m_count = if plan.enable_minibatching { num_minibatches.max(1) } else { 1 };
+    let m_count = if plan.enable_minibatching {
+        num_minibatches.max(1)
+    } else {
+        1
+    };
     let mut prev_end = 0usize;
     for sc in 0..s_count {
         for m in 0..m_count {
             let k = sc * m_count + m;
-            let (base, mut start) = if plan.enable_minibatching { (0, prev_end) } else { (sc * share, sc * share) };
+            let (base, mut start) = if plan.enable_minibatching {
+                (0, prev_end)
+            } else {
+                (sc * share, sc * share)
+            };
             for p in 0..n {
                 if p > 0 {
                     start = start.next_multiple_of(ALIGNMENT);
                 }
-                let end = (base + row_pointers.get(k * per_segment + p).copied().unwrap_or(0).max(0) as usize).min(capacity);
+                let end = (base
+                    + row_pointers
+                        .get(k * per_segment + p)
+                        .copied()
+                        .unwrap_or(0)
+                        .max(0) as usize)
+                    .min(capacity);
                 f(sc, p, start.min(end), end)?;
                 start = end;
             }

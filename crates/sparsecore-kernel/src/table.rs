@@ -27,7 +27,8 @@ pub struct StackedTable {
 }
 
 fn stack_of<'p>(plan: &'p Plan, stack: &str) -> Result<&'p StackPlan> {
-    plan.stack(stack).ok_or_else(|| KernelError::plan(PlanItem::Stack, stack, "not in the plan"))
+    plan.stack(stack)
+        .ok_or_else(|| KernelError::plan(PlanItem::Stack, stack, "not in the plan"))
 }
 
 impl StackedTable {
@@ -36,7 +37,15 @@ impl StackedTable {
     pub fn from_tables(plan: &Plan, stack: &str, tables: &[ArrayView2<'_, f32>]) -> Result<Self> {
         let sp = stack_of(plan, stack)?;
         if tables.len() != sp.tables.len() {
-            return Err(KernelError::plan(PlanItem::Stack, stack, format!("{} tables given for {} member tables", tables.len(), sp.tables.len())));
+            return Err(KernelError::plan(
+                PlanItem::Stack,
+                stack,
+                format!(
+                    "{} tables given for {} member tables",
+                    tables.len(),
+                    sp.tables.len()
+                ),
+            ));
         }
         let n = plan.layout.num_partitions();
         let v = sp.stack_vocab_size as usize;
@@ -55,7 +64,13 @@ impl StackedTable {
                 ));
             }
         }
-        let too_large = || KernelError::plan(PlanItem::Stack, stack, format!("a stacked table of {v} x {d} floats does not fit in memory"));
+        let too_large = || {
+            KernelError::plan(
+                PlanItem::Stack,
+                stack,
+                format!("a stacked table of {v} x {d} floats does not fit in memory"),
+            )
+        };
         let len = v.checked_mul(d).ok_or_else(too_large)?;
         let mut zeros: Vec<f32> = Vec::new();
         zeros.try_reserve_exact(len).map_err(|_| too_large())?;
@@ -65,11 +80,25 @@ impl StackedTable {
             let f = member(plan, sp, t)?;
             let dim = table_dim(plan, t);
             for (row, values) in table.outer_iter().enumerate() {
-                let p = physical_row(n, r, f.shard_rotation as usize, f.row_offset_in_shard as usize, row);
-                data.row_mut(p).slice_mut(ndarray::s![..dim]).assign(&values);
+                let p = physical_row(
+                    n,
+                    r,
+                    f.shard_rotation as usize,
+                    f.row_offset_in_shard as usize,
+                    row,
+                );
+                data.row_mut(p)
+                    .slice_mut(ndarray::s![..dim])
+                    .assign(&values);
             }
         }
-        Ok(StackedTable { stack: stack.to_string(), num_shards: n, rows_per_shard: r, dim: d, data })
+        Ok(StackedTable {
+            stack: stack.to_string(),
+            num_shards: n,
+            rows_per_shard: r,
+            dim: d,
+            data,
+        })
     }
 
     /// Reads member table `table` (a config table index) back out: the exact inverse of
@@ -80,7 +109,13 @@ impl StackedTable {
         let (vocab, dim) = (f.vocabulary_size as usize, table_dim(plan, table));
         let mut out = Array2::<f32>::zeros((vocab, dim));
         for (row, mut values) in out.outer_iter_mut().enumerate() {
-            let p = physical_row(self.num_shards, self.rows_per_shard, f.shard_rotation as usize, f.row_offset_in_shard as usize, row);
+            let p = physical_row(
+                self.num_shards,
+                self.rows_per_shard,
+                f.shard_rotation as usize,
+                f.row_offset_in_shard as usize,
+                row,
+            );
             values.assign(&self.data.row(p).slice(ndarray::s![..dim]));
         }
         Ok(out)
@@ -91,8 +126,15 @@ impl StackedTable {
     pub fn device(&self, d: usize, sc_per_device: usize) -> Result<ArrayView2<'_, f32>> {
         let n = self.num_shards;
         if sc_per_device == 0 || !n.is_multiple_of(sc_per_device) {
-            let reason = format!("must divide the {n} shards of stack `{}` (N = G · S)", self.stack);
-            return Err(KernelError::parameter("sc_per_device", sc_per_device, reason));
+            let reason = format!(
+                "must divide the {n} shards of stack `{}` (N = G · S)",
+                self.stack
+            );
+            return Err(KernelError::parameter(
+                "sc_per_device",
+                sc_per_device,
+                reason,
+            ));
         }
         let devices = n / sc_per_device;
         if d >= devices {
@@ -108,7 +150,14 @@ impl StackedTable {
     /// Shard `g`'s rows, `[R, D]`. `g` must be below the `N` shards.
     pub fn shard(&self, g: usize) -> Result<ArrayView2<'_, f32>> {
         if g >= self.num_shards {
-            return Err(KernelError::parameter("shard", g, format!("must be below the {} shards of stack `{}`", self.num_shards, self.stack)));
+            return Err(KernelError::parameter(
+                "shard",
+                g,
+                format!(
+                    "must be below the {} shards of stack `{}`",
+                    self.num_shards, self.stack
+                ),
+            ));
         }
         self.rows(g, 1)
     }
@@ -134,20 +183,39 @@ impl StackedTable {
 
 /// The physical row of vocabulary row `v` (SPEC 4: `compute_physical_row_ids`).
 #[inline]
-fn physical_row(n: usize, rows_per_shard: usize, rotation: usize, offset_in_shard: usize, v: usize) -> usize {
+fn physical_row(
+    n: usize,
+    rows_per_shard: usize,
+    rotation: usize,
+    offset_in_shard: usize,
+    v: usize,
+) -> usize {
     let shard = (v % n + rotation) % n;
     shard * rows_per_shard + v / n + offset_in_shard
 }
 
 /// A feature plan of table `t` in stack `sp` (they all share the table's placement).
-fn member<'p>(plan: &'p Plan, sp: &StackPlan, t: usize) -> Result<&'p sparsecore_prep::spec::FeaturePlan> {
+fn member<'p>(
+    plan: &'p Plan,
+    sp: &StackPlan,
+    t: usize,
+) -> Result<&'p sparsecore_prep::spec::FeaturePlan> {
     sp.features
         .iter()
         .map(|&f| &plan.features[f])
         .find(|f| f.table_index == t)
-        .ok_or_else(|| KernelError::plan(PlanItem::Stack, &sp.name, format!("table index {t} is not a member")))
+        .ok_or_else(|| {
+            KernelError::plan(
+                PlanItem::Stack,
+                &sp.name,
+                format!("table index {t} is not a member"),
+            )
+        })
 }
 
 fn table_dim(plan: &Plan, t: usize) -> usize {
-    plan.features.iter().find(|f| f.table_index == t).map_or(0, |f| f.embedding_dim as usize)
+    plan.features
+        .iter()
+        .find(|f| f.table_index == t)
+        .map_or(0, |f| f.embedding_dim as usize)
 }

@@ -4,14 +4,18 @@
 //! back exactly.
 
 use ndarray::Array2;
+use sparsecore_kernel::{
+    feature_activations, sparse_dense_matmul, KernelError, PlanItem, StackedTable, Subject,
+};
 use sparsecore_prep::input::{FeatureView, Ids, Offsets, RaggedInput, SampleSource};
-use sparsecore_kernel::{feature_activations, sparse_dense_matmul, KernelError, PlanItem, StackedTable, Subject};
 use sparsecore_prep::spec::Combiner;
 use sparsecore_prep::{Config, Output, Preprocessor};
 
 /// Deterministic table values in [-1, 1).
 fn table_values(rows: usize, dim: usize, seed: u64) -> Array2<f32> {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     Array2::from_shape_fn((rows, dim), |_| {
         x ^= x << 13;
         x ^= x >> 7;
@@ -22,7 +26,14 @@ fn table_values(rows: usize, dim: usize, seed: u64) -> Array2<f32> {
 
 /// Row `r` of a ragged view: (ids, weights).
 fn row(view: &FeatureView<'_>, r: usize) -> (Vec<i64>, Option<Vec<f32>>) {
-    let FeatureView::Ragged { ids, offsets, weights } = view else { panic!("ragged input expected") };
+    let FeatureView::Ragged {
+        ids,
+        offsets,
+        weights,
+    } = view
+    else {
+        panic!("ragged input expected")
+    };
     let (a, b) = offsets.range(r);
     let ids = match ids {
         Ids::I32(v) => v[a..b].iter().map(|&x| x as i64).collect(),
@@ -37,7 +48,14 @@ fn row(view: &FeatureView<'_>, r: usize) -> (Vec<i64>, Option<Vec<f32>>) {
 
 /// A small random workload: 3 tables (vocabularies 40..300, dims 4..16), 4 features (two on
 /// table 0), rows of 0..=6 ids; with `hot`, half the ids come from 8 hot ones.
-fn workload(layout: (usize, usize, usize), batch: usize, weights: bool, stacking: &str, seed: u64, hot: bool) -> Workload {
+fn workload(
+    layout: (usize, usize, usize),
+    batch: usize,
+    weights: bool,
+    stacking: &str,
+    seed: u64,
+    hot: bool,
+) -> Workload {
     let (l, g, s) = layout;
     let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
     let mut next = move |m: u64| {
@@ -69,7 +87,11 @@ fn workload(layout: (usize, usize, usize), batch: usize, weights: bool, stacking
             let n = next(7);
             for _ in 0..n {
                 // Half the ids from a hot set of 8.
-                let id = if hot && next(2) == 0 { next(8) } else { next(vocab[t]) };
+                let id = if hot && next(2) == 0 {
+                    next(8)
+                } else {
+                    next(vocab[t])
+                };
                 values.push(id as i64);
                 w.push((next(64) + 1) as f32 / 16.0);
             }
@@ -107,7 +129,10 @@ fn check(w: &Workload, combiner: Combiner, minibatching: bool, tight: bool) -> b
             }
         })
         .collect();
-    let inputs: Vec<&dyn SampleSource> = inputs_owned.iter().map(|f| f as &dyn SampleSource).collect();
+    let inputs: Vec<&dyn SampleSource> = inputs_owned
+        .iter()
+        .map(|f| f as &dyn SampleSource)
+        .collect();
     if tight {
         // Measure, then set the limits to a quarter of what the batch needs: minibatching
         // must split (and, with dropping allowed, may drop within buckets).
@@ -118,7 +143,8 @@ fn check(w: &Workload, combiner: Combiner, minibatching: bool, tight: bool) -> b
         for (stack, so) in plan.stacks.iter().zip(&o.stacks) {
             for &t in &stack.tables {
                 config.tables[t].max_ids_per_partition = (so.stats.max_ids() as u64 / 4).max(1);
-                config.tables[t].max_unique_ids_per_partition = (so.stats.max_unique_ids() as u64 / 4).max(1);
+                config.tables[t].max_unique_ids_per_partition =
+                    (so.stats.max_unique_ids() as u64 / 4).max(1);
             }
         }
         config.config.stack_limits = None;
@@ -140,15 +166,29 @@ fn check(w: &Workload, combiner: Combiner, minibatching: bool, tight: bool) -> b
         .tables
         .iter()
         .enumerate()
-        .map(|(i, t)| table_values(t.vocabulary_size as usize, t.embedding_dim as usize, i as u64 + 1))
+        .map(|(i, t)| {
+            table_values(
+                t.vocabulary_size as usize,
+                t.embedding_dim as usize,
+                i as u64 + 1,
+            )
+        })
         .collect();
-    let (l, _, s) = (config.config.local_device_count, 0, config.config.num_sc_per_device);
+    let (l, _, s) = (
+        config.config.local_device_count,
+        0,
+        config.config.num_sc_per_device,
+    );
     let mut checked = 0usize;
     for (stack, so) in plan.stacks.iter().zip(&out.stacks) {
         let views: Vec<_> = stack.tables.iter().map(|&t| tables[t].view()).collect();
         let stacked = StackedTable::from_tables(&plan, &stack.name, &views).unwrap();
         for &t in &stack.tables {
-            assert_eq!(stacked.table(&plan, t).unwrap(), tables[t], "table {t} reads back exactly");
+            assert_eq!(
+                stacked.table(&plan, t).unwrap(),
+                tables[t],
+                "table {t} reads back exactly"
+            );
         }
         let acts = sparse_dense_matmul(&plan, so, out.num_minibatches, &stacked).unwrap();
         for &f in &stack.features {
@@ -168,7 +208,11 @@ fn check(w: &Workload, combiner: Combiner, minibatching: bool, tight: bool) -> b
                         Combiner::Sqrtn => w.iter().map(|x| x * x).sum::<f32>().sqrt(),
                     };
                     for c in 0..got.ncols() {
-                        let want: f32 = ids.iter().zip(&w).map(|(&id, &wi)| wi / norm * table[[id as usize, c]]).sum();
+                        let want: f32 = ids
+                            .iter()
+                            .zip(&w)
+                            .map(|(&id, &wi)| wi / norm * table[[id as usize, c]])
+                            .sum();
                         let g = got[[i, c]];
                         assert!(
                             (g - want).abs() <= 1e-5 * want.abs().max(1.0),
@@ -189,9 +233,12 @@ fn check(w: &Workload, combiner: Combiner, minibatching: bool, tight: bool) -> b
 #[test]
 fn forward_equals_naive_lookup() {
     for combiner in [Combiner::Sum, Combiner::Mean, Combiner::Sqrtn] {
-        for (layout, weights, stacking) in
-            [((1, 1, 4), true, "feature"), ((2, 2, 2), false, "feature"), ((2, 4, 2), true, "auto"), ((1, 2, 1), false, "auto")]
-        {
+        for (layout, weights, stacking) in [
+            ((1, 1, 4), true, "feature"),
+            ((2, 2, 2), false, "feature"),
+            ((2, 4, 2), true, "auto"),
+            ((1, 2, 1), false, "auto"),
+        ] {
             let w = workload(layout, 64, weights, stacking, 7, true);
             assert!(check(&w, combiner, false, false));
         }
@@ -202,7 +249,11 @@ fn forward_equals_naive_lookup() {
 fn forward_with_minibatching_equals_naive_lookup() {
     let mut split = 0;
     for seed in 1..6 {
-        for (layout, weights, stacking) in [((1, 1, 4), false, "feature"), ((2, 2, 2), true, "feature"), ((4, 4, 1), true, "auto")] {
+        for (layout, weights, stacking) in [
+            ((1, 1, 4), false, "feature"),
+            ((2, 2, 2), true, "feature"),
+            ((4, 4, 1), true, "auto"),
+        ] {
             let w = workload(layout, 256, weights, stacking, seed, false);
             assert!(check(&w, Combiner::Mean, true, false));
             split += check(&w, Combiner::Sum, true, true) as usize;
@@ -214,22 +265,32 @@ fn forward_with_minibatching_equals_naive_lookup() {
 #[test]
 fn table_shape_mismatch_is_an_error() {
     let w = workload((1, 1, 4), 16, false, "feature", 3, true);
-    let inputs: Vec<RaggedInput<'_>> =
-        w.feats.iter().map(|(v, s, _)| RaggedInput::from_i64("f", v, s).unwrap()).collect();
+    let inputs: Vec<RaggedInput<'_>> = w
+        .feats
+        .iter()
+        .map(|(v, s, _)| RaggedInput::from_i64("f", v, s).unwrap())
+        .collect();
     let refs: Vec<&dyn SampleSource> = inputs.iter().map(|f| f as &dyn SampleSource).collect();
     let mut prep = Preprocessor::new(w.config.clone()).unwrap();
     prep.run(&refs, &mut Output::new()).unwrap();
     let plan = prep.plan().unwrap();
     let wrong = Array2::<f32>::zeros((3, 16));
     let e = StackedTable::from_tables(plan, "ta", &[wrong.view()]).unwrap_err();
-    assert!(e.to_string().contains("ta") && e.to_string().contains("[300, 16]"), "{e}");
+    assert!(
+        e.to_string().contains("ta") && e.to_string().contains("[300, 16]"),
+        "{e}"
+    );
 }
 
 #[test]
 fn sum_with_unit_weights_is_exact_and_bad_ids_are_errors() {
     let w = workload((2, 2, 2), 64, false, "feature", 9, true);
-    let inputs: Vec<RaggedInput<'_>> =
-        w.feats.iter().zip(&w.config.features).map(|((v, s, _), f)| RaggedInput::from_i64(&f.name, v, s).unwrap()).collect();
+    let inputs: Vec<RaggedInput<'_>> = w
+        .feats
+        .iter()
+        .zip(&w.config.features)
+        .map(|((v, s, _), f)| RaggedInput::from_i64(&f.name, v, s).unwrap())
+        .collect();
     let refs: Vec<&dyn SampleSource> = inputs.iter().map(|f| f as &dyn SampleSource).collect();
     let mut prep = Preprocessor::new(w.config.clone()).unwrap();
     let mut out = Output::new();
@@ -241,7 +302,12 @@ fn sum_with_unit_weights_is_exact_and_bad_ids_are_errors() {
         .tables
         .iter()
         .enumerate()
-        .map(|(i, t)| Array2::from_shape_fn((t.vocabulary_size as usize, t.embedding_dim as usize), |(r, c)| ((r * 7 + c * 3 + i) % 11) as f32 - 5.0))
+        .map(|(i, t)| {
+            Array2::from_shape_fn(
+                (t.vocabulary_size as usize, t.embedding_dim as usize),
+                |(r, c)| ((r * 7 + c * 3 + i) % 11) as f32 - 5.0,
+            )
+        })
         .collect();
     let (l, s) = (2usize, 2usize);
     for (stack, so) in plan.stacks.iter().zip(&out.stacks) {
@@ -258,7 +324,11 @@ fn sum_with_unit_weights_is_exact_and_bad_ids_are_errors() {
                     let (ids, _) = row(&view, d * rows + i);
                     for c in 0..got.ncols() {
                         let want: f32 = ids.iter().map(|&id| table[[id as usize, c]]).sum();
-                        assert_eq!(got[[i, c]], want, "feature {f} device {d} sample {i} col {c}");
+                        assert_eq!(
+                            got[[i, c]],
+                            want,
+                            "feature {f} device {d} sample {i} col {c}"
+                        );
                     }
                 }
             }
@@ -288,10 +358,20 @@ fn small_ints(rows: usize, cols: usize, seed: u64) -> Array2<f32> {
 fn stack_feature_gradients_is_the_exact_adjoint_of_feature_activations() {
     use sparsecore_kernel::stack_feature_gradients;
     let mut stacks_with_several = 0;
-    for (layout, stacking) in [((1, 1, 4), "feature"), ((1, 1, 4), "auto"), ((2, 2, 2), "auto"), ((2, 4, 2), "auto"), ((1, 2, 1), "feature")] {
+    for (layout, stacking) in [
+        ((1, 1, 4), "feature"),
+        ((1, 1, 4), "auto"),
+        ((2, 2, 2), "auto"),
+        ((2, 4, 2), "auto"),
+        ((1, 2, 1), "feature"),
+    ] {
         let w = workload(layout, 32, false, stacking, 5, false);
-        let inputs: Vec<RaggedInput<'_>> =
-            w.feats.iter().zip(&w.config.features).map(|((v, s, _), f)| RaggedInput::from_i64(&f.name, v, s).unwrap()).collect();
+        let inputs: Vec<RaggedInput<'_>> = w
+            .feats
+            .iter()
+            .zip(&w.config.features)
+            .map(|((v, s, _), f)| RaggedInput::from_i64(&f.name, v, s).unwrap())
+            .collect();
         let refs: Vec<&dyn SampleSource> = inputs.iter().map(|f| f as &dyn SampleSource).collect();
         let mut prep = Preprocessor::new(w.config.clone()).unwrap();
         let mut out = Output::new();
@@ -301,41 +381,80 @@ fn stack_feature_gradients_is_the_exact_adjoint_of_feature_activations() {
             stacks_with_several += (stack.features.len() > 1) as usize;
             let bsd = (stack.total_sample_count / plan.layout.global_devices as u64) as usize;
             let a = small_ints(bsd, stack.stack_embedding_dim as usize, 100 + si as u64);
-            let fas: Vec<Array2<f32>> = stack.features.iter().map(|&f| feature_activations(&plan, f, a.view()).unwrap()).collect();
-            let gs: Vec<Array2<f32>> =
-                fas.iter().enumerate().map(|(i, fa)| small_ints(fa.nrows(), fa.ncols(), 200 + 10 * si as u64 + i as u64)).collect();
-            let pairs: Vec<(usize, ndarray::ArrayView2<'_, f32>)> = stack.features.iter().zip(&gs).map(|(&f, g)| (f, g.view())).collect();
+            let fas: Vec<Array2<f32>> = stack
+                .features
+                .iter()
+                .map(|&f| feature_activations(&plan, f, a.view()).unwrap())
+                .collect();
+            let gs: Vec<Array2<f32>> = fas
+                .iter()
+                .enumerate()
+                .map(|(i, fa)| small_ints(fa.nrows(), fa.ncols(), 200 + 10 * si as u64 + i as u64))
+                .collect();
+            let pairs: Vec<(usize, ndarray::ArrayView2<'_, f32>)> = stack
+                .features
+                .iter()
+                .zip(&gs)
+                .map(|(&f, g)| (f, g.view()))
+                .collect();
             let stacked = stack_feature_gradients(&plan, &stack.name, &pairs).unwrap();
             assert_eq!(stacked.dim(), a.dim());
             // <feature_activations(A), G> == <A, stack(G)>, exactly.
             let lhs: f32 = fas.iter().zip(&gs).map(|(fa, g)| (fa * g).sum()).sum();
             let rhs: f32 = (&a * &stacked).sum();
-            assert_eq!(lhs, rhs, "stack {} layout {layout:?} {stacking}", stack.name);
+            assert_eq!(
+                lhs, rhs,
+                "stack {} layout {layout:?} {stacking}",
+                stack.name
+            );
             // And entry by entry: stacking the activations' own pieces gives back A on the
             // features' rows and columns and 0 elsewhere, so that un-stacking again is the identity.
-            let own: Vec<(usize, ndarray::ArrayView2<'_, f32>)> = stack.features.iter().zip(&fas).map(|(&f, fa)| (f, fa.view())).collect();
+            let own: Vec<(usize, ndarray::ArrayView2<'_, f32>)> = stack
+                .features
+                .iter()
+                .zip(&fas)
+                .map(|(&f, fa)| (f, fa.view()))
+                .collect();
             let restacked = stack_feature_gradients(&plan, &stack.name, &own).unwrap();
             for (&f, fa) in stack.features.iter().zip(&fas) {
                 assert_eq!(feature_activations(&plan, f, restacked.view()).unwrap(), fa);
             }
-            let covered: f32 = fas.iter().map(|fa| fa.iter().filter(|&&x| x != 0.0).count() as f32).sum();
-            assert_eq!(restacked.iter().filter(|&&x| x != 0.0).count() as f32, covered);
+            let covered: f32 = fas
+                .iter()
+                .map(|fa| fa.iter().filter(|&&x| x != 0.0).count() as f32)
+                .sum();
+            assert_eq!(
+                restacked.iter().filter(|&&x| x != 0.0).count() as f32,
+                covered
+            );
             // A feature given twice has its gradients summed (linearity).
             let f0 = stack.features[0];
-            let twice = stack_feature_gradients(&plan, &stack.name, &[(f0, gs[0].view()), (f0, gs[0].view())]).unwrap();
+            let twice = stack_feature_gradients(
+                &plan,
+                &stack.name,
+                &[(f0, gs[0].view()), (f0, gs[0].view())],
+            )
+            .unwrap();
             let once = stack_feature_gradients(&plan, &stack.name, &[(f0, gs[0].view())]).unwrap();
             assert_eq!(twice, &once * 2.0);
         }
     }
-    assert!(stacks_with_several > 0, "auto stacking should put several features in one stack");
+    assert!(
+        stacks_with_several > 0,
+        "auto stacking should put several features in one stack"
+    );
 }
 
 #[test]
 fn stack_feature_gradients_errors_name_the_stack_or_feature() {
     use sparsecore_kernel::stack_feature_gradients;
     let w = workload((1, 1, 4), 16, false, "feature", 3, true);
-    let inputs: Vec<RaggedInput<'_>> =
-        w.feats.iter().zip(&w.config.features).map(|((v, s, _), f)| RaggedInput::from_i64(&f.name, v, s).unwrap()).collect();
+    let inputs: Vec<RaggedInput<'_>> = w
+        .feats
+        .iter()
+        .zip(&w.config.features)
+        .map(|((v, s, _), f)| RaggedInput::from_i64(&f.name, v, s).unwrap())
+        .collect();
     let refs: Vec<&dyn SampleSource> = inputs.iter().map(|f| f as &dyn SampleSource).collect();
     let mut prep = Preprocessor::new(w.config.clone()).unwrap();
     prep.run(&refs, &mut Output::new()).unwrap();
@@ -343,18 +462,35 @@ fn stack_feature_gradients_errors_name_the_stack_or_feature() {
     // Feature stacking: stack `ta` holds f0 and f2 (dim 16), `tb` holds f1 (dim 4).
     let g16 = Array2::<f32>::ones((16, 16));
     let e = stack_feature_gradients(&plan, "nope", &[(0, g16.view())]).unwrap_err();
-    assert!(matches!(&e, KernelError::Plan { kind: PlanItem::Stack, name, .. } if name == "nope"), "{e:?}");
+    assert!(
+        matches!(&e, KernelError::Plan { kind: PlanItem::Stack, name, .. } if name == "nope"),
+        "{e:?}"
+    );
     let e = stack_feature_gradients(&plan, "ta", &[(9, g16.view())]).unwrap_err();
-    assert!(matches!(&e, KernelError::Plan { kind: PlanItem::Feature, name, .. } if name == "9"), "{e:?}");
+    assert!(
+        matches!(&e, KernelError::Plan { kind: PlanItem::Feature, name, .. } if name == "9"),
+        "{e:?}"
+    );
     let e = stack_feature_gradients(&plan, "ta", &[(1, g16.view())]).unwrap_err();
-    assert!(matches!(&e, KernelError::Plan { kind: PlanItem::Feature, name, .. } if name == "f1"), "{e:?}");
+    assert!(
+        matches!(&e, KernelError::Plan { kind: PlanItem::Feature, name, .. } if name == "f1"),
+        "{e:?}"
+    );
     assert!(e.to_string().contains("tb"), "{e}");
     let wrong = Array2::<f32>::ones((16, 4));
     let e = stack_feature_gradients(&plan, "ta", &[(2, wrong.view())]).unwrap_err();
-    assert!(matches!(&e, KernelError::InvalidInput { subject: Subject::Feature(f), .. } if f == "f2"), "{e:?}");
+    assert!(
+        matches!(&e, KernelError::InvalidInput { subject: Subject::Feature(f), .. } if f == "f2"),
+        "{e:?}"
+    );
     assert!(e.to_string().contains("[16, 16]"), "{e}");
     // The right shape is accepted.
-    assert_eq!(stack_feature_gradients(&plan, "ta", &[(2, g16.view())]).unwrap().sum(), 256.0);
+    assert_eq!(
+        stack_feature_gradients(&plan, "ta", &[(2, g16.view())])
+            .unwrap()
+            .sum(),
+        256.0
+    );
 }
 
 /// A config whose stacked table is larger than memory: an error naming the stack, not an
@@ -372,7 +508,13 @@ fn a_stacked_table_past_memory_is_an_error() {
     // The member array of that shape, every element one float (zero strides).
     use ndarray::ShapeBuilder;
     let one = [0.5f32];
-    let view = ndarray::ArrayView2::from_shape((2_000_000_000, 200_000).strides((0, 0)), &one).unwrap();
+    let view =
+        ndarray::ArrayView2::from_shape((2_000_000_000, 200_000).strides((0, 0)), &one).unwrap();
     let e = StackedTable::from_tables(&plan, &plan.stacks[0].name, &[view]).unwrap_err();
-    assert!(e.to_string().contains("x 200000 floats does not fit in memory") && e.to_string().contains(&plan.stacks[0].name), "{e}");
+    assert!(
+        e.to_string()
+            .contains("x 200000 floats does not fit in memory")
+            && e.to_string().contains(&plan.stacks[0].name),
+        "{e}"
+    );
 }

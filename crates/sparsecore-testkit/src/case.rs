@@ -11,9 +11,9 @@ use ndarray::Array2;
 use serde::Deserialize;
 use serde_json::Value;
 
-use sparsecore_prep::{Error, Result};
 use sparsecore_prep::input::{CooInput, DenseInput, Ids, Offsets, RaggedInput, SampleSource};
 use sparsecore_prep::spec::Config;
+use sparsecore_prep::{Error, Result};
 
 /// One feature's inline data, owned.
 #[derive(Debug, Clone)]
@@ -62,7 +62,11 @@ impl CaseFeature {
     /// A borrowed view for the pipeline.
     pub fn source(&self) -> Result<Box<dyn SampleSource + '_>> {
         Ok(match &self.data {
-            CaseData::Ragged { values, row_splits, weights } => {
+            CaseData::Ragged {
+                values,
+                row_splits,
+                weights,
+            } => {
                 let r = RaggedInput::new(&self.name, Ids::I64(values), Offsets::I64(row_splits))?;
                 match weights {
                     Some(w) => Box::new(r.with_weights(&self.name, w)?),
@@ -76,9 +80,16 @@ impl CaseFeature {
                     None => Box::new(d),
                 }
             }
-            CaseData::Coo { indices, values, batch } => {
-                Box::new(CooInput::new(&self.name, indices, Ids::I64(values), *batch)?)
-            }
+            CaseData::Coo {
+                indices,
+                values,
+                batch,
+            } => Box::new(CooInput::new(
+                &self.name,
+                indices,
+                Ids::I64(values),
+                *batch,
+            )?),
         })
     }
 }
@@ -118,29 +129,55 @@ impl Case {
     /// Reads `input.json` of a case directory (or a JSON file directly).
     pub fn from_path(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let file = if path.is_dir() { path.join("input.json") } else { path.to_path_buf() };
-        let text = std::fs::read_to_string(&file)
-            .map_err(|source| Error::Io { context: format!("reading case {}", file.display()), source })?;
+        let file = if path.is_dir() {
+            path.join("input.json")
+        } else {
+            path.to_path_buf()
+        };
+        let text = std::fs::read_to_string(&file).map_err(|source| Error::Io {
+            context: format!("reading case {}", file.display()),
+            source,
+        })?;
         Self::from_json(&text).map_err(|e| match e {
-            Error::Json { source, .. } => Error::Json { context: format!("case {}", file.display()), source },
+            Error::Json { source, .. } => Error::Json {
+                context: format!("case {}", file.display()),
+                source,
+            },
             other => other,
         })
     }
 
     /// Parses a case from JSON text.
     pub fn from_json(text: &str) -> Result<Self> {
-        let json_err = |source| Error::Json { context: "case".into(), source };
+        let json_err = |source| Error::Json {
+            context: "case".into(),
+            source,
+        };
         let raw: Value = serde_json::from_str(text).map_err(json_err)?;
         let config: Config = serde_json::from_value(raw.clone()).map_err(json_err)?;
         let raw_features: Vec<RawFeature> =
-            serde_json::from_value(raw.get("features").cloned().unwrap_or(Value::Null)).map_err(json_err)?;
+            serde_json::from_value(raw.get("features").cloned().unwrap_or(Value::Null))
+                .map_err(json_err)?;
         // A case records whether the reference got weights; features without them get none.
-        let weighted = raw.pointer("/config/weights").and_then(Value::as_bool).unwrap_or(true);
-        let features = raw_features.into_iter().map(|f| parse_feature(f, weighted)).collect::<Result<Vec<_>>>()?;
+        let weighted = raw
+            .pointer("/config/weights")
+            .and_then(Value::as_bool)
+            .unwrap_or(true);
+        let features = raw_features
+            .into_iter()
+            .map(|f| parse_feature(f, weighted))
+            .collect::<Result<Vec<_>>>()?;
         if features.len() != config.features.len() {
-            return Err(Error::InputCount { expected: config.features.len(), got: features.len() });
+            return Err(Error::InputCount {
+                expected: config.features.len(),
+                got: features.len(),
+            });
         }
-        Ok(Case { config, features, raw })
+        Ok(Case {
+            config,
+            features,
+            raw,
+        })
     }
 
     /// Views of every feature, in config order.
@@ -159,21 +196,34 @@ fn parse_feature(f: RawFeature, weighted: bool) -> Result<CaseFeature> {
     let weights = if weighted { f.weights } else { None };
     let data = match layout {
         "ragged" | "dense" => {
-            let rows = f.ids.ok_or_else(|| Error::input(&f.name, "case feature has no `ids`"))?;
+            let rows = f
+                .ids
+                .ok_or_else(|| Error::input(&f.name, "case feature has no `ids`"))?;
             if let Some(w) = &weights {
                 if w.len() != rows.len() {
-                    return Err(Error::input(&f.name, format!("{} weight rows for {} id rows", w.len(), rows.len())));
+                    return Err(Error::input(
+                        &f.name,
+                        format!("{} weight rows for {} id rows", w.len(), rows.len()),
+                    ));
                 }
                 for (r, (wr, ir)) in w.iter().zip(&rows).enumerate() {
                     if wr.len() != ir.len() {
-                        return Err(Error::WeightsShape { feature: f.name.clone(), row: r, ids: ir.len(), weights: wr.len() });
+                        return Err(Error::WeightsShape {
+                            feature: f.name.clone(),
+                            row: r,
+                            ids: ir.len(),
+                            weights: wr.len(),
+                        });
                     }
                 }
             }
             if layout == "dense" {
                 let valency = rows.first().map_or(0, Vec::len);
                 if rows.iter().any(|r| r.len() != valency) {
-                    return Err(Error::input(&f.name, "dense rows must all have the same length"));
+                    return Err(Error::input(
+                        &f.name,
+                        "dense rows must all have the same length",
+                    ));
                 }
                 let ids = Array2::from_shape_vec((rows.len(), valency), rows.concat())
                     .map_err(|e| Error::input(&f.name, e.to_string()))?;
@@ -188,12 +238,20 @@ fn parse_feature(f: RawFeature, weighted: bool) -> Result<CaseFeature> {
                 for r in &rows {
                     row_splits.push(row_splits.last().copied().unwrap_or(0) + r.len() as i64);
                 }
-                CaseData::Ragged { values: rows.concat(), row_splits, weights: weights.map(|w| w.concat()) }
+                CaseData::Ragged {
+                    values: rows.concat(),
+                    row_splits,
+                    weights: weights.map(|w| w.concat()),
+                }
             }
         }
         "coo" => {
-            let indices = f.indices.ok_or_else(|| Error::input(&f.name, "COO case feature has no `indices`"))?;
-            let values = f.values.ok_or_else(|| Error::input(&f.name, "COO case feature has no `values`"))?;
+            let indices = f
+                .indices
+                .ok_or_else(|| Error::input(&f.name, "COO case feature has no `indices`"))?;
+            let values = f
+                .values
+                .ok_or_else(|| Error::input(&f.name, "COO case feature has no `values`"))?;
             let batch = f
                 .dense_shape
                 .as_ref()
@@ -201,9 +259,23 @@ fn parse_feature(f: RawFeature, weighted: bool) -> Result<CaseFeature> {
                 .filter(|&b| b >= 0)
                 .map(|b| b as usize)
                 .unwrap_or(f.local_batch_size);
-            CaseData::Coo { indices: indices.concat(), values, batch }
+            CaseData::Coo {
+                indices: indices.concat(),
+                values,
+                batch,
+            }
         }
-        other => return Err(Error::input(&f.name, format!("unknown case layout {other:?}"))),
+        other => {
+            return Err(Error::input(
+                &f.name,
+                format!("unknown case layout {other:?}"),
+            ))
+        }
     };
-    Ok(CaseFeature { name: f.name, local_batch_size: f.local_batch_size, global_batch_size: f.global_batch_size, data })
+    Ok(CaseFeature {
+        name: f.name,
+        local_batch_size: f.local_batch_size,
+        global_batch_size: f.global_batch_size,
+        data,
+    })
 }

@@ -42,7 +42,12 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 impl FaultProxy {
     /// Forwards connections to `127.0.0.1:upstream`; on the `nth` (1-based) `EVAL` crashes as
     /// `crash` says by calling `kill`.
-    pub fn start(upstream: u16, nth: usize, crash: Crash, kill: impl Fn() + Send + Sync + 'static) -> Self {
+    pub fn start(
+        upstream: u16,
+        nth: usize,
+        crash: Crash,
+        kill: impl Fn() + Send + Sync + 'static,
+    ) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let crashed = Arc::new(AtomicBool::new(false));
@@ -56,15 +61,24 @@ impl FaultProxy {
                     drop(client); // the server is gone: refuse like it would
                     continue;
                 }
-                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else { continue };
+                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                    continue;
+                };
                 let drop_replies = Arc::new(AtomicBool::new(false));
                 // Server → client.
                 {
-                    let (mut from, mut to, drop_replies) = (server.try_clone().unwrap(), client.try_clone().unwrap(), drop_replies.clone());
+                    let (mut from, mut to, drop_replies) = (
+                        server.try_clone().unwrap(),
+                        client.try_clone().unwrap(),
+                        drop_replies.clone(),
+                    );
                     std::thread::spawn(move || {
                         let mut buf = vec![0u8; 1 << 16];
                         while let Ok(n) = from.read(&mut buf) {
-                            if n == 0 || (!drop_replies.load(Ordering::SeqCst) && to.write_all(&buf[..n]).is_err()) {
+                            if n == 0
+                                || (!drop_replies.load(Ordering::SeqCst)
+                                    && to.write_all(&buf[..n]).is_err())
+                            {
                                 break;
                             }
                         }
@@ -73,7 +87,8 @@ impl FaultProxy {
                 }
                 // Client → server, watching for the n-th EVAL.
                 let (mut from, mut to) = (client, server);
-                let (evals, crashed, kill, crash) = (evals.clone(), c.clone(), kill.clone(), crash.clone());
+                let (evals, crashed, kill, crash) =
+                    (evals.clone(), c.clone(), kill.clone(), crash.clone());
                 std::thread::spawn(move || {
                     let mut buf = vec![0u8; 1 << 16];
                     let mut armed = false;
@@ -81,7 +96,14 @@ impl FaultProxy {
                         let n = match from.read(&mut buf) {
                             Ok(0) => break,
                             Ok(n) => n,
-                            Err(e) if armed && matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                            Err(e)
+                                if armed
+                                    && matches!(
+                                        e.kind(),
+                                        std::io::ErrorKind::WouldBlock
+                                            | std::io::ErrorKind::TimedOut
+                                    ) =>
+                            {
                                 // The client sent the whole update and waits for the reply: let
                                 // the server run and persist it, then crash before it replies.
                                 std::thread::sleep(Duration::from_millis(300));
@@ -98,11 +120,16 @@ impl FaultProxy {
                                 if evals.fetch_add(1, Ordering::SeqCst) + 1 == nth {
                                     armed = true;
                                     if let Crash::WriteFirst(request) = &crash {
-                                        let mut other = TcpStream::connect(("127.0.0.1", upstream)).unwrap();
+                                        let mut other =
+                                            TcpStream::connect(("127.0.0.1", upstream)).unwrap();
                                         other.write_all(request).unwrap();
                                         let mut reply = [0u8; 64];
                                         let n = other.read(&mut reply).unwrap();
-                                        assert!(reply[..n].starts_with(b"+OK"), "{:?}", String::from_utf8_lossy(&reply[..n]));
+                                        assert!(
+                                            reply[..n].starts_with(b"+OK"),
+                                            "{:?}",
+                                            String::from_utf8_lossy(&reply[..n])
+                                        );
                                         armed = false;
                                         if to.write_all(chunk).is_err() {
                                             break;

@@ -191,26 +191,41 @@ impl std::fmt::Display for ModelError {
 }
 
 /// Plans the batch (global batch = local * G / L, as the crate's default) and runs the model.
-pub fn preprocess(config: &Config, batch: &Batch, batch_number: u64) -> Result<Vec<StackResult>, ModelError> {
+pub fn preprocess(
+    config: &Config,
+    batch: &Batch,
+    batch_number: u64,
+) -> Result<Vec<StackResult>, ModelError> {
     let _ = batch_number; // only minibatching uses it
     if config.config.enable_minibatching {
-        return Err(ModelError::Unsupported("minibatching (SPEC 5) is not modelled".into()));
+        return Err(ModelError::Unsupported(
+            "minibatching (SPEC 5) is not modelled".into(),
+        ));
     }
     if batch.features.len() != config.features.len() {
-        return Err(ModelError::InputCount { expected: config.features.len(), got: batch.features.len() });
+        return Err(ModelError::InputCount {
+            expected: config.features.len(),
+            got: batch.features.len(),
+        });
     }
     let sizes: Vec<usize> = batch.features.iter().map(|f| f.rows.len()).collect();
-    let plan = Plan::for_local_batches(config, &sizes).map_err(|e| ModelError::Plan(e.to_string()))?;
+    let plan =
+        Plan::for_local_batches(config, &sizes).map_err(|e| ModelError::Plan(e.to_string()))?;
     preprocess_with_plan(&plan, batch)
 }
 
 /// Runs the model with a given plan (for cases whose global batch sizes are fixed).
 pub fn preprocess_with_plan(plan: &Plan, batch: &Batch) -> Result<Vec<StackResult>, ModelError> {
     if plan.enable_minibatching {
-        return Err(ModelError::Unsupported("minibatching (SPEC 5) is not modelled".into()));
+        return Err(ModelError::Unsupported(
+            "minibatching (SPEC 5) is not modelled".into(),
+        ));
     }
     if batch.features.len() != plan.features.len() {
-        return Err(ModelError::InputCount { expected: plan.features.len(), got: batch.features.len() });
+        return Err(ModelError::InputCount {
+            expected: plan.features.len(),
+            got: batch.features.len(),
+        });
     }
     let l = plan.layout.local_devices;
     let g = plan.layout.global_devices;
@@ -222,9 +237,14 @@ pub fn preprocess_with_plan(plan: &Plan, batch: &Batch) -> Result<Vec<StackResul
     for stack in &plan.stacks {
         let mut members = stack.features.clone();
         members.sort_by_key(|&f| plan.features[f].row_offset);
-        let bsd: usize = members.iter().map(|&f| batch.features[f].rows.len() / l).sum();
+        let bsd: usize = members
+            .iter()
+            .map(|&f| batch.features[f].rows.len() / l)
+            .sum();
         if bsd as u64 > DATA_MASK {
-            return Err(ModelError::BatchTooLarge { stack: stack.name.clone() });
+            return Err(ModelError::BatchTooLarge {
+                stack: stack.name.clone(),
+            });
         }
         if !bsd.is_multiple_of(s) {
             return Err(ModelError::BatchNotDivisible {
@@ -234,10 +254,17 @@ pub fn preprocess_with_plan(plan: &Plan, batch: &Batch) -> Result<Vec<StackResul
             });
         }
         if bsd < s * members.len() {
-            return Err(ModelError::BatchTooSmall { stack: stack.name.clone(), batch: bsd });
+            return Err(ModelError::BatchTooSmall {
+                stack: stack.name.clone(),
+                batch: bsd,
+            });
         }
         let weighted = members.iter().any(|&f| batch.features[f].weights.is_some());
-        stacks.push(StackInfo { members, bsps: bsd / s, weighted });
+        stacks.push(StackInfo {
+            members,
+            bsps: bsd / s,
+            weighted,
+        });
     }
 
     // Stage A for every (stack, device, SparseCore) first: bad ids and weights come before
@@ -261,7 +288,12 @@ pub fn preprocess_with_plan(plan: &Plan, batch: &Batch) -> Result<Vec<StackResul
     for ((stack, info), ex) in plan.stacks.iter().zip(&stacks).zip(&extracted) {
         let rpb = n.max(ALIGN);
         let rp_per_device = rpb * s;
-        let c = coo_buffer_size(stack.max_ids_per_partition, stack.suggested_coo_buffer_size_per_device, s, n);
+        let c = coo_buffer_size(
+            stack.max_ids_per_partition,
+            stack.suggested_coo_buffer_size_per_device,
+            s,
+            n,
+        );
         let cs = c / s;
         let mut res = StackResult {
             name: stack.name.clone(),
@@ -279,7 +311,10 @@ pub fn preprocess_with_plan(plan: &Plan, batch: &Batch) -> Result<Vec<StackResul
             overflowed_id_count: 0,
         };
         let drop = plan.allow_id_dropping;
-        let limits = (stack.max_ids_per_partition, stack.max_unique_ids_per_partition);
+        let limits = (
+            stack.max_ids_per_partition,
+            stack.max_unique_ids_per_partition,
+        );
         // (observed, device, sc, partition) of each limit's largest count on the first
         // SparseCore (device-major) that exceeds a limit: the reference checks SparseCore by
         // SparseCore, ids before unique ids.
@@ -310,7 +345,8 @@ pub fn preprocess_with_plan(plan: &Plan, batch: &Batch) -> Result<Vec<StackResul
                 if first_over.is_none() && (worst_ids.0 > limits.0 || worst_unique.0 > limits.1) {
                     first_over = Some((worst_ids, worst_unique));
                 }
-                res.required_buffer_size_per_sc[d * s + sc] = required.min(i32::MAX as usize) as i32;
+                res.required_buffer_size_per_sc[d * s + sc] =
+                    required.min(i32::MAX as usize) as i32;
                 res.dropped_id_count += grouped.dropped;
 
                 // Stage D (SPEC 3.8): this SparseCore's segment.
@@ -406,12 +442,23 @@ fn round_up(x: usize, m: usize) -> usize {
 }
 
 /// SPEC 3.3–3.5: the ids SparseCore `sc` of local device `d` receives, in extraction order.
-fn extract(plan: &Plan, batch: &Batch, info: &StackInfo, combiner: Combiner, d: usize, sc: usize) -> Result<Extracted, ModelError> {
+fn extract(
+    plan: &Plan,
+    batch: &Batch,
+    info: &StackInfo,
+    combiner: Combiner,
+    d: usize,
+    sc: usize,
+) -> Result<Extracted, ModelError> {
     let l = plan.layout.local_devices;
     let g = plan.layout.global_devices;
     let s = plan.layout.sc_per_device;
     let n = g * s;
-    let stack_name = || plan.stacks[plan.features[info.members[0]].stack].name.clone();
+    let stack_name = || {
+        plan.stacks[plan.features[info.members[0]].stack]
+            .name
+            .clone()
+    };
     // Payloads must fit 26 bits (SPEC Part 1, 1.3): the rows this SparseCore can reference
     // (a feature's base row counts even when it sends no rows here), and for weighted stacks
     // the extraction indices. Checked before any row is read.
@@ -420,18 +467,35 @@ fn extract(plan: &Plan, batch: &Batch, info: &StackInfo, combiner: Combiner, d: 
         let start = (d * s + sc) * nsps;
         (start, batch.features[f].rows.len().min(start + nsps))
     };
-    let base = |f: usize| sc as u64 * info.bsps as u64 + plan.features[f].row_offset / (g * s) as u64;
-    let row_hi = info.members.iter().map(|&f| base(f) + (batch.features[f].rows.len() / (l * s)) as u64).max().unwrap_or(0);
+    let base =
+        |f: usize| sc as u64 * info.bsps as u64 + plan.features[f].row_offset / (g * s) as u64;
+    let row_hi = info
+        .members
+        .iter()
+        .map(|&f| base(f) + (batch.features[f].rows.len() / (l * s)) as u64)
+        .max()
+        .unwrap_or(0);
     if row_hi.max((sc * info.bsps) as u64) > DATA_MASK + 1 {
-        return Err(ModelError::BatchTooLarge { stack: stack_name() });
+        return Err(ModelError::BatchTooLarge {
+            stack: stack_name(),
+        });
     }
     if info.weighted {
-        let total: usize = info.members.iter().map(|&f| {
-            let (start, end) = slice(f);
-            batch.features[f].rows[start..end].iter().map(Vec::len).sum::<usize>()
-        }).sum();
+        let total: usize = info
+            .members
+            .iter()
+            .map(|&f| {
+                let (start, end) = slice(f);
+                batch.features[f].rows[start..end]
+                    .iter()
+                    .map(Vec::len)
+                    .sum::<usize>()
+            })
+            .sum();
         if total as u64 > DATA_MASK + 1 {
-            return Err(ModelError::BatchTooLarge { stack: stack_name() });
+            return Err(ModelError::BatchTooLarge {
+                stack: stack_name(),
+            });
         }
     }
     let mut entries = Vec::new();
@@ -449,10 +513,18 @@ fn extract(plan: &Plan, batch: &Batch, info: &StackInfo, combiner: Combiner, d: 
                     None => vec![1.0; ids.len()],
                 };
                 if weights.len() != ids.len() {
-                    return Err(ModelError::WeightsShape { feature: fp.name.clone(), row: r, ids: ids.len(), weights: weights.len() });
+                    return Err(ModelError::WeightsShape {
+                        feature: fp.name.clone(),
+                        row: r,
+                        ids: ids.len(),
+                        weights: weights.len(),
+                    });
                 }
                 if weights.iter().any(|w| !w.is_finite()) {
-                    return Err(ModelError::InvalidWeight { feature: fp.name.clone(), row: r });
+                    return Err(ModelError::InvalidWeight {
+                        feature: fp.name.clone(),
+                        row: r,
+                    });
                 }
                 weighted_gains(combiner, &weights)
             } else {
@@ -460,20 +532,33 @@ fn extract(plan: &Plan, batch: &Batch, info: &StackInfo, combiner: Combiner, d: 
             };
             for (&id, &gain) in ids.iter().zip(&gains) {
                 if plan.validate_ids && (id < 0 || id as u64 >= fp.vocabulary_size) {
-                    return Err(ModelError::IdOutOfRange { feature: fp.name.clone(), row: r, id });
+                    return Err(ModelError::IdOutOfRange {
+                        feature: fp.name.clone(),
+                        row: r,
+                        id,
+                    });
                 }
                 let col = col_id(id as u32, fp.col_shift, fp.col_offset, n as u32);
-                entries.push(Entry { row: row_id as u32, col, gain });
+                entries.push(Entry {
+                    row: row_id as u32,
+                    col,
+                    gain,
+                });
             }
         }
     }
-    Ok(Extracted { entries, weighted: info.weighted })
+    Ok(Extracted {
+        entries,
+        weighted: info.weighted,
+    })
 }
 
 /// SPEC 3.4: `((id + shift) & (N-1)) + (id & !(N-1)) + col_offset`, in 32-bit arithmetic.
 fn col_id(id: u32, shift: u32, offset: u32, n: u32) -> u32 {
     let mask = n - 1;
-    (id.wrapping_add(shift) & mask).wrapping_add(id & !mask).wrapping_add(offset)
+    (id.wrapping_add(shift) & mask)
+        .wrapping_add(id & !mask)
+        .wrapping_add(offset)
 }
 
 /// SPEC 3.5, unity weights: the gain of each of a sample's `count` ids.
@@ -609,7 +694,12 @@ fn group(ex: &Extracted, n: usize, drop: bool, (max_ids, max_unique): (u32, u32)
         }
         prev = Some((row, col));
     }
-    Grouped { entries: out, observed_ids, observed_unique, dropped }
+    Grouped {
+        entries: out,
+        observed_ids,
+        observed_unique,
+        dropped,
+    }
 }
 
 /// SPEC 3.8's output for one SparseCore segment.
@@ -646,7 +736,11 @@ fn fill(entries: &[Entry], n: usize, cs: usize, bsps: usize) -> Filled {
             overflow += 1;
             continue;
         }
-        slots[i] = Some(((e.col >> nbits) as i32, (e.row as usize % bsps) as i32, e.gain));
+        slots[i] = Some((
+            (e.col >> nbits) as i32,
+            (e.row as usize % bsps) as i32,
+            e.gain,
+        ));
         i += 1;
     }
     while p < n {
@@ -657,7 +751,12 @@ fn fill(entries: &[Entry], n: usize, cs: usize, bsps: usize) -> Filled {
     for rp in &mut row_pointers[n..] {
         *rp = i as i32;
     }
-    Filled { row_pointers, slots, cursor: i, overflow }
+    Filled {
+        row_pointers,
+        slots,
+        cursor: i,
+        overflow,
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -693,7 +792,11 @@ impl SampleSource for SplitWeights<'_> {
     }
     fn view(&self) -> FeatureView<'_> {
         let (w, ws) = self.0.weights.as_ref().expect("SplitWeights has weights");
-        FeatureView::Ragged { ids: Ids::I64(&self.0.values), offsets: Offsets::I64(&self.0.splits), weights: Some((w, Offsets::I64(ws))) }
+        FeatureView::Ragged {
+            ids: Ids::I64(&self.0.values),
+            offsets: Offsets::I64(&self.0.splits),
+            weights: Some((w, Offsets::I64(ws))),
+        }
     }
 }
 
@@ -721,7 +824,12 @@ impl FlatBatch {
                     }
                     (flat, ws)
                 });
-                FlatFeature { name: f.name.clone(), values, splits, weights }
+                FlatFeature {
+                    name: f.name.clone(),
+                    values,
+                    splits,
+                    weights,
+                }
             })
             .collect();
         FlatBatch { features }
@@ -751,11 +859,18 @@ impl FlatBatch {
 
 /// Runs the crate itself on the same batch (RaggedInput views, `threads` workers, one fresh
 /// Output).
-pub fn run_crate(config: &Config, batch: &Batch, batch_number: u64, threads: usize) -> Result<Output, Error> {
+pub fn run_crate(
+    config: &Config,
+    batch: &Batch,
+    batch_number: u64,
+    threads: usize,
+) -> Result<Output, Error> {
     let flat = FlatBatch::new(batch);
     let sources = flat.sources()?;
     let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
-    let mut prep = Preprocessor::builder(config.clone()).threads(threads).build()?;
+    let mut prep = Preprocessor::builder(config.clone())
+        .threads(threads)
+        .build()?;
     prep.set_batch_number(batch_number);
     let mut out = Output::new();
     prep.run(&inputs, &mut out)?;
@@ -768,12 +883,20 @@ pub fn run_crate(config: &Config, batch: &Batch, batch_number: u64, threads: usi
 ///
 /// Outside the written ranges the crate must hold the padding triple (SPEC Part 1, 1.2), which
 /// is what the model holds there too, so whole buffers are compared.
-pub fn check(config: &Config, batch: &Batch, batch_number: u64, ours: Result<&Output, &Error>) -> Result<(), String> {
+pub fn check(
+    config: &Config,
+    batch: &Batch,
+    batch_number: u64,
+    ours: Result<&Output, &Error>,
+) -> Result<(), String> {
     compare(preprocess(config, batch, batch_number), ours)
 }
 
 /// Compares a model result with the crate's.
-pub fn compare(model: Result<Vec<StackResult>, ModelError>, ours: Result<&Output, &Error>) -> Result<(), String> {
+pub fn compare(
+    model: Result<Vec<StackResult>, ModelError>,
+    ours: Result<&Output, &Error>,
+) -> Result<(), String> {
     match (model, ours) {
         (Ok(want), Ok(got)) => compare_outputs(&want, got),
         (Err(want), Err(got)) => compare_errors(&want, got.root()),
@@ -785,25 +908,102 @@ pub fn compare(model: Result<Vec<StackResult>, ModelError>, ours: Result<&Output
 /// Same error kind and the fields that identify it.
 pub fn compare_errors(want: &ModelError, got: &Error) -> Result<(), String> {
     let same = match (want, got) {
-        (ModelError::Unsupported(_), _) => return Err(format!("the model does not cover this config (crate: {got})")),
+        (ModelError::Unsupported(_), _) => {
+            return Err(format!(
+                "the model does not cover this config (crate: {got})"
+            ))
+        }
         (ModelError::Plan(m), e) => *m == e.to_string(),
-        (ModelError::InputCount { expected, got: g }, Error::InputCount { expected: e2, got: g2 }) => expected == e2 && g == g2,
-        (ModelError::BatchTooLarge { stack }, Error::BatchTooLarge { stack: s2, .. }) => stack == s2,
-        (ModelError::BatchNotDivisible { stack, feature, batch }, Error::BatchNotDivisible { stack: s2, feature: f2, batch: b2, .. }) => {
-            stack == s2 && feature == f2 && batch == b2
-        }
-        (ModelError::BatchTooSmall { stack, batch }, Error::BatchTooSmall { stack: s2, batch: b2, .. }) => stack == s2 && batch == b2,
-        (ModelError::IdOutOfRange { feature, row, id }, Error::IdOutOfRange { feature: f2, row: r2, id: i2, .. }) => {
-            feature == f2 && row == r2 && id == i2
-        }
-        (ModelError::InvalidWeight { feature, row }, Error::InvalidWeight { feature: f2, row: r2, .. }) => feature == f2 && row == r2,
-        (ModelError::WeightsShape { feature, row, ids, weights }, Error::WeightsShape { feature: f2, row: r2, ids: i2, weights: w2 }) => {
-            feature == f2 && row == r2 && ids == i2 && weights == w2
+        (
+            ModelError::InputCount { expected, got: g },
+            Error::InputCount {
+                expected: e2,
+                got: g2,
+            },
+        ) => expected == e2 && g == g2,
+        (ModelError::BatchTooLarge { stack }, Error::BatchTooLarge { stack: s2, .. }) => {
+            stack == s2
         }
         (
-            ModelError::LimitExceeded { stack, kind, observed, limit, device, sc, partition },
-            Error::LimitExceeded { stack: s2, kind: k2, observed: o2, limit: l2, device: d2, sparsecore: c2, partition: p2 },
-        ) => stack == s2 && kind == k2 && observed == o2 && limit == l2 && device == d2 && sc == c2 && partition == p2,
+            ModelError::BatchNotDivisible {
+                stack,
+                feature,
+                batch,
+            },
+            Error::BatchNotDivisible {
+                stack: s2,
+                feature: f2,
+                batch: b2,
+                ..
+            },
+        ) => stack == s2 && feature == f2 && batch == b2,
+        (
+            ModelError::BatchTooSmall { stack, batch },
+            Error::BatchTooSmall {
+                stack: s2,
+                batch: b2,
+                ..
+            },
+        ) => stack == s2 && batch == b2,
+        (
+            ModelError::IdOutOfRange { feature, row, id },
+            Error::IdOutOfRange {
+                feature: f2,
+                row: r2,
+                id: i2,
+                ..
+            },
+        ) => feature == f2 && row == r2 && id == i2,
+        (
+            ModelError::InvalidWeight { feature, row },
+            Error::InvalidWeight {
+                feature: f2,
+                row: r2,
+                ..
+            },
+        ) => feature == f2 && row == r2,
+        (
+            ModelError::WeightsShape {
+                feature,
+                row,
+                ids,
+                weights,
+            },
+            Error::WeightsShape {
+                feature: f2,
+                row: r2,
+                ids: i2,
+                weights: w2,
+            },
+        ) => feature == f2 && row == r2 && ids == i2 && weights == w2,
+        (
+            ModelError::LimitExceeded {
+                stack,
+                kind,
+                observed,
+                limit,
+                device,
+                sc,
+                partition,
+            },
+            Error::LimitExceeded {
+                stack: s2,
+                kind: k2,
+                observed: o2,
+                limit: l2,
+                device: d2,
+                sparsecore: c2,
+                partition: p2,
+            },
+        ) => {
+            stack == s2
+                && kind == k2
+                && observed == o2
+                && limit == l2
+                && device == d2
+                && sc == c2
+                && partition == p2
+        }
         _ => false,
     };
     if same {
@@ -824,9 +1024,14 @@ pub fn compare_outputs(want: &[StackResult], got: &Output) -> Result<(), String>
     for (w, o) in want.iter().zip(&got.stacks) {
         let name = &w.name;
         if o.name != *name {
-            return Err(format!("stack {name}: the crate's stack here is {}", o.name));
+            return Err(format!(
+                "stack {name}: the crate's stack here is {}",
+                o.name
+            ));
         }
-        if o.row_pointers_per_device() != w.row_pointers_per_device || o.row_pointers.len() != w.row_pointers.len() {
+        if o.row_pointers_per_device() != w.row_pointers_per_device
+            || o.row_pointers.len() != w.row_pointers.len()
+        {
             return Err(format!(
                 "stack {name}: row pointers per device {} ({} in all), want {} ({})",
                 o.row_pointers_per_device(),
@@ -850,7 +1055,8 @@ pub fn compare_outputs(want: &[StackResult], got: &Output) -> Result<(), String>
                 w.embedding_ids.len()
             ));
         }
-        if let Some(i) = (0..w.row_pointers.len()).find(|&i| w.row_pointers[i] != o.row_pointers[i]) {
+        if let Some(i) = (0..w.row_pointers.len()).find(|&i| w.row_pointers[i] != o.row_pointers[i])
+        {
             let rpd = w.row_pointers_per_device;
             return Err(format!(
                 "stack {name}: row pointer {i} (device {}, index {}) is {}, want {}\n ours {:?}\n want {:?}",
@@ -883,16 +1089,33 @@ pub fn compare_outputs(want: &[StackResult], got: &Output) -> Result<(), String>
         }
         let st = &o.stats;
         for (field, ours, model) in [
-            ("max_ids_per_partition", &st.max_ids_per_partition, &w.max_ids_per_partition),
-            ("max_unique_ids_per_partition", &st.max_unique_ids_per_partition, &w.max_unique_ids_per_partition),
-            ("required_buffer_size_per_sc", &st.required_buffer_size_per_sc, &w.required_buffer_size_per_sc),
+            (
+                "max_ids_per_partition",
+                &st.max_ids_per_partition,
+                &w.max_ids_per_partition,
+            ),
+            (
+                "max_unique_ids_per_partition",
+                &st.max_unique_ids_per_partition,
+                &w.max_unique_ids_per_partition,
+            ),
+            (
+                "required_buffer_size_per_sc",
+                &st.required_buffer_size_per_sc,
+                &w.required_buffer_size_per_sc,
+            ),
         ] {
             if ours != model {
-                return Err(format!("stack {name}: stats.{field} {ours:?}, want {model:?}"));
+                return Err(format!(
+                    "stack {name}: stats.{field} {ours:?}, want {model:?}"
+                ));
             }
         }
         if st.dropped_id_count != w.dropped_id_count {
-            return Err(format!("stack {name}: dropped_id_count {}, want {}", st.dropped_id_count, w.dropped_id_count));
+            return Err(format!(
+                "stack {name}: dropped_id_count {}, want {}",
+                st.dropped_id_count, w.dropped_id_count
+            ));
         }
     }
     Ok(())

@@ -34,7 +34,11 @@ pub struct RedisServer {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").expect("bind a loopback port").local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind a loopback port")
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn binary() -> String {
@@ -48,19 +52,36 @@ impl RedisServer {
         let dir = std::env::temp_dir().join(format!("sparsecore-redis-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let mut server = RedisServer { child: None, port: free_port(), dir, persistence };
+        let mut server = RedisServer {
+            child: None,
+            port: free_port(),
+            dir,
+            persistence,
+        };
         server.spawn();
         server
     }
 
     fn spawn(&mut self) {
         let mut cmd = Command::new(binary());
-        cmd.arg("--bind").arg("127.0.0.1").arg("--port").arg(self.port.to_string());
-        cmd.arg("--dir").arg(&self.dir).arg("--save").arg("").arg("--daemonize").arg("no");
+        cmd.arg("--bind")
+            .arg("127.0.0.1")
+            .arg("--port")
+            .arg(self.port.to_string());
+        cmd.arg("--dir")
+            .arg(&self.dir)
+            .arg("--save")
+            .arg("")
+            .arg("--daemonize")
+            .arg("no");
         cmd.arg("--logfile").arg(self.dir.join("redis.log"));
         match self.persistence {
             Persistence::None => cmd.arg("--appendonly").arg("no"),
-            Persistence::AofAlways => cmd.arg("--appendonly").arg("yes").arg("--appendfsync").arg("always"),
+            Persistence::AofAlways => cmd
+                .arg("--appendonly")
+                .arg("yes")
+                .arg("--appendfsync")
+                .arg("always"),
         };
         let child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap_or_else(|e| {
             panic!(
@@ -77,14 +98,24 @@ impl RedisServer {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        panic!("redis-server on port {} did not answer PING within 10 s; log: {}", self.port, self.log());
+        panic!(
+            "redis-server on port {} did not answer PING within 10 s; log: {}",
+            self.port,
+            self.log()
+        );
     }
 
     fn ping(&self) -> bool {
-        let Ok(mut s) = TcpStream::connect_timeout(&([127, 0, 0, 1], self.port).into(), Duration::from_millis(200)) else { return false };
+        let Ok(mut s) = TcpStream::connect_timeout(
+            &([127, 0, 0, 1], self.port).into(),
+            Duration::from_millis(200),
+        ) else {
+            return false;
+        };
         let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
         let mut buf = [0u8; 64];
-        s.write_all(b"PING\r\n").is_ok() && matches!(s.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
+        s.write_all(b"PING\r\n").is_ok()
+            && matches!(s.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
     }
 
     /// Its `redis://` URL.
@@ -113,7 +144,11 @@ impl RedisServer {
 
     /// Sends a signal by name (`STOP`, `CONT`) with kill(1).
     pub fn signal(&self, sig: &str) {
-        let st = Command::new("kill").arg(format!("-{sig}")).arg(self.pid().to_string()).status().unwrap();
+        let st = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid().to_string())
+            .status()
+            .unwrap();
         assert!(st.success(), "kill -{sig} {}", self.pid());
     }
 
@@ -133,7 +168,10 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         if let Some(c) = &self.child {
             // A stopped server must be continued to die cleanly.
-            let _ = Command::new("kill").arg("-CONT").arg(c.id().to_string()).status();
+            let _ = Command::new("kill")
+                .arg("-CONT")
+                .arg(c.id().to_string())
+                .status();
         }
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);

@@ -14,7 +14,8 @@ impl TempDir {
     /// Creates the directory (emptying a leftover of the same name first).
     pub fn new(name: &str) -> Self {
         let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-        let p = std::env::temp_dir().join(format!("sparsecore-prep-{}-{name}-{n}", std::process::id()));
+        let p =
+            std::env::temp_dir().join(format!("sparsecore-prep-{}-{name}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&p);
         std::fs::create_dir_all(&p).unwrap();
         TempDir(p)

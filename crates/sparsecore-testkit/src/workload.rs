@@ -24,19 +24,23 @@
 use std::str::FromStr;
 use std::sync::Arc;
 
-use arrow_array::{ArrayRef, Float32Array, Int32Array, Int64Array, ListArray, RecordBatch, StringArray};
+use arrow_array::{
+    ArrayRef, Float32Array, Int32Array, Int64Array, ListArray, RecordBatch, StringArray,
+};
 use arrow_buffer::OffsetBuffer;
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use rand_distr::{Distribution, Normal, Zipf};
 
-use sparsecore_prep::{Error, Result};
 use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::spec::HashConfig;
+use sparsecore_prep::spec::{
+    Config, FeatureConfig, Options, StackLimits, Stacking, TableConfig, MAX_MINIBATCHING_BUCKETS,
+};
 use sparsecore_prep::Output;
 use sparsecore_prep::Preprocessor;
-use sparsecore_prep::spec::{Config, FeatureConfig, Options, StackLimits, Stacking, TableConfig, MAX_MINIBATCHING_BUCKETS};
+use sparsecore_prep::{Error, Result};
 
 /// A named workload shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,8 +59,13 @@ pub enum Profile {
 
 impl Profile {
     /// Every profile, in documentation order.
-    pub const ALL: [Profile; 5] =
-        [Profile::Criteo, Profile::Long, Profile::LargeVocab, Profile::HighMultivalency, Profile::ModerateMultivalency];
+    pub const ALL: [Profile; 5] = [
+        Profile::Criteo,
+        Profile::Long,
+        Profile::LargeVocab,
+        Profile::HighMultivalency,
+        Profile::ModerateMultivalency,
+    ];
 
     /// The CLI name.
     pub fn name(self) -> &'static str {
@@ -84,13 +93,16 @@ impl Profile {
 impl FromStr for Profile {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        Profile::ALL.into_iter().find(|p| p.name() == s).ok_or_else(|| {
-            Error::option(
+        Profile::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                Error::option(
                 "profile",
                 s,
                 "expected criteo, long, large-vocab, high-multivalency or moderate-multivalency",
             )
-        })
+            })
     }
 }
 
@@ -189,10 +201,17 @@ const SCATTER: u64 = 2654435761;
 
 impl IdDist {
     fn scattered(vocab: u64) -> Self {
-        IdDist::ScatteredZipf { vocab, zipf: Zipf::new(vocab as f64, 1.1).expect("valid Zipf") }
+        IdDist::ScatteredZipf {
+            vocab,
+            zipf: Zipf::new(vocab as f64, 1.1).expect("valid Zipf"),
+        }
     }
     fn skewed(vocab: u64, p: f64) -> Self {
-        IdDist::Skewed { vocab, p, zipf: Zipf::new(vocab as f64, 1.00278).expect("valid Zipf") }
+        IdDist::Skewed {
+            vocab,
+            p,
+            zipf: Zipf::new(vocab as f64, 1.00278).expect("valid Zipf"),
+        }
     }
     fn draw(&self, rng: &mut StdRng) -> i64 {
         match self {
@@ -241,8 +260,11 @@ fn build(profile: Profile) -> (Vec<TableConfig>, Vec<FeatureGen>) {
             (tables, feats)
         }
         Profile::Long => {
-            let tables =
-                vec![table("items", 1_000_000, 32, "sum"), table("cats", 10_000, 32, "sum"), table("queries", 10_000_000, 32, "sum")];
+            let tables = vec![
+                table("items", 1_000_000, 32, "sum"),
+                table("cats", 10_000, 32, "sum"),
+                table("queries", 10_000_000, 32, "sum"),
+            ];
             let feats = [0usize, 0, 1, 2]
                 .iter()
                 .enumerate()
@@ -299,7 +321,11 @@ pub const BENCH_PROFILES: [(Profile, usize); 5] = [
 pub fn bench_spec(profile: Profile, batch: usize) -> WorkloadSpec {
     let mut spec = WorkloadSpec::new(profile);
     spec.batch_size = batch;
-    spec.layout = if profile == Profile::Criteo { (4, 4, 4) } else { (1, 1, 4) };
+    spec.layout = if profile == Profile::Criteo {
+        (4, 4, 4)
+    } else {
+        (1, 1, 4)
+    };
     spec
 }
 
@@ -310,7 +336,10 @@ pub fn bench_spec(profile: Profile, batch: usize) -> WorkloadSpec {
 /// enough that halved limits split its batch (in 4) without putting a single bucket over a limit.
 pub fn bench_paths() -> [(&'static str, WorkloadSpec); 3] {
     let spec = |profile: Profile| {
-        let (_, batch) = BENCH_PROFILES.into_iter().find(|&(p, _)| p == profile).unwrap_or((profile, profile.default_batch_size()));
+        let (_, batch) = BENCH_PROFILES
+            .into_iter()
+            .find(|&(p, _)| p == profile)
+            .unwrap_or((profile, profile.default_batch_size()));
         bench_spec(profile, batch)
     };
     let mut weights = spec(Profile::Long);
@@ -319,15 +348,26 @@ pub fn bench_paths() -> [(&'static str, WorkloadSpec); 3] {
     raw_keys.raw_keys = true;
     let mut minibatching = spec(Profile::ModerateMultivalency);
     minibatching.minibatching = Some(2);
-    [("long/weights", weights), ("criteo/raw-keys", raw_keys), ("moderate-multivalency/minibatching", minibatching)]
+    [
+        ("long/weights", weights),
+        ("criteo/raw-keys", raw_keys),
+        ("moderate-multivalency/minibatching", minibatching),
+    ]
 }
 
 /// Checks that a bench path measures what it names: its first batch has ids, drops none, and,
 /// under minibatching, splits. A limit too tight for minibatching would make its case a single
 /// pass, and a buffer too small would drop ids. The bench runs this before timing; a test runs
 /// it on every path, since CI builds the benches but does not run them.
-pub fn check_bench_path(name: &str, spec: &WorkloadSpec, workload: &Workload) -> std::result::Result<(), String> {
-    let batch = workload.batches.first().ok_or_else(|| format!("{name}: no batch"))?;
+pub fn check_bench_path(
+    name: &str,
+    spec: &WorkloadSpec,
+    workload: &Workload,
+) -> std::result::Result<(), String> {
+    let batch = workload
+        .batches
+        .first()
+        .ok_or_else(|| format!("{name}: no batch"))?;
     if workload.total_ids() == 0 {
         return Err(format!("{name}: no ids counted"));
     }
@@ -338,10 +378,16 @@ pub fn check_bench_path(name: &str, spec: &WorkloadSpec, workload: &Workload) ->
         .and_then(|mut prep| prep.run_record_batch(batch, &mut out))
         .map_err(|e| format!("{name}: {e}"))?;
     if spec.minibatching.is_some() && out.num_minibatches < 2 {
-        return Err(format!("{name}: {} minibatch(es), expected a split", out.num_minibatches));
+        return Err(format!(
+            "{name}: {} minibatch(es), expected a split",
+            out.num_minibatches
+        ));
     }
     match out.stacks.iter().find(|s| s.stats.dropped_id_count != 0) {
-        Some(s) => Err(format!("{name}: stack {}: {} ids dropped", s.name, s.stats.dropped_id_count)),
+        Some(s) => Err(format!(
+            "{name}: stack {}: {} ids dropped",
+            s.name, s.stats.dropped_id_count
+        )),
         None => Ok(()),
     }
 }
@@ -355,7 +401,14 @@ pub fn bench_workload(profile: Profile, batch: usize) -> Result<Workload> {
 pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
     let (l, g, s) = spec.layout;
     let local_scs = l.checked_mul(s).ok_or_else(|| {
-        Error::option("layout", format!("{l}/{g}/{s}"), format!("L * S = {l} * {s} local SparseCores does not fit in {} bits", usize::BITS))
+        Error::option(
+            "layout",
+            format!("{l}/{g}/{s}"),
+            format!(
+                "L * S = {l} * {s} local SparseCores does not fit in {} bits",
+                usize::BITS
+            ),
+        )
     })?;
     if spec.batch_size == 0 || !spec.batch_size.is_multiple_of(local_scs) {
         return Err(Error::option(
@@ -376,7 +429,13 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
     // The batches are held in memory until they are returned: a workload whose least size (one
     // id per sample and feature, with its offset and weight) is past what a process can address
     // is refused before anything is drawn, instead of running until an allocation aborts.
-    let id_bytes: u128 = if spec.raw_keys { 8 + 4 } else if spec.int32_ids { 4 } else { 8 };
+    let id_bytes: u128 = if spec.raw_keys {
+        8 + 4
+    } else if spec.int32_ids {
+        4
+    } else {
+        8
+    };
     let per_sample = feats.len() as u128 * (id_bytes + 4 + if spec.weights { 4 + 4 } else { 0 });
     let least = spec.num_batches as u128 * spec.batch_size as u128 * per_sample;
     if least > isize::MAX as u128 {
@@ -393,10 +452,18 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
     let mut rng = StdRng::seed_from_u64(spec.seed);
 
     if spec.raw_keys && spec.int32_ids {
-        return Err(Error::option("int32-ids", true, "raw keys are strings; int32 ids do not apply"));
+        return Err(Error::option(
+            "int32-ids",
+            true,
+            "raw keys are strings; int32 ids do not apply",
+        ));
     }
     if spec.minibatching == Some(0) {
-        return Err(Error::option("minibatching", 0, "the limits' divisor must be at least 1"));
+        return Err(Error::option(
+            "minibatching",
+            0,
+            "the limits' divisor must be at least 1",
+        ));
     }
     let id_type = if spec.raw_keys {
         DataType::Utf8
@@ -407,9 +474,17 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
     };
     let mut fields = Vec::new();
     for f in &feats {
-        fields.push(Field::new_list(&f.name, Field::new_list_field(id_type.clone(), false), false));
+        fields.push(Field::new_list(
+            &f.name,
+            Field::new_list_field(id_type.clone(), false),
+            false,
+        ));
         if spec.weights {
-            fields.push(Field::new_list(format!("{}__w", f.name), Field::new_list_field(DataType::Float32, false), false));
+            fields.push(Field::new_list(
+                format!("{}__w", f.name),
+                Field::new_list_field(DataType::Float32, false),
+                false,
+            ));
         }
     }
     let schema = Arc::new(Schema::new(fields));
@@ -425,7 +500,9 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
                 lengths.push(match f.lengths {
                     Lengths::Uniform(lo, hi) => rng.random_range(lo..=hi),
                     Lengths::LogNormal(mu, sigma) => {
-                        let x: f64 = Normal::new(mu, sigma).expect("valid normal").sample(&mut rng);
+                        let x: f64 = Normal::new(mu, sigma)
+                            .expect("valid normal")
+                            .sample(&mut rng);
                         (x.exp() + 0.5).floor().max(1.0) as usize
                     }
                 });
@@ -441,29 +518,44 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
             let ids: Vec<i64> = (0..total).map(|_| f.ids.draw(&mut rng)).collect();
             let offsets = OffsetBuffer::<i32>::from_lengths(lengths.iter().copied());
             let values: ArrayRef = if spec.raw_keys {
-                Arc::new(StringArray::from_iter_values(ids.iter().map(|&v| raw_key(v, fi))))
+                Arc::new(StringArray::from_iter_values(
+                    ids.iter().map(|&v| raw_key(v, fi)),
+                ))
             } else if spec.int32_ids {
-                Arc::new(Int32Array::from(ids.iter().map(|&v| v as i32).collect::<Vec<_>>()))
+                Arc::new(Int32Array::from(
+                    ids.iter().map(|&v| v as i32).collect::<Vec<_>>(),
+                ))
             } else {
                 Arc::new(Int64Array::from(ids))
             };
             let item = Arc::new(Field::new_list_field(id_type.clone(), false));
             columns.push(Arc::new(
-                ListArray::try_new(item, offsets.clone(), values, None)
-                    .map_err(|source| Error::Arrow { context: format!("building column {}", f.name), source })?,
+                ListArray::try_new(item, offsets.clone(), values, None).map_err(|source| {
+                    Error::Arrow {
+                        context: format!("building column {}", f.name),
+                        source,
+                    }
+                })?,
             ));
             if spec.weights {
-                let w: Vec<f32> = (0..total).map(|_| rng.random_range(1..=64) as f32 / 16.0).collect();
+                let w: Vec<f32> = (0..total)
+                    .map(|_| rng.random_range(1..=64) as f32 / 16.0)
+                    .collect();
                 let item = Arc::new(Field::new_list_field(DataType::Float32, false));
                 columns.push(Arc::new(
                     ListArray::try_new(item, offsets, Arc::new(Float32Array::from(w)), None)
-                        .map_err(|source| Error::Arrow { context: format!("building column {}__w", f.name), source })?,
+                        .map_err(|source| Error::Arrow {
+                            context: format!("building column {}__w", f.name),
+                            source,
+                        })?,
                 ));
             }
         }
         batches.push(
-            RecordBatch::try_new(schema.clone(), columns)
-                .map_err(|source| Error::Arrow { context: "building a record batch".into(), source })?,
+            RecordBatch::try_new(schema.clone(), columns).map_err(|source| Error::Arrow {
+                context: "building a record batch".into(),
+                source,
+            })?,
         );
     }
 
@@ -492,7 +584,11 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
     };
 
     // Exact limits: measure the batches under feature stacking (one stack per table).
-    let probe = Config { config: options.clone(), tables: tables.clone(), features: features.clone() };
+    let probe = Config {
+        config: options.clone(),
+        tables: tables.clone(),
+        features: features.clone(),
+    };
     let mut prep = Preprocessor::new(probe)?;
     let mut out = Output::new();
     let mut seen = vec![(0i32, 0i32, 0u64); tables.len()];
@@ -525,18 +621,30 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Workload> {
             t.max_ids_per_partition = t.max_ids_per_partition.div_ceil(k);
             t.max_unique_ids_per_partition = t.max_unique_ids_per_partition.div_ceil(k);
             let theoretical = round_up(t.max_ids_per_partition, 8) * triples;
-            t.suggested_coo_buffer_size_per_device =
-                t.suggested_coo_buffer_size_per_device.map(|c| (c + 8 * triples).min(theoretical));
+            t.suggested_coo_buffer_size_per_device = t
+                .suggested_coo_buffer_size_per_device
+                .map(|c| (c + 8 * triples).min(theoretical));
         }
     }
     if spec.stacking == Stacking::Auto {
         options.stacking = Stacking::Auto;
         options.stack_limits = Some(StackLimits {
             max_ids_per_partition: tables.iter().map(|t| t.max_ids_per_partition).sum(),
-            max_unique_ids_per_partition: tables.iter().map(|t| t.max_unique_ids_per_partition).sum(),
+            max_unique_ids_per_partition: tables
+                .iter()
+                .map(|t| t.max_unique_ids_per_partition)
+                .sum(),
         });
     }
-    Ok(Workload { config: Config { config: options, tables, features }, schema, batches })
+    Ok(Workload {
+        config: Config {
+            config: options,
+            tables,
+            features,
+        },
+        schema,
+        batches,
+    })
 }
 
 /// `x` rounded up to a multiple of `m`.

@@ -5,7 +5,10 @@
 use std::sync::Arc;
 
 use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, ListArray};
-use arrow_buffer::{ArrowNativeType, BooleanBuffer, BooleanBufferBuilder, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
+use arrow_buffer::{
+    ArrowNativeType, BooleanBuffer, BooleanBufferBuilder, Buffer, NullBuffer, OffsetBuffer,
+    ScalarBuffer,
+};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
 use super::epoch::{EpochStep, EpochTable};
@@ -24,13 +27,22 @@ pub(super) fn list_field() -> Arc<Field> {
 
 /// A `List<Int64>` column of one id per list (or none past a slice's used rows).
 fn id_list(offsets: &OffsetBuffer<i32>, ids: ScalarBuffer<i64>) -> Result<ArrayRef> {
-    Ok(Arc::new(ListArray::try_new(list_field(), offsets.clone(), Arc::new(Int64Array::new(ids, None)), None)?))
+    Ok(Arc::new(ListArray::try_new(
+        list_field(),
+        offsets.clone(),
+        Arc::new(Int64Array::new(ids, None)),
+        None,
+    )?))
 }
 
 /// A `triple_mask` of `local` slices of `r` rows: the first `t` of each from `bits(slot)`
 /// (which appends them), the rest false. Whole runs of bits, not a bool per row: with
 /// per-triple negatives `r` is `n·t`.
-fn slice_mask(local: usize, (t, r): (usize, usize), bits: impl Fn(usize, &mut BooleanBufferBuilder)) -> ArrayRef {
+fn slice_mask(
+    local: usize,
+    (t, r): (usize, usize),
+    bits: impl Fn(usize, &mut BooleanBufferBuilder),
+) -> ArrayRef {
     let mut b = BooleanBufferBuilder::new(local * r);
     for slot in 0..local {
         bits(slot, &mut b);
@@ -78,16 +90,24 @@ pub(super) fn schema(c: Columns) -> SchemaRef {
 /// one id each and the rest none. They depend only on the stream's shape, so they are built
 /// once and shared by every batch (Arrow buffers are reference-counted).
 pub(super) fn one_id_offsets(slices: usize, used: usize, r: usize) -> Result<OffsetBuffer<i32>> {
-    let total = slices.checked_mul(r).filter(|&total| total < i32::MAX as usize);
+    let total = slices
+        .checked_mul(r)
+        .filter(|&total| total < i32::MAX as usize);
     let Some(total) = total else {
-        return Err(BessError::param("rows", format!("{slices} slices of {r}"), "too many for a List column"));
+        return Err(BessError::param(
+            "rows",
+            format!("{slices} slices of {r}"),
+            "too many for a List column",
+        ));
     };
     let mut offsets = Vec::new();
-    offsets.try_reserve_exact(total + 1).map_err(|_| BessError::TooLarge {
-        what: format!("the list offsets of {slices} SparseCore slices of {r} rows"),
-        bytes: (total as u128 + 1) * 4,
-        reason: "the allocator refuses that much (the memory available, or `ulimit -v`)".into(),
-    })?;
+    offsets
+        .try_reserve_exact(total + 1)
+        .map_err(|_| BessError::TooLarge {
+            what: format!("the list offsets of {slices} SparseCore slices of {r} rows"),
+            bytes: (total as u128 + 1) * 4,
+            reason: "the allocator refuses that much (the memory available, or `ulimit -v`)".into(),
+        })?;
     offsets.push(0i32);
     for slice in 0..slices {
         let base = (slice * used) as i32;
@@ -99,7 +119,8 @@ pub(super) fn one_id_offsets(slices: usize, used: usize, r: usize) -> Result<Off
 /// `Some(validity)` of `slices` slices of `r` rows whose first `len` rows are valid, when some
 /// are not.
 pub(super) fn validity(slices: usize, len: usize, r: usize) -> Option<NullBuffer> {
-    (len < r).then(|| NullBuffer::from_iter((0..slices).flat_map(|_| (0..r).map(move |row| row < len))))
+    (len < r)
+        .then(|| NullBuffer::from_iter((0..slices).flat_map(|_| (0..r).map(move |row| row < len))))
 }
 
 /// What every batch of a stream shares: list offsets, validity, Random's constant mask.
@@ -196,9 +217,15 @@ fn gather<R: Row, F: Fn(usize, usize) -> (usize, usize)>(
         let (at, j) = (bl.of)(slot, i);
         let offs = (shard_ids[i], shard_ids[j]);
         let dst = slot * t + i * ppp;
-        let (h, tl, rel) = (&mut head[dst..dst + ppp], &mut tail[dst..dst + ppp], &mut relation[slot * bl.r + i * ppp..][..ppp]);
+        let (h, tl, rel) = (
+            &mut head[dst..dst + ppp],
+            &mut tail[dst..dst + ppp],
+            &mut relation[slot * bl.r + i * ppp..][..ppp],
+        );
         for (q, &k) in idx[at..at + ppp].iter().enumerate() {
-            let Some(&row) = rows.get(k as usize) else { continue };
+            let Some(&row) = rows.get(k as usize) else {
+                continue;
+            };
             (h[q], rel[q], tl[q]) = decode.row(row, offs);
         }
     }
@@ -297,7 +324,13 @@ fn decode_slots_body<R: Row>(
     for &s in shard_ids[..n].iter().cycle().take(2 * n) {
         toff.resize(toff.len() + ppp, s);
     }
-    for (slot, (((hs, ts), rs), src)) in head.chunks_exact_mut(t).zip(tail.chunks_exact_mut(t)).zip(relation.chunks_exact_mut(r)).zip(read.chunks_exact(t)).enumerate() {
+    for (slot, (((hs, ts), rs), src)) in head
+        .chunks_exact_mut(t)
+        .zip(tail.chunks_exact_mut(t))
+        .zip(relation.chunks_exact_mut(r))
+        .zip(read.chunks_exact(t))
+        .enumerate()
+    {
         let from = ((first + slot + step) & (n - 1)) * ppp;
         let (rs, to, ho, src) = (&mut rs[..t], &toff[from..from + t], &hoff[..t], &src[..t]);
         for q in 0..t {
@@ -313,7 +346,9 @@ fn packed_mask(row_mask: &[bool], local: usize, (t, r): (usize, usize)) -> Array
     if r == t {
         Arc::new(BooleanArray::new(pack_bools(&row_mask[..local * t]), None))
     } else {
-        slice_mask(local, (t, r), |slot, b| b.append_buffer(&pack_bools(&row_mask[slot * t..(slot + 1) * t])))
+        slice_mask(local, (t, r), |slot, b| {
+            b.append_buffer(&pack_bools(&row_mask[slot * t..(slot + 1) * t]))
+        })
     }
 }
 
@@ -331,7 +366,11 @@ pub(super) fn pack_bools(bools: &[bool]) -> BooleanBuffer {
         bytes.push((word.wrapping_mul(0x0102_0408_1020_4080) >> 56) as u8);
     }
     if !rest.is_empty() {
-        bytes.push(rest.iter().enumerate().fold(0u8, |w, (k, &b)| w | (u8::from(b) << k)));
+        bytes.push(
+            rest.iter()
+                .enumerate()
+                .fold(0u8, |w, (k, &b)| w | (u8::from(b) << k)),
+        );
     }
     BooleanBuffer::new(Buffer::from_vec(bytes), 0, bools.len())
 }
@@ -373,10 +412,20 @@ impl Parts<'_> {
     /// all SparseCores' indices out SparseCore-major into `sidx` (and the Rigid mask into
     /// `smask`): what annotations and the per-triple negative samplers read. Returns the
     /// columns and whether there is a Rigid mask.
-    pub(super) fn positives(&self, sampler: &mut BatchSampler, step: usize, scratch: &mut PosScratch, keep_sidx: bool) -> Result<(Vec<ArrayRef>, bool)> {
+    pub(super) fn positives(
+        &self,
+        sampler: &mut BatchSampler,
+        step: usize,
+        scratch: &mut PosScratch,
+        keep_sidx: bool,
+    ) -> Result<(Vec<ArrayRef>, bool)> {
         let lay = self.layout;
         let n = lay.num_sparsecores();
-        let (ppp, t, r) = (self.counts.positive_per_partition, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        let (ppp, t, r) = (
+            self.counts.positive_per_partition,
+            self.counts.triples_per_sparsecore,
+            self.counts.rows_per_sparsecore,
+        );
         if let (Some(rt), false) = (self.rigid, keep_sidx) {
             return self.rigid_positives(rt, step, scratch);
         }
@@ -388,7 +437,14 @@ impl Parts<'_> {
                 return Ok(done);
             }
         }
-        let PosScratch { bess_idx, bess_mask, sidx, smask, values, .. } = scratch;
+        let PosScratch {
+            bess_idx,
+            bess_mask,
+            sidx,
+            smask,
+            values,
+            ..
+        } = scratch;
         // BESS indices, row-major over (head shard i, tail shard j, position).
         let rigid = sampler.sample_indices_into(step, bess_idx, bess_mask)?;
         let local = lay.local_sparsecores();
@@ -417,7 +473,13 @@ impl Parts<'_> {
         let mut tail: Vec<i64> = reuse(vt, local * t);
         let mut relation: Vec<i32> = reuse(vr, rows);
         let tb = self.table;
-        let blocks = Blocks { n, positive_per_partition: ppp, r, local, of: |slot, i| block(first + slot, i) };
+        let blocks = Blocks {
+            n,
+            positive_per_partition: ppp,
+            r,
+            local,
+            of: |slot, i| block(first + slot, i),
+        };
         with_rows!(tb, rows => gather(rows, tb.decode, &tb.shard_ids, bess_idx, &blocks, (&mut head, &mut tail, &mut relation)));
         let sh = self.shared;
         let head = keep(vh, head);
@@ -430,8 +492,17 @@ impl Parts<'_> {
                 b.append_slice(&bess_mask[at..at + ppp]);
             }
         };
-        let mask: ArrayRef = if rigid { slice_mask(local, (t, r), row_bits) } else { sh.full_mask.clone() };
-        let mut columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation, sh.pos_valid.clone())), mask];
+        let mask: ArrayRef = if rigid {
+            slice_mask(local, (t, r), row_bits)
+        } else {
+            sh.full_mask.clone()
+        };
+        let mut columns: Vec<ArrayRef> = vec![
+            lists(head)?,
+            lists(tail)?,
+            Arc::new(Int32Array::new(relation, sh.pos_valid.clone())),
+            mask,
+        ];
         if self.columns.annotations {
             let mine = &sidx[first * t..(first + local) * t];
             let mut tidx = Vec::with_capacity(rows);
@@ -448,12 +519,26 @@ impl Parts<'_> {
     /// the sampler writes each block's rows of the triple table straight into the columns' row
     /// order, and one front-to-back pass decodes them. `None` (nothing drawn) where the
     /// sampler cannot ([`BatchSampler::sample_rows_into`]).
-    fn placed_positives(&self, sampler: &mut BatchSampler, step: usize, scratch: &mut PosScratch) -> Result<Option<(Vec<ArrayRef>, bool)>> {
+    fn placed_positives(
+        &self,
+        sampler: &mut BatchSampler,
+        step: usize,
+        scratch: &mut PosScratch,
+    ) -> Result<Option<(Vec<ArrayRef>, bool)>> {
         let lay = self.layout;
         let n = lay.num_sparsecores();
-        let (ppp, t, r) = (self.counts.positive_per_partition, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        let (ppp, t, r) = (
+            self.counts.positive_per_partition,
+            self.counts.triples_per_sparsecore,
+            self.counts.rows_per_sparsecore,
+        );
         let (local, first) = (lay.local_sparsecores(), lay.global_sparsecore(0));
-        let PosScratch { row_mask, row_at, values, .. } = scratch;
+        let PosScratch {
+            row_mask,
+            row_at,
+            values,
+            ..
+        } = scratch;
         row_at.resize(local * t + AHEAD, 0);
         row_mask.resize(local * t, false);
         // Block `b` is (slot b / n, head shard i = b mod n): SparseCore g = first + slot takes
@@ -461,7 +546,11 @@ impl Parts<'_> {
         let (shift, mask) = (n.trailing_zeros(), n - 1);
         let part_of = |b: usize| {
             let i = b & mask;
-            (i << shift) | (i.wrapping_add(first).wrapping_add(b >> shift).wrapping_add(step) & mask)
+            (i << shift)
+                | (i.wrapping_add(first)
+                    .wrapping_add(b >> shift)
+                    .wrapping_add(step)
+                    & mask)
         };
         // Partition (i, j) goes to slot (j − i − first − step) mod n, if this host has it.
         let block_of = |p: usize| {
@@ -469,7 +558,11 @@ impl Parts<'_> {
             let slot = j.wrapping_sub(i.wrapping_add(first).wrapping_add(step)) & mask;
             (slot < local).then_some((slot << shift) | i)
         };
-        let Some(rigid) = sampler.sample_rows_into(step, (local * n, part_of, block_of), row_at, row_mask) else { return Ok(None) };
+        let Some(rigid) =
+            sampler.sample_rows_into(step, (local * n, part_of, block_of), row_at, row_mask)
+        else {
+            return Ok(None);
+        };
         let [vh, vt, vr] = values;
         let mut head: Vec<i64> = reuse(vh, local * t);
         let mut tail: Vec<i64> = reuse(vt, local * t);
@@ -477,19 +570,40 @@ impl Parts<'_> {
         let tb = self.table;
         with_rows!(tb, rows => decode_placed(rows, tb.decode, &tb.shard_ids, row_at, (n, ppp, r), (first, step), (&mut head, &mut tail, &mut relation)));
         let sh = self.shared;
-        let mask = if rigid { packed_mask(row_mask, local, (t, r)) } else { sh.full_mask.clone() };
+        let mask = if rigid {
+            packed_mask(row_mask, local, (t, r))
+        } else {
+            sh.full_mask.clone()
+        };
         let lists = |ids| id_list(&sh.pos_offsets, ids);
         let relation = Arc::new(Int32Array::new(keep(vr, relation), sh.pos_valid.clone()));
-        Ok(Some((vec![lists(keep(vh, head))?, lists(keep(vt, tail))?, relation, mask], rigid)))
+        Ok(Some((
+            vec![
+                lists(keep(vh, head))?,
+                lists(keep(vt, tail))?,
+                relation,
+                mask,
+            ],
+            rigid,
+        )))
     }
 
     /// [`Self::positives`] of Rigid with shuffle from its epoch table ([`EpochTable`], built
     /// at the epoch's first step drawn), where the table fits its bounds. `None` (nothing
     /// drawn) elsewhere: other samplers, and where the sampler's rows do not apply
     /// ([`BatchSampler::sample_rows_into`]).
-    fn epoch_positives(&self, sampler: &mut BatchSampler, step: usize, scratch: &mut PosScratch) -> Result<Option<(Vec<ArrayRef>, bool)>> {
+    fn epoch_positives(
+        &self,
+        sampler: &mut BatchSampler,
+        step: usize,
+        scratch: &mut PosScratch,
+    ) -> Result<Option<(Vec<ArrayRef>, bool)>> {
         let lay = self.layout;
-        let (ppp, t, r) = (self.counts.positive_per_partition, self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        let (ppp, t, r) = (
+            self.counts.positive_per_partition,
+            self.counts.triples_per_sparsecore,
+            self.counts.rows_per_sparsecore,
+        );
         let windows = sampler.steps_per_epoch();
         #[cfg(test)]
         if scratch.epoch.off {
@@ -499,31 +613,73 @@ impl Parts<'_> {
             return Ok(None);
         }
         let part = sampler.partitioned().clone();
-        let Some(order) = sampler.epoch_order(step) else { return Ok(None) };
+        let Some(order) = sampler.epoch_order(step) else {
+            return Ok(None);
+        };
         let local = lay.local_sparsecores();
         let PosScratch { epoch, values, .. } = scratch;
         let [vh, vt, vr] = values;
         let mut head: Vec<i64> = reuse(vh, local * t);
         let mut tail: Vec<i64> = reuse(vt, local * t);
         let mut relation: Vec<i32> = reuse(vr, local * r);
-        let st = EpochStep { step, windows, positive_per_partition: ppp, order };
-        let bits = epoch.step(self.table, &part, lay, &st, (t, r), &mut head, &mut tail, &mut relation);
+        let st = EpochStep {
+            step,
+            windows,
+            positive_per_partition: ppp,
+            order,
+        };
+        let bits = epoch.step(
+            self.table,
+            &part,
+            lay,
+            &st,
+            (t, r),
+            &mut head,
+            &mut tail,
+            &mut relation,
+        );
         let sh = self.shared;
-        let mask: ArrayRef = if r == t { Arc::new(BooleanArray::new(bits, None)) } else { slice_mask(local, (t, r), |slot, b| b.append_buffer(&bits.slice(slot * t, t))) };
+        let mask: ArrayRef = if r == t {
+            Arc::new(BooleanArray::new(bits, None))
+        } else {
+            slice_mask(local, (t, r), |slot, b| {
+                b.append_buffer(&bits.slice(slot * t, t))
+            })
+        };
         let lists = |ids| id_list(&sh.pos_offsets, ids);
         let relation = Arc::new(Int32Array::new(keep(vr, relation), sh.pos_valid.clone()));
-        Ok(Some((vec![lists(keep(vh, head))?, lists(keep(vt, tail))?, relation, mask], true)))
+        Ok(Some((
+            vec![
+                lists(keep(vh, head))?,
+                lists(keep(vt, tail))?,
+                relation,
+                mask,
+            ],
+            true,
+        )))
     }
 
     /// [`Self::positives`] of Rigid without shuffle: slices of its step table, or each block
     /// copied as contiguous runs of the triple table.
-    fn rigid_positives(&self, rg: &Rigid, step: usize, scratch: &mut PosScratch) -> Result<(Vec<ArrayRef>, bool)> {
+    fn rigid_positives(
+        &self,
+        rg: &Rigid,
+        step: usize,
+        scratch: &mut PosScratch,
+    ) -> Result<(Vec<ArrayRef>, bool)> {
         let lay = self.layout;
-        let (t, r) = (self.counts.triples_per_sparsecore, self.counts.rows_per_sparsecore);
+        let (t, r) = (
+            self.counts.triples_per_sparsecore,
+            self.counts.rows_per_sparsecore,
+        );
         let local = lay.local_sparsecores();
         let rows = local * r;
         let sh = self.shared;
-        let PosScratch { values, rigid_cursor, .. } = scratch;
+        let PosScratch {
+            values,
+            rigid_cursor,
+            ..
+        } = scratch;
         let [vh, vt, vr] = values;
         let (head, tail, relation, mask) = if let Some(sl) = &rg.slices {
             let (at, len) = (sl.start(step) * t, local * t);
@@ -531,7 +687,10 @@ impl Parts<'_> {
                 sl.relation.slice(at, len)
             } else {
                 let mut v: Vec<i32> = reuse(vr, rows);
-                for (to, from) in v.chunks_exact_mut(r).zip(sl.relation[at..at + len].chunks_exact(t)) {
+                for (to, from) in v
+                    .chunks_exact_mut(r)
+                    .zip(sl.relation[at..at + len].chunks_exact(t))
+                {
                     to[..t].copy_from_slice(from);
                 }
                 keep(vr, v)
@@ -539,29 +698,58 @@ impl Parts<'_> {
             let mask: ArrayRef = match (sl.padded(step), r == t) {
                 (false, _) => sh.full_mask.clone(),
                 (true, true) => Arc::new(BooleanArray::new(sl.mask.slice(at, len), None)),
-                (true, false) => slice_mask(local, (t, r), |slot, b| b.append_buffer(&sl.mask.slice(at + slot * t, t))),
+                (true, false) => slice_mask(local, (t, r), |slot, b| {
+                    b.append_buffer(&sl.mask.slice(at + slot * t, t))
+                }),
             };
-            (sl.head.slice(at, len), sl.tail.slice(at, len), relation, mask)
+            (
+                sl.head.slice(at, len),
+                sl.tail.slice(at, len),
+                relation,
+                mask,
+            )
         } else {
             let mut head: Vec<i64> = reuse(vh, local * t);
             let mut tail: Vec<i64> = reuse(vt, local * t);
             let mut relation: Vec<i32> = reuse(vr, rows);
-            let bits = rg.copy_step(self.table, lay, step, (t, r), rigid_cursor, &mut head, &mut tail, &mut relation, rg.padded(step));
+            let bits = rg.copy_step(
+                self.table,
+                lay,
+                step,
+                (t, r),
+                rigid_cursor,
+                &mut head,
+                &mut tail,
+                &mut relation,
+                rg.padded(step),
+            );
             let mask: ArrayRef = match bits {
                 None => sh.full_mask.clone(),
                 Some(b) if r == t => Arc::new(BooleanArray::new(b, None)),
-                Some(b) => slice_mask(local, (t, r), |slot, bb| bb.append_buffer(&b.slice(slot * t, t))),
+                Some(b) => slice_mask(local, (t, r), |slot, bb| {
+                    bb.append_buffer(&b.slice(slot * t, t))
+                }),
             };
             (keep(vh, head), keep(vt, tail), keep(vr, relation), mask)
         };
         let lists = |ids| id_list(&sh.pos_offsets, ids);
-        let columns: Vec<ArrayRef> = vec![lists(head)?, lists(tail)?, Arc::new(Int32Array::new(relation, sh.pos_valid.clone())), mask];
+        let columns: Vec<ArrayRef> = vec![
+            lists(head)?,
+            lists(tail)?,
+            Arc::new(Int32Array::new(relation, sh.pos_valid.clone())),
+            mask,
+        ];
         Ok((columns, true))
     }
 
     /// The `negative` column of uniform negatives, drawn straight into place (the draws
     /// of SparseCores of other hosts are drawn and dropped, to keep the generator's stream).
-    pub(super) fn random_negative_column(&self, rn: &mut RandomNegative, part: &PartitionedTriples, values: &mut Option<Buffer>) -> Result<ArrayRef> {
+    pub(super) fn random_negative_column(
+        &self,
+        rn: &mut RandomNegative,
+        part: &PartitionedTriples,
+        values: &mut Option<Buffer>,
+    ) -> Result<ArrayRef> {
         let lay = self.layout;
         let n = lay.num_sparsecores();
         let (local, first) = (lay.local_sparsecores(), lay.global_sparsecore(0));
@@ -569,22 +757,40 @@ impl Parts<'_> {
         let mut ids: Vec<i64> = reuse(values, local * n * bk);
         // N is a power of two (the pipeline's layout checks it): `v·N` is a shift.
         let (shift, shard_ids) = (n.trailing_zeros(), &self.shared.shard_ids);
-        let place = |_, x: usize, g: usize| g.checked_sub(first).filter(|&s| s < local).map(|slot| (slot * n + x) * bk);
+        let place = |_, x: usize, g: usize| {
+            g.checked_sub(first)
+                .filter(|&s| s < local)
+                .map(|slot| (slot * n + x) * bk)
+        };
         let map = |x: usize| {
             let hx = shard_ids[x];
             move |v: u32| (i64::from(v) << shift) + hx
         };
-        rn.draw_placed(part, (1, self.counts.triples_per_sparsecore), &mut ids, place, map)?;
+        rn.draw_placed(
+            part,
+            (1, self.counts.triples_per_sparsecore),
+            &mut ids,
+            place,
+            map,
+        )?;
         id_list(&self.shared.neg_offsets, keep(values, ids))
     }
 
     /// The negative columns from the sampler's values `negs`, row-major over
     /// `(1, n, n, B, K)` (and its mask): SparseCore `g`'s slice takes `negs[0][x][g]` from every
     /// shard `x`, one per row.
-    pub(super) fn negative_columns(&self, negs: &[i32], nmask: Option<&[bool]>, values: &mut Option<Buffer>) -> Result<Vec<ArrayRef>> {
+    pub(super) fn negative_columns(
+        &self,
+        negs: &[i32],
+        nmask: Option<&[bool]>,
+        values: &mut Option<Buffer>,
+    ) -> Result<Vec<ArrayRef>> {
         let lay = self.layout;
         let n = lay.num_sparsecores();
-        let (ppp, r) = (self.counts.positive_per_partition, self.counts.rows_per_sparsecore);
+        let (ppp, r) = (
+            self.counts.positive_per_partition,
+            self.counts.rows_per_sparsecore,
+        );
         let local = lay.local_sparsecores();
         let rows = local * r;
         let (b, k) = (self.neg_b, self.neg_k);
@@ -596,7 +802,11 @@ impl Parts<'_> {
         let cap = |on: bool| if on { rows } else { 0 };
         let mut ids: Vec<i64> = reuse(values, local * nrows);
         let mut nm = Vec::with_capacity(cap(self.columns.negative_mask));
-        let (mut shard, mut trip, mut side) = (Vec::with_capacity(cap(ann)), Vec::with_capacity(cap(ann)), Vec::with_capacity(cap(ann)));
+        let (mut shard, mut trip, mut side) = (
+            Vec::with_capacity(cap(ann)),
+            Vec::with_capacity(cap(ann)),
+            Vec::with_capacity(cap(ann)),
+        );
         let side_of = |bb: usize| -> i8 {
             match (self.corruption, self.flat) {
                 (Corruption::H, _) => 0,
@@ -663,9 +873,18 @@ mod tests {
     #[test]
     fn offsets_past_a_list_column_are_an_error_not_an_overflow() {
         let e = one_id_offsets(1 << 62, 1, 8).unwrap_err();
-        assert_eq!(e.to_string(), format!("invalid `rows` = {} slices of 8: too many for a List column", 1u64 << 62));
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "invalid `rows` = {} slices of 8: too many for a List column",
+                1u64 << 62
+            )
+        );
         let e = one_id_offsets(4, 1, i32::MAX as usize / 4 + 1).unwrap_err();
-        assert!(matches!(e, BessError::InvalidParameter { name: "rows", .. }), "{e:?}");
+        assert!(
+            matches!(e, BessError::InvalidParameter { name: "rows", .. }),
+            "{e:?}"
+        );
         let ok = one_id_offsets(2, 1, 3).unwrap();
         assert_eq!(&ok[..], &[0, 1, 1, 1, 2, 2, 2]);
     }
@@ -676,7 +895,9 @@ mod tests {
         for len in [0usize, 1, 7, 8, 9, 63, 64, 65, 1000] {
             let bools: Vec<bool> = (0..len)
                 .map(|_| {
-                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
                     x >> 63 == 1
                 })
                 .collect();
@@ -685,6 +906,9 @@ mod tests {
             assert_eq!(packed.iter().collect::<Vec<bool>>(), bools, "len {len}");
         }
         assert_eq!(pack_bools(&[true; 8]).values(), &[0xff]);
-        assert_eq!(pack_bools(&[true, false, false, false, false, false, false, true, true]).values(), &[0x81, 0x01]);
+        assert_eq!(
+            pack_bools(&[true, false, false, false, false, false, false, true, true]).values(),
+            &[0x81, 0x01]
+        );
     }
 }

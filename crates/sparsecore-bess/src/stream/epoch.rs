@@ -62,10 +62,21 @@ impl EpochTable {
         }
         let (triples, row_bytes) = with_rows!(table, rows => (rows.len(), row_bytes(rows)));
         let t = lay.num_sparsecores() * ppp;
-        let Some(rows) = windows.checked_mul(lay.local_sparsecores()).and_then(|x| x.checked_mul(t)) else { return false };
-        let bytes = rows.checked_mul(row_bytes + 1).and_then(|b| b.checked_add(rows.div_ceil(8)));
-        let positions = windows.checked_mul(ppp).is_some_and(|len| len <= u32::MAX as usize);
-        positions && rows <= SLICES_MAX_ROWS_PER_TRIPLE.saturating_mul(triples) && bytes.is_some_and(|b| b <= SLICES_MAX_BYTES)
+        let Some(rows) = windows
+            .checked_mul(lay.local_sparsecores())
+            .and_then(|x| x.checked_mul(t))
+        else {
+            return false;
+        };
+        let bytes = rows
+            .checked_mul(row_bytes + 1)
+            .and_then(|b| b.checked_add(rows.div_ceil(8)));
+        let positions = windows
+            .checked_mul(ppp)
+            .is_some_and(|len| len <= u32::MAX as usize);
+        positions
+            && rows <= SLICES_MAX_ROWS_PER_TRIPLE.saturating_mul(triples)
+            && bytes.is_some_and(|b| b <= SLICES_MAX_BYTES)
     }
 
     /// Decodes step `st.step`'s positives into `head` and `tail` (`T` per local SparseCore)
@@ -100,7 +111,11 @@ impl EpochTable {
         tail: &mut [i64],
         relation: &mut [i32],
     ) -> BooleanBuffer {
-        let (n, local, first_sc) = (lay.num_sparsecores(), lay.local_sparsecores(), lay.global_sparsecore(0));
+        let (n, local, first_sc) = (
+            lay.num_sparsecores(),
+            lay.local_sparsecores(),
+            lay.global_sparsecore(0),
+        );
         let windows = st.windows.max(1);
         let epoch = st.step / windows;
         let stride = local * t;
@@ -111,8 +126,23 @@ impl EpochTable {
             self.order.extend(st.order.iter().map(|&v| v as u32));
             rows.resize(windows * stride, R::default());
             self.bools.resize(windows * stride, false);
-            let geometry = Geometry { n, local, first_sc, positive_per_partition: st.positive_per_partition, t, windows, epoch };
-            fill(phys, part, &geometry, &self.order, &mut rows, &mut self.bools);
+            let geometry = Geometry {
+                n,
+                local,
+                first_sc,
+                positive_per_partition: st.positive_per_partition,
+                t,
+                windows,
+                epoch,
+            };
+            fill(
+                phys,
+                part,
+                &geometry,
+                &self.order,
+                &mut rows,
+                &mut self.bools,
+            );
             self.mask = Some(pack_bools(&self.bools));
             self.epoch = Some(epoch);
         }
@@ -126,7 +156,9 @@ impl EpochTable {
             (head, tail, relation),
         );
         *R::buffer(&mut self.rows) = rows;
-        self.mask.as_ref().map_or_else(|| BooleanBuffer::new_unset(stride), |m| m.slice(at, stride))
+        self.mask
+            .as_ref()
+            .map_or_else(|| BooleanBuffer::new_unset(stride), |m| m.slice(at, stride))
     }
 }
 
@@ -157,11 +189,25 @@ struct Geometry {
 /// bounds checks) vectorize, and the gather takes about half the instructions; a copy compiled
 /// for x86-64-v3 runs when the CPU has it ([`sparsecore_prep::isa::v3`]). Both copies write the
 /// same rows.
-fn fill<R: Row>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
+fn fill<R: Row>(
+    phys: &[R],
+    part: &PartitionedTriples,
+    g: &Geometry,
+    order: &[u32],
+    rows: &mut [R],
+    bools: &mut [bool],
+) {
     #[cfg(target_arch = "x86_64")]
     if sparsecore_prep::isa::v3() {
         #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-        fn v3<R: Row>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
+        fn v3<R: Row>(
+            phys: &[R],
+            part: &PartitionedTriples,
+            g: &Geometry,
+            order: &[u32],
+            rows: &mut [R],
+            bools: &mut [bool],
+        ) {
             fill_sizes(phys, part, g, order, rows, bools);
         }
         // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
@@ -172,7 +218,14 @@ fn fill<R: Row>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u3
 }
 
 #[inline(always)]
-fn fill_sizes<R: Row>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
+fn fill_sizes<R: Row>(
+    phys: &[R],
+    part: &PartitionedTriples,
+    g: &Geometry,
+    order: &[u32],
+    rows: &mut [R],
+    bools: &mut [bool],
+) {
     // Blocks of a power of two of rows (`ppp = shard_bs / n`, as a rule) as fixed-size arrays:
     // unrolled, with no loop bookkeeping, and the positions of a step loaded once.
     match g.positive_per_partition {
@@ -189,7 +242,14 @@ fn fill_sizes<R: Row>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order
 
 /// [`fill`] for blocks of `P` rows (0: any number, `g.positive_per_partition`).
 #[inline(always)]
-fn fill_diagonals<R: Row, const P: usize>(phys: &[R], part: &PartitionedTriples, g: &Geometry, order: &[u32], rows: &mut [R], bools: &mut [bool]) {
+fn fill_diagonals<R: Row, const P: usize>(
+    phys: &[R],
+    part: &PartitionedTriples,
+    g: &Geometry,
+    order: &[u32],
+    rows: &mut [R],
+    bools: &mut [bool],
+) {
     let (n, t) = (g.n, g.t);
     let ppp = if P == 0 { g.positive_per_partition } else { P };
     let len = g.windows * ppp;
@@ -207,7 +267,10 @@ fn fill_diagonals<R: Row, const P: usize>(phys: &[R], part: &PartitionedTriples,
         cyclic.clear();
         for (i, c_i) in counts.iter_mut().enumerate() {
             let p = i * n + (i.wrapping_add(d) & mask_n);
-            let (o, c) = (part.triple_offsets.get(p).map_or(0, |&o| o.max(0) as usize), part.triple_counts.get(p).map_or(0, |&c| c.max(0) as usize));
+            let (o, c) = (
+                part.triple_offsets.get(p).map_or(0, |&o| o.max(0) as usize),
+                part.triple_counts.get(p).map_or(0, |&c| c.max(0) as usize),
+            );
             let src = phys.get(o..o + c).unwrap_or_default();
             let end = cyclic.len() + len;
             while !src.is_empty() && cyclic.len() < end {
@@ -223,12 +286,20 @@ fn fill_diagonals<R: Row, const P: usize>(phys: &[R], part: &PartitionedTriples,
                 continue;
             }
             let at = w * stride + slot * t;
-            let (Some(to), Some(m)) = (rows.get_mut(at..at + t), bools.get_mut(at..at + t)) else { continue };
-            let blocks = to.chunks_exact_mut(ppp).zip(m.chunks_exact_mut(ppp)).zip(cyclic.chunks_exact(len)).zip(&counts);
+            let (Some(to), Some(m)) = (rows.get_mut(at..at + t), bools.get_mut(at..at + t)) else {
+                continue;
+            };
+            let blocks = to
+                .chunks_exact_mut(ppp)
+                .zip(m.chunks_exact_mut(ppp))
+                .zip(cyclic.chunks_exact(len))
+                .zip(&counts);
             match <&[u32; P]>::try_from(pos) {
                 Ok(pos) if P != 0 => {
                     for (((to, m), at_pos), &c) in blocks {
-                        if let (Ok(to), Ok(m)) = (<&mut [R; P]>::try_from(to), <&mut [bool; P]>::try_from(m)) {
+                        if let (Ok(to), Ok(m)) =
+                            (<&mut [R; P]>::try_from(to), <&mut [bool; P]>::try_from(m))
+                        {
                             block(to, m, pos, at_pos, c);
                         }
                     }
@@ -248,7 +319,9 @@ fn fill_diagonals<R: Row, const P: usize>(phys: &[R], part: &PartitionedTriples,
 #[inline(always)]
 fn block<R: Row>(to: &mut [R], m: &mut [bool], pos: &[u32], at_pos: &[R], c: u32) {
     // Every position is below `at_pos.len()`; clamped, it needs no bounds check.
-    let Some(last) = at_pos.len().checked_sub(1) else { return };
+    let Some(last) = at_pos.len().checked_sub(1) else {
+        return;
+    };
     for ((o, m), &v) in to.iter_mut().zip(m).zip(pos) {
         *o = at_pos[(v as usize).min(last)];
         *m = v < c;
@@ -266,12 +339,22 @@ mod tests {
     fn tiny_pairs(n: usize, n_entity: usize) -> Triples {
         let sharding = Sharding::create(n_entity, n, &crate::rng::seed_words(11), None).unwrap();
         let shard_of = &sharding.entity_to_shard;
-        let of = |x: usize| (0..n_entity as i64).filter(|&e| shard_of[e as usize] == x as i64).collect::<Vec<i64>>();
+        let of = |x: usize| {
+            (0..n_entity as i64)
+                .filter(|&e| shard_of[e as usize] == x as i64)
+                .collect::<Vec<i64>>()
+        };
         let mut rows = vec![];
         for (i, j) in (0..n).flat_map(|i| (0..n).map(move |j| (i, j))) {
-            let k = if (i, j) == (1, 0) { 60 } else { 1 + (i + 2 * j) % 5 };
+            let k = if (i, j) == (1, 0) {
+                60
+            } else {
+                1 + (i + 2 * j) % 5
+            };
             let (hs, ts) = (of(i), of(j));
-            rows.extend((0..k).map(|q| [hs[q % hs.len()], (q % 3) as i64, ts[(q * 7 + 1) % ts.len()]]));
+            rows.extend(
+                (0..k).map(|q| [hs[q % hs.len()], (q % 3) as i64, ts[(q * 7 + 1) % ts.len()]]),
+            );
         }
         Triples::from_rows(&rows)
     }
@@ -292,7 +375,10 @@ mod tests {
             let n_entity = 40 * n;
             let graphs = [
                 ("tiny pairs", tiny_pairs(n, n_entity)),
-                ("power law", synth::power_law(n_entity, 5, 60 * n * n, 1.0, 4)),
+                (
+                    "power law",
+                    synth::power_law(n_entity, 5, 60 * n * n, 1.0, 4),
+                ),
                 ("uniform", synth::uniform(n_entity, 5, 30 * n * n, 6)),
             ];
             for (graph, triples) in graphs {
@@ -323,30 +409,55 @@ mod tests {
                         let w = table.batch_sampler().steps_per_epoch();
                         // Rigid shuffle reads empty partitions by the sampler's index arrays, and
                         // epochs past the bounds by the per-step path.
-                        let fits = super::EpochTable::fits(&table.table, &table.layout, table.counts.positive_per_partition, w);
+                        let fits = super::EpochTable::fits(
+                            &table.table,
+                            &table.layout,
+                            table.counts.positive_per_partition,
+                            w,
+                        );
                         let used = fits && table.partitioned().triple_counts.iter().all(|&c| c > 0);
                         tabled += usize::from(used);
                         // In sequence over three epochs (their ends, where epochs are long),
                         // backwards across an epoch's start, repeated and jumping.
                         let mut steps: Vec<usize> = (0..(3 * w + 2).min(24)).collect();
-                        steps.extend((w.saturating_sub(3)..w + 3).chain(2 * w - 2..2 * w + 2).chain(3 * w - 1..3 * w + 1));
+                        steps.extend(
+                            (w.saturating_sub(3)..w + 3)
+                                .chain(2 * w - 2..2 * w + 2)
+                                .chain(3 * w - 1..3 * w + 1),
+                        );
                         steps.extend((w.saturating_sub(3)..w + 2).rev());
                         steps.extend([4 * w + 1, 4 * w + 1, 0, w, 2 * w - 1, 1, 5 * w, 3]);
                         for (k, &step) in steps.iter().enumerate() {
                             let (a, b) = (table.draw(step).unwrap(), per_step.draw(step).unwrap());
                             let what = format!("{graph}, devices ({l}, {g}, {s}) host {host}, shard_bs {shard_bs}, negatives {negatives} flat {flat}, step {step} (#{k})");
-                            assert_eq!(table.scratch.pos.epoch.epoch, used.then_some(step / w), "the epoch table's epoch: {what}");
+                            assert_eq!(
+                                table.scratch.pos.epoch.epoch,
+                                used.then_some(step / w),
+                                "the epoch table's epoch: {what}"
+                            );
                             assert_eq!(a.record_batch.schema(), b.record_batch.schema(), "{what}");
-                            for (c, (x, y)) in a.record_batch.columns().iter().zip(b.record_batch.columns()).enumerate() {
+                            for (c, (x, y)) in a
+                                .record_batch
+                                .columns()
+                                .iter()
+                                .zip(b.record_batch.columns())
+                                .enumerate()
+                            {
                                 assert_eq!(x.to_data(), y.to_data(), "column {c}: {what}");
                             }
                             checked += 1;
                         }
-                        assert!(per_step.scratch.pos.epoch.epoch.is_none(), "the per-step path used the table");
+                        assert!(
+                            per_step.scratch.pos.epoch.epoch.is_none(),
+                            "the per-step path used the table"
+                        );
                     }
                 }
             }
         }
-        assert!(checked > 1000 && tabled > 40, "{checked} steps checked, {tabled} configurations with the table");
+        assert!(
+            checked > 1000 && tabled > 40,
+            "{checked} steps checked, {tabled} configurations with the table"
+        );
     }
 }

@@ -38,7 +38,10 @@ use sparsecore_prep::Config;
 use crate::batch::{BatchOptions, BatchSampler, SamplerKind};
 use crate::error::{BessError, Result};
 use crate::layout::SparseCoreLayout;
-use crate::negative::{Corruption, NegativeOutput, NegativeSampler, RandomNegative, TripleBasedNegative, TypeBasedNegative};
+use crate::negative::{
+    Corruption, NegativeOutput, NegativeSampler, RandomNegative, TripleBasedNegative,
+    TypeBasedNegative,
+};
 use crate::partition::{PartitionMode, PartitionedTriples, Triples};
 use crate::rng::seed_words;
 use crate::sharding::Sharding;
@@ -298,9 +301,15 @@ impl BessStreamBuilder {
 
     /// Validates everything and computes the config.
     pub fn build(self) -> Result<BessStream> {
-        let triples = self.triples.ok_or_else(|| BessError::param("triples", "missing", "required"))?;
-        let n_entity = self.n_entity.ok_or_else(|| BessError::param("n_entity", "missing", "required"))?;
-        let shard_bs = self.shard_bs.ok_or_else(|| BessError::param("shard_batch_size", "missing", "required"))?;
+        let triples = self
+            .triples
+            .ok_or_else(|| BessError::param("triples", "missing", "required"))?;
+        let n_entity = self
+            .n_entity
+            .ok_or_else(|| BessError::param("n_entity", "missing", "required"))?;
+        let shard_bs = self
+            .shard_bs
+            .ok_or_else(|| BessError::param("shard_batch_size", "missing", "required"))?;
         if self.steps == Some(0) {
             return Err(BessError::param("steps", 0, "must be at least 1"));
         }
@@ -310,11 +319,20 @@ impl BessStreamBuilder {
         let sharding = match self.sharding {
             Some(sh) => {
                 if sh.n_entity() != n_entity {
-                    return Err(BessError::param("n_entity", n_entity, format!("the given sharding has {} entities", sh.n_entity())));
+                    return Err(BessError::param(
+                        "n_entity",
+                        n_entity,
+                        format!("the given sharding has {} entities", sh.n_entity()),
+                    ));
                 }
                 sh
             }
-            None => Arc::new(Sharding::create(n_entity, n, &seed_words(u128::from(self.seeds.0)), None)?),
+            None => Arc::new(Sharding::create(
+                n_entity,
+                n,
+                &seed_words(u128::from(self.seeds.0)),
+                None,
+            )?),
         };
         layout.check_shards(sharding.n_shard)?;
         if self.embedding_dim == 0 {
@@ -324,17 +342,45 @@ impl BessStreamBuilder {
         // `n_relation` only (by default the largest id + 1): ids and counts past it stop here,
         // with the partitioning's own default bound (`0..i32::MAX`).
         let rel_limit = i64::from(i32::MAX);
-        if let Some(row) = triples.relation.iter().position(|&r| !(0..rel_limit).contains(&r)) {
-            return Err(BessError::RelationOutOfRange { column: "relation".into(), row, value: triples.relation[row], n_relation: rel_limit });
+        if let Some(row) = triples
+            .relation
+            .iter()
+            .position(|&r| !(0..rel_limit).contains(&r))
+        {
+            return Err(BessError::RelationOutOfRange {
+                column: "relation".into(),
+                row,
+                value: triples.relation[row],
+                n_relation: rel_limit,
+            });
         }
         if let Some(nr) = self.n_relation.filter(|&nr| nr > i32::MAX as usize) {
-            return Err(BessError::param("n_relation", nr, format!("the `relation` column is Int32: at most {} relation types", i32::MAX)));
+            return Err(BessError::param(
+                "n_relation",
+                nr,
+                format!(
+                    "the `relation` column is Int32: at most {} relation types",
+                    i32::MAX
+                ),
+            ));
         }
-        let n_relation = self.n_relation.unwrap_or_else(|| triples.relation.iter().copied().max().map_or(0, |m| m as usize + 1));
-        let mut pb = PartitionedTriples::builder(sharding.clone(), PartitionMode::HtShardPair).n_relation(n_relation).inverse_triples(self.inverse_triples);
+        let n_relation = self.n_relation.unwrap_or_else(|| {
+            triples
+                .relation
+                .iter()
+                .copied()
+                .max()
+                .map_or(0, |m| m as usize + 1)
+        });
+        let mut pb = PartitionedTriples::builder(sharding.clone(), PartitionMode::HtShardPair)
+            .n_relation(n_relation)
+            .inverse_triples(self.inverse_triples);
         match &self.negative_kind {
             NegativeKind::TypeBased { type_offsets } => pb = pb.type_offsets(type_offsets.clone()),
-            NegativeKind::TripleBased { neg_heads, neg_tails } => {
+            NegativeKind::TripleBased {
+                neg_heads,
+                neg_tails,
+            } => {
                 if let Some(h) = neg_heads {
                     pb = pb.neg_heads(h.clone());
                 }
@@ -347,9 +393,18 @@ impl BessStreamBuilder {
         // TypeBased needs the sharding's type tables: recreate a typed one (same permutation).
         let pb = match (&self.negative_kind, sharding.entity_type_counts.is_some()) {
             (NegativeKind::TypeBased { type_offsets }, false) => {
-                let typed = Arc::new(Sharding::create(n_entity, n, &seed_words(u128::from(self.seeds.0)), Some(type_offsets))?);
+                let typed = Arc::new(Sharding::create(
+                    n_entity,
+                    n,
+                    &seed_words(u128::from(self.seeds.0)),
+                    Some(type_offsets),
+                )?);
                 if typed.shard_and_idx_to_entity != sharding.shard_and_idx_to_entity {
-                    return Err(BessError::param("sharding", "untyped", "the TypeBased sampler needs a typed sharding (created with type_offsets)"));
+                    return Err(BessError::param(
+                        "sharding",
+                        "untyped",
+                        "the TypeBased sampler needs a typed sharding (created with type_offsets)",
+                    ));
                 }
                 PartitionedTriples::builder(typed, PartitionMode::HtShardPair)
                     .n_relation(n_relation)
@@ -367,37 +422,80 @@ impl BessStreamBuilder {
                 StreamSampler::Random => "random batch sampler",
                 StreamSampler::Rigid { .. } => "rigid batch sampler",
             };
-            return Err(BessError::EmptyPartition { sampler, partition: part.partition_name(p) });
+            return Err(BessError::EmptyPartition {
+                sampler,
+                partition: part.partition_name(p),
+            });
         }
         let kind = match self.sampler {
-            StreamSampler::Random => SamplerKind::Random { seed_words: seed_words(u128::from(self.seeds.1)) },
-            StreamSampler::Rigid { shuffle } => SamplerKind::Rigid { shuffle: shuffle.then(|| seed_words(u128::from(self.seeds.1))) },
+            StreamSampler::Random => SamplerKind::Random {
+                seed_words: seed_words(u128::from(self.seeds.1)),
+            },
+            StreamSampler::Rigid { shuffle } => SamplerKind::Rigid {
+                shuffle: shuffle.then(|| seed_words(u128::from(self.seeds.1))),
+            },
         };
-        let options = BatchOptions { shard_bs, batches_per_step: 1, duplicate_batch: false, return_triple_idx: true, kind };
+        let options = BatchOptions {
+            shard_bs,
+            batches_per_step: 1,
+            duplicate_batch: false,
+            return_triple_idx: true,
+            kind,
+        };
         let sampler = BatchSampler::positives_only(part.clone(), options, self.corruption)?;
         let ppp = sampler.geometry().positive_per_partition;
         let neg_words = seed_words(u128::from(self.seeds.2));
         let negative = match (&self.negative_kind, self.negatives) {
-            (NegativeKind::TripleBased { .. }, _) => {
-                Some(NegativeSampler::TripleBased(Box::new(TripleBasedNegative::new(&part, self.corruption, true, false)?)))
-            }
+            (NegativeKind::TripleBased { .. }, _) => Some(NegativeSampler::TripleBased(Box::new(
+                TripleBasedNegative::new(&part, self.corruption, true, false)?,
+            ))),
             (_, 0) => None,
-            (NegativeKind::Random, k) => Some(NegativeSampler::Random(RandomNegative::new(k, &neg_words, self.corruption, false, self.flat_negatives)?)),
+            (NegativeKind::Random, k) => Some(NegativeSampler::Random(RandomNegative::new(
+                k,
+                &neg_words,
+                self.corruption,
+                false,
+                self.flat_negatives,
+            )?)),
             (NegativeKind::TypeBased { .. }, k) => {
                 if self.flat_negatives {
                     return Err(BessError::param("flat_negatives", true, "the TypeBased sampler draws per triple (besskge has no flat format for it)"));
                 }
-                Some(NegativeSampler::TypeBased(TypeBasedNegative::new(k, &neg_words, self.corruption, false)?))
+                Some(NegativeSampler::TypeBased(TypeBasedNegative::new(
+                    k,
+                    &neg_words,
+                    self.corruption,
+                    false,
+                )?))
             }
         };
         let t = n * ppp;
         let (b, k) = match &negative {
             None => (0, 0),
             Some(NegativeSampler::TripleBased(tb)) => {
-                let b = if tb.flat_negative_format { if self.corruption == Corruption::Ht { 2 } else { 1 } } else { t };
+                let b = if tb.flat_negative_format {
+                    if self.corruption == Corruption::Ht {
+                        2
+                    } else {
+                        1
+                    }
+                } else {
+                    t
+                };
                 (b, tb.padded_shard_length)
             }
-            Some(NegativeSampler::Random(r)) => (if r.flat_negative_format { if self.corruption == Corruption::Ht { 2 } else { 1 } } else { t }, r.n_negative),
+            Some(NegativeSampler::Random(r)) => (
+                if r.flat_negative_format {
+                    if self.corruption == Corruption::Ht {
+                        2
+                    } else {
+                        1
+                    }
+                } else {
+                    t
+                },
+                r.n_negative,
+            ),
             Some(NegativeSampler::TypeBased(r)) => (t, r.n_negative),
         };
         let flat = match &negative {
@@ -412,7 +510,8 @@ impl BessStreamBuilder {
         let max_ids_ = 2 * ppp_ + b_ * k_;
         let rows_ = (n_ * ppp_).max(n_ * b_ * k_);
         let coo_ = s as u128 * n_ * max_ids_.div_ceil(8) * 8;
-        if max_ids_ > limit || coo_ >= limit || rows_ * layout.local_sparsecores() as u128 >= limit {
+        if max_ids_ > limit || coo_ >= limit || rows_ * layout.local_sparsecores() as u128 >= limit
+        {
             return Err(BessError::param(
                 "shard_batch_size / negatives",
                 format!("{shard_bs} / {}", self.negatives),
@@ -422,8 +521,13 @@ impl BessStreamBuilder {
         let neg_rows = n * b * k;
         let rows = t.max(neg_rows);
         let local = layout.local_sparsecores();
-        let step_bytes = step_bytes(local, (n, t, rows, neg_rows), !matches!(negative, None | Some(NegativeSampler::Random(_))) || self.annotations);
-        let too_large = |reason: String| BessError::TooLarge {
+        let step_bytes = step_bytes(
+            local,
+            (n, t, rows, neg_rows),
+            !matches!(negative, None | Some(NegativeSampler::Random(_))) || self.annotations,
+        );
+        let too_large = |reason: String| {
+            BessError::TooLarge {
             what: format!(
                 "a step of layout {l}/{g}/{s} ({local} SparseCores on this host), shard batch size {shard_bs} ({t} triples per SparseCore) \
                  and {b} negative lists of {k} per shard ({neg_rows} negative rows per SparseCore; negatives = {})",
@@ -431,6 +535,7 @@ impl BessStreamBuilder {
             ),
             bytes: step_bytes,
             reason,
+        }
         };
         if let Some(cap) = self.max_step_bytes.filter(|&cap| step_bytes > cap as u128) {
             return Err(too_large(format!("more than max_step_bytes = {cap}")));
@@ -438,7 +543,9 @@ impl BessStreamBuilder {
         // Asked of the allocator once, before anything is drawn (address space only: nothing is
         // touched, and it is given back at once), so that a step the process cannot hold is an
         // error here and not an abort on whichever allocation fails first.
-        if usize::try_from(step_bytes).map_or(true, |bytes| Vec::<u8>::new().try_reserve_exact(bytes).is_err()) {
+        if usize::try_from(step_bytes).map_or(true, |bytes| {
+            Vec::<u8>::new().try_reserve_exact(bytes).is_err()
+        }) {
             return Err(too_large(
                 "the allocator refuses that much (the memory available, or `ulimit -v`); use fewer negatives, a smaller shard \
                  batch size or fewer SparseCores per host"
@@ -457,7 +564,10 @@ impl BessStreamBuilder {
             coo_buffer_size_per_device: coo,
         };
         let vocab = n * sharding.max_entity_per_shard();
-        let mut features = vec![serde_json::json!({"name": HEAD, "table": TABLE}), serde_json::json!({"name": TAIL, "table": TABLE})];
+        let mut features = vec![
+            serde_json::json!({"name": HEAD, "table": TABLE}),
+            serde_json::json!({"name": TAIL, "table": TABLE}),
+        ];
         if negative.is_some() {
             features.push(serde_json::json!({"name": NEGATIVE, "table": TABLE}));
         }
@@ -478,14 +588,26 @@ impl BessStreamBuilder {
         };
         let schema = schema(columns);
         if vocab > i32::MAX as usize {
-            return Err(BessError::param("n_entity", n_entity, "N * ceil(E / N) physical ids must fit in int32"));
+            return Err(BessError::param(
+                "n_entity",
+                n_entity,
+                "N * ceil(E / N) physical ids must fit in int32",
+            ));
         }
         let table = Table::new(&part, &layout)?;
         let rigid = match self.sampler {
-            StreamSampler::Rigid { shuffle: false } => Some(Arc::new(Rigid::new(&part, &table, &layout, ppp, sampler.steps_per_epoch()))),
+            StreamSampler::Rigid { shuffle: false } => Some(Arc::new(Rigid::new(
+                &part,
+                &table,
+                &layout,
+                ppp,
+                sampler.steps_per_epoch(),
+            ))),
             _ => None,
         };
-        let full_mask: ArrayRef = Arc::new(BooleanArray::from_iter((0..local).flat_map(|_| (0..rows).map(|row| Some(row < t)))));
+        let full_mask: ArrayRef = Arc::new(BooleanArray::from_iter(
+            (0..local).flat_map(|_| (0..rows).map(|row| Some(row < t))),
+        ));
         let shared = Shared {
             pos_offsets: one_id_offsets(local, t, rows)?,
             neg_offsets: one_id_offsets(local, neg_rows, rows)?,
@@ -524,15 +646,28 @@ impl BessStreamBuilder {
 /// negative) and, with annotations or a per-triple sampler other than Random, every
 /// SparseCore's negatives as the sampler's array (4 each), for `local` SparseCores of `(n, T, R,
 /// NEG)`: shards, triples, rows and negative rows per SparseCore. Saturates at `u128::MAX`.
-fn step_bytes(local: usize, (n, t, rows, neg_rows): (usize, usize, usize, usize), all_negatives: bool) -> u128 {
+fn step_bytes(
+    local: usize,
+    (n, t, rows, neg_rows): (usize, usize, usize, usize),
+    all_negatives: bool,
+) -> u128 {
     let [local, n, t, rows, neg_rows] = [local, n, t, rows, neg_rows].map(|x| x as u128);
     let terms = [
-        local.checked_mul(rows).and_then(|r| r.checked_mul(4 + 4 + 4)),
+        local
+            .checked_mul(rows)
+            .and_then(|r| r.checked_mul(4 + 4 + 4)),
         local.checked_mul(t).and_then(|r| r.checked_mul(8 + 8 + 4)),
         local.checked_mul(neg_rows).and_then(|r| r.checked_mul(8)),
-        if all_negatives { n.checked_mul(neg_rows).and_then(|r| r.checked_mul(4)) } else { Some(0) },
+        if all_negatives {
+            n.checked_mul(neg_rows).and_then(|r| r.checked_mul(4))
+        } else {
+            Some(0)
+        },
     ];
-    terms.into_iter().try_fold(0u128, |sum, x| sum.checked_add(x?)).unwrap_or(u128::MAX)
+    terms
+        .into_iter()
+        .try_fold(0u128, |sum, x| sum.checked_add(x?))
+        .unwrap_or(u128::MAX)
 }
 
 /// BESS batches, negatives and their SparseCore layout, as record batches for the pipeline.
@@ -645,7 +780,11 @@ impl BessStream {
             shared: &self.shared,
         };
         let (sampler, part) = (&mut self.sampler, &self.part);
-        let Scratch { pos, neg, neg_values } = &mut self.scratch;
+        let Scratch {
+            pos,
+            neg,
+            neg_values,
+        } = &mut self.scratch;
         let keep = self.columns.annotations;
         let f = self.counts.triples_per_sparsecore;
         let n = parts.layout.num_sparsecores();
@@ -662,15 +801,20 @@ impl BessStream {
                 };
                 // Waking a second thread costs more than small steps take, so only steps with
                 // many negatives draw them on a second thread.
-                let (p, ng) = if self.counts.negative_ids_per_partition * n * n >= PARALLEL_NEGATIVES {
-                    rayon::join(positives, negatives)
-                } else {
-                    (positives(), negatives())
-                };
+                let (p, ng) =
+                    if self.counts.negative_ids_per_partition * n * n >= PARALLEL_NEGATIVES {
+                        rayon::join(positives, negatives)
+                    } else {
+                        (positives(), negatives())
+                    };
                 let (mut columns, rigid) = p?;
                 columns.extend(ng?);
                 let kept = keep.then(|| NegativeOutput {
-                    negative: ArrayD::from_shape_vec(IxDyn(&[1, n, n, parts.neg_b, parts.neg_k]), neg.clone()).expect("drawn shape"),
+                    negative: ArrayD::from_shape_vec(
+                        IxDyn(&[1, n, n, parts.neg_b, parts.neg_k]),
+                        neg.clone(),
+                    )
+                    .expect("drawn shape"),
                     mask: None,
                     sort_idx: None,
                 });
@@ -679,10 +823,14 @@ impl BessStream {
             Some(ns) => {
                 let (mut columns, rigid) = parts.positives(sampler, step, pos, true)?;
                 let shape = [1, n, n, parts.counts.positive_per_partition];
-                let si = ArrayD::from_shape_vec(IxDyn(&shape), pos.sidx.clone()).expect("n * n * ppp indices");
+                let si = ArrayD::from_shape_vec(IxDyn(&shape), pos.sidx.clone())
+                    .expect("n * n * ppp indices");
                 let no = ns.sample(part, &si)?;
                 let flat_neg = no.negative.as_slice().expect("standard layout");
-                let flat_mask = no.mask.as_ref().map(|m| m.as_slice().expect("standard layout"));
+                let flat_mask = no
+                    .mask
+                    .as_ref()
+                    .map(|m| m.as_slice().expect("standard layout"));
                 columns.extend(parts.negative_columns(flat_neg, flat_mask, neg_values)?);
                 (columns, rigid, keep.then_some(no))
             }
@@ -694,9 +842,18 @@ impl BessStream {
         let record_batch = RecordBatch::try_new(self.schema.clone(), std::mem::take(&mut columns))?;
         let n = self.layout.num_sparsecores();
         let ppp = self.counts.positive_per_partition;
-        let sample_idx = keep.then(|| ArrayD::from_shape_vec(IxDyn(&[n, n, ppp]), self.scratch.pos.sidx.clone()).expect("n * n * ppp indices"));
+        let sample_idx = keep.then(|| {
+            ArrayD::from_shape_vec(IxDyn(&[n, n, ppp]), self.scratch.pos.sidx.clone())
+                .expect("n * n * ppp indices")
+        });
         let triple_mask = (keep && rigid).then(|| self.scratch.pos.smask.clone());
-        Ok(StreamBatch { step, record_batch, sample_idx, triple_mask, negative })
+        Ok(StreamBatch {
+            step,
+            record_batch,
+            sample_idx,
+            triple_mask,
+            negative,
+        })
     }
 }
 

@@ -14,7 +14,9 @@ pub(super) fn prefetch<T>(r: &T) {
     // SAFETY: a prefetch is a hint: it never faults and changes no memory, the address comes
     // from a live reference, and SSE (which provides it) is part of the x86_64 baseline.
     unsafe {
-        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(std::ptr::from_ref(r).cast());
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
+            std::ptr::from_ref(r).cast(),
+        );
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = r;

@@ -100,7 +100,8 @@ impl RunColumns {
         if rows >= 1 << 31 {
             return None;
         }
-        let col = |f: &dyn Fn(&Run) -> usize| parts.iter().map(|p| f(p) as u32).collect::<Vec<u32>>();
+        let col =
+            |f: &dyn Fn(&Run) -> usize| parts.iter().map(|p| f(p) as u32).collect::<Vec<u32>>();
         Some(RunColumns {
             offset: col(&|p| p.offset),
             count: col(&|p| p.count),
@@ -129,7 +130,11 @@ impl RunColumns {
             Some(f) if f.checked_add(ppp) == Some(first) => true,
             _ => {
                 for ((x, m), &c) in cur.at.iter_mut().zip(&self.count_mod).zip(&self.count) {
-                    *x = if first < c as usize { first as u32 } else { m.reduce(first as u64) as u32 };
+                    *x = if first < c as usize {
+                        first as u32
+                    } else {
+                        m.reduce(first as u64) as u32
+                    };
                 }
                 false
             }
@@ -137,8 +142,18 @@ impl RunColumns {
         cur.first = Some(first);
         cur.start.resize(parts, 0);
         // In 32-bit lanes (every count is below 2^31, so is `ppp`, and `first` saturates).
-        let (ppp, first) = (ppp.min(ROW as usize) as u32, first.min(u32::MAX as usize) as u32);
-        block_words(&mut cur.at, &mut cur.start, next.then_some(&self.advance[..]), (&self.offset, &self.count), ppp, first);
+        let (ppp, first) = (
+            ppp.min(ROW as usize) as u32,
+            first.min(u32::MAX as usize) as u32,
+        );
+        block_words(
+            &mut cur.at,
+            &mut cur.start,
+            next.then_some(&self.advance[..]),
+            (&self.offset, &self.count),
+            ppp,
+            first,
+        );
     }
 }
 
@@ -149,11 +164,25 @@ impl RunColumns {
 /// minimums and comparisons that SSE2 lacks (it emulates them with sign flips) and AVX2 has,
 /// eight lanes wide; a copy compiled for x86-64-v3 runs when the CPU has it
 /// ([`sparsecore_prep::isa::v3`]). Both copies compute the same words.
-fn block_words(at: &mut [u32], start: &mut [u64], advance: Option<&[u32]>, parts: (&[u32], &[u32]), ppp: u32, first: u32) {
+fn block_words(
+    at: &mut [u32],
+    start: &mut [u64],
+    advance: Option<&[u32]>,
+    parts: (&[u32], &[u32]),
+    ppp: u32,
+    first: u32,
+) {
     #[cfg(target_arch = "x86_64")]
     if sparsecore_prep::isa::v3() {
         #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-        fn v3(at: &mut [u32], start: &mut [u64], advance: Option<&[u32]>, parts: (&[u32], &[u32]), ppp: u32, first: u32) {
+        fn v3(
+            at: &mut [u32],
+            start: &mut [u64],
+            advance: Option<&[u32]>,
+            parts: (&[u32], &[u32]),
+            ppp: u32,
+            first: u32,
+        ) {
             block_words_body(at, start, advance, parts, ppp, first);
         }
         // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
@@ -164,7 +193,14 @@ fn block_words(at: &mut [u32], start: &mut [u64], advance: Option<&[u32]>, parts
 }
 
 #[inline(always)]
-fn block_words_body(at: &mut [u32], start: &mut [u64], advance: Option<&[u32]>, (offset, count): (&[u32], &[u32]), ppp: u32, first: u32) {
+fn block_words_body(
+    at: &mut [u32],
+    start: &mut [u64],
+    advance: Option<&[u32]>,
+    (offset, count): (&[u32], &[u32]),
+    ppp: u32,
+    first: u32,
+) {
     // Counts and cursors are below 2^31, so are the sums.
     let word = |x: u32, o: u32, c: u32| {
         let row = (o + x) | (u32::from(c - x < ppp) << 31);
@@ -174,7 +210,13 @@ fn block_words_body(at: &mut [u32], start: &mut [u64], advance: Option<&[u32]>, 
     match advance {
         // The minimum is the difference when it does not wrap.
         Some(adv) => {
-            for ((((s, x), &a), &o), &c) in start.iter_mut().zip(at.iter_mut()).zip(adv).zip(offset).zip(count) {
+            for ((((s, x), &a), &o), &c) in start
+                .iter_mut()
+                .zip(at.iter_mut())
+                .zip(adv)
+                .zip(offset)
+                .zip(count)
+            {
                 let y = *x + a;
                 *x = y.min(y.wrapping_sub(c));
                 *s = word(*x, o, c);
@@ -191,17 +233,36 @@ fn block_words_body(at: &mut [u32], start: &mut [u64], advance: Option<&[u32]>, 
 impl Run {
     /// The partition's rows and where position `first` falls in them (cyclically).
     fn at<'a, R: Row>(&self, phys: &'a [R], first: usize) -> Option<(&'a [R], usize)> {
-        let rows = phys.get(self.offset..self.offset + self.count).filter(|r| !r.is_empty())?;
-        Some((rows, if first < self.count { first } else { self.count_mod.reduce_u63(first as u64) as usize }))
+        let rows = phys
+            .get(self.offset..self.offset + self.count)
+            .filter(|r| !r.is_empty())?;
+        Some((
+            rows,
+            if first < self.count {
+                first
+            } else {
+                self.count_mod.reduce_u63(first as u64) as usize
+            },
+        ))
     }
 
     /// The rows of one block: the triples at positions `first .. first + ppp` (cyclically),
     /// written to `h`, `t` and `rel` (`ppp` each). Returns how many are real triples (the rest
     /// are cyclic padding): a prefix.
     #[inline(always)]
-    fn copy<R: Row>(&self, phys: &[R], decode: Decode, first: usize, h: &mut [i64], t: &mut [i64], rel: &mut [i32]) -> usize {
+    fn copy<R: Row>(
+        &self,
+        phys: &[R],
+        decode: Decode,
+        first: usize,
+        h: &mut [i64],
+        t: &mut [i64],
+        rel: &mut [i32],
+    ) -> usize {
         let ppp = h.len();
-        let Some((rows, mut r)) = self.at(phys, first) else { return 0 };
+        let Some((rows, mut r)) = self.at(phys, first) else {
+            return 0;
+        };
         // Most blocks are one run: one loop, no remainder bookkeeping.
         if let (Some(run), true) = (rows.get(r..r + ppp), t.len() == ppp && rel.len() == ppp) {
             for q in 0..ppp {
@@ -213,7 +274,12 @@ impl Run {
         while done < ppp {
             let len = (self.count - r).min(ppp - done);
             let run = &rows[r..r + len];
-            for (((hv, tv), rv), &row) in h[done..done + len].iter_mut().zip(&mut t[done..done + len]).zip(&mut rel[done..done + len]).zip(run) {
+            for (((hv, tv), rv), &row) in h[done..done + len]
+                .iter_mut()
+                .zip(&mut t[done..done + len])
+                .zip(&mut rel[done..done + len])
+                .zip(run)
+            {
                 (*hv, *rv, *tv) = decode.row(row, self.offsets);
             }
             done += len;
@@ -226,7 +292,9 @@ impl Run {
     /// run copy asks for the blocks a few ahead of the one it copies: the triple table is cold,
     /// since preprocessing evicts it between steps).
     fn prefetch<R: Row>(&self, phys: &[R], first: usize, ppp: usize) {
-        let Some((rows, r0)) = self.at(phys, first) else { return };
+        let Some((rows, r0)) = self.at(phys, first) else {
+            return;
+        };
         let len = ppp.min(self.count);
         let row = |q: usize| {
             let x = r0 + q;
@@ -278,7 +346,14 @@ struct Blocks {
 /// partition's slot to compute or check. The next head shard's blocks are prefetched before
 /// a head shard's are copied (a slot's worth of rows ahead).
 #[inline(never)]
-fn stage_blocks<R: Row, const P: usize>(start: &[u64], (offset, count): (&[u32], &[u32]), phys: &[R], bl: Blocks, staged: &mut [R], mut mask: Option<&mut [u64]>) {
+fn stage_blocks<R: Row, const P: usize>(
+    start: &[u64],
+    (offset, count): (&[u32], &[u32]),
+    phys: &[R],
+    bl: Blocks,
+    staged: &mut [R],
+    mut mask: Option<&mut [u64]>,
+) {
     let ppp = if P == 0 { bl.positive_per_partition } else { P };
     let (n, t) = (bl.n, bl.t);
     if ppp == 0 || n == 0 || t != n * ppp || start.len() != n * n {
@@ -316,7 +391,9 @@ fn stage_blocks<R: Row, const P: usize>(start: &[u64], (offset, count): (&[u32],
         let at = i * ppp;
         for (slot, rows) in staged.chunks_exact_mut(t).enumerate() {
             let j = slot.wrapping_add(first) & mask_n;
-            let (Some(&s), Some(to)) = (words.get(j), rows.get_mut(at..at + ppp)) else { continue };
+            let (Some(&s), Some(to)) = (words.get(j), rows.get_mut(at..at + ppp)) else {
+                continue;
+            };
             if let Some(m) = mask.as_deref_mut() {
                 let valid = (s >> 32) as usize;
                 if valid != 0 {
@@ -335,9 +412,13 @@ fn stage_blocks<R: Row, const P: usize>(start: &[u64], (offset, count): (&[u32],
                 continue;
             }
             let p = i * n + j;
-            let (Some(&o), Some(&c)) = (offset.get(p), count.get(p)) else { continue };
+            let (Some(&o), Some(&c)) = (offset.get(p), count.get(p)) else {
+                continue;
+            };
             let (o, c) = (o as usize, c as usize);
-            let Some(rows) = phys.get(o..o + c) else { continue };
+            let Some(rows) = phys.get(o..o + c) else {
+                continue;
+            };
             let mut x = ((s & ROW) as usize).saturating_sub(o);
             for v in to {
                 if let Some(&row) = rows.get(x) {
@@ -370,7 +451,13 @@ impl Rigid {
     /// The reader of a Rigid sampler without shuffle over `part` (one batch per step, `ppp`
     /// positions per block, `windows` steps per epoch), with its [`RigidSlices`] when they
     /// fit the bounds above.
-    pub(super) fn new(part: &PartitionedTriples, table: &Table, lay: &SparseCoreLayout, ppp: usize, windows: usize) -> Self {
+    pub(super) fn new(
+        part: &PartitionedTriples,
+        table: &Table,
+        lay: &SparseCoreLayout,
+        ppp: usize,
+        windows: usize,
+    ) -> Self {
         let parts: Vec<Run> = part
             .triple_offsets
             .iter()
@@ -385,8 +472,16 @@ impl Rigid {
             .collect();
         let min_count = parts.iter().map(|p| p.count).min().unwrap_or(0);
         let columns = RunColumns::new(&parts, with_rows!(table, rows => rows.len()), ppp);
-        let mut rigid = Rigid { parts, columns, min_count, positive_per_partition: ppp, windows: windows.max(1), slices: None };
-        rigid.slices = with_rows!(table, rows => RigidSlices::build(&rigid, rows, table.decode, lay));
+        let mut rigid = Rigid {
+            parts,
+            columns,
+            min_count,
+            positive_per_partition: ppp,
+            windows: windows.max(1),
+            slices: None,
+        };
+        rigid.slices =
+            with_rows!(table, rows => RigidSlices::build(&rigid, rows, table.decode, lay));
         rigid
     }
 
@@ -428,8 +523,24 @@ impl Rigid {
             words.iter_mut().for_each(|w| *w = w.to_le());
             padded.then(|| BooleanBuffer::new(Buffer::from_vec(words), 0, bits))
         } else {
-            let mut mask = vec![false; if padded { lay.local_sparsecores() * t } else { 0 }];
-            self.copy_runs(table, lay, step, (t, r), head, tail, relation, padded.then_some(&mut mask[..]));
+            let mut mask = vec![
+                false;
+                if padded {
+                    lay.local_sparsecores() * t
+                } else {
+                    0
+                }
+            ];
+            self.copy_runs(
+                table,
+                lay,
+                step,
+                (t, r),
+                head,
+                tail,
+                relation,
+                padded.then_some(&mut mask[..]),
+            );
             padded.then(|| BooleanBuffer::from(mask))
         }
     }
@@ -465,7 +576,14 @@ impl Rigid {
         let (local, first_sc) = (lay.local_sparsecores(), lay.global_sparsecore(0));
         let mut staged = std::mem::take(R::buffer(&mut cur.staged));
         staged.resize(local * t, R::default());
-        let blocks = Blocks { n, local, first_sc, step, t, positive_per_partition: ppp };
+        let blocks = Blocks {
+            n,
+            local,
+            first_sc,
+            step,
+            t,
+            positive_per_partition: ppp,
+        };
         let (start, wraps) = (&cur.start[..], (&cols.offset[..], &cols.count[..]));
         // A block's rows in fixed-size moves where its size is a small power of two.
         match ppp {
@@ -475,7 +593,14 @@ impl Rigid {
             8 => stage_blocks::<R, 8>(start, wraps, phys, blocks, &mut staged, mask),
             _ => stage_blocks::<R, 0>(start, wraps, phys, blocks, &mut staged, mask),
         }
-        decode_slots(&staged, decode, shard_ids, (n, ppp, r), (first_sc, step), (head, tail, relation));
+        decode_slots(
+            &staged,
+            decode,
+            shard_ids,
+            (n, ppp, r),
+            (first_sc, step),
+            (head, tail, relation),
+        );
         *R::buffer(&mut cur.staged) = staged;
     }
 
@@ -564,8 +689,18 @@ pub(super) struct RigidSlices {
 }
 
 impl RigidSlices {
-    fn build<R: Row>(rigid: &Rigid, phys: &[R], decode: Decode, lay: &SparseCoreLayout) -> Option<Self> {
-        let (n, local, first_sc, ppp) = (lay.num_sparsecores(), lay.local_sparsecores(), lay.global_sparsecore(0), rigid.positive_per_partition);
+    fn build<R: Row>(
+        rigid: &Rigid,
+        phys: &[R],
+        decode: Decode,
+        lay: &SparseCoreLayout,
+    ) -> Option<Self> {
+        let (n, local, first_sc, ppp) = (
+            lay.num_sparsecores(),
+            lay.local_sparsecores(),
+            lay.global_sparsecore(0),
+            rigid.positive_per_partition,
+        );
         let t = n * ppp;
         let windows = rigid.windows;
         let gcd = |mut a: usize, mut b: usize| {
@@ -577,12 +712,19 @@ impl RigidSlices {
         let period = windows / gcd(windows, n) * n;
         let per_step = period.checked_mul(local)?;
         let per_window = windows.checked_mul(n + local - 1)?;
-        let (order, entries) = if per_step <= per_window { (Order::PerStep { period }, per_step) } else { (Order::PerWindow, per_window) };
+        let (order, entries) = if per_step <= per_window {
+            (Order::PerStep { period }, per_step)
+        } else {
+            (Order::PerWindow, per_window)
+        };
         let rows = entries.checked_mul(t)?;
-        if rows > SLICES_MAX_ROWS_PER_TRIPLE * phys.len() || rows.checked_mul(20)? > SLICES_MAX_BYTES {
+        if rows > SLICES_MAX_ROWS_PER_TRIPLE * phys.len()
+            || rows.checked_mul(20)? > SLICES_MAX_BYTES
+        {
             return None;
         }
-        let (mut head, mut tail, mut relation) = (vec![0i64; rows], vec![0i64; rows], vec![0i32; rows]);
+        let (mut head, mut tail, mut relation) =
+            (vec![0i64; rows], vec![0i64; rows], vec![0i32; rows]);
         let mut mask = Vec::with_capacity(rows);
         let mut padded_before = Vec::with_capacity(entries + 1);
         padded_before.push(0);
@@ -599,7 +741,11 @@ impl RigidSlices {
             for i in 0..n {
                 let p = i * n + ((i + h) & (n - 1));
                 let at = e * t + i * ppp;
-                let (hs, ts, rs) = (&mut head[at..at + ppp], &mut tail[at..at + ppp], &mut relation[at..at + ppp]);
+                let (hs, ts, rs) = (
+                    &mut head[at..at + ppp],
+                    &mut tail[at..at + ppp],
+                    &mut relation[at..at + ppp],
+                );
                 let valid = rigid.parts[p].copy(phys, decode, first, hs, ts, rs);
                 padded |= valid < ppp;
                 mask.extend((0..ppp).map(|q| q < valid));
@@ -623,7 +769,9 @@ impl RigidSlices {
     /// The first entry of step `step`'s `L` consecutive entries.
     pub(super) fn start(&self, step: usize) -> usize {
         match self.order {
-            Order::PerWindow => (step % self.windows) * (self.n + self.local - 1) + (self.first_sc + step) % self.n,
+            Order::PerWindow => {
+                (step % self.windows) * (self.n + self.local - 1) + (self.first_sc + step) % self.n
+            }
             Order::PerStep { period } => (step % period) * self.local,
         }
     }
@@ -655,15 +803,23 @@ mod tests {
         first: usize,
         step: usize,
     ) -> (Vec<i64>, Vec<i64>, Vec<i32>, Vec<bool>) {
-        let (n, local, first_sc) = (lay.num_sparsecores(), lay.local_sparsecores(), lay.global_sparsecore(0));
+        let (n, local, first_sc) = (
+            lay.num_sparsecores(),
+            lay.local_sparsecores(),
+            lay.global_sparsecore(0),
+        );
         let (mut h, mut t, mut r, mut m) = (vec![], vec![], vec![], vec![]);
         for slot in 0..local {
             for i in 0..n {
                 let p = i * n + (first_sc + slot + i + step) % n;
-                let (off, cnt) = (part.triple_offsets[p] as usize, part.triple_counts[p] as usize);
+                let (off, cnt) = (
+                    part.triple_offsets[p] as usize,
+                    part.triple_counts[p] as usize,
+                );
                 for q in 0..ppp {
                     let row = off + (first + q) % cnt;
-                    let (hv, rv, tv) = with_rows!(table, rows => table.decode.row(rows[row], table.offsets(p)));
+                    let (hv, rv, tv) =
+                        with_rows!(table, rows => table.decode.row(rows[row], table.offsets(p)));
                     h.push(hv);
                     t.push(tv);
                     r.push(rv);
@@ -683,13 +839,25 @@ mod tests {
     /// triples but one of 60.
     #[test]
     fn run_copy_matches_the_windows_in_any_step_order() {
-        for (l, g, s, host) in [(1, 1, 4, 0), (1, 2, 2, 1), (2, 2, 4, 0), (1, 4, 4, 2), (1, 4, 4, 3)] {
+        for (l, g, s, host) in [
+            (1, 1, 4, 0),
+            (1, 2, 2, 1),
+            (2, 2, 4, 0),
+            (1, 4, 4, 2),
+            (1, 4, 4, 3),
+        ] {
             let lay = SparseCoreLayout::new(l, g, s, host).unwrap();
             let n = lay.num_sparsecores();
             // Every shard pair non-empty.
             let graphs = match n {
-                16 => [("power law", synth::power_law(1000, 4, 12000, 1.0, 5), 1000), ("uniform", synth::uniform(600, 3, 2000, 7), 600)],
-                _ => [("power law", synth::power_law(300, 4, 3000, 1.0, 5), 300), ("uniform", synth::uniform(200, 3, 400, 7), 200)],
+                16 => [
+                    ("power law", synth::power_law(1000, 4, 12000, 1.0, 5), 1000),
+                    ("uniform", synth::uniform(600, 3, 2000, 7), 600),
+                ],
+                _ => [
+                    ("power law", synth::power_law(300, 4, 3000, 1.0, 5), 300),
+                    ("uniform", synth::uniform(200, 3, 400, 7), 200),
+                ],
             };
             let tiny = ("tiny pairs", crate::Triples::default(), 20 * n);
             for (graph, triples, n_entity) in graphs.into_iter().chain([tiny]) {
@@ -697,45 +865,110 @@ mod tests {
                 // Pair (i, j) holds 1 + (i + 2j) mod 5 triples (every pair 1 to 5, one pair 60).
                 let triples = if triples.head.is_empty() {
                     let shard_of = &sharding.entity_to_shard;
-                    let of = move |x: usize| (0..n_entity as i64).filter(move |&e| shard_of[e as usize] == x as i64);
+                    let of = move |x: usize| {
+                        (0..n_entity as i64).filter(move |&e| shard_of[e as usize] == x as i64)
+                    };
                     let mut rows = vec![];
                     for (i, j) in (0..n).flat_map(|i| (0..n).map(move |j| (i, j))) {
-                        let k = if (i, j) == (1, 0) { 60 } else { 1 + (i + 2 * j) % 5 };
-                        rows.extend(of(i).zip(of(j).cycle()).cycle().take(k).enumerate().map(|(q, (h, t))| [h, (q % 3) as i64, t]));
+                        let k = if (i, j) == (1, 0) {
+                            60
+                        } else {
+                            1 + (i + 2 * j) % 5
+                        };
+                        rows.extend(
+                            of(i)
+                                .zip(of(j).cycle())
+                                .cycle()
+                                .take(k)
+                                .enumerate()
+                                .map(|(q, (h, t))| [h, (q % 3) as i64, t]),
+                        );
                     }
                     crate::Triples::from_rows(&rows)
                 } else {
                     triples
                 };
-                let part = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair).build(&triples).unwrap();
-                assert!(part.triple_counts.iter().all(|&c| c > 0), "{graph}: an empty partition");
+                let part = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair)
+                    .build(&triples)
+                    .unwrap();
+                assert!(
+                    part.triple_counts.iter().all(|&c| c > 0),
+                    "{graph}: an empty partition"
+                );
                 let max = *part.triple_counts.iter().max().unwrap() as usize;
-                for (ppp, row_bits) in [(1, 32), (2, 64), (3, 32), (4, 32), (4, 64), (4, 96), (8, 96), (16, 32), (40, 64)] {
+                for (ppp, row_bits) in [
+                    (1, 32),
+                    (2, 64),
+                    (3, 32),
+                    (4, 32),
+                    (4, 64),
+                    (4, 96),
+                    (8, 96),
+                    (16, 32),
+                    (40, 64),
+                ] {
                     let table = Table::with_widest(&part, &lay, row_bits).unwrap();
                     let windows = max.div_ceil(ppp);
                     let rigid = Rigid::new(&part, &table, &lay, ppp, windows);
                     assert!(rigid.columns.is_some());
-                    let runs = Rigid { columns: None, ..rigid.clone() };
+                    let runs = Rigid {
+                        columns: None,
+                        ..rigid.clone()
+                    };
                     let mut steps: Vec<usize> = (0..2 * windows + 3).collect();
                     steps.extend((0..windows + 2).rev());
-                    steps.extend([5, 5, 0, 0, 7, 1, 2, 3 * windows + 1, 3 * windows + 2, windows - 1, windows, 2]);
+                    steps.extend([
+                        5,
+                        5,
+                        0,
+                        0,
+                        7,
+                        1,
+                        2,
+                        3 * windows + 1,
+                        3 * windows + 2,
+                        windows - 1,
+                        windows,
+                        2,
+                    ]);
                     let (local, t, r) = (lay.local_sparsecores(), n * ppp, n * ppp + 3);
                     for (name, rg) in [("cursors", &rigid), ("runs", &runs)] {
                         let mut cursor = Cursor::default();
                         for (k, &step) in steps.iter().enumerate() {
-                            let (mut h, mut tl, mut rel) = (vec![0; local * t], vec![0; local * t], vec![-7; local * r]);
+                            let (mut h, mut tl, mut rel) =
+                                (vec![0; local * t], vec![0; local * t], vec![-7; local * r]);
                             let padded = k % 5 != 4;
-                            let bits = rg.copy_step(&table, &lay, step, (t, r), &mut cursor, &mut h, &mut tl, &mut rel, padded);
-                            let (eh, et, er, em) = expected(&part, &table, &lay, ppp, rg.first(step), step);
+                            let bits = rg.copy_step(
+                                &table,
+                                &lay,
+                                step,
+                                (t, r),
+                                &mut cursor,
+                                &mut h,
+                                &mut tl,
+                                &mut rel,
+                                padded,
+                            );
+                            let (eh, et, er, em) =
+                                expected(&part, &table, &lay, ppp, rg.first(step), step);
                             let what = format!("{graph}, {name}, devices ({l}, {g}, {s}) host {host}, ppp {ppp}, {row_bits}-bit rows, step {step} (#{k})");
                             assert_eq!(h, eh, "head: {what}");
                             assert_eq!(tl, et, "tail: {what}");
                             for slot in 0..local {
-                                assert_eq!(rel[slot * r..slot * r + t], er[slot * t..(slot + 1) * t], "relation: {what}");
-                                assert!(rel[slot * r + t..(slot + 1) * r].iter().all(|&x| x == -7), "relation past T: {what}");
+                                assert_eq!(
+                                    rel[slot * r..slot * r + t],
+                                    er[slot * t..(slot + 1) * t],
+                                    "relation: {what}"
+                                );
+                                assert!(
+                                    rel[slot * r + t..(slot + 1) * r].iter().all(|&x| x == -7),
+                                    "relation past T: {what}"
+                                );
                             }
                             match bits {
-                                Some(b) => assert_eq!(b.iter().collect::<Vec<bool>>(), em, "mask: {what}"),
+                                Some(b) => {
+                                    assert_eq!(b.iter().collect::<Vec<bool>>(), em, "mask: {what}")
+                                }
                                 None => assert!(!padded, "no mask: {what}"),
                             }
                             assert!(rg.padded(step) || !em.contains(&false), "padded: {what}");
@@ -753,8 +986,13 @@ mod tests {
         let lay = SparseCoreLayout::new(1, 1, 4, 0).unwrap();
         let sharding = Arc::new(Sharding::create(40, 4, &[9], None).unwrap());
         // Triples from entities of shard 0 only: the pairs (i, j) with i > 0 are empty.
-        let rows: Vec<[i64; 3]> = (0..40).filter(|&h| sharding.entity_to_shard[h as usize] == 0).flat_map(|h| (0..40).step_by(7).map(move |t| [h, 1, t])).collect();
-        let part = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair).build(&crate::Triples::from_rows(&rows)).unwrap();
+        let rows: Vec<[i64; 3]> = (0..40)
+            .filter(|&h| sharding.entity_to_shard[h as usize] == 0)
+            .flat_map(|h| (0..40).step_by(7).map(move |t| [h, 1, t]))
+            .collect();
+        let part = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair)
+            .build(&crate::Triples::from_rows(&rows))
+            .unwrap();
         assert!(part.triple_counts.contains(&0) && part.triple_counts.iter().any(|&c| c > 0));
         let table = Table::new(&part, &lay).unwrap();
         let (n, ppp) = (4, 4);
@@ -763,16 +1001,33 @@ mod tests {
         let mut cursor = Cursor::default();
         for step in [0, 1, 2, 3, 4, 5, 9, 0, 3] {
             let (mut h, mut tl, mut rel) = (vec![0; n * t], vec![0; n * t], vec![0; n * r]);
-            rigid.copy_step(&table, &lay, step, (t, r), &mut cursor, &mut h, &mut tl, &mut rel, true);
+            rigid.copy_step(
+                &table,
+                &lay,
+                step,
+                (t, r),
+                &mut cursor,
+                &mut h,
+                &mut tl,
+                &mut rel,
+                true,
+            );
             for slot in 0..n {
                 for i in 0..n {
                     let p = i * n + (slot + i + step) % n;
-                    let (off, cnt) = (part.triple_offsets[p] as usize, part.triple_counts[p] as usize);
+                    let (off, cnt) = (
+                        part.triple_offsets[p] as usize,
+                        part.triple_counts[p] as usize,
+                    );
                     for q in (0..ppp).filter(|_| cnt > 0) {
                         let row = off + (rigid.first(step) + q) % cnt;
                         let (hv, rv, tv) = with_rows!(table, rows => table.decode.row(rows[row], table.offsets(p)));
                         let at = slot * t + i * ppp + q;
-                        assert_eq!((h[at], rel[slot * r + i * ppp + q], tl[at]), (hv, rv, tv), "step {step}, slot {slot}, block {i}");
+                        assert_eq!(
+                            (h[at], rel[slot * r + i * ppp + q], tl[at]),
+                            (hv, rv, tv),
+                            "step {step}, slot {slot}, block {i}"
+                        );
                     }
                 }
             }

@@ -46,7 +46,11 @@ pub(super) struct RowBuffers {
 fn unpack(v: u64, c: Codec) -> (u32, u32, u32) {
     let hmask = (1u64 << c.hbits) - 1;
     let rmask = (1u64 << c.rbits) - 1;
-    ((v & hmask) as u32, ((v >> c.hbits) & rmask) as u32, (v >> (c.hbits + c.rbits)) as u32)
+    (
+        (v & hmask) as u32,
+        ((v >> c.hbits) & rmask) as u32,
+        (v >> (c.hbits + c.rbits)) as u32,
+    )
 }
 
 impl Row for u32 {
@@ -115,7 +119,11 @@ impl Decode {
     #[inline(always)]
     pub(super) fn row<R: Row>(self, row: R, (hoff, toff): (i64, i64)) -> (i64, i32, i64) {
         let (h, r, t) = row.fields(self.codec);
-        ((i64::from(h) << self.shift) + hoff, r as i32, (i64::from(t) << self.shift) + toff)
+        (
+            (i64::from(h) << self.shift) + hoff,
+            r as i32,
+            (i64::from(t) << self.shift) + toff,
+        )
     }
 }
 
@@ -142,18 +150,34 @@ impl Table {
     }
 
     /// [`Self::new`] in rows of at least `min_bits` bits (32, 64, or more for unpacked).
-    pub(super) fn with_widest(part: &PartitionedTriples, lay: &SparseCoreLayout, min_bits: u32) -> Result<Self> {
+    pub(super) fn with_widest(
+        part: &PartitionedTriples,
+        lay: &SparseCoreLayout,
+        min_bits: u32,
+    ) -> Result<Self> {
         let n = lay.num_sparsecores();
         let max = i64::from(i32::MAX);
         for (row, tr) in part.triples.rows().into_iter().enumerate() {
             // The row of the input (inverse triples numbered after the originals).
             let input = part.triple_sort_idx.get(row).map_or(row, |&i| i as usize);
             if !(0..max).contains(&tr[1]) {
-                return Err(BessError::RelationOutOfRange { column: "relation".into(), row: input, value: tr[1], n_relation: max });
+                return Err(BessError::RelationOutOfRange {
+                    column: "relation".into(),
+                    row: input,
+                    value: tr[1],
+                    n_relation: max,
+                });
             }
             if let Some(c) = [0, 2].into_iter().find(|&c| !(0..=max).contains(&tr[c])) {
                 let column = if c == 0 { "head" } else { "tail" };
-                return Err(BessError::param("n_entity", part.sharding.n_entity(), format!("row {input}: local {column} id {} does not fit in int32", tr[c])));
+                return Err(BessError::param(
+                    "n_entity",
+                    part.sharding.n_entity(),
+                    format!(
+                        "row {input}: local {column} id {} does not fit in int32",
+                        tr[c]
+                    ),
+                ));
             }
         }
         let field = |row: usize, c: usize| part.triples[[row, c]] as u64;
@@ -163,18 +187,47 @@ impl Table {
             mr = mr.max(field(row, 1));
             mt = mt.max(field(row, 2));
         }
-        let codec = Codec { hbits: bits(mh), rbits: bits(mr) };
+        let codec = Codec {
+            hbits: bits(mh),
+            rbits: bits(mr),
+        };
         let total = (codec.hbits + codec.rbits + bits(mt)).max(min_bits);
-        let pack = |row: usize| field(row, 0) | (field(row, 1) << codec.hbits) | (field(row, 2) << (codec.hbits + codec.rbits));
-        let order = || part.triple_offsets.iter().zip(&part.triple_counts).flat_map(|(&off, &cnt)| off.max(0) as usize..(off.max(0) + cnt.max(0)) as usize);
+        let pack = |row: usize| {
+            field(row, 0)
+                | (field(row, 1) << codec.hbits)
+                | (field(row, 2) << (codec.hbits + codec.rbits))
+        };
+        let order = || {
+            part.triple_offsets
+                .iter()
+                .zip(&part.triple_counts)
+                .flat_map(|(&off, &cnt)| off.max(0) as usize..(off.max(0) + cnt.max(0)) as usize)
+        };
         let rows = if total <= 32 {
             Rows::U32(order().map(|row| pack(row) as u32).collect())
         } else if total <= 63 {
             Rows::U64(order().map(pack).collect())
         } else {
-            Rows::Wide(order().map(|row| [field(row, 0) as u32, field(row, 1) as u32, field(row, 2) as u32]).collect())
+            Rows::Wide(
+                order()
+                    .map(|row| {
+                        [
+                            field(row, 0) as u32,
+                            field(row, 1) as u32,
+                            field(row, 2) as u32,
+                        ]
+                    })
+                    .collect(),
+            )
         };
-        Ok(Table { rows, decode: Decode { codec, shift: n.trailing_zeros() }, shard_ids: (0..n).map(|s| lay.physical_id(s, 0)).collect() })
+        Ok(Table {
+            rows,
+            decode: Decode {
+                codec,
+                shift: n.trailing_zeros(),
+            },
+            shard_ids: (0..n).map(|s| lay.physical_id(s, 0)).collect(),
+        })
     }
 
     /// The first physical ids of partition `p`'s head and tail shards.
@@ -221,21 +274,47 @@ mod tests {
         let sharding = Arc::new(Sharding::create(100, 4, &[9], None).unwrap());
         // The partitioning bounds relations by the n_relation it is given, not by int32.
         let triples = crate::Triples::from_rows(&[[0, 1, 2], [3, 3_000_000_000, 4]]);
-        let part = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair).n_relation(5_000_000_000).build(&triples).unwrap();
+        let part = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair)
+            .n_relation(5_000_000_000)
+            .build(&triples)
+            .unwrap();
         let e = Table::new(&part, &lay).unwrap_err();
-        assert!(matches!(&e, BessError::RelationOutOfRange { row: 1, value: 3_000_000_000, n_relation: 2147483647, .. }), "{e:?}");
-        assert_eq!(e.to_string(), "column `relation`, row 1: relation id 3000000000 is outside 0..2147483647");
+        assert!(
+            matches!(
+                &e,
+                BessError::RelationOutOfRange {
+                    row: 1,
+                    value: 3_000_000_000,
+                    n_relation: 2147483647,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "column `relation`, row 1: relation id 3000000000 is outside 0..2147483647"
+        );
     }
 
     #[test]
     fn every_row_form_gives_the_physical_ids() {
         // Relation ids up to 50, then up to 2^20 (more than 32 bits in all).
-        for (big_relation, forms) in [(0i64, vec![(32, "u32"), (33, "u64"), (64, "wide")]), (1 << 20, vec![(32, "u64"), (64, "wide")])] {
+        for (big_relation, forms) in [
+            (0i64, vec![(32, "u32"), (33, "u64"), (64, "wide")]),
+            (1 << 20, vec![(32, "u64"), (64, "wide")]),
+        ] {
             let lay = SparseCoreLayout::new(1, 1, 4, 0).unwrap().with_col_shift(3);
             let sharding = Arc::new(Sharding::create(5000, 4, &[9], None).unwrap());
             let mut triples = synth::uniform(5000, 50, 2000, 3);
-            triples.relation.iter_mut().step_by(2).for_each(|r| *r += big_relation);
-            let part = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair).build(&triples).unwrap();
+            triples
+                .relation
+                .iter_mut()
+                .step_by(2)
+                .for_each(|r| *r += big_relation);
+            let part = PartitionedTriples::builder(sharding, PartitionMode::HtShardPair)
+                .build(&triples)
+                .unwrap();
             for (min_bits, form) in forms {
                 let table = Table::with_widest(&part, &lay, min_bits).unwrap();
                 let got = match (&table.rows, form) {
@@ -244,12 +323,20 @@ mod tests {
                 };
                 let mut row = 0;
                 for p in 0..part.triple_counts.len() {
-                    let (off, cnt) = (part.triple_offsets[p] as usize, part.triple_counts[p] as usize);
+                    let (off, cnt) = (
+                        part.triple_offsets[p] as usize,
+                        part.triple_counts[p] as usize,
+                    );
                     assert_eq!(off, row, "partitions are stored in order");
                     for k in off..off + cnt {
                         let tr = part.triples.row(k);
-                        let want = (lay.physical_id(p / 4, tr[0]), tr[1] as i32, lay.physical_id(p % 4, tr[2]));
-                        let decoded = with_rows!(table, rows => table.decode.row(rows[k], table.offsets(p)));
+                        let want = (
+                            lay.physical_id(p / 4, tr[0]),
+                            tr[1] as i32,
+                            lay.physical_id(p % 4, tr[2]),
+                        );
+                        let decoded =
+                            with_rows!(table, rows => table.decode.row(rows[k], table.offsets(p)));
                         assert_eq!(decoded, want, "{got}, row {k}");
                     }
                     row += cnt;

@@ -10,9 +10,18 @@ pub fn sharding_members(s: &Sharding) -> [(&'static str, Vec<u8>); 5] {
     let int = |shape: Vec<usize>, data: Vec<i64>| encode_npy(&NpyArray { shape, data });
     [
         ("n_shard.npy", int(vec![], vec![4])),
-        ("entity_to_shard.npy", int(vec![50], s.entity_to_shard.clone())),
+        (
+            "entity_to_shard.npy",
+            int(vec![50], s.entity_to_shard.clone()),
+        ),
         ("entity_to_idx.npy", int(vec![50], s.entity_to_idx.clone())),
-        ("shard_and_idx_to_entity.npy", int(vec![4, 13], s.shard_and_idx_to_entity.iter().copied().collect())),
+        (
+            "shard_and_idx_to_entity.npy",
+            int(
+                vec![4, 13],
+                s.shard_and_idx_to_entity.iter().copied().collect(),
+            ),
+        ),
         ("shard_counts.npy", int(vec![4], s.shard_counts.clone())),
     ]
 }

@@ -14,7 +14,10 @@ pub fn s(p: &Path) -> &str {
 
 /// Runs the binary with `args`.
 pub fn run(args: &[&str]) -> Output {
-    Command::new(BIN).args(args).output().expect("the binary runs")
+    Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("the binary runs")
 }
 
 /// Runs and requires success; returns stdout.

@@ -28,18 +28,25 @@ pub struct LoadStream {
 impl LoadStream {
     /// Checks that a batch can hold `keys_per_batch` distinct keys.
     pub fn validate(&self) -> Result<()> {
-        if self.keys_per_batch as u64 > self.key_space || self.key_space > 1 << 62 || self.dim == 0 {
+        if self.keys_per_batch as u64 > self.key_space || self.key_space > 1 << 62 || self.dim == 0
+        {
             return Err(KernelError::parameter(
                 "keys-per-batch",
                 self.keys_per_batch,
-                format!("needs 0 < dim (got {}) and keys per batch <= key space (got {}) <= 2^62", self.dim, self.key_space),
+                format!(
+                    "needs 0 < dim (got {}) and keys per batch <= key space (got {}) <= 2^62",
+                    self.dim, self.key_space
+                ),
             ));
         }
         Ok(())
     }
 
     fn draw(&self, id: u64, stream: u64, j: u64) -> u64 {
-        splitmix64(splitmix64(self.seed ^ splitmix64(id)) ^ stream.wrapping_mul(0xD1B5_4A32_D192_ED03).wrapping_add(j))
+        splitmix64(
+            splitmix64(self.seed ^ splitmix64(id))
+                ^ stream.wrapping_mul(0xD1B5_4A32_D192_ED03).wrapping_add(j),
+        )
     }
 
     /// Batch `id`'s update keys (distinct) and their `[keys, dim]` gradients in `[-0.05, 0.05)`.
@@ -63,7 +70,12 @@ impl LoadStream {
     /// Batch `id`'s lookup-only keys (raw ints in `[key_space, 2 · key_space)`; may repeat).
     pub fn lookups(&self, id: u64) -> Vec<u64> {
         (0..self.lookups_per_batch as u64)
-            .map(|j| hash_i64((self.key_space + self.draw(id, 3, j) % self.key_space) as i64, self.seed))
+            .map(|j| {
+                hash_i64(
+                    (self.key_space + self.draw(id, 3, j) % self.key_space) as i64,
+                    self.seed,
+                )
+            })
             .collect()
     }
 }

@@ -40,7 +40,13 @@ fn shard_of(key: u64) -> usize {
 impl MemoryTable {
     /// An empty table.
     pub fn new(spec: DynamicTableSpec) -> Self {
-        MemoryTable { spec, shards: (0..1 << SHARD_BITS).map(|_| RwLock::new(HashMap::new())).collect(), journal: Mutex::default() }
+        MemoryTable {
+            spec,
+            shards: (0..1 << SHARD_BITS)
+                .map(|_| RwLock::new(HashMap::new()))
+                .collect(),
+            journal: Mutex::default(),
+        }
     }
 
     /// Keys stored.
@@ -54,11 +60,15 @@ impl MemoryTable {
     }
 
     fn read(&self, s: usize) -> RwLockReadGuard<'_, Shard> {
-        self.shards[s].read().unwrap_or_else(PoisonError::into_inner)
+        self.shards[s]
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     fn write(&self, s: usize) -> RwLockWriteGuard<'_, Shard> {
-        self.shards[s].write().unwrap_or_else(PoisonError::into_inner)
+        self.shards[s]
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     fn journal(&self) -> MutexGuard<'_, Journal> {
@@ -93,7 +103,13 @@ impl DynamicTable for MemoryTable {
         Ok(())
     }
 
-    fn apply_update(&self, update_id: Option<u64>, keys: &[u64], grads: &[f32], optimizer: &Optimizer) -> Result<Applied> {
+    fn apply_update(
+        &self,
+        update_id: Option<u64>,
+        keys: &[u64],
+        grads: &[f32],
+        optimizer: &Optimizer,
+    ) -> Result<Applied> {
         self.spec.check_optimizer(optimizer)?;
         self.spec.check_update(keys, grads)?;
         let dim = self.spec.dim;
@@ -108,7 +124,8 @@ impl DynamicTable for MemoryTable {
         let mut touched: Vec<usize> = keys.iter().map(|&k| shard_of(k)).collect();
         touched.sort_unstable();
         touched.dedup();
-        let mut guards: Vec<(usize, RwLockWriteGuard<'_, Shard>)> = touched.iter().map(|&s| (s, self.write(s))).collect();
+        let mut guards: Vec<(usize, RwLockWriteGuard<'_, Shard>)> =
+            touched.iter().map(|&s| (s, self.write(s))).collect();
         for (&key, g) in keys.iter().zip(grads.chunks_exact(dim)) {
             let s = shard_of(key);
             let i = guards.partition_point(|(t, _)| *t < s);
@@ -145,7 +162,12 @@ impl DynamicTable for MemoryTable {
             check_entry(&self.spec, k, e)?;
         }
         for (&k, e) in &snapshot.entries {
-            let flat: Box<[f32]> = e.row.iter().chain(e.slots.iter().flatten()).copied().collect();
+            let flat: Box<[f32]> = e
+                .row
+                .iter()
+                .chain(e.slots.iter().flatten())
+                .copied()
+                .collect();
             self.write(shard_of(k)).insert(k, flat);
         }
         Ok(())

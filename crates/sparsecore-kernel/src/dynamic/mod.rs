@@ -26,10 +26,10 @@ mod memory;
 mod redis;
 mod train;
 
-pub use load::LoadStream;
-pub use memory::MemoryTable;
 #[cfg(feature = "redis")]
 pub use self::redis::{RedisConfig, RedisTable};
+pub use load::LoadStream;
+pub use memory::MemoryTable;
 pub use train::{dynamic_backward, dynamic_forward, KeyBatch};
 
 use std::collections::BTreeMap;
@@ -74,7 +74,8 @@ impl Initializer {
             Initializer::Uniform { scale, seed } => {
                 let base = splitmix64(key ^ seed);
                 for (j, x) in row.iter_mut().enumerate() {
-                    let u = (splitmix64(base.wrapping_add(j as u64)) >> 40) as f32 * (1.0 / 16_777_216.0);
+                    let u = (splitmix64(base.wrapping_add(j as u64)) >> 40) as f32
+                        * (1.0 / 16_777_216.0);
                     *x = scale * (2.0 * u - 1.0);
                 }
             }
@@ -103,18 +104,34 @@ pub struct DynamicTableSpec {
 impl DynamicTableSpec {
     /// A table of `dim`-wide rows with the slots `optimizer` needs.
     pub fn new(name: &str, dim: usize, optimizer: &Optimizer, init: Initializer) -> Result<Self> {
-        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')) {
-            return Err(KernelError::plan(PlanItem::DynamicTable, name, "names use only ASCII letters, digits, `_`, `-` and `.`"));
+        if name.is_empty()
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+        {
+            return Err(KernelError::plan(
+                PlanItem::DynamicTable,
+                name,
+                "names use only ASCII letters, digits, `_`, `-` and `.`",
+            ));
         }
         if dim == 0 || dim > 1 << 20 {
-            return Err(KernelError::plan(PlanItem::DynamicTable, name, format!("dim = {dim}, must be in 1..=1048576")));
+            return Err(KernelError::plan(
+                PlanItem::DynamicTable,
+                name,
+                format!("dim = {dim}, must be in 1..=1048576"),
+            ));
         }
         let finite = match init {
             Initializer::Constant(v) => v.is_finite(),
             Initializer::Uniform { scale, .. } => scale.is_finite(),
         };
         if !finite {
-            return Err(KernelError::plan(PlanItem::DynamicTable, name, format!("initializer {init:?} is not finite")));
+            return Err(KernelError::plan(
+                PlanItem::DynamicTable,
+                name,
+                format!("initializer {init:?} is not finite"),
+            ));
         }
         Ok(DynamicTableSpec {
             name: name.to_string(),
@@ -146,7 +163,11 @@ impl DynamicTableSpec {
             return Err(KernelError::plan(
                 PlanItem::DynamicTable,
                 &self.name,
-                format!("has slots {:?}; the optimizer needs {:?}", self.slot_names, optimizer.slot_names()),
+                format!(
+                    "has slots {:?}; the optimizer needs {:?}",
+                    self.slot_names,
+                    optimizer.slot_names()
+                ),
             ));
         }
         Ok(())
@@ -165,14 +186,21 @@ impl DynamicTableSpec {
                     grads.len(),
                     keys.len(),
                     self.dim,
-                    expected.map_or_else(|| "more than a usize counts".to_string(), |e| e.to_string())
+                    expected
+                        .map_or_else(|| "more than a usize counts".to_string(), |e| e.to_string())
                 ),
             ));
         }
         let mut sorted = keys.to_vec();
         sorted.sort_unstable();
         if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-            return Err(KernelError::input(Subject::DynamicTable(self.name.clone()), format!("key {:#018x} appears twice in one update; sum its gradients first", w[0])));
+            return Err(KernelError::input(
+                Subject::DynamicTable(self.name.clone()),
+                format!(
+                    "key {:#018x} appears twice in one update; sum its gradients first",
+                    w[0]
+                ),
+            ));
         }
         Ok(())
     }
@@ -180,7 +208,15 @@ impl DynamicTableSpec {
     /// Checks a lookup's output size.
     pub fn check_rows(&self, keys: &[u64], rows: &[f32]) -> Result<()> {
         if keys.len().checked_mul(self.dim) != Some(rows.len()) {
-            return Err(KernelError::input(Subject::DynamicTable(self.name.clone()), format!("row buffer of {} values for {} keys of dim {}", rows.len(), keys.len(), self.dim)));
+            return Err(KernelError::input(
+                Subject::DynamicTable(self.name.clone()),
+                format!(
+                    "row buffer of {} values for {} keys of dim {}",
+                    rows.len(),
+                    keys.len(),
+                    self.dim
+                ),
+            ));
         }
         Ok(())
     }
@@ -199,7 +235,10 @@ impl Entry {
     /// Splits a flat `[row | slots...]` entry (`dim > 0`; a shorter `flat` gives a short row).
     pub fn from_flat(dim: usize, flat: &[f32]) -> Self {
         let (row, slots) = flat.split_at(dim.min(flat.len()));
-        Entry { row: row.to_vec(), slots: slots.chunks(dim.max(1)).map(<[f32]>::to_vec).collect() }
+        Entry {
+            row: row.to_vec(),
+            slots: slots.chunks(dim.max(1)).map(<[f32]>::to_vec).collect(),
+        }
     }
 
     /// Whether every value has the same bits as `other`'s (`==` treats NaNs as unequal and
@@ -208,7 +247,11 @@ impl Entry {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         bits(&self.row) == bits(&other.row)
             && self.slots.len() == other.slots.len()
-            && self.slots.iter().zip(&other.slots).all(|(a, b)| bits(a) == bits(b))
+            && self
+                .slots
+                .iter()
+                .zip(&other.slots)
+                .all(|(a, b)| bits(a) == bits(b))
     }
 }
 
@@ -223,16 +266,26 @@ impl Snapshot {
     /// Whether both snapshots hold the same keys with bit-identical values.
     pub fn bits_eq(&self, other: &Snapshot) -> bool {
         self.entries.len() == other.entries.len()
-            && self.entries.iter().zip(&other.entries).all(|((ka, a), (kb, b))| ka == kb && a.bits_eq(b))
+            && self
+                .entries
+                .iter()
+                .zip(&other.entries)
+                .all(|((ka, a), (kb, b))| ka == kb && a.bits_eq(b))
     }
 
     /// The first key whose values differ (or that only one side has), for test messages.
     pub fn first_difference(&self, other: &Snapshot) -> Option<u64> {
-        let keys: std::collections::BTreeSet<u64> = self.entries.keys().chain(other.entries.keys()).copied().collect();
-        keys.into_iter().find(|k| match (self.entries.get(k), other.entries.get(k)) {
-            (Some(a), Some(b)) => !a.bits_eq(b),
-            _ => true,
-        })
+        let keys: std::collections::BTreeSet<u64> = self
+            .entries
+            .keys()
+            .chain(other.entries.keys())
+            .copied()
+            .collect();
+        keys.into_iter()
+            .find(|k| match (self.entries.get(k), other.entries.get(k)) {
+                (Some(a), Some(b)) => !a.bits_eq(b),
+                _ => true,
+            })
     }
 }
 
@@ -261,7 +314,13 @@ pub trait DynamicTable: Send + Sync {
     /// One optimizer step per key (`keys` unique, `grads` `[keys.len(), dim]` row-major),
     /// creating absent keys first, all or nothing. With `update_id`, an update whose id was
     /// already applied is skipped ([`Applied::Already`]) and the id is journaled.
-    fn apply_update(&self, update_id: Option<u64>, keys: &[u64], grads: &[f32], optimizer: &Optimizer) -> Result<Applied>;
+    fn apply_update(
+        &self,
+        update_id: Option<u64>,
+        keys: &[u64],
+        grads: &[f32],
+        optimizer: &Optimizer,
+    ) -> Result<Applied>;
 
     /// The ids of applied tagged updates, in commit order.
     fn applied_updates(&self) -> Result<Vec<u64>>;
@@ -284,14 +343,20 @@ pub trait DynamicTable: Send + Sync {
     fn lookup(&self, keys: &[u64]) -> Result<Array2<f32>> {
         let dim = self.spec().dim;
         let mut rows = Array2::zeros((keys.len(), dim));
-        self.get_or_init(keys, rows.as_slice_mut().expect("a new array is contiguous"))?;
+        self.get_or_init(
+            keys,
+            rows.as_slice_mut().expect("a new array is contiguous"),
+        )?;
         Ok(rows)
     }
 }
 
 /// Checks that an imported entry has the table's shape.
 pub(crate) fn check_entry(spec: &DynamicTableSpec, key: u64, e: &Entry) -> Result<()> {
-    if e.row.len() != spec.dim || e.slots.len() != spec.slot_names.len() || e.slots.iter().any(|s| s.len() != spec.dim) {
+    if e.row.len() != spec.dim
+        || e.slots.len() != spec.slot_names.len()
+        || e.slots.iter().any(|s| s.len() != spec.dim)
+    {
         return Err(KernelError::input(
             Subject::DynamicTable(spec.name.clone()),
             format!(

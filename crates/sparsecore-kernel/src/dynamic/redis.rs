@@ -85,12 +85,17 @@ pub struct RedisTable {
 
 impl std::fmt::Debug for RedisTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisTable").field("spec", &self.spec).field("config", &self.config).finish_non_exhaustive()
+        f.debug_struct("RedisTable")
+            .field("spec", &self.spec)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
     }
 }
 
 fn ok_name(s: &str) -> bool {
-    !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+    !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
 }
 
 /// The atomic compare-and-set of one batch (`MGET`/`MSET` in chunks of 2000 keys, below Lua's
@@ -136,10 +141,24 @@ impl RedisTable {
     /// Opens the table (connecting once, so that a wrong URL or a down server is reported here).
     pub fn open(spec: DynamicTableSpec, config: RedisConfig) -> Result<Self> {
         if !ok_name(&config.namespace) {
-            return Err(KernelError::plan(PlanItem::DynamicTable, &spec.name, format!("namespace {:?}: use only ASCII letters, digits, `_`, `-` and `.`", config.namespace)));
+            return Err(KernelError::plan(
+                PlanItem::DynamicTable,
+                &spec.name,
+                format!(
+                    "namespace {:?}: use only ASCII letters, digits, `_`, `-` and `.`",
+                    config.namespace
+                ),
+            ));
         }
-        if config.connect_timeout.is_zero() || config.io_timeout.is_zero() || config.keys_per_command == 0 {
-            return Err(KernelError::plan(PlanItem::DynamicTable, &spec.name, "Redis timeouts and keys_per_command must be positive"));
+        if config.connect_timeout.is_zero()
+            || config.io_timeout.is_zero()
+            || config.keys_per_command == 0
+        {
+            return Err(KernelError::plan(
+                PlanItem::DynamicTable,
+                &spec.name,
+                "Redis timeouts and keys_per_command must be positive",
+            ));
         }
         let client = Client::open(config.url.as_str()).map_err(|e| KernelError::DynamicStore {
             table: spec.name.clone(),
@@ -149,7 +168,10 @@ impl RedisTable {
             reason: e.to_string(),
         })?;
         let base = format!("{}:{}", config.namespace, spec.name);
-        let prefixes = std::iter::once("w").chain(spec.slot_names.iter().copied()).map(|s| format!("{base}:{s}:")).collect();
+        let prefixes = std::iter::once("w")
+            .chain(spec.slot_names.iter().copied())
+            .map(|s| format!("{base}:{s}:"))
+            .collect();
         let table = RedisTable {
             applied_prefix: format!("{base}:applied:"),
             journal_key: format!("{base}:journal"),
@@ -182,20 +204,45 @@ impl RedisTable {
             StoreErrorKind::Server
         };
         let limit = match kind {
-            StoreErrorKind::Timeout => format!(" (connect timeout {:?}, I/O timeout {:?})", self.config.connect_timeout, self.config.io_timeout),
+            StoreErrorKind::Timeout => format!(
+                " (connect timeout {:?}, I/O timeout {:?})",
+                self.config.connect_timeout, self.config.io_timeout
+            ),
             _ => String::new(),
         };
-        KernelError::DynamicStore { table: self.spec.name.clone(), store: self.config.url.clone(), op: op.into(), kind, reason: format!("{e}{limit}") }
+        KernelError::DynamicStore {
+            table: self.spec.name.clone(),
+            store: self.config.url.clone(),
+            op: op.into(),
+            kind,
+            reason: format!("{e}{limit}"),
+        }
     }
 
-    fn store_error(&self, op: impl Into<String>, kind: StoreErrorKind, reason: String) -> KernelError {
-        KernelError::DynamicStore { table: self.spec.name.clone(), store: self.config.url.clone(), op: op.into(), kind, reason }
+    fn store_error(
+        &self,
+        op: impl Into<String>,
+        kind: StoreErrorKind,
+        reason: String,
+    ) -> KernelError {
+        KernelError::DynamicStore {
+            table: self.spec.name.clone(),
+            store: self.config.url.clone(),
+            op: op.into(),
+            kind,
+            reason,
+        }
     }
 
     fn connect(&self) -> Result<Connection> {
-        let con = self.client.get_connection_with_timeout(self.config.connect_timeout).map_err(|e| self.err("connecting", e))?;
-        con.set_read_timeout(Some(self.config.io_timeout)).map_err(|e| self.err("setting the read timeout", e))?;
-        con.set_write_timeout(Some(self.config.io_timeout)).map_err(|e| self.err("setting the write timeout", e))?;
+        let con = self
+            .client
+            .get_connection_with_timeout(self.config.connect_timeout)
+            .map_err(|e| self.err("connecting", e))?;
+        con.set_read_timeout(Some(self.config.io_timeout))
+            .map_err(|e| self.err("setting the read timeout", e))?;
+        con.set_write_timeout(Some(self.config.io_timeout))
+            .map_err(|e| self.err("setting the write timeout", e))?;
         Ok(con)
     }
 
@@ -221,7 +268,12 @@ impl RedisTable {
             return Err(self.store_error(
                 format!("reading {}", self.name(what, key)),
                 StoreErrorKind::Corrupt,
-                format!("{} bytes stored, expected {} (dim {} as little-endian f32)", bytes.len(), out.len() * 4, self.spec.dim),
+                format!(
+                    "{} bytes stored, expected {} (dim {} as little-endian f32)",
+                    bytes.len(),
+                    out.len() * 4,
+                    self.spec.dim
+                ),
             ));
         }
         for (v, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
@@ -241,7 +293,8 @@ impl RedisTable {
     fn mget_replies(&self, op: &str, replies: Vec<Value>) -> Result<Vec<Option<Vec<u8>>>> {
         let mut out = Vec::new();
         for r in replies {
-            let part: Vec<Option<Vec<u8>>> = redis::from_redis_value(r).map_err(|e| self.err(op, e.into()))?;
+            let part: Vec<Option<Vec<u8>>> =
+                redis::from_redis_value(r).map_err(|e| self.err(op, e.into()))?;
             out.extend(part);
         }
         Ok(out)
@@ -263,8 +316,13 @@ impl RedisTable {
                 .map_err(|e| self.err("SCAN", e))?;
             for n in names {
                 let hex = &n[self.prefixes[0].len()..];
-                let k = u64::from_str_radix(hex, 16)
-                    .map_err(|_| self.store_error("SCAN", StoreErrorKind::Corrupt, format!("key name {n:?} does not end in a 16-digit hex key")))?;
+                let k = u64::from_str_radix(hex, 16).map_err(|_| {
+                    self.store_error(
+                        "SCAN",
+                        StoreErrorKind::Corrupt,
+                        format!("key name {n:?} does not end in a 16-digit hex key"),
+                    )
+                })?;
                 keys.push(k);
             }
             cursor = next;
@@ -299,7 +357,9 @@ impl DynamicTable for RedisTable {
             let mut missing = Vec::new();
             for (i, v) in values.iter().enumerate() {
                 match v {
-                    Some(bytes) => self.decode(keys[i], 0, bytes, &mut rows[i * dim..(i + 1) * dim])?,
+                    Some(bytes) => {
+                        self.decode(keys[i], 0, bytes, &mut rows[i * dim..(i + 1) * dim])?
+                    }
                     None => missing.push(i),
                 }
             }
@@ -326,7 +386,14 @@ impl DynamicTable for RedisTable {
             let values = self.mget_replies(&op, replies)?;
             for (&i, v) in missing.iter().zip(values) {
                 let bytes = v.ok_or_else(|| {
-                    self.store_error(&op, StoreErrorKind::Server, format!("{} vanished right after it was created", self.name(0, keys[i])))
+                    self.store_error(
+                        &op,
+                        StoreErrorKind::Server,
+                        format!(
+                            "{} vanished right after it was created",
+                            self.name(0, keys[i])
+                        ),
+                    )
                 })?;
                 self.decode(keys[i], 0, &bytes, &mut rows[i * dim..(i + 1) * dim])?;
             }
@@ -334,7 +401,13 @@ impl DynamicTable for RedisTable {
         })
     }
 
-    fn apply_update(&self, update_id: Option<u64>, keys: &[u64], grads: &[f32], optimizer: &Optimizer) -> Result<Applied> {
+    fn apply_update(
+        &self,
+        update_id: Option<u64>,
+        keys: &[u64],
+        grads: &[f32],
+        optimizer: &Optimizer,
+    ) -> Result<Applied> {
         self.spec.check_optimizer(optimizer)?;
         self.spec.check_update(keys, grads)?;
         if keys.is_empty() && update_id.is_none() {
@@ -361,19 +434,28 @@ impl DynamicTable for RedisTable {
                 let mut pipe = redis::pipe();
                 pipe.cmd("EXISTS").arg(&marker);
                 self.mget(&mut pipe, &names);
-                let mut replies: Vec<Value> = pipe.query(con).map_err(|e| self.err(format!("MGET ({op})"), e))?;
-                let exists: bool = redis::from_redis_value(replies.remove(0)).map_err(|e| self.err(&op, e.into()))?;
+                let mut replies: Vec<Value> = pipe
+                    .query(con)
+                    .map_err(|e| self.err(format!("MGET ({op})"), e))?;
+                let exists: bool = redis::from_redis_value(replies.remove(0))
+                    .map_err(|e| self.err(&op, e.into()))?;
                 if exists && update_id.is_some() {
                     return Ok(Applied::Already);
                 }
                 let old = self.mget_replies(&op, replies)?;
                 // Compute: the same arithmetic as every other backend.
-                for (i, (&k, entry)) in keys.iter().zip(entries.chunks_exact_mut(self.spec.entry_len())).enumerate() {
+                for (i, (&k, entry)) in keys
+                    .iter()
+                    .zip(entries.chunks_exact_mut(self.spec.entry_len()))
+                    .enumerate()
+                {
                     let parts = &old[i * arrays..(i + 1) * arrays];
                     match parts.iter().filter(|p| p.is_some()).count() {
                         0 => self.spec.init_entry(k, entry),
                         n if n == arrays => {
-                            for (a, (bytes, out)) in parts.iter().zip(entry.chunks_exact_mut(dim)).enumerate() {
+                            for (a, (bytes, out)) in
+                                parts.iter().zip(entry.chunks_exact_mut(dim)).enumerate()
+                            {
                                 self.decode(k, a, bytes.as_deref().unwrap_or_default(), out)?;
                             }
                         }
@@ -381,7 +463,10 @@ impl DynamicTable for RedisTable {
                             return Err(self.store_error(
                                 &op,
                                 StoreErrorKind::Corrupt,
-                                format!("key {k:#018x} has {n} of its {arrays} values (row and slots {:?})", self.spec.slot_names),
+                                format!(
+                                "key {k:#018x} has {n} of its {arrays} values (row and slots {:?})",
+                                self.spec.slot_names
+                            ),
                             ))
                         }
                     }
@@ -391,7 +476,11 @@ impl DynamicTable for RedisTable {
                 }
                 // Write, if nothing changed since the read: one atomic script.
                 let mut cmd = redis::cmd("EVAL");
-                cmd.arg(CAS_SCRIPT).arg(names.len() + 2).arg(&marker).arg(&self.journal_key).arg(&names);
+                cmd.arg(CAS_SCRIPT)
+                    .arg(names.len() + 2)
+                    .arg(&marker)
+                    .arg(&self.journal_key)
+                    .arg(&names);
                 cmd.arg(update_id.map_or(String::new(), |id| id.to_string()));
                 for v in &old {
                     cmd.arg(v.as_deref().unwrap_or_default());
@@ -399,7 +488,9 @@ impl DynamicTable for RedisTable {
                 for part in entries.chunks_exact(dim) {
                     cmd.arg(encode(part));
                 }
-                let outcome: i64 = cmd.query(con).map_err(|e| self.err(format!("EVAL compare-and-set ({op})"), e))?;
+                let outcome: i64 = cmd
+                    .query(con)
+                    .map_err(|e| self.err(format!("EVAL compare-and-set ({op})"), e))?;
                 match outcome {
                     1 => return Ok(Applied::Now),
                     2 => return Ok(Applied::Already),
@@ -409,16 +500,33 @@ impl DynamicTable for RedisTable {
             Err(self.store_error(
                 &op,
                 StoreErrorKind::Conflict,
-                format!("concurrent writers changed its keys {} times in a row (max_retries = {})", self.config.max_retries + 1, self.config.max_retries),
+                format!(
+                    "concurrent writers changed its keys {} times in a row (max_retries = {})",
+                    self.config.max_retries + 1,
+                    self.config.max_retries
+                ),
             ))
         })
     }
 
     fn applied_updates(&self) -> Result<Vec<u64>> {
         self.with_con(|con| {
-            let ids: Vec<String> = redis::cmd("LRANGE").arg(&self.journal_key).arg(0).arg(-1).query(con).map_err(|e| self.err("LRANGE journal", e))?;
+            let ids: Vec<String> = redis::cmd("LRANGE")
+                .arg(&self.journal_key)
+                .arg(0)
+                .arg(-1)
+                .query(con)
+                .map_err(|e| self.err("LRANGE journal", e))?;
             ids.iter()
-                .map(|s| s.parse().map_err(|_| self.store_error("LRANGE journal", StoreErrorKind::Corrupt, format!("journal entry {s:?} is not an update id"))))
+                .map(|s| {
+                    s.parse().map_err(|_| {
+                        self.store_error(
+                            "LRANGE journal",
+                            StoreErrorKind::Corrupt,
+                            format!("journal entry {s:?} is not an update id"),
+                        )
+                    })
+                })
                 .collect()
         })
     }
@@ -430,14 +538,25 @@ impl DynamicTable for RedisTable {
             let keys = self.scan_rows(con)?;
             let mut snap = Snapshot::default();
             for chunk in keys.chunks(self.config.keys_per_command.div_ceil(arrays).max(1)) {
-                let names: Vec<String> = chunk.iter().flat_map(|&k| (0..arrays).map(move |a| (a, k))).map(|(a, k)| self.name(a, k)).collect();
+                let names: Vec<String> = chunk
+                    .iter()
+                    .flat_map(|&k| (0..arrays).map(move |a| (a, k)))
+                    .map(|(a, k)| self.name(a, k))
+                    .collect();
                 let op = format!("export MGET of {} keys", chunk.len());
-                let values: Vec<Option<Vec<u8>>> = redis::cmd("MGET").arg(&names).query(con).map_err(|e| self.err(&op, e))?;
+                let values: Vec<Option<Vec<u8>>> = redis::cmd("MGET")
+                    .arg(&names)
+                    .query(con)
+                    .map_err(|e| self.err(&op, e))?;
                 for (i, &k) in chunk.iter().enumerate() {
                     let mut flat = vec![0.0f32; self.spec.entry_len()];
                     for a in 0..arrays {
                         let bytes = values[i * arrays + a].as_deref().ok_or_else(|| {
-                            self.store_error(&op, StoreErrorKind::Corrupt, format!("{} is missing", self.name(a, k)))
+                            self.store_error(
+                                &op,
+                                StoreErrorKind::Corrupt,
+                                format!("{} is missing", self.name(a, k)),
+                            )
                         })?;
                         self.decode(k, a, bytes, &mut flat[a * dim..(a + 1) * dim])?;
                     }
@@ -463,7 +582,8 @@ impl DynamicTable for RedisTable {
                         cmd.arg(self.name(a + 1, k)).arg(encode(s));
                     }
                 }
-                cmd.query::<()>(con).map_err(|e| self.err(format!("import MSET of {} keys", chunk.len()), e))?;
+                cmd.query::<()>(con)
+                    .map_err(|e| self.err(format!("import MSET of {} keys", chunk.len()), e))?;
             }
             Ok(())
         })
@@ -474,10 +594,19 @@ impl DynamicTable for RedisTable {
             let base = format!("{}:{}:*", self.config.namespace, self.spec.name);
             let mut cursor: u64 = 0;
             loop {
-                let (next, names): (u64, Vec<String>) =
-                    redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&base).arg("COUNT").arg(1000).query(con).map_err(|e| self.err("SCAN", e))?;
+                let (next, names): (u64, Vec<String>) = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(&base)
+                    .arg("COUNT")
+                    .arg(1000)
+                    .query(con)
+                    .map_err(|e| self.err("SCAN", e))?;
                 if !names.is_empty() {
-                    redis::cmd("DEL").arg(&names).query::<()>(con).map_err(|e| self.err(format!("DEL of {} keys", names.len()), e))?;
+                    redis::cmd("DEL")
+                        .arg(&names)
+                        .query::<()>(con)
+                        .map_err(|e| self.err(format!("DEL of {} keys", names.len()), e))?;
                 }
                 cursor = next;
                 if cursor == 0 {

@@ -8,8 +8,8 @@ use ndarray::{Array2, ArrayView2};
 
 use super::{Applied, DynamicTable};
 use crate::error::{KernelError, Result, Subject};
-use sparsecore_prep::input::RawKeyRows;
 use crate::Optimizer;
+use sparsecore_prep::input::RawKeyRows;
 use sparsecore_prep::spec::Combiner;
 
 /// One feature's batch of keys, deduplicated so that each distinct key is looked up and updated
@@ -31,16 +31,38 @@ pub struct KeyBatch {
 impl KeyBatch {
     /// A batch from flat keys, sample offsets (`samples + 1`, non-decreasing, ending at
     /// `keys.len()`) and optional per-key weights. `feature` labels errors.
-    pub fn new(feature: &str, keys: &[u64], offsets: &[usize], weights: Option<&[f32]>, combiner: Combiner) -> Result<Self> {
-        if offsets.first() != Some(&0) || offsets.last() != Some(&keys.len()) || offsets.windows(2).any(|w| w[0] > w[1]) {
-            return Err(KernelError::input(Subject::Feature(feature.to_string()), format!("offsets must rise from 0 to the {} keys", keys.len())));
+    pub fn new(
+        feature: &str,
+        keys: &[u64],
+        offsets: &[usize],
+        weights: Option<&[f32]>,
+        combiner: Combiner,
+    ) -> Result<Self> {
+        if offsets.first() != Some(&0)
+            || offsets.last() != Some(&keys.len())
+            || offsets.windows(2).any(|w| w[0] > w[1])
+        {
+            return Err(KernelError::input(
+                Subject::Feature(feature.to_string()),
+                format!("offsets must rise from 0 to the {} keys", keys.len()),
+            ));
         }
         if keys.len() > u32::MAX as usize {
-            return Err(KernelError::input(Subject::Feature(feature.to_string()), format!("{} keys in one batch; at most {} are supported", keys.len(), u32::MAX)));
+            return Err(KernelError::input(
+                Subject::Feature(feature.to_string()),
+                format!(
+                    "{} keys in one batch; at most {} are supported",
+                    keys.len(),
+                    u32::MAX
+                ),
+            ));
         }
         if let Some(w) = weights {
             if w.len() != keys.len() {
-                return Err(KernelError::input(Subject::Feature(feature.to_string()), format!("{} weights for {} keys", w.len(), keys.len())));
+                return Err(KernelError::input(
+                    Subject::Feature(feature.to_string()),
+                    format!("{} weights for {} keys", w.len(), keys.len()),
+                ));
             }
         }
         let mut positions: HashMap<u64, u32> = HashMap::with_capacity(keys.len());
@@ -69,18 +91,38 @@ impl KeyBatch {
                 Some(ws) => {
                     let ws = &ws[w[0]..w[1]];
                     if let Some(&v) = ws.iter().find(|v| !v.is_finite()) {
-                        return Err(KernelError::InvalidWeight { feature: feature.to_string(), row: r, value: v });
+                        return Err(KernelError::InvalidWeight {
+                            feature: feature.to_string(),
+                            row: r,
+                            value: v,
+                        });
                     }
                     let divisor = match combiner {
                         Combiner::Sum => 1.0f32,
                         Combiner::Mean => ws.iter().fold(0.0f32, |acc, &w| acc + w),
-                        Combiner::Sqrtn => ws.iter().fold(0.0f32, |acc, &w| (acc as f64 + (w as f64) * (w as f64)) as f32).sqrt(),
+                        Combiner::Sqrtn => ws
+                            .iter()
+                            .fold(0.0f32, |acc, &w| {
+                                (acc as f64 + (w as f64) * (w as f64)) as f32
+                            })
+                            .sqrt(),
                     };
-                    gains.extend(ws.iter().map(|&w| if combiner == Combiner::Sum { w } else { w / divisor }));
+                    gains.extend(ws.iter().map(|&w| {
+                        if combiner == Combiner::Sum {
+                            w
+                        } else {
+                            w / divisor
+                        }
+                    }));
                 }
             }
         }
-        Ok(KeyBatch { unique, index, offsets: offsets.to_vec(), gains })
+        Ok(KeyBatch {
+            unique,
+            index,
+            offsets: offsets.to_vec(),
+            gains,
+        })
     }
 
     /// A batch from an Arrow list column of raw keys (hashed to full 64-bit keys with `seed`,
@@ -94,7 +136,13 @@ impl KeyBatch {
         combiner: Combiner,
     ) -> Result<Self> {
         let rows = RawKeyRows::from_arrow(feature, column, keys, weights, seed)?;
-        Self::new(feature, &rows.keys, &rows.offsets, rows.weights.as_deref(), combiner)
+        Self::new(
+            feature,
+            &rows.keys,
+            &rows.offsets,
+            rows.weights.as_deref(),
+            combiner,
+        )
     }
 
     /// Samples in the batch.
@@ -106,14 +154,33 @@ impl KeyBatch {
     /// offsets rise from 0 to the number of ids, one gain per id, every index names a key.
     pub fn validate(&self, table: &str) -> Result<()> {
         let n = self.index.len();
-        if self.offsets.first() != Some(&0) || self.offsets.last() != Some(&n) || self.offsets.windows(2).any(|w| w[0] > w[1]) {
-            return Err(KernelError::input(Subject::DynamicTable(table.to_string()), format!("key batch offsets must rise from 0 to its {n} ids")));
+        if self.offsets.first() != Some(&0)
+            || self.offsets.last() != Some(&n)
+            || self.offsets.windows(2).any(|w| w[0] > w[1])
+        {
+            return Err(KernelError::input(
+                Subject::DynamicTable(table.to_string()),
+                format!("key batch offsets must rise from 0 to its {n} ids"),
+            ));
         }
         if self.gains.len() != n {
-            return Err(KernelError::input(Subject::DynamicTable(table.to_string()), format!("key batch has {} gains for {n} ids", self.gains.len())));
+            return Err(KernelError::input(
+                Subject::DynamicTable(table.to_string()),
+                format!("key batch has {} gains for {n} ids", self.gains.len()),
+            ));
         }
-        if let Some(&i) = self.index.iter().find(|&&i| i as usize >= self.unique.len()) {
-            return Err(KernelError::input(Subject::DynamicTable(table.to_string()), format!("key batch index {i} is outside its {} unique keys", self.unique.len())));
+        if let Some(&i) = self
+            .index
+            .iter()
+            .find(|&&i| i as usize >= self.unique.len())
+        {
+            return Err(KernelError::input(
+                Subject::DynamicTable(table.to_string()),
+                format!(
+                    "key batch index {i} is outside its {} unique keys",
+                    self.unique.len()
+                ),
+            ));
         }
         Ok(())
     }
@@ -149,14 +216,25 @@ pub fn dynamic_backward(
     if activation_grads.dim() != (batch.num_samples(), dim) {
         return Err(KernelError::input(
             Subject::DynamicTable(table.spec().name.clone()),
-            format!("activation gradient is {:?}, expected [{}, {dim}]", activation_grads.dim(), batch.num_samples()),
+            format!(
+                "activation gradient is {:?}, expected [{}, {dim}]",
+                activation_grads.dim(),
+                batch.num_samples()
+            ),
         ));
     }
     let mut grads = Array2::<f32>::zeros((batch.unique.len(), dim));
     for (r, w) in batch.offsets.windows(2).enumerate() {
         for i in w[0]..w[1] {
-            grads.row_mut(batch.index[i] as usize).scaled_add(batch.gains[i], &activation_grads.row(r));
+            grads
+                .row_mut(batch.index[i] as usize)
+                .scaled_add(batch.gains[i], &activation_grads.row(r));
         }
     }
-    table.apply_update(update_id, &batch.unique, grads.as_slice().expect("a new array is contiguous"), optimizer)
+    table.apply_update(
+        update_id,
+        &batch.unique,
+        grads.as_slice().expect("a new array is contiguous"),
+        optimizer,
+    )
 }

@@ -29,7 +29,10 @@ pub fn initial_slot_values(opt: &Optimizer) -> Vec<f32> {
 /// The initial slots of a row of `dim` values, in f64: the f32 values exactly (0.1f32 =
 /// 0.100000001490116), as the reference's f32 slot arrays hold them.
 pub fn initial_slots(opt: &Optimizer, dim: usize) -> Vec<Vec<f64>> {
-    initial_slot_values(opt).into_iter().map(|v| vec![f64::from(v); dim]).collect()
+    initial_slot_values(opt)
+        .into_iter()
+        .map(|v| vec![f64::from(v); dim])
+        .collect()
 }
 
 /// One step on row `w` with gradient `g`, updating `w` and `slots` in place, element by element.
@@ -40,7 +43,11 @@ pub fn initial_slots(opt: &Optimizer, dim: usize) -> Vec<Vec<f64>> {
 /// close powers of the accumulator), so a tolerance for an f32 step is relative to it.
 pub fn step(opt: &Optimizer, g: &[f64], w: &mut [f64], slots: &mut [Vec<f64>]) -> Vec<Vec<f64>> {
     assert_eq!(g.len(), w.len());
-    assert_eq!(slots.len(), initial_slots(opt, 0).len(), "{opt:?}: slot count");
+    assert_eq!(
+        slots.len(),
+        initial_slots(opt, 0).len(),
+        "{opt:?}: slot count"
+    );
     assert!(slots.iter().all(|s| s.len() == w.len()));
     let f = f64::from;
     let mut scales = vec![vec![0.0; w.len()]; 1 + slots.len()];
@@ -66,14 +73,29 @@ pub fn step(opt: &Optimizer, g: &[f64], w: &mut [f64], slots: &mut [Vec<f64>]) -
         }
         // A ← A + g² when β₂ = 1, else β₂·A + (1 − β₂)·g²; s = (A + ε)^(−1/k)·g; m ← μ·m + s;
         // w ← w − λ·(μ·m + s) with Nesterov momentum, else w − λ·m.
-        Optimizer::AdagradMomentum { lr, momentum, beta2, epsilon, exponent, use_nesterov } => {
+        Optimizer::AdagradMomentum {
+            lr,
+            momentum,
+            beta2,
+            epsilon,
+            exponent,
+            use_nesterov,
+        } => {
             let (lr, mu, b2, eps, k) = (f(lr), f(momentum), f(beta2), f(epsilon), f(exponent));
             for i in 0..w.len() {
-                let a = if b2 == 1.0 { slots[0][i] + g[i] * g[i] } else { b2 * slots[0][i] + (1.0 - b2) * g[i] * g[i] };
+                let a = if b2 == 1.0 {
+                    slots[0][i] + g[i] * g[i]
+                } else {
+                    b2 * slots[0][i] + (1.0 - b2) * g[i] * g[i]
+                };
                 let s = (a + eps).powf(-1.0 / k) * g[i];
                 let m = mu * slots[1][i] + s;
                 let m_scale = (mu * slots[1][i]).abs() + s.abs();
-                let (u, u_scale) = if use_nesterov { (mu * m + s, mu * m_scale + s.abs()) } else { (m, m_scale) };
+                let (u, u_scale) = if use_nesterov {
+                    (mu * m + s, mu * m_scale + s.abs())
+                } else {
+                    (m, m_scale)
+                };
                 scales[0][i] = w[i].abs() + lr * u_scale;
                 scales[1][i] = a;
                 scales[2][i] = m_scale;
@@ -84,7 +106,13 @@ pub fn step(opt: &Optimizer, g: &[f64], w: &mut [f64], slots: &mut [Vec<f64>]) -
         }
         // t = step + 1; α = λ·√(1 − β₂ᵗ)/(1 − β₁ᵗ); ε̂ = ε·√(1 − β₂ᵗ);
         // m ← β₁·m + (1 − β₁)·g; v ← β₂·v + (1 − β₂)·g²; w ← w − α·m/(√v + ε̂).
-        Optimizer::Adam { lr, beta1, beta2, epsilon, step } => {
+        Optimizer::Adam {
+            lr,
+            beta1,
+            beta2,
+            epsilon,
+            step,
+        } => {
             let (b1, b2) = (f(beta1), f(beta2));
             let t = f64::from(step) + 1.0;
             let c2 = (1.0 - b2.powf(t)).sqrt();
@@ -106,7 +134,14 @@ pub fn step(opt: &Optimizer, g: &[f64], w: &mut [f64], slots: &mut [Vec<f64>]) -
         // L ← L + λ·g − (p' − p)·w with multiply_linear_by_lr, else L + g − (p' − p)/λ·w;
         // w ← (clip(L, −γ₁·s, γ₁·s) − L)/d (or −L/d when γ₁ = 0), s = λ or 1,
         // d = p' + 2·λ·γ₂ + β with multiply_linear_by_lr, else (p' + β)/λ + 2·γ₂.
-        Optimizer::Ftrl { lr, lr_power, l1, l2, beta, multiply_linear_by_lr } => {
+        Optimizer::Ftrl {
+            lr,
+            lr_power,
+            l1,
+            l2,
+            beta,
+            multiply_linear_by_lr,
+        } => {
             let (lr, k, l1, l2, beta) = (f(lr), f(lr_power), f(l1), f(l2), f(beta));
             for i in 0..w.len() {
                 let a = slots[0][i];
@@ -114,12 +149,26 @@ pub fn step(opt: &Optimizer, g: &[f64], w: &mut [f64], slots: &mut [Vec<f64>]) -
                 let (p, p_new) = (a.powf(-k), a_new.powf(-k));
                 let (lin, lin_scale, scale, den) = if multiply_linear_by_lr {
                     let lin = slots[1][i] + lr * g[i] - (p_new - p) * w[i];
-                    (lin, slots[1][i].abs() + (lr * g[i]).abs() + (p_new + p) * w[i].abs(), lr, p_new + 2.0 * lr * l2 + beta)
+                    (
+                        lin,
+                        slots[1][i].abs() + (lr * g[i]).abs() + (p_new + p) * w[i].abs(),
+                        lr,
+                        p_new + 2.0 * lr * l2 + beta,
+                    )
                 } else {
                     let lin = slots[1][i] + g[i] - (p_new - p) / lr * w[i];
-                    (lin, slots[1][i].abs() + g[i].abs() + (p_new + p) / lr * w[i].abs(), 1.0, (p_new + beta) / lr + 2.0 * l2)
+                    (
+                        lin,
+                        slots[1][i].abs() + g[i].abs() + (p_new + p) / lr * w[i].abs(),
+                        1.0,
+                        (p_new + beta) / lr + 2.0 * l2,
+                    )
                 };
-                let num = if l1 == 0.0 { -lin } else { lin.clamp(-l1 * scale, l1 * scale) - lin };
+                let num = if l1 == 0.0 {
+                    -lin
+                } else {
+                    lin.clamp(-l1 * scale, l1 * scale) - lin
+                };
                 w[i] = num / den;
                 // The new weight carries the linear slot's error (the clip adds at most γ₁·s).
                 scales[0][i] = (lin_scale + l1 * scale) / den.abs();
@@ -131,7 +180,13 @@ pub fn step(opt: &Optimizer, g: &[f64], w: &mut [f64], slots: &mut [Vec<f64>]) -
         }
         // decay = b2 without a step, else b2·(1 − b2^s)/(1 − b2^(s+1));
         // ν ← decay·ν + (1 − decay)·(g² + eps); μ ← b1·μ + √(1 − b1²)·g/√ν; w ← w − λ·μ.
-        Optimizer::Laprop { lr, b1, b2, eps, step } => {
+        Optimizer::Laprop {
+            lr,
+            b1,
+            b2,
+            eps,
+            step,
+        } => {
             let (b1, b2) = (f(b1), f(b2));
             let decay = match step {
                 None => b2,
