@@ -6,14 +6,14 @@
 //! buffer), runs the crate's pipeline with the GIL released, and hands the output buffers to
 //! numpy without copying them.
 //!
-//! [`allreduce`] connects hosts for multi-host minibatching: our TCP all-reduce as a class, and
+//! `allreduce` connects hosts for multi-host minibatching: our TCP all-reduce as a class, and
 //! any Python object with `all_reduce_or` as the pipeline's `AllReduce` (called with the GIL
 //! re-acquired).
 //!
-//! Unsafe code is confined to [`numpy_input`] (reading the rows of ragged object arrays through
+//! Unsafe code is confined to `numpy_input` (reading the rows of ragged object arrays through
 //! numpy's C structs, which is what makes a 400,000-row batch cost microseconds rather than
-//! tens of milliseconds), [`arrow_input`] (importing Arrow C data interface capsules) and
-//! [`pool`] (numpy arrays that view a buffer owned by their base object, so that the memory can
+//! tens of milliseconds), `arrow_input` (importing Arrow C data interface capsules) and
+//! `pool` (numpy arrays that view a buffer owned by their base object, so that the memory can
 //! be reused by the next call). The library crate itself keeps `#![deny(unsafe_code)]`.
 
 mod allreduce;

@@ -140,7 +140,7 @@ impl Pcg64 {
     /// independent chains are in flight and the same sequence comes out faster.
     ///
     /// Where the CPU has AVX2 (and `SPARSECORE_PREP_ISA` allows it), eight lanes in AVX2
-    /// vectors make the same outputs ([`Avx2`]).
+    /// vectors make the same outputs (the private `Avx2` lanes).
     pub fn fill_u64(&mut self, out: &mut [u64]) {
         #[cfg(target_arch = "x86_64")]
         if let Some(avx2) = Avx2::new() {

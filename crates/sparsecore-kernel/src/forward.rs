@@ -117,7 +117,7 @@ pub(crate) fn check_table_shape(
 /// per-device stacked batch), summed over all minibatches:
 /// `act[s · bsps + sample_id] += gain · shard_p[embedding_id]` for every valid slot.
 ///
-/// `num_minibatches` is [`crate::Output::num_minibatches`]; with minibatching enabled the row
+/// `num_minibatches` is [`Output::num_minibatches`](sparsecore_prep::Output::num_minibatches); with minibatching enabled the row
 /// pointers are absolute and segments are (SparseCore, minibatch) pairs.
 pub fn sparse_dense_matmul(
     plan: &Plan,
