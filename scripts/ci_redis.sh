@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs Debian's redis-server (and redis-benchmark) for the dynamic-table tests, which start
-# and stop their own servers on random loopback ports (tests/support/redis_server.rs). Installs
+# and stop their own servers on random loopback ports (the test kit's `redis_server`). Installs
 # only; starts nothing.
 set -euo pipefail
 if command -v redis-server >/dev/null 2>&1; then

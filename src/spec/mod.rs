@@ -22,14 +22,15 @@ pub use plan::{
 /// Alignment unit of partitions inside a COO buffer, in elements (`TPU_VECTOR_REGISTER_ALIGNMENT_SIZE`).
 pub const ALIGNMENT: usize = 8;
 
-/// Number of minibatching buckets; the top 6 bits of the sort key are reserved for them.
+/// Number of minibatching buckets (SPEC 5). The reference keeps a key's bucket in its top 6 bits;
+/// our keys have no bucket field, since minibatching buckets the merged entries (`group::bucket`).
 pub const MAX_MINIBATCHING_BUCKETS: usize = 64;
 
 /// Bits of the sort key's payload field (sample row or extraction index).
-pub const DATA_BITS: u32 = 26;
+pub(crate) const DATA_BITS: u32 = 26;
 
 /// Largest payload the sort key holds: 2^26 - 1 samples (or ids, with weights) per device.
-pub const DATA_MASK: u64 = (1 << DATA_BITS) - 1;
+pub(crate) const DATA_MASK: u64 = (1 << DATA_BITS) - 1;
 
 /// Padding value of `embedding_ids` and `sample_ids` (`INT_MAX`).
 pub const PAD_ID: i32 = i32::MAX;

@@ -20,8 +20,7 @@ pub struct Args {
     /// Arrow IPC or Parquet input.
     #[arg(long)]
     input: PathBuf,
-    /// Worker threads (default: one per CPU); a batch of fewer than 8,192 ids runs on one.
-    #[arg(long)]
+    #[arg(long, help = crate::threads_help())]
     threads: Option<usize>,
     /// Timed passes (at most 100000).
     #[arg(long, default_value_t = 5, value_parser = parse_passes)]

@@ -35,8 +35,7 @@ enum Command {
     /// Preprocess the bundled demo batch (criteo-like, 26 features, 256 samples, with weights)
     /// and print a per-stack table of stats and buffer usage.
     Demo {
-        /// Worker threads (default: one per CPU); a batch of fewer than 8,192 ids runs on one.
-        #[arg(long)]
+        #[arg(long, help = crate::threads_help())]
         threads: Option<usize>,
     },
     /// Write a deterministic synthetic workload (Arrow IPC file) and its config.
@@ -73,6 +72,16 @@ enum Command {
         #[command(subcommand)]
         command: bess::Command,
     },
+}
+
+/// The `--threads` help of every subcommand that preprocesses, naming the library's bound for
+/// batches small enough to run on the calling thread.
+fn threads_help() -> String {
+    format!(
+        "Worker threads (default: one per CPU); a batch of fewer than {} ids runs on the \
+         calling thread",
+        sparsecore_prep::SMALL_BATCH_IDS
+    )
 }
 
 /// Runs the tool and exits with its status: 0, 1 on an error (one line on stderr), 2 on a usage

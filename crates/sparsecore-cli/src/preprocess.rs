@@ -44,8 +44,7 @@ pub struct Args {
     /// Process record batches i, i+N, ... only.
     #[arg(long, value_parser = parse_shard)]
     shard: Option<(usize, usize)>,
-    /// Worker threads (default: one per CPU); a batch of fewer than 8,192 ids runs on one.
-    #[arg(long)]
+    #[arg(long, help = crate::threads_help())]
     threads: Option<usize>,
     /// Balance each window of W input batches (as `balance --window W`) before preprocessing it.
     #[arg(long, value_name = "W", value_parser = super::balance::parse_window)]
@@ -69,8 +68,7 @@ pub struct StatsArgs {
     /// Process record batches i, i+N, ... only.
     #[arg(long, value_parser = parse_shard)]
     shard: Option<(usize, usize)>,
-    /// Worker threads (default: one per CPU); a batch of fewer than 8,192 ids runs on one.
-    #[arg(long)]
+    #[arg(long, help = crate::threads_help())]
     threads: Option<usize>,
 }
 

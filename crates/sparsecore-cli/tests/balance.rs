@@ -1,4 +1,4 @@
-//! End-to-end tests of `sparsecore-prep balance` and `preprocess --balance W` (issue 18, item 2),
+//! End-to-end tests of `sparsecore-prep balance` and `preprocess --balance W`,
 //! run as real processes on a generated `large-vocab` workload (512 rows × 4 batches, 1/1/4).
 //!
 //! What is checked:

@@ -1,4 +1,4 @@
-//! End-to-end tests of `sparsecore-prep bess` (issue 17, item 4): `bess batches` and
+//! End-to-end tests of `sparsecore-prep bess`: `bess batches` and
 //! `bess shard create` / `bess shard show`, run as real processes on triples files written here
 //! with arrow (IPC and Parquet).
 //!

@@ -1,4 +1,4 @@
-//! Crash hygiene of `preprocess` (issue 20, item 4): a run killed outright (SIGKILL) leaves its
+//! Crash hygiene of `preprocess`: a run killed outright (SIGKILL) leaves its
 //! temporaries behind (`DIR.tmp-<pid>`, `DIR/.staging.tmp-<pid>`, `DIR.old-<pid>`,
 //! `<file>.tmp-<pid>`); the next run on the same `--out` removes those of dead processes, leaves
 //! those of live ones alone, moves earlier outputs back when a run died between its two renames,

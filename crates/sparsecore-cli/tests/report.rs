@@ -1,4 +1,4 @@
-//! End-to-end tests of `sparsecore-prep report` (issue 18, item 4), run as real processes on
+//! End-to-end tests of `sparsecore-prep report`, run as real processes on
 //! stats that the CLI measured: a generated `long` workload (three stacks: items, cats,
 //! queries; 128 rows × 4 batches, 1/1/4), preprocessed as is and with `--balance 4`.
 //!
