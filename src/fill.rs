@@ -7,7 +7,9 @@
 //! of partition p relative to the segment; pointers `N..rpb` hold the final aligned cursor.
 //! Entries that do not fit are dropped and counted; every pointer not yet written then equals
 //! `Cs`. The tail after the final aligned cursor, which the reference leaves uninitialised, is
-//! padded too, so the output is a pure function of the input.
+//! padded too, so the output is a pure function of the input; in a reused buffer only up to
+//! where the previous batch wrote ([`SegmentWriter::with_tail_extent`]), since the slots past
+//! that still hold the padding.
 
 use crate::gain::merge;
 use crate::group::{walk_block_plain, Block, Entry, EntrySink};
@@ -76,6 +78,8 @@ pub struct SegmentWriter<'a> {
     count: u32,
     /// Whether `finish` pads the slice's tail (not when the next segment follows in it).
     pad_tail: bool,
+    /// Slots at or past it hold the padding triple already: `finish` pads the tail up to it.
+    tail_extent: usize,
 }
 
 impl<'a> SegmentWriter<'a> {
@@ -107,7 +111,16 @@ impl<'a> SegmentWriter<'a> {
             last_gain: 0.0,
             count: 0,
             pad_tail: true,
+            tail_extent: capacity,
         }
+    }
+
+    /// Declares that the segment's slots at or past `extent` hold the padding triple already
+    /// (what the previous batch left in a reused buffer), so that `finish` pads the tail only
+    /// up to there.
+    pub fn with_tail_extent(mut self, extent: usize) -> Self {
+        self.tail_extent = extent.min(self.capacity);
+        self
     }
 
     /// Declares that the keys walked into this writer reference rows below `row_lo + row_span`
@@ -203,8 +216,8 @@ impl<'a> SegmentWriter<'a> {
         for rp in &mut self.row_pointers[self.num_partitions..] {
             *rp = end;
         }
-        if self.pad_tail {
-            self.pad(i, self.capacity);
+        if self.pad_tail && i < self.tail_extent {
+            self.pad(i, self.tail_extent);
         }
         (self.dropped, i)
     }

@@ -5,6 +5,15 @@
 //!
 //! A call that fails leaves the [`Output`] empty ([`Output::clear`]): no stacks, so nothing
 //! half-written can be fed to a device, while the memory is kept for the next batch.
+//!
+//! **Cost that follows the ids.** A COO buffer is sized for the worst batch the limits allow
+//! (an untuned config's buffer is megabytes per stack), while a batch usually writes a small
+//! part of it. Every slot past a segment's final cursor holds the padding triple, so a reused
+//! buffer only needs the padding re-written where the previous batch wrote further than this
+//! one: each stack keeps, per SparseCore segment, how far its buffers were last written (its
+//! *tail extent*), and the writers pad only `[cursor, extent)`. A buffer that is new, resized,
+//! or replaced by the caller (a different allocation or length in a public field) counts as
+//! written in full, so its first batch pads the whole tail.
 
 use std::fmt;
 
@@ -15,7 +24,12 @@ use crate::spec::{Plan, StackPlan};
 use crate::stats::StackStats;
 
 /// The buffers of one stack, device-major (`[L, RP]` and `[L, C]`, flattened).
-#[derive(Debug, Clone, Default, PartialEq)]
+///
+/// The arrays are public to read and to move out. The next batch re-pads a segment's tail only
+/// where the last batch wrote, so a caller that changes the arrays in place past a segment's
+/// final row pointer and then passes the same [`Output`] on calls
+/// [`StackOutput::mark_written`] first. (Replacing an array, or moving it out, needs nothing.)
+#[derive(Debug, Clone, Default)]
 pub struct StackOutput {
     /// Stack name.
     pub name: String,
@@ -32,6 +46,17 @@ pub struct StackOutput {
     local_devices: usize,
     row_pointers_per_device: usize,
     coo_buffer_size_per_device: usize,
+    /// Per SparseCore segment (device-major), the segment-relative end of what the last batch
+    /// wrote: every slot of the segment at or past it holds the padding triple.
+    pub(crate) tail_extents: Vec<u32>,
+    /// The (address, length) of `embedding_ids`, `sample_ids` and `gains` that `tail_extents`
+    /// describes; other arrays (the fields are public) are treated as written in full.
+    tail_arrays: [(usize, usize); 3],
+}
+
+/// Where an array's memory is and how long it is: what `tail_extents` are valid for.
+fn identity<T>(v: &[T]) -> (usize, usize) {
+    (v.as_ptr() as usize, v.len())
 }
 
 impl StackOutput {
@@ -86,6 +111,13 @@ impl StackOutput {
         if self.name != stack.name {
             self.name.clone_from(&stack.name);
         }
+        let segments = l * plan.layout.sc_per_device;
+        let cs = if segments == 0 {
+            0
+        } else {
+            c / plan.layout.sc_per_device
+        };
+        let reshaped = (self.local_devices, self.coo_buffer_size_per_device) != (l, c);
         self.local_devices = l;
         self.row_pointers_per_device = rp;
         self.coo_buffer_size_per_device = c;
@@ -94,9 +126,26 @@ impl StackOutput {
         self.embedding_ids.resize(c, 0);
         self.sample_ids.resize(c, 0);
         self.gains.resize(c, 0.0);
+        let arrays = [
+            identity(&self.embedding_ids),
+            identity(&self.sample_ids),
+            identity(&self.gains),
+        ];
+        if reshaped || arrays != self.tail_arrays || self.tail_extents.len() != segments {
+            // Nothing known about these arrays' tails: the first batch pads them in full.
+            self.tail_extents.clear();
+            self.tail_extents.resize(segments, cs as u32);
+            self.tail_arrays = arrays;
+        }
         self.stats
             .reset(l * plan.layout.num_partitions(), plan.layout.local_scs());
         Ok(())
+    }
+
+    /// Declares every slot of the COO arrays possibly changed, so that the next batch pads
+    /// their tails in full instead of only where the last batch wrote.
+    pub fn mark_written(&mut self) {
+        self.tail_arrays = [(0, 0); 3];
     }
 
     /// Local devices (L).
@@ -148,6 +197,21 @@ impl StackOutput {
             self.local_devices,
             self.coo_buffer_size_per_device,
         )
+    }
+}
+
+impl PartialEq for StackOutput {
+    /// Compares the batches' values; what is known about the buffers' memory is not part of it.
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+            && self.row_pointers == other.row_pointers
+            && self.embedding_ids == other.embedding_ids
+            && self.sample_ids == other.sample_ids
+            && self.gains == other.gains
+            && self.stats == other.stats
+            && self.local_devices == other.local_devices
+            && self.row_pointers_per_device == other.row_pointers_per_device
+            && self.coo_buffer_size_per_device == other.coo_buffer_size_per_device
     }
 }
 

@@ -6,7 +6,7 @@
 //!
 //! 1. `thread_count_invariance`: 1 thread, 2 threads and the global pool give bit-identical
 //!    outputs (and identical errors); so does reusing an `Output` (4 threads) after a batch of
-//!    another config and a batch of another shape.
+//!    another config and a batch of another shape, and then for that smaller batch again.
 //! 2. `layout_equivalence`: dense (C and Fortran order, i32 and i64), ragged (i32 and i64), Arrow
 //!    `List<Int32>` (sliced), `LargeList<Int64>`, sliced `List` ids with `LargeList` weights and a
 //!    `RecordBatch` give identical outputs; COO equals ragged without weights.
@@ -1032,8 +1032,18 @@ fn thread_count_invariance() {
             .build()
             .unwrap();
         let _ = prep.run(&as_sources(&warm_inputs), &mut out);
-        let reused = prep.run(&sources, &mut out).map(|_| out);
+        let reused = prep.run(&sources, &mut out).map(|_| out.clone());
         same_result(&one, &reused, "fresh vs reused Output")?;
+        // Then the smaller batch again: the reused buffers pad only where the last batch wrote,
+        // which must cover everything the larger batch left past this one's cursors.
+        let warm_sources = as_sources(&warm_inputs);
+        let (warm_fresh, _) = run(&cfg, Some(1), &warm_sources);
+        let shrunk = prep.run(&warm_sources, &mut out).map(|_| out);
+        same_result(
+            &warm_fresh,
+            &shrunk,
+            "fresh vs reused Output after a larger batch",
+        )?;
         if one.is_ok() {
             ok.set(ok.get() + 1);
         }

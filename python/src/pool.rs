@@ -7,7 +7,8 @@
 //! view of a [`PooledBuffer`], and when numpy frees the last view, the buffer's `Vec` goes back
 //! to its slot (stack, array) in the [`BufferPool`], where the next call picks it up: its pages
 //! are mapped already, and the pipeline overwrites every slot (data or padding), so no memset
-//! is needed either. An array still alive simply leaves its slot empty, and that call
+//! is needed either. (Numpy's arrays are writable, so a returned buffer's tails are padded in
+//! full: [`sparsecore_prep::StackOutput::mark_written`].) An array still alive simply leaves its slot empty, and that call
 //! allocates, as before.
 //!
 //! The pool holds at most one buffer per slot, so it never keeps more than one call's output.
@@ -50,6 +51,9 @@ impl BufferPool {
             put(&mut so.embedding_ids, eid);
             put(&mut so.sample_ids, sid);
             put(&mut so.gains, gains);
+            // numpy's arrays are writable, so a returned buffer may have been changed anywhere:
+            // the next batch pads its tails in full.
+            so.mark_written();
         }
     }
 

@@ -122,32 +122,62 @@ pub(super) fn finish(
     Ok(())
 }
 
-/// Splits a device's buffers into (row pointers, embedding ids, sample ids, gains) per device.
-fn per_device(
-    so: &mut StackOutput,
-) -> impl Iterator<Item = (&mut [i32], &mut [i32], &mut [i32], &mut [f32])> {
+/// One device's share of a stack's output: its row pointers, its three COO buffers, and the
+/// tail extents of its SparseCore segments (see `Output`).
+struct Device<'a> {
+    rp: &'a mut [i32],
+    emb: &'a mut [i32],
+    smp: &'a mut [i32],
+    gains: &'a mut [f32],
+    tail_extents: &'a mut [u32],
+}
+
+impl Device<'_> {
+    /// Pads `[from, ..)` of the device's COO buffer (only up to where the last batch wrote: the
+    /// rest holds the padding already) and sets its unwritten row pointers (from `rp_from`) to
+    /// the final cursor, so that the output is a pure function of the input. Records `from` as
+    /// the device's new tail extent.
+    fn pad_tail(&mut self, rp_from: usize, from: usize) {
+        // Minibatching fills the device buffer as one run from offset 0, so what the last batch
+        // wrote ends at the furthest segment extent (a segment with extent 0 is all padding).
+        let cs = self.emb.len() / self.tail_extents.len().max(1);
+        let written = (self.tail_extents.iter().enumerate())
+            .filter(|&(_, &e)| e > 0)
+            .map(|(s, &e)| s * cs + e as usize)
+            .max()
+            .unwrap_or(0);
+        if from < written {
+            pad_slots(
+                &mut self.emb[from..written],
+                &mut self.smp[from..written],
+                &mut self.gains[from..written],
+            );
+        }
+        self.rp[rp_from..].fill(from as i32);
+        for (s, e) in self.tail_extents.iter_mut().enumerate() {
+            *e = from.saturating_sub(s * cs).min(cs) as u32;
+        }
+    }
+}
+
+/// Splits a stack's buffers per device.
+fn per_device(so: &mut StackOutput) -> impl Iterator<Item = Device<'_>> {
     let rp = so.row_pointers_per_device();
     let c = so.coo_buffer_size_per_device();
+    let s = so.tail_extents.len() / so.local_devices().max(1);
     so.row_pointers
         .chunks_mut(rp)
         .zip(so.embedding_ids.chunks_mut(c))
         .zip(so.sample_ids.chunks_mut(c))
         .zip(so.gains.chunks_mut(c))
-        .map(|(((a, b), c), d)| (a, b, c, d))
-}
-
-/// Pads `[from, ..)` of a device's COO buffer and sets its unwritten row pointers (from
-/// `rp_from`) to the final cursor, so that the output is a pure function of the input.
-fn pad_tail(
-    rp: &mut [i32],
-    emb: &mut [i32],
-    smp: &mut [i32],
-    gains: &mut [f32],
-    rp_from: usize,
-    from: usize,
-) {
-    pad_slots(&mut emb[from..], &mut smp[from..], &mut gains[from..]);
-    rp[rp_from..].fill(from as i32);
+        .zip(so.tail_extents.chunks_mut(s.max(1)))
+        .map(|((((rp, emb), smp), gains), tail_extents)| Device {
+            rp,
+            emb,
+            smp,
+            gains,
+            tail_extents,
+        })
 }
 
 /// One minibatch (M = 1): SparseCore s starts at `min(Σ_{s'<s} required[s'], C)` (SPEC 5.7).
@@ -162,7 +192,14 @@ fn fill_one_minibatch(plan: &Plan, so: &mut StackOutput, tasks: &mut [Task], bsp
     let mut dropped = 0u64;
     let StackOutput { stats, .. } = so;
     let required = std::mem::take(&mut stats.required_buffer_size_per_sc);
-    for (d, (rp, emb, smp, gains)) in per_device(so).enumerate() {
+    for (d, mut device) in per_device(so).enumerate() {
+        let Device {
+            rp,
+            emb,
+            smp,
+            gains,
+            ..
+        } = &mut device;
         let mut start = 0usize;
         for s in 0..s_count {
             let task = &tasks[d * s_count + s];
@@ -183,7 +220,7 @@ fn fill_one_minibatch(plan: &Plan, so: &mut StackOutput, tasks: &mut [Task], bsp
             start += need;
         }
         let end = start.min(c);
-        pad_tail(rp, emb, smp, gains, s_count * rpb, end);
+        device.pad_tail(s_count * rpb, end);
     }
     so.stats.required_buffer_size_per_sc = required;
     so.stats.dropped_id_count = dropped;
@@ -207,7 +244,14 @@ fn fill_minibatches(
     let m_count = ranges.len();
     let c = so.coo_buffer_size_per_device();
     let mut dropped: u64 = tasks.iter().map(|t| t.bucketed.dropped).sum();
-    for (d, (rp, emb, smp, gains)) in per_device(so).enumerate() {
+    for (d, mut device) in per_device(so).enumerate() {
+        let Device {
+            rp,
+            emb,
+            smp,
+            gains,
+            ..
+        } = &mut device;
         let mut cursor = 0usize;
         for s in 0..s_count {
             let b = &tasks[d * s_count + s].bucketed;
@@ -236,7 +280,7 @@ fn fill_minibatches(
                 cursor += end;
             }
         }
-        pad_tail(rp, emb, smp, gains, s_count * m_count * rpb, cursor.min(c));
+        device.pad_tail(s_count * m_count * rpb, cursor.min(c));
     }
     so.stats.dropped_id_count = dropped;
 }

@@ -108,12 +108,16 @@ pub(super) fn for_each_stack(
     }
 }
 
-/// One SparseCore's slices of a stack's buffers (row pointers, embedding ids, sample ids, gains),
+/// One SparseCore's slices of a stack's buffers (row pointers, embedding ids, sample ids, gains)
+/// and its tail extent,
 /// zipped with its task.
 type SegmentParts<'a> = (
     (
-        ((&'a mut [i32], &'a mut [i32]), &'a mut [i32]),
-        &'a mut [f32],
+        (
+            ((&'a mut [i32], &'a mut [i32]), &'a mut [i32]),
+            &'a mut [f32],
+        ),
+        &'a mut u32,
     ),
     &'a mut Task,
 );
@@ -163,15 +167,22 @@ fn run_stack(
         workspaces,
     };
     let s = layout.sc_per_device;
-    let into_segment = |(i, ((((rp, emb), smp), gains), task)): (usize, SegmentParts<'_>)| {
-        let seg = Segment {
-            row_pointers: rp,
-            embedding_ids: emb,
-            sample_ids: smp,
-            gains,
+    let into_segment =
+        |(i, (((((rp, emb), smp), gains), tail_extent), task)): (usize, SegmentParts<'_>)| {
+            let seg = Segment {
+                row_pointers: rp,
+                embedding_ids: emb,
+                sample_ids: smp,
+                gains,
+            };
+            run_task(
+                &job,
+                i / s,
+                i % s,
+                Destination::Segment(seg, tail_extent),
+                task,
+            );
         };
-        run_task(&job, i / s, i % s, Destination::Segment(seg), task);
-    };
     let elsewhere = |(i, task): (usize, &mut Task)| {
         let destination = if mode == Mode::StatsOnly {
             Destination::Stats
@@ -190,6 +201,7 @@ fn run_stack(
                 .zip(so.embedding_ids.$chunks(cs))
                 .zip(so.sample_ids.$chunks(cs))
                 .zip(so.gains.$chunks(cs))
+                .zip(so.tail_extents.$iter())
                 .zip(stack_tasks.$iter())
                 .enumerate()
         };
@@ -222,8 +234,9 @@ struct StackJob<'a> {
 
 /// Where a task's grouped entries go.
 enum Destination<'a> {
-    /// Straight into the SparseCore's segment of the output buffers: no intermediate list.
-    Segment(Segment<'a>),
+    /// Straight into the SparseCore's segment of the output buffers: no intermediate list. The
+    /// segment's tail extent (see `Output`) is read before and updated after the write.
+    Segment(Segment<'a>, &'a mut u32),
     /// Into the task's entry list, for the fill that follows minibatching's first pass.
     Entries,
     /// Nowhere: only the statistics are kept.
@@ -272,16 +285,19 @@ fn run_task(
             return;
         }
         match destination {
-            Destination::Segment(seg) => {
+            Destination::Segment(seg, tail_extent) => {
                 let writer = SegmentWriter::new(
                     seg,
                     plan.layout.num_partitions(),
                     ctx.batch_per_sc as u32,
                     ex.first_row,
                 )
-                .with_row_span(ex.row_span);
-                task.overflow =
-                    sort_and_walk(ex, sort_scratch, limits, writer, &mut task.stats).finish();
+                .with_row_span(ex.row_span)
+                .with_tail_extent(*tail_extent as usize);
+                let (overflow, cursor) =
+                    sort_and_walk(ex, sort_scratch, limits, writer, &mut task.stats).finish_at();
+                task.overflow = overflow;
+                *tail_extent = cursor as u32;
             }
             Destination::Entries => {
                 let mut kept = std::mem::take(&mut task.pass1);
