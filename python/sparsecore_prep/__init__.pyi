@@ -1,4 +1,5 @@
-"""Type stubs of sparsecore_prep (see __init__.py for the documentation)."""
+"""Type stubs of sparsecore_prep (the documentation is in the docstrings of __init__.py and of the
+private modules that define each name)."""
 
 import dataclasses
 import os

@@ -38,8 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _native, _spec_tuples, _REFERENCE_EMBEDDING
+from . import _native
 from ._errors import ConfigError, FeatureSpecError, InvalidInputError
+from ._results import _REFERENCE_EMBEDDING
+from ._specs import _spec_tuples
 
 __all__ = [
     "EmbeddingVariables",
