@@ -28,6 +28,22 @@ gen long_w long 1/1/4 --weights
 gen large_vocab large-vocab 1/1/4
 gen high_mv high-multivalency 1/1/4
 gen moderate_mv moderate-multivalency 1/1/4
+# Untuned twins (a first run before FDO, the reference's default path): the same batches under
+# every table's limits at 65536 and no suggested buffer, so each COO buffer is sized for the
+# worst case while the batch writes a small part of it.
+untuned() { # name of a generated workload
+  [ -f "$D/$1_untuned.json" ] || python3 - "$D/$1.json" "$D/$1_untuned.json" <<'PY'
+import json, sys
+cfg = json.load(open(sys.argv[1]))
+for t in cfg["tables"]:
+    t["max_ids_per_partition"] = t["max_unique_ids_per_partition"] = 65536
+    t["suggested_coo_buffer_size_per_device"] = None
+json.dump(cfg, open(sys.argv[2], "w"), indent=2)
+PY
+  ln -sf "$1.arrow" "$D/$1_untuned.arrow"
+}
+untuned criteo_444
+untuned long
 
 # Each (workload, threads) pair runs ROUNDS rounds; a round runs ours and then the reference,
 # each for REPEAT passes, and its ratio is ours/reference of the two median ids/s. The table
@@ -38,8 +54,8 @@ gen moderate_mv moderate-multivalency 1/1/4
 # on either.
 ROUNDS=${ROUNDS:-5}
 PIN_CPU=${PIN_CPU:-1}
-printf '%-12s %7s %12s %12s %7s %15s\n' workload threads ours_Mids/s peer_Mids/s ratio ratio_range
-for w in ${WORKLOADS:-criteo_444 long long_w large_vocab high_mv moderate_mv}; do
+printf '%-18s %7s %12s %12s %7s %15s\n' workload threads ours_Mids/s peer_Mids/s ratio ratio_range
+for w in ${WORKLOADS:-criteo_444 criteo_444_untuned long long_untuned long_w large_vocab high_mv moderate_mv}; do
   for t in "${THREADS[@]}"; do
     pin=()
     [ "$t" = 1 ] && pin=(taskset -c "$PIN_CPU")
@@ -57,7 +73,7 @@ w, t, runs = sys.argv[1], sys.argv[2], [json.loads(r) for r in sys.argv[3:]]
 ours = [r["ids_per_sec"] / 1e6 for r in runs[0::3]]
 peer = [r["ids_per_sec"] / 1e6 for r in runs[1::3]]
 ratios = [a / b for a, b in zip(ours, peer)]
-line = (f"{w:<12} {t:>7} {statistics.median(ours):>12.1f} {statistics.median(peer):>12.1f} "
+line = (f"{w:<18} {t:>7} {statistics.median(ours):>12.1f} {statistics.median(peer):>12.1f} "
         f"{statistics.median(ratios):>6.2f}x {min(ratios):>6.2f}-{max(ratios):.2f}x")
 if runs[2]:
     base = [r["ids_per_sec"] / 1e6 for r in runs[2::3]]

@@ -33,8 +33,9 @@ class Preprocessor:
       path to a JSON file.
     threads: a dedicated pool of this many threads; 1 runs on the calling
       thread, with no pool (default: one shared pool with one thread per
-      CPU). A batch of fewer than 8,192 ids runs on the calling thread
-      whatever the count: a pool's hand-over costs more than such a batch.
+      CPU). A batch of fewer than ``sparsecore_prep._native.SMALL_BATCH_IDS``
+      ids runs on the calling thread whatever the count: a pool's hand-over
+      costs more than such a batch.
     has_leading_dimension: shape arrays ``[L, ...]`` instead of flat.
     all_reduce_interface: the hosts' all-reduce for multi-host minibatching,
       as in :func:`preprocess_sparse_dense_matmul_input` (see

@@ -187,7 +187,7 @@ def test_random_cases_match_the_reference(worker):
 
 
 def test_large_random_cases_match_the_reference(worker):
-  # Batches of 8,192 ids and more run on the package's threads, and 2,048 ragged rows and more
+  # Batches of SMALL_BATCH_IDS ids and more run on the package's threads, and 2,048 ragged rows and more
   # are gathered there; smaller ones (every case above) run on the calling thread.
   parallel = gathered = 0
   for seed in range(SEED + 900000, SEED + 900016):
