@@ -28,6 +28,36 @@ pub fn pad_slots(embedding_ids: &mut [i32], sample_ids: &mut [i32], gains: &mut 
     gains.fill(PAD_GAIN);
 }
 
+/// What the slots of a COO buffer past each segment's final (aligned) cursor hold, where the
+/// reference leaves memory uninitialised. Either way the output is a pure function of the input.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum TailFill {
+    /// The padding triple (`i32::MAX`, `i32::MAX`, NaN `0x7fc00000`), as in alignment gaps.
+    #[default]
+    Padding,
+    /// Zeros: new buffers come zeroed from the allocator, so tail pages that no batch writes are
+    /// never touched (resident memory follows the ids, not the buffer size).
+    Zeros,
+}
+
+/// Fills the slots of a buffer's tail (past a segment's final cursor) with `fill`.
+#[inline]
+pub fn fill_tail(
+    embedding_ids: &mut [i32],
+    sample_ids: &mut [i32],
+    gains: &mut [f32],
+    fill: TailFill,
+) {
+    match fill {
+        TailFill::Padding => pad_slots(embedding_ids, sample_ids, gains),
+        TailFill::Zeros => {
+            embedding_ids.fill(0);
+            sample_ids.fill(0);
+            gains.fill(0.0);
+        }
+    }
+}
+
 /// One SparseCore's slices of the four output arrays.
 pub struct Segment<'a> {
     /// `rpb` row pointers.
@@ -78,8 +108,10 @@ pub struct SegmentWriter<'a> {
     count: u32,
     /// Whether `finish` pads the slice's tail (not when the next segment follows in it).
     pad_tail: bool,
-    /// Slots at or past it hold the padding triple already: `finish` pads the tail up to it.
+    /// Slots at or past it hold the tail fill already: `finish` fills the tail up to it.
     tail_extent: usize,
+    /// What the tail holds.
+    tail_fill: TailFill,
 }
 
 impl<'a> SegmentWriter<'a> {
@@ -112,14 +144,16 @@ impl<'a> SegmentWriter<'a> {
             count: 0,
             pad_tail: true,
             tail_extent: capacity,
+            tail_fill: TailFill::Padding,
         }
     }
 
-    /// Declares that the segment's slots at or past `extent` hold the padding triple already
-    /// (what the previous batch left in a reused buffer), so that `finish` pads the tail only
-    /// up to there.
-    pub fn with_tail_extent(mut self, extent: usize) -> Self {
+    /// Fills the tail with `fill`, and declares that the segment's slots at or past `extent`
+    /// hold it already (what the previous batch left in a reused buffer), so that `finish`
+    /// fills the tail only up to there.
+    pub fn with_tail(mut self, extent: usize, fill: TailFill) -> Self {
         self.tail_extent = extent.min(self.capacity);
+        self.tail_fill = fill;
         self
     }
 
@@ -217,7 +251,13 @@ impl<'a> SegmentWriter<'a> {
             *rp = end;
         }
         if self.pad_tail && i < self.tail_extent {
-            self.pad(i, self.tail_extent);
+            let end = self.tail_extent;
+            fill_tail(
+                &mut self.embedding_ids[i..end],
+                &mut self.sample_ids[i..end],
+                &mut self.gains[i..end],
+                self.tail_fill,
+            );
         }
         (self.dropped, i)
     }

@@ -97,6 +97,7 @@ pub use allreduce::{
 };
 pub use error::{BatchCount, ConfigItem, Error, LimitKind, NpzBound, Result};
 pub use fdo::FdoStats;
+pub use fill::TailFill;
 pub use group::bucket::BucketFn;
 pub use input::{
     features_from_record_batch, ArrowListInput, CooInput, DenseInput, RaggedInput, SampleSource,

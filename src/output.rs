@@ -14,12 +14,18 @@
 //! *tail extent*), and the writers pad only `[cursor, extent)`. A buffer that is new, resized,
 //! or replaced by the caller (a different allocation or length in a public field) counts as
 //! written in full, so its first batch pads the whole tail.
+//!
+//! **Memory that follows the ids.** With [`TailFill::Zeros`] the tail holds zeros instead of the
+//! padding triple, and new buffers come zeroed from the allocator (fresh pages from the OS, for
+//! large ones): a page that no batch writes is never touched, so a caller that keeps many
+//! outputs (a loader's prefetch queue) holds only the memory the batches wrote.
 
 use std::fmt;
 
 use ndarray::ArrayView2;
 
 use crate::error::{Error, Result};
+use crate::fill::TailFill;
 use crate::spec::{Plan, StackPlan};
 use crate::stats::StackStats;
 
@@ -46,8 +52,10 @@ pub struct StackOutput {
     local_devices: usize,
     row_pointers_per_device: usize,
     coo_buffer_size_per_device: usize,
+    /// What the slots past each segment's final cursor hold.
+    pub(crate) tail_fill: TailFill,
     /// Per SparseCore segment (device-major), the segment-relative end of what the last batch
-    /// wrote: every slot of the segment at or past it holds the padding triple.
+    /// wrote: every slot of the segment at or past it holds the tail fill.
     pub(crate) tail_extents: Vec<u32>,
     /// The (address, length) of `embedding_ids`, `sample_ids` and `gains` that `tail_extents`
     /// describes; other arrays (the fields are public) are treated as written in full.
@@ -60,7 +68,13 @@ fn identity<T>(v: &[T]) -> (usize, usize) {
 }
 
 impl StackOutput {
-    fn prepare(&mut self, plan: &Plan, stack: &StackPlan, buffers: bool) -> Result<()> {
+    fn prepare(
+        &mut self,
+        plan: &Plan,
+        stack: &StackPlan,
+        buffers: bool,
+        tail_fill: TailFill,
+    ) -> Result<()> {
         let l = plan.layout.local_devices;
         // A stats-only run writes no buffers: their sizes read as 0, so that the views and
         // the kernels see consistent (empty) arrays.
@@ -87,9 +101,13 @@ impl StackOutput {
         let p_len = per_device("max_ids_per_partition", plan.layout.num_partitions())?;
         // The COO arrays first (`L * C`, usually the largest), so that an impossible size fails
         // before anything else is reserved.
-        let reserved = reserve(&mut self.embedding_ids, c_len, "embedding_ids")
-            .and_then(|()| reserve(&mut self.sample_ids, c_len, "sample_ids"))
-            .and_then(|()| reserve(&mut self.gains, c_len, "gains"))
+        let mut fresh = [false; 3];
+        let reserved = reserve_zeroed(&mut self.embedding_ids, c_len, "embedding_ids")
+            .map(|f| fresh[0] = f)
+            .and_then(|()| reserve_zeroed(&mut self.sample_ids, c_len, "sample_ids"))
+            .map(|f| fresh[1] = f)
+            .and_then(|()| reserve_zeroed(&mut self.gains, c_len, "gains"))
+            .map(|f| fresh[2] = f)
             .and_then(|()| reserve(&mut self.row_pointers, rp_len, "row_pointers"))
             .and_then(|()| {
                 reserve(
@@ -131,11 +149,19 @@ impl StackOutput {
             identity(&self.sample_ids),
             identity(&self.gains),
         ];
-        if reshaped || arrays != self.tail_arrays || self.tail_extents.len() != segments {
-            // Nothing known about these arrays' tails: the first batch pads them in full.
+        if reshaped
+            || arrays != self.tail_arrays
+            || self.tail_extents.len() != segments
+            || tail_fill != self.tail_fill
+        {
+            // Zeroed new arrays already hold a zero tail; of any other, nothing is known, and
+            // the first batch fills their tails in full.
+            let clean = tail_fill == TailFill::Zeros && fresh.iter().all(|&f| f);
             self.tail_extents.clear();
-            self.tail_extents.resize(segments, cs as u32);
+            self.tail_extents
+                .resize(segments, if clean { 0 } else { cs as u32 });
             self.tail_arrays = arrays;
+            self.tail_fill = tail_fill;
         }
         self.stats
             .reset(l * plan.layout.num_partitions(), plan.layout.local_scs());
@@ -225,6 +251,23 @@ fn view2<T>(v: &[T], rows: usize, cols: usize) -> ArrayView2<'_, T> {
     }
 }
 
+/// Makes room for `len` elements of a COO array: within its capacity if it has room (returns
+/// false), else as a new zeroed allocation of length `len` (returns true), whose pages the
+/// allocator has not touched when it maps them fresh. On failure, names the array.
+fn reserve_zeroed<T: bytemuck::Zeroable>(
+    v: &mut Vec<T>,
+    len: usize,
+    array: &'static str,
+) -> Result<bool, (&'static str, usize)> {
+    if v.capacity() >= len {
+        return Ok(false);
+    }
+    // Drop the old allocation first: the two need not coexist.
+    *v = Vec::new();
+    *v = bytemuck::allocation::try_zeroed_vec(len).map_err(|()| (array, len))?;
+    Ok(true)
+}
+
 /// Reserves room for `len` elements without writing any; on failure, names the array.
 fn reserve<T>(
     v: &mut Vec<T>,
@@ -250,12 +293,26 @@ pub struct Output {
     pub num_minibatches: usize,
     /// Stacks put aside by [`Output::clear`], reused (memory and all) by the next batch.
     spare: Vec<StackOutput>,
+    /// What the buffers' tails hold.
+    tail_fill: TailFill,
 }
 
 impl Output {
-    /// An empty output; the first call sizes it.
+    /// An empty output whose tails hold the padding triple; the first call sizes it.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// This output with `fill` in the buffers' tails from the next batch on.
+    #[must_use]
+    pub fn with_tail_fill(mut self, fill: TailFill) -> Self {
+        self.tail_fill = fill;
+        self
+    }
+
+    /// What the buffers' tails hold.
+    pub fn tail_fill(&self) -> TailFill {
+        self.tail_fill
     }
 
     /// The stack named `name`.
@@ -287,10 +344,10 @@ impl Output {
             self.stacks.push(stack);
         }
         for (out, stack) in self.stacks.iter_mut().zip(&plan.stacks) {
-            if let Err(e) = out.prepare(plan, stack, buffers) {
+            if let Err(e) = out.prepare(plan, stack, buffers, self.tail_fill) {
                 // The same shape would fail again: hold on to no memory (earlier stacks may
                 // have reserved a lot of it).
-                *self = Output::new();
+                *self = Output::new().with_tail_fill(self.tail_fill);
                 return Err(e);
             }
         }
@@ -306,6 +363,7 @@ impl Clone for Output {
             stacks: self.stacks.clone(),
             num_minibatches: self.num_minibatches,
             spare: Vec::new(),
+            tail_fill: self.tail_fill,
         }
     }
 }

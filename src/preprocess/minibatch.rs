@@ -16,7 +16,7 @@ use super::checks::check_limits;
 use super::task::{for_each_stack, Schedule, Task};
 use crate::allreduce::{AllReduce, LocalAllReduce};
 use crate::error::Result;
-use crate::fill::{pad_slots, Segment, SegmentWriter};
+use crate::fill::{fill_tail, Segment, SegmentWriter, TailFill};
 use crate::group::bucket::{minibatch_ranges, BucketFn, BUCKETS};
 use crate::group::{bucket_pass, EntrySink, Limits};
 use crate::output::{Output, StackOutput};
@@ -130,6 +130,7 @@ struct Device<'a> {
     smp: &'a mut [i32],
     gains: &'a mut [f32],
     tail_extents: &'a mut [u32],
+    tail_fill: TailFill,
 }
 
 impl Device<'_> {
@@ -147,10 +148,11 @@ impl Device<'_> {
             .max()
             .unwrap_or(0);
         if from < written {
-            pad_slots(
+            fill_tail(
                 &mut self.emb[from..written],
                 &mut self.smp[from..written],
                 &mut self.gains[from..written],
+                self.tail_fill,
             );
         }
         self.rp[rp_from..].fill(from as i32);
@@ -165,18 +167,20 @@ fn per_device(so: &mut StackOutput) -> impl Iterator<Item = Device<'_>> {
     let rp = so.row_pointers_per_device();
     let c = so.coo_buffer_size_per_device();
     let s = so.tail_extents.len() / so.local_devices().max(1);
+    let tail_fill = so.tail_fill;
     so.row_pointers
         .chunks_mut(rp)
         .zip(so.embedding_ids.chunks_mut(c))
         .zip(so.sample_ids.chunks_mut(c))
         .zip(so.gains.chunks_mut(c))
         .zip(so.tail_extents.chunks_mut(s.max(1)))
-        .map(|((((rp, emb), smp), gains), tail_extents)| Device {
+        .map(move |((((rp, emb), smp), gains), tail_extents)| Device {
             rp,
             emb,
             smp,
             gains,
             tail_extents,
+            tail_fill,
         })
 }
 

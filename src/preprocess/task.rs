@@ -7,7 +7,7 @@ use super::workspace::{Workspace, Workspaces};
 use super::Mode;
 use crate::error::Error;
 use crate::extract::{extract_sc, StackCtx};
-use crate::fill::{Segment, SegmentWriter};
+use crate::fill::{Segment, SegmentWriter, TailFill};
 use crate::group::{sort_and_walk, Bucketed, CountedEntry, Entry, EntrySink, Limits, ScStats};
 use crate::input::SampleSource;
 use crate::key::KeyFormat;
@@ -167,6 +167,7 @@ fn run_stack(
         workspaces,
     };
     let s = layout.sc_per_device;
+    let so_tail_fill = so.tail_fill;
     let into_segment =
         |(i, (((((rp, emb), smp), gains), tail_extent), task)): (usize, SegmentParts<'_>)| {
             let seg = Segment {
@@ -179,7 +180,7 @@ fn run_stack(
                 &job,
                 i / s,
                 i % s,
-                Destination::Segment(seg, tail_extent),
+                Destination::Segment(seg, tail_extent, so_tail_fill),
                 task,
             );
         };
@@ -236,7 +237,7 @@ struct StackJob<'a> {
 enum Destination<'a> {
     /// Straight into the SparseCore's segment of the output buffers: no intermediate list. The
     /// segment's tail extent (see `Output`) is read before and updated after the write.
-    Segment(Segment<'a>, &'a mut u32),
+    Segment(Segment<'a>, &'a mut u32, TailFill),
     /// Into the task's entry list, for the fill that follows minibatching's first pass.
     Entries,
     /// Nowhere: only the statistics are kept.
@@ -285,7 +286,7 @@ fn run_task(
             return;
         }
         match destination {
-            Destination::Segment(seg, tail_extent) => {
+            Destination::Segment(seg, tail_extent, tail_fill) => {
                 let writer = SegmentWriter::new(
                     seg,
                     plan.layout.num_partitions(),
@@ -293,7 +294,7 @@ fn run_task(
                     ex.first_row,
                 )
                 .with_row_span(ex.row_span)
-                .with_tail_extent(*tail_extent as usize);
+                .with_tail(*tail_extent as usize, tail_fill);
                 let (overflow, cursor) =
                     sort_and_walk(ex, sort_scratch, limits, writer, &mut task.stats).finish_at();
                 task.overflow = overflow;
