@@ -91,10 +91,9 @@ pub mod fdo;
 pub mod io;
 mod preprocess;
 
-pub use allreduce::{
-    AllReduce, AllReduceCounters, InProcessAllReduce, LocalAllReduce, TcpAllReduce,
-    TcpAllReduceBuilder,
-};
+pub use allreduce::{AllReduce, InProcessAllReduce, LocalAllReduce};
+#[cfg(feature = "tcp")]
+pub use allreduce::{AllReduceCounters, TcpAllReduce, TcpAllReduceBuilder};
 pub use error::{BatchCount, ConfigItem, Error, LimitKind, NpzBound, Result};
 pub use fdo::FdoStats;
 pub use fill::TailFill;

@@ -1,6 +1,9 @@
 //! Two hosts of one job, each with its own preprocessor and TCP all-reduce on 127.0.0.1, agree
 //! on minibatching: the host whose batch fits its limits still splits like the one whose batch
 //! does not, under the sync keys of the same batch number.
+//!
+//! Every test here talks TCP, so the file needs the `tcp` feature.
+#![cfg(feature = "tcp")]
 
 mod allreduce_wire;
 
