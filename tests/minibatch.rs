@@ -46,7 +46,7 @@ use sparsecore_prep::spec::{PAD_GAIN_BITS, PAD_ID};
 use sparsecore_prep::BucketFn;
 use sparsecore_prep::{
     AllReduce, Config, Error, LimitKind, LocalAllReduce, Output, Preprocessor, PreprocessorBuilder,
-    StackOutput,
+    StackOutput, TailFill,
 };
 
 const P: i32 = PAD_ID;
@@ -2074,6 +2074,40 @@ fn fail(msg: impl Into<String>) -> TestCaseError {
     TestCaseError::fail(msg.into())
 }
 
+/// Checks that `zeroed` (a `TailFill::Zeros` output) equals `padded` but for a suffix of each
+/// device buffer that holds the padding triple in `padded` and zeros in `zeroed`.
+fn zero_tail_of(padded: &Output, zeroed: &Output) -> Result<(), String> {
+    if padded.num_minibatches != zeroed.num_minibatches
+        || padded.stacks.len() != zeroed.stacks.len()
+    {
+        return Err("zero-tail output has another shape".into());
+    }
+    for (p, z) in padded.stacks.iter().zip(&zeroed.stacks) {
+        if p.row_pointers != z.row_pointers || p.stats != z.stats {
+            return Err(format!("{}: row pointers or stats differ", p.name));
+        }
+        let c = p.coo_buffer_size_per_device();
+        for d in 0..p.local_devices() {
+            let slot = |o: &StackOutput, i: usize| {
+                let i = d * c + i;
+                (o.embedding_ids[i], o.sample_ids[i], o.gains[i].to_bits())
+            };
+            let first = (0..c).find(|&i| slot(p, i) != slot(z, i)).unwrap_or(c);
+            for i in first..c {
+                if slot(p, i) != (PAD_ID, PAD_ID, PAD_GAIN_BITS) || slot(z, i) != (0, 0, 0) {
+                    return Err(format!(
+                        "{} device {d}: slot {i} past {first} is {:?} padded and {:?} zeroed",
+                        p.name,
+                        slot(p, i),
+                        slot(z, i)
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn check_scenario(sc: &Scen, tally: &Tally) -> Result<(), TestCaseError> {
     let (g, s) = (sc.g, sc.s);
     let (l, n) = (g, g * s);
@@ -2287,6 +2321,16 @@ fn check_scenario(sc: &Scen, tally: &Tally) -> Result<(), TestCaseError> {
                 "an empty batch into a reused output differs from a fresh run",
             ));
         }
+        // The same three batches into an output with zero tails: each device buffer equals the
+        // padded one but for a suffix where the padding triple is zeros.
+        let mut zeroed = Output::new().with_tail_fill(TailFill::Zeros);
+        for batch in [&reversed, &rags, &empty] {
+            let inputs: Vec<RaggedInput<'_>> = batch.iter().map(|r| r.input()).collect();
+            let dyns: Vec<&dyn SampleSource> =
+                inputs.iter().map(|x| x as &dyn SampleSource).collect();
+            let _ = prep.run(&dyns, &mut zeroed);
+        }
+        zero_tail_of(&fresh, &zeroed).map_err(fail)?;
     }
     if out.num_minibatches != m {
         return Err(fail(format!(

@@ -6,7 +6,8 @@
 //!
 //! 1. `thread_count_invariance`: 1 thread, 2 threads and the global pool give bit-identical
 //!    outputs (and identical errors); so does reusing an `Output` (4 threads) after a batch of
-//!    another config and a batch of another shape, and then for that smaller batch again.
+//!    another config and a batch of another shape, and then for that smaller batch again; and
+//!    with zero tails (`TailFill::Zeros`), the same bytes up to each segment's final cursor.
 //! 2. `layout_equivalence`: dense (C and Fortran order, i32 and i64), ragged (i32 and i64), Arrow
 //!    `List<Int32>` (sliced), `LargeList<Int64>`, sliced `List` ids with `LargeList` weights and a
 //!    `RecordBatch` give identical outputs; COO equals ragged without weights.
@@ -49,7 +50,7 @@ use sparsecore_prep::input::{
     ArrowListInput, CooInput, DenseInput, Ids, Offsets, RaggedInput, SampleSource,
 };
 use sparsecore_prep::spec::{PAD_GAIN_BITS, PAD_ID};
-use sparsecore_prep::{Config, Error, LimitKind, Output, Plan, Preprocessor};
+use sparsecore_prep::{Config, Error, LimitKind, Output, Plan, Preprocessor, TailFill};
 
 // ---------------------------------------------------------------------------------------------
 // Scenario generation
@@ -884,6 +885,28 @@ fn same_output(a: &Output, b: &Output, what: &str) -> Result<(), TestCaseError> 
     Ok(())
 }
 
+/// `out` with zeros in place of the padding past each segment's final (aligned) cursor.
+fn with_zero_tails(mut out: Output, plan: &Plan) -> Output {
+    let (n, rpb) = (
+        plan.layout.num_partitions(),
+        plan.layout.row_pointers_per_segment(),
+    );
+    for so in &mut out.stacks {
+        let cs = so.coo_buffer_size_per_device() / plan.layout.sc_per_device;
+        if cs == 0 {
+            continue;
+        }
+        for seg in 0..so.embedding_ids.len() / cs {
+            let end = so.row_pointers[seg * rpb + n - 1] as usize;
+            let tail = (seg * cs + end.next_multiple_of(8).min(cs))..(seg + 1) * cs;
+            so.embedding_ids[tail.clone()].fill(0);
+            so.sample_ids[tail.clone()].fill(0);
+            so.gains[tail].fill(0.0);
+        }
+    }
+    out
+}
+
 fn same_result(
     a: &Result<Output, Error>,
     b: &Result<Output, Error>,
@@ -1037,13 +1060,24 @@ fn thread_count_invariance() {
         // Then the smaller batch again: the reused buffers pad only where the last batch wrote,
         // which must cover everything the larger batch left past this one's cursors.
         let warm_sources = as_sources(&warm_inputs);
-        let (warm_fresh, _) = run(&cfg, Some(1), &warm_sources);
+        let (warm_fresh, warm_plan) = run(&cfg, Some(1), &warm_sources);
         let shrunk = prep.run(&warm_sources, &mut out).map(|_| out);
         same_result(
             &warm_fresh,
             &shrunk,
             "fresh vs reused Output after a larger batch",
         )?;
+        // The same sequence into an Output whose tails hold zeros: the same bytes up to each
+        // segment's final cursor, and zeros past it.
+        let mut zeroed = Output::new().with_tail_fill(TailFill::Zeros);
+        let _ = other_prep.run(&sources, &mut zeroed);
+        let _ = prep.run(&sources, &mut zeroed);
+        let zeroed = prep.run(&warm_sources, &mut zeroed).map(|_| zeroed);
+        let want = match (warm_fresh, &warm_plan) {
+            (Ok(o), Some(plan)) => Ok(with_zero_tails(o, plan)),
+            (r, _) => r,
+        };
+        same_result(&want, &zeroed, "padded vs zero tails")?;
         if one.is_ok() {
             ok.set(ok.get() + 1);
         }
