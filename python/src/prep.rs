@@ -14,7 +14,9 @@ use sparsecore_prep::input::{CooInput, Ids, SampleSource};
 use sparsecore_prep::spec::{
     FeatureConfig, Options, Placement, ResolvedStack, Stacking, TableConfig,
 };
-use sparsecore_prep::{Config, ConfigItem, Output, Plan, Preprocessor, PreprocessorBuilder};
+use sparsecore_prep::{
+    Config, ConfigItem, Output, Plan, Preprocessor, PreprocessorBuilder, TailFill,
+};
 
 use std::sync::Arc;
 
@@ -107,6 +109,14 @@ fn results(
         out.num_minibatches,
         stats.unbind(),
     ))
+}
+
+/// The output every Python call writes: zeros past each segment's final cursor, where the
+/// reference leaves memory uninitialised. New buffers then come as fresh zeroed pages, and the
+/// caller's resident memory grows with what the batches wrote, not with the buffer sizes (a
+/// loader that keeps a dozen untuned results in flight would otherwise hold gigabytes).
+fn zero_tailed() -> Output {
+    Output::new().with_tail_fill(TailFill::Zeros)
 }
 
 /// A flat array, or `[l, cols]` with a leading dimension.
@@ -294,7 +304,7 @@ impl NativePreprocessor {
         let prep = Self::build(py, config, threads, &slot)?;
         Ok(NativePreprocessor {
             prep,
-            out: Output::new(),
+            out: zero_tailed(),
             pool: BufferPool::default(),
             config_json,
             threads,
@@ -605,7 +615,7 @@ impl NativeDropIn {
             prep,
             names,
             scratch: Vec::new(),
-            out: Output::new(),
+            out: zero_tailed(),
             pool: BufferPool::default(),
             slot,
         })

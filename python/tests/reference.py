@@ -23,8 +23,6 @@ import tempfile
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PAD = 2**31 - 1
-PAD_NAN_BITS = 0x7FC00000
 
 
 def round_up(x, m):
@@ -193,7 +191,7 @@ class ReferenceWorker:
 
 
 def compare(case, want, got):
-  """Asserts equality inside the reference's written ranges and padding elsewhere."""
+  """Asserts equality inside the reference's written ranges and zeros past them (the tails)."""
   l, s = case["local_device_count"], case["num_sc_per_device"]
   n = case["global_device_count"] * s
   rpb = max(n, 8)
@@ -228,4 +226,6 @@ def compare(case, want, got):
     for name, a, b in (("embedding_ids", e_g, e_w), ("sample_ids", s_g, s_w), ("gains bits", g_g, g_w)):
       bad = np.flatnonzero(valid & (a != b))
       assert bad.size == 0, f"{stack} {name} differ at {bad[:10]}: ours {a[bad[:10]]} reference {b[bad[:10]]}"
-    assert np.all(e_g[~valid] == PAD) and np.all(s_g[~valid] == PAD) and np.all(g_g[~valid] == PAD_NAN_BITS)
+    # Past each segment's final cursor the reference leaves memory uninitialised; the package
+    # writes zeros there (fresh pages: a tail no batch writes is never touched).
+    assert np.all(e_g[~valid] == 0) and np.all(s_g[~valid] == 0) and np.all(g_g[~valid] == 0)

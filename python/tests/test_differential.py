@@ -4,7 +4,7 @@ Random cases cover ragged (int32 rows, empty samples) and dense (int32, int64) f
 none, the three combiners, feature and auto stacking, L/G in {1/1, 2/2, 4/4}, S in {2, 4},
 id dropping with small limits, and suggested buffer sizes that overflow. For each case both
 sides get the reference's own FeatureSpecs; the arrays must be identical inside the ranges the
-reference writes (gains by bit pattern), ours must hold the padding triple everywhere else,
+reference writes (gains by bit pattern), ours must hold zeros everywhere else (the tails),
 and the stats must be identical. Configurations where the reference aborts the process are
 run too: the reference must die, and ours must raise.
 
