@@ -274,8 +274,8 @@ fn decode_placed<R: Row>(
 /// gathers its blocks itself, both decode here.
 ///
 /// Why two copies: the decoding vectorizes twice as wide with AVX2; a copy compiled for
-/// x86-64-v3 runs when the CPU has it ([`sparsecore_prep::isa::v3`]). Both copies compute the
-/// same columns.
+/// x86-64-v3 runs when the CPU has it ([`sparsecore_prep::dispatch_v3!`]). Both copies compute
+/// the same columns.
 pub(super) fn decode_slots<R: Row>(
     read: &[R],
     decode: Decode,
@@ -284,24 +284,16 @@ pub(super) fn decode_slots<R: Row>(
     place: (usize, usize),
     columns: (&mut [i64], &mut [i64], &mut [i32]),
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if sparsecore_prep::isa::v3() {
-        #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-        fn v3<R: Row>(
-            read: &[R],
-            decode: Decode,
-            shard_ids: &[i64],
-            geometry: (usize, usize, usize),
-            place: (usize, usize),
-            columns: (&mut [i64], &mut [i64], &mut [i32]),
-        ) {
-            decode_slots_body(read, decode, shard_ids, geometry, place, columns);
-        }
-        // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
-        #[allow(unsafe_code)]
-        return unsafe { v3(read, decode, shard_ids, geometry, place, columns) };
-    }
-    decode_slots_body(read, decode, shard_ids, geometry, place, columns);
+    sparsecore_prep::dispatch_v3!(<R: Row> (
+        read: &[R],
+        decode: Decode,
+        shard_ids: &[i64],
+        geometry: (usize, usize, usize),
+        place: (usize, usize),
+        columns: (&mut [i64], &mut [i64], &mut [i32]),
+    ) -> () {
+        decode_slots_body(read, decode, shard_ids, geometry, place, columns)
+    });
 }
 
 #[inline(always)]

@@ -187,8 +187,8 @@ struct Geometry {
 ///
 /// Why two copies: with AVX2 a block's loads at its positions (clamped to the copy, so with no
 /// bounds checks) vectorize, and the gather takes about half the instructions; a copy compiled
-/// for x86-64-v3 runs when the CPU has it ([`sparsecore_prep::isa::v3`]). Both copies write the
-/// same rows.
+/// for x86-64-v3 runs when the CPU has it ([`sparsecore_prep::dispatch_v3!`]). Both copies write
+/// the same rows.
 fn fill<R: Row>(
     phys: &[R],
     part: &PartitionedTriples,
@@ -197,24 +197,16 @@ fn fill<R: Row>(
     rows: &mut [R],
     bools: &mut [bool],
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if sparsecore_prep::isa::v3() {
-        #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-        fn v3<R: Row>(
-            phys: &[R],
-            part: &PartitionedTriples,
-            g: &Geometry,
-            order: &[u32],
-            rows: &mut [R],
-            bools: &mut [bool],
-        ) {
-            fill_sizes(phys, part, g, order, rows, bools);
-        }
-        // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
-        #[allow(unsafe_code)]
-        return unsafe { v3(phys, part, g, order, rows, bools) };
-    }
-    fill_sizes(phys, part, g, order, rows, bools);
+    sparsecore_prep::dispatch_v3!(<R: Row> (
+        phys: &[R],
+        part: &PartitionedTriples,
+        g: &Geometry,
+        order: &[u32],
+        rows: &mut [R],
+        bools: &mut [bool],
+    ) -> () {
+        fill_sizes(phys, part, g, order, rows, bools)
+    });
 }
 
 #[inline(always)]

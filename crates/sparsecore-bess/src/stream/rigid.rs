@@ -163,7 +163,7 @@ impl RunColumns {
 /// Why two copies: these are a few operations per partition on 32-bit lanes, unsigned
 /// minimums and comparisons that SSE2 lacks (it emulates them with sign flips) and AVX2 has,
 /// eight lanes wide; a copy compiled for x86-64-v3 runs when the CPU has it
-/// ([`sparsecore_prep::isa::v3`]). Both copies compute the same words.
+/// ([`sparsecore_prep::dispatch_v3!`]). Both copies compute the same words.
 fn block_words(
     at: &mut [u32],
     start: &mut [u64],
@@ -172,24 +172,16 @@ fn block_words(
     ppp: u32,
     first: u32,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if sparsecore_prep::isa::v3() {
-        #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-        fn v3(
-            at: &mut [u32],
-            start: &mut [u64],
-            advance: Option<&[u32]>,
-            parts: (&[u32], &[u32]),
-            ppp: u32,
-            first: u32,
-        ) {
-            block_words_body(at, start, advance, parts, ppp, first);
-        }
-        // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
-        #[allow(unsafe_code)]
-        return unsafe { v3(at, start, advance, parts, ppp, first) };
-    }
-    block_words_body(at, start, advance, parts, ppp, first);
+    sparsecore_prep::dispatch_v3!((
+        at: &mut [u32],
+        start: &mut [u64],
+        advance: Option<&[u32]>,
+        parts: (&[u32], &[u32]),
+        ppp: u32,
+        first: u32,
+    ) -> () {
+        block_words_body(at, start, advance, parts, ppp, first)
+    });
 }
 
 #[inline(always)]
