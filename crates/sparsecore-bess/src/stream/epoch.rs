@@ -15,9 +15,10 @@
 
 use arrow_buffer::BooleanBuffer;
 
-use super::columns::{decode_slots, pack_bools};
-use super::rigid::{SLICES_MAX_BYTES, SLICES_MAX_ROWS_PER_TRIPLE};
-use super::table::{with_rows, Row, RowBuffers, Table};
+use super::table::{
+    decode_slots, pack_bools, with_rows, Row, RowBuffers, Table, SLICES_MAX_BYTES,
+    SLICES_MAX_ROWS_PER_TRIPLE,
+};
 use crate::layout::SparseCoreLayout;
 use crate::partition::PartitionedTriples;
 

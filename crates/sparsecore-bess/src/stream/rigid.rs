@@ -10,23 +10,13 @@
 
 use arrow_buffer::{BooleanBuffer, Buffer, ScalarBuffer};
 
-use super::columns::decode_slots;
-use super::table::{with_rows, Decode, Row, RowBuffers, Table};
+use super::table::{
+    decode_slots, with_rows, Decode, Row, RowBuffers, Table, SLICES_MAX_BYTES,
+    SLICES_MAX_ROWS_PER_TRIPLE,
+};
 use crate::layout::SparseCoreLayout;
 use crate::partition::PartitionedTriples;
 use crate::rng::{FastMod, Mod63};
-
-/// The most rows a [`RigidSlices`] may hold per triple of the graph (so at most 240 bytes per
-/// triple, against the triple table's 4 to 12). Each row costs 20 bytes (two `Int64` ids and an
-/// `Int32` relation), and a table holds every padded position about twice (see [`Order`]):
-/// uniform graphs, which pad little, need 2–3 rows per triple at any `n`, the power-law graph
-/// of MEASUREMENTS.md about 11 at n = 16 (5.5 positions per triple); at n = 64 its blocks are
-/// padded to the hub pair's size (55 positions per triple) and it copies runs instead. Rigid
-/// shuffle's epoch table (`super::epoch`) takes the same bounds, in its packed rows.
-pub(super) const SLICES_MAX_ROWS_PER_TRIPLE: usize = 12;
-
-/// The most bytes a [`RigidSlices`] may take, whatever the graph's size.
-pub(super) const SLICES_MAX_BYTES: usize = 1 << 30;
 
 /// About how many rows ahead of the one it copies the run copy prefetches (whole blocks).
 const PREFETCH_ROWS: usize = 32;
