@@ -1,6 +1,6 @@
-//! Building a step's Arrow columns: the schema, what every batch shares (list offsets,
-//! validity, Random's constant mask), the buffers reused between batches, and the positives'
-//! and negatives' columns.
+//! Building a step's Arrow columns: their names, the per-cell counts that size them, the
+//! schema, what every batch shares (list offsets, validity, Random's constant mask), the
+//! buffers reused between batches, and the positives' and negatives' columns.
 
 use std::sync::Arc;
 
@@ -13,12 +13,38 @@ use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use super::epoch::{EpochStep, EpochTable};
 use super::rigid::{Cursor, Rigid};
 use super::table::{decode_slots, pack_bools, with_rows, Decode, Row, Table};
-use super::{CellCounts, HEAD, NEGATIVE, TAIL};
 use crate::batch::BatchSampler;
 use crate::error::{BessError, Result};
 use crate::layout::SparseCoreLayout;
 use crate::negative::{Corruption, RandomNegative};
 use crate::partition::PartitionedTriples;
+
+/// The heads' feature (and column) name.
+pub const HEAD: &str = "head";
+/// The tails' feature (and column) name.
+pub const TAIL: &str = "tail";
+/// The negatives' feature (and column) name.
+pub const NEGATIVE: &str = "negative";
+
+/// The per-cell counts the config's limits are made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CellCounts {
+    /// Triples per shard-pair block (besskge's `positive_per_partition`, `ppp`).
+    pub positive_per_partition: usize,
+    /// Triples per SparseCore slice, `T = n·ppp`.
+    pub triples_per_sparsecore: usize,
+    /// Positive ids per (SparseCore, partition): `2·ppp` (heads and tails).
+    pub positive_ids_per_partition: usize,
+    /// Negative ids per (SparseCore, partition): `B·K`.
+    pub negative_ids_per_partition: usize,
+    /// Rows per SparseCore slice, `R`.
+    pub rows_per_sparsecore: usize,
+    /// `max_ids_per_partition` = `max_unique_ids_per_partition` of the config.
+    pub max_ids_per_partition: usize,
+    /// The COO buffer per device: `S·N·roundup(max_ids, 8)`, the theoretical size for those
+    /// limits, which every batch fills exactly up to merged duplicates.
+    pub coo_buffer_size_per_device: usize,
+}
 
 pub(super) fn list_field() -> Arc<Field> {
     Arc::new(Field::new_list_field(DataType::Int64, false))
