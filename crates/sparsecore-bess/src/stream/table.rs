@@ -247,11 +247,11 @@ impl Table {
 /// The most rows a [`RigidSlices`](super::rigid::RigidSlices) may hold per triple of the graph
 /// (so at most 240 bytes per triple, against the triple table's 4 to 12). Each row costs 20
 /// bytes (two `Int64` ids and an `Int32` relation), and a table holds every padded position
-/// about twice (see [`Order`](super::rigid::Order)): uniform graphs, which pad little, need 2–3
-/// rows per triple at any `n`, the power-law graph of MEASUREMENTS.md about 11 at n = 16 (5.5
-/// positions per triple); at n = 64 its blocks are padded to the hub pair's size (55 positions
-/// per triple) and it copies runs instead. Rigid shuffle's epoch table (`super::epoch`) takes
-/// the same bounds, in its packed rows.
+/// about twice (see `rigid::Order`): uniform graphs, which pad little, need 2–3 rows per triple
+/// at any `n`, the power-law graph of MEASUREMENTS.md about 11 at n = 16 (5.5 positions per
+/// triple); at n = 64 its blocks are padded to the hub pair's size (55 positions per triple)
+/// and it copies runs instead. Rigid shuffle's epoch table (`super::epoch`) takes the same
+/// bounds, in its packed rows.
 pub(super) const SLICES_MAX_ROWS_PER_TRIPLE: usize = 12;
 
 /// The most bytes a [`RigidSlices`](super::rigid::RigidSlices) may take, whatever the graph's
@@ -263,9 +263,8 @@ pub(super) const SLICES_MAX_BYTES: usize = 1 << 30;
 /// the columns (`T` rows per slot of `head` and `tail`, the first `T` of each slot's `R` in
 /// `relation`).
 ///
-/// Random's and Rigid shuffle's placed rows
-/// ([`decode_placed`](super::columns::decode_placed)) and Rigid's run copy, which gathers its
-/// blocks itself, both decode here.
+/// Random's and Rigid shuffle's placed rows (`columns::decode_placed`) and Rigid's run copy,
+/// which gathers its blocks itself, both decode here.
 ///
 /// Why two copies: the decoding vectorizes twice as wide with AVX2; a copy compiled for
 /// x86-64-v3 runs when the CPU has it ([`sparsecore_prep::dispatch_v3!`]). Both copies compute
