@@ -467,7 +467,7 @@ impl SliceExtractor<'_, '_> {
         rows: Range<usize>,
     ) -> Result<()> {
         let extractor = self;
-        crate::isa::dispatch_v3!(<T: InputInt, O: InputInt> (extractor: &mut SliceExtractor<'_, '_>, ids: &[T], offsets: &[O], rows: Range<usize>) -> Result<()> {
+        crate::dispatch_v3!(<T: InputInt, O: InputInt> (extractor: &mut SliceExtractor<'_, '_>, ids: &[T], offsets: &[O], rows: Range<usize>) -> Result<()> {
             extractor.ragged_unity_body(ids, offsets, rows)
         })
     }

@@ -930,7 +930,7 @@ impl SeenSet {
         hist: &mut [u32],
     ) {
         let seen = self;
-        crate::isa::dispatch_v3!(<I: InputInt> (seen: &mut SeenSet, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) -> () {
+        crate::dispatch_v3!(<I: InputInt> (seen: &mut SeenSet, f: &RaggedFeature<'_>, list: &[I], mask: u32, hist: &mut [u32]) -> () {
             seen.count_bits_body(f, list, mask, hist)
         })
     }

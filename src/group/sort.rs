@@ -128,7 +128,7 @@ pub fn split(
     cursors: &mut Vec<u32>,
     tmp: &mut RadixScratch<u64>,
 ) {
-    crate::isa::dispatch_v3!(<> (keys: &[u64], width: u32, c: u32, out: &mut Vec<u32>, starts: &mut Vec<u32>, cursors: &mut Vec<u32>, tmp: &mut RadixScratch<u64>) -> () {
+    crate::dispatch_v3!(<> (keys: &[u64], width: u32, c: u32, out: &mut Vec<u32>, starts: &mut Vec<u32>, cursors: &mut Vec<u32>, tmp: &mut RadixScratch<u64>) -> () {
         assert!(width - c <= 32 && c <= MAX_CHUNK_BITS && keys.len() < u32::MAX as usize);
         let n = keys.len();
         let shift = width - c;
@@ -272,7 +272,7 @@ const FUSED_PASSES: usize = 3;
 /// where the pipeline spends most of its time, and its indices are in range by construction.
 /// Compiled twice (see [`crate::isa`]).
 fn radix_by_bits<K: KeyWord>(keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, hi: u32) {
-    crate::isa::dispatch_v3!(<K: KeyWord> (keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, hi: u32) -> () {
+    crate::dispatch_v3!(<K: KeyWord> (keys: &mut [K], scratch: &mut RadixScratch<K>, lo: u32, hi: u32) -> () {
         // Ranges of up to FUSED_PASSES digits (only keys wider than 36 column bits, never the
         // 32-bit halves, take more than one), lowest first.
         let mut from = lo;

@@ -12,9 +12,7 @@ const PARALLEL_MIN: usize = 1 << 15;
 use crate::error::{BessError, Result};
 use crate::negative::{Corruption, NegativeSampler};
 use crate::partition::{PartitionMode, PartitionedTriples};
-#[cfg(target_arch = "x86_64")]
-use crate::rng::Avx2;
-use crate::rng::{FastMod, Fill, Mod63, NumpyRng, Scalar};
+use crate::rng::{FastMod, Fill, Mod63, NumpyRng};
 
 /// Batch geometry (SPEC 4.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -230,9 +228,10 @@ fn epoch_permutation(
 /// place.
 ///
 /// Why two copies: the draws and their reduction are most of the Random sampler's own cost;
-/// a copy compiled for x86-64-v3 makes the outputs in AVX2 lanes ([`Avx2`]) and reduces them
-/// with `mulx` and shifts by a register, and runs when the CPU has it
-/// ([`sparsecore_prep::isa::v3`]). Both copies compute the same rows.
+/// a copy compiled for x86-64-v3 makes the outputs in AVX2 lanes ([`Fill`] for
+/// [`V3`](sparsecore_prep::isa::V3)) and reduces them with `mulx` and shifts by a register, and
+/// runs when the CPU has it ([`sparsecore_prep::dispatch_v3!`]). Both copies compute the same
+/// rows.
 fn random_rows(
     rng: &mut NumpyRng,
     parts: &[PartRows],
@@ -241,25 +240,16 @@ fn random_rows(
     out: &mut [u32],
     block_of: impl Fn(usize) -> Option<usize>,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(avx2) = Avx2::new() {
-        #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-        fn v3(
-            avx2: Avx2,
-            rng: &mut NumpyRng,
-            parts: &[PartRows],
-            ppp: usize,
-            raw: &mut [u64],
-            out: &mut [u32],
-            block_of: impl Fn(usize) -> Option<usize>,
-        ) {
-            random_rows_body(avx2, rng, parts, ppp, raw, out, block_of);
-        }
-        // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
-        #[allow(unsafe_code)]
-        return unsafe { v3(avx2, rng, parts, ppp, raw, out, block_of) };
-    }
-    random_rows_body(Scalar, rng, parts, ppp, raw, out, block_of);
+    sparsecore_prep::dispatch_v3!((
+        rng: &mut NumpyRng,
+        parts: &[PartRows],
+        ppp: usize,
+        raw: &mut [u64],
+        out: &mut [u32],
+        block_of: impl Fn(usize) -> Option<usize>,
+    ) -> () |isa| {
+        random_rows_body(isa, rng, parts, ppp, raw, out, block_of)
+    });
 }
 
 #[inline(always)]
@@ -736,7 +726,9 @@ impl BatchSampler {
 #[cfg(test)]
 mod tests {
     use super::{random_rows, random_rows_body, shuffled_positions, PartRows};
-    use crate::rng::{FastMod, NumpyRng, Scalar};
+    use sparsecore_prep::isa::{Baseline, V3};
+
+    use crate::rng::{FastMod, NumpyRng};
 
     /// Random's rows from either copy (and from either way of making the outputs) are the
     /// single draws reduced by their partitions' sizes, and leave the generator where the
@@ -823,26 +815,14 @@ mod tests {
                         random_rows(rng, &parts, ppp, raw, out, block_of)
                     });
                     check("scalar", &|rng, raw, out| {
-                        random_rows_body(Scalar, rng, &parts, ppp, raw, out, block_of)
+                        random_rows_body(Baseline, rng, &parts, ppp, raw, out, block_of)
                     });
+                    // The AVX2 lanes in baseline code (`dispatch` ran them in the x86-64-v3
+                    // copy).
                     #[cfg(target_arch = "x86_64")]
-                    if let Some(avx2) = crate::rng::Avx2::new() {
-                        #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-                        fn v3(
-                            avx2: crate::rng::Avx2,
-                            rng: &mut NumpyRng,
-                            parts: &[PartRows],
-                            ppp: usize,
-                            raw: &mut [u64],
-                            out: &mut [u32],
-                            block_of: impl Fn(usize) -> Option<usize>,
-                        ) {
-                            random_rows_body(avx2, rng, parts, ppp, raw, out, block_of);
-                        }
-                        // SAFETY: `Avx2::new` checked the CPU's features (`isa::v3`).
-                        #[allow(unsafe_code)]
-                        check("v3", &|rng, raw, out| unsafe {
-                            v3(avx2, rng, &parts, ppp, raw, out, block_of)
+                    if let Some(v3) = V3::detect() {
+                        check("avx2", &|rng, raw, out| {
+                            random_rows_body(v3, rng, &parts, ppp, raw, out, block_of)
                         });
                     }
                 }

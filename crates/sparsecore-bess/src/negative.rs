@@ -8,9 +8,7 @@ use ndarray::{Array2, ArrayD, IxDyn};
 
 use crate::error::{BessError, Result};
 use crate::partition::{PartitionMode, PartitionedTriples};
-#[cfg(target_arch = "x86_64")]
-use crate::rng::Avx2;
-use crate::rng::{FastMod, Fill, NumpyRng, Scalar};
+use crate::rng::{FastMod, Fill, NumpyRng};
 
 /// Which side of a triple negatives replace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -516,9 +514,9 @@ struct Placed<'a, T, P, M> {
 ///
 /// Why two copies: the draws, their reduction and the mapping are most of the cost of
 /// per-triple negatives, and they vectorize twice as wide with AVX2; a copy compiled for
-/// x86-64-v3, with the generator's AVX2 lanes ([`crate::rng::Avx2`]), runs when the CPU has it
-/// ([`sparsecore_prep::isa::v3`]). Its callees are `#[inline(always)]` so that they are compiled into
-/// it; both copies compute the same draws.
+/// x86-64-v3, with the generator's AVX2 lanes ([`Fill`] for [`V3`](sparsecore_prep::isa::V3)),
+/// runs when the CPU has it ([`sparsecore_prep::dispatch_v3!`]). Its callees are
+/// `#[inline(always)]` so that they are compiled into it; both copies compute the same draws.
 fn draw_mod_shard_into<
     T: Copy + Default,
     P: Fn(usize, usize, usize) -> Option<usize>,
@@ -532,30 +530,21 @@ fn draw_mod_shard_into<
     sampler: &'static str,
     to: Placed<'_, T, P, M>,
 ) -> Result<()> {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(avx2) = Avx2::new() {
-        #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-        fn v3<
-            T: Copy + Default,
-            P: Fn(usize, usize, usize) -> Option<usize>,
-            F: Fn(u32) -> T,
-            M: Fn(usize) -> F,
-        >(
-            avx2: Avx2,
-            rng: &mut NumpyRng,
-            fast: &mut ShardMods,
-            part: &PartitionedTriples,
-            dims: (usize, usize, usize),
-            sampler: &'static str,
-            to: Placed<'_, T, P, M>,
-        ) -> Result<()> {
-            draw_mod_shard_body(avx2, rng, fast, part, dims, sampler, to)
-        }
-        // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
-        #[allow(unsafe_code)]
-        return unsafe { v3(avx2, rng, fast, part, dims, sampler, to) };
-    }
-    draw_mod_shard_body(Scalar, rng, fast, part, dims, sampler, to)
+    sparsecore_prep::dispatch_v3!(<
+        T: Copy,
+        P: Fn(usize, usize, usize) -> Option<usize>,
+        F: Fn(u32) -> T,
+        M: Fn(usize) -> F,
+    > (
+        rng: &mut NumpyRng,
+        fast: &mut ShardMods,
+        part: &PartitionedTriples,
+        dims: (usize, usize, usize),
+        sampler: &'static str,
+        to: Placed<'_, T, P, M>,
+    ) -> Result<()> where T: Default |isa| {
+        draw_mod_shard_body(isa, rng, fast, part, dims, sampler, to)
+    })
 }
 
 #[inline(always)]

@@ -1,25 +1,50 @@
-//! Building a step's Arrow columns: the schema, what every batch shares (list offsets,
-//! validity, Random's constant mask), the buffers reused between batches, and the positives'
-//! and negatives' columns.
+//! Building a step's Arrow columns: their names, the per-cell counts that size them, the
+//! schema, what every batch shares (list offsets, validity, Random's constant mask), the
+//! buffers reused between batches, and the positives' and negatives' columns.
 
 use std::sync::Arc;
 
 use arrow_array::{ArrayRef, BooleanArray, Int32Array, Int64Array, Int8Array, ListArray};
 use arrow_buffer::{
-    ArrowNativeType, BooleanBuffer, BooleanBufferBuilder, Buffer, NullBuffer, OffsetBuffer,
-    ScalarBuffer,
+    ArrowNativeType, BooleanBufferBuilder, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer,
 };
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
 use super::epoch::{EpochStep, EpochTable};
 use super::rigid::{Cursor, Rigid};
-use super::table::{with_rows, Decode, Row, Table};
-use super::{CellCounts, HEAD, NEGATIVE, TAIL};
+use super::table::{decode_slots, pack_bools, with_rows, Decode, Row, Table};
 use crate::batch::BatchSampler;
 use crate::error::{BessError, Result};
 use crate::layout::SparseCoreLayout;
 use crate::negative::{Corruption, RandomNegative};
 use crate::partition::PartitionedTriples;
+
+/// The heads' feature (and column) name.
+pub const HEAD: &str = "head";
+/// The tails' feature (and column) name.
+pub const TAIL: &str = "tail";
+/// The negatives' feature (and column) name.
+pub const NEGATIVE: &str = "negative";
+
+/// The per-cell counts the config's limits are made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CellCounts {
+    /// Triples per shard-pair block (besskge's `positive_per_partition`, `ppp`).
+    pub positive_per_partition: usize,
+    /// Triples per SparseCore slice, `T = n·ppp`.
+    pub triples_per_sparsecore: usize,
+    /// Positive ids per (SparseCore, partition): `2·ppp` (heads and tails).
+    pub positive_ids_per_partition: usize,
+    /// Negative ids per (SparseCore, partition): `B·K`.
+    pub negative_ids_per_partition: usize,
+    /// Rows per SparseCore slice, `R`.
+    pub rows_per_sparsecore: usize,
+    /// `max_ids_per_partition` = `max_unique_ids_per_partition` of the config.
+    pub max_ids_per_partition: usize,
+    /// The COO buffer per device: `S·N·roundup(max_ids, 8)`, the theoretical size for those
+    /// limits, which every batch fills exactly up to merged duplicates.
+    pub coo_buffer_size_per_device: usize,
+}
 
 pub(super) fn list_field() -> Arc<Field> {
     Arc::new(Field::new_list_field(DataType::Int64, false))
@@ -265,80 +290,6 @@ fn decode_placed<R: Row>(
     decode_slots(&read, decode, shard_ids, geometry, place, columns);
 }
 
-/// Decodes `read`, a host's rows of the triple table in the columns' row order (`T = n·ppp`
-/// per slot, block `i` of slot `s` from partition (i, (first + s + i + step) mod n)), into
-/// the columns (`T` rows per slot of `head` and `tail`, the first `T` of each slot's `R` in
-/// `relation`).
-///
-/// Random's and Rigid shuffle's placed rows ([`decode_placed`]) and Rigid's run copy, which
-/// gathers its blocks itself, both decode here.
-///
-/// Why two copies: the decoding vectorizes twice as wide with AVX2; a copy compiled for
-/// x86-64-v3 runs when the CPU has it ([`sparsecore_prep::isa::v3`]). Both copies compute the
-/// same columns.
-pub(super) fn decode_slots<R: Row>(
-    read: &[R],
-    decode: Decode,
-    shard_ids: &[i64],
-    geometry: (usize, usize, usize),
-    place: (usize, usize),
-    columns: (&mut [i64], &mut [i64], &mut [i32]),
-) {
-    #[cfg(target_arch = "x86_64")]
-    if sparsecore_prep::isa::v3() {
-        #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-        fn v3<R: Row>(
-            read: &[R],
-            decode: Decode,
-            shard_ids: &[i64],
-            geometry: (usize, usize, usize),
-            place: (usize, usize),
-            columns: (&mut [i64], &mut [i64], &mut [i32]),
-        ) {
-            decode_slots_body(read, decode, shard_ids, geometry, place, columns);
-        }
-        // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
-        #[allow(unsafe_code)]
-        return unsafe { v3(read, decode, shard_ids, geometry, place, columns) };
-    }
-    decode_slots_body(read, decode, shard_ids, geometry, place, columns);
-}
-
-#[inline(always)]
-fn decode_slots_body<R: Row>(
-    read: &[R],
-    decode: Decode,
-    shard_ids: &[i64],
-    (n, ppp, r): (usize, usize, usize),
-    (first, step): (usize, usize),
-    (head, tail, relation): (&mut [i64], &mut [i64], &mut [i32]),
-) {
-    let t = n * ppp;
-    // Each position's first physical ids: a slot's blocks take the head shards in order, and
-    // the tail shards in order from shard (g + step) mod n on, so one pattern of the head
-    // shards serves every slot, and a window of the tail shards' pattern repeated twice.
-    let (mut hoff, mut toff) = (Vec::with_capacity(t), Vec::with_capacity(2 * t));
-    for &s in &shard_ids[..n] {
-        hoff.resize(hoff.len() + ppp, s);
-    }
-    for &s in shard_ids[..n].iter().cycle().take(2 * n) {
-        toff.resize(toff.len() + ppp, s);
-    }
-    for (slot, (((hs, ts), rs), src)) in head
-        .chunks_exact_mut(t)
-        .zip(tail.chunks_exact_mut(t))
-        .zip(relation.chunks_exact_mut(r))
-        .zip(read.chunks_exact(t))
-        .enumerate()
-    {
-        let from = ((first + slot + step) & (n - 1)) * ppp;
-        let (rs, to, ho, src) = (&mut rs[..t], &toff[from..from + t], &hoff[..t], &src[..t]);
-        for q in 0..t {
-            (hs[q], rs[q], ts[q]) = decode.row(src[q], (ho[q], to[q]));
-        }
-    }
-}
-
 /// `triple_mask` from Rigid's mask in row order (`t` rows per slot), packed eight rows at a time
 /// (appending bools one by one costs more than drawing them), the rows past `t` of a slot's
 /// `r` false.
@@ -350,29 +301,6 @@ fn packed_mask(row_mask: &[bool], local: usize, (t, r): (usize, usize)) -> Array
             b.append_buffer(&pack_bools(&row_mask[slot * t..(slot + 1) * t]))
         })
     }
-}
-
-/// The bools as bits, eight at a time: the bytes of eight bools (0 or 1 each), read as one
-/// little-endian word (bool `k` at bit `8k`) and multiplied by `0x0102_0408_1020_4080` (bits
-/// `56 − 7j` for j = 0..8), give terms at bits `56 + 8k − 7j`: all distinct (`8·Δk = 7·Δj` has
-/// no other solution in range), so nothing carries, and the top byte holds exactly the terms
-/// `j = k`, bool `k` at bit `56 + k` (`packed_bools_are_the_bools` checks it).
-pub(super) fn pack_bools(bools: &[bool]) -> BooleanBuffer {
-    let mut bytes = Vec::with_capacity(bools.len().div_ceil(8));
-    let chunks = bools.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        let word = u64::from_le_bytes(std::array::from_fn(|k| u8::from(c[k])));
-        bytes.push((word.wrapping_mul(0x0102_0408_1020_4080) >> 56) as u8);
-    }
-    if !rest.is_empty() {
-        bytes.push(
-            rest.iter()
-                .enumerate()
-                .fold(0u8, |w, (k, &b)| w | (u8::from(b) << k)),
-        );
-    }
-    BooleanBuffer::new(Buffer::from_vec(bytes), 0, bools.len())
 }
 
 /// `len` values in the buffer `slot` held, if the caller has dropped the batch that shared it
@@ -867,7 +795,7 @@ impl Parts<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{one_id_offsets, pack_bools};
+    use super::one_id_offsets;
     use crate::error::BessError;
 
     #[test]
@@ -887,28 +815,5 @@ mod tests {
         );
         let ok = one_id_offsets(2, 1, 3).unwrap();
         assert_eq!(&ok[..], &[0, 1, 1, 1, 2, 2, 2]);
-    }
-
-    #[test]
-    fn packed_bools_are_the_bools() {
-        let mut x = 12345u64;
-        for len in [0usize, 1, 7, 8, 9, 63, 64, 65, 1000] {
-            let bools: Vec<bool> = (0..len)
-                .map(|_| {
-                    x = x
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    x >> 63 == 1
-                })
-                .collect();
-            let packed = pack_bools(&bools);
-            assert_eq!(packed.len(), len);
-            assert_eq!(packed.iter().collect::<Vec<bool>>(), bools, "len {len}");
-        }
-        assert_eq!(pack_bools(&[true; 8]).values(), &[0xff]);
-        assert_eq!(
-            pack_bools(&[true, false, false, false, false, false, false, true, true]).values(),
-            &[0x81, 0x01]
-        );
     }
 }

@@ -15,9 +15,10 @@
 
 use arrow_buffer::BooleanBuffer;
 
-use super::columns::{decode_slots, pack_bools};
-use super::rigid::{SLICES_MAX_BYTES, SLICES_MAX_ROWS_PER_TRIPLE};
-use super::table::{with_rows, Row, RowBuffers, Table};
+use super::table::{
+    decode_slots, pack_bools, with_rows, Row, RowBuffers, Table, SLICES_MAX_BYTES,
+    SLICES_MAX_ROWS_PER_TRIPLE,
+};
 use crate::layout::SparseCoreLayout;
 use crate::partition::PartitionedTriples;
 
@@ -187,8 +188,8 @@ struct Geometry {
 ///
 /// Why two copies: with AVX2 a block's loads at its positions (clamped to the copy, so with no
 /// bounds checks) vectorize, and the gather takes about half the instructions; a copy compiled
-/// for x86-64-v3 runs when the CPU has it ([`sparsecore_prep::isa::v3`]). Both copies write the
-/// same rows.
+/// for x86-64-v3 runs when the CPU has it ([`sparsecore_prep::dispatch_v3!`]). Both copies write
+/// the same rows.
 fn fill<R: Row>(
     phys: &[R],
     part: &PartitionedTriples,
@@ -197,24 +198,16 @@ fn fill<R: Row>(
     rows: &mut [R],
     bools: &mut [bool],
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if sparsecore_prep::isa::v3() {
-        #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-        fn v3<R: Row>(
-            phys: &[R],
-            part: &PartitionedTriples,
-            g: &Geometry,
-            order: &[u32],
-            rows: &mut [R],
-            bools: &mut [bool],
-        ) {
-            fill_sizes(phys, part, g, order, rows, bools);
-        }
-        // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
-        #[allow(unsafe_code)]
-        return unsafe { v3(phys, part, g, order, rows, bools) };
-    }
-    fill_sizes(phys, part, g, order, rows, bools);
+    sparsecore_prep::dispatch_v3!(<R: Row> (
+        phys: &[R],
+        part: &PartitionedTriples,
+        g: &Geometry,
+        order: &[u32],
+        rows: &mut [R],
+        bools: &mut [bool],
+    ) -> () {
+        fill_sizes(phys, part, g, order, rows, bools)
+    });
 }
 
 #[inline(always)]

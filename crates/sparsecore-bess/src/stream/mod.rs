@@ -53,6 +53,7 @@ mod rigid;
 mod table;
 
 use columns::{one_id_offsets, schema, validity, Columns, Parts, Scratch, Shared};
+pub use columns::{CellCounts, HEAD, NEGATIVE, TAIL};
 use rigid::Rigid;
 use table::Table;
 
@@ -62,12 +63,6 @@ const PARALLEL_NEGATIVES: usize = 1 << 16;
 
 /// The entity table's name in the config.
 pub const TABLE: &str = "entities";
-/// Feature (and column) names.
-pub const HEAD: &str = "head";
-/// Tail feature.
-pub const TAIL: &str = "tail";
-/// Negatives feature.
-pub const NEGATIVE: &str = "negative";
 
 /// Which batch sampler the stream uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,26 +94,6 @@ pub enum NegativeKind {
         /// Negative tails ("t" and "ht").
         neg_tails: Option<Array2<i64>>,
     },
-}
-
-/// The per-cell counts the config's limits are made of.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CellCounts {
-    /// Triples per shard-pair block (besskge's `positive_per_partition`, `ppp`).
-    pub positive_per_partition: usize,
-    /// Triples per SparseCore slice, `T = n·ppp`.
-    pub triples_per_sparsecore: usize,
-    /// Positive ids per (SparseCore, partition): `2·ppp` (heads and tails).
-    pub positive_ids_per_partition: usize,
-    /// Negative ids per (SparseCore, partition): `B·K`.
-    pub negative_ids_per_partition: usize,
-    /// Rows per SparseCore slice, `R`.
-    pub rows_per_sparsecore: usize,
-    /// `max_ids_per_partition` = `max_unique_ids_per_partition` of the config.
-    pub max_ids_per_partition: usize,
-    /// The COO buffer per device: `S·N·roundup(max_ids, 8)`, the theoretical size for those
-    /// limits, which every batch fills exactly up to merged duplicates.
-    pub coo_buffer_size_per_device: usize,
 }
 
 /// One step of the stream.

@@ -1,5 +1,5 @@
-//! A software prefetch: one of the crate's two `unsafe` blocks (the other calls the negatives'
-//! x86-64-v3 draw loop).
+//! A software prefetch: a hint to the CPU, issued through an intrinsic in an `unsafe` block
+//! (its SAFETY note below says why that is sound).
 //!
 //! Why: the stream's random reads of the triple table miss every cache (preprocessing evicts
 //! the table between steps), and a loop that copies each triple into three columns keeps only

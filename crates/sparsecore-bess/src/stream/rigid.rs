@@ -10,23 +10,13 @@
 
 use arrow_buffer::{BooleanBuffer, Buffer, ScalarBuffer};
 
-use super::columns::decode_slots;
-use super::table::{with_rows, Decode, Row, RowBuffers, Table};
+use super::table::{
+    decode_slots, with_rows, Decode, Row, RowBuffers, Table, SLICES_MAX_BYTES,
+    SLICES_MAX_ROWS_PER_TRIPLE,
+};
 use crate::layout::SparseCoreLayout;
 use crate::partition::PartitionedTriples;
 use crate::rng::{FastMod, Mod63};
-
-/// The most rows a [`RigidSlices`] may hold per triple of the graph (so at most 240 bytes per
-/// triple, against the triple table's 4 to 12). Each row costs 20 bytes (two `Int64` ids and an
-/// `Int32` relation), and a table holds every padded position about twice (see [`Order`]):
-/// uniform graphs, which pad little, need 2–3 rows per triple at any `n`, the power-law graph
-/// of MEASUREMENTS.md about 11 at n = 16 (5.5 positions per triple); at n = 64 its blocks are
-/// padded to the hub pair's size (55 positions per triple) and it copies runs instead. Rigid
-/// shuffle's epoch table (`super::epoch`) takes the same bounds, in its packed rows.
-pub(super) const SLICES_MAX_ROWS_PER_TRIPLE: usize = 12;
-
-/// The most bytes a [`RigidSlices`] may take, whatever the graph's size.
-pub(super) const SLICES_MAX_BYTES: usize = 1 << 30;
 
 /// About how many rows ahead of the one it copies the run copy prefetches (whole blocks).
 const PREFETCH_ROWS: usize = 32;
@@ -163,7 +153,7 @@ impl RunColumns {
 /// Why two copies: these are a few operations per partition on 32-bit lanes, unsigned
 /// minimums and comparisons that SSE2 lacks (it emulates them with sign flips) and AVX2 has,
 /// eight lanes wide; a copy compiled for x86-64-v3 runs when the CPU has it
-/// ([`sparsecore_prep::isa::v3`]). Both copies compute the same words.
+/// ([`sparsecore_prep::dispatch_v3!`]). Both copies compute the same words.
 fn block_words(
     at: &mut [u32],
     start: &mut [u64],
@@ -172,24 +162,16 @@ fn block_words(
     ppp: u32,
     first: u32,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if sparsecore_prep::isa::v3() {
-        #[target_feature(enable = "avx2,bmi1,bmi2,fma,lzcnt,popcnt")]
-        fn v3(
-            at: &mut [u32],
-            start: &mut [u64],
-            advance: Option<&[u32]>,
-            parts: (&[u32], &[u32]),
-            ppp: u32,
-            first: u32,
-        ) {
-            block_words_body(at, start, advance, parts, ppp, first);
-        }
-        // SAFETY: the CPU has every feature `v3` is compiled for (`isa::v3` checked them).
-        #[allow(unsafe_code)]
-        return unsafe { v3(at, start, advance, parts, ppp, first) };
-    }
-    block_words_body(at, start, advance, parts, ppp, first);
+    sparsecore_prep::dispatch_v3!((
+        at: &mut [u32],
+        start: &mut [u64],
+        advance: Option<&[u32]>,
+        parts: (&[u32], &[u32]),
+        ppp: u32,
+        first: u32,
+    ) -> () {
+        block_words_body(at, start, advance, parts, ppp, first)
+    });
 }
 
 #[inline(always)]

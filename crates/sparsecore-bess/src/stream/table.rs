@@ -8,6 +8,13 @@
 //! The physical ids are rebuilt per block: a partition (i, j) holds heads of shard i and tails
 //! of shard j, and local id `v` of shard `x` is `v·N + shard_ids[x]` (a shift, N being a power
 //! of two).
+//!
+//! The samplers' column writers (`columns`, `rigid`, `epoch`) share from here what works on
+//! the table's rows: their decoding into the columns ([`decode_slots`]), the bounds of the
+//! tables of rows laid out per stream ([`SLICES_MAX_ROWS_PER_TRIPLE`], [`SLICES_MAX_BYTES`]),
+//! and the packing of row masks ([`pack_bools`]).
+
+use arrow_buffer::{BooleanBuffer, Buffer};
 
 use crate::error::{BessError, Result};
 use crate::layout::SparseCoreLayout;
@@ -237,6 +244,109 @@ impl Table {
     }
 }
 
+/// The most rows a [`RigidSlices`](super::rigid::RigidSlices) may hold per triple of the graph
+/// (so at most 240 bytes per triple, against the triple table's 4 to 12). Each row costs 20
+/// bytes (two `Int64` ids and an `Int32` relation), and a table holds every padded position
+/// about twice (see `rigid::Order`): uniform graphs, which pad little, need 2–3 rows per triple
+/// at any `n`, the power-law graph of MEASUREMENTS.md about 11 at n = 16 (5.5 positions per
+/// triple); at n = 64 its blocks are padded to the hub pair's size (55 positions per triple)
+/// and it copies runs instead. Rigid shuffle's epoch table (`super::epoch`) takes the same
+/// bounds, in its packed rows.
+pub(super) const SLICES_MAX_ROWS_PER_TRIPLE: usize = 12;
+
+/// The most bytes a [`RigidSlices`](super::rigid::RigidSlices) may take, whatever the graph's
+/// size.
+pub(super) const SLICES_MAX_BYTES: usize = 1 << 30;
+
+/// Decodes `read`, a host's rows of the triple table in the columns' row order (`T = n·ppp`
+/// per slot, block `i` of slot `s` from partition (i, (first + s + i + step) mod n)), into
+/// the columns (`T` rows per slot of `head` and `tail`, the first `T` of each slot's `R` in
+/// `relation`).
+///
+/// Random's and Rigid shuffle's placed rows (`columns::decode_placed`) and Rigid's run copy,
+/// which gathers its blocks itself, both decode here.
+///
+/// Why two copies: the decoding vectorizes twice as wide with AVX2; a copy compiled for
+/// x86-64-v3 runs when the CPU has it ([`sparsecore_prep::dispatch_v3!`]). Both copies compute
+/// the same columns.
+pub(super) fn decode_slots<R: Row>(
+    read: &[R],
+    decode: Decode,
+    shard_ids: &[i64],
+    geometry: (usize, usize, usize),
+    place: (usize, usize),
+    columns: (&mut [i64], &mut [i64], &mut [i32]),
+) {
+    sparsecore_prep::dispatch_v3!(<R: Row> (
+        read: &[R],
+        decode: Decode,
+        shard_ids: &[i64],
+        geometry: (usize, usize, usize),
+        place: (usize, usize),
+        columns: (&mut [i64], &mut [i64], &mut [i32]),
+    ) -> () {
+        decode_slots_body(read, decode, shard_ids, geometry, place, columns)
+    });
+}
+
+#[inline(always)]
+fn decode_slots_body<R: Row>(
+    read: &[R],
+    decode: Decode,
+    shard_ids: &[i64],
+    (n, ppp, r): (usize, usize, usize),
+    (first, step): (usize, usize),
+    (head, tail, relation): (&mut [i64], &mut [i64], &mut [i32]),
+) {
+    let t = n * ppp;
+    // Each position's first physical ids: a slot's blocks take the head shards in order, and
+    // the tail shards in order from shard (g + step) mod n on, so one pattern of the head
+    // shards serves every slot, and a window of the tail shards' pattern repeated twice.
+    let (mut hoff, mut toff) = (Vec::with_capacity(t), Vec::with_capacity(2 * t));
+    for &s in &shard_ids[..n] {
+        hoff.resize(hoff.len() + ppp, s);
+    }
+    for &s in shard_ids[..n].iter().cycle().take(2 * n) {
+        toff.resize(toff.len() + ppp, s);
+    }
+    for (slot, (((hs, ts), rs), src)) in head
+        .chunks_exact_mut(t)
+        .zip(tail.chunks_exact_mut(t))
+        .zip(relation.chunks_exact_mut(r))
+        .zip(read.chunks_exact(t))
+        .enumerate()
+    {
+        let from = ((first + slot + step) & (n - 1)) * ppp;
+        let (rs, to, ho, src) = (&mut rs[..t], &toff[from..from + t], &hoff[..t], &src[..t]);
+        for q in 0..t {
+            (hs[q], rs[q], ts[q]) = decode.row(src[q], (ho[q], to[q]));
+        }
+    }
+}
+
+/// The bools as bits, eight at a time: the bytes of eight bools (0 or 1 each), read as one
+/// little-endian word (bool `k` at bit `8k`) and multiplied by `0x0102_0408_1020_4080` (bits
+/// `56 − 7j` for j = 0..8), give terms at bits `56 + 8k − 7j`: all distinct (`8·Δk = 7·Δj` has
+/// no other solution in range), so nothing carries, and the top byte holds exactly the terms
+/// `j = k`, bool `k` at bit `56 + k` (`packed_bools_are_the_bools` checks it).
+pub(super) fn pack_bools(bools: &[bool]) -> BooleanBuffer {
+    let mut bytes = Vec::with_capacity(bools.len().div_ceil(8));
+    let chunks = bools.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        let word = u64::from_le_bytes(std::array::from_fn(|k| u8::from(c[k])));
+        bytes.push((word.wrapping_mul(0x0102_0408_1020_4080) >> 56) as u8);
+    }
+    if !rest.is_empty() {
+        bytes.push(
+            rest.iter()
+                .enumerate()
+                .fold(0u8, |w, (k, &b)| w | (u8::from(b) << k)),
+        );
+    }
+    BooleanBuffer::new(Buffer::from_vec(bytes), 0, bools.len())
+}
+
 /// Runs `$body` with `$rows` bound to the table's rows as a slice of their type (the body is
 /// compiled once per row type).
 macro_rules! with_rows {
@@ -343,5 +453,28 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn packed_bools_are_the_bools() {
+        let mut x = 12345u64;
+        for len in [0usize, 1, 7, 8, 9, 63, 64, 65, 1000] {
+            let bools: Vec<bool> = (0..len)
+                .map(|_| {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    x >> 63 == 1
+                })
+                .collect();
+            let packed = pack_bools(&bools);
+            assert_eq!(packed.len(), len);
+            assert_eq!(packed.iter().collect::<Vec<bool>>(), bools, "len {len}");
+        }
+        assert_eq!(pack_bools(&[true; 8]).values(), &[0xff]);
+        assert_eq!(
+            pack_bools(&[true, false, false, false, false, false, false, true, true]).values(),
+            &[0x81, 0x01]
+        );
     }
 }
