@@ -1,10 +1,11 @@
 """Times our drop-in call against the reference's on the same numpy inputs.
 
-    python python/bench.py [--workloads criteo long] [--batch-size B] [--repeat 11] [--warmup 2] [--json]
+    python python/bench.py [--workloads criteo long] [--batch-size B] [--untuned] [--repeat 11] [--warmup 2] [--json]
 
 Workloads are `../shared/peer/make_workload.py`'s `criteo` and `long` profiles (default sizes, or
 B samples a batch with `--batch-size`, as a data loader calls it per batch; layout 1/1/4, no
-weights), generated into `target/peer/` once. Their Arrow batches become what
+weights), generated into `target/peer/` once. `--untuned` raises every table's limits to 65536
+(or keeps a larger one) with no suggested buffer, as before FDO has tuned anything. Their Arrow batches become what
 the reference takes: ragged numpy object arrays of int32 ids, one per feature (as
 `run_peer.py` builds them), and the reference's own FeatureSpecs, stacked by
 `prepare_feature_specs_for_training`. Both calls get exactly these objects, and both timings
@@ -79,6 +80,7 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--workloads", nargs="+", default=["criteo", "long"])
   p.add_argument("--batch-size", type=int, default=None, help="samples a batch (default: the profile's)")
+  p.add_argument("--untuned", action="store_true", help="limits 65536, no suggested buffer (before FDO)")
   p.add_argument("--repeat", type=int, default=11)
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--json", action="store_true", help="one JSON line per workload instead of a table")
@@ -95,6 +97,11 @@ def main(argv=None) -> int:
     arrow, cfg_path = workload(name, args.batch_size)
     with open(cfg_path) as fh:
       config = json.load(fh)
+    if args.untuned:
+      for t in config["tables"]:
+        for limit in ("max_ids_per_partition", "max_unique_ids_per_partition"):
+          t[limit] = max(65536, t[limit])
+        t["suggested_coo_buffer_size_per_device"] = None
     feats, rows = numpy_inputs(arrow, config)
     case = case_of(config, rows)
     specs = ref.build_specs(case)

@@ -174,6 +174,40 @@ impl StackOutput {
         self.tail_arrays = [(0, 0); 3];
     }
 
+    /// Per SparseCore segment (device-major), how far the last batch wrote the COO arrays:
+    /// every slot of a segment at or past its extent holds the tail fill ([`TailFill`]).
+    pub fn tail_extents(&self) -> &[u32] {
+        &self.tail_extents
+    }
+
+    /// For a caller that moves the COO arrays out and hands them back later (a buffer pool):
+    /// declares that the arrays now in `embedding_ids`, `sample_ids` and `gains` hold the tail
+    /// fill at or past `extents` (what [`StackOutput::tail_extents`] said when they were moved
+    /// out, if nothing wrote into them since), so that the next batch fills only up to there.
+    /// Ignored, leaving the arrays to be filled in full, when `extents` or the arrays do not fit
+    /// this stack's shape.
+    pub fn restore_tail_extents(&mut self, extents: &[u32]) {
+        let c = self.local_devices * self.coo_buffer_size_per_device;
+        if c == 0 || extents.is_empty() {
+            return;
+        }
+        // Segments split the arrays evenly: L * S of `cs` slots.
+        let cs = c / extents.len();
+        let arrays = [
+            identity(&self.embedding_ids),
+            identity(&self.sample_ids),
+            identity(&self.gains),
+        ];
+        if extents.len() != self.tail_extents.len()
+            || arrays.iter().any(|&(_, len)| len != c)
+            || extents.iter().any(|&e| e as usize > cs)
+        {
+            return;
+        }
+        self.tail_extents.copy_from_slice(extents);
+        self.tail_arrays = arrays;
+    }
+
     /// Local devices (L).
     pub fn local_devices(&self) -> usize {
         self.local_devices

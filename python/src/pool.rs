@@ -7,9 +7,14 @@
 //! view of a [`PooledBuffer`], and when numpy frees the last view, the buffer's `Vec` goes back
 //! to its slot (stack, array) in the [`BufferPool`], where the next call picks it up: its pages
 //! are mapped already, and the pipeline overwrites every slot (data or padding), so no memset
-//! is needed either. (Numpy's arrays are writable, so a returned buffer's tails are padded in
-//! full: [`sparsecore_prep::StackOutput::mark_written`].) An array still alive simply leaves its slot empty, and that call
-//! allocates, as before.
+//! is needed either. A COO array carries its stack's tail extents (how far that call wrote
+//! each segment; past them the tail holds zeros), and when a call's three COO arrays of a stack
+//! come back together the next call fills their tails only up to there
+//! ([`sparsecore_prep::StackOutput::restore_tail_extents`]), so that its cost and the pages it
+//! touches follow the ids, not the buffer size; other mixes are filled in full. (A caller that
+//! writes into a result's tail and then frees it would leave that write in a later result's
+//! tail: python/README.md says to write into copies.) An array still alive simply leaves its
+//! slot empty, and that call allocates, as before.
 //!
 //! The pool holds at most one buffer per slot, so it never keeps more than one call's output.
 
@@ -29,8 +34,15 @@ pub enum Buf {
     F32(Vec<f32>),
 }
 
+/// What the stack's tail extents were when a COO array left it (shared by its three arrays):
+/// the slots at or past them hold the tail fill, unless the caller wrote there.
+type Extents = Arc<[u32]>;
+
+/// A returned buffer and, for a COO array, its extents.
+type Returned = (Buf, Option<Extents>);
+
 /// Returned buffers by `[stack][role]`.
-type Slots = Vec<[Option<Buf>; ROLES]>;
+type Slots = Vec<[Option<Returned>; ROLES]>;
 
 /// The buffers of one drop-in state (see the module docs).
 #[derive(Default)]
@@ -48,22 +60,35 @@ impl BufferPool {
         for (so, slot) in out.stacks.iter_mut().zip(slots.iter_mut()) {
             let [rp, eid, sid, gains] = slot;
             put(&mut so.row_pointers, rp);
-            put(&mut so.embedding_ids, eid);
-            put(&mut so.sample_ids, sid);
-            put(&mut so.gains, gains);
-            // numpy's arrays are writable, so a returned buffer may have been changed anywhere:
-            // the next batch pads its tails in full.
-            so.mark_written();
+            let coo = [
+                put(&mut so.embedding_ids, eid),
+                put(&mut so.sample_ids, sid),
+                put(&mut so.gains, gains),
+            ];
+            match coo {
+                // Nothing came back: the arrays in place are the stack's own.
+                [None, None, None] => {}
+                // The three arrays of one call, together again: the next batch fills their
+                // tails only up to where that call wrote.
+                [Some(Some(a)), Some(Some(b)), Some(Some(c))]
+                    if Arc::ptr_eq(&a, &b) && Arc::ptr_eq(&a, &c) =>
+                {
+                    so.restore_tail_extents(&a)
+                }
+                _ => so.mark_written(),
+            }
         }
     }
 
     /// A numpy array over `v`, whose memory returns to slot (`stack`, `role`) when numpy frees it.
+    /// `extents`: a COO array's tail extents at hand-out (see [`Extents`]).
     pub fn array<'py, T: Pooled>(
         &self,
         py: Python<'py>,
         v: Vec<T>,
         stack: usize,
         role: usize,
+        extents: Option<Extents>,
     ) -> PyResult<Bound<'py, PyAny>> {
         if let Ok(mut slots) = self.slots.lock() {
             if slots.len() <= stack {
@@ -74,6 +99,7 @@ impl BufferPool {
             py,
             PooledBuffer {
                 buf: Some(T::wrap(v)),
+                extents,
                 home: Arc::downgrade(&self.slots),
                 stack,
                 role,
@@ -87,13 +113,15 @@ impl BufferPool {
     }
 }
 
-/// Moves a returned buffer of the right type into `dst`, if `dst` is empty.
-fn put<T: Pooled>(dst: &mut Vec<T>, slot: &mut Option<Buf>) {
-    if dst.capacity() == 0 {
-        if let Some(v) = slot.take().and_then(T::unwrap) {
-            *dst = v;
-        }
+/// Moves a returned buffer of the right type into `dst`, if `dst` is empty; returns the
+/// buffer's extents if it moved one.
+fn put<T: Pooled>(dst: &mut Vec<T>, slot: &mut Option<Returned>) -> Option<Option<Extents>> {
+    if dst.capacity() != 0 {
+        return None;
     }
+    let (buf, extents) = slot.take()?;
+    *dst = T::unwrap(buf)?;
+    Some(extents)
 }
 
 /// Element types of the output arrays, so that one pool serves `i32` and `f32` arrays.
@@ -137,6 +165,7 @@ pooled!(f32, F32, I32);
 #[pyclass(module = "sparsecore_prep._native", frozen)]
 pub struct PooledBuffer {
     buf: Option<Buf>,
+    extents: Option<Extents>,
     home: Weak<Mutex<Slots>>,
     stack: usize,
     role: usize,
@@ -156,7 +185,7 @@ impl Drop for PooledBuffer {
         let Ok(mut slots) = home.lock() else { return };
         if let Some(slot) = slots.get_mut(self.stack).and_then(|s| s.get_mut(self.role)) {
             if slot.is_none() {
-                *slot = Some(buf);
+                *slot = Some((buf, self.extents.take()));
             }
         }
     }

@@ -61,13 +61,14 @@ fn results(
             so.row_pointers_per_device(),
             so.coo_buffer_size_per_device(),
         );
+        let extents: Arc<[u32]> = Arc::from(so.tail_extents());
         let name = so.name.as_str();
         rp.set_item(
             name,
             shaped(
                 leading,
                 l,
-                pool.array(py, std::mem::take(&mut so.row_pointers), i, 0)?,
+                pool.array(py, std::mem::take(&mut so.row_pointers), i, 0, None)?,
                 rp_per,
             )?,
         )?;
@@ -76,7 +77,13 @@ fn results(
             shaped(
                 leading,
                 l,
-                pool.array(py, std::mem::take(&mut so.embedding_ids), i, 1)?,
+                pool.array(
+                    py,
+                    std::mem::take(&mut so.embedding_ids),
+                    i,
+                    1,
+                    Some(extents.clone()),
+                )?,
                 c,
             )?,
         )?;
@@ -85,7 +92,13 @@ fn results(
             shaped(
                 leading,
                 l,
-                pool.array(py, std::mem::take(&mut so.sample_ids), i, 2)?,
+                pool.array(
+                    py,
+                    std::mem::take(&mut so.sample_ids),
+                    i,
+                    2,
+                    Some(extents.clone()),
+                )?,
                 c,
             )?,
         )?;
@@ -94,7 +107,13 @@ fn results(
             shaped(
                 leading,
                 l,
-                pool.array(py, std::mem::take(&mut so.gains), i, 3)?,
+                pool.array(
+                    py,
+                    std::mem::take(&mut so.gains),
+                    i,
+                    3,
+                    Some(extents.clone()),
+                )?,
                 c,
             )?,
         )?;

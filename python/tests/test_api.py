@@ -402,6 +402,16 @@ def test_output_memory_is_reused_only_after_numpy_frees_it():
   # And the arrays are ordinary, writable numpy arrays.
   arr = third.sparse_dense_matmul_input.lhs_gains[name]
   assert arr.flags.writeable and arr.dtype == np.float32
+  # A batch that writes nothing (every row empty) into the freed memory of that one: what the
+  # larger batch wrote is rewritten, so every segment is all tail, all zeros.
+  empty = [array([[] for _ in f["ids"]], np.int64, False) for f in case_a["features"]]
+  del third, reused, arr
+  gc.collect()
+  fourth, _ = scp.preprocess_sparse_dense_matmul_input(empty, None, specs, **opts)
+  assert _data_ptr(fourth.sparse_dense_matmul_input.lhs_embedding_ids[name]) == freed
+  for field, stacks in _whole_output(fourth).items():
+    for stack, a in stacks.items():
+      assert not a.any(), f"{field}[{stack}] holds {a[a != 0][:8]} in an empty batch"
 
 
 def _stub(name):

@@ -83,12 +83,45 @@ def _assert_matmul_input(a, b) -> None:
     _assert_arrays(x, y)
 
 
+def _tails(m) -> dict:
+  """Per stack, the slots past each SparseCore segment's final (8-aligned) cursor: one device of
+  S = 2 segments, as `pickle_cases` makes them."""
+  s = 2
+  masks = {}
+  for name, rp in m.lhs_row_pointers.items():
+    c = m.lhs_embedding_ids[name].size
+    cs, rpb = c // s, rp.size // s
+    mask = np.zeros(c, dtype=bool)
+    for seg in range(s):
+      end = min(-(-int(rp[seg * rpb:(seg + 1) * rpb].max()) // 8) * 8, cs)
+      mask[seg * cs + end:(seg + 1) * cs] = True
+    masks[name] = mask
+  return masks
+
+
+def _assert_pre_split_matmul_input(old, fresh) -> None:
+  """A result pickled before the split against a fresh one: the same arrays, except that the
+  package then filled each segment's tail with the padding triple, and now with zeros."""
+  assert type(old) is scp.SparseDenseMatmulInput and type(fresh) is scp.SparseDenseMatmulInput
+  _assert_arrays(dict(old.lhs_row_pointers), dict(fresh.lhs_row_pointers))
+  for name, tail in _tails(fresh).items():
+    assert tail.any(), "the case has tails to check"
+    for field, pad in (("lhs_embedding_ids", 2**31 - 1), ("lhs_sample_ids", 2**31 - 1), ("lhs_gains", 0x7FC00000)):
+      a, b = getattr(old, field)[name], getattr(fresh, field)[name]
+      assert a.dtype == b.dtype and a.shape == b.shape, field
+      a, b = a.view(np.uint32), b.view(np.uint32)
+      np.testing.assert_array_equal(a[~tail], b[~tail], err_msg=field)
+      assert np.all(a[tail] == np.uint32(pad)) and np.all(b[tail] == 0), field
+
+
 def _assert_preprocessed(a, b) -> None:
   assert type(a) is scp.PreprocessedInput
-  _assert_matmul_input(a.sparse_dense_matmul_input, b.sparse_dense_matmul_input)
+  _assert_pre_split_matmul_input(a.sparse_dense_matmul_input, b.sparse_dense_matmul_input)
   assert a.num_minibatches.dtype == b.num_minibatches.dtype
   np.testing.assert_array_equal(a.num_minibatches, b.num_minibatches)
-  _assert_arrays(dict(a.lhs_gains), dict(b.lhs_gains))
+  # The lhs_* properties forward to the matmul input.
+  for x in (a, b):
+    _assert_arrays(dict(x.lhs_gains), dict(x.sparse_dense_matmul_input.lhs_gains))
 
 
 def _assert_stats(a, b) -> None:
@@ -145,7 +178,7 @@ def test_pre_split_pickle_loads_as_a_fresh_object(name, protocol):
   elif isinstance(fresh, scp.PreprocessedInput):
     _assert_preprocessed(old, fresh)
   elif isinstance(fresh, scp.SparseDenseMatmulInput):
-    _assert_matmul_input(old, fresh)
+    _assert_pre_split_matmul_input(old, fresh)
   elif isinstance(fresh, scp.SparseDenseMatmulInputStats):
     _assert_stats(old, fresh)
   else:
