@@ -81,7 +81,7 @@ pub use negative::{
     TypeBasedNegative,
 };
 pub use partition::{PartitionBuilder, PartitionMode, PartitionedTriples, Triples};
-pub use rng::{seed_words, FastMod, NumpyRng};
+pub use rng::{seed_words, NumpyRng};
 pub use sharding::Sharding;
 pub use stream::{
     BessStream, BessStreamBuilder, CellCounts, NegativeKind, StreamBatch, StreamSampler,
