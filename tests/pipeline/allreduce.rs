@@ -2,8 +2,6 @@
 //! on minibatching: the host whose batch fits its limits still splits like the one whose batch
 //! does not, under the sync keys of the same batch number.
 
-mod allreduce_wire;
-
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::Duration;

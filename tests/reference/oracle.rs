@@ -22,7 +22,7 @@
 //!    fails if one kind is missing.
 //! 4. `check_is_discriminating`: `model::check` rejects outputs with one word changed.
 
-mod common;
+use crate::common;
 use sparsecore_testkit::model;
 
 use std::cell::RefCell;

@@ -9,7 +9,7 @@
 //! Tests marked `// Regression:` reproduce defects that were found and fixed (panics on user
 //! input, a misleading message); they keep them fixed.
 
-mod one_table;
+use crate::one_table;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -336,7 +336,7 @@ fn vocabulary_size_zero_or_too_large() {
 fn padded_stack_vocabulary_of_two_to_the_31_is_planned() {
     // 2^31 - 1 rounds up to 2^31 with 8 * N = 32. The reference plans it (its column ids are
     // ids of the one table, all below 2^31), so we do too: testdata/reference_cases holds its
-    // output for such a table, and `tests/golden.rs` compares ours with it.
+    // output for such a table, and `tests/reference/golden.rs` compares ours with it.
     let prep = Preprocessor::new(config_with(|v| {
         v["tables"][0]["vocabulary_size"] = json!(i32::MAX)
     }))

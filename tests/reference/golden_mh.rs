@@ -12,8 +12,7 @@
 //! Every host's output is compared with its own `expected.json` exactly as a `golden_mb` case
 //! (tests/common).
 
-mod allreduce_wire;
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener};
@@ -173,8 +172,15 @@ pub struct HostProcess {
 /// with `extra_env` set.
 pub fn spawn_host(case_dir: &Path, rank: usize, extra_env: &[(&str, &str)]) -> HostProcess {
     let exe = std::env::current_exe().expect("test binary path");
+    // The test's name as libtest knows it: its module path without the crate's name.
+    let module = module_path!().split_once("::").map_or("", |(_, m)| m);
+    let test = if module.is_empty() {
+        "host_process".to_string()
+    } else {
+        format!("{module}::host_process")
+    };
     let mut cmd = Command::new(exe);
-    cmd.args(["--exact", "host_process", "--nocapture", "--test-threads=1"])
+    cmd.args(["--exact", &test, "--nocapture", "--test-threads=1"])
         .env(HOST_ENV, format!("{}\n{rank}", case_dir.display()))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

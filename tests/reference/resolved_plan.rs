@@ -5,7 +5,7 @@
 //! instead of our planner, and must still match `expected.json` bit for bit; the plan must equal
 //! our planner's where both define it. Inconsistent placements are errors.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

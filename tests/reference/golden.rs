@@ -7,7 +7,7 @@
 //! bits inside `valid_ranges`, the padding triple everywhere else, stats exactly, and error cases
 //! by error kind and message.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -3,7 +3,7 @@
 //! reference's output for it (`input.json`, `expected.json`, from `run_peer.py --dump`). We read
 //! the Arrow file itself, through the zero-copy Arrow path, and must match bit for bit.
 
-mod common;
+use crate::common;
 
 use std::fs::File;
 use std::path::Path;

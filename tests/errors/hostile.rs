@@ -1,5 +1,5 @@
 //! Hostile inputs: extreme ids, non-finite and extreme weights, malformed structure, batches at
-//! and past every size limit, impossible configs. (`tests/errors.rs` covers every error path
+//! and past every size limit, impossible configs. (`tests/errors/errors.rs` covers every error path
 //! once; this file pushes each of them with the values an attacker or a broken loader would
 //! send, and checks what the caller is left with.)
 //!
@@ -21,8 +21,8 @@
 //! bit with the reference's (`testdata/hostile_cases`, made by `make_hostile.py` there and
 //! `../shared/peer/run_peer.py --dump`).
 
-mod common;
-mod one_table;
+use crate::common;
+use crate::one_table;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -108,7 +108,7 @@ fn track<T>(f: impl FnOnce() -> T) -> (T, usize, usize) {
 const MIB: usize = 1 << 20;
 
 // ---------------------------------------------------------------------------------------------
-// Helpers (the ones shared with tests/errors.rs are in tests/one_table)
+// Helpers (the ones shared with tests/errors/errors.rs are in tests/one_table)
 // ---------------------------------------------------------------------------------------------
 
 /// "No output": what every failed call must leave in the caller's `Output`.
