@@ -1,8 +1,10 @@
 //! Multi-host golden cases: real outputs of the reference's multi-host runs (jax-tpu-embedding
 //! 0.1.0, `../shared/golden_mh/README.md`), compared bit for bit.
 //!
-//! Runs every case under `../shared/golden_mh` (a missing folder fails) and, with
-//! `GOLDEN_MH_DIR=/some/dir`, every case under that directory. A case is `case.json`
+//! Runs every case under `testdata/reference/golden_mh` (the repository's own, made by
+//! `scripts/make_reference_cases.sh`), under `../shared/golden_mh` when it is beside the
+//! checkout (`sparsecore_testkit::sets`: a missing one is reported, and fails under `CI`) and,
+//! with `GOLDEN_MH_DIR=/some/dir`, every case under that directory. A case is `case.json`
 //! (`{"hosts": H, "batch_number": b}`) and `host_h/{input.json, expected.json}` for each host.
 //! Each case runs twice, all its hosts together:
 //! - in one process, one thread per host, joined by `LocalAllReduce::group`;
@@ -25,6 +27,7 @@ use serde_json::Value;
 use sparsecore_prep::input::SampleSource;
 use sparsecore_prep::{AllReduce, LocalAllReduce, Output, Preprocessor, TcpAllReduce};
 use sparsecore_testkit::case::Case;
+use sparsecore_testkit::sets;
 
 /// Set in a re-executed child: `<case dir>\n<rank>`; the child runs that host over TCP.
 const HOST_ENV: &str = "GOLDEN_MH_HOST";
@@ -433,13 +436,16 @@ fn run_mh_dir(root: &Path, label: &str) {
     );
 }
 
-pub fn shared_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/golden_mh")
+#[test]
+fn golden_multihost_cases() {
+    if let Some(root) = sets::shared_set("golden_mh", "golden_mh") {
+        run_mh_dir(&root, "golden_mh");
+    }
 }
 
 #[test]
-fn golden_multihost_cases() {
-    run_mh_dir(&shared_root(), "golden_mh");
+fn repository_multihost_cases() {
+    run_mh_dir(&sets::testdata("reference/golden_mh"), "testdata golden_mh");
 }
 
 #[test]
@@ -449,9 +455,13 @@ fn golden_mh_dir_from_env() {
     }
 }
 
-/// A 4-host case whose hosts split differently alone (README: every host's split differs).
+/// A 4-host case whose hosts split differently alone: host 2's rows hold one id each, within
+/// every limit, and the job splits (testdata/reference/README.md).
 fn four_host_case() -> MhCase {
-    MhCase::load(&shared_root().join("case_mh_08_criteo_h4_w_thin_host2")).unwrap()
+    MhCase::load(&sets::testdata(
+        "reference/golden_mh/mh_h4_l1_weights_thin_host2",
+    ))
+    .unwrap()
 }
 
 /// Killing one host mid-run (after its first step, before its second) makes every other host's

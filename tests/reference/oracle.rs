@@ -1,13 +1,15 @@
-//! The oracle model (`tests/model/mod.rs`) against the reference, and the crate against the
-//! oracle.
+//! The oracle model (`sparsecore_testkit::model`) against the reference, and the crate against
+//! the oracle.
 //!
-//! 1. `oracle_golden_cases`: the model alone (not the crate) reproduces every case of
-//!    `../shared/golden` bit for bit: sizes, every row pointer, the written ranges, ids, samples
-//!    and gain bits inside them, the statistics, and the abort of case 033 as a limit error with
-//!    the reference's observed count and limit. Ragged, dense and sparse COO inputs all become
-//!    model rows. The minibatching cases (`../shared/golden_mb`) are outside the model (SPEC 5
-//!    lays segments out differently, with absolute row pointers, even when the batch needs one
-//!    minibatch), so they are not run here; `tests/golden.rs` checks the crate on them.
+//! 1. `oracle_golden_cases` and `oracle_repository_golden_cases`: the model alone (not the
+//!    crate) reproduces every case of `../shared/golden` (when it is beside the checkout) and
+//!    of `testdata/reference/golden` bit for bit: sizes, every row pointer, the written ranges,
+//!    ids, samples and gain bits inside them, the statistics, and the aborts (shared case 033)
+//!    as limit errors with the reference's observed count and limit. Ragged, dense and sparse
+//!    COO inputs all become model rows. The minibatching cases (`golden_mb`) are outside the
+//!    model (SPEC 5 lays segments out differently, with absolute row pointers, even when the
+//!    batch needs one minibatch), so they are not run here; the `golden` module checks the
+//!    crate on them.
 //! 2. `oracle_spec_examples`: worked examples of SPEC 3.8 and 3.11, values copied from the text.
 //! 3. Differential properties (proptest, shrinking): random layouts (N up to 64), feature and
 //!    auto stacking, all combiners, weights or none, duplicates, empty rows and features, tight
@@ -37,6 +39,7 @@ use serde_json::Value;
 use sparsecore_prep::spec::{Options, StackLimits, Stacking, TableConfig};
 use sparsecore_prep::{Config, Error, LimitKind, Plan};
 use sparsecore_testkit::case::{Case, CaseData};
+use sparsecore_testkit::sets;
 
 use model::{Batch, Feature, ModelError, StackResult};
 
@@ -263,13 +266,23 @@ fn oracle_case(dir: &Path) -> Result<(), String> {
 
 #[test]
 fn oracle_golden_cases() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/golden");
+    let Some(root) = sets::shared_set("golden", "oracle golden") else {
+        return;
+    };
     assert_eq!(
         common::case_dirs(&root).len(),
         40,
         "the golden set has 40 cases"
     );
     common::run_dir(&root, "oracle golden", oracle_case);
+}
+
+/// The repository's own golden cases (without minibatching), made by
+/// `scripts/make_reference_cases.sh`.
+#[test]
+fn oracle_repository_golden_cases() {
+    let root = sets::testdata("reference/golden");
+    common::run_dir(&root, "oracle testdata golden", oracle_case);
 }
 
 // ---------------------------------------------------------------------------------------------

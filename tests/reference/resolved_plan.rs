@@ -1,7 +1,8 @@
 //! `Plan::from_resolved` + `PreprocessorBuilder::plan`: a stacking decided elsewhere (the
 //! reference's FeatureSpecs, as the Python drop-in reads them) drives the pipeline unchanged.
 //!
-//! Every golden case is run from its `resolved` block (the reference's own stacking result)
+//! Every golden case (the repository's own, and the shared sets when they are beside the
+//! checkout) is run from its `resolved` block (the reference's own stacking result)
 //! instead of our planner, and must still match `expected.json` bit for bit; the plan must equal
 //! our planner's where both define it. Inconsistent placements are errors.
 
@@ -13,6 +14,7 @@ use serde_json::Value;
 use sparsecore_prep::spec::{Placement, ResolvedStack};
 use sparsecore_prep::{Config, Error, Plan, Preprocessor};
 use sparsecore_testkit::case::Case;
+use sparsecore_testkit::sets;
 
 fn resolved(case: &Case) -> (Vec<Placement>, Vec<ResolvedStack>) {
     let r = &case.raw["resolved"];
@@ -102,9 +104,20 @@ fn check_case(dir: &Path) -> Result<(), String> {
 
 #[test]
 fn golden_cases_from_their_resolved_stacking() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared");
-    common::run_dir(&root.join("golden"), "golden (resolved)", check_case);
-    common::run_dir(&root.join("golden_mb"), "golden_mb (resolved)", check_case);
+    if let Some(root) = sets::shared_set("golden", "golden (resolved)") {
+        common::run_dir(&root, "golden (resolved)", check_case);
+    }
+    if let Some(root) = sets::shared_set("golden_mb", "golden_mb (resolved)") {
+        common::run_dir(&root, "golden_mb (resolved)", check_case);
+    }
+}
+
+#[test]
+fn repository_golden_cases_from_their_resolved_stacking() {
+    for set in ["golden", "golden_mb"] {
+        let root = sets::testdata(&format!("reference/{set}"));
+        common::run_dir(&root, &format!("testdata {set} (resolved)"), check_case);
+    }
 }
 
 fn two_features() -> Config {
