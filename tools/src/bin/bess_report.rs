@@ -2,7 +2,7 @@
 //! per-cell balance, FDO-tuned buffers, Rigid's padding, and the cost of making the stream
 //! against the cost of preprocessing it, on uniform and power-law graphs at n = 4, 16 and 64.
 //!
-//! `cargo run --release -p sparsecore-bess --example bess_report [-- --quick]`
+//! `cargo run --release -p sparsecore-tools --bin bess_report [-- --quick]`
 
 use std::sync::Arc;
 use std::time::Instant;

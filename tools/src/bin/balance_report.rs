@@ -3,8 +3,8 @@
 //! `max_ids_per_partition` over 8 batches before and after, its lower bound, and the time to
 //! balance as a share of the time to preprocess the same batches.
 //!
-//! The limits are the test kit's doubled (headroom 2). `cargo run --release --example
-//! balance_report [-- SAMPLES_PER_SPARSECORE]` (default 128).
+//! The limits are the test kit's doubled (headroom 2). `cargo run --release -p
+//! sparsecore-tools --bin balance_report [-- SAMPLES_PER_SPARSECORE]` (default 128).
 //!
 //! `-- --input FILE.arrow --config CONFIG.json [--label NAME]` measures one workload file instead
 //! (every record batch of an Arrow IPC file, its config's limits as they are), for example one

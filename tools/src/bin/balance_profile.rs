@@ -1,7 +1,7 @@
 //! One balancing or preprocessing workload, run a given number of passes, for callgrind and
 //! perf: what `balance_report` measures for one row, without its other rows and timing loops.
 //!
-//! `cargo run --release --example balance_profile -- PROFILE HOSTS WINDOW PASSES MODE [every-stack|unique-ids]`
+//! `cargo run --release -p sparsecore-tools --bin balance_profile -- PROFILE HOSTS WINDOW PASSES MODE [every-stack|unique-ids]`
 //! - PROFILE: a test kit profile (`criteo`, `long`, `large-vocab`, `high-multivalency`,
 //!   `moderate-multivalency`); layout 1/HOSTS/4, 128 samples per SparseCore, 8 batches, the
 //!   limits doubled as in `balance_report`;
@@ -14,7 +14,7 @@
 //!
 //! Instructions per pass are (PASSES = 2) − (PASSES = 0), halved: that removes generating the
 //! batches and planning. For example
-//! `valgrind --tool=callgrind --toggle-collect='*Balancer*balance*' target/release/examples/balance_profile criteo 1 1 2 balance`.
+//! `valgrind --tool=callgrind --toggle-collect='*Balancer*balance*' target/release/balance_profile criteo 1 1 2 balance`.
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
