@@ -5,10 +5,10 @@
 //! `feature_activations`, with typed errors; the AUC is the Mann-Whitney statistic.
 
 #[allow(dead_code)]
-#[path = "../examples/train_ctr.rs"]
-mod train_ctr;
+#[path = "../../examples/train_ctr.rs"]
+mod example;
 
-use train_ctr::{auc, check, dataset, train, Settings};
+use example::{auc, check, dataset, train, Settings};
 
 #[test]
 fn small_training_run_learns_the_planted_model() {

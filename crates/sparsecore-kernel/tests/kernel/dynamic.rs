@@ -3,7 +3,7 @@
 //! concurrent threads (checked against a sequential replay), export/import, and raw keys →
 //! unique keys → rows → activations (and back), cross-checked against the SparseCore path.
 
-mod reference;
+use crate::reference;
 
 use std::sync::Arc;
 

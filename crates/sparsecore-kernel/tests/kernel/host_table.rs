@@ -2,7 +2,7 @@
 //! unsplit table's, and one optimizer step equals the independent f64 reference's (tests/reference)
 //! and is the same to the bit for every split, for R in 1..=4, including R not dividing the dim.
 
-mod reference;
+use crate::reference;
 
 use std::collections::BTreeMap;
 

@@ -3,7 +3,7 @@
 //! from the input samples (SPEC 6.3), table and slots; untouched rows never change; each
 //! optimizer's formula on literal values derived by hand; bad hyper-parameters are errors.
 
-mod reference;
+use crate::reference;
 
 use std::collections::BTreeMap;
 

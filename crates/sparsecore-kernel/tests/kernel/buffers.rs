@@ -1,6 +1,6 @@
 //! The borrowed, parallel passes (`sparse_dense_matmul_into`, `apply_gradients_into`) equal the
 //! owned, sequential ones (`sparse_dense_matmul`, `apply_gradients`, each checked against a
-//! naive lookup or step in tests/kernel.rs and tests/optimizer.rs) bitwise, for every optimizer,
+//! naive lookup or step in the `kernel` and `optimizer` modules) bitwise, for every optimizer,
 //! with and without minibatching, on one and several threads; `embedding_var_limits` clip the
 //! table (not the slots); bad inputs are errors that leave the table unchanged.
 
