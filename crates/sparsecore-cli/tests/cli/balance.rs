@@ -22,7 +22,7 @@ use arrow_schema::{DataType, Field, Schema};
 use serde_json::Value;
 use sparsecore_prep::io::BatchReader;
 
-mod support;
+use crate::support;
 use support::{ok, run, s};
 
 /// Runs, requires a non-zero status and one stderr line; returns it.

@@ -29,7 +29,7 @@ use arrow_ipc::writer::FileWriter;
 use arrow_schema::{DataType, Field, Schema};
 use serde_json::Value;
 
-mod support;
+use crate::support;
 use support::{ok, run, s, BIN};
 
 const E: i64 = 64;

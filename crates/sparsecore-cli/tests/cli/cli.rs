@@ -39,7 +39,7 @@ use serde_json::{json, Value};
 use sparsecore_prep::io::BatchReader;
 use sparsecore_prep::{Config, Output, Preprocessor};
 
-mod support;
+use crate::support;
 use support::{ok, run, s, BIN};
 
 // ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ use std::process::{Command, Stdio};
 use arrow_ipc::reader::FileReader;
 use arrow_ipc::writer::FileWriter;
 
-mod support;
+use crate::support;
 use support::{ok, run, s, BIN};
 
 /// A pid that belongs to no process: a reaped child's, checked against `/proc`.

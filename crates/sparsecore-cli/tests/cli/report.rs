@@ -22,7 +22,7 @@ use resvg::usvg::{self, Node};
 use serde_json::Value;
 use sparsecore_prep::FdoStats;
 
-mod support;
+use crate::support;
 use support::{ok, run, s};
 
 /// Runs, requires exit status 1 and one stderr line; returns it.
