@@ -1,6 +1,6 @@
 //! Sharding files built to exhaust memory are refused before they are inflated.
 
-mod common;
+use crate::common;
 
 use std::io::Write;
 

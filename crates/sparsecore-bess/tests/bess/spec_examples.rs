@@ -1,6 +1,6 @@
 //! SPEC.md's worked examples (sections 2-5), and the sharding file round trip.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

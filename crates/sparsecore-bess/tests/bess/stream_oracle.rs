@@ -1,7 +1,7 @@
 //! The stream's record batches against an independent oracle, column by column, row by row.
 //!
 //! For every step the oracle rebuilds what the record batch must hold from the crate's
-//! lower-level public pieces, which `tests/bess_cases.rs` checks value for value against
+//! lower-level public pieces, which `bess_cases` checks value for value against
 //! besskge's reference outputs, and from the documented SparseCore layout (`src/layout.rs`,
 //! `src/stream/mod.rs`), written out plainly here:
 //! - [`Sharding::create`] and [`PartitionedTriples`] (`ht_shardpair`, `n_relation` = largest
