@@ -1,6 +1,7 @@
 //! Where the tests find reference cases: the repository's own sets under `testdata/`, and the
 //! project's shared sets in `../shared`, a folder beside the checkout that a plain clone does
-//! not have.
+//! not have (`SPARSECORE_SHARED=DIR` names another place, as for the Python tests and
+//! `scripts/make_reference_cases.sh`).
 //!
 //! A test over a shared set asks [`shared_set`] for its folder. When the folder is there the
 //! test runs every case in it. When it is not, the test prints that the set was not run and
@@ -22,9 +23,12 @@ pub fn testdata(rel: &str) -> PathBuf {
     repo_root().join("testdata").join(rel)
 }
 
-/// The shared folder: `../shared` beside the checkout.
+/// The shared folder: `SPARSECORE_SHARED` when set, else `../shared` beside the checkout.
 pub fn shared_root() -> PathBuf {
-    repo_root().join("../shared")
+    match std::env::var_os("SPARSECORE_SHARED") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => repo_root().join("../shared"),
+    }
 }
 
 /// Whether this run is CI's (`CI` set to anything but `""`, `0` or `false`).
@@ -43,18 +47,20 @@ pub fn shared_set(rel: &str, label: &str) -> Option<PathBuf> {
     if dir.is_dir() {
         return Some(dir);
     }
-    let shown = format!("../shared/{rel}");
+    let shown = match std::env::var_os("SPARSECORE_SHARED") {
+        Some(d) if !d.is_empty() => dir.display().to_string(),
+        _ => format!("../shared/{rel}"),
+    };
     if in_ci() {
         panic!(
-            "{label}: the shared set {shown} is missing ({} is not a folder); CI runs every \
-             shared set, so it must be beside the checkout",
-            dir.display()
+            "{label}: the shared set {shown} is missing; CI runs every shared set, so ../shared \
+             must be beside the checkout (or SPARSECORE_SHARED name it)"
         );
     }
     let _ = writeln!(
         std::io::stderr(),
-        "{label}: NOT RUN: {shown} is not beside this checkout (the repository's own \
-         testdata/ sets ran; with CI=true a missing shared set fails)"
+        "{label}: NOT RUN: the shared set {shown} is not there (the repository's own testdata/ \
+         sets ran; with CI=true a missing shared set fails)"
     );
     None
 }

@@ -1,5 +1,5 @@
-//! Every reference case of besskge (`../shared/bess/cases` beside the checkout, and
-//! `BESS_CASES_DIR` when set) must match array for array.
+//! Every reference case of besskge (`../shared/bess/cases` beside the checkout, or under
+//! `SPARSECORE_SHARED`, and `BESS_CASES_DIR` when set) must match array for array.
 //!
 //! The cases come only from `../shared`: besskge is not among the peer tools, so the repository
 //! cannot make cases of its own. When `../shared/bess/cases` is not there the test prints that
@@ -497,24 +497,30 @@ fn case_dirs(root: &Path) -> Vec<PathBuf> {
     dirs
 }
 
-/// `../shared/bess/cases` beside the checkout, if it is there; when it is not, says so (and
-/// fails under CI), as `sparsecore_testkit::sets::shared_set` does for the other shared sets.
+/// `bess/cases` of the shared folder (`SPARSECORE_SHARED`, else `../shared` beside the
+/// checkout), if it is there; when it is not, says so (and fails under CI), as
+/// `sparsecore_testkit::sets::shared_set` does for the other shared sets.
 fn shared_cases() -> Option<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/bess/cases");
+    let shared = match std::env::var_os("SPARSECORE_SHARED") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"),
+    };
+    let dir = shared.join("bess/cases");
     if dir.is_dir() {
         return Some(dir);
     }
     let ci = std::env::var("CI").is_ok_and(|v| !matches!(v.trim(), "" | "0" | "false" | "FALSE"));
     assert!(
         !ci,
-        "bess cases: the shared set ../shared/bess/cases is missing ({} is not a folder); CI \
-         runs every shared set, so it must be beside the checkout",
+        "bess cases: the shared set {} is missing; CI runs every shared set, so ../shared must \
+         be beside the checkout (or SPARSECORE_SHARED name it)",
         dir.display()
     );
     let _ = writeln!(
         std::io::stderr(),
-        "bess cases: NOT RUN: ../shared/bess/cases is not beside this checkout (with CI=true a \
-         missing shared set fails)"
+        "bess cases: NOT RUN: the shared set {} is not there (with CI=true a missing shared set \
+         fails)",
+        dir.display()
     );
     None
 }
