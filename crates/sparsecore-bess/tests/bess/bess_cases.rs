@@ -501,26 +501,30 @@ fn case_dirs(root: &Path) -> Vec<PathBuf> {
 /// checkout), if it is there; when it is not, says so (and fails under CI), as
 /// `sparsecore_testkit::sets::shared_set` does for the other shared sets.
 fn shared_cases() -> Option<PathBuf> {
-    let shared = match std::env::var_os("SPARSECORE_SHARED") {
-        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
-        _ => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"),
+    let (dir, shown) = match std::env::var_os("SPARSECORE_SHARED") {
+        Some(shared) if !shared.is_empty() => {
+            let dir = PathBuf::from(shared).join("bess/cases");
+            let shown = dir.display().to_string();
+            (dir, shown)
+        }
+        _ => (
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/bess/cases"),
+            "../shared/bess/cases".to_string(),
+        ),
     };
-    let dir = shared.join("bess/cases");
     if dir.is_dir() {
         return Some(dir);
     }
     let ci = std::env::var("CI").is_ok_and(|v| !matches!(v.trim(), "" | "0" | "false" | "FALSE"));
     assert!(
         !ci,
-        "bess cases: the shared set {} is missing; CI runs every shared set, so ../shared must \
-         be beside the checkout (or SPARSECORE_SHARED name it)",
-        dir.display()
+        "bess cases: the shared set {shown} is missing; CI runs every shared set, so ../shared \
+         must be beside the checkout (or SPARSECORE_SHARED name it)"
     );
     let _ = writeln!(
         std::io::stderr(),
-        "bess cases: NOT RUN: the shared set {} is not there (with CI=true a missing shared set \
-         fails)",
-        dir.display()
+        "bess cases: NOT RUN: the shared set {shown} is not there (with CI=true a missing shared \
+         set fails)"
     );
     None
 }
