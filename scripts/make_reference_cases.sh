@@ -3,8 +3,9 @@
 # running the reference (jax-tpu-embedding) through ../shared/peer: its setup.sh installs the
 # reference into a venv, and scripts/make_reference_cases.py runs the peer tools on the inputs it
 # defines, then checks every single-host case again with check_case.py. Running it again gives
-# the same cases (an abort's recorded message keeps the reference's log header: its time and
-# process id change).
+# the same cases, but for an abort's whole `message`, which tests do not compare: it keeps the
+# reference's log header (time, process id) and the count the reference met first, which
+# depends on its threads (`message_contains` is the same).
 #
 #   bash scripts/make_reference_cases.sh [VENV_DIR]    # VENV_DIR: setup.sh's default if omitted
 #
