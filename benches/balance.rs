@@ -1,7 +1,7 @@
 //! Criterion benches of balancing (src/balance/) per workload profile, beside preprocessing the
 //! same window on one thread, so the two read as a ratio: 128 samples per SparseCore at 1/1/4,
-//! windows of 1 and 4 batches, the test kit's limits doubled (as `examples/balance_report.rs`).
-//! Throughput is in ids per second.
+//! windows of 1 and 4 batches, the test kit's limits doubled (as
+//! `tools/src/bin/balance_report.rs`). Throughput is in ids per second.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use sparsecore_prep::balance::Balancer;

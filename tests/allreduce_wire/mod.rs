@@ -1,6 +1,6 @@
 //! The TCP all-reduce's frame, written by hand (as a peer holding the token, or a stranger,
-//! would), for the tests that talk to a `TcpAllReduce` directly (`tests/allreduce.rs`,
-//! `tests/golden_mh.rs`).
+//! would), for the tests that talk to a `TcpAllReduce` directly (`tests/pipeline/allreduce.rs`,
+//! `tests/reference/golden_mh.rs`).
 
 use hmac::{Hmac, KeyInit, Mac};
 

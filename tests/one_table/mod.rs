@@ -1,6 +1,7 @@
-//! The brief's one-table config and the helpers the error tests share (`tests/errors.rs`,
-//! `tests/hostile.rs`): building it, asserting an error and its message, the good ragged batch,
-//! byte equality of two outputs, a hand-written `SampleSource`, and Arrow record batches.
+//! The brief's one-table config and the helpers the error tests share
+//! (`tests/errors/errors.rs`, `tests/errors/hostile.rs`): building it, asserting an error and
+//! its message, the good ragged batch, byte equality of two outputs, a hand-written
+//! `SampleSource`, and Arrow record batches.
 
 #![allow(dead_code)]
 

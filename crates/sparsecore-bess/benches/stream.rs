@@ -3,7 +3,7 @@
 //! configuration (none, flat with `k = ppp`, per triple with `k = 1`), at n = 4 and 64 on a
 //! uniform graph of 20,000 entities and 400,000 triples, 256 triples per SparseCore. Throughput
 //! is the batch's ids (head, tail and negative), the unit the pipeline's cost is measured in;
-//! `examples/bess_report.rs` sets the stream against preprocessing the same batches.
+//! `tools/src/bin/bess_report.rs` sets the stream against preprocessing the same batches.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use sparsecore_bess::{synth, BessStream, Corruption, StreamSampler};

@@ -8,6 +8,7 @@
 //! - [`model`]: the oracle, a slow re-implementation of the pipeline written from the spec text.
 //! - [`redis_server`] and [`fault_proxy`]: a private `redis-server` per test and a TCP proxy
 //!   that injects faults, for the dynamic-table tests and benches.
+//! - [`sets`]: where the reference cases are: `testdata/` and the shared sets in `../shared`.
 //! - [`TempDir`]: scratch directories removed on drop.
 
 #![deny(missing_docs)]
@@ -16,6 +17,7 @@ pub mod case;
 pub mod fault_proxy;
 pub mod model;
 pub mod redis_server;
+pub mod sets;
 mod tempdir;
 pub mod workload;
 

@@ -1,6 +1,5 @@
-//! Running the built `sparsecore-prep` binary, shared by the CLI's test files (each file is its
-//! own test crate, so not every file uses every helper).
-#![allow(dead_code)]
+//! Running the built `sparsecore-prep` binary, shared by the CLI's test
+//! modules.
 
 use std::path::Path;
 use std::process::{Command, Output};

@@ -1,5 +1,5 @@
 //! An independent reference for one optimizer step on one row, in f64, shared by the kernel's
-//! test files (each file is its own test crate, so not every file uses every helper).
+//! test modules.
 //!
 //! Written from the reference's published formulas, not from `src/optimizer.rs`: the row-wise
 //! update functions of jax-tpu-embedding's `sparse_dense_matmul_grad_with_*` primitives, with
@@ -9,7 +9,6 @@
 //! `multiply_linear_by_lr` (and its L1 clip at l1·λ), which `numpy_step` lacks and which
 //! follows the primitive's code. Only the `Optimizer` enum's fields are read here; no kernel code
 //! computes anything.
-#![allow(dead_code)]
 
 use sparsecore_kernel::Optimizer;
 
