@@ -19,8 +19,10 @@ cargo fmt --manifest-path fuzz/Cargo.toml --check
 
 step "cargo clippy -D warnings"
 cargo clippy --quiet --workspace --all-targets -- -D warnings
-# Again with the unstable `internals` feature, which also builds the stage benches.
+# Again with the unstable `internals` feature, which also builds the stage benches, and the
+# pipeline without its default `tcp` feature.
 cargo clippy --quiet --workspace --all-targets --features sparsecore-prep/internals -- -D warnings
+cargo clippy --quiet -p sparsecore-prep --no-default-features --all-targets -- -D warnings
 
 step "cargo doc -D warnings"
 RUSTDOCFLAGS=-Dwarnings cargo doc --quiet --workspace --no-deps

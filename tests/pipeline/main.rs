@@ -5,9 +5,11 @@
 //! One test binary; each former test file is a module (`cargo test --test pipeline --
 //! properties::` runs one of them).
 
+#[cfg(feature = "tcp")]
 #[path = "../allreduce_wire/mod.rs"]
 mod allreduce_wire;
 
+#[cfg(feature = "tcp")]
 mod allreduce;
 mod balance;
 mod balance_apply;

@@ -6,6 +6,8 @@
 //! One test binary; each former test file is a module (`cargo test --test reference --
 //! golden::` runs one of them).
 
+// The multi-host cases run over the TCP all-reduce too: without the `tcp` feature, not at all.
+#[cfg(feature = "tcp")]
 #[path = "../allreduce_wire/mod.rs"]
 mod allreduce_wire;
 #[path = "../common/mod.rs"]
@@ -13,6 +15,7 @@ mod common;
 
 mod arrow_cases;
 mod golden;
+#[cfg(feature = "tcp")]
 mod golden_mh;
 mod oracle;
 mod resolved_plan;
