@@ -21,7 +21,7 @@ use arrow_buffer::{
 };
 use arrow_schema::{ArrowError, DataType, FieldRef};
 
-use super::SampleRef;
+use super::samples::SampleRef;
 use crate::error::{Error, Result};
 
 /// Applies a permutation to a window: output batch k takes `permutation[k]`'s rows, every

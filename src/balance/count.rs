@@ -3,7 +3,7 @@
 
 use arrow_array::RecordBatch;
 
-use super::{SampleCounts, SampleRef};
+use super::samples::{SampleCounts, SampleRef};
 use crate::error::{Error, Result};
 use crate::extract::{col_of, InputInt};
 use crate::input::{features_from_record_batch, FeatureView, Ids, Offsets, SampleSource};

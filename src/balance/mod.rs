@@ -52,21 +52,16 @@ use crate::spec::{Config, Plan};
 
 mod apply;
 mod count;
+mod samples;
 mod swap;
 mod unique;
 
 pub use apply::{apply, Reorder};
 use count::{Counter, UniqueCounter};
+pub use samples::SampleRef;
+use samples::{SampleCounts, Shape};
+pub use swap::Refinement;
 use swap::{improve, SwapMemory, Weights};
-
-/// Where one output row comes from: input batch `batch`, row `row` (both within the window).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct SampleRef {
-    /// Index of the input batch in the window.
-    pub batch: usize,
-    /// Row within that batch.
-    pub row: usize,
-}
 
 /// The pipeline's worst cells of one stack over a run of batches (see [`measure`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
@@ -212,27 +207,6 @@ pub fn balance(config: &Config, window: &[RecordBatch]) -> Result<Balanced> {
     Balancer::new(config.clone())?.balance(window)
 }
 
-/// How far balancing searches once the worst cell is as low as it gets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Refinement {
-    /// The worst cell (relative to its stack's limit), then the worst buffer. The stacks that
-    /// do not hold the worst cell stay about where the greedy placed them.
-    #[default]
-    WorstCell,
-    /// Then also every stack's own worst cell, from the stack nearest its limit, with no
-    /// stack's buffer rising: each stack's tuned `max_ids_per_partition` and buffer fall
-    /// further, and the worst cell comes nearer its lower bound where stacks compete for the
-    /// same samples (criteo-like data), for more balancing work (BENCHMARKS.md measures both).
-    EveryStack,
-    /// Everything [`Refinement::EveryStack`] does, then each stack's worst
-    /// `max_unique_ids_per_partition` cell, with no stack's `max_ids` cell passing its worst
-    /// (or its 8-aligned value, what a tuned limit is rounded to) and no buffer its worst.
-    /// Unique ids depend on which samples share a slice, so this pass reads the columns of the
-    /// slices it needs, within a budget of reads and checks proportional to the window: the
-    /// costliest refinement (BENCHMARKS.md measures it).
-    UniqueIds,
-}
-
 /// Balances window after window, keeping its plan and scratch memory between them.
 #[derive(Debug)]
 pub struct Balancer {
@@ -248,33 +222,6 @@ pub struct Balancer {
     reorder: Reorder,
     swap_memory: SwapMemory,
     refinement: Refinement,
-}
-
-/// Every sample's (cell, ids) pairs, stored flat: sample i owns `cells[start[i]..start[i + 1]]`,
-/// stack by stack in stack order (the swap pass finds one stack's entries by bisection).
-#[derive(Debug, Default)]
-struct SampleCounts {
-    refs: Vec<SampleRef>,
-    start: Vec<usize>,
-    cells: Vec<(u32, u32)>,
-    /// Largest ids / limit over the sample's cells.
-    peak: Vec<f64>,
-}
-
-/// The shape the counts are laid out in.
-#[derive(Debug, Clone, Copy)]
-struct Shape {
-    /// Slices (local SparseCores) per batch.
-    slices: usize,
-    sc_per_device: usize,
-    partitions: usize,
-    stacks: usize,
-}
-
-impl Shape {
-    fn cells(&self) -> usize {
-        self.stacks * self.partitions
-    }
 }
 
 impl Balancer {

@@ -1,6 +1,28 @@
-//! The swap pass after the greedy placement (see [`improve`]).
+//! The swap pass after the greedy placement (see [`improve`]), and [`Refinement`], how far the
+//! search goes.
 
-use super::{Refinement, SampleCounts};
+use super::samples::SampleCounts;
+
+/// How far balancing searches once the worst cell is as low as it gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Refinement {
+    /// The worst cell (relative to its stack's limit), then the worst buffer. The stacks that
+    /// do not hold the worst cell stay about where the greedy placed them.
+    #[default]
+    WorstCell,
+    /// Then also every stack's own worst cell, from the stack nearest its limit, with no
+    /// stack's buffer rising: each stack's tuned `max_ids_per_partition` and buffer fall
+    /// further, and the worst cell comes nearer its lower bound where stacks compete for the
+    /// same samples (criteo-like data), for more balancing work (BENCHMARKS.md measures both).
+    EveryStack,
+    /// Everything [`Refinement::EveryStack`] does, then each stack's worst
+    /// `max_unique_ids_per_partition` cell, with no stack's `max_ids` cell passing its worst
+    /// (or its 8-aligned value, what a tuned limit is rounded to) and no buffer its worst.
+    /// Unique ids depend on which samples share a slice, so this pass reads the columns of the
+    /// slices it needs, within a budget of reads and checks proportional to the window: the
+    /// costliest refinement (BENCHMARKS.md measures it).
+    UniqueIds,
+}
 
 /// Pair checks [`improve`] may spend per sample of the window on the worst cell, then on each
 /// stack's own worst cell (a stack round also pays one per member whose share it works out),

@@ -4,7 +4,7 @@
 use arrow_array::RecordBatch;
 
 use super::count::next_generation;
-use super::{SampleCounts, Shape};
+use super::samples::{SampleCounts, Shape};
 use crate::error::Result;
 use crate::extract::col_of;
 use crate::input::{features_from_record_batch, FeatureView, Ids, Offsets, SampleSource};

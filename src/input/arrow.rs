@@ -205,6 +205,17 @@ impl SampleSource for ArrowListInput<'_> {
     }
 }
 
+impl HashBuffers {
+    /// Takes back the hashed-id buffers of `inputs` (inputs without hashing hold none).
+    pub fn recycle<'a>(&mut self, inputs: impl IntoIterator<Item = ArrowListInput<'a>>) {
+        for input in inputs {
+            if let Some(ids) = input.into_owned_ids() {
+                self.give_back(ids);
+            }
+        }
+    }
+}
+
 /// Maps a record batch to the config's features by their `column` / `weights_column` names,
 /// in config feature order. Features with a `"hash"` config are hashed into fresh buffers; use
 /// [`features_from_record_batch_reusing`] to recycle them across batches.

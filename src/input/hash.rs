@@ -144,14 +144,11 @@ impl HashBuffers {
         Self::default()
     }
 
-    /// Takes back the hashed-id buffers of `inputs` (inputs without hashing hold none).
-    pub fn recycle<'a>(&mut self, inputs: impl IntoIterator<Item = super::ArrowListInput<'a>>) {
-        for input in inputs {
-            match input.into_owned_ids() {
-                Some(OwnedIds::I32(v)) => self.free32.push(v),
-                Some(OwnedIds::I64(v)) => self.free64.push(v),
-                None => {}
-            }
+    /// Takes back one input's hashed-id buffer, for the next [`HashBuffers::hash`].
+    pub(crate) fn give_back(&mut self, ids: OwnedIds) {
+        match ids {
+            OwnedIds::I32(v) => self.free32.push(v),
+            OwnedIds::I64(v) => self.free64.push(v),
         }
     }
 

@@ -1,8 +1,7 @@
 //! Merging the tasks' results into each stack's output, in a fixed order.
 
 use super::checks::check_limits;
-use super::task::Task;
-use super::Mode;
+use super::task::{Mode, Task};
 use crate::error::Result;
 use crate::output::Output;
 use crate::spec::Plan;

@@ -1,12 +1,60 @@
-//! The builder of a [`Preprocessor`].
+//! A [`Preprocessor`]'s state, and the builder that sets it up.
 
 use super::minibatch;
+use super::task::Task;
+use super::workers::{Workers, SMALL_BATCH_IDS};
 use super::workspace::Workspaces;
-use super::{Preprocessor, Workers, SMALL_BATCH_IDS};
 use crate::allreduce::AllReduce;
 use crate::error::{Error, Result};
 use crate::group::bucket::BucketFn;
 use crate::spec::{Config, Plan};
+
+/// Turns batches of ids into per-SparseCore CSR-wrapped COO buffers.
+///
+/// Build it once per config and call it on every batch with the same [`Output`]: plans and
+/// scratch are cached by batch shape, so steady-state batches reuse all memory.
+///
+/// A call either fills the `Output` with the whole batch or fails and leaves it empty (see
+/// [`Preprocessor::run`]); a failed call changes nothing about later results.
+///
+/// # Threads
+///
+/// `Preprocessor` is `Send + Sync`, but its calls take `&mut self`: they reuse the cached plan
+/// and per-task results, so calls on one preprocessor cannot overlap.
+/// - To share one between threads, put it in a `Mutex`. Calls then take turns, each parallel
+///   inside (on its own pool with [`PreprocessorBuilder::threads`], otherwise on rayon's global
+///   pool), except with `threads(1)` and for batches under
+///   [`PreprocessorBuilder::small_batch_ids`], which run on the calling thread. Under
+///   minibatching, call [`Preprocessor::set_batch_number`] and the run under the same lock, or
+///   another thread's number may key this step's cross-host agreement.
+/// - To preprocess several batches at the same time, give each thread its own preprocessor.
+///
+/// Either way each result is byte-identical to the same batch run alone (tests/concurrency.rs).
+/// Each preprocessor holds one scratch workspace per thread that may run its tasks, found by
+/// rayon's thread index (the calling thread takes the first), each used by one task at a time;
+/// a task that finds its workspace in use (a `SampleSource` whose `view()` runs rayon work of its
+/// own lets rayon start another task on the waiting worker) takes a temporary one.
+///
+/// [`Output`]: crate::Output
+#[derive(Debug)]
+pub struct Preprocessor {
+    pub(super) config: Config,
+    pub(super) global_batch_sizes: Option<Vec<usize>>,
+    /// The plan was given ([`PreprocessorBuilder::plan`]) and is never re-planned.
+    pub(super) fixed_plan: bool,
+    pub(super) plan: Option<Plan>,
+    pub(super) plan_local_sizes: Vec<usize>,
+    pub(super) local_sizes: Vec<usize>,
+    pub(super) workers: Workers,
+    /// Batches of fewer ids run on the calling thread.
+    pub(super) small_batch_ids: usize,
+    pub(super) workspaces: Workspaces,
+    /// Per stack, per local SparseCore (device-major).
+    pub(super) tasks: Vec<Vec<Task>>,
+    /// Per stack: the per-SparseCore stacked batch of the current batch.
+    pub(super) batch_per_sc: Vec<usize>,
+    pub(super) minibatching: minibatch::Settings,
+}
 
 /// Builds a [`Preprocessor`].
 #[derive(Debug, Clone)]

@@ -13,35 +13,19 @@ use crate::output::Output;
 use crate::spec::{Config, Plan};
 use assemble::assemble;
 use checks::check_batches;
-use task::{run_stacks, Schedule, Task};
-use workspace::Workspaces;
+use task::{run_stacks, Mode, Schedule, Task};
+use workers::Workers;
 
 mod assemble;
 mod builder;
 mod checks;
 mod minibatch;
 mod task;
+mod workers;
 mod workspace;
 
-pub use builder::PreprocessorBuilder;
-
-/// What a run produces.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    /// Buffers and stats; exceeded limits are errors unless dropping is allowed.
-    Buffers,
-    /// Stats only.
-    StatsOnly,
-    /// Minibatching's first pass: stats, and the merged entries kept for a later fill.
-    Pass1,
-}
-
-/// The default of [`PreprocessorBuilder::small_batch_ids`]: a batch of fewer ids runs on the
-/// calling thread, its tasks one after another, whatever [`PreprocessorBuilder::threads`] says,
-/// because handing it to a pool thread and waking the caller afterwards costs more than its
-/// whole work. It sits at the low end of the crossover measured on a VM (BENCHMARKS.md, "Small
-/// batches"), since faster wake-ups move the crossover lower.
-pub const SMALL_BATCH_IDS: usize = 8192;
+pub use builder::{Preprocessor, PreprocessorBuilder};
+pub use workers::SMALL_BATCH_IDS;
 
 /// The ids of a batch, duplicates included.
 fn batch_ids(inputs: &[&dyn SampleSource]) -> usize {
@@ -49,82 +33,6 @@ fn batch_ids(inputs: &[&dyn SampleSource]) -> usize {
         .iter()
         .map(|s| s.view().num_ids())
         .fold(0usize, usize::saturating_add)
-}
-
-/// Where a preprocessor's tasks run.
-#[derive(Debug)]
-enum Workers {
-    /// rayon's global pool (no [`PreprocessorBuilder::threads`]).
-    Global,
-    /// The calling thread alone (`threads(1)`), with no pool: a pool of one would hand every
-    /// batch to its thread and put the caller to sleep until it is done, and waking it again
-    /// cost more than a small batch's whole work on a VM (BENCHMARKS.md, "Small batches").
-    CallerThread,
-    /// A dedicated pool (`threads(n)`, n ≥ 2).
-    Pool(rayon::ThreadPool),
-}
-
-impl Workers {
-    fn schedule(&self) -> Schedule {
-        match self {
-            Workers::Global | Workers::Pool(_) => Schedule::Parallel,
-            Workers::CallerThread => Schedule::InOrder,
-        }
-    }
-
-    /// Threads that may run tasks at once, one workspace each.
-    fn count(&self) -> usize {
-        match self {
-            Workers::Global => rayon::current_num_threads(),
-            Workers::CallerThread => 1,
-            Workers::Pool(pool) => pool.current_num_threads(),
-        }
-    }
-}
-
-/// Turns batches of ids into per-SparseCore CSR-wrapped COO buffers.
-///
-/// Build it once per config and call it on every batch with the same [`Output`]: plans and
-/// scratch are cached by batch shape, so steady-state batches reuse all memory.
-///
-/// A call either fills the `Output` with the whole batch or fails and leaves it empty (see
-/// [`Preprocessor::run`]); a failed call changes nothing about later results.
-///
-/// # Threads
-///
-/// `Preprocessor` is `Send + Sync`, but its calls take `&mut self`: they reuse the cached plan
-/// and per-task results, so calls on one preprocessor cannot overlap.
-/// - To share one between threads, put it in a `Mutex`. Calls then take turns, each parallel
-///   inside (on its own pool with [`PreprocessorBuilder::threads`], otherwise on rayon's global
-///   pool), except with `threads(1)` and for batches under
-///   [`PreprocessorBuilder::small_batch_ids`], which run on the calling thread. Under
-///   minibatching, call [`Preprocessor::set_batch_number`] and the run under the same lock, or
-///   another thread's number may key this step's cross-host agreement.
-/// - To preprocess several batches at the same time, give each thread its own preprocessor.
-///
-/// Either way each result is byte-identical to the same batch run alone (tests/concurrency.rs).
-/// Each preprocessor holds one scratch workspace per thread that may run its tasks, found by
-/// rayon's thread index (the calling thread takes the first), each used by one task at a time;
-/// a task that finds its workspace in use (a `SampleSource` whose `view()` runs rayon work of its
-/// own lets rayon start another task on the waiting worker) takes a temporary one.
-#[derive(Debug)]
-pub struct Preprocessor {
-    config: Config,
-    global_batch_sizes: Option<Vec<usize>>,
-    /// The plan was given ([`PreprocessorBuilder::plan`]) and is never re-planned.
-    fixed_plan: bool,
-    plan: Option<Plan>,
-    plan_local_sizes: Vec<usize>,
-    local_sizes: Vec<usize>,
-    workers: Workers,
-    /// Batches of fewer ids run on the calling thread.
-    small_batch_ids: usize,
-    workspaces: Workspaces,
-    /// Per stack, per local SparseCore (device-major).
-    tasks: Vec<Vec<Task>>,
-    /// Per stack: the per-SparseCore stacked batch of the current batch.
-    batch_per_sc: Vec<usize>,
-    minibatching: minibatch::Settings,
 }
 
 impl Preprocessor {

@@ -4,7 +4,6 @@
 use rayon::prelude::*;
 
 use super::workspace::{Workspace, Workspaces};
-use super::Mode;
 use crate::error::Error;
 use crate::extract::{extract_sc, StackCtx};
 use crate::fill::{Segment, SegmentWriter, TailFill};
@@ -43,6 +42,17 @@ pub(super) enum Schedule {
     /// One after another on the calling thread: with one worker, handing the batch to a pool
     /// thread and waking the caller afterwards cost more than a small batch's whole work.
     InOrder,
+}
+
+/// What a run produces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// Buffers and stats; exceeded limits are errors unless dropping is allowed.
+    Buffers,
+    /// Stats only.
+    StatsOnly,
+    /// Minibatching's first pass: stats, and the merged entries kept for a later fill.
+    Pass1,
 }
 
 /// Runs every (stack, device, SparseCore) task; errors are parked in the tasks.

@@ -20,7 +20,7 @@ pub struct Args {
     /// Arrow IPC or Parquet input.
     #[arg(long)]
     input: PathBuf,
-    #[arg(long, help = crate::threads_help())]
+    #[arg(long, help = crate::args::threads_help())]
     threads: Option<usize>,
     /// Timed passes (at most 100000).
     #[arg(long, default_value_t = 5, value_parser = parse_passes)]
@@ -133,7 +133,7 @@ pub fn run(a: Args) -> error::Result<()> {
         );
         if let (Some(plan), Some(out)) = (plan.as_ref(), outs.last()) {
             let stats: Vec<_> = out.stacks.iter().map(|s| &s.stats).collect();
-            let per_stack = super::count_ids(plan, inputs.last().map(Vec::as_slice).unwrap_or(&[]));
+            let per_stack = table::count_ids(plan, inputs.last().map(Vec::as_slice).unwrap_or(&[]));
             outln!("last batch:");
             table::print(
                 &table::rows(plan, &stats, &per_stack, true),

@@ -27,9 +27,9 @@ use sparsecore_bess::{
 };
 use sparsecore_prep::io::{BatchReader, OutputFile};
 
+use super::args::parse_layout;
 use super::error::{CliError, ColumnProblem, Result, ShardingUse};
 use super::outdir::{clean_stale, resolved, same_file};
-use super::parse_layout;
 use super::stdio::outln;
 
 /// `--sampler`'s names.

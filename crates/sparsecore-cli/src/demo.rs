@@ -42,7 +42,7 @@ pub fn run(threads: Option<usize>) -> error::Result<()> {
     let elapsed = start.elapsed();
 
     let plan = prep.plan().expect("a batch was planned");
-    let ids = super::count_ids(plan, &inputs);
+    let ids = table::count_ids(plan, &inputs);
     let total: u64 = ids.iter().sum();
     outln!(
         "demo batch: {} samples, {} features, {} ids, layout L/G/S = {}/{}/{}, {} stacks, preprocessed in {:.2} ms",

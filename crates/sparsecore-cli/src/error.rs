@@ -221,3 +221,8 @@ impl std::fmt::Display for ColumnProblem {
         })
     }
 }
+
+/// An I/O error with context.
+pub fn io_err(context: String) -> impl FnOnce(std::io::Error) -> sparsecore_prep::Error {
+    move |source| sparsecore_prep::Error::Io { context, source }
+}

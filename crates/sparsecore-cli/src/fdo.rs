@@ -6,10 +6,10 @@ use clap::Subcommand;
 use sparsecore_prep::fdo::{csv, npz, tune, FdoStats, LayoutKey};
 use sparsecore_prep::{Config, Error};
 
+use super::args::parse_layout;
 use super::error::{self, CliError};
-use super::outdir::clean_stale;
+use super::outdir::{clean_stale, write_config};
 use super::stdio::{outln, warning};
-use super::{parse_layout, write_config};
 
 #[derive(Subcommand)]
 pub enum Command {

@@ -11,9 +11,9 @@ use sparsecore_prep::spec::Stacking;
 use sparsecore_prep::{Error, Result};
 use sparsecore_testkit::workload::{generate, Profile, WorkloadSpec};
 
-use super::error::{self, CliError};
+use super::args::parse_layout;
+use super::error::{self, io_err, CliError};
 use super::stdio::outln;
-use super::{io_err, parse_layout};
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -1,6 +1,7 @@
 //! The `sparsecore-prep` command-line tool: argument parsing and dispatch. Each subcommand lives
 //! in its own file.
 
+mod args;
 mod balance;
 mod bench;
 mod bess;
@@ -16,11 +17,7 @@ mod soak;
 mod stdio;
 mod table;
 
-use std::path::Path;
-
 use clap::{Parser, Subcommand};
-use sparsecore_prep::input::SampleSource;
-use sparsecore_prep::{Error, Result};
 
 /// Host-side SparseCore input preprocessing: ids → CSR-wrapped COO buffers + FDO stats.
 #[derive(Parser)]
@@ -35,7 +32,7 @@ enum Command {
     /// Preprocess the bundled demo batch (criteo-like, 26 features, 256 samples, with weights)
     /// and print a per-stack table of stats and buffer usage.
     Demo {
-        #[arg(long, help = crate::threads_help())]
+        #[arg(long, help = args::threads_help())]
         threads: Option<usize>,
     },
     /// Write a deterministic synthetic workload (Arrow IPC file) and its config.
@@ -72,16 +69,6 @@ enum Command {
         #[command(subcommand)]
         command: bess::Command,
     },
-}
-
-/// The `--threads` help of every subcommand that preprocesses, naming the library's bound for
-/// batches small enough to run on the calling thread.
-fn threads_help() -> String {
-    format!(
-        "Worker threads (default: one per CPU); a batch of fewer than {} ids runs on the \
-         calling thread",
-        sparsecore_prep::SMALL_BATCH_IDS
-    )
 }
 
 /// Runs the tool and exits with its status: 0, 1 on an error (one line on stderr), 2 on a usage
@@ -121,59 +108,4 @@ fn run() -> i32 {
             1
         }
     }
-}
-
-/// Ids per stack of a batch (duplicates included).
-fn count_ids(plan: &sparsecore_prep::Plan, inputs: &[&dyn SampleSource]) -> Vec<u64> {
-    plan.stacks
-        .iter()
-        .map(|s| {
-            s.features
-                .iter()
-                .map(|&f| inputs[f].view().num_ids() as u64)
-                .sum()
-        })
-        .collect()
-}
-
-/// Parses `L/G/S`.
-fn parse_layout(s: &str) -> std::result::Result<(usize, usize, usize), String> {
-    let parts: Vec<&str> = s.split('/').collect();
-    let nums: Vec<usize> = parts.iter().filter_map(|p| p.trim().parse().ok()).collect();
-    match nums.as_slice() {
-        [l, g, sc] if parts.len() == 3 && *l > 0 && *g > 0 && *sc > 0 => Ok((*l, *g, *sc)),
-        _ => Err(format!(
-            "expected L/G/S (three integers, each at least 1), got {s:?}"
-        )),
-    }
-}
-
-/// Parses `i/N` with `i < N`.
-fn parse_shard(s: &str) -> std::result::Result<(usize, usize), String> {
-    let (i, n) = s
-        .split_once('/')
-        .ok_or_else(|| format!("expected i/N, got {s:?}"))?;
-    let (i, n): (usize, usize) = (
-        i.trim()
-            .parse()
-            .map_err(|_| format!("bad shard index in {s:?}"))?,
-        n.trim()
-            .parse()
-            .map_err(|_| format!("bad shard count in {s:?}"))?,
-    );
-    if n == 0 || i >= n {
-        return Err(format!("shard {i}/{n}: need 0 <= i < N"));
-    }
-    Ok((i, n))
-}
-
-/// Writes a config JSON atomically.
-fn write_config(path: &Path, config: &sparsecore_prep::Config) -> Result<()> {
-    outdir::clean_stale(path, false);
-    sparsecore_prep::fdo::write_atomic(path, config.to_json().as_bytes())
-}
-
-/// An I/O error with context.
-fn io_err(context: String) -> impl FnOnce(std::io::Error) -> Error {
-    move |source| Error::Io { context, source }
 }

@@ -32,8 +32,7 @@ use std::path::{Path, PathBuf};
 use sparsecore_prep::io::tmp_path;
 use sparsecore_prep::{Error, Result};
 
-use super::error::{self, CliError};
-use super::io_err;
+use super::error::{self, io_err, CliError};
 
 /// How the staged outputs reach `--out`.
 enum Mode {
@@ -465,6 +464,12 @@ pub fn resolved(p: &Path) -> PathBuf {
         (Some(Ok(dir)), Some(name)) => dir.join(name),
         _ => p,
     }
+}
+
+/// Writes a config JSON atomically.
+pub fn write_config(path: &Path, config: &sparsecore_prep::Config) -> Result<()> {
+    clean_stale(path, false);
+    sparsecore_prep::fdo::write_atomic(path, config.to_json().as_bytes())
 }
 
 #[cfg(test)]

@@ -19,11 +19,12 @@ use sparsecore_prep::input::{features_from_record_batch, SampleSource};
 use sparsecore_prep::io::BatchReader;
 use sparsecore_prep::{Config, ConfigItem, Error, Output, Preprocessor, Result, StackOutput};
 
+use super::args::parse_shard;
 use super::balance::{balanced_at, Origin};
-use super::error;
+use super::error::{self, io_err};
 use super::outdir::{clean_stale, some_names, Staged};
 use super::stdio::outln;
-use super::{count_ids, io_err, parse_shard, table};
+use super::table::{self, count_ids};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -44,7 +45,7 @@ pub struct Args {
     /// Process record batches i, i+N, ... only.
     #[arg(long, value_parser = parse_shard)]
     shard: Option<(usize, usize)>,
-    #[arg(long, help = crate::threads_help())]
+    #[arg(long, help = crate::args::threads_help())]
     threads: Option<usize>,
     /// Balance each window of W input batches (as `balance --window W`) before preprocessing it.
     #[arg(long, value_name = "W", value_parser = super::balance::parse_window)]
@@ -68,7 +69,7 @@ pub struct StatsArgs {
     /// Process record batches i, i+N, ... only.
     #[arg(long, value_parser = parse_shard)]
     shard: Option<(usize, usize)>,
-    #[arg(long, help = crate::threads_help())]
+    #[arg(long, help = crate::args::threads_help())]
     threads: Option<usize>,
 }
 

@@ -41,7 +41,7 @@ pub struct Args {
     /// Seed of the random batches.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    #[arg(long, help = crate::threads_help())]
+    #[arg(long, help = crate::args::threads_help())]
     threads: Option<usize>,
     /// Check every K-th batch against the oracle model (batches with a planted error always).
     #[arg(long, default_value_t = 10)]

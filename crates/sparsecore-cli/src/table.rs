@@ -1,5 +1,7 @@
-//! The per-stack summary table printed by `demo`, `preprocess`, `stats` and `bench`.
+//! The per-stack summary table printed by `demo`, `preprocess`, `stats` and `bench`, and the ids
+//! per stack it shows.
 
+use sparsecore_prep::input::SampleSource;
 use sparsecore_prep::spec::Plan;
 use sparsecore_prep::StackStats;
 
@@ -35,6 +37,19 @@ pub fn rows<'a>(
             stats: st,
             max_ids_limit: s.max_ids_per_partition,
             max_unique_limit: s.max_unique_ids_per_partition,
+        })
+        .collect()
+}
+
+/// Ids per stack of a batch (duplicates included).
+pub fn count_ids(plan: &sparsecore_prep::Plan, inputs: &[&dyn SampleSource]) -> Vec<u64> {
+    plan.stacks
+        .iter()
+        .map(|s| {
+            s.features
+                .iter()
+                .map(|&f| inputs[f].view().num_ids() as u64)
+                .sum()
         })
         .collect()
 }
