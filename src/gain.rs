@@ -9,7 +9,7 @@ use crate::spec::Combiner;
 /// of its sign, and a subnormal result (a quotient, a divisor, a merged sum) becomes one. This
 /// applies both, so that every gain op here and in the merge gives the reference's bits
 /// (checked by the `finite_hostile_weights` and `subnormal` reference cases in
-/// tests/hostile.rs). Normal values, zeros, infinities and NaNs pass unchanged.
+/// `tests/errors/hostile.rs`). Normal values, zeros, infinities and NaNs pass unchanged.
 #[inline(always)]
 pub(crate) fn flush_subnormal(x: f32) -> f32 {
     let bits = x.to_bits();

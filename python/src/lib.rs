@@ -1,7 +1,8 @@
 //! `sparsecore_prep._native`: the Rust half of the Python package.
 //!
-//! The Python half (`python/sparsecore_prep/__init__.py`) flattens pytrees, reads the
-//! reference's `FeatureSpec`s and builds the result objects; this module does everything that
+//! The Python half (`python/sparsecore_prep/`: `_pytree.py`, `_specs.py`, `_results.py` and the
+//! other private modules that `__init__.py` re-exports) flattens pytrees, reads the reference's
+//! `FeatureSpec`s and builds the result objects; this module does everything that
 //! touches ids: it reads numpy and Arrow memory in place (or gathers ragged rows into one flat
 //! buffer), runs the crate's pipeline with the GIL released, and hands the output buffers to
 //! numpy without copying them.

@@ -2,7 +2,7 @@
 //!
 //! Results leave Rust as plain tuples and dicts in the layout of the reference's pybind module
 //! (`row_pointers`, `embedding_ids`, `sample_ids`, `gains` dicts keyed by stack, the number of
-//! minibatches and a stats tuple); `sparsecore_prep/__init__.py` wraps them in the reference's
+//! minibatches and a stats tuple); `sparsecore_prep/_results.py` wraps them in the reference's
 //! result classes.
 
 use numpy::{PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};

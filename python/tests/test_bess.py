@@ -1,9 +1,10 @@
 """sparsecore_prep.bess: every besskge reference case through the Python API, a BessStream ->
 Preprocessor round trip, and each typed error.
 
-The cases (``shared/bess/cases``, and ``BESS_CASES_DIR`` when set) are real outputs of besskge
-(see their README); this mirrors ``crates/sparsecore-bess/tests/bess_cases.rs``: every array must
-match exactly, and a missing cases folder fails.
+The cases (``../shared/bess/cases`` or under ``SPARSECORE_SHARED``, and ``BESS_CASES_DIR`` when
+set) are real outputs of besskge (see their README); this mirrors
+``crates/sparsecore-bess/tests/bess/bess_cases.rs``: every array must match exactly. A missing
+cases folder fails here (the Rust test reports it as not run, and fails only under ``CI``).
 """
 
 from __future__ import annotations

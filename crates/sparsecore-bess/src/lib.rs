@@ -8,8 +8,8 @@
 //! (SparseCore, partition) cell: a batch that loads every cell exactly equally needs the
 //! smallest buffers and never drops ids. This crate brings the two together.
 //!
-//! **besskge, bit for bit** (`shared/bess/SPEC.md`; `tests/bess_cases.rs` checks the reference
-//! cases):
+//! **besskge, bit for bit** (`shared/bess/SPEC.md`; `tests/bess/bess_cases.rs` checks the
+//! reference cases):
 //! - [`rng`]: numpy's `default_rng` (SeedSequence + PCG64) and the draws besskge makes, because
 //!   its shardings and batches are a pure function of numpy's stream;
 //! - [`sharding`]: [`Sharding`] (`Sharding.create`, and its `.npz` so a besskge sharding can be

@@ -1,6 +1,6 @@
 //! `soak`: a long run of random batches of varying shapes through one `Preprocessor` and one
 //! reused `Output`, with every K-th result checked against the oracle model
-//! (`tests/model/mod.rs`) and the resident set size watched for growth.
+//! (`sparsecore_testkit::model`) and the resident set size watched for growth.
 //!
 //! What it catches that short tests do not: state carried from one batch to the next (plan and
 //! workspace caches, buffers resized between shapes, recovery after an error batch), slow

@@ -23,8 +23,8 @@
 //!
 //! It prints, per epoch, the mean training log loss and the held-out log loss and AUC, and exits
 //! non-zero unless the training loss fell by at least 10% from the first epoch to the last and
-//! the final held-out AUC is at least 0.70. `tests/train_ctr.rs` runs a smaller configuration of
-//! the same code.
+//! the final held-out AUC is at least 0.70. `tests/kernel/train_ctr.rs` runs a smaller
+//! configuration of the same code.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -524,7 +524,7 @@ pub fn check(reports: &[EpochReport]) -> std::result::Result<(), String> {
     Ok(())
 }
 
-#[allow(dead_code)] // tests/train_ctr.rs includes this file as a module.
+#[allow(dead_code)] // tests/kernel/train_ctr.rs includes this file as a module.
 fn main() -> ExitCode {
     let settings = Settings::default();
     let start = Instant::now();

@@ -9,9 +9,8 @@
 //! alignment padding, and the statistics. It uses plain `Vec`s and `BTreeMap`s and favours
 //! obviousness over speed.
 //!
-//! The model is meant to be included by path from tests, fuzz targets and the soak command
-//! (`#[path = "../tests/model/mod.rs"] mod model;`), so it depends only on `sparsecore_prep`
-//! and std.
+//! The tests (`tests/reference/oracle.rs`), the fuzz targets and the soak command use it as
+//! `sparsecore_testkit::model`. It depends only on `sparsecore_prep` and std.
 //!
 //! Where SPEC Part 2 is silent, the model follows SPEC Part 1 (our contract):
 //! * ids outside `[0, vocabulary_size)` are errors (with `validate_ids`, the default);

@@ -3,8 +3,10 @@
 //!
 //! Why: the stream's random reads of the triple table miss every cache (preprocessing evicts
 //! the table between steps), and a loop that copies each triple into three columns keeps only
-//! a few of those misses in flight. A hint issued a few dozen triples ahead overlaps them; a
-//! load-only read-ahead loop, which needs no `unsafe`, overlaps far fewer (MEASUREMENTS.md).
+//! a few of those misses in flight. A hint issued a few dozen triples ahead overlaps them. A
+//! load-only read-ahead loop would need no `unsafe`, but a load cannot retire before its line
+//! arrives, so the out-of-order window fills behind the first misses, while a prefetch retires
+//! at once: that is why the stream issues hints.
 
 /// Asks the CPU to start loading the cache line that holds `*r` (a no-op on other targets).
 #[inline(always)]
