@@ -19,7 +19,7 @@
 //! | `List<Int32>` | the value widened to int64, then 8 little-endian bytes (so `5` hashes alike in both) |
 //!
 //! XXH3 is a published, frozen algorithm (xxHash 0.8), so the id of a key never changes between
-//! versions of this crate; `tests/hash.rs` pins it with vectors computed by the reference
+//! versions of this crate; `tests/pipeline/hash.rs` pins it with vectors computed by the reference
 //! implementation (Python's `xxhash.xxh3_64_intdigest`). The full 64-bit `key` is what dynamic
 //! tables (`sparsecore_kernel::dynamic`) are keyed by; static tables use `key mod vocabulary_size`.
 //!

@@ -29,7 +29,7 @@ use crate::spec::{Config, Plan};
 ///   another thread's number may key this step's cross-host agreement.
 /// - To preprocess several batches at the same time, give each thread its own preprocessor.
 ///
-/// Either way each result is byte-identical to the same batch run alone (tests/concurrency.rs).
+/// Either way each result is byte-identical to the same batch run alone (`tests/pipeline/concurrency.rs`).
 /// Each preprocessor holds one scratch workspace per thread that may run its tasks, found by
 /// rayon's thread index (the calling thread takes the first), each used by one task at a time;
 /// a task that finds its workspace in use (a `SampleSource` whose `view()` runs rayon work of its
