@@ -62,12 +62,19 @@ pub struct StackOutput {
     tail_arrays: [(usize, usize); 3],
 }
 
-/// Where an array's memory is and how long it is: what `tail_extents` are valid for.
-fn identity<T>(v: &[T]) -> (usize, usize) {
-    (v.as_ptr() as usize, v.len())
-}
-
 impl StackOutput {
+    /// Where each COO array's memory is and how long it is: what `tail_extents` are valid for.
+    fn coo_arrays(&self) -> [(usize, usize); 3] {
+        fn identity<T>(v: &[T]) -> (usize, usize) {
+            (v.as_ptr() as usize, v.len())
+        }
+        [
+            identity(&self.embedding_ids),
+            identity(&self.sample_ids),
+            identity(&self.gains),
+        ]
+    }
+
     fn prepare(
         &mut self,
         plan: &Plan,
@@ -144,11 +151,7 @@ impl StackOutput {
         self.embedding_ids.resize(c, 0);
         self.sample_ids.resize(c, 0);
         self.gains.resize(c, 0.0);
-        let arrays = [
-            identity(&self.embedding_ids),
-            identity(&self.sample_ids),
-            identity(&self.gains),
-        ];
+        let arrays = self.coo_arrays();
         if reshaped
             || arrays != self.tail_arrays
             || self.tail_extents.len() != segments
@@ -193,11 +196,7 @@ impl StackOutput {
         }
         // Segments split the arrays evenly: L * S of `cs` slots.
         let cs = c / extents.len();
-        let arrays = [
-            identity(&self.embedding_ids),
-            identity(&self.sample_ids),
-            identity(&self.gains),
-        ];
+        let arrays = self.coo_arrays();
         if extents.len() != self.tail_extents.len()
             || arrays.iter().any(|&(_, len)| len != c)
             || extents.iter().any(|&e| e as usize > cs)
