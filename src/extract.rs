@@ -273,6 +273,26 @@ impl RowEncoder {
     }
 }
 
+/// Writes one weighted row's [`KeyStorage::GainBelowKey`] elements (`key << 32 | gain bits`)
+/// into `slots` (as long as `ids` and `weights`); true if an id is out of range.
+#[inline(always)]
+fn write_gain_below_key<T: InputInt>(
+    slots: &mut [std::mem::MaybeUninit<u64>],
+    ids: &[T],
+    weights: &[f32],
+    enc: RowEncoder,
+    data: u32,
+    gain: impl Fn(f32) -> f32,
+) -> bool {
+    let mut bad = false;
+    for ((slot, &id), &w) in slots.iter_mut().zip(ids).zip(weights) {
+        let id = id.to_i64() as u64;
+        bad |= id >= enc.vocab;
+        slot.write((enc.key(id, data) << 32) | gain(w).to_bits() as u64);
+    }
+    bad
+}
+
 /// Keys appended to `narrow_keys` (`u32`) or `wide_keys` (`u64`).
 struct KeyVec<'a, E>(&'a mut Vec<E>);
 
@@ -603,7 +623,24 @@ impl SliceExtractor<'_, '_> {
         self.out_of_range(r, ids[k].to_i64())
     }
 
+    /// Ragged rows with weights, or in a weighted stack. Compiled twice (see [`crate::isa`]):
+    /// the per-id loops of [`SliceExtractor::weighted_row`] are most of a weighted batch's
+    /// extraction.
     fn ragged<T: InputInt>(
+        &mut self,
+        ids: &[T],
+        offsets: Offsets<'_>,
+        weights: Option<(&[f32], Offsets<'_>)>,
+        rows: Range<usize>,
+    ) -> Result<()> {
+        let extractor = self;
+        crate::dispatch_v3!(<T: InputInt> (extractor: &mut SliceExtractor<'_, '_>, ids: &[T], offsets: Offsets<'_>, weights: Option<(&[f32], Offsets<'_>)>, rows: Range<usize>) -> Result<()> {
+            extractor.ragged_body(ids, offsets, weights, rows)
+        })
+    }
+
+    #[inline(always)]
+    fn ragged_body<T: InputInt>(
         &mut self,
         ids: &[T],
         offsets: Offsets<'_>,
@@ -821,7 +858,7 @@ impl SliceExtractor<'_, '_> {
 
     /// A row with weights (or weights of 1.0, see [`SliceExtractor::row`]), in loops whose state
     /// the compiler keeps in registers.
-    #[inline]
+    #[inline(always)]
     #[allow(unsafe_code)]
     fn weighted_row<T: InputInt>(&mut self, r: usize, ids: &[T], weights: &[f32]) -> Result<()> {
         let n = ids.len();
@@ -847,30 +884,28 @@ impl SliceExtractor<'_, '_> {
         let (vocab, check) = (self.plan.vocabulary_size, self.ctx.validate_ids);
         let enc = self.encoder();
         let row_id = self.row_base + (r - self.start) as u32;
-        let mut bad = false;
         let storage = enc.format.storage();
-        if enc.format.gains == Gains::InKey {
+        let bad = if enc.format.gains == Gains::InKey {
             let data = row_id - self.out.first_row;
             self.note_payloads(data, data);
             if storage == KeyStorage::GainBesideKey {
-                bad = write_keys(&mut self.out.wide_keys, ids, enc, std::iter::repeat(data));
                 self.out.key_gains.extend(weights.iter().map(|&w| gain(w)));
+                write_keys(&mut self.out.wide_keys, ids, enc, std::iter::repeat(data))
             } else {
                 let keys = &mut self.out.wide_keys;
                 keys.reserve(n);
                 let len = keys.len();
-                for ((slot, &id), &w) in keys.spare_capacity_mut()[..n]
-                    .iter_mut()
-                    .zip(ids)
-                    .zip(weights)
-                {
-                    let id = id.to_i64() as u64;
-                    bad |= id >= enc.vocab;
-                    slot.write((enc.key(id, data) << 32) | gain(w).to_bits() as u64);
-                }
-                // SAFETY: after `reserve`, the spare capacity holds at least n slots, and the
-                // loop initialised the first n of them.
+                let slots = &mut keys.spare_capacity_mut()[..n];
+                // The sum's gain is the flushed weight: its own loop, free of the combiner test.
+                let bad = if combiner == Combiner::Sum {
+                    write_gain_below_key(slots, ids, weights, enc, data, flush_subnormal)
+                } else {
+                    write_gain_below_key(slots, ids, weights, enc, data, gain)
+                };
+                // SAFETY: after `reserve`, the spare capacity holds at least n slots, and
+                // `write_gain_below_key` initialised all n of them (ids and weights are n long).
                 unsafe { keys.set_len(len + n) };
+                bad
             }
         } else {
             let first = self.out.index_rows.len();
@@ -881,16 +916,16 @@ impl SliceExtractor<'_, '_> {
                     format!("the input's offsets or indices are inconsistent: {} ids read, past the {} counted up front", first + n, 1u64 << enc.format.data_bits),
                 ));
             }
-            // The payload is the extraction index.
-            bad = if storage == KeyStorage::Narrow {
-                write_keys(&mut self.out.narrow_keys, ids, enc, first as u32..)
-            } else {
-                write_keys(&mut self.out.wide_keys, ids, enc, first as u32..)
-            };
             self.out
                 .index_rows
                 .extend(weights.iter().map(|&w| (row_id, gain(w))));
-        }
+            // The payload is the extraction index.
+            if storage == KeyStorage::Narrow {
+                write_keys(&mut self.out.narrow_keys, ids, enc, first as u32..)
+            } else {
+                write_keys(&mut self.out.wide_keys, ids, enc, first as u32..)
+            }
+        };
         if bad && check {
             let id = ids
                 .iter()
