@@ -24,8 +24,22 @@ pub fn sort_and_group(
 /// Sorts the extracted keys and runs the walk of SPEC 3.7 over them, sending kept entries to
 /// `sink`, which is taken by value (so that its state stays in registers) and handed back.
 /// Large key sets are sorted chunk by chunk (see [`sort::split`]), each chunk walked right
-/// after its sort, while it is in cache.
+/// after its sort, while it is in cache. Compiled twice (see [`crate::isa`]): the walk's
+/// variable shifts and selects are single instructions on x86-64-v3.
 pub fn sort_and_walk<S: EntrySink>(
+    ex: &mut Extracted,
+    scratch: &mut SortScratch,
+    limits: Limits,
+    sink: S,
+    stats: &mut ScStats,
+) -> S {
+    crate::dispatch_v3!(<S: EntrySink> (ex: &mut Extracted, scratch: &mut SortScratch, limits: Limits, sink: S, stats: &mut ScStats) -> S {
+        sort_and_walk_body(ex, scratch, limits, sink, stats)
+    })
+}
+
+#[inline(always)]
+fn sort_and_walk_body<S: EntrySink>(
     ex: &mut Extracted,
     scratch: &mut SortScratch,
     limits: Limits,
