@@ -18,7 +18,21 @@ use rayon::{ThreadPool, ThreadPoolBuilder};
 
 static POOL: Mutex<Option<(u32, Arc<ThreadPool>)>> = Mutex::new(None);
 
-/// This process's pool (one thread per CPU, as rayon's global pool).
+/// The reference's thread-count variable, with its meaning: a whole number `n` (ASCII
+/// whitespace around it allowed) sizes the pool only when `0 < n <` the CPUs this process may
+/// run on; anything else leaves the default.
+pub const THREADS_ENV: &str = "SPARSECORE_INPUT_PREPROCESSING_THREADS";
+
+/// The pool size [`THREADS_ENV`] asks for, given the variable's value and the CPUs this process
+/// may run on (`None`: the default, one thread per CPU or `RAYON_NUM_THREADS`).
+pub fn threads_from_env(value: Option<&str>, cpus: usize) -> Option<usize> {
+    let n: i64 = value?.trim_ascii().parse().ok()?;
+    (0 < n && (n as u64) < cpus as u64).then_some(n as usize)
+}
+
+/// This process's pool: [`THREADS_ENV`]'s size when it sets one, as the reference's pool does,
+/// else one thread per CPU (as rayon's global pool, `RAYON_NUM_THREADS` included). Read once,
+/// when the process first needs the pool.
 pub fn pool() -> PyResult<Arc<ThreadPool>> {
     let pid = std::process::id();
     let mut slot = POOL.lock().unwrap_or_else(|e| e.into_inner());
@@ -32,11 +46,35 @@ pub fn pool() -> PyResult<Arc<ThreadPool>> {
     if let Some(inherited) = slot.take() {
         std::mem::forget(inherited);
     }
-    let pool = ThreadPoolBuilder::new()
-        .thread_name(|i| format!("sparsecore-prep-{i}"))
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut builder = ThreadPoolBuilder::new().thread_name(|i| format!("sparsecore-prep-{i}"));
+    if let Some(n) = threads_from_env(std::env::var(THREADS_ENV).ok().as_deref(), cpus) {
+        builder = builder.num_threads(n);
+    }
+    let pool = builder
         .build()
         .map_err(|e| PyRuntimeError::new_err(format!("cannot start the thread pool: {e}")))?;
     let pool = Arc::new(pool);
     *slot = Some((pid, pool.clone()));
     Ok(pool)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::threads_from_env;
+
+    #[test]
+    fn the_variable_counts_only_below_the_cpus() {
+        assert_eq!(threads_from_env(Some("3"), 8), Some(3));
+        assert_eq!(threads_from_env(Some(" 2\n"), 8), Some(2));
+        assert_eq!(threads_from_env(Some("+1"), 8), Some(1));
+        assert_eq!(threads_from_env(Some("8"), 8), None);
+        assert_eq!(threads_from_env(Some("9"), 8), None);
+        assert_eq!(threads_from_env(Some("0"), 8), None);
+        assert_eq!(threads_from_env(Some("-2"), 8), None);
+        assert_eq!(threads_from_env(Some("two"), 8), None);
+        assert_eq!(threads_from_env(Some("1.5"), 8), None);
+        assert_eq!(threads_from_env(None, 8), None);
+        assert_eq!(threads_from_env(Some("1"), 1), None);
+    }
 }
