@@ -42,18 +42,25 @@ COMMITS = {
 
 _PKG = "jax_tpu_embedding/sparsecore"
 # The reference's tests that reach embedding.preprocess_sparse_dense_matmul_input (or
-# _from_sparse_tensor) and run on a CPU, and the helpers they import. Tests among them that need
-# a TPU fail or skip on the reference here, and are left out of the comparison by it.
-TEST_FILES = (
+# _from_sparse_tensor) and run on a CPU, and the helpers they import. A test that fails on the
+# reference here is left out of the comparison by that. The others that reach the calls (Flax's
+# embed tests, the primitives' tests, tpu_sparse_dense_matmul's) also run the SparseCore's custom
+# calls, which a CPU does not have ("No registered implementation for untyped custom call to
+# SparseDenseMatmulOp for Host"); tests/test_install.py runs Flax's preprocess_inputs instead.
+TESTS = (
     f"{_PKG}/lib/nn/tests/preprocess_sparse_dense_matmul_input_test.py",
     f"{_PKG}/lib/nn/tests/minibatching_test.py",
-    f"{_PKG}/lib/flax/linen/tests/embed_test.py",
+    # The one test of the sparse COO entry point; the rest of the file is about specs and tables.
+    f"{_PKG}/lib/nn/tests/embedding_test.py::EmbeddingTest::test_preprocess_sparse_dense_matmul_input_from_sparse_tensor",
 )
-# Tests that abort the reference's process on a CPU (one device, so the limits its inputs were made
-# for are exceeded: "Observed max ids per partition: 2 ... greater than the set max ids per
-# partition: 1"), which would end the whole pytest run; left out of both runs.
+# Left out of both runs: tests that abort the reference's process on a CPU (one device, so the
+# limits their inputs were made for are exceeded: "Observed max ids per partition: 2 ... greater
+# than the set max ids per partition: 1"), which would end the whole pytest run, and tests of the
+# SparseCore's custom calls.
 DESELECT = (
     f"{_PKG}/lib/nn/tests/minibatching_test.py::MultiHostMinibatchingTest",
+    f"{_PKG}/lib/nn/tests/minibatching_test.py::SingleHostMinibatchingTest::test_single_host_minibatching_forward_pass",
+    f"{_PKG}/lib/nn/tests/minibatching_test.py::SingleHostMinibatchingTest::test_single_host_minibatching_backward_pass",
 )
 HELPERS = (
     f"{_PKG}/lib/core/tests/test_utils.py",
@@ -61,7 +68,8 @@ HELPERS = (
 )
 
 # Adds the extracted `tests` packages to the installed reference, gives the CPU a SparseCore
-# count, swaps our calls in for the "ours" run, and records per test how many calls reached the two functions.
+# count, swaps our calls in for the "ours" run, and records per test how many calls reached the
+# two functions.
 _CONFTEST = r'''
 import json
 import os
@@ -73,8 +81,7 @@ HERE = pathlib.Path(__file__).parent
 
 import jax_tpu_embedding.sparsecore.lib.core as _core
 import jax_tpu_embedding.sparsecore.lib.nn as _nn
-import jax_tpu_embedding.sparsecore.lib.flax.linen as _linen
-for _mod, _sub in ((_core, "lib/core"), (_nn, "lib/nn"), (_linen, "lib/flax/linen")):
+for _mod, _sub in ((_core, "lib/core"), (_nn, "lib/nn")):
   _mod.__path__.append(str(HERE / "jax_tpu_embedding/sparsecore" / _sub))
 
 from jax_tpu_embedding.sparsecore.lib.nn import embedding
@@ -163,10 +170,11 @@ def _from_github(commit: str, paths, dest: pathlib.Path) -> list[str]:
 
 
 def extract(dest: pathlib.Path, version: str, git_dir: pathlib.Path | None = None) -> list[str]:
-  """Writes the test files of `version` under `dest` (with the conftest); returns the test files
-  found at that commit. OSError or CalledProcessError when neither source has them."""
+  """Writes the test files of `version` under `dest` (with the conftest); returns the entries of
+  TESTS whose file is there at that commit. OSError or CalledProcessError when neither source has them."""
   commit = COMMITS[version]
-  paths = TEST_FILES + HELPERS
+  files = tuple(dict.fromkeys(t.split("::")[0] for t in TESTS))
+  paths = files + HELPERS
   git_dir = git_dir or default_git_dir()
   if (git_dir / "HEAD").exists() or (git_dir / ".git").exists():
     present = _from_git(git_dir, commit, paths, dest)
@@ -177,7 +185,7 @@ def extract(dest: pathlib.Path, version: str, git_dir: pathlib.Path | None = Non
     if not init.exists():
       init.write_text("")
   (dest / "conftest.py").write_text(_CONFTEST)
-  return [p for p in present if p in TEST_FILES]
+  return [t for t in TESTS if t.split("::")[0] in present]
 
 
 def run(dest: pathlib.Path, tests: list[str], ours: bool, python: str = sys.executable) -> dict:
