@@ -200,6 +200,7 @@ def _stack_and_shard(embedding_utils, specs, ids, weights):
 @pytest.mark.parametrize("weighted", [True, False])
 def test_keras_rs_stack_and_shard_samples(embedding, weighted):
   embedding_utils = _require("keras_rs.src.layers.embedding.jax.embedding_utils")
+  import jax
   from jax.experimental import multihost_utils
 
   specs = _specs(embedding)
@@ -213,25 +214,20 @@ def test_keras_rs_stack_and_shard_samples(embedding, weighted):
     assert type(got_stats) is type(want_stats) is embedding.SparseDenseMatmulInputStats
     want, want_starts = _as_case_dicts(want_out, want_stats)
     got, got_starts = _as_case_dicts(got_out, got_stats)
-    assert sorted(got["row_pointers"]) == sorted(specs_stacks(embedding, specs))
+    assert sorted(got["row_pointers"]) == sorted(embedding.get_stacked_table_specs(specs))
     compare(case, want, got)
     for stack in want_starts:
       np.testing.assert_array_equal(got_starts[stack], want_starts[stack])
     assert sum(int(v) for v in got_stats.id_drop_counters.values()) == 0
 
     # keras-rs's update_stats step gathers the stats over processes (one here) and takes maxima.
-    gathered = {name: multihost_utils.process_allgather(s) for name, s in (("want", want_stats), ("got", got_stats))}
-    for name in gathered:
-      gathered[name] = __import__("jax").tree.map(np.max, gathered[name])
+    gathered = {name: jax.tree.map(np.max, multihost_utils.process_allgather(s))
+                for name, s in (("want", want_stats), ("got", got_stats))}
     for field in ("max_ids_per_partition", "max_unique_ids_per_partition", "required_buffer_size_per_sc"):
       w, g = getattr(gathered["want"], field), getattr(gathered["got"], field)
       assert sorted(w) == sorted(g)
       for stack in w:
         assert int(g[stack]) == int(w[stack]) == int(np.max(getattr(want_stats, field)[stack])), (field, stack)
-
-
-def specs_stacks(embedding, specs):
-  return list(embedding.get_stacked_table_specs(specs))
 
 
 # ---- Flax linen SparseCoreEmbed.preprocess_inputs -----------------------------------------------
