@@ -17,6 +17,11 @@ Three entry points:
 * :class:`FdoStats` merges per-batch FDO statistics from any number of
   workers and tunes a config from them; :class:`FdoStatsMapper` is the
   :class:`Preprocessor` shaped for ``ray.data.Dataset.map_batches``.
+* :func:`install` (or ``with`` :func:`installed`) routes the reference's
+  own ``embedding.preprocess_sparse_dense_matmul_input`` and
+  ``..._from_sparse_tensor`` to the two drop-in calls, so training code that
+  calls them through the reference (keras-rs, the Flax layers) runs ours
+  unchanged.
 * Multi-host minibatching: both take an ``all_reduce_interface`` from
   :func:`get_all_reduce_interface` (the reference's signature; our
   authenticated TCP all-reduce), :class:`JaxDistributedAllReduce` (over the
@@ -51,6 +56,7 @@ from ._errors import (
     SparseCorePrepError,
 )
 from ._fdo import FdoStats
+from ._install import ReferenceNotInstalledError, install, installed, is_installed, uninstall
 from ._preprocessor import FdoStatsMapper, Preprocessor
 from ._results import PreprocessedInput, SparseDenseMatmulInput, SparseDenseMatmulInputStats
 
@@ -75,8 +81,12 @@ __all__ = [
     "SparseDenseMatmulInputStats",
     "TcpAllReduce",
     "get_all_reduce_interface",
+    "install",
+    "installed",
+    "is_installed",
     "preprocess_sparse_dense_matmul_input",
     "preprocess_sparse_dense_matmul_input_from_sparse_tensor",
+    "uninstall",
 ]
 
 __version__ = _native.__version__

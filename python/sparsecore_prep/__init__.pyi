@@ -1,6 +1,7 @@
 """Type stubs of sparsecore_prep (the documentation is in the docstrings of __init__.py and of the
 private modules that define each name)."""
 
+import contextlib
 import dataclasses
 import os
 from typing import Any, Iterable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
@@ -13,6 +14,7 @@ from ._errors import InputTypeError as InputTypeError
 from ._errors import InvalidInputError as InvalidInputError
 from ._errors import LimitExceededError as LimitExceededError
 from ._errors import SparseCorePrepError as SparseCorePrepError
+from ._install import ReferenceNotInstalledError as ReferenceNotInstalledError
 from ._native import TcpAllReduce as TcpAllReduce
 
 __version__: str
@@ -75,6 +77,18 @@ def get_all_reduce_interface(
     bind_address: str | None = None,
 ) -> TcpAllReduce:
   """This host's authenticated TCP all-reduce (the reference's signature)."""
+
+def install() -> None:
+  """Routes jax_tpu_embedding's embedding.preprocess_sparse_dense_matmul_input (and _from_sparse_tensor) to ours."""
+
+def uninstall() -> None:
+  """Undoes one install(); the last one puts the reference's functions back."""
+
+def is_installed() -> bool:
+  """Whether the reference's calls are routed to ours."""
+
+def installed() -> contextlib.AbstractContextManager[None]:
+  """install() for the duration of a with block."""
 
 class JaxDistributedAllReduce:
   """An all-reduce over the jax.distributed coordination service's key-value store."""
