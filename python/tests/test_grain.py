@@ -531,3 +531,20 @@ def test_tune_as_update_preprocessing_parameters(files):
   for i in range(len(src)):
     _, stats, _ = stage.map(src[i])
     assert all(int(v) == 0 for v in stats.id_drop_counters.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# examples/grain_train.py
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not ref.reference_available(), reason="the example uses the reference's specs")
+def test_grain_train_example_learns():
+  root = os.path.abspath(os.path.join(HERE, "..", ".."))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+      p for p in (os.path.join(root, "python"), os.environ.get("PYTHONPATH")) if p))
+  proc = subprocess.run([sys.executable, os.path.join(root, "examples", "grain_train.py")], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  last = proc.stdout.strip().splitlines()[-1]
+  assert last.startswith("held-out AUC: ") and float(last.split()[-1]) >= 0.70, last
