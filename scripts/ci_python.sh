@@ -111,9 +111,11 @@ readme_install=""
 # 0.2.0 a fixed subset runs: the golden cases, the differential tests with DIFF_CASES 40 (unless
 # set), the drop-in inside keras-rs, Flax and the FDO clients, and the reference's own tests.
 require_ray=1
+require_grain=1
 tests=(python/tests)
 if [ "$ref_version" != 0.1.0 ]; then
   require_ray=""
+  require_grain=""
   export DIFF_CASES="${DIFF_CASES:-40}"
   tests=(python/tests/test_golden.py python/tests/test_differential.py python/tests/test_install.py
     python/tests/test_fdo_clients.py python/tests/test_reference_suite.py)
@@ -121,7 +123,7 @@ fi
 case " $* " in *" python/"*) ;; *) set -- "${tests[@]}" "$@" ;; esac
 log "pytest (jax-tpu-embedding $ref_version) $*"
 SPARSECORE_SHARED="$shared" SPARSECORE_PREP_CLI="$cli" \
-  REQUIRE_REFERENCE=1 REQUIRE_RAY="$require_ray" REQUIRE_GOLDEN=1 JAX_PLATFORMS=cpu SPARSECORE_README_INSTALL="$readme_install" \
+  REQUIRE_REFERENCE=1 REQUIRE_RAY="$require_ray" REQUIRE_GRAIN="$require_grain" REQUIRE_GOLDEN=1 JAX_PLATFORMS=cpu SPARSECORE_README_INSTALL="$readme_install" \
   "$py" -m pytest -q -p no:cacheprovider -rs "$@"
 t3=$(date +%s)
 log "setup $((t1 - t0)) s, build $((t2 - t1)) s, tests $((t3 - t2)) s"
