@@ -6,8 +6,12 @@ module (for pickle), so string annotations would resolve there, where ``np`` and
 not; evaluated now, ``typing.get_type_hints`` reads them from the classes themselves.
 """
 
+import contextlib
 import dataclasses
+import importlib.util
 import sys
+import threading
+import warnings
 from typing import Mapping, NamedTuple
 
 import numpy as np
@@ -82,6 +86,12 @@ class PreprocessedInput:
     """Combined gains per stack."""
     return self.sparse_dense_matmul_input.lhs_gains
 
+  def __iter__(self):
+    """The four buffer mappings, as the reference's class iterates (deprecated there too)."""
+    warnings.warn("Please use attributed lookup on sparse_dense_matmul_input attribute.", DeprecationWarning,
+                  stacklevel=2)
+    return iter(self.sparse_dense_matmul_input)
+
 
 def _result_types():
   """The reference's own result classes when it is already imported, else ours.
@@ -99,7 +109,42 @@ def _result_types():
   return SparseDenseMatmulInput, PreprocessedInput, SparseDenseMatmulInputStats
 
 
+# Our dataclasses become JAX pytrees as soon as jax is imported, so that `jax.tree.map` (for
+# example `jax.make_array_from_process_local_data` over a result) reaches their arrays. Their
+# children are the reference's, in its order: a flax `PyTreeNode` and `struct.dataclass` flatten
+# every field, in declaration order (the NamedTuple is a pytree already). jax is never imported
+# on our behalf (seconds); the check runs at import and with every result.
+_PYTREE_FIELDS = {
+    PreprocessedInput: ("sparse_dense_matmul_input", "num_minibatches"),
+    SparseDenseMatmulInputStats: ("max_ids_per_partition", "max_unique_ids_per_partition",
+                                  "required_buffer_size_per_sc", "id_drop_counters"),
+}
+_pytrees_registered = False
+_pytree_lock = threading.Lock()
+
+
+def _register_pytrees() -> None:
+  """Registers the result dataclasses with jax.tree_util, once, if jax is imported."""
+  global _pytrees_registered
+  if _pytrees_registered or "jax" not in sys.modules:
+    return
+  with _pytree_lock:
+    if _pytrees_registered:
+      return
+    try:
+      from jax import tree_util
+    except ImportError:  # a jax that fails to import leaves plain objects
+      return
+    for cls, fields in _PYTREE_FIELDS.items():
+      try:
+        tree_util.register_dataclass(cls, data_fields=list(fields), meta_fields=[])
+      except ValueError:  # registered already (the module reloaded)
+        pass
+    _pytrees_registered = True
+
+
 def _wrap(raw, local_device_count: int, has_leading_dimension: bool, minibatches_dtype=np.int64):
+  _register_pytrees()
   rp, eid, sid, gains, num_minibatches, (max_ids, max_unique, required, dropped) = raw
   matmul_input, preprocessed, stats_type = _result_types()
   # int64 as the reference's NumPy path makes it, int32 on its sparse COO path.
@@ -117,3 +162,31 @@ def _wrap(raw, local_device_count: int, has_leading_dimension: bool, minibatches
 for _cls in (SparseDenseMatmulInput, SparseDenseMatmulInputStats, PreprocessedInput):
   _cls.__module__ = "sparsecore_prep"
 del _cls
+
+class _AfterJaxImport:
+  """A one-shot `sys.meta_path` finder: when jax is imported after this package, registers the
+  result classes right after jax's own module has run, so that results made before, and
+  results of other threads, are pytrees from then on."""
+
+  def find_spec(self, name, path=None, target=None):
+    if name != "jax":
+      return None
+    with contextlib.suppress(ValueError):
+      sys.meta_path.remove(self)
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+      return spec
+    run = spec.loader.exec_module
+
+    def exec_module(module):
+      run(module)
+      _register_pytrees()
+
+    spec.loader.exec_module = exec_module
+    return spec
+
+
+if "jax" in sys.modules:
+  _register_pytrees()
+else:
+  sys.meta_path.insert(0, _AfterJaxImport())
