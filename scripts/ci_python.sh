@@ -118,7 +118,8 @@ if [ "$ref_version" != 0.1.0 ]; then
   require_grain=""
   export DIFF_CASES="${DIFF_CASES:-40}"
   tests=(python/tests/test_golden.py python/tests/test_differential.py python/tests/test_install.py
-    python/tests/test_fdo_clients.py python/tests/test_reference_suite.py)
+    python/tests/test_fdo_clients.py python/tests/test_reference_suite.py python/tests/test_option_errors.py
+    python/tests/test_pytrees.py)
 fi
 case " $* " in *" python/"*) ;; *) set -- "${tests[@]}" "$@" ;; esac
 log "pytest (jax-tpu-embedding $ref_version) $*"

@@ -53,16 +53,73 @@ def _weights_leaf(leaf):
   return leaf
 
 
-def _check_options(sharding_strategy, num_sc_per_device) -> None:
-  if not isinstance(sharding_strategy, str) or sharding_strategy.upper() != "MOD":
-    raise ConfigError(f"Unsupported sharding strategy: {sharding_strategy}. Only MOD is supported.",
-                      field="sharding_strategy")
+# SparseCores per chip of the TPU kinds that have them, by `jax.Device.device_kind` (the names
+# both releases of the reference know), for num_sc_per_device=None without the reference.
+_SC_PER_DEVICE_KIND = {"TPU v5": 4, "TPU v5p": 4, "TPU v6e": 2, "TPU v6 lite": 2, "TPU7x": 2}
+
+
+def _num_sc_per_device_of_device() -> int:
+  """num_sc_per_device=None: as the reference resolves it, the SparseCore count of the first JAX
+  device, with its ValueError texts (as a ConfigError, a ValueError) for a device without
+  SparseCores, such as the CPU. The reference's own resolver when it is installed."""
+  try:
+    from jax_tpu_embedding.sparsecore.utils import utils
+  except ImportError:
+    utils = None
+  try:
+    if utils is not None:
+      return int(utils.num_sparsecores_per_device())
+    import jax
+
+    device = jax.devices()[0]
+    if not hasattr(device, "device_kind"):
+      raise ValueError(f"Cannot determine device kind for device: {device}")
+    if device.device_kind not in _SC_PER_DEVICE_KIND:
+      raise ValueError(f"Unknown sparsecore count for device kind: {device.device_kind}")
+    return _SC_PER_DEVICE_KIND[device.device_kind]
+  except ImportError:
+    raise ConfigError("num_sc_per_device is None and jax is not installed to find the device's SparseCores",
+                      field="num_sc_per_device") from None
+  except ValueError as e:
+    raise ConfigError(str(e), field="num_sc_per_device") from None
+
+
+def _check_options(sharding_strategy, num_sc_per_device, local_device_count, global_device_count) -> int:
+  """Checks the options in the order, and with the ValueError texts, of the reference's current
+  release (0.2.0; 0.1.0 aborted the process on most of them); returns num_sc_per_device (None:
+  the first device's count)."""
   if num_sc_per_device is None:
-    raise ConfigError("num_sc_per_device must be given (there is no TPU to detect it from)", field="num_sc_per_device")
+    num_sc_per_device = _num_sc_per_device_of_device()
   # The reference's Python functions take only the SparseCore counts of the TPUs it knows (2 and
   # 4), with this message; its C++ layer, and `Preprocessor` here, take any power of two.
   if num_sc_per_device not in _REFERENCE_SC_PER_DEVICE:
     raise ConfigError(f"Invalid num_sc_per_device: {num_sc_per_device}", field="num_sc_per_device")
+  if not isinstance(sharding_strategy, str) or sharding_strategy.upper() != "MOD":
+    raise ConfigError(f"Unsupported sharding strategy: {sharding_strategy}. Only MOD is supported.",
+                      field="sharding_strategy")
+  local, global_ = int(local_device_count), int(global_device_count)
+  if local <= 0:
+    raise ConfigError(f"local_device_count must be greater than 0, but got {local}", field="local_device_count")
+  if global_ <= 0:
+    raise ConfigError(f"global_device_count must be greater than 0, but got {global_}", field="global_device_count")
+  if global_ < local:
+    raise ConfigError("global_device_count must be greater than or equal to local_device_count, "
+                      f"but got {global_} vs {local}", field="global_device_count")
+  total = global_ * int(num_sc_per_device)
+  if total & (total - 1):
+    raise ConfigError(f"Total number of SparseCores ({total}) must be a power of 2.", field="global_device_count")
+  return num_sc_per_device
+
+
+def _usable_all_reduce(all_reduce_interface, local_device_count, global_device_count):
+  """The reference's own interface object (its get_all_reduce_interface) cannot be called from
+  Python. A single host (local == global devices) has no other host to agree with, so there it is
+  not needed and is left out (the OR over one host is its own value); on several hosts the native
+  call rejects it with a ConfigError naming the interfaces it takes."""
+  if (all_reduce_interface is not None and not hasattr(all_reduce_interface, "all_reduce_or")
+      and int(local_device_count) == int(global_device_count)):
+    return None
+  return all_reduce_interface
 
 
 # SparseCores per device of the TPUs the reference knows (v5p: 4; v6e and 7x: 2).
@@ -93,7 +150,7 @@ def preprocess_sparse_dense_matmul_input(
     feature_specs,
     local_device_count: int,
     global_device_count: int,
-    num_sc_per_device: int,
+    num_sc_per_device: int | None = None,
     sharding_strategy: str = "MOD",
     has_leading_dimension: bool = False,
     allow_id_dropping: bool = False,
@@ -122,7 +179,9 @@ def preprocess_sparse_dense_matmul_input(
       python/README.md, "Feature specs", works).
     local_device_count: L, devices fed by this host.
     global_device_count: G, devices in the job.
-    num_sc_per_device: S, SparseCores per device (there is no TPU to ask).
+    num_sc_per_device: S, SparseCores per device; None asks the first JAX
+      device, as the reference does (a CPU has none: a ConfigError, which is
+      a ValueError, with the reference's text).
     sharding_strategy: only "MOD" (any case).
     has_leading_dimension: arrays shaped ``[L, ...]`` instead of flat.
     allow_id_dropping: drop ids over the limits (counted in the stats) instead
@@ -155,12 +214,15 @@ def preprocess_sparse_dense_matmul_input(
       peer missing, dead or too slow, or the interface raised; a
       ``RuntimeError``).
   """
-  _check_options(sharding_strategy, num_sc_per_device)
+  num_sc_per_device = _check_options(sharding_strategy, num_sc_per_device, local_device_count, global_device_count)
+  all_reduce_interface = _usable_all_reduce(all_reduce_interface, local_device_count, global_device_count)
   if not features_weights:
     features_weights = None
   f_leaves, f_struct = _leaves_and_structure(features)
   s_leaves, s_struct = _leaves_and_structure(feature_specs)
   _check_structure(features, f_struct, feature_specs, s_struct, "features", "feature_specs")
+  if not s_leaves:
+    raise ConfigError("input_batches cannot be empty.", field="features")
   w_leaves = None
   if features_weights is not None:
     w_leaves, w_struct = _leaves_and_structure(features_weights)
@@ -218,7 +280,7 @@ def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
     feature_specs,
     local_device_count: int,
     global_device_count: int,
-    num_sc_per_device: int,
+    num_sc_per_device: int | None = None,
     sharding_strategy: str = "MOD",
     has_leading_dimension: bool = False,
     allow_id_dropping: bool = False,
@@ -260,8 +322,11 @@ def preprocess_sparse_dense_matmul_input_from_sparse_tensor(
     :class:`InvalidInputError` for indices that are not sorted by row or lie
     outside ``dense_shape[0]`` (the reference misreads them).
   """
-  _check_options(sharding_strategy, num_sc_per_device)
+  num_sc_per_device = _check_options(sharding_strategy, num_sc_per_device, local_device_count, global_device_count)
+  all_reduce_interface = _usable_all_reduce(all_reduce_interface, local_device_count, global_device_count)
   s_leaves, s_struct = _leaves_and_structure(feature_specs)
+  if not s_leaves:
+    raise ConfigError("input_batches cannot be empty.", field="feature_specs")
   if values is None and dense_shapes is None:
     tensors, t_struct = _leaves_and_structure(indices)
     _check_structure(indices, t_struct, feature_specs, s_struct, "sparse tensors", "feature_specs")

@@ -20,6 +20,7 @@ _SPEC_HELP = (
     "`table_spec.embedding_dim`, `output_shape` or `input_shape` (see python/README.md, \"Feature specs\")")
 
 _REQUIRED = object()
+_NO_FIELD = object()
 
 
 class _SpecProblem(Exception):
@@ -58,8 +59,11 @@ def _spec_tuple(spec) -> tuple:
   """What preprocessing reads of one FeatureSpec, as the native call takes it (_SpecProblem if
   an attribute is missing or unusable)."""
   stacked = "table_spec.stacked_table_spec"
+  # The reference's FeatureSpec keeps the transformation in `_id_transformation` (None until
+  # stacking sets it) and its `id_transformation` property asserts it is set: that property is
+  # read only from specs without the field.
   path = "_id_transformation"
-  if _attr(spec, path, None) is None:
+  if not hasattr(spec, path):
     path = "id_transformation"
   row_offset = col_offset = col_shift = 0
   if _attr(spec, path, None) is not None:
@@ -108,8 +112,8 @@ def _spec_tuple_fast(spec) -> tuple:
   problem makes _spec_tuples ask _spec_tuple, which names it."""
   table = spec.table_spec
   stacked = table.stacked_table_spec
-  transform = getattr(spec, "_id_transformation", None)
-  if transform is None:
+  transform = getattr(spec, "_id_transformation", _NO_FIELD)
+  if transform is _NO_FIELD:
     transform = getattr(spec, "id_transformation", None)
   offsets = (0, 0, 0) if transform is None else (
       _nonneg(transform.row_offset), _nonneg(transform.col_offset), _nonneg(transform.col_shift))

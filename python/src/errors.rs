@@ -14,7 +14,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyType};
 use pyo3::BoundObject;
 use sparsecore_kernel::{KernelError, PlanItem};
-use sparsecore_prep::{ConfigItem, Error, LimitKind};
+use sparsecore_prep::{BatchCount, ConfigItem, Error, LimitKind};
 
 /// The package's exception classes, with the standard exception each derives from (raised
 /// instead if the class cannot be found, which only a broken installation causes).
@@ -173,6 +173,21 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         | Error::BatchNotDivisible { feature, .. } => {
             invalid_input(py, feature, None, None::<i64>, message)
         }
+        // One device's samples over the sort key's payload: the reference's current text (0.1.0
+        // aborted).
+        Error::BatchTooLarge {
+            what: BatchCount::Samples,
+            limit,
+            ..
+        } => raise(
+            py,
+            Class::InvalidInput,
+            format!(
+                "The total local batch size for device (including stacked tables) exceeds the \
+                 maximum limit supported by the SparseCore CooFormat sorting key ({limit})."
+            ),
+            &[],
+        ),
         Error::BatchTooSmall { .. }
         | Error::BatchTooLarge { .. }
         | Error::InputCount { .. }
