@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import operator
+import threading
 
 import numpy as np
 
@@ -47,25 +48,63 @@ class Preprocessor:
   def __init__(self, config, *, threads: int | None = None, has_leading_dimension: bool = False,
                all_reduce_interface=None):
     later = all_reduce_interface is _SET_LATER
-    self._native = _native.NativePreprocessor(_config_json(config), threads, None if later else all_reduce_interface,
-                                              later)
+    self._all_reduce = None if later else all_reduce_interface
+    native = _native.NativePreprocessor(_config_json(config), threads, self._all_reduce, later)
+    self._config_json = native.config_json
+    self._multi_host = native.multi_host
     self._threads = threads
     self._leading = bool(has_leading_dimension)
     self._local_devices = int(self.config["config"]["local_device_count"])
+    # Concurrent calls each take a native preprocessor of their own (its output buffers and
+    # workspaces serve one call at a time), made like the first on demand and kept for later
+    # calls. The settings below reach each one before its next call: `_settings` counts their
+    # changes, and every idle native remembers the count it has seen.
+    self._lock = threading.Lock()
+    self._idle = [(native, 0)]
+    self._settings = 0
+    self._batch_number = None
+
+  def _take(self):
+    with self._lock:
+      native, seen = self._idle.pop() if self._idle else (None, -1)
+      settings, batch_number, all_reduce, multi_host = (self._settings, self._batch_number, self._all_reduce,
+                                                        self._multi_host)
+    if native is None:
+      native = _native.NativePreprocessor(self._config_json, self._threads, all_reduce,
+                                          multi_host and all_reduce is None)
+    elif seen != settings:
+      if multi_host:
+        native.set_all_reduce_interface(all_reduce)
+    if batch_number is not None and seen != settings:
+      native.set_batch_number(batch_number)
+    return native, settings
+
+  def _run(self, method, *args):
+    native, settings = self._take()
+    try:
+      return getattr(native, method)(*args)
+    finally:
+      with self._lock:
+        self._idle.append((native, settings))
 
   @property
   def config(self) -> dict:
     """The config, with defaults filled in."""
-    return json.loads(self._native.config_json)
+    return json.loads(self._config_json)
 
   def __call__(self, batch):
     """Preprocesses one record batch: ``(PreprocessedInput, SparseDenseMatmulInputStats)``."""
-    raw = self._native.run(batch, self._leading)
+    raw = self._run("run", batch, self._leading)
     return _wrap(raw, self._local_devices, self._leading)
 
   def set_batch_number(self, batch_number: int) -> None:
     """Sets the step number that keys minibatching's cross-host agreement."""
-    self._native.set_batch_number(int(batch_number))
+    batch_number = int(batch_number)
+    if batch_number < 0:
+      raise OverflowError("can't convert negative int to unsigned")
+    with self._lock:
+      self._batch_number = batch_number
+      self._settings += 1
 
   def set_all_reduce_interface(self, all_reduce_interface) -> None:
     """Agrees on minibatching splits with the other hosts through ``all_reduce_interface``.
@@ -79,7 +118,13 @@ class Preprocessor:
     Raises:
       ConfigError: an object without ``all_reduce_or``.
     """
-    self._native.set_all_reduce_interface(all_reduce_interface)
+    if all_reduce_interface is not None and not hasattr(all_reduce_interface, "all_reduce_or"):
+      # The native call's own check, so that the error comes now rather than at the next call.
+      _native.NativePreprocessor(self._config_json, 1).set_all_reduce_interface(all_reduce_interface)
+    with self._lock:
+      self._all_reduce = all_reduce_interface
+      self._multi_host = self._multi_host or all_reduce_interface is not None
+      self._settings += 1
 
   def fdo_stats(self, batch) -> "FdoStats":
     """The FDO statistics of one record batch, without writing buffers.
@@ -87,7 +132,7 @@ class Preprocessor:
     Limits are measured, not enforced, so this never raises
     :class:`LimitExceededError`.
     """
-    return FdoStats(self._native.fdo_stats(batch))
+    return FdoStats(self._run("fdo_stats", batch))
 
   def balance(self, batches, *, window: int = 1, refine: str = "worst-cell", with_report: bool = False):
     """Reorders the samples of record batches so that every (SparseCore slice,
@@ -132,14 +177,13 @@ class Preprocessor:
     if hasattr(batches, "__arrow_c_array__") or hasattr(batches, "__arrow_c_stream__"):
       raise TypeError("balance takes a sequence of record batches (or tables), not one: wrap it in a list")
     window = operator.index(window)  # TypeError for 1.5, as for any index
-    out, permutation, reports = _native._balance(self._native.config_json, list(batches), window, str(refine))
+    out, permutation, reports = _native._balance(self._config_json, list(batches), window, str(refine))
     if with_report:
       return out, permutation, reports
     return out, permutation
 
   def __reduce__(self):
-    return (_rebuild_preprocessor, (type(self), self._native.config_json, self._threads, self._leading,
-                                    self._native.multi_host))
+    return (_rebuild_preprocessor, (type(self), self._config_json, self._threads, self._leading, self._multi_host))
 
   def __repr__(self) -> str:
     cfg = self.config
