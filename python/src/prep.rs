@@ -7,7 +7,7 @@
 
 use numpy::{PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyDict, PyString, PyTuple};
 use rayon::ThreadPool;
 use sparsecore_prep::fdo::{tune, FdoStats};
 use sparsecore_prep::input::{CooInput, Ids, SampleSource};
@@ -37,12 +37,29 @@ type Results = (
 
 /// Hands the output buffers to numpy (moved, not copied; their memory comes back to `pool`
 /// when numpy frees them) and the stats as arrays.
+///
+/// `names`: the stacks' names as Python strings, made on the first call and reused, so that the
+/// dicts' keys are neither built nor hashed again on every call (the stacks of a plan never
+/// change; a mismatch rebuilds them).
 fn results(
     py: Python<'_>,
     out: &mut Output,
     pool: &BufferPool,
     leading: bool,
+    names: &mut Vec<Py<PyString>>,
 ) -> PyResult<Results> {
+    if names.len() != out.stacks.len()
+        || names
+            .iter()
+            .zip(&out.stacks)
+            .any(|(n, so)| n.bind(py).to_str().map_or(true, |n| n != so.name))
+    {
+        *names = out
+            .stacks
+            .iter()
+            .map(|so| PyString::intern(py, &so.name).unbind())
+            .collect();
+    }
     let (rp, eid, sid, gains) = (
         PyDict::new(py),
         PyDict::new(py),
@@ -62,7 +79,7 @@ fn results(
             so.coo_buffer_size_per_device(),
         );
         let extents: Arc<[u32]> = Arc::from(so.tail_extents());
-        let name = so.name.as_str();
+        let name = names[i].bind(py);
         rp.set_item(
             name,
             shaped(
@@ -117,7 +134,7 @@ fn results(
                 c,
             )?,
         )?;
-        stats_into(py, so, &max_ids, &max_unique, &required, &dropped)?;
+        stats_into(py, so, name, &max_ids, &max_unique, &required, &dropped)?;
     }
     let stats = PyTuple::new(py, [max_ids, max_unique, required, dropped])?;
     Ok((
@@ -155,13 +172,13 @@ fn shaped<'py>(
 fn stats_into(
     py: Python<'_>,
     so: &sparsecore_prep::StackOutput,
+    name: &Bound<'_, PyString>,
     max_ids: &Bound<'_, PyDict>,
     max_unique: &Bound<'_, PyDict>,
     required: &Bound<'_, PyDict>,
     dropped: &Bound<'_, PyDict>,
 ) -> PyResult<()> {
     let st = &so.stats;
-    let name = so.name.as_str();
     max_ids.set_item(name, PyArray1::from_slice(py, &st.max_ids_per_partition))?;
     max_unique.set_item(
         name,
@@ -260,6 +277,8 @@ pub struct NativePreprocessor {
     pid: u32,
     /// The multi-host all-reduce, once one was given (`set_all_reduce_interface`).
     slot: Option<Arc<AllReduceSlot>>,
+    /// The stacks' names as the result dicts' keys (see [`results`]).
+    stack_names: Vec<Py<PyString>>,
 }
 
 impl NativePreprocessor {
@@ -330,6 +349,7 @@ impl NativePreprocessor {
             batch_number: 0,
             pid: std::process::id(),
             slot,
+            stack_names: Vec::new(),
         })
     }
 
@@ -397,7 +417,13 @@ impl NativePreprocessor {
             out.clear();
             to_py_error(py, e, self.slot.as_deref())
         })?;
-        results(py, &mut self.out, &self.pool, has_leading_dimension)
+        results(
+            py,
+            &mut self.out,
+            &self.pool,
+            has_leading_dimension,
+            &mut self.stack_names,
+        )
     }
 
     /// The FDO statistics of one record batch (no buffers written), as mergeable stats.
@@ -589,6 +615,8 @@ pub struct NativeDropIn {
     pool: BufferPool,
     /// With `multi_host`: the all-reduce each call's `all_reduce_interface` is put into.
     slot: Option<Arc<AllReduceSlot>>,
+    /// The stacks' names as the result dicts' keys (see [`results`]).
+    stack_names: Vec<Py<PyString>>,
 }
 
 #[pymethods]
@@ -637,6 +665,7 @@ impl NativeDropIn {
             out: zero_tailed(),
             pool: BufferPool::default(),
             slot,
+            stack_names: Vec::new(),
         })
     }
 
@@ -755,7 +784,13 @@ impl NativeDropIn {
         };
         numpy_input::recycle(data, &mut self.scratch);
         ran?;
-        results(py, out, &self.pool, has_leading_dimension)
+        results(
+            py,
+            out,
+            &self.pool,
+            has_leading_dimension,
+            &mut self.stack_names,
+        )
     }
 
     /// [`NativeDropIn::run_coo`] once the call's all-reduce is set.
@@ -824,7 +859,13 @@ impl NativeDropIn {
             &mut self.out,
             self.slot.as_deref(),
         )?;
-        results(py, &mut self.out, &self.pool, has_leading_dimension)
+        results(
+            py,
+            &mut self.out,
+            &self.pool,
+            has_leading_dimension,
+            &mut self.stack_names,
+        )
     }
 }
 
