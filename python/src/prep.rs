@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
 use rayon::ThreadPool;
 use sparsecore_prep::fdo::{tune, FdoStats};
-use sparsecore_prep::input::{CooInput, Ids, SampleSource};
+use sparsecore_prep::input::{CooInput, Ids, Offsets, RaggedInput, SampleSource};
 use sparsecore_prep::spec::{
     FeatureConfig, Options, Placement, ResolvedStack, Stacking, TableConfig,
 };
@@ -617,6 +617,9 @@ pub struct NativeDropIn {
     slot: Option<Arc<AllReduceSlot>>,
     /// The stacks' names as the result dicts' keys (see [`results`]).
     stack_names: Vec<Py<PyString>>,
+    /// The row splits of the COO features read as ragged rows (see `coo_row_splits`), kept
+    /// from call to call.
+    coo_splits: Vec<Vec<i32>>,
 }
 
 #[pymethods]
@@ -666,6 +669,7 @@ impl NativeDropIn {
             pool: BufferPool::default(),
             slot,
             stack_names: Vec::new(),
+            coo_splits: Vec::new(),
         })
     }
 
@@ -812,53 +816,135 @@ impl NativeDropIn {
             .zip(&self.names)
             .map(|(v, name)| coo_values(name, v))
             .collect::<PyResult<Vec<_>>>()?;
-        let mut sources: Vec<Box<dyn SampleSource + '_>> = Vec::with_capacity(indices.len());
-        for (((idx, ids), &batch), name) in indices
+        // Each feature's view, or the error that it raises in its turn below.
+        let views: Vec<PyResult<CooView<'_>>> = indices
             .iter()
             .zip(&values)
             .zip(&batch_sizes)
             .zip(&self.names)
-        {
-            let contiguous = |what: &str| {
-                errors::invalid_input(
-                    py,
-                    name,
-                    None,
-                    None::<i64>,
-                    format!("feature `{name}`: the {what} must be C-contiguous"),
-                )
+            .map(|(((idx, ids), &batch), name)| {
+                let contiguous = |what: &str| {
+                    errors::invalid_input(
+                        py,
+                        name,
+                        None,
+                        None::<i64>,
+                        format!("feature `{name}`: the {what} must be C-contiguous"),
+                    )
+                };
+                if idx.shape()[1] != 2 {
+                    return Err(errors::invalid_input(
+                        py,
+                        name,
+                        None,
+                        None::<i64>,
+                        format!(
+                            "feature `{name}`: indices must have shape [nnz, 2], got {:?}",
+                            idx.shape()
+                        ),
+                    ));
+                }
+                let flat = idx.as_slice().map_err(|_| contiguous("indices"))?;
+                let ids = match ids {
+                    CooValues::I32(v) => Ids::I32(v.as_slice().map_err(|_| contiguous("values"))?),
+                    CooValues::I64(v) => Ids::I64(v.as_slice().map_err(|_| contiguous("values"))?),
+                };
+                Ok((flat, ids, batch))
+            })
+            .collect();
+        // Single-host calls read valid COO features as ragged rows (see `coo_row_splits`);
+        // multi-host ones keep the COO view, so that a call never runs twice (its all-reduce
+        // would be asked twice).
+        let convert = self.slot.is_none();
+        let mut splits = std::mem::take(&mut self.coo_splits);
+        splits.resize_with(views.len(), Vec::new);
+        let converted: Vec<bool> = if convert {
+            let entries: usize = views
+                .iter()
+                .map(|v| v.as_ref().map_or(0, |v| v.1.len()))
+                .sum();
+            let split = |(splits, view): (&mut Vec<i32>, &PyResult<CooView<'_>>)| {
+                view.as_ref()
+                    .is_ok_and(|(flat, ids, batch)| coo_row_splits(flat, ids.len(), *batch, splits))
             };
-            if idx.shape()[1] != 2 {
-                return Err(errors::invalid_input(
-                    py,
-                    name,
-                    None,
-                    None::<i64>,
-                    format!(
-                        "feature `{name}`: indices must have shape [nnz, 2], got {:?}",
-                        idx.shape()
-                    ),
-                ));
+            if entries < COO_SPLITS_ON_CALLER_MAX_ENTRIES {
+                splits.iter_mut().zip(&views).map(split).collect()
+            } else {
+                use rayon::prelude::*;
+                // The views are slices of numpy arrays that this call holds (read-only borrows).
+                let views: Vec<Option<(&[i64], usize, usize)>> = views
+                    .iter()
+                    .map(|v| v.as_ref().ok().map(|(f, ids, b)| (*f, ids.len(), *b)))
+                    .collect();
+                py.detach(|| {
+                    pool.install(|| {
+                        splits
+                            .par_iter_mut()
+                            .zip(views.par_iter())
+                            .map(|(splits, view)| {
+                                view.is_some_and(|(flat, nnz, batch)| {
+                                    coo_row_splits(flat, nnz, batch, splits)
+                                })
+                            })
+                            .collect()
+                    })
+                })
             }
-            let flat = idx.as_slice().map_err(|_| contiguous("indices"))?;
-            let ids = match ids {
-                CooValues::I32(v) => Ids::I32(v.as_slice().map_err(|_| contiguous("values"))?),
-                CooValues::I64(v) => Ids::I64(v.as_slice().map_err(|_| contiguous("values"))?),
-            };
-            sources.push(Box::new(
-                CooInput::new(name, flat, ids, batch).map_err(|e| to_py(py, e))?,
-            ));
-        }
+        } else {
+            vec![false; views.len()]
+        };
+        let sources = |as_coo: bool| -> PyResult<Vec<Box<dyn SampleSource + '_>>> {
+            let mut sources: Vec<Box<dyn SampleSource + '_>> = Vec::with_capacity(views.len());
+            for (((view, name), splits), &ragged) in
+                views.iter().zip(&self.names).zip(&splits).zip(&converted)
+            {
+                let (flat, ids, batch) = match view {
+                    Ok(v) => *v,
+                    Err(e) => return Err(e.clone_ref(py)),
+                };
+                if ragged && !as_coo {
+                    sources.push(Box::new(
+                        RaggedInput::new(name, ids, Offsets::I32(splits))
+                            .map_err(|e| to_py(py, e))?,
+                    ));
+                } else {
+                    sources.push(Box::new(
+                        CooInput::new(name, flat, ids, batch).map_err(|e| to_py(py, e))?,
+                    ));
+                }
+            }
+            Ok(sources)
+        };
+        let ragged_sources = sources(false);
         self.pool.refill(&mut self.out);
         self.prep.set_batch_number(batch_number);
-        run_detached(
-            py,
-            &pool,
-            &mut self.prep,
-            &sources,
-            &mut self.out,
-            self.slot.as_deref(),
-        )?;
+        let mut ran = ragged_sources.and_then(|sources| {
+            run_detached(
+                py,
+                &pool,
+                &mut self.prep,
+                &sources,
+                &mut self.out,
+                self.slot.as_deref(),
+            )
+        });
+        if ran.is_err() && converted.contains(&true) {
+            // A failing call runs again on the COO view, so that its error is the one the COO
+            // path reports (which entry, which id first).
+            ran = sources(true).and_then(|sources| {
+                run_detached(
+                    py,
+                    &pool,
+                    &mut self.prep,
+                    &sources,
+                    &mut self.out,
+                    self.slot.as_deref(),
+                )
+            });
+        }
+        drop(views);
+        self.coo_splits = splits;
+        ran?;
         results(
             py,
             &mut self.out,
@@ -890,6 +976,41 @@ impl NativeDropIn {
         );
         Err(errors::raise(py, errors::Class::InvalidInput, message, &[]))
     }
+}
+
+/// A COO feature's flat `[nnz, 2]` indices, its ids, and its batch (`dense_shape[0]`).
+type CooView<'a> = (&'a [i64], Ids<'a>, usize);
+
+/// Fewer COO entries than this (over all features) get their row splits on the calling thread.
+const COO_SPLITS_ON_CALLER_MAX_ENTRIES: usize = 65_536;
+
+/// The row splits of `nnz` COO entries (`indices`: `[nnz, 2]`, row first) into `splits`, so that
+/// the pipeline reads them as ragged rows (`ids[splits[r]..splits[r + 1]]`, the ids in place):
+/// one pass over the rows, where the COO view costs the pipeline a check in `CooInput::new`,
+/// another in each task, and a row-by-row extraction. `false` (the COO view then reports the
+/// problem) unless the indices hold `2 * nnz` values, every row lies in `0..batch` and rows do
+/// not decrease, and `nnz` and `batch` fit the int32 splits.
+fn coo_row_splits(indices: &[i64], nnz: usize, batch: usize, splits: &mut Vec<i32>) -> bool {
+    if indices.len() != 2 * nnz || nnz > i32::MAX as usize || batch >= i32::MAX as usize {
+        return false;
+    }
+    splits.clear();
+    splits.reserve(batch + 1);
+    splits.push(0);
+    let mut prev = 0i64;
+    for (k, pair) in indices.chunks_exact(2).enumerate() {
+        let row = pair[0];
+        if row < prev || row as u64 >= batch as u64 {
+            return false;
+        }
+        if row != prev {
+            // Rows prev + 1 ..= row start at entry k (the ones between are empty).
+            splits.resize(row as usize + 1, k as i32);
+            prev = row;
+        }
+    }
+    splits.resize(batch + 1, nnz as i32);
+    true
 }
 
 /// A COO feature's ids: a 1-D int32 or int64 array.
