@@ -72,6 +72,9 @@ def preprocess_resolved(
 ) -> _Results:
   """The drop-in call on flattened leaves and resolved specs."""
 
+def spec_tuples(leaves: list[Any]) -> tuple[_SpecTuple, ...] | None:
+  """The spec tuples of FeatureSpec leaves, or None when one needs `_specs._spec_tuples`."""
+
 
 class NativeDropIn:
   """The drop-in call's state for one set of resolved specs and options (plan, scratch, gather buffers)."""

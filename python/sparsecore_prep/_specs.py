@@ -7,6 +7,7 @@ import math
 import operator
 import sys
 
+from . import _native
 from ._errors import FeatureSpecError
 from ._pytree import _leaves_with_paths
 
@@ -148,8 +149,17 @@ def _leaf_path(tree, i: int) -> str:
     return f"feature_specs leaf {i}"
 
 
-def _spec_tuples(leaves, tree) -> list:
-  """The spec tuples of all leaves; FeatureSpecError names the spec and the attribute."""
+def _spec_tuples(leaves, tree):
+  """The spec tuples of all leaves; FeatureSpecError names the spec and the attribute.
+
+  The native reader takes the specs whose attributes are exact strs and non-negative ints (the
+  reference's own, read on every call of every feature); it leaves anything else to
+  _spec_tuple_fast and _spec_tuple, which accept what `operator.index` and `str` accept and
+  name the spec and the attribute in errors."""
+  if type(leaves) is list:
+    fast = _native.spec_tuples(leaves)
+    if fast is not None:
+      return fast
   out = []
   for i, spec in enumerate(leaves):
     try:

@@ -27,6 +27,7 @@ mod kernels;
 mod numpy_input;
 mod pool;
 mod prep;
+mod specs;
 mod threads;
 
 use pyo3::prelude::*;
@@ -47,6 +48,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<allreduce::NativeTcpAllReduce>()?;
     m.add_class::<kernels::NativeKernels>()?;
     m.add_function(wrap_pyfunction!(prep::preprocess_resolved, m)?)?;
+    m.add_function(wrap_pyfunction!(specs::spec_tuples, m)?)?;
     // `Preprocessor.balance` (private: the public names of `_native` are the ones
     // `_native.pyi` declares).
     m.add_function(wrap_pyfunction!(balance::balance_batches, m)?)?;

@@ -7,10 +7,10 @@
 
 use numpy::{PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyDict, PyString, PyTuple};
 use rayon::ThreadPool;
 use sparsecore_prep::fdo::{tune, FdoStats};
-use sparsecore_prep::input::{CooInput, Ids, SampleSource};
+use sparsecore_prep::input::{CooInput, Ids, Offsets, RaggedInput, SampleSource};
 use sparsecore_prep::spec::{
     FeatureConfig, Options, Placement, ResolvedStack, Stacking, TableConfig,
 };
@@ -37,12 +37,29 @@ type Results = (
 
 /// Hands the output buffers to numpy (moved, not copied; their memory comes back to `pool`
 /// when numpy frees them) and the stats as arrays.
+///
+/// `names`: the stacks' names as Python strings, made on the first call and reused, so that the
+/// dicts' keys are neither built nor hashed again on every call (the stacks of a plan never
+/// change; a mismatch rebuilds them).
 fn results(
     py: Python<'_>,
     out: &mut Output,
     pool: &BufferPool,
     leading: bool,
+    names: &mut Vec<Py<PyString>>,
 ) -> PyResult<Results> {
+    if names.len() != out.stacks.len()
+        || names
+            .iter()
+            .zip(&out.stacks)
+            .any(|(n, so)| n.bind(py).to_str().map_or(true, |n| n != so.name))
+    {
+        *names = out
+            .stacks
+            .iter()
+            .map(|so| PyString::intern(py, &so.name).unbind())
+            .collect();
+    }
     let (rp, eid, sid, gains) = (
         PyDict::new(py),
         PyDict::new(py),
@@ -62,7 +79,7 @@ fn results(
             so.coo_buffer_size_per_device(),
         );
         let extents: Arc<[u32]> = Arc::from(so.tail_extents());
-        let name = so.name.as_str();
+        let name = names[i].bind(py);
         rp.set_item(
             name,
             shaped(
@@ -117,7 +134,7 @@ fn results(
                 c,
             )?,
         )?;
-        stats_into(py, so, &max_ids, &max_unique, &required, &dropped)?;
+        stats_into(py, so, name, &max_ids, &max_unique, &required, &dropped)?;
     }
     let stats = PyTuple::new(py, [max_ids, max_unique, required, dropped])?;
     Ok((
@@ -155,13 +172,13 @@ fn shaped<'py>(
 fn stats_into(
     py: Python<'_>,
     so: &sparsecore_prep::StackOutput,
+    name: &Bound<'_, PyString>,
     max_ids: &Bound<'_, PyDict>,
     max_unique: &Bound<'_, PyDict>,
     required: &Bound<'_, PyDict>,
     dropped: &Bound<'_, PyDict>,
 ) -> PyResult<()> {
     let st = &so.stats;
-    let name = so.name.as_str();
     max_ids.set_item(name, PyArray1::from_slice(py, &st.max_ids_per_partition))?;
     max_unique.set_item(
         name,
@@ -260,6 +277,8 @@ pub struct NativePreprocessor {
     pid: u32,
     /// The multi-host all-reduce, once one was given (`set_all_reduce_interface`).
     slot: Option<Arc<AllReduceSlot>>,
+    /// The stacks' names as the result dicts' keys (see [`results`]).
+    stack_names: Vec<Py<PyString>>,
 }
 
 impl NativePreprocessor {
@@ -330,6 +349,7 @@ impl NativePreprocessor {
             batch_number: 0,
             pid: std::process::id(),
             slot,
+            stack_names: Vec::new(),
         })
     }
 
@@ -397,7 +417,13 @@ impl NativePreprocessor {
             out.clear();
             to_py_error(py, e, self.slot.as_deref())
         })?;
-        results(py, &mut self.out, &self.pool, has_leading_dimension)
+        results(
+            py,
+            &mut self.out,
+            &self.pool,
+            has_leading_dimension,
+            &mut self.stack_names,
+        )
     }
 
     /// The FDO statistics of one record batch (no buffers written), as mergeable stats.
@@ -589,6 +615,11 @@ pub struct NativeDropIn {
     pool: BufferPool,
     /// With `multi_host`: the all-reduce each call's `all_reduce_interface` is put into.
     slot: Option<Arc<AllReduceSlot>>,
+    /// The stacks' names as the result dicts' keys (see [`results`]).
+    stack_names: Vec<Py<PyString>>,
+    /// The row splits of the COO features read as ragged rows (see `coo_row_splits`), kept
+    /// from call to call.
+    coo_splits: Vec<Vec<i32>>,
 }
 
 #[pymethods]
@@ -637,6 +668,8 @@ impl NativeDropIn {
             out: zero_tailed(),
             pool: BufferPool::default(),
             slot,
+            stack_names: Vec::new(),
+            coo_splits: Vec::new(),
         })
     }
 
@@ -755,7 +788,13 @@ impl NativeDropIn {
         };
         numpy_input::recycle(data, &mut self.scratch);
         ran?;
-        results(py, out, &self.pool, has_leading_dimension)
+        results(
+            py,
+            out,
+            &self.pool,
+            has_leading_dimension,
+            &mut self.stack_names,
+        )
     }
 
     /// [`NativeDropIn::run_coo`] once the call's all-reduce is set.
@@ -777,54 +816,142 @@ impl NativeDropIn {
             .zip(&self.names)
             .map(|(v, name)| coo_values(name, v))
             .collect::<PyResult<Vec<_>>>()?;
-        let mut sources: Vec<Box<dyn SampleSource + '_>> = Vec::with_capacity(indices.len());
-        for (((idx, ids), &batch), name) in indices
+        // Each feature's view, or the error that it raises in its turn below.
+        let views: Vec<PyResult<CooView<'_>>> = indices
             .iter()
             .zip(&values)
             .zip(&batch_sizes)
             .zip(&self.names)
-        {
-            let contiguous = |what: &str| {
-                errors::invalid_input(
-                    py,
-                    name,
-                    None,
-                    None::<i64>,
-                    format!("feature `{name}`: the {what} must be C-contiguous"),
-                )
+            .map(|(((idx, ids), &batch), name)| {
+                let contiguous = |what: &str| {
+                    errors::invalid_input(
+                        py,
+                        name,
+                        None,
+                        None::<i64>,
+                        format!("feature `{name}`: the {what} must be C-contiguous"),
+                    )
+                };
+                if idx.shape()[1] != 2 {
+                    return Err(errors::invalid_input(
+                        py,
+                        name,
+                        None,
+                        None::<i64>,
+                        format!(
+                            "feature `{name}`: indices must have shape [nnz, 2], got {:?}",
+                            idx.shape()
+                        ),
+                    ));
+                }
+                let flat = idx.as_slice().map_err(|_| contiguous("indices"))?;
+                let ids = match ids {
+                    CooValues::I32(v) => Ids::I32(v.as_slice().map_err(|_| contiguous("values"))?),
+                    CooValues::I64(v) => Ids::I64(v.as_slice().map_err(|_| contiguous("values"))?),
+                };
+                Ok((flat, ids, batch))
+            })
+            .collect();
+        // Single-host calls read valid COO features as ragged rows (see `coo_row_splits`);
+        // multi-host ones keep the COO view, so that a call never runs twice (its all-reduce
+        // would be asked twice).
+        let convert = self.slot.is_none();
+        let mut splits = std::mem::take(&mut self.coo_splits);
+        splits.resize_with(views.len(), Vec::new);
+        let converted: Vec<bool> = if convert {
+            let entries: usize = views
+                .iter()
+                .map(|v| v.as_ref().map_or(0, |v| v.1.len()))
+                .sum();
+            let split = |(splits, view): (&mut Vec<i32>, &PyResult<CooView<'_>>)| {
+                view.as_ref()
+                    .is_ok_and(|(flat, ids, batch)| coo_row_splits(flat, ids.len(), *batch, splits))
             };
-            if idx.shape()[1] != 2 {
-                return Err(errors::invalid_input(
-                    py,
-                    name,
-                    None,
-                    None::<i64>,
-                    format!(
-                        "feature `{name}`: indices must have shape [nnz, 2], got {:?}",
-                        idx.shape()
-                    ),
-                ));
+            if entries < COO_SPLITS_ON_CALLER_MAX_ENTRIES {
+                splits.iter_mut().zip(&views).map(split).collect()
+            } else {
+                use rayon::prelude::*;
+                // The views are slices of numpy arrays that this call holds (read-only borrows).
+                let views: Vec<Option<(&[i64], usize, usize)>> = views
+                    .iter()
+                    .map(|v| v.as_ref().ok().map(|(f, ids, b)| (*f, ids.len(), *b)))
+                    .collect();
+                py.detach(|| {
+                    pool.install(|| {
+                        splits
+                            .par_iter_mut()
+                            .zip(views.par_iter())
+                            .map(|(splits, view)| {
+                                view.is_some_and(|(flat, nnz, batch)| {
+                                    coo_row_splits(flat, nnz, batch, splits)
+                                })
+                            })
+                            .collect()
+                    })
+                })
             }
-            let flat = idx.as_slice().map_err(|_| contiguous("indices"))?;
-            let ids = match ids {
-                CooValues::I32(v) => Ids::I32(v.as_slice().map_err(|_| contiguous("values"))?),
-                CooValues::I64(v) => Ids::I64(v.as_slice().map_err(|_| contiguous("values"))?),
-            };
-            sources.push(Box::new(
-                CooInput::new(name, flat, ids, batch).map_err(|e| to_py(py, e))?,
-            ));
-        }
+        } else {
+            vec![false; views.len()]
+        };
+        let sources = |as_coo: bool| -> PyResult<Vec<Box<dyn SampleSource + '_>>> {
+            let mut sources: Vec<Box<dyn SampleSource + '_>> = Vec::with_capacity(views.len());
+            for (((view, name), splits), &ragged) in
+                views.iter().zip(&self.names).zip(&splits).zip(&converted)
+            {
+                let (flat, ids, batch) = match view {
+                    Ok(v) => *v,
+                    Err(e) => return Err(e.clone_ref(py)),
+                };
+                if ragged && !as_coo {
+                    sources.push(Box::new(
+                        RaggedInput::new(name, ids, Offsets::I32(splits))
+                            .map_err(|e| to_py(py, e))?,
+                    ));
+                } else {
+                    sources.push(Box::new(
+                        CooInput::new(name, flat, ids, batch).map_err(|e| to_py(py, e))?,
+                    ));
+                }
+            }
+            Ok(sources)
+        };
+        let ragged_sources = sources(false);
         self.pool.refill(&mut self.out);
         self.prep.set_batch_number(batch_number);
-        run_detached(
+        let mut ran = ragged_sources.and_then(|sources| {
+            run_detached(
+                py,
+                &pool,
+                &mut self.prep,
+                &sources,
+                &mut self.out,
+                self.slot.as_deref(),
+            )
+        });
+        if ran.is_err() && converted.contains(&true) {
+            // A failing call runs again on the COO view, so that its error is the one the COO
+            // path reports (which entry, which id first).
+            ran = sources(true).and_then(|sources| {
+                run_detached(
+                    py,
+                    &pool,
+                    &mut self.prep,
+                    &sources,
+                    &mut self.out,
+                    self.slot.as_deref(),
+                )
+            });
+        }
+        drop(views);
+        self.coo_splits = splits;
+        ran?;
+        results(
             py,
-            &pool,
-            &mut self.prep,
-            &sources,
             &mut self.out,
-            self.slot.as_deref(),
-        )?;
-        results(py, &mut self.out, &self.pool, has_leading_dimension)
+            &self.pool,
+            has_leading_dimension,
+            &mut self.stack_names,
+        )
     }
 }
 
@@ -849,6 +976,41 @@ impl NativeDropIn {
         );
         Err(errors::raise(py, errors::Class::InvalidInput, message, &[]))
     }
+}
+
+/// A COO feature's flat `[nnz, 2]` indices, its ids, and its batch (`dense_shape[0]`).
+type CooView<'a> = (&'a [i64], Ids<'a>, usize);
+
+/// Fewer COO entries than this (over all features) get their row splits on the calling thread.
+const COO_SPLITS_ON_CALLER_MAX_ENTRIES: usize = 65_536;
+
+/// The row splits of `nnz` COO entries (`indices`: `[nnz, 2]`, row first) into `splits`, so that
+/// the pipeline reads them as ragged rows (`ids[splits[r]..splits[r + 1]]`, the ids in place):
+/// one pass over the rows, where the COO view costs the pipeline a check in `CooInput::new`,
+/// another in each task, and a row-by-row extraction. `false` (the COO view then reports the
+/// problem) unless the indices hold `2 * nnz` values, every row lies in `0..batch` and rows do
+/// not decrease, and `nnz` and `batch` fit the int32 splits.
+fn coo_row_splits(indices: &[i64], nnz: usize, batch: usize, splits: &mut Vec<i32>) -> bool {
+    if indices.len() != 2 * nnz || nnz > i32::MAX as usize || batch >= i32::MAX as usize {
+        return false;
+    }
+    splits.clear();
+    splits.reserve(batch + 1);
+    splits.push(0);
+    let mut prev = 0i64;
+    for (k, pair) in indices.chunks_exact(2).enumerate() {
+        let row = pair[0];
+        if row < prev || row as u64 >= batch as u64 {
+            return false;
+        }
+        if row != prev {
+            // Rows prev + 1 ..= row start at entry k (the ones between are empty).
+            splits.resize(row as usize + 1, k as i32);
+            prev = row;
+        }
+    }
+    splits.resize(batch + 1, nnz as i32);
+    true
 }
 
 /// A COO feature's ids: a 1-D int32 or int64 array.

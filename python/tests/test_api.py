@@ -343,6 +343,41 @@ def test_drop_in_state_is_reused_but_specs_are_read_every_call():
   np.testing.assert_array_equal(stats.required_buffer_size_per_sc["t"], [16, 0])  # 3 and 1 entries, each rounded up to 8
 
 
+def test_native_spec_reader_reads_as_the_python_one():
+  # The native reader returns exactly what the Python reader does for plain specs, and leaves
+  # anything it does not take (numpy ints, bools, shapes of other types, properties that
+  # raise) to the Python reader, whose answer the call then uses.
+  from sparsecore_prep import _native, _specs
+
+  def python(leaves):
+    return tuple(_specs._spec_tuple_fast(s) for s in leaves)
+
+  spec = spec_example_specs()["f"]
+  spec._id_transformation = SimpleNamespace(row_offset=8, col_offset=2, col_shift=1)
+  spec.table_spec.stacked_table_spec.suggested_coo_buffer_size_per_device = 64
+  assert _native.spec_tuples([spec]) == python([spec])
+  assert _specs._spec_tuples([spec], [spec]) == python([spec])
+  spec.output_shape = None
+  spec.input_shape = (3, 4, 1)
+  assert _native.spec_tuples([spec]) == python([spec]) and python([spec])[0][0][4] == 12
+  unusual = [("max_ids_per_partition", np.int64(8)), ("max_ids_per_partition", True),
+             ("combiner", np.str_("sum"))]
+  for attribute, value in unusual:
+    stacked = spec.table_spec.stacked_table_spec
+    old, stacked.__dict__[attribute] = getattr(stacked, attribute), value
+    assert _native.spec_tuples([spec]) is None, attribute
+    assert list(_specs._spec_tuples([spec], [spec])) == list(python([spec])), attribute
+    stacked.__dict__[attribute] = old
+  spec.input_shape = np.array([3, 1])
+  assert _native.spec_tuples([spec]) is None
+  assert list(_specs._spec_tuples([spec], [spec])) == list(python([spec]))
+  spec.input_shape = [2**40, 2**40, 1]  # a product past 2**64
+  assert _native.spec_tuples([spec]) is None
+  del spec.table_spec.stacked_table_spec.combiner
+  with pytest.raises(scp.FeatureSpecError, match="combiner"):
+    _specs._spec_tuples([spec], [spec])
+
+
 def _whole_output(out):
   """Every array of a result, whole (padding included), copied."""
   m = out.sparse_dense_matmul_input
