@@ -61,9 +61,16 @@ fn spec_tuple<'py>(spec: &Bound<'py, PyAny>) -> Read<Bound<'py, PyTuple>> {
     let py = spec.py();
     let table = attr(spec, intern!(py, "table_spec"))?;
     let stacked = attr(&table, intern!(py, "stacked_table_spec"))?;
-    let transform = match attr_or_none(spec, intern!(py, "_id_transformation"))? {
-        Some(t) => Some(t),
-        None => attr_or_none(spec, intern!(py, "id_transformation"))?,
+    // The reference's FeatureSpec keeps the transformation in `_id_transformation` (None until
+    // stacking sets it), and its `id_transformation` property asserts that it is set: the
+    // property is read only from specs without the field.
+    let transform = match spec.getattr(intern!(py, "_id_transformation")) {
+        Ok(t) if t.is_none() => None,
+        Ok(t) => Some(t),
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) => {
+            attr_or_none(spec, intern!(py, "id_transformation"))?
+        }
+        Err(_) => return Err(Unusual),
     };
     let zero = || {
         0u64.into_pyobject(py)
