@@ -107,7 +107,7 @@ def _check_options(sharding_strategy, num_sc_per_device, local_device_count, glo
                       f"but got {global_} vs {local}", field="global_device_count")
   total = global_ * int(num_sc_per_device)
   if total & (total - 1):
-    raise ConfigError(f"Total number of SparseCores ({total}) must be a power of 2.", field="global_device_count")
+    raise ConfigError(f"Total number of SparseCores ({total}) must be a power of 2.", field="num_sc_per_device")
   return num_sc_per_device
 
 

@@ -46,7 +46,11 @@ class FdoStats:
     return out
 
   def merge(self, other: "FdoStats") -> "FdoStats":
-    """Merges ``other`` into these stats (in place) and returns them."""
+    """Merges ``other`` into these stats (in place) and returns them. Safe from many threads
+    at once (each merge runs whole, under the GIL); merging stats into themselves counts their
+    batches twice, as merging a copy would."""
+    if other is self:
+      other = FdoStats.from_json(self.to_json())
     self._native.merge(other._native)
     return self
 
