@@ -295,6 +295,9 @@ def main(argv=None) -> int:
   p.add_argument("--threads", type=int, default=4, help="--sweep's concurrent callers (0: none)")
   p.add_argument("--threads-workload", default="criteo")
   p.add_argument("--threads-batch-size", type=int, default=512)
+  p.add_argument("--scaling", action="store_true",
+                 help="only 1, 2 and 4 caller threads on --threads-workload at --threads-batch-size (untuned with "
+                      "--untuned): per-call times and each side's throughput against its own one thread")
   p.add_argument("--no-refbench", action="store_true", help="--sweep without the reference benchmark's shape")
   p.add_argument("--refbench", action="store_true", help="only the reference benchmark's shape")
   p.add_argument("--refbench-features", type=int, default=REFBENCH["features"])
@@ -305,6 +308,8 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
 
   jobs = []  # (label for progress, thunk returning a row)
+  if args.scaling:
+    return scaling(args)
   if args.sweep or not args.refbench:
     sizes = args.batch_sizes if args.sweep else [args.batch_size]
     modes = (False, True) if args.sweep else (args.untuned,)
@@ -333,6 +338,28 @@ def main(argv=None) -> int:
     ratios = [r["speedup"] for r in rows]
     print(f"speed-up: min {min(ratios):.2f}x, geometric mean {math.exp(np.mean(np.log(ratios))):.2f}x, "
           f"points below 4x: {sum(x < 4 for x in ratios)} of {len(ratios)}")
+  return 0
+
+
+def scaling(args) -> int:
+  """1, 2 and 4 callers, each on its own batch, as a loader's threads call: both sides' per-call
+  wall time and their throughput relative to their own single caller."""
+  name, size = args.threads_workload, args.threads_batch_size
+  rows = []
+  for n in (1, 2, 4):
+    r = timed_threads([loader_point(name, size, args.untuned, b, 4) for b in range(n)], args.repeat, args.warmup)
+    rows.append(r)
+  base = rows[0]
+  if args.json:
+    for r in rows:
+      print(json.dumps(r))
+    return 0
+  print(f"{name}, {size} samples a call, {'untuned' if args.untuned else 'tuned'}; calls/s = callers / per-call time")
+  print(f"{'callers':>7} {'reference ms':>13} {'ours ms':>9} {'speed-up':>9} {'reference x1':>13} {'ours x1':>9}")
+  for r in rows:
+    print(f"{r['threads']:>7} {r['reference_median_ms']:>13.3f} {r['ours_median_ms']:>9.3f} {r['speedup']:>8.2f}x "
+          f"{base['reference_median_ms'] / r['reference_median_ms']:>12.2f}x "
+          f"{base['ours_median_ms'] / r['ours_median_ms']:>8.2f}x")
   return 0
 
 
