@@ -124,7 +124,7 @@ ref_shape ref_shape_mb 4/4/4 0.5 1.1 true
 ROUNDS=${ROUNDS:-5}
 PIN_CPU=${PIN_CPU:-1}
 printf '%-18s %7s %12s %12s %7s %15s\n' workload threads ours_Mids/s peer_Mids/s ratio ratio_range
-for w in ${WORKLOADS:-criteo_444 criteo_444_untuned long long_untuned long_w large_vocab high_mv moderate_mv}; do
+for w in ${WORKLOADS:-criteo_444 criteo_444_untuned long long_untuned long_w large_vocab high_mv moderate_mv ref_shape ref_shape_mb}; do
   for t in "${THREADS[@]}"; do
     pin=()
     [ "$t" = 1 ] && pin=(taskset -c "$PIN_CPU")
