@@ -254,10 +254,13 @@ fn with_slot(
 /// Builds a preprocessor on the package's pool (see `threads`), unless it has a pool of its own:
 /// its per-thread scratch is sized by the pool it is built on.
 fn build(py: Python<'_>, builder: PreprocessorBuilder, dedicated: bool) -> PyResult<Preprocessor> {
+    // Without the GIL: the pool's threads may be busy with another call whose all-reduce
+    // interface is Python code that needs it, and `install` waits for them.
     let built = if dedicated {
-        builder.build()
+        py.detach(|| builder.build())
     } else {
-        threads::pool()?.install(|| builder.build())
+        let pool = threads::pool()?;
+        py.detach(|| pool.install(|| builder.build()))
     };
     built.map_err(|e| to_py(py, e))
 }

@@ -146,6 +146,6 @@ def test_fdo_stats_merged_from_threads():
 
 def test_all_reduce_object_from_threads():
   got = in_threads(lambda i: scp.get_all_reduce_interface(peer_addresses=[], minibatching_port=0,
-                                                          host_id=0).all_reduce_or(i, 1 << (i % 60)),
+                                                          host_id=0, host_count=1).all_reduce_or(i, 1 << (i % 60)),
                    range(8))
   assert got == [1 << (i % 60) for i in range(8)]

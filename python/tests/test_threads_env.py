@@ -26,8 +26,27 @@ rows = 4096
 ids = pa.array([[i % 1000, (7 * i) % 1000, (13 * i) % 1000, (31 * i) % 1000] for i in range(rows)],
                pa.list_(pa.int64()))
 scp.Preprocessor(cfg)(pa.record_batch({"f": ids}))
-names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-print(sum(n == "sparsecore-prep" for n in names))
+import time
+
+
+def count():
+  names = []
+  for t in os.listdir("/proc/self/task"):
+    try:
+      names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+    except OSError:
+      pass
+  return sum(n == "sparsecore-prep" for n in names)
+
+
+# A new thread names itself once it runs: count until the number holds for a second.
+last, steady, deadline = -1, 0, time.monotonic() + 10
+while time.monotonic() < deadline and steady < 10:
+  n = count()
+  steady = steady + 1 if n == last else 0
+  last = n
+  time.sleep(0.1)
+print(last)
 """
 
 
