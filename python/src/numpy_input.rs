@@ -798,7 +798,8 @@ unsafe fn gather_with(
 /// little when they are slices of one array (read in place) and a copy of their ids otherwise.
 pub const GATHER_ON_CALLER_MAX_ROWS: usize = 2048;
 
-/// Gathers the ragged features among `leaves` on `pool` (the package's, see `threads`), into `scratch` (one buffer per
+/// Gathers the ragged features among `leaves` on `pool` (the package's, see `threads`; `None`:
+/// on the calling thread), into `scratch` (one buffer per
 /// leaf, resized to fit; its memory is reused from call to call, so a steady stream of batches
 /// does not fault in fresh pages for the gathered ids each time). `None` where a feature needs
 /// the checked path (or is not ragged).
@@ -810,7 +811,7 @@ pub const GATHER_ON_CALLER_MAX_ROWS: usize = 2048;
 /// `leaves`, which the caller owns.
 pub fn gather_all<'py>(
     py: Python<'py>,
-    pool: &rayon::ThreadPool,
+    pool: Option<&rayon::ThreadPool>,
     leaves: &[(Option<RawObjects>, Option<RawObjects>)],
     scratch: &mut Vec<Gathered>,
 ) -> Vec<Option<FeatureData<'py>>> {
@@ -832,16 +833,15 @@ pub fn gather_all<'py>(
         .filter_map(|(ids, _)| ids.map(|o| o.len))
         .sum();
     // Few rows are gathered on this thread: the pool's hand-over and wake-up would cost more.
-    let gathered: Vec<bool> = if rows < GATHER_ON_CALLER_MAX_ROWS {
-        scratch.iter_mut().zip(leaves).map(gather).collect()
-    } else {
-        pool.install(|| {
+    let gathered: Vec<bool> = match pool {
+        Some(pool) if rows >= GATHER_ON_CALLER_MAX_ROWS => pool.install(|| {
             scratch
                 .par_iter_mut()
                 .zip(leaves.par_iter())
                 .map(gather)
                 .collect()
-        })
+        }),
+        _ => scratch.iter_mut().zip(leaves).map(gather).collect(),
     };
     gathered
         .into_iter()

@@ -758,7 +758,14 @@ impl NativeDropIn {
                 }
             })
             .collect();
-        let fast = numpy_input::gather_all(py, &pool, &raw, &mut self.scratch);
+        // With an all-reduce, the pool's threads may wait for the GIL (a Python interface, in
+        // another thread's call), which the gather holds: it then stays on this thread.
+        let gather_pool = if self.slot.is_some() {
+            None
+        } else {
+            Some(&*pool)
+        };
+        let fast = numpy_input::gather_all(py, gather_pool, &raw, &mut self.scratch);
         let data = fast
             .into_iter()
             .zip(features.iter().zip(&self.names))
