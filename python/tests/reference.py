@@ -38,6 +38,20 @@ def reference_available() -> bool:
     return False
 
 
+def require_module(module: str):
+  """`module`, imported; a skip when it is missing, or a failure under REQUIRE_REFERENCE=1 (CI)."""
+  import importlib
+
+  import pytest
+
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:
+    if os.environ.get("REQUIRE_REFERENCE") == "1":
+      raise RuntimeError(f"REQUIRE_REFERENCE=1 but {module} is not importable: {e}") from e
+    pytest.skip(f"{module} is not installed")
+
+
 def build_specs(case):
   """The reference's FeatureSpecs for a case, stacked as case['stacking'] says."""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")

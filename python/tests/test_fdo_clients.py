@@ -12,7 +12,6 @@ REQUIRE_REFERENCE=1 (CI) turns a missing reference into a failure instead of a s
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -20,24 +19,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np
 import pytest
 
-from reference import compare
+from reference import compare, require_module
 import sparsecore_prep as scp
 
 L, G, S = 2, 2, 4
 
 
-def _require(module: str):
-  try:
-    return importlib.import_module(module)
-  except ImportError as e:
-    if os.environ.get("REQUIRE_REFERENCE") == "1":
-      raise RuntimeError(f"REQUIRE_REFERENCE=1 but {module} is not importable: {e}") from e
-    pytest.skip(f"{module} is not installed")
-
-
 @pytest.fixture
 def embedding():
-  mod = _require("jax_tpu_embedding.sparsecore.lib.nn.embedding")
+  mod = require_module("jax_tpu_embedding.sparsecore.lib.nn.embedding")
   yield mod
   while scp.is_installed():
     scp.uninstall()
@@ -102,7 +92,7 @@ CASE = {"local_device_count": L, "global_device_count": G, "num_sc_per_device": 
 
 
 def _client(kind: str, base_dir):
-  _require("jax_tpu_embedding.sparsecore.lib.fdo")
+  require_module("jax_tpu_embedding.sparsecore.lib.fdo")
   if kind == "npz":
     from jax_tpu_embedding.sparsecore.lib.fdo import file_fdo_client
     return file_fdo_client.NPZFileFDOClient(base_dir)

@@ -7,7 +7,6 @@ REQUIRE_REFERENCE=1 (CI) turns a missing reference or keras-rs into a failure in
 
 from __future__ import annotations
 
-import importlib
 import os
 import pickle
 import sys
@@ -19,7 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np
 import pytest
 
-from reference import compare
+from reference import compare, require_module
 import sparsecore_prep as scp
 import sparsecore_prep._dropin as dropin
 
@@ -27,18 +26,9 @@ NAMES = ("preprocess_sparse_dense_matmul_input", "preprocess_sparse_dense_matmul
 REFERENCE_MODULE = "jax_tpu_embedding.sparsecore.lib.nn.embedding"
 
 
-def _require(module: str):
-  try:
-    return importlib.import_module(module)
-  except ImportError as e:
-    if os.environ.get("REQUIRE_REFERENCE") == "1":
-      raise RuntimeError(f"REQUIRE_REFERENCE=1 but {module} is not importable: {e}") from e
-    pytest.skip(f"{module} is not installed")
-
-
 @pytest.fixture
 def embedding():
-  mod = _require(REFERENCE_MODULE)
+  mod = require_module(REFERENCE_MODULE)
   originals = {n: getattr(mod, n) for n in NAMES}
   yield mod
   # A failed test must not leave ours installed for the next one.
@@ -199,7 +189,7 @@ def _stack_and_shard(embedding_utils, specs, ids, weights):
 
 @pytest.mark.parametrize("weighted", [True, False])
 def test_keras_rs_stack_and_shard_samples(embedding, weighted):
-  embedding_utils = _require("keras_rs.src.layers.embedding.jax.embedding_utils")
+  embedding_utils = require_module("keras_rs.src.layers.embedding.jax.embedding_utils")
   import jax
   from jax.experimental import multihost_utils
 
@@ -234,7 +224,7 @@ def test_keras_rs_stack_and_shard_samples(embedding, weighted):
 
 
 def test_flax_linen_preprocess_inputs(embedding, monkeypatch):
-  linen = _require("jax_tpu_embedding.sparsecore.lib.flax.linen.embed")
+  linen = require_module("jax_tpu_embedding.sparsecore.lib.flax.linen.embed")
   import jax
   from jax_tpu_embedding.sparsecore.utils import utils
 
