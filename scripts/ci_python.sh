@@ -6,7 +6,8 @@
 # example against the CLI, and python/README.md's code blocks.
 #
 # It also runs the reference's own tests of the two calls with ours swapped in
-# (python/tests/test_reference_suite.py).
+# (python/tests/test_reference_suite.py) where their sources are reachable: a clone of the
+# reference (SPARSECORE_REF_GIT, or the mirror beside ../shared) or GitHub.
 #
 #   scripts/ci_python.sh                 # from the repository root (or anywhere): debug build
 #   SPARSECORE_PY_RELEASE=1 scripts/ci_python.sh   # optimised, as CI runs it
