@@ -23,6 +23,7 @@ use std::sync::Arc;
 use crate::allreduce::{to_py_error, AllReduceSlot};
 use crate::errors::{self, to_py};
 use crate::pool::BufferPool;
+use crate::threads::Turn;
 use crate::{arrow_input, numpy_input, threads};
 
 /// The four arrays of every stack, the number of minibatches, and the stats.
@@ -192,22 +193,23 @@ fn stats_into(
     Ok(())
 }
 
-/// Runs `prep` on `sources` with the GIL released (on `pool` if it runs them in parallel, see
-/// [`on_pool_if_parallel`]); `slot` is the all-reduce it was built with (its failures become
-/// `AllReduceError`s).
+/// Runs `prep` on `sources` with the GIL released: on the pool if `turn` has it and the
+/// preprocessor would run them in parallel (see [`on_pool_if_parallel`]), else on this thread;
+/// `slot` is the all-reduce it was built with (its failures become `AllReduceError`s).
 fn run_detached(
     py: Python<'_>,
-    pool: &ThreadPool,
+    turn: &Turn,
     prep: &mut Preprocessor,
     sources: &[Box<dyn SampleSource + '_>],
     out: &mut Output,
     slot: Option<&AllReduceSlot>,
 ) -> PyResult<()> {
     let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
-    py.detach(|| {
-        on_pool_if_parallel(Some(pool), prep, &inputs, |prep, inputs| {
+    py.detach(|| match turn.pool() {
+        Some(pool) => on_pool_if_parallel(Some(pool), prep, &inputs, |prep, inputs| {
             prep.run(inputs, out)
-        })
+        }),
+        None => prep.run_on_caller_thread(&inputs, out),
     })
     .map_err(|e| to_py_error(py, e, slot))
 }
@@ -743,7 +745,7 @@ impl NativeDropIn {
         if let Some(w) = &weights {
             self.check_count(py, w.len(), "weights")?;
         }
-        let pool = threads::pool()?;
+        let turn = Turn::take()?;
         // Ragged features are gathered in parallel off the Python API; anything unusual (and
         // every error) goes through the checked path below, one feature at a time.
         let raw: Vec<_> = features
@@ -763,7 +765,7 @@ impl NativeDropIn {
         let gather_pool = if self.slot.is_some() {
             None
         } else {
-            Some(&*pool)
+            turn.pool()
         };
         let fast = numpy_input::gather_all(py, gather_pool, &raw, &mut self.scratch);
         let data = fast
@@ -788,7 +790,7 @@ impl NativeDropIn {
                 self.prep.set_batch_number(batch_number);
                 run_detached(
                     py,
-                    &pool,
+                    &turn,
                     &mut self.prep,
                     &sources,
                     out,
@@ -820,7 +822,7 @@ impl NativeDropIn {
         self.check_count(py, indices.len(), "indices")?;
         self.check_count(py, values.len(), "values")?;
         self.check_count(py, batch_sizes.len(), "dense shapes")?;
-        let pool = threads::pool()?;
+        let turn = Turn::take()?;
         let values = values
             .iter()
             .zip(&self.names)
@@ -877,28 +879,29 @@ impl NativeDropIn {
                 view.as_ref()
                     .is_ok_and(|(flat, ids, batch)| coo_row_splits(flat, ids.len(), *batch, splits))
             };
-            if entries < COO_SPLITS_ON_CALLER_MAX_ENTRIES {
-                splits.iter_mut().zip(&views).map(split).collect()
-            } else {
-                use rayon::prelude::*;
-                // The views are slices of numpy arrays that this call holds (read-only borrows).
-                let views: Vec<Option<(&[i64], usize, usize)>> = views
-                    .iter()
-                    .map(|v| v.as_ref().ok().map(|(f, ids, b)| (*f, ids.len(), *b)))
-                    .collect();
-                py.detach(|| {
-                    pool.install(|| {
-                        splits
-                            .par_iter_mut()
-                            .zip(views.par_iter())
-                            .map(|(splits, view)| {
-                                view.is_some_and(|(flat, nnz, batch)| {
-                                    coo_row_splits(flat, nnz, batch, splits)
+            match turn.pool() {
+                Some(pool) if entries >= COO_SPLITS_ON_CALLER_MAX_ENTRIES => {
+                    use rayon::prelude::*;
+                    // The views are slices of numpy arrays that this call holds (read-only borrows).
+                    let views: Vec<Option<(&[i64], usize, usize)>> = views
+                        .iter()
+                        .map(|v| v.as_ref().ok().map(|(f, ids, b)| (*f, ids.len(), *b)))
+                        .collect();
+                    py.detach(|| {
+                        pool.install(|| {
+                            splits
+                                .par_iter_mut()
+                                .zip(views.par_iter())
+                                .map(|(splits, view)| {
+                                    view.is_some_and(|(flat, nnz, batch)| {
+                                        coo_row_splits(flat, nnz, batch, splits)
+                                    })
                                 })
-                            })
-                            .collect()
+                                .collect()
+                        })
                     })
-                })
+                }
+                _ => splits.iter_mut().zip(&views).map(split).collect(),
             }
         } else {
             vec![false; views.len()]
@@ -925,32 +928,17 @@ impl NativeDropIn {
             }
             Ok(sources)
         };
-        let ragged_sources = sources(false);
         self.pool.refill(&mut self.out);
         self.prep.set_batch_number(batch_number);
-        let mut ran = ragged_sources.and_then(|sources| {
-            run_detached(
-                py,
-                &pool,
-                &mut self.prep,
-                &sources,
-                &mut self.out,
-                self.slot.as_deref(),
-            )
-        });
+        let (prep, out, slot) = (&mut self.prep, &mut self.out, self.slot.as_deref());
+        let mut run = |sources: PyResult<Vec<Box<dyn SampleSource + '_>>>| {
+            sources.and_then(|sources| run_detached(py, &turn, prep, &sources, out, slot))
+        };
+        let mut ran = run(sources(false));
         if ran.is_err() && converted.contains(&true) {
             // A failing call runs again on the COO view, so that its error is the one the COO
             // path reports (which entry, which id first).
-            ran = sources(true).and_then(|sources| {
-                run_detached(
-                    py,
-                    &pool,
-                    &mut self.prep,
-                    &sources,
-                    &mut self.out,
-                    self.slot.as_deref(),
-                )
-            });
+            ran = run(sources(true));
         }
         drop(views);
         self.coo_splits = splits;

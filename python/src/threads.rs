@@ -10,6 +10,7 @@
 //! Take the pool while holding the GIL ([`pool`] is called before the GIL is released): `fork`
 //! from Python also holds it, so no other thread can be inside the lock when a process forks.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::PyRuntimeError;
@@ -57,6 +58,51 @@ pub fn pool() -> PyResult<Arc<ThreadPool>> {
     let pool = Arc::new(pool);
     *slot = Some((pid, pool.clone()));
     Ok(pool)
+}
+
+/// The process id of the process one of whose drop-in calls has the pool, or 0. A forked child
+/// finds its parent's id here when a call of the parent's was running at the fork: that call
+/// does not exist in the child, so the pool counts as free.
+static POOL_HOLDER: AtomicU32 = AtomicU32::new(0);
+
+/// Where one drop-in call runs: on the pool, or on its calling thread alone while another call
+/// has the pool. Loaders call from several threads at once (keras-rs's from 4); queued for one
+/// pool, their calls ran one at a time, each handing its work over and waiting, so that more
+/// callers gave no more throughput. A call that finds the pool busy runs its tasks one after
+/// another on its own thread instead, and the calls then share the cores. The bytes are the same
+/// either way.
+pub struct Turn {
+    /// The pool, if this call has it; given back on drop.
+    pool: Option<Arc<ThreadPool>>,
+}
+
+impl Turn {
+    /// The pool if no other call has it, else none (run on the calling thread).
+    pub fn take() -> PyResult<Turn> {
+        let pool = pool()?;
+        let me = std::process::id();
+        let holder = POOL_HOLDER.load(Ordering::Relaxed);
+        let free = holder != me
+            && POOL_HOLDER
+                .compare_exchange(holder, me, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok();
+        Ok(Turn {
+            pool: free.then_some(pool),
+        })
+    }
+
+    /// The pool, if this call has it.
+    pub fn pool(&self) -> Option<&ThreadPool> {
+        self.pool.as_deref()
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        if self.pool.is_some() {
+            POOL_HOLDER.store(0, Ordering::Release);
+        }
+    }
 }
 
 #[cfg(test)]

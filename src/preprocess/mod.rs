@@ -27,6 +27,15 @@ mod workspace;
 pub use builder::{Preprocessor, PreprocessorBuilder};
 pub use workers::SMALL_BATCH_IDS;
 
+/// Where one call's tasks run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Placement {
+    /// As the builder's threads and small-batch size say.
+    AsBuilt,
+    /// On the calling thread, one after another.
+    CallerThread,
+}
+
 /// The ids of a batch, duplicates included.
 fn batch_ids(inputs: &[&dyn SampleSource]) -> usize {
     inputs
@@ -85,7 +94,19 @@ impl Preprocessor {
     /// would need a second set of buffers; an empty output cannot be mistaken for a batch. The
     /// memory is kept, and the preprocessor is ready for the next batch.
     pub fn run(&mut self, inputs: &[&dyn SampleSource], out: &mut Output) -> Result<()> {
-        self.run_or_clear(inputs, out, Mode::Buffers)
+        self.run_or_clear(inputs, out, Mode::Buffers, Placement::AsBuilt)
+    }
+
+    /// [`Preprocessor::run`] with every task on the calling thread, one after another, whatever
+    /// [`PreprocessorBuilder::threads`] says: the same bytes, no pool. For callers that already
+    /// run several batches at once on threads of their own (loader threads, each with its own
+    /// preprocessor), where a shared pool would make them queue for it.
+    pub fn run_on_caller_thread(
+        &mut self,
+        inputs: &[&dyn SampleSource],
+        out: &mut Output,
+    ) -> Result<()> {
+        self.run_or_clear(inputs, out, Mode::Buffers, Placement::CallerThread)
     }
 
     /// Computes only the FDO statistics of a batch: extraction, sorting and grouping run, the
@@ -96,7 +117,7 @@ impl Preprocessor {
     ///
     /// On `Err`, `out` is left empty, as after a failed [`Preprocessor::run`].
     pub fn run_stats(&mut self, inputs: &[&dyn SampleSource], out: &mut Output) -> Result<()> {
-        self.run_or_clear(inputs, out, Mode::StatsOnly)
+        self.run_or_clear(inputs, out, Mode::StatsOnly, Placement::AsBuilt)
     }
 
     /// Runs, and empties `out` on any error so that no partial or stale batch survives it.
@@ -105,8 +126,9 @@ impl Preprocessor {
         inputs: &[&dyn SampleSource],
         out: &mut Output,
         mode: Mode,
+        placement: Placement,
     ) -> Result<()> {
-        let result = self.run_mode(inputs, out, mode);
+        let result = self.run_mode(inputs, out, mode, placement);
         if result.is_err() {
             out.clear();
         }
@@ -118,6 +140,7 @@ impl Preprocessor {
         inputs: &[&dyn SampleSource],
         out: &mut Output,
         mode: Mode,
+        placement: Placement,
     ) -> Result<()> {
         if inputs.len() != self.config.features.len() {
             return Err(Error::InputCount {
@@ -157,11 +180,12 @@ impl Preprocessor {
             t.resize_with(local_scs, Task::default);
         }
 
-        let schedule = if batch_ids(inputs) < *small_batch_ids {
-            Schedule::InOrder
-        } else {
-            workers.schedule()
-        };
+        let schedule =
+            if placement == Placement::CallerThread || batch_ids(inputs) < *small_batch_ids {
+                Schedule::InOrder
+            } else {
+                workers.schedule()
+            };
         let mut work = || {
             run_stacks(
                 plan,

@@ -1023,6 +1023,18 @@ fn thread_count_invariance() {
         let (global, _) = run(&cfg, None, &sources);
         same_result(&one, &two, "threads(1) vs threads(2)")?;
         same_result(&one, &global, "threads(1) vs global pool")?;
+        let mut pooled = Preprocessor::builder(cfg.clone())
+            .small_batch_ids(0)
+            .threads(2)
+            .build()
+            .expect("generated config builds");
+        let mut out = Output::new();
+        let on_caller = pooled.run_on_caller_thread(&sources, &mut out).map(|_| out);
+        same_result(
+            &one,
+            &on_caller,
+            "threads(1) vs a pool of 2's run_on_caller_thread",
+        )?;
 
         // Reuse: a batch of another shape (first L*S rows of each feature, reversed), then this
         // batch, into the same Output and Preprocessor.
