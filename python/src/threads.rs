@@ -10,7 +10,7 @@
 //! Take the pool while holding the GIL ([`pool`] is called before the GIL is released): `fork`
 //! from Python also holds it, so no other thread can be inside the lock when a process forks.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::PyRuntimeError;
@@ -60,34 +60,39 @@ pub fn pool() -> PyResult<Arc<ThreadPool>> {
     Ok(pool)
 }
 
-/// The process id of the process one of whose drop-in calls has the pool, or 0. A forked child
-/// finds its parent's id here when a call of the parent's was running at the fork: that call
-/// does not exist in the child, so the pool counts as free.
-static POOL_HOLDER: AtomicU32 = AtomicU32::new(0);
+/// The drop-in calls in flight, and the process they run in: `pid << 32 | count`. A forked
+/// child finds its parent's id here, with the parent's calls at the fork counted: those calls do
+/// not exist in the child, so it starts again from none.
+static IN_FLIGHT: AtomicU64 = AtomicU64::new(0);
 
-/// Where one drop-in call runs: on the pool, or on its calling thread alone while another call
-/// has the pool. Loaders call from several threads at once (keras-rs's from 4); queued for one
-/// pool, their calls ran one at a time, each handing its work over and waiting, so that more
-/// callers gave no more throughput. A call that finds the pool busy runs its tasks one after
-/// another on its own thread instead, and the calls then share the cores. The bytes are the same
-/// either way.
+/// Where one drop-in call runs: on the pool when it is the only call in flight, else on its
+/// calling thread alone. Loaders call from several threads at once (keras-rs's from 4); queued
+/// for one pool, their calls ran one at a time, each handing its work over and waiting, so that
+/// more callers gave no more throughput. Concurrent calls run their tasks one after another on
+/// their own threads instead and share the cores; the pool, whose idle threads spin looking for
+/// work, is left to a call that runs alone. The bytes are the same either way.
 pub struct Turn {
-    /// The pool, if this call has it; given back on drop.
+    /// The pool, if this call has it.
     pool: Option<Arc<ThreadPool>>,
 }
 
 impl Turn {
-    /// The pool if no other call has it, else none (run on the calling thread).
+    /// Counts this call in; the pool if no other call is in flight.
     pub fn take() -> PyResult<Turn> {
         let pool = pool()?;
-        let me = std::process::id();
-        let holder = POOL_HOLDER.load(Ordering::Relaxed);
-        let free = holder != me
-            && POOL_HOLDER
-                .compare_exchange(holder, me, Ordering::Acquire, Ordering::Relaxed)
-                .is_ok();
+        let me = u64::from(std::process::id());
+        let mut alone = false;
+        let _ = IN_FLIGHT.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+            let count = if v >> 32 == me {
+                v & u64::from(u32::MAX)
+            } else {
+                0
+            };
+            alone = count == 0;
+            Some(me << 32 | (count + 1))
+        });
         Ok(Turn {
-            pool: free.then_some(pool),
+            pool: alone.then_some(pool),
         })
     }
 
@@ -98,10 +103,12 @@ impl Turn {
 }
 
 impl Drop for Turn {
+    /// Counts this call out.
     fn drop(&mut self) {
-        if self.pool.is_some() {
-            POOL_HOLDER.store(0, Ordering::Release);
-        }
+        let me = u64::from(std::process::id());
+        let _ = IN_FLIGHT.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+            (v >> 32 == me && v & u64::from(u32::MAX) > 0).then(|| v - 1)
+        });
     }
 }
 
