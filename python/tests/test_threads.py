@@ -132,6 +132,32 @@ def test_drop_in_from_threads():
     assert_same(want, have)
 
 
+def test_sparse_coo_drop_in_from_threads():
+  # Concurrent calls run on their own threads while one call alone would take the pool: both
+  # must give what serial calls give, through the COO entry point's own path too.
+  stacked = SimpleNamespace(combiner="sum", max_ids_per_partition=65536, max_unique_ids_per_partition=65536,
+                            suggested_coo_buffer_size_per_device=None)
+  table = SimpleNamespace(name="a", vocabulary_size=50_000, embedding_dim=8, stacked_table_spec=stacked,
+                          setting_in_stack=SimpleNamespace(stack_name="a"))
+  specs = {"fa": SimpleNamespace(name="fa", table_spec=table, output_shape=[2048, 8], _id_transformation=None)}
+
+  def inputs(seed, rows=2048):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 20, rows)
+    row = np.repeat(np.arange(rows), lengths)
+    pos = np.concatenate([np.arange(n) for n in lengths])
+    indices = np.stack([row, pos], axis=1).astype(np.int64)
+    values = rng.integers(0, 50_000, len(row)).astype(np.int32)
+    return {"fa": indices}, {"fa": values}, {"fa": np.array([rows, 20])}
+
+  args = [inputs(s) for s in range(12)]
+  call = lambda a: flat(scp.preprocess_sparse_dense_matmul_input_from_sparse_tensor(*a, specs, 1, 1, 4))
+  serial = [call(a) for a in args]
+  assert sum(len(a[1]["fa"]) for a in args[:1]) >= scp._native.SMALL_BATCH_IDS
+  for want, have in zip(serial, in_threads(call, args)):
+    assert_same(want, have)
+
+
 def test_fdo_stats_merged_from_threads():
   prep = scp.Preprocessor(CONFIG)
   parts = [prep.fdo_stats(batch(s)) for s in range(16)]
