@@ -411,12 +411,22 @@ impl NativePreprocessor {
     ) -> PyResult<Results> {
         let rb = arrow_input::record_batch(batch)?;
         let on = self.live(py)?;
+        // On the shared pool, calls take turns as the drop-in's do (see `Turn`): a loader's
+        // threads (Grain's 16) calling at once each run on their own.
+        let turn = on.as_ref().map(|_| Turn::take()).transpose()?;
         let (prep, out) = (&mut self.prep, &mut self.out);
         self.pool.refill(out);
-        py.detach(|| {
-            batch_on_pool_if_parallel(on.as_deref(), prep, &rb, |prep, inputs| {
+        py.detach(|| match &turn {
+            Some(turn) if turn.pool().is_none() => {
+                let features =
+                    sparsecore_prep::input::features_from_record_batch(prep.config(), &rb)?;
+                let inputs: Vec<&dyn SampleSource> =
+                    features.iter().map(|f| f as &dyn SampleSource).collect();
+                prep.run_on_caller_thread(&inputs, out)
+            }
+            _ => batch_on_pool_if_parallel(on.as_deref(), prep, &rb, |prep, inputs| {
                 prep.run(inputs, out)
-            })
+            }),
         })
         .map_err(|e| {
             out.clear();
