@@ -418,11 +418,9 @@ impl NativePreprocessor {
         self.pool.refill(out);
         py.detach(|| match &turn {
             Some(turn) if turn.pool().is_none() => {
-                let features =
-                    sparsecore_prep::input::features_from_record_batch(prep.config(), &rb)?;
-                let inputs: Vec<&dyn SampleSource> =
-                    features.iter().map(|f| f as &dyn SampleSource).collect();
-                prep.run_on_caller_thread(&inputs, out)
+                batch_on_pool_if_parallel(None, prep, &rb, |prep, inputs| {
+                    prep.run_on_caller_thread(inputs, out)
+                })
             }
             _ => batch_on_pool_if_parallel(on.as_deref(), prep, &rb, |prep, inputs| {
                 prep.run(inputs, out)

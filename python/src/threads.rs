@@ -60,12 +60,12 @@ pub fn pool() -> PyResult<Arc<ThreadPool>> {
     Ok(pool)
 }
 
-/// The drop-in calls in flight, and the process they run in: `pid << 32 | count`. A forked
+/// The calls in flight on the shared pool (the drop-in's and `Preprocessor`'s), and the process they run in: `pid << 32 | count`. A forked
 /// child finds its parent's id here, with the parent's calls at the fork counted: those calls do
 /// not exist in the child, so it starts again from none.
 static IN_FLIGHT: AtomicU64 = AtomicU64::new(0);
 
-/// Where one drop-in call runs: on the pool when it is the only call in flight, else on its
+/// Where one call runs (a drop-in call, or a `Preprocessor`'s on the shared pool): on the pool when it is the only call in flight, else on its
 /// calling thread alone. Loaders call from several threads at once (keras-rs's from 4); queued
 /// for one pool, their calls ran one at a time, each handing its work over and waiting, so that
 /// more callers gave no more throughput. Concurrent calls run their tasks one after another on
