@@ -193,9 +193,11 @@ fn stats_into(
     Ok(())
 }
 
-/// Runs `prep` on `sources` with the GIL released: on the pool if `turn` has it and the
-/// preprocessor would run them in parallel (see [`on_pool_if_parallel`]), else on this thread;
-/// `slot` is the all-reduce it was built with (its failures become `AllReduceError`s).
+/// Runs `prep` on `sources` with the GIL released: on this thread, with the pool's threads
+/// helping if `turn` has it (`Preprocessor::run_helped`: this thread starts at once, where
+/// handing the batch to the pool would first wait for its threads to wake after the caller's
+/// idle time), else alone; `slot` is the all-reduce it was built with (its failures become
+/// `AllReduceError`s).
 fn run_detached(
     py: Python<'_>,
     turn: &Turn,
@@ -206,9 +208,7 @@ fn run_detached(
 ) -> PyResult<()> {
     let inputs: Vec<&dyn SampleSource> = sources.iter().map(|s| s.as_ref()).collect();
     py.detach(|| match turn.pool() {
-        Some(pool) => on_pool_if_parallel(Some(pool), prep, &inputs, |prep, inputs| {
-            prep.run(inputs, out)
-        }),
+        Some(pool) => prep.run_helped(pool, &inputs, out),
         None => prep.run_on_caller_thread(&inputs, out),
     })
     .map_err(|e| to_py_error(py, e, slot))

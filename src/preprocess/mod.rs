@@ -13,12 +13,13 @@ use crate::output::Output;
 use crate::spec::{Config, Plan};
 use assemble::assemble;
 use checks::check_batches;
-use task::{run_stacks, Mode, Schedule, Task};
+use task::{run_stacks, run_stacks_helped, Mode, Schedule, Task};
 use workers::Workers;
 
 mod assemble;
 mod builder;
 mod checks;
+mod helped;
 mod minibatch;
 mod task;
 mod workers;
@@ -28,12 +29,15 @@ pub use builder::{Preprocessor, PreprocessorBuilder};
 pub use workers::SMALL_BATCH_IDS;
 
 /// Where one call's tasks run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Placement {
+#[derive(Clone, Copy, Debug)]
+enum Placement<'p> {
     /// As the builder's threads and small-batch size say.
     AsBuilt,
     /// On the calling thread, one after another.
     CallerThread,
+    /// On the calling thread, with the pool's threads helping (see
+    /// [`Preprocessor::run_helped`]).
+    Helped(&'p rayon::ThreadPool),
 }
 
 /// The ids of a batch, duplicates included.
@@ -109,6 +113,27 @@ impl Preprocessor {
         self.run_or_clear(inputs, out, Mode::Buffers, Placement::CallerThread)
     }
 
+    /// [`Preprocessor::run`] started on the calling thread, with `pool`'s threads taking tasks
+    /// too as soon as they run: the same bytes. For a thread outside `pool` whose batches come
+    /// with idle time between them (a training step, other work), in which the pool's threads
+    /// fall asleep: `ThreadPool::install` would hand the batch over and wait for a worker to
+    /// wake, which on a VM took longer than a batch of a few hundred samples (BENCHMARKS.md,
+    /// "Calls after idle time"). Every one of the pool's threads may help (with one fewer, the
+    /// helper was often woken on the caller's own CPU, and large batches lost a tenth of their
+    /// speed against `install`). Batches under the small-batch size run on
+    /// the calling thread alone, and minibatching runs on `pool` as [`Preprocessor::run`] does
+    /// (its passes wait for each other anyway).
+    ///
+    /// Unlike [`Preprocessor::run`], each call allocates its list of tasks.
+    pub fn run_helped(
+        &mut self,
+        pool: &rayon::ThreadPool,
+        inputs: &[&dyn SampleSource],
+        out: &mut Output,
+    ) -> Result<()> {
+        self.run_or_clear(inputs, out, Mode::Buffers, Placement::Helped(pool))
+    }
+
     /// Computes only the FDO statistics of a batch: extraction, sorting and grouping run, the
     /// buffers are not written (`out`'s arrays are left empty), and exceeded limits are not an
     /// error, since the point is to measure them. `dropped_id_count` counts the ids the limits
@@ -126,7 +151,7 @@ impl Preprocessor {
         inputs: &[&dyn SampleSource],
         out: &mut Output,
         mode: Mode,
-        placement: Placement,
+        placement: Placement<'_>,
     ) -> Result<()> {
         let result = self.run_mode(inputs, out, mode, placement);
         if result.is_err() {
@@ -140,7 +165,7 @@ impl Preprocessor {
         inputs: &[&dyn SampleSource],
         out: &mut Output,
         mode: Mode,
-        placement: Placement,
+        placement: Placement<'_>,
     ) -> Result<()> {
         if inputs.len() != self.config.features.len() {
             return Err(Error::InputCount {
@@ -180,14 +205,45 @@ impl Preprocessor {
             t.resize_with(local_scs, Task::default);
         }
 
-        let schedule =
-            if placement == Placement::CallerThread || batch_ids(inputs) < *small_batch_ids {
-                Schedule::InOrder
-            } else {
-                workers.schedule()
-            };
-        let mut work = || {
-            run_stacks(
+        let schedule = match placement {
+            Placement::CallerThread => Schedule::InOrder,
+            _ if batch_ids(inputs) < *small_batch_ids => Schedule::InOrder,
+            Placement::Helped(_) => Schedule::Parallel,
+            Placement::AsBuilt => workers.schedule(),
+        };
+        // The pool a parallel schedule runs on: the helped run's, else the preprocessor's own
+        // (None: the pool of the calling context, rayon's global one outside any).
+        let pool = match (placement, &*workers) {
+            (Placement::Helped(pool), _) | (_, Workers::Pool(pool)) => Some(pool),
+            _ => None,
+        };
+        match (schedule, placement, pool) {
+            (Schedule::Parallel, Placement::Helped(pool), _) if mode != Mode::Pass1 => {
+                run_stacks_helped(
+                    pool,
+                    pool.current_num_threads(),
+                    plan,
+                    inputs,
+                    batch_per_sc,
+                    out,
+                    tasks,
+                    workspaces,
+                    mode,
+                )
+            }
+            (Schedule::Parallel, _, Some(pool)) => pool.install(|| {
+                run_stacks(
+                    plan,
+                    inputs,
+                    batch_per_sc,
+                    out,
+                    tasks,
+                    workspaces,
+                    mode,
+                    schedule,
+                )
+            }),
+            _ => run_stacks(
                 plan,
                 inputs,
                 batch_per_sc,
@@ -196,11 +252,7 @@ impl Preprocessor {
                 workspaces,
                 mode,
                 schedule,
-            )
-        };
-        match (schedule, &*workers) {
-            (Schedule::Parallel, Workers::Pool(pool)) => pool.install(work),
-            _ => work(),
+            ),
         }
         workspaces.equalize();
 
@@ -208,8 +260,8 @@ impl Preprocessor {
         if mode == Mode::Pass1 {
             let mut work =
                 || minibatch::finish(plan, batch_per_sc, out, tasks, minibatching, schedule);
-            match (schedule, &*workers) {
-                (Schedule::Parallel, Workers::Pool(pool)) => pool.install(&mut work)?,
+            match (schedule, pool) {
+                (Schedule::Parallel, Some(pool)) => pool.install(&mut work)?,
                 _ => work()?,
             }
         }

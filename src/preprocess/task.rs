@@ -148,26 +148,7 @@ fn run_stack(
     let layout = plan.layout;
     let rpb = layout.row_pointers_per_segment();
     let cs = stack.coo_buffer_size_per_sc(&layout);
-    let weighted = stack.features.iter().any(|&f| inputs[f].has_weights());
-    let ctx = StackCtx {
-        name: &stack.name,
-        layout,
-        combiner: stack.combiner,
-        weighted,
-        validate_ids: plan.validate_ids,
-        batch_per_sc: bsps,
-        local_bits: KeyFormat::local_bits_for(
-            layout.partition_bits(),
-            stack.stack_vocab_size,
-            plan.validate_ids,
-        ),
-    };
-    let limits = Limits {
-        max_ids: stack.max_ids_per_partition,
-        max_unique: stack.max_unique_ids_per_partition,
-        // Pass 1 of minibatching never drops (SPEC 5.4); only its bucketed pass may.
-        drop: plan.allow_id_dropping && !plan.enable_minibatching,
-    };
+    let (ctx, limits) = stack_setup(plan, inputs, stack, bsps);
     let job = StackJob {
         plan,
         stack,
@@ -231,6 +212,123 @@ fn run_stack(
             stack_tasks.iter_mut().enumerate().for_each(elsewhere)
         }
     }
+}
+
+/// A stack's extraction context and limits, the same for each of its tasks.
+fn stack_setup<'a>(
+    plan: &Plan,
+    inputs: &[&dyn SampleSource],
+    stack: &'a StackPlan,
+    bsps: usize,
+) -> (StackCtx<'a>, Limits) {
+    let layout = plan.layout;
+    let weighted = stack.features.iter().any(|&f| inputs[f].has_weights());
+    let ctx = StackCtx {
+        name: &stack.name,
+        layout,
+        combiner: stack.combiner,
+        weighted,
+        validate_ids: plan.validate_ids,
+        batch_per_sc: bsps,
+        local_bits: KeyFormat::local_bits_for(
+            layout.partition_bits(),
+            stack.stack_vocab_size,
+            plan.validate_ids,
+        ),
+    };
+    let limits = Limits {
+        max_ids: stack.max_ids_per_partition,
+        max_unique: stack.max_unique_ids_per_partition,
+        // Pass 1 of minibatching never drops (SPEC 5.4); only its bucketed pass may.
+        drop: plan.allow_id_dropping && !plan.enable_minibatching,
+    };
+    (ctx, limits)
+}
+
+/// One (stack, local SparseCore) task of a helped run: where it writes, and its record.
+type HelpedTask<'a> = (usize, usize, Destination<'a>, &'a mut Task);
+
+/// [`run_stacks`] for [`Mode::Buffers`] and [`Mode::StatsOnly`] with the tasks of every stack in
+/// one list, run by the calling thread and up to `helpers` of `pool`'s threads as they come
+/// (see `helped`). Each task still writes only its own segment and record, so the bytes are
+/// those of any other schedule. The list is built per batch (callers of this schedule, the
+/// Python package, allocate their results per batch anyway).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run_stacks_helped(
+    pool: &rayon::ThreadPool,
+    helpers: usize,
+    plan: &Plan,
+    inputs: &[&dyn SampleSource],
+    batch_per_sc: &[usize],
+    out: &mut Output,
+    tasks: &mut [Vec<Task>],
+    workspaces: &Workspaces,
+    mode: Mode,
+) {
+    debug_assert!(
+        mode != Mode::Pass1,
+        "minibatching's pass 1 runs on the pool"
+    );
+    let layout = plan.layout;
+    let s = layout.sc_per_device;
+    let rpb = layout.row_pointers_per_segment();
+    let setups: Vec<(StackCtx<'_>, Limits)> = plan
+        .stacks
+        .iter()
+        .zip(batch_per_sc)
+        .map(|(stack, &bsps)| stack_setup(plan, inputs, stack, bsps))
+        .collect();
+    let mut list: Vec<std::sync::Mutex<Option<HelpedTask<'_>>>> = Vec::new();
+    for (i, (so, stack_tasks)) in out.stacks.iter_mut().zip(tasks.iter_mut()).enumerate() {
+        if mode == Mode::StatsOnly {
+            list.extend(
+                stack_tasks
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(j, task)| std::sync::Mutex::new(Some((i, j, Destination::Stats, task)))),
+            );
+            continue;
+        }
+        let cs = plan.stacks[i].coo_buffer_size_per_sc(&layout);
+        let tail_fill = so.tail_fill;
+        let segments = so
+            .row_pointers
+            .chunks_mut(rpb)
+            .zip(so.embedding_ids.chunks_mut(cs))
+            .zip(so.sample_ids.chunks_mut(cs))
+            .zip(so.gains.chunks_mut(cs))
+            .zip(so.tail_extents.iter_mut())
+            .zip(stack_tasks.iter_mut())
+            .enumerate();
+        list.extend(segments.map(
+            |(j, (((((row_pointers, embedding_ids), sample_ids), gains), tail_extent), task))| {
+                let seg = Segment {
+                    row_pointers,
+                    embedding_ids,
+                    sample_ids,
+                    gains,
+                };
+                let destination = Destination::Segment(seg, tail_extent, tail_fill);
+                std::sync::Mutex::new(Some((i, j, destination, task)))
+            },
+        ));
+    }
+    super::helped::run_helped(pool, helpers, list.len(), &|k| {
+        let taken = list[k].lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some((i, j, destination, task)) = taken else {
+            return;
+        };
+        let (ctx, limits) = &setups[i];
+        let job = StackJob {
+            plan,
+            stack: &plan.stacks[i],
+            ctx,
+            limits: *limits,
+            inputs,
+            workspaces,
+        };
+        run_task(&job, j / s, j % s, destination, task);
+    });
 }
 
 /// What every task of one stack shares.

@@ -23,7 +23,8 @@ impl Workspace {
 }
 
 /// One [`Workspace`] per worker thread of the pool that runs the tasks, found by rayon's
-/// thread index. After each batch every workspace is grown to the largest capacities any of
+/// thread index, and one for a thread outside any pool (the caller of a run on its own thread,
+/// or of a helped run, see `helped`). After each batch every workspace is grown to the largest capacities any of
 /// them reached, so that a batch of the same shape allocates nothing whichever worker gets
 /// whichever task (work stealing decides that).
 #[derive(Debug, Default)]
@@ -31,12 +32,17 @@ pub(super) struct Workspaces(Vec<std::sync::Mutex<Workspace>>);
 
 impl Workspaces {
     pub(super) fn new(workers: usize) -> Self {
-        Workspaces((0..workers.max(1)).map(|_| Default::default()).collect())
+        Workspaces(
+            (0..workers.max(1) + 1)
+                .map(|_| Default::default())
+                .collect(),
+        )
     }
 
     /// Runs `f` on the calling worker's workspace.
     pub(super) fn with<R>(&self, f: impl FnOnce(&mut Workspace) -> R) -> R {
-        let i = rayon::current_thread_index().unwrap_or(0) % self.0.len().max(1);
+        let n = self.0.len();
+        let i = rayon::current_thread_index().map_or(n.saturating_sub(1), |i| i % n.max(1));
         match self.0.get(i).map(|m| m.try_lock()) {
             Some(Ok(mut ws)) => f(&mut ws),
             // Only when tasks run on a thread of some other pool whose index collides (the

@@ -1035,6 +1035,15 @@ fn thread_count_invariance() {
             &on_caller,
             "threads(1) vs a pool of 2's run_on_caller_thread",
         )?;
+        // The calling thread with a pool's threads helping (every batch through it: small-batch
+        // size 0), whatever the preprocessor was built with; minibatching falls back to the pool.
+        let helpers = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let mut out = Output::new();
+        let helped = pooled.run_helped(&helpers, &sources, &mut out).map(|_| out);
+        same_result(&one, &helped, "threads(1) vs run_helped with a pool of 2")?;
 
         // Reuse: a batch of another shape (first L*S rows of each feature, reversed), then this
         // batch, into the same Output and Preprocessor.
