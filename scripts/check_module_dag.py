@@ -34,7 +34,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The pipeline crate's top-level modules, bottom to top. A module may import only from modules
 # of a strictly lower rank.
 FLOW = [
-    ["error", "isa", "reuse"],
+    ["error", "isa", "reuse", "parallel"],
     ["fields"],
     ["spec"],
     ["input"],

@@ -52,6 +52,7 @@ mod error;
 mod fields;
 mod gain;
 pub mod isa;
+pub mod parallel;
 mod reuse;
 // Pipeline internals are crate-private, or public under the unstable `internals` feature (for
 // this repository's stage benches). Declared one by one, not by a macro, so that rustfmt

@@ -804,11 +804,12 @@ pub const GATHER_ON_CALLER_MAX_ROWS: usize = 2048;
 /// does not fault in fresh pages for the gathered ids each time). `None` where a feature needs
 /// the checked path (or is not ragged).
 ///
-/// The workers (or, for few rows, the calling thread itself) read the object arrays' items and
-/// the items' numpy structs without the Python API. That is sound because the calling thread
-/// holds the GIL and does nothing else until the reads finish: no Python code runs anywhere in
-/// the meantime, so nothing can be freed or resized, and every object read is kept alive by
-/// `leaves`, which the caller owns.
+/// The calling thread and the pool's threads (for few rows, the calling thread alone) read the
+/// object arrays' items and the items' numpy structs without the Python API. That is sound
+/// because the calling thread holds the GIL throughout and runs no Python code until the reads
+/// finish (a pool thread that starts after the last feature reads nothing): no Python code runs
+/// anywhere in the meantime, so nothing can be freed or resized, and every object read is kept
+/// alive by `leaves`, which the caller owns.
 pub fn gather_all<'py>(
     py: Python<'py>,
     pool: Option<&rayon::ThreadPool>,
@@ -817,7 +818,9 @@ pub fn gather_all<'py>(
 ) -> Vec<Option<FeatureData<'py>>> {
     use numpy::PyUntypedArray as Arr;
     use pyo3::type_object::PyTypeInfo;
-    use rayon::prelude::*;
+    use sparsecore_prep::parallel::run_helped;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
     let array_type = ArrayType(Arr::type_object_raw(py));
     scratch.resize_with(leaves.len(), Default::default);
     let gather =
@@ -833,14 +836,19 @@ pub fn gather_all<'py>(
         .filter_map(|(ids, _)| ids.map(|o| o.len))
         .sum();
     // Few rows are gathered on this thread: the pool's hand-over and wake-up would cost more.
+    // Otherwise this thread starts on the features at once and the pool's threads take features
+    // beside it as they wake (after the caller's idle time they are asleep, see
+    // `sparsecore_prep::parallel`).
     let gathered: Vec<bool> = match pool {
-        Some(pool) if rows >= GATHER_ON_CALLER_MAX_ROWS => pool.install(|| {
-            scratch
-                .par_iter_mut()
-                .zip(leaves.par_iter())
-                .map(gather)
-                .collect()
-        }),
+        Some(pool) if rows >= GATHER_ON_CALLER_MAX_ROWS => {
+            let slots: Vec<Mutex<&mut Gathered>> = scratch.iter_mut().map(Mutex::new).collect();
+            let done: Vec<AtomicBool> = leaves.iter().map(|_| AtomicBool::new(false)).collect();
+            run_helped(pool, pool.current_num_threads(), leaves.len(), &|k| {
+                let mut buf = slots[k].lock().unwrap_or_else(|e| e.into_inner());
+                done[k].store(gather((&mut **buf, &leaves[k])), Ordering::Relaxed);
+            });
+            done.into_iter().map(AtomicBool::into_inner).collect()
+        }
         _ => scratch.iter_mut().zip(leaves).map(gather).collect(),
     };
     gathered

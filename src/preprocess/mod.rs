@@ -19,7 +19,6 @@ use workers::Workers;
 mod assemble;
 mod builder;
 mod checks;
-mod helped;
 mod minibatch;
 mod task;
 mod workers;

@@ -250,7 +250,7 @@ type HelpedTask<'a> = (usize, usize, Destination<'a>, &'a mut Task);
 
 /// [`run_stacks`] for [`Mode::Buffers`] and [`Mode::StatsOnly`] with the tasks of every stack in
 /// one list, run by the calling thread and up to `helpers` of `pool`'s threads as they come
-/// (see `helped`). Each task still writes only its own segment and record, so the bytes are
+/// (see [`crate::parallel`]). Each task still writes only its own segment and record, so the bytes are
 /// those of any other schedule. The list is built per batch (callers of this schedule, the
 /// Python package, allocate their results per batch anyway).
 #[allow(clippy::too_many_arguments)]
@@ -313,7 +313,7 @@ pub(super) fn run_stacks_helped(
             },
         ));
     }
-    super::helped::run_helped(pool, helpers, list.len(), &|k| {
+    crate::parallel::run_helped(pool, helpers, list.len(), &|k| {
         let taken = list[k].lock().unwrap_or_else(|e| e.into_inner()).take();
         let Some((i, j, destination, task)) = taken else {
             return;

@@ -1,4 +1,6 @@
-//! Running a batch's tasks on the calling thread, with a pool's threads joining as they come.
+//! Running tasks on the calling thread, with a pool's threads joining as they come: the
+//! schedule of [`crate::Preprocessor::run_helped`], public for the Python package's gather of
+//! row objects, which has the same problem.
 //!
 //! `ThreadPool::install` from a thread outside the pool hands the whole batch over and puts the
 //! caller to sleep until a worker has finished it. When the pool's threads are asleep (the
@@ -95,7 +97,7 @@ impl Shared {
 /// to `helpers` of `pool`'s threads taking tasks too as soon as they run. Returns when every
 /// task has finished; a panicking task's panic is re-raised here.
 #[allow(unsafe_code)]
-pub(super) fn run_helped(
+pub fn run_helped(
     pool: &rayon::ThreadPool,
     helpers: usize,
     count: usize,
