@@ -412,17 +412,19 @@ impl NativePreprocessor {
         let rb = arrow_input::record_batch(batch)?;
         let on = self.live(py)?;
         // On the shared pool, calls take turns as the drop-in's do (see `Turn`): a loader's
-        // threads (Grain's 16) calling at once each run on their own.
+        // threads (Grain's 16) calling at once each run on their own, and a call that gets the
+        // pool starts on this thread with the pool's threads helping, as the drop-in's do.
         let turn = on.as_ref().map(|_| Turn::take()).transpose()?;
         let (prep, out) = (&mut self.prep, &mut self.out);
         self.pool.refill(out);
-        py.detach(|| match &turn {
-            Some(turn) if turn.pool().is_none() => {
-                batch_on_pool_if_parallel(None, prep, &rb, |prep, inputs| {
-                    prep.run_on_caller_thread(inputs, out)
-                })
-            }
-            _ => batch_on_pool_if_parallel(on.as_deref(), prep, &rb, |prep, inputs| {
+        py.detach(|| match turn.as_ref().map(Turn::pool) {
+            Some(None) => batch_on_pool_if_parallel(None, prep, &rb, |prep, inputs| {
+                prep.run_on_caller_thread(inputs, out)
+            }),
+            Some(Some(pool)) => batch_on_pool_if_parallel(None, prep, &rb, |prep, inputs| {
+                prep.run_helped(pool, inputs, out)
+            }),
+            None => batch_on_pool_if_parallel(on.as_deref(), prep, &rb, |prep, inputs| {
                 prep.run(inputs, out)
             }),
         })
