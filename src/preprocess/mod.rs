@@ -216,21 +216,26 @@ impl Preprocessor {
             (Placement::Helped(pool), _) | (_, Workers::Pool(pool)) => Some(pool),
             _ => None,
         };
-        match (schedule, placement, pool) {
-            (Schedule::Parallel, Placement::Helped(pool), _) if mode != Mode::Pass1 => {
-                run_stacks_helped(
-                    pool,
-                    pool.current_num_threads(),
-                    plan,
-                    inputs,
-                    batch_per_sc,
-                    out,
-                    tasks,
-                    workspaces,
-                    mode,
-                )
-            }
-            (Schedule::Parallel, _, Some(pool)) => pool.install(|| {
+        // A helped run shares its tasks with the pool's threads; minibatching's pass 1 runs on
+        // the pool, as its passes wait for each other anyway.
+        let helped_by = match (schedule, placement) {
+            (Schedule::Parallel, Placement::Helped(pool)) if mode != Mode::Pass1 => Some(pool),
+            _ => None,
+        };
+        if let Some(pool) = helped_by {
+            run_stacks_helped(
+                pool,
+                pool.current_num_threads(),
+                plan,
+                inputs,
+                batch_per_sc,
+                out,
+                tasks,
+                workspaces,
+                mode,
+            );
+        } else {
+            let mut work = || {
                 run_stacks(
                     plan,
                     inputs,
@@ -241,17 +246,11 @@ impl Preprocessor {
                     mode,
                     schedule,
                 )
-            }),
-            _ => run_stacks(
-                plan,
-                inputs,
-                batch_per_sc,
-                out,
-                tasks,
-                workspaces,
-                mode,
-                schedule,
-            ),
+            };
+            match (schedule, pool) {
+                (Schedule::Parallel, Some(pool)) => pool.install(work),
+                _ => work(),
+            }
         }
         workspaces.equalize();
 

@@ -118,6 +118,22 @@ pub(super) fn for_each_stack(
     }
 }
 
+/// Each SparseCore's slice of a stack's four buffers (`rpb` row pointers, `cs` COO slots) and
+/// its tail extent beside its task, by `$chunks` (`chunks_mut` or rayon's `par_chunks_mut`) and
+/// `$iter` (`iter_mut` or `par_iter_mut`): one chain for every schedule.
+macro_rules! segments {
+    ($so:expr, $tasks:expr, $rpb:expr, $cs:expr, $chunks:ident, $iter:ident) => {
+        $so.row_pointers
+            .$chunks($rpb)
+            .zip($so.embedding_ids.$chunks($cs))
+            .zip($so.sample_ids.$chunks($cs))
+            .zip($so.gains.$chunks($cs))
+            .zip($so.tail_extents.$iter())
+            .zip($tasks.$iter())
+            .enumerate()
+    };
+}
+
 /// One SparseCore's slices of a stack's buffers (row pointers, embedding ids, sample ids, gains)
 /// and its tail extent,
 /// zipped with its task.
@@ -131,6 +147,21 @@ type SegmentParts<'a> = (
     ),
     &'a mut Task,
 );
+
+/// A SparseCore's [`SegmentParts`] as the destination its task writes, and the task.
+fn segment_destination(
+    parts: SegmentParts<'_>,
+    tail_fill: TailFill,
+) -> (Destination<'_>, &mut Task) {
+    let (((((row_pointers, embedding_ids), sample_ids), gains), tail_extent), task) = parts;
+    let seg = Segment {
+        row_pointers,
+        embedding_ids,
+        sample_ids,
+        gains,
+    };
+    (Destination::Segment(seg, tail_extent, tail_fill), task)
+}
 
 /// Runs one stack's tasks, one per local SparseCore.
 #[allow(clippy::too_many_arguments)]
@@ -159,22 +190,10 @@ fn run_stack(
     };
     let s = layout.sc_per_device;
     let so_tail_fill = so.tail_fill;
-    let into_segment =
-        |(i, (((((rp, emb), smp), gains), tail_extent), task)): (usize, SegmentParts<'_>)| {
-            let seg = Segment {
-                row_pointers: rp,
-                embedding_ids: emb,
-                sample_ids: smp,
-                gains,
-            };
-            run_task(
-                &job,
-                i / s,
-                i % s,
-                Destination::Segment(seg, tail_extent, so_tail_fill),
-                task,
-            );
-        };
+    let into_segment = |(i, parts): (usize, SegmentParts<'_>)| {
+        let (destination, task) = segment_destination(parts, so_tail_fill);
+        run_task(&job, i / s, i % s, destination, task);
+    };
     let elsewhere = |(i, task): (usize, &mut Task)| {
         let destination = if mode == Mode::StatsOnly {
             Destination::Stats
@@ -183,27 +202,12 @@ fn run_stack(
         };
         run_task(&job, i / s, i % s, destination, task);
     };
-    // Each SparseCore's slice of the four buffers beside its task, by `$chunks` (`chunks_mut` or
-    // rayon's `par_chunks_mut`) and `$iter` (`iter_mut` or `par_iter_mut`): one chain for both
-    // schedules.
-    macro_rules! segments {
-        ($chunks:ident, $iter:ident) => {
-            so.row_pointers
-                .$chunks(rpb)
-                .zip(so.embedding_ids.$chunks(cs))
-                .zip(so.sample_ids.$chunks(cs))
-                .zip(so.gains.$chunks(cs))
-                .zip(so.tail_extents.$iter())
-                .zip(stack_tasks.$iter())
-                .enumerate()
-        };
-    }
     match (mode, schedule) {
         (Mode::Buffers, Schedule::Parallel) => {
-            segments!(par_chunks_mut, par_iter_mut).for_each(into_segment)
+            segments!(so, stack_tasks, rpb, cs, par_chunks_mut, par_iter_mut).for_each(into_segment)
         }
         (Mode::Buffers, Schedule::InOrder) => {
-            segments!(chunks_mut, iter_mut).for_each(into_segment)
+            segments!(so, stack_tasks, rpb, cs, chunks_mut, iter_mut).for_each(into_segment)
         }
         (Mode::StatsOnly | Mode::Pass1, Schedule::Parallel) => {
             stack_tasks.par_iter_mut().enumerate().for_each(elsewhere)
@@ -250,9 +254,9 @@ type HelpedTask<'a> = (usize, usize, Destination<'a>, &'a mut Task);
 
 /// [`run_stacks`] for [`Mode::Buffers`] and [`Mode::StatsOnly`] with the tasks of every stack in
 /// one list, run by the calling thread and up to `helpers` of `pool`'s threads as they come
-/// (see [`crate::parallel`]). Each task still writes only its own segment and record, so the bytes are
-/// those of any other schedule. The list is built per batch (callers of this schedule, the
-/// Python package, allocate their results per batch anyway).
+/// (see [`crate::parallel`]). Each task still writes only its own segment and record, so the
+/// bytes are those of any other schedule. The list is built per batch (callers of this
+/// schedule, the Python package, allocate their results per batch anyway).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run_stacks_helped(
     pool: &rayon::ThreadPool,
@@ -291,27 +295,12 @@ pub(super) fn run_stacks_helped(
         }
         let cs = plan.stacks[i].coo_buffer_size_per_sc(&layout);
         let tail_fill = so.tail_fill;
-        let segments = so
-            .row_pointers
-            .chunks_mut(rpb)
-            .zip(so.embedding_ids.chunks_mut(cs))
-            .zip(so.sample_ids.chunks_mut(cs))
-            .zip(so.gains.chunks_mut(cs))
-            .zip(so.tail_extents.iter_mut())
-            .zip(stack_tasks.iter_mut())
-            .enumerate();
-        list.extend(segments.map(
-            |(j, (((((row_pointers, embedding_ids), sample_ids), gains), tail_extent), task))| {
-                let seg = Segment {
-                    row_pointers,
-                    embedding_ids,
-                    sample_ids,
-                    gains,
-                };
-                let destination = Destination::Segment(seg, tail_extent, tail_fill);
+        list.extend(
+            segments!(so, stack_tasks, rpb, cs, chunks_mut, iter_mut).map(|(j, parts)| {
+                let (destination, task) = segment_destination(parts, tail_fill);
                 std::sync::Mutex::new(Some((i, j, destination, task)))
-            },
-        ));
+            }),
+        );
     }
     crate::parallel::run_helped(pool, helpers, list.len(), &|k| {
         let taken = list[k].lock().unwrap_or_else(|e| e.into_inner()).take();

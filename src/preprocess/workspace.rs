@@ -24,9 +24,9 @@ impl Workspace {
 
 /// One [`Workspace`] per worker thread of the pool that runs the tasks, found by rayon's
 /// thread index, and one for a thread outside any pool (the caller of a run on its own thread,
-/// or of a helped run, see [`crate::parallel`]). After each batch every workspace is grown to the largest capacities any of
-/// them reached, so that a batch of the same shape allocates nothing whichever worker gets
-/// whichever task (work stealing decides that).
+/// or of a helped run, see [`crate::parallel`]). After each batch every workspace is grown to
+/// the largest capacities any of them reached, so that a batch of the same shape allocates
+/// nothing whichever worker gets whichever task (work stealing decides that).
 #[derive(Debug, Default)]
 pub(super) struct Workspaces(Vec<std::sync::Mutex<Workspace>>);
 
